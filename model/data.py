@@ -1,0 +1,126 @@
+"""Datasets as uint8 tensors (N, C, H, W) at the training resolution, plus class names.
+
+Fashion-MNIST comes from its IDX files (Debian's `dataset-fashion-mnist` installs them);
+a user's own images come from an ImageFolder-style tree (one sub-folder per class),
+decoded once with Pillow and split into train/validation with a seed.
+"""
+from __future__ import annotations
+
+import gzip
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image, ImageOps
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+FASHION_MNIST_LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
+                        "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
+# Per-pixel statistics of the 60,000 training images (scaled to [0, 1]).
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = [0.2860], [0.3530]
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
+
+_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
+               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+
+
+@dataclass
+class ImageDataset:
+    images: torch.Tensor  # uint8 (N, C, H, W)
+    labels: torch.Tensor  # int64 (N,)
+    classes: list[str]
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+
+@dataclass
+class DataSplits:
+    train: ImageDataset
+    test: ImageDataset  # the held-out split accuracy is reported on
+    mean: list[float]
+    std: list[float]
+
+
+def read_idx(path: str | Path) -> np.ndarray:
+    """Reads an IDX file (LeCun's MNIST format), gzipped or not."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    zero, dtype_code, ndim = struct.unpack(">HBB", data[:4])
+    if zero != 0 or dtype_code not in _IDX_DTYPES:
+        raise ValueError(f"{path} is not an IDX file")
+    shape = struct.unpack(f">{ndim}I", data[4:4 + 4 * ndim])
+    array = np.frombuffer(data, dtype=_IDX_DTYPES[dtype_code], offset=4 + 4 * ndim)
+    if array.size != int(np.prod(shape)):
+        raise ValueError(f"{path}: header says {shape}, file holds {array.size} values")
+    return array.reshape(shape)
+
+
+def _find_idx(data_dir: Path, stem: str) -> Path:
+    for name in (f"{stem}.gz", stem):
+        if (data_dir / name).is_file():
+            return data_dir / name
+    raise FileNotFoundError(
+        f"{data_dir / stem}[.gz] not found; install Debian's dataset-fashion-mnist or pass --data-dir")
+
+
+def load_fashion_mnist(data_dir: str | Path = FASHION_MNIST_DIR) -> DataSplits:
+    data_dir = Path(data_dir)
+
+    def split(prefix: str) -> ImageDataset:
+        images = read_idx(_find_idx(data_dir, f"{prefix}-images-idx3-ubyte"))
+        labels = read_idx(_find_idx(data_dir, f"{prefix}-labels-idx1-ubyte"))
+        return ImageDataset(torch.from_numpy(images.copy()).unsqueeze(1),  # (N, 1, 28, 28)
+                            torch.from_numpy(labels.astype(np.int64)), list(FASHION_MNIST_LABELS))
+
+    return DataSplits(split("train"), split("t10k"), FASHION_MNIST_MEAN, FASHION_MNIST_STD)
+
+
+def load_image(path: str | Path, size: tuple[int, int], channels: int) -> np.ndarray:
+    """Decode, apply EXIF orientation, resize the short side and centre-crop: uint8 (C, H, W)."""
+    with Image.open(path) as im:
+        im = ImageOps.exif_transpose(im).convert("L" if channels == 1 else "RGB")
+        im = ImageOps.fit(im, (size[1], size[0]), Image.Resampling.BICUBIC)
+        array = np.asarray(im, dtype=np.uint8)
+    return array[None] if channels == 1 else array.transpose(2, 0, 1)
+
+
+def load_image_folder(root: str | Path, size: tuple[int, int], channels: int = 3,
+                      val_fraction: float = 0.1, seed: int = 0,
+                      mean: list[float] | None = None, std: list[float] | None = None) -> DataSplits:
+    """root/<class>/<image>; classes sorted by folder name, a seeded stratified validation split."""
+    root = Path(root)
+    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
+    if not classes:
+        raise FileNotFoundError(f"{root} has no class sub-folders")
+    rng = np.random.default_rng(seed)
+    parts = {"train": ([], []), "val": ([], [])}
+    for index, name in enumerate(classes):
+        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+        order = rng.permutation(len(files))
+        n_val = int(round(len(files) * val_fraction)) if len(files) > 1 else 0
+        for rank, i in enumerate(order):
+            images, labels = parts["val" if rank < n_val else "train"]
+            images.append(load_image(files[i], size, channels))
+            labels.append(index)
+
+    def dataset(key: str) -> ImageDataset:
+        images, labels = parts[key]
+        stacked = torch.from_numpy(np.stack(images)) if images else torch.zeros(0, channels, *size, dtype=torch.uint8)
+        return ImageDataset(stacked, torch.tensor(labels, dtype=torch.int64), classes)
+
+    default_mean, default_std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ([0.5], [0.5])
+    return DataSplits(dataset("train"), dataset("val"), mean or default_mean, std or default_std)
+
+
+def resize_batch(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """uint8 (N, C, h, w) -> uint8 (N, C, H, W), bicubic; used to train or evaluate at another resolution."""
+    if tuple(images.shape[-2:]) == tuple(size):
+        return images
+    out = torch.nn.functional.interpolate(images.float(), size=size, mode="bicubic", align_corners=False)
+    return out.round().clamp(0, 255).to(torch.uint8)
