@@ -12,7 +12,9 @@ from vitserve import __version__
 _COMMANDS = [
     ("model.cli", ["add_train_parser", "add_import_parser"]),
     ("export.cli", ["add_export_parser"]),
-    ("service.cli", ["add_serve_parser", "add_predict_parser", "add_bench_parser"]),
+    ("service.cli", ["add_serve_parser"]),
+    ("service.client", ["add_predict_parser"]),
+    ("service.bench", ["add_bench_parser"]),
 ]
 
 

@@ -1,0 +1,58 @@
+# vitserve: `make serve` runs the server with the bundled model; `make test` runs the test suite.
+# Both set up their own virtual environment; serving installs no torch.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/python -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL_DIR := models/vit-fmnist
+DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
+TRAIN_RUN := runs/vit-fmnist
+PYTEST_ARGS ?=
+
+.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# The serving world alone: onnxruntime, numpy, Pillow, FastAPI, uvicorn, prometheus-client.
+$(VENV)/.serve-installed: pyproject.toml | $(BIN)/python
+	$(PIP) install -q -e . -c constraints.txt
+	touch $@
+
+# Everything: training and export (torch pinned by constraints.txt) and the test tools.
+$(VENV)/.dev-installed: pyproject.toml constraints.txt | $(BIN)/python
+	$(PIP) install -q -e ".[train,export,dev]" -c constraints.txt
+	touch $@ $(VENV)/.serve-installed
+
+setup-serve: $(VENV)/.serve-installed
+setup-dev: $(VENV)/.dev-installed
+
+serve: $(VENV)/.serve-installed
+	$(BIN)/vitserve serve --model $(DEFAULT_MODEL) --host $(HOST) --port $(PORT)
+
+test: $(VENV)/.dev-installed
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Trains the default model on Fashion-MNIST (resumes if interrupted), then exports and verifies it.
+model: $(VENV)/.dev-installed
+	$(BIN)/vitserve train --model fmnist --epochs 40 --seed 0 --name vit-fmnist --version 1 \
+		--out $(TRAIN_RUN) --resume
+	rm -rf $(MODEL_DIR)/checkpoint && mkdir -p $(MODEL_DIR)
+	cp -r $(TRAIN_RUN)/checkpoint $(MODEL_DIR)/checkpoint
+	cp $(TRAIN_RUN)/log.csv $(TRAIN_RUN)/curves.png $(MODEL_DIR)/
+	$(MAKE) export-default
+
+export-default: $(VENV)/.dev-installed
+	$(BIN)/vitserve export $(MODEL_DIR)/checkpoint --out $(DEFAULT_MODEL)
+
+bench: $(VENV)/.dev-installed
+	$(BIN)/vitserve bench --model $(DEFAULT_MODEL)
+
+docker-test:
+	bash docker/test.sh
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info
