@@ -1,0 +1,255 @@
+"""The monitoring configuration under docker/: Prometheus scrape config, rules, rule unit tests, Grafana dashboard.
+
+promtool validates the Prometheus files and runs the rule unit tests. A throwaway Prometheus on loopback
+(no scrape targets) loads the shipped rules and parses every dashboard query; each query and each rule
+may name only the metrics listed in docs/architecture.md, the series the rules record, and `up`.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
+RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.rules.yml"))
+RULE_TESTS = sorted((PROMETHEUS_DIR / "tests").glob("*.test.yml"))
+GRAFANA_DIR = ROOT / "docker" / "grafana"
+DASHBOARD = GRAFANA_DIR / "dashboards" / "vitserve.json"
+DATASOURCE = GRAFANA_DIR / "provisioning" / "datasources" / "prometheus.yml"
+DASHBOARD_PROVIDER = GRAFANA_DIR / "provisioning" / "dashboards" / "vitserve.yml"
+
+PROMTOOL = shutil.which("promtool")
+PROMETHEUS = shutil.which("prometheus")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None or PROMETHEUS is None,
+    reason="promtool/prometheus not installed: apt-get install prometheus (Debian's package; .ci/run installs it)")
+
+HISTOGRAM_SUFFIXES = ("", "_bucket", "_sum", "_count")
+# Grafana's variables, replaced by something Prometheus accepts before a query is sent to it.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "$endpoint": ".*"}
+
+
+def documented_metrics() -> set[str]:
+    """Every exposed name the architecture contract allows: its metric list, prefixed, with histogram suffixes."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = re.search(r"all prefixed `vitserve_`:(.*?)(?:\n\S|\n\n|\Z)", text, re.S)
+    assert section, "docs/architecture.md lost its metric list"
+    bases = {"vitserve_" + m for m in re.findall(r"`([a-z_]+)(?:\{[^}`]*\})?`", section.group(1))}
+    return {base + suffix for base in bases for suffix in HISTOGRAM_SUFFIXES}
+
+
+_STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
+_SELECTORS_AND_RANGES = re.compile(r"\{[^}]*\}|\[[^\]]*\]")
+_GROUPINGS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENTIFIERS = re.compile(r"(?<![\w.:])([A-Za-z_:][\w:]*)\s*(\()?")
+_KEYWORDS = {"and", "or", "unless", "bool", "offset", "by", "without", "on", "ignoring", "group_left",
+             "group_right", "inf", "nan"}
+
+
+def series_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression selects: identifiers that are not functions, keywords or labels."""
+    text = _STRINGS.sub('""', expr)
+    text = _SELECTORS_AND_RANGES.sub(" ", text)
+    text = _GROUPINGS.sub(" ", text)
+    return {m[1] for m in _IDENTIFIERS.finditer(text) if not m[2] and m[1].lower() not in _KEYWORDS}
+
+
+def to_promql(grafana_expr: str) -> str:
+    for variable, value in GRAFANA_VARIABLES.items():
+        grafana_expr = grafana_expr.replace("${" + variable[1:] + "}", value).replace(variable, value)
+    assert "$" not in grafana_expr, f"unknown Grafana variable in {grafana_expr}"
+    return grafana_expr
+
+
+def dashboard_panels() -> list[dict]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [p for p in panels if p["type"] != "row"] + [q for p in panels for q in p.get("panels", [])]
+
+
+def dashboard_queries() -> list[tuple[str, str]]:
+    """(panel title, PromQL) for every panel target and for the templating variables' label_values()."""
+    queries = [(p["title"], t["expr"]) for p in dashboard_panels() for t in p["targets"]]
+    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        inner = re.fullmatch(r"label_values\((.*),\s*\w+\)", variable["query"]["query"])
+        assert inner, f"variable {variable['name']}: expected label_values(selector, label)"
+        queries.append((f"variable {variable['name']}", inner.group(1)))
+    return queries
+
+
+def run_promtool(*args: str) -> str:
+    result = subprocess.run([PROMTOOL, *args], cwd=PROMETHEUS_DIR, capture_output=True, text=True, timeout=60)
+    output = result.stdout + result.stderr
+    print(f"$ promtool {' '.join(args)}\n{output}")
+    assert result.returncode == 0, output
+    return output
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def api_get(base_url: str, path: str, **params: str) -> dict:
+    """GET a Prometheus API path; an error answer (400 on a parse error) comes back as its JSON body."""
+    url = f"{base_url}{path}?{urllib.parse.urlencode(params)}"
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read() or b"{}") | {"http_status": err.code}
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory):
+    """A throwaway Prometheus on 127.0.0.1 with the shipped rule files and no scrape targets; yields its URL."""
+    tmp = tmp_path_factory.mktemp("prometheus")
+    config = tmp / "prometheus.yml"  # JSON is YAML
+    config.write_text(json.dumps({"global": {"evaluation_interval": "1s"},
+                                  "rule_files": [str(p) for p in RULE_FILES]}))
+    url = f"http://127.0.0.1:{free_port()}"
+    log = (tmp / "prometheus.log").open("w")
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+                             f"--web.listen-address={url.removeprefix('http://')}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            assert proc.poll() is None, (tmp / "prometheus.log").read_text()
+            try:
+                urllib.request.urlopen(f"{url}/-/ready", timeout=1).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "Prometheus not ready after 30 s"
+                time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def loaded_rules(prometheus) -> list[dict]:
+    groups = api_get(prometheus, "/api/v1/rules")["data"]["groups"]
+    return [rule for group in groups for rule in group["rules"]]
+
+
+# --- promtool -------------------------------------------------------------------------------------------
+
+@needs_promtool
+def test_prometheus_config_is_valid_and_finds_the_rule_files():
+    output = run_promtool("check", "config", str(PROMETHEUS_DIR / "prometheus.yml"))
+    assert f"SUCCESS: {len(RULE_FILES)} rule files found" in output
+    assert len(RULE_FILES) == 2
+
+
+@needs_promtool
+def test_rule_files_are_valid():
+    output = run_promtool("check", "rules", *map(str, RULE_FILES))
+    assert output.count("SUCCESS") == len(RULE_FILES)
+
+
+@needs_promtool
+def test_rule_unit_tests_pass():
+    assert {p.name for p in RULE_TESTS} >= {"latency.test.yml", "errors.test.yml", "availability.test.yml",
+                                            "objectives.test.yml"}
+    output = run_promtool("test", "rules", *map(str, RULE_TESTS))
+    assert output.count("SUCCESS") == len(RULE_TESTS)
+    assert "FAILED" not in output
+
+
+@needs_promtool
+def test_rule_unit_tests_cover_every_alert(loaded_rules):
+    """Each alert has a case where it fires (exp_alerts with labels) in the rule unit tests."""
+    alerts = {r["name"] for r in loaded_rules if r["type"] == "alerting"}
+    assert alerts == {"VitserveLatencyObjectiveBreached", "VitserveHighErrorRatio", "VitserveQueueSaturated",
+                      "VitserveTargetDown", "VitserveNotReady"}
+    tests_text = "\n".join(p.read_text() for p in RULE_TESTS)
+    for alert in alerts:
+        fired = re.search(rf"alertname: {alert}\n\s+exp_alerts:\n\s+- exp_labels:", tests_text)
+        silent = re.search(rf"alertname: {alert}\n\s+exp_alerts: \[\]", tests_text)
+        assert fired and silent, f"{alert}: needs a test where it fires and one where it stays silent"
+
+
+# --- what the rules and the dashboard may name ----------------------------------------------------------
+
+def test_series_names_finds_metrics_and_ignores_functions_labels_and_keywords():
+    expr = ('histogram_quantile(0.99, sum by (le, endpoint) (rate(a_bucket{status=~"2..", x="b_total"}[5m])))'
+            ' > on() group_left() ns:objective or vector(1e3) * up offset 5m unless c_count')
+    assert series_names(expr) == {"a_bucket", "ns:objective", "up", "c_count"}
+
+
+@needs_promtool
+def test_rules_name_only_documented_metrics(loaded_rules):
+    recorded = {r["name"] for r in loaded_rules if r["type"] == "recording"}
+    allowed = documented_metrics() | recorded | {"up"}
+    for rule in loaded_rules:
+        assert rule["health"] != "err", rule
+        unknown = series_names(rule["query"]) - allowed
+        assert not unknown, f"rule {rule['name']} names {unknown}, not in docs/architecture.md nor recorded"
+
+
+@needs_promtool
+def test_dashboard_queries_parse_and_name_only_documented_metrics(prometheus, loaded_rules):
+    recorded = {r["name"] for r in loaded_rules if r["type"] == "recording"}
+    allowed = documented_metrics() | recorded | {"up"}
+    queries = dashboard_queries()
+    assert len(queries) >= 30
+    for title, expr in queries:
+        answer = api_get(prometheus, "/api/v1/query", query=to_promql(expr))
+        assert answer.get("status") == "success", f"panel {title!r}: {expr}\n{answer}"
+        unknown = series_names(expr) - allowed
+        assert not unknown, f"panel {title!r} names {unknown}, not in docs/architecture.md nor recorded"
+
+
+def test_dashboard_shows_every_documented_metric_and_three_latency_quantiles():
+    queries = [expr for _, expr in dashboard_queries()]
+    used = {name.removesuffix(s) for e in queries for name in series_names(e) for s in HISTOGRAM_SUFFIXES
+            if s and name.endswith(s)} | {name for e in queries for name in series_names(e)}
+    documented_bases = {n for n in documented_metrics() if not n.endswith(HISTOGRAM_SUFFIXES[1:])}
+    assert documented_bases - used == set()
+    latency = [e for e in queries if "vitserve_request_duration_seconds_bucket" in e]
+    for quantile in ("0.5", "0.9", "0.99"):
+        assert any(e.startswith(f"histogram_quantile({quantile},") for e in latency), quantile
+
+
+# --- Grafana --------------------------------------------------------------------------------------------
+
+def test_dashboard_panels_use_the_provisioned_datasource_and_do_not_overlap():
+    dashboard = json.loads(DASHBOARD.read_text())
+    uid = re.search(r"^\s+uid:\s*(\S+)", DATASOURCE.read_text(), re.M).group(1)
+    assert re.search(r"^\s+url:\s*http://prometheus:9090\s*$", DATASOURCE.read_text(), re.M)
+    assert dashboard["uid"] == "vitserve" and dashboard.get("id") is None
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    cells = set()
+    for p in panels:
+        g = p["gridPos"]
+        assert g["x"] + g["w"] <= 24, p["title"]
+        cell = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & cell, f"panel {p['title']!r} overlaps another"
+        cells |= cell
+    for p in dashboard_panels():
+        assert p["targets"], p["title"]
+        assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} == {uid}, p["title"]
+
+
+def test_dashboard_provider_points_at_the_dashboards_mount():
+    text = DASHBOARD_PROVIDER.read_text()
+    assert re.search(r"^\s+path:\s*/var/lib/grafana/dashboards\s*$", text, re.M)
+    assert re.search(r"^\s+type:\s*file\s*$", text, re.M)
