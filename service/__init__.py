@@ -1,0 +1,1 @@
+"""vitserve's serving world: ONNX Runtime, Pillow, FastAPI, Prometheus. Never imports torch."""

@@ -1,0 +1,223 @@
+"""Dynamic batching: many concurrent `submit(array)` calls become few `run_batch(stacked)` calls.
+
+The batcher knows nothing of HTTP or ONNX. It groups items by array shape, dispatches a group when
+it reaches `max_batch_size` or when its oldest item has waited `max_queue_delay_s`, and keeps up to
+`max_batches_in_flight` batches assembled or running (one runs at a time on its own thread), so the
+next batch is stacked while the current one runs. Each item gets its own result or its own exception:
+  - QueueFullError at once when `max_queue_size` items are already queued;
+  - DeadlineExceeded when it waited queued past its timeout (it never runs);
+  - InferenceError when its batch's `run_batch` call raised (its batch-mates get it too, nobody else);
+  - the exception `run_batch` put in its slot, if any (that item only).
+A cancelled `submit` (e.g. the client went away) is dropped before it runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol, Sequence
+
+import numpy as np
+
+from service.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+
+RunBatch = Callable[[np.ndarray], Sequence[Any]]  # (B, ...) -> B per-item outputs (or exceptions)
+
+
+class BatchObserver(Protocol):
+    """Where the batcher reports plain numbers (service.metrics implements it)."""
+
+    def batch_done(self, size: int, seconds: float) -> None: ...
+
+    def queue_depth(self, depth: int) -> None: ...
+
+
+class _NullObserver:
+    def batch_done(self, size: int, seconds: float) -> None:
+        pass
+
+    def queue_depth(self, depth: int) -> None:
+        pass
+
+
+@dataclass
+class BatchResult:
+    output: Any
+    queue_s: float  # submitted -> its batch dispatched
+    inference_s: float  # the run_batch call of its batch
+    batch_size: int
+
+
+@dataclass(eq=False)
+class _Item:
+    array: np.ndarray
+    future: asyncio.Future
+    enqueued: float
+    deadline: float
+    dispatched: float = field(default=0.0)
+
+
+class DynamicBatcher:
+    def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
+                 max_queue_size: int, max_batches_in_flight: int = 2, retry_after_s: int = 1,
+                 observer: BatchObserver | None = None):
+        self._run_batch = run_batch
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_s
+        self.max_queue_size = max_queue_size
+        self.retry_after_s = retry_after_s
+        self._observer = observer or _NullObserver()
+        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # shape -> items, oldest first
+        self._queued = 0
+        self._slots = asyncio.Semaphore(max_batches_in_flight)
+        self._wakeup = asyncio.Event()
+        self._closing = False
+        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-runner")
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+
+    @property
+    def queued(self) -> int:
+        return self._queued
+
+    def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
+
+    async def submit(self, array: np.ndarray, timeout_s: float) -> BatchResult:
+        """Queue one item and wait for its result; raises the item's own error."""
+        if self._closing:
+            raise NotReady("shutting down: not accepting new work")
+        if self._queued >= self.max_queue_size:
+            raise QueueFullError(f"queue full ({self._queued} images waiting)", self.retry_after_s)
+        now = time.perf_counter()
+        item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s)
+        self._groups.setdefault((array.shape, array.dtype.str), deque()).append(item)
+        self._set_queued(self._queued + 1)
+        self._wakeup.set()
+        try:
+            done, _ = await asyncio.wait({item.future}, timeout=timeout_s)
+            if not done and not item.dispatched:  # still queued at its deadline: it never runs
+                self._expire(item)
+                self._wakeup.set()
+            return await item.future
+        except asyncio.CancelledError:
+            item.future.cancel()  # a cancelled future is skipped when its batch is assembled
+            self._wakeup.set()  # let the loop drop it from the queue (and the depth gauge) now
+            raise
+
+    def _expire(self, item: _Item) -> None:
+        if not item.future.done():
+            waited = time.perf_counter() - item.enqueued
+            item.future.set_exception(DeadlineExceeded(f"waited {waited * 1000:.0f} ms in the queue; "
+                                                       f"the deadline is {(item.deadline - item.enqueued) * 1000:.0f} ms"))
+
+    def _set_queued(self, depth: int) -> None:
+        self._queued = depth
+        self._observer.queue_depth(depth)
+
+    async def _dispatch_loop(self) -> None:
+        while True:
+            await self._slots.acquire()
+            batch = await self._next_batch()
+            if batch is None:
+                self._slots.release()
+                return
+            task = asyncio.create_task(self._execute(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _next_batch(self) -> list[_Item] | None:
+        """Wait until some group is full or its oldest item has waited the delay; take up to a full batch."""
+        while True:
+            self._drop_finished()
+            if not self._groups:
+                if self._closing:
+                    return None
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            shape, group = min(self._groups.items(), key=lambda kv: kv[1][0].enqueued)
+            wait = group[0].enqueued + self.max_queue_delay_s - time.perf_counter()
+            if len(group) >= self.max_batch_size or wait <= 0 or self._closing:
+                return self._take(shape, group)
+            self._wakeup.clear()
+            try:
+                await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+            except asyncio.TimeoutError:
+                pass
+
+    def _drop_finished(self) -> None:
+        """Remove items already answered (cancelled, or expired) and expire those past their deadline."""
+        now = time.perf_counter()
+        for shape in list(self._groups):
+            kept = deque()
+            for item in self._groups[shape]:
+                if not item.future.done() and now >= item.deadline:
+                    self._expire(item)
+                if not item.future.done():
+                    kept.append(item)
+            if kept:
+                self._groups[shape] = kept
+            else:
+                del self._groups[shape]
+        self._set_queued(sum(len(g) for g in self._groups.values()))
+
+    def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
+        now = time.perf_counter()
+        batch = [group.popleft() for _ in range(min(self.max_batch_size, len(group)))]
+        if not group:
+            del self._groups[shape]
+        for item in batch:
+            item.dispatched = now
+        self._set_queued(self._queued - len(batch))
+        return batch
+
+    async def _execute(self, batch: list[_Item]) -> None:
+        try:
+            batch = [item for item in batch if not item.future.done()]  # cancelled while assembling
+            if not batch:
+                return
+            loop = asyncio.get_running_loop()
+            stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
+            started = time.perf_counter()
+            try:
+                outputs = await loop.run_in_executor(self._runner, self._run_batch, stacked)
+                if len(outputs) != len(batch):
+                    raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
+            except Exception as e:
+                outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
+            seconds = time.perf_counter() - started
+            self._observer.batch_done(len(batch), seconds)
+            for item, output in zip(batch, outputs):
+                self._resolve(item, output, seconds, len(batch))
+        finally:
+            self._slots.release()
+
+    @staticmethod
+    def _resolve(item: _Item, output: Any, seconds: float, size: int) -> None:
+        if item.future.done():  # its client left while it ran
+            return
+        if isinstance(output, BaseException):
+            item.future.set_exception(output)
+        else:
+            item.future.set_result(BatchResult(output, item.dispatched - item.enqueued, seconds, size))
+
+    async def close(self, timeout_s: float = 30.0) -> None:
+        """Stop accepting, run everything already queued, wait for running batches, then stop."""
+        self._closing = True
+        self._wakeup.set()
+        pending = [t for t in (self._loop_task,) if t] + list(self._tasks)
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout_s)
+            if self._tasks:
+                await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout_s)
+        except asyncio.TimeoutError:
+            for group in self._groups.values():
+                for item in group:
+                    if not item.future.done():
+                        item.future.set_exception(NotReady("shut down before this image ran"))
+            if self._loop_task:
+                self._loop_task.cancel()
+        self._runner.shutdown(wait=False)

@@ -1,0 +1,128 @@
+"""Domain errors and the one table that maps them to HTTP.
+
+Everything below the routes raises these plain exceptions; only `STATUS_CODES` and
+`error_body` know about HTTP. Every error response is `{"error": {"code": ..., "message": ...}}`.
+"""
+from __future__ import annotations
+
+
+class ServiceError(Exception):
+    """Base of every error the service answers with; `code` is the stable, machine-readable name."""
+
+    code = "internal_error"
+
+
+class ModelLoadError(ServiceError):
+    """The model file is missing, unreadable, not ONNX, or lacks the vitserve metadata (startup only)."""
+
+    code = "model_load_failed"
+
+
+class ImageDecodeError(ServiceError):
+    code = "invalid_image"
+
+
+class PayloadTooLarge(ServiceError):
+    code = "payload_too_large"
+
+
+class ImageTooLarge(ServiceError):
+    """More pixels than the limit: rejected from the header, before the pixels are decoded."""
+
+    code = "image_too_large"
+
+
+class UnsupportedMediaType(ServiceError):
+    code = "unsupported_media_type"
+
+
+class InvalidParameter(ServiceError):
+    code = "invalid_parameter"
+
+
+class ModelNotFound(ServiceError):
+    code = "model_not_found"
+
+
+class QueueFullError(ServiceError):
+    code = "queue_full"
+
+    def __init__(self, message: str, retry_after_s: int = 1):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class NotReady(ServiceError):
+    code = "not_ready"
+
+
+class DeadlineExceeded(ServiceError):
+    code = "deadline_exceeded"
+
+
+class ClientDisconnected(ServiceError):
+    """The client went away before its answer was ready; its work was dropped (logged as 499, never sent)."""
+
+    code = "client_disconnected"
+
+
+class InferenceError(ServiceError):
+    """The ONNX Runtime call for a batch failed; every item of that batch gets this error."""
+
+    code = "inference_failed"
+
+
+# The single domain-error -> status-code table (most specific class first is not needed: exact types).
+STATUS_CODES: dict[type[ServiceError], int] = {
+    ImageDecodeError: 400,
+    ModelNotFound: 404,
+    PayloadTooLarge: 413,
+    ImageTooLarge: 413,
+    UnsupportedMediaType: 415,
+    InvalidParameter: 422,
+    QueueFullError: 429,
+    ClientDisconnected: 499,  # nginx's convention; only ever seen in logs and metrics
+    InferenceError: 500,
+    ModelLoadError: 500,
+    ServiceError: 500,
+    NotReady: 503,
+    DeadlineExceeded: 504,
+}
+
+# For OpenAPI: what each status means, shared by every route's `responses`.
+STATUS_DESCRIPTIONS = {
+    400: "Undecodable or corrupt image",
+    404: "No model with that name",
+    413: "Too many bytes, pixels or files",
+    415: "Unsupported media type",
+    422: "Invalid parameters",
+    429: "Queue full; retry after the Retry-After header's seconds",
+    500: "Inference failed",
+    503: "Not ready (warming up or shutting down)",
+    504: "Deadline exceeded while queued",
+}
+
+
+def status_code(exc: ServiceError) -> int:
+    for cls in type(exc).__mro__:
+        if cls in STATUS_CODES:
+            return STATUS_CODES[cls]
+    return 500
+
+
+def error_body(code: str, message: str) -> dict:
+    return {"error": {"code": code, "message": message}}
+
+
+def error_headers(exc: ServiceError) -> dict[str, str]:
+    if isinstance(exc, QueueFullError):
+        return {"Retry-After": str(exc.retry_after_s)}
+    return {}
+
+
+def openapi_responses(*codes: int) -> dict[int, dict]:
+    """The `responses=` of a route: each listed status with its meaning and the error schema."""
+    schema = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+        "code": {"type": "string"}, "message": {"type": "string"}}}}}
+    return {c: {"description": STATUS_DESCRIPTIONS[c], "content": {"application/json": {"schema": schema}}}
+            for c in codes}

@@ -1,0 +1,102 @@
+"""Every Prometheus metric of the service, defined once; the rest of the code reports plain numbers.
+
+With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve`
+sets it), values live in per-process files and a scrape aggregates them with prometheus-client's
+`MultiProcessCollector`; gauges say how they combine across processes. The variable must be set
+before `prometheus_client` is first imported, which the CLI guarantees.
+"""
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import disable_created_metrics, multiprocess
+
+# 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
+                   0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+
+
+def multiprocess_dir() -> str | None:
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
+class ServiceMetrics:
+    """The service's metrics in their own registry (so several apps can live in one test process)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None):
+        disable_created_metrics()  # the *_created series double a scrape's size and nobody queries them
+        self.registry = registry or CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.request_duration = Histogram(
+            "vitserve_request_duration_seconds", "HTTP request duration, end to end", ["endpoint", "status"],
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.queue_wait = Histogram("vitserve_queue_wait_seconds", "Time an image waited in the batch queue",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.preprocess = Histogram("vitserve_preprocess_seconds", "Decoding, resizing and normalising one image",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("vitserve_inference_seconds", "One ONNX Runtime call (one batch)",
+                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.postprocess = Histogram("vitserve_postprocess_seconds", "Top-k and rollout rendering for one image",
+                                     buckets=LATENCY_BUCKETS, registry=r)
+        self.batch_size = Histogram("vitserve_batch_size", "Images per ONNX Runtime call",
+                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
+        self.images = Counter("vitserve_images", "Images run through the model", registry=r)
+        self.rejected = Counter("vitserve_requests_rejected", "Requests (or files of a batch request) answered "
+                                "with an error, by error code", ["reason"], registry=r)
+        self.queue_depth_gauge = Gauge("vitserve_queue_depth", "Images waiting in the batch queue",
+                                       multiprocess_mode="livesum", registry=r)
+        self.in_flight = Gauge("vitserve_requests_in_flight", "HTTP requests being handled",
+                               multiprocess_mode="livesum", registry=r)
+        self.ready = Gauge("vitserve_ready", "1 when the model is loaded and warmed up (min over workers)",
+                           multiprocess_mode="livemin", registry=r)
+        # An Info metric has no multiprocess support; a constant-1 gauge with labels is the same series.
+        self.model_info = Gauge("vitserve_model_info", "The served model", ["name", "version", "provider", "opset"],
+                                multiprocess_mode="livemax", registry=r)
+        self.ready.set(0)
+
+    # --- what the rest of the service reports (plain numbers) ---
+    def request_started(self) -> None:
+        self.in_flight.inc()
+
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+        self.in_flight.dec()
+        self.request_duration.labels(endpoint, str(status)).observe(seconds)
+
+    def rejected_request(self, reason: str) -> None:
+        self.rejected.labels(reason).inc()
+
+    def image_stages(self, queue_s: float, preprocess_s: float, postprocess_s: float) -> None:
+        self.queue_wait.observe(queue_s)
+        self.preprocess.observe(preprocess_s)
+        self.postprocess.observe(postprocess_s)
+
+    def batch_done(self, size: int, seconds: float) -> None:  # service.batcher.BatchObserver
+        self.inference.observe(seconds)
+        self.batch_size.observe(size)
+        self.images.inc(size)
+
+    def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
+        self.queue_depth_gauge.set(depth)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
+        self.model_info.labels(name, version, provider, str(opset if opset is not None else "")).set(1)
+
+    # --- the scrape ---
+    def render(self) -> tuple[bytes, str]:
+        """The exposition text: this registry, or every process's files in multiprocess mode."""
+        if multiprocess_dir():
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry), CONTENT_TYPE_LATEST
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def mark_process_dead(pid: int) -> None:
+    """Drop a stopped worker's live gauges from the aggregate (multiprocess mode only)."""
+    if multiprocess_dir():
+        multiprocess.mark_process_dead(pid)

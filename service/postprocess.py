@@ -1,0 +1,65 @@
+"""Model outputs -> answer parts: softmax top-k, the rollout grid scaled to [0, 1], heat-map PNGs.
+
+Pure functions of arrays (and, for the overlay, the decoded image); no HTTP here.
+"""
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+from PIL import Image
+
+# A perceptual dark-blue -> cyan -> yellow -> red ramp (anchor colours of a 'turbo'-like map).
+_RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],
+                  [251, 185, 56], [245, 105, 24], [122, 4, 3]], np.float32)
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """(..., K) logits -> probabilities, computed stably in float64."""
+    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+    exp = np.exp(shifted)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def top_k(probabilities: np.ndarray, k: int) -> list[tuple[int, float]]:
+    """(K,) -> the k most probable (index, probability), highest first; ties keep the lower index first."""
+    order = np.argsort(-probabilities, kind="stable")[:k]
+    return [(int(i), float(probabilities[i])) for i in order]
+
+
+def scale_unit(grid: np.ndarray) -> np.ndarray:
+    """Min-max scale to [0, 1]; a constant map becomes all zeros."""
+    grid = grid.astype(np.float32)
+    low, high = float(grid.min()), float(grid.max())
+    if not np.isfinite(low) or not np.isfinite(high) or high - low <= 1e-12:
+        return np.zeros_like(grid)
+    return (grid - low) / (high - low)
+
+
+def colorize(unit: np.ndarray) -> np.ndarray:
+    """(H, W) in [0, 1] -> (H, W, 3) uint8 through the ramp."""
+    position = np.clip(unit, 0, 1) * (len(_RAMP) - 1)
+    low = np.floor(position).astype(int).clip(0, len(_RAMP) - 2)
+    frac = (position - low)[..., None]
+    return (_RAMP[low] * (1 - frac) + _RAMP[low + 1] * frac).round().astype(np.uint8)
+
+
+def heatmap(unit_grid: np.ndarray, size: tuple[int, int], box: tuple[int, int, int, int]) -> Image.Image:
+    """The patch grid stretched over `box` of an image of `size` (W, H); outside the box (cropped away) is 0."""
+    left, top, right, bottom = box
+    canvas = np.zeros((size[1], size[0]), np.float32)
+    grid_image = Image.fromarray(unit_grid.astype(np.float32))
+    canvas[top:bottom, left:right] = np.asarray(grid_image.resize((right - left, bottom - top),
+                                                                  Image.Resampling.BILINEAR))
+    return Image.fromarray(colorize(canvas))
+
+
+def overlay(image: Image.Image, heat: Image.Image, alpha: float = 0.5) -> Image.Image:
+    return Image.blend(image.convert("RGB"), heat, alpha)
+
+
+def png_base64(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=1)  # speed over size: this is on the request path
+    return base64.b64encode(buffer.getvalue()).decode("ascii")

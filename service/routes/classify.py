@@ -1,0 +1,119 @@
+"""POST /v1/classify and /v1/classify/batch: image -> top-k classes and an attention-rollout map.
+
+One image's life, top to bottom in `classify_one`: decode (thread pool) -> submit to the batcher ->
+encode (top-k, rollout; PNGs in the thread pool).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, Query, Request
+
+from service import postprocess
+from service.errors import ServiceError, error_body, openapi_responses
+from service.preprocess import PreparedImage, ResizePolicy
+from service.routes.uploads import read_files, unless_disconnected
+from service.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, ModelRef, Prediction, RolloutFormat,
+                             RolloutGrid, RolloutImage, Timing)
+from service.state import ServiceState, get_ready_state
+
+router = APIRouter(tags=["classify"])
+
+_IMAGE_BODY = {"requestBody": {"required": True, "content": {
+    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
+        "file": {"type": "string", "format": "binary"}}}},
+    **{t: {"schema": {"type": "string", "format": "binary"}} for t in
+       ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif", "image/tiff")}}}}
+_BATCH_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
+    "type": "object", "required": ["file"], "properties": {
+        "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}}}}}
+
+
+class ClassifyParams:
+    def __init__(self,
+                 top_k: Annotated[int, Query(ge=1, le=1000, description="classes to return (capped at the "
+                                                                        "model's class count)")] = 5,
+                 rollout: Annotated[RolloutFormat, Query(description="rollout map format")] = "grid",
+                 resize: Annotated[ResizePolicy, Query(description="fit: scale and centre-crop to the trained "
+                                                                   "size; native: keep aspect, snap to patches")] = "fit"):
+        self.top_k, self.rollout, self.resize = top_k, rollout, resize
+
+
+@router.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
+             responses=openapi_responses(400, 413, 415, 422, 429, 500, 503, 504))
+async def classify(request: Request, params: Annotated[ClassifyParams, Depends()],
+                   state: Annotated[ServiceState, Depends(get_ready_state)]) -> ClassifyResponse:
+    """Classify one image sent as the raw body (image content type) or as multipart field `file`."""
+    started = time.perf_counter()
+    files = await read_files(request, max_bytes=state.settings.max_upload_bytes, max_files=1)
+    if isinstance(files[0], ServiceError):
+        raise files[0]
+    return await unless_disconnected(request, classify_one(state, files[0], params, started))
+
+
+@router.post("/v1/classify/batch", response_model=BatchResponse, openapi_extra=_BATCH_BODY,
+             responses=openapi_responses(413, 415, 422, 503))
+async def classify_batch(request: Request, params: Annotated[ClassifyParams, Depends()],
+                         state: Annotated[ServiceState, Depends(get_ready_state)]) -> BatchResponse:
+    """Classify several `file` fields; one result or one error per file, in order."""
+    started = time.perf_counter()
+    files = await read_files(request, max_bytes=state.settings.max_upload_bytes,
+                             max_files=state.settings.max_batch_files)
+
+    async def one(data: bytes | ServiceError) -> ClassifyResponse | ErrorResponse:
+        try:
+            if isinstance(data, ServiceError):
+                raise data
+            return await classify_one(state, data, params, started)
+        except ServiceError as e:
+            state.metrics.rejected_request(e.code)
+            return ErrorResponse.model_validate(error_body(e.code, str(e)))
+
+    results = await unless_disconnected(request, asyncio.gather(*(one(f) for f in files)))
+    return BatchResponse(model=_model_ref(state), results=results)
+
+
+async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams, started: float) -> ClassifyResponse:
+    keep_source = params.rollout == "overlay"
+    prepared, preprocess_s = await state.preprocess(data, params.resize, keep_source)
+    result = await state.batcher.submit(prepared.pixels, state.settings.request_timeout_s)
+    logits, rollout = result.output
+    (predictions, rollout_body), postprocess_s = await _encode(state, prepared, logits, rollout, params)
+    state.metrics.image_stages(result.queue_s, preprocess_s, postprocess_s)
+    timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
+                    total=_ms(time.perf_counter() - started))
+    return ClassifyResponse(model=_model_ref(state), predictions=predictions, rollout=rollout_body, timing_ms=timing)
+
+
+async def _encode(state: ServiceState, prepared: PreparedImage, logits, rollout, params: ClassifyParams):
+    args = (state.model.info.labels, prepared, logits, rollout, params.top_k, params.rollout)
+    if params.rollout in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
+        return await state.in_pool(encode_result, *args)
+    started = time.perf_counter()
+    return encode_result(*args), time.perf_counter() - started
+
+
+def encode_result(labels: list[str], prepared: PreparedImage, logits, rollout, top_k: int,
+                  rollout_format: Literal["grid", "png", "overlay", "none"]):
+    probabilities = postprocess.softmax(logits)
+    predictions = [Prediction(index=i, label=labels[i], score=p)
+                   for i, p in postprocess.top_k(probabilities, min(top_k, len(labels)))]
+    if rollout_format == "none":
+        return predictions, None
+    unit = postprocess.scale_unit(rollout)  # (h, w) in [0, 1]
+    if rollout_format == "grid":
+        return predictions, RolloutGrid(height=unit.shape[0], width=unit.shape[1],
+                                        values=[[round(float(v), 6) for v in row] for row in unit])
+    heat = postprocess.heatmap(unit, prepared.size, prepared.crop_box)
+    image = heat if rollout_format == "png" else postprocess.overlay(prepared.source, heat)
+    return predictions, RolloutImage(height=image.height, width=image.width, data=postprocess.png_base64(image))
+
+
+def _model_ref(state: ServiceState) -> ModelRef:
+    return ModelRef(name=state.model.info.name, version=state.model.info.version)
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)

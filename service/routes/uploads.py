@@ -1,0 +1,93 @@
+"""Getting image bytes out of a request (raw body or multipart `file` fields) within the byte limits."""
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import Request
+from starlette.datastructures import UploadFile
+from starlette.exceptions import HTTPException
+
+from service.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, ServiceError,
+                            UnsupportedMediaType)
+from service.preprocess import IMAGE_MEDIA_TYPES
+
+MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
+_PART_TYPES = IMAGE_MEDIA_TYPES | {"application/octet-stream", ""}
+
+
+def media_type(request: Request) -> str:
+    return request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+
+def _check_content_length(request: Request, limit: int) -> None:
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise PayloadTooLarge(f"request body is {declared} bytes; the limit is {limit}")
+
+
+async def read_raw_body(request: Request, limit: int) -> bytes:
+    """The body, read as it streams in; stops reading as soon as it passes `limit` bytes."""
+    _check_content_length(request, limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def read_files(request: Request, *, max_bytes: int, max_files: int) -> list[bytes | ServiceError]:
+    """Every `file` field of a multipart body, or the raw body as one file; a file over the byte limit
+    (or not an image type) is returned as its error so that its neighbours still run."""
+    kind = media_type(request)
+    if kind in IMAGE_MEDIA_TYPES:
+        return [await read_raw_body(request, max_bytes)]
+    if kind != "multipart/form-data":
+        raise UnsupportedMediaType(f"send an image (JPEG, PNG, WebP, BMP, GIF, TIFF) as the body or as multipart "
+                                   f"field 'file'; got content type {kind or 'none'!r}")
+    _check_content_length(request, max_files * max_bytes + MULTIPART_OVERHEAD_BYTES)
+    try:
+        async with request.form(max_files=max_files, max_fields=max_files) as form:
+            uploads = form.getlist("file")
+            if not uploads:
+                raise InvalidParameter("multipart body has no 'file' field")
+            return [await _upload_bytes(u, max_bytes) for u in uploads]
+    except HTTPException as e:  # Starlette's multipart parser: too many files/fields, malformed body
+        if "Too many files" in str(e.detail):
+            raise PayloadTooLarge(f"at most {max_files} files per request") from e
+        raise InvalidParameter(f"malformed multipart body: {e.detail}") from e
+
+
+async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
+    if not isinstance(upload, UploadFile):
+        return InvalidParameter("field 'file' must be a file upload, not a text field")
+    part_type = (upload.content_type or "").split(";")[0].strip().lower()
+    if part_type not in _PART_TYPES:
+        return UnsupportedMediaType(f"file {upload.filename!r} has content type {part_type!r}, not an image")
+    if upload.size is not None and upload.size > max_bytes:
+        return PayloadTooLarge(f"file {upload.filename!r} is {upload.size} bytes; the limit is {max_bytes}")
+    return await upload.read()
+
+
+async def unless_disconnected(request: Request, awaitable):
+    """Await `awaitable`, but cancel it (dropping queued work) if the client disconnects first."""
+    work = asyncio.ensure_future(awaitable)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    raise ClientDisconnected("client disconnected before its answer was ready")
+
+
+async def _disconnected(request: Request) -> None:
+    # The body has been read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

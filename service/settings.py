@@ -1,0 +1,80 @@
+"""The service's one configuration object: every limit and batching knob, from `VITSERVE_*` variables.
+
+`vitserve serve` maps each command-line flag onto one of these fields (see `service/cli.py`), so a
+flag, an environment variable and a test's keyword argument all land in the same place.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+Provider = Literal["tensorrt", "cuda", "cpu"]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VITSERVE_", extra="ignore")
+
+    # the model and where to serve it
+    model_path: Path = Path("models/vit-fmnist/model.onnx")
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: int = Field(1, ge=1, description="uvicorn worker processes (each loads its own session)")
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
+
+    # ONNX Runtime: execution providers in order of preference; CPU is always the last resort
+    providers: Annotated[list[Provider], NoDecode] = ["cuda", "cpu"]
+    cuda_device_id: int = Field(0, ge=0)
+    cuda_mem_limit_bytes: int | None = Field(None, ge=1, description="CUDA arena limit; unset = no limit")
+    cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
+    tensorrt_fp16: bool = False
+    tensorrt_cache_dir: Path | None = None
+    intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; 0 = one per physical core")
+    inter_op_threads: int = Field(1, ge=0)
+    intra_op_spinning: bool = Field(True, description="spin-wait between ORT ops (faster, burns idle CPU)")
+    graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
+    warmup_batch_sizes: Annotated[list[int], NoDecode] = Field(
+        default_factory=list, description="batch sizes run at the trained resolution before ready; empty = 1 and max")
+
+    # dynamic batching
+    max_batch_size: int = Field(16, ge=1)
+    max_queue_delay_ms: float = Field(5.0, ge=0)
+    max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
+    max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
+    request_timeout_ms: float = Field(10_000, gt=0, description="longest an image may wait queued before 504")
+    retry_after_s: int = Field(1, ge=0)
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may finish")
+
+    # input limits and preprocessing
+    max_upload_bytes: int = Field(20 * 2**20, ge=1)
+    max_image_pixels: int = Field(40_000_000, ge=1, description="width x height read from the header")
+    max_batch_files: int = Field(32, ge=1)
+    max_native_tokens: int = Field(1024, ge=1, description="patch-token cap for resize=native")
+    preprocess_threads: int = Field(2, ge=1)
+    max_top_k: int = Field(100, ge=1)
+
+    @field_validator("providers", "warmup_batch_sizes", mode="before")
+    @classmethod
+    def _split_commas(cls, value):
+        if isinstance(value, str):
+            return [v.strip().lower() for v in value.split(",") if v.strip()]
+        return value
+
+    @model_validator(mode="after")
+    def _check(self) -> "Settings":
+        if not self.warmup_batch_sizes:
+            self.warmup_batch_sizes = sorted({1, self.max_batch_size})
+        if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
+            raise ValueError(f"warmup_batch_sizes {self.warmup_batch_sizes} must lie in 1..max_batch_size")
+        return self
+
+    @property
+    def max_queue_delay_s(self) -> float:
+        return self.max_queue_delay_ms / 1000
+
+    @property
+    def request_timeout_s(self) -> float:
+        return self.request_timeout_ms / 1000
