@@ -51,7 +51,10 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
 
 def app_from_env() -> FastAPI:
     """uvicorn's factory for worker processes: settings from the `VITSERVE_*` environment."""
-    return create_app(Settings())
+    from service.cli import configure_logging
+    settings = Settings()
+    configure_logging(settings.log_level)
+    return create_app(settings)
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:

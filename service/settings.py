@@ -53,8 +53,7 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(40_000_000, ge=1, description="width x height read from the header")
     max_batch_files: int = Field(32, ge=1)
     max_native_tokens: int = Field(1024, ge=1, description="patch-token cap for resize=native")
-    preprocess_threads: int = Field(2, ge=1)
-    max_top_k: int = Field(100, ge=1)
+    preprocess_threads: int = Field(2, ge=1, description="threads decoding images and rendering PNGs")
 
     @field_validator("providers", "warmup_batch_sizes", mode="before")
     @classmethod

@@ -1,0 +1,96 @@
+"""`vitserve serve --model MODEL.onnx [--host H] [--port P] [--workers N] ...`
+
+Every `Settings` field is a flag (`--max-batch-size 32` is `VITSERVE_MAX_BATCH_SIZE=32`): the flags are
+written into the environment, so uvicorn's worker processes build the very same `Settings`.
+Only the standard library and `service.settings` are imported until the command runs.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import tempfile
+import typing
+from pathlib import Path
+
+ENV_PREFIX = "VITSERVE_"
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    from service.settings import Settings
+    parser = subparsers.add_parser(
+        "serve", help="serve an exported model over HTTP (FastAPI + uvicorn, dynamic batching)",
+        description="Serve a vitserve ONNX model. Each flag also reads from its VITSERVE_* environment variable.")
+    parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx", help="the exported model (VITSERVE_MODEL_PATH)")
+    for name, field in Settings.model_fields.items():
+        if name == "model_path":
+            continue
+        default = field.default if field.default_factory is None else "(derived)"
+        help_text = f"{field.description + '; ' if field.description else ''}env {ENV_PREFIX}{name.upper()}, default {default}"
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=_metavar(field.annotation),
+                            help=help_text.replace("%", "%%"))
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+def _metavar(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Literal:
+        return "{" + ",".join(map(str, typing.get_args(annotation))) + "}"
+    text = str(annotation)
+    for needle, metavar in (("list", "A,B"), ("bool", "BOOL"), ("int", "N"), ("float", "X"), ("Path", "PATH")):
+        if needle in text:
+            return metavar
+    return "VALUE"
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from service.errors import ModelLoadError
+    from service.runtime import parse_metadata, scan_model_file
+    from service.settings import Settings
+
+    for name, value in vars(args).items():
+        if name not in ("command", "func") and value is not None:
+            os.environ[ENV_PREFIX + name.upper()] = str(value)
+    try:
+        settings = Settings()
+        info = parse_metadata(scan_model_file(settings.model_path).metadata)  # cheap: no session yet
+    except ValidationError as e:
+        print(f"vitserve serve: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    except ModelLoadError as e:
+        print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
+        return 2
+    if settings.workers > 1:
+        prepare_multiprocess_metrics()
+    configure_logging(settings.log_level)
+    logging.getLogger("vitserve.cli").info("serving %s %s from %s on http://%s:%d with %d worker(s)", info.name,
+                                           info.version, settings.model_path, settings.host, settings.port,
+                                           settings.workers)
+    import uvicorn
+    uvicorn.run("service.app:app_from_env", factory=True, host=settings.host, port=settings.port,
+                workers=settings.workers, log_level=settings.log_level, limit_concurrency=settings.limit_concurrency,
+                timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+    return 0
+
+
+def prepare_multiprocess_metrics() -> Path:
+    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one.
+    Must run before anything imports prometheus_client."""
+    directory = os.environ.get(MULTIPROC_ENV)
+    if directory:
+        for stale in Path(directory).glob("*.db"):  # a previous run's values would be summed in
+            stale.unlink()
+    else:
+        directory = tempfile.mkdtemp(prefix="vitserve-metrics-")
+        os.environ[MULTIPROC_ENV] = directory
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return Path(directory)
+
+
+def configure_logging(level: str) -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
