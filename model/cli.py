@@ -73,3 +73,54 @@ def run_train(args) -> int:
     if row:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
     return 0
+
+
+def add_import_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "import", help="convert a local timm or Hugging Face ViT checkpoint into a vitserve checkpoint",
+        description="Convert a timm VisionTransformer state dict or a Hugging Face ViTForImageClassification "
+                    "checkpoint. Depth, width, patch size, grid, classes, channels and MLP size are read from "
+                    "the weights; checkpoints using features vitserve's ViT lacks (layer scale, register "
+                    "tokens, fc_norm, distillation token, ...) are refused with the keys named.")
+    p.add_argument("source", metavar="FILE",
+                   help="timm: a .pth/.pt/.bin or .safetensors state dict; hf: a save_pretrained directory "
+                        "(or its weights file) with config.json")
+    p.add_argument("--format", required=True, choices=("timm", "hf"), dest="source_format")
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory to write")
+    p.add_argument("--num-heads", type=int, help="attention heads; required for timm (its state dicts do not "
+                                                 "record it), read from config.json for hf")
+    p.add_argument("--image-size", type=_size, metavar="H[xW]",
+                   help="resolution the position embeddings were learned at (default: hf config.json, "
+                        "else a square grid)")
+    p.add_argument("--labels", metavar="FILE", help="class names: one per line, or a JSON list "
+                                                    "(default: hf config.json id2label, else class_0..class_K-1)")
+    p.add_argument("--mean", type=float, nargs="+", help="per-channel mean, or one value for all (default: "
+                                                         "hf preprocessor_config.json if present, else 0.5 as "
+                                                         "timm and HF ViTs use)")
+    p.add_argument("--std", type=float, nargs="+",
+                   help="per-channel std, or one value for all (default as --mean: 0.5)")
+    p.add_argument("--layer-norm-eps", type=float,
+                   help="LayerNorm epsilon (default: timm's 1e-6; hf reads config.json's layer_norm_eps)")
+    p.add_argument("--name", help="model name (default: the source's file or directory name)")
+    p.add_argument("--version", default="1", help="model version (default: 1)")
+    p.set_defaults(func=run_import)
+
+
+def run_import(args) -> int:
+    import sys
+
+    from model.convert import CheckpointImportError, ImportOptions, import_checkpoint, read_labels
+
+    try:
+        options = ImportOptions(
+            num_heads=args.num_heads, image_size=tuple(args.image_size) if args.image_size else None,
+            labels=read_labels(args.labels) if args.labels else None, mean=args.mean, std=args.std,
+            name=args.name, version=args.version, layer_norm_eps=args.layer_norm_eps)
+        out, meta = import_checkpoint(args.source, args.source_format, args.out, options)
+    except CheckpointImportError as e:
+        # A refusal is an answer, not a crash: one line on stderr, no traceback.
+        print(f"vitserve import: error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps({"checkpoint": str(out), "name": meta.name, "architecture": meta.config.to_dict(),
+                      "labels": len(meta.labels), "mean": meta.mean, "std": meta.std}))
+    return 0
