@@ -25,6 +25,9 @@ $(VENV)/.serve-installed: pyproject.toml | $(BIN)/python
 # Everything: training and export (torch pinned by constraints.txt) and the test tools.
 $(VENV)/.dev-installed: pyproject.toml constraints.txt | $(BIN)/python
 	$(PIP) install -q -e ".[train,export,dev]" -c constraints.txt
+	# timm is only the reference implementation in the import tests. Its torchvision dependency has no
+	# CPU build here and breaks transformers' imports when present, so install timm alone.
+	$(PIP) install -q --no-deps "timm==1.0.31"
 	touch $@ $(VENV)/.serve-installed
 
 setup-serve: $(VENV)/.serve-installed
