@@ -1,0 +1,158 @@
+"""DynamicBatcher with a fake run_batch: grouping, limits, deadlines, cancellation, failure isolation, drain."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+
+from service.batcher import DynamicBatcher
+from service.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+
+pytestmark = pytest.mark.anyio
+
+
+class Recorder:
+    """run_batch that records every batch, echoes each item's first value, and can fail or block."""
+
+    def __init__(self):
+        self.batches: list[list[float]] = []
+        self.fail_when = lambda values: False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def __call__(self, stacked: np.ndarray):
+        self.gate.wait(10)
+        values = [float(x.ravel()[0]) for x in stacked]
+        self.batches.append(values)
+        if self.fail_when(values):
+            raise RuntimeError("boom")
+        return [ValueError("bad item") if v < 0 else v * 10 for v in values]
+
+
+def make(recorder, **overrides) -> DynamicBatcher:
+    options = dict(max_batch_size=4, max_queue_delay_s=0.05, max_queue_size=100, max_batches_in_flight=1)
+    options.update(overrides)
+    batcher = DynamicBatcher(recorder, **options)
+    batcher.start()
+    return batcher
+
+
+def item(value: float, shape=(2, 2)) -> np.ndarray:
+    return np.full(shape, value, np.float32)
+
+
+async def test_concurrent_requests_share_batches_up_to_the_maximum():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.5)
+    results = await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(10)))
+    assert [r.output for r in results] == [i * 10 for i in range(10)]
+    assert sorted(len(b) for b in recorder.batches) == [2, 4, 4]  # full batches go at once, the rest after the delay
+    assert all(r.batch_size in (2, 4) for r in results)
+    await batcher.close()
+
+
+async def test_a_lone_request_waits_about_the_delay_and_no_more():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.2)
+    result = await batcher.submit(item(1), 10)
+    assert 0.15 <= result.queue_s < 2.0 and result.batch_size == 1
+    await batcher.close()
+
+
+async def test_items_of_different_shapes_never_share_a_batch():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.2)
+    shapes = [(2, 2), (2, 3)] * 3
+    await asyncio.gather(*(batcher.submit(item(i, s), 10) for i, s in enumerate(shapes)))
+    assert sorted(sorted(b) for b in recorder.batches) == [[0, 2, 4], [1, 3, 5]]
+    await batcher.close()
+
+
+async def test_queue_full_is_rejected_at_once():
+    recorder = Recorder()
+    recorder.gate.clear()  # the first batch blocks in the runner
+    batcher = make(recorder, max_batch_size=1, max_queue_delay_s=0, max_queue_size=2, retry_after_s=3)
+    first = asyncio.ensure_future(batcher.submit(item(0), 10))
+    await asyncio.sleep(0.1)  # dispatched and running (blocked)
+    queued = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in (1, 2)]
+    await asyncio.sleep(0.05)
+    with pytest.raises(QueueFullError) as info:
+        await batcher.submit(item(3), 10)
+    assert info.value.retry_after_s == 3
+    recorder.gate.set()
+    assert [r.output for r in await asyncio.gather(first, *queued)] == [0, 10, 20]
+    await batcher.close()
+
+
+async def test_deadline_exceeded_items_never_run():
+    recorder = Recorder()
+    recorder.gate.clear()
+    batcher = make(recorder, max_batch_size=1, max_queue_delay_s=0)
+    running = asyncio.ensure_future(batcher.submit(item(1), 10))
+    await asyncio.sleep(0.1)
+    with pytest.raises(DeadlineExceeded):
+        await batcher.submit(item(2), 0.1)  # queued behind the blocked batch past its deadline
+    recorder.gate.set()
+    assert (await running).output == 10
+    await asyncio.sleep(0.05)
+    assert recorder.batches == [[1.0]]
+    assert batcher.queued == 0
+    await batcher.close()
+
+
+async def test_a_cancelled_request_is_dropped_before_it_runs():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.3)
+    leaving = asyncio.ensure_future(batcher.submit(item(7), 10))
+    staying = asyncio.ensure_future(batcher.submit(item(8), 10))
+    await asyncio.sleep(0.05)
+    leaving.cancel()  # what the route does when the client disconnects
+    assert (await staying).output == 80
+    assert recorder.batches == [[8.0]]
+    await batcher.close()
+
+
+async def test_a_bad_item_fails_alone_and_a_failed_batch_fails_only_itself():
+    recorder = Recorder()
+    recorder.fail_when = lambda values: 99.0 in values
+    batcher = make(recorder, max_queue_delay_s=0.2)
+    good, bad = await asyncio.gather(batcher.submit(item(1), 10), batcher.submit(item(-1), 10),
+                                     return_exceptions=True)
+    assert good.output == 10 and isinstance(bad, ValueError)
+    failed = await asyncio.gather(batcher.submit(item(99), 10), batcher.submit(item(2), 10), return_exceptions=True)
+    assert all(isinstance(f, InferenceError) for f in failed)
+    assert (await batcher.submit(item(3), 10)).output == 30  # the next batch is fine
+    await batcher.close()
+
+
+async def test_close_drains_queued_items_and_then_refuses():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=5.0)  # they would otherwise wait 5 s
+    pending = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in range(3)]
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(batcher.close(), 2)
+    assert [p.result().output for p in pending] == [0, 10, 20]
+    with pytest.raises(NotReady):
+        await batcher.submit(item(1), 10)
+
+
+async def test_observer_gets_plain_numbers():
+    class Observer:
+        def __init__(self):
+            self.batches, self.depths = [], []
+
+        def batch_done(self, size, seconds):
+            self.batches.append(size)
+
+        def queue_depth(self, depth):
+            self.depths.append(depth)
+
+    observer = Observer()
+    batcher = DynamicBatcher(Recorder(), max_batch_size=4, max_queue_delay_s=0.2, max_queue_size=10,
+                             observer=observer)
+    batcher.start()
+    await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(3)))
+    assert observer.batches == [3] and max(observer.depths) == 3 and observer.depths[-1] == 0
+    await batcher.close()
