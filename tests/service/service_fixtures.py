@@ -6,9 +6,11 @@ import io
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
@@ -74,6 +76,14 @@ def image_bytes(fmt: str, size=(40, 30), color=(200, 30, 60), mode="RGB", **save
     buffer = io.BytesIO()
     Image.new(mode, size, color if mode != "L" else 128).save(buffer, fmt, **save)
     return buffer.getvalue()
+
+
+def png_declaring(width: int, height: int) -> bytes:
+    """A PNG whose IHDR declares width x height but whose data is one tiny compressed row."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
 def patterned_png(size=(48, 40)) -> bytes:

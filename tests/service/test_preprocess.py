@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import io
-import struct
-import zlib
 
 import numpy as np
 import pytest
@@ -12,19 +10,11 @@ from PIL import Image
 from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
 from service.preprocess import decode_image, fit_box, native_size, normalize, prepare_image, to_channels
 from service.runtime import ModelInfo
-from service_fixtures import image_bytes
+from service_fixtures import image_bytes, png_declaring
 
 LIMITS = dict(max_bytes=1_000_000, max_pixels=1_000_000)
 INFO = ModelInfo(name="m", version="1", labels=["a", "b"], patch_size=8, image_size=(32, 32), channels=3,
                  mean=[0.5, 0.5, 0.5], std=[0.25, 0.25, 0.25])
-
-
-def png_declaring(width: int, height: int) -> bytes:
-    """A PNG whose IHDR declares width x height but whose data is one tiny compressed row."""
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 16)) + chunk(b"IEND", b"")
 
 
 def jpeg_with_orientation(orientation: int) -> bytes:
