@@ -15,6 +15,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -110,37 +111,44 @@ def api_get(base_url: str, path: str, **params: str) -> dict:
         return json.loads(err.read() or b"{}") | {"http_status": err.code}
 
 
+@contextmanager
+def running_prometheus(config: dict, workdir: Path, ready_timeout_s: float = 30):
+    """A real Prometheus on a free 127.0.0.1 port with `config`, storing under `workdir`; yields its URL.
+    Always stopped (SIGTERM, then SIGKILL after 10 s). Also used by test_prometheus_integration.py."""
+    config_path = workdir / "prometheus.yml"
+    config_path.write_text(json.dumps(config))  # JSON is YAML
+    url = f"http://127.0.0.1:{free_port()}"
+    log_path = workdir / "prometheus.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen([PROMETHEUS, f"--config.file={config_path}", f"--storage.tsdb.path={workdir / 'data'}",
+                                 f"--web.listen-address={url.removeprefix('http://')}"],
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + ready_timeout_s
+            while True:
+                assert proc.poll() is None, f"Prometheus exited:\n{log_path.read_text()}"
+                try:
+                    urllib.request.urlopen(f"{url}/-/ready", timeout=1).close()
+                    break
+                except OSError:
+                    assert time.monotonic() < deadline, f"Prometheus not ready after {ready_timeout_s} s"
+                    time.sleep(0.2)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory):
-    """A throwaway Prometheus on 127.0.0.1 with the shipped rule files and no scrape targets; yields its URL."""
-    tmp = tmp_path_factory.mktemp("prometheus")
-    config = tmp / "prometheus.yml"  # JSON is YAML
-    config.write_text(json.dumps({"global": {"evaluation_interval": "1s"},
-                                  "rule_files": [str(p) for p in RULE_FILES]}))
-    url = f"http://127.0.0.1:{free_port()}"
-    log = (tmp / "prometheus.log").open("w")
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
-                             f"--web.listen-address={url.removeprefix('http://')}"],
-                            stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert proc.poll() is None, (tmp / "prometheus.log").read_text()
-            try:
-                urllib.request.urlopen(f"{url}/-/ready", timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "Prometheus not ready after 30 s"
-                time.sleep(0.2)
+    """A throwaway Prometheus with the shipped rule files and no scrape targets."""
+    config = {"global": {"evaluation_interval": "1s"}, "rule_files": [str(p) for p in RULE_FILES]}
+    with running_prometheus(config, tmp_path_factory.mktemp("prometheus")) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
 
 
 @pytest.fixture(scope="module")
