@@ -31,11 +31,16 @@ class BatchObserver(Protocol):
 
     def batch_done(self, size: int, seconds: float) -> None: ...
 
+    def queue_wait(self, seconds: float) -> None: ...
+
     def queue_depth(self, depth: int) -> None: ...
 
 
 class _NullObserver:
     def batch_done(self, size: int, seconds: float) -> None:
+        pass
+
+    def queue_wait(self, seconds: float) -> None:
         pass
 
     def queue_depth(self, depth: int) -> None:
@@ -171,6 +176,7 @@ class DynamicBatcher:
             del self._groups[shape]
         for item in batch:
             item.dispatched = now
+            self._observer.queue_wait(now - item.enqueued)
         self._set_queued(self._queued - len(batch))
         return batch
 

@@ -32,7 +32,7 @@ class ServiceMetrics:
         self.request_duration = Histogram(
             "vitserve_request_duration_seconds", "HTTP request duration, end to end", ["endpoint", "status"],
             buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait = Histogram("vitserve_queue_wait_seconds", "Time an image waited in the batch queue",
+        self.queue_wait_seconds = Histogram("vitserve_queue_wait_seconds", "Time an image waited in the batch queue",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.preprocess = Histogram("vitserve_preprocess_seconds", "Decoding, resizing and normalising one image",
                                     buckets=LATENCY_BUCKETS, registry=r)
@@ -67,8 +67,7 @@ class ServiceMetrics:
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    def image_stages(self, queue_s: float, preprocess_s: float, postprocess_s: float) -> None:
-        self.queue_wait.observe(queue_s)
+    def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
         self.preprocess.observe(preprocess_s)
         self.postprocess.observe(postprocess_s)
 
@@ -76,6 +75,9 @@ class ServiceMetrics:
         self.inference.observe(seconds)
         self.batch_size.observe(size)
         self.images.inc(size)
+
+    def queue_wait(self, seconds: float) -> None:  # service.batcher.BatchObserver
+        self.queue_wait_seconds.observe(seconds)
 
     def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
         self.queue_depth_gauge.set(depth)

@@ -81,7 +81,7 @@ async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams,
     result = await state.batcher.submit(prepared.pixels, state.settings.request_timeout_s)
     logits, rollout = result.output
     (predictions, rollout_body), postprocess_s = await _encode(state, prepared, logits, rollout, params)
-    state.metrics.image_stages(result.queue_s, preprocess_s, postprocess_s)
+    state.metrics.image_stages(preprocess_s, postprocess_s)
     timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
                     total=_ms(time.perf_counter() - started))
     return ClassifyResponse(model=_model_ref(state), predictions=predictions, rollout=rollout_body, timing_ms=timing)

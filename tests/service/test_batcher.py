@@ -141,10 +141,13 @@ async def test_close_drains_queued_items_and_then_refuses():
 async def test_observer_gets_plain_numbers():
     class Observer:
         def __init__(self):
-            self.batches, self.depths = [], []
+            self.batches, self.depths, self.waits = [], [], []
 
         def batch_done(self, size, seconds):
             self.batches.append(size)
+
+        def queue_wait(self, seconds):
+            self.waits.append(seconds)
 
         def queue_depth(self, depth):
             self.depths.append(depth)
@@ -155,4 +158,5 @@ async def test_observer_gets_plain_numbers():
     batcher.start()
     await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(3)))
     assert observer.batches == [3] and max(observer.depths) == 3 and observer.depths[-1] == 0
+    assert len(observer.waits) == 3 and all(0.1 < w < 5 for w in observer.waits)
     await batcher.close()

@@ -1,0 +1,119 @@
+"""Prometheus metrics: counts and sums match the requests sent (failures included), and with several
+uvicorn workers (multiprocess mode) one scrape aggregates them all."""
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from service.metrics import LATENCY_BUCKETS, ServiceMetrics
+from service_fixtures import WrappedModel, image_bytes, patterned_png, serving, settings_for, uvicorn_server
+
+
+def samples(text: str) -> dict[tuple, float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(parsed: dict, name: str, **labels) -> float:
+    return parsed.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.mark.anyio
+async def test_counts_and_sums_match_the_requests_sent(tiny_onnx, tiny_model):
+    model = WrappedModel(tiny_model)
+    metrics = ServiceMetrics()
+    pixels = np.zeros((2, 3, 32, 32), np.float32)
+    infer = {"inputs": [{"name": "pixel_values", "shape": [2, 3, 32, 32], "datatype": "FP32",
+                         "data": pixels.ravel().tolist()}]}
+    async with serving(settings_for(tiny_onnx, max_queue_delay_ms=20), model, metrics=metrics) as client:
+        started = time.perf_counter()
+        ok = await asyncio.gather(*(client.post("/v1/classify", content=patterned_png(),
+                                                headers={"content-type": "image/png"}) for _ in range(5)))
+        bad = [await client.post("/v1/classify", content=b"garbage" * 9, headers={"content-type": "image/png"})
+               for _ in range(2)]
+        bad.append(await client.post("/v1/classify", content=b"hi", headers={"content-type": "text/plain"}))
+        bad.append(await client.post("/v1/classify?top_k=0", content=image_bytes("PNG"),
+                                     headers={"content-type": "image/png"}))
+        batch = await client.post("/v1/classify/batch", files=[("file", ("a.png", image_bytes("PNG"), "image/png")),
+                                                                ("file", ("b.png", b"junk", "image/png"))])
+        v2 = await client.post("/v2/models/tiny-vit/infer", json=infer)
+        model.fail_next = 1
+        failed = await client.post("/v1/classify", content=image_bytes("PNG"), headers={"content-type": "image/png"})
+        elapsed = time.perf_counter() - started
+        text = (await client.get("/metrics")).text
+    assert [r.status_code for r in ok] == [200] * 5 and [r.status_code for r in bad] == [400, 400, 415, 422]
+    assert batch.status_code == 200 and v2.status_code == 200 and failed.status_code == 500
+    m = samples(text)
+    count = "vitserve_request_duration_seconds_count"
+    assert value(m, count, endpoint="/v1/classify", status="200") == 5
+    assert value(m, count, endpoint="/v1/classify", status="400") == 2
+    assert value(m, count, endpoint="/v1/classify", status="415") == 1
+    assert value(m, count, endpoint="/v1/classify", status="422") == 1
+    assert value(m, count, endpoint="/v1/classify", status="500") == 1
+    assert value(m, count, endpoint="/v1/classify/batch", status="200") == 1
+    assert value(m, count, endpoint="/v2/models/{name}/infer", status="200") == 1
+    duration_sum = value(m, "vitserve_request_duration_seconds_sum", endpoint="/v1/classify", status="200")
+    served_ms = sum(r.json()["timing_ms"]["total"] for r in ok)
+    assert served_ms / 1000 * 0.99 <= duration_sum <= 5 * elapsed  # the middleware wraps what the route timed
+    images = 5 + 1 + 2 + 1  # classify, the batch's good file, the v2 tensor's two, the failed batch's one
+    assert value(m, "vitserve_images_total") == images
+    assert value(m, "vitserve_batch_size_sum") == images
+    assert value(m, "vitserve_queue_wait_seconds_count") == images
+    assert value(m, "vitserve_batch_size_count") == value(m, "vitserve_inference_seconds_count") == len(model.batch_sizes) - 1
+    assert value(m, "vitserve_preprocess_seconds_count") == 6  # images decoded and answered: 5 + the batch's good one
+    assert value(m, "vitserve_postprocess_seconds_count") == 6
+    assert value(m, "vitserve_requests_rejected_total", reason="invalid_image") == 3
+    assert value(m, "vitserve_requests_rejected_total", reason="unsupported_media_type") == 1
+    assert value(m, "vitserve_requests_rejected_total", reason="invalid_parameter") == 1
+    assert value(m, "vitserve_requests_rejected_total", reason="inference_failed") == 1
+    assert value(m, "vitserve_queue_depth") == 0 and value(m, "vitserve_ready") == 1
+    assert value(m, "vitserve_requests_in_flight") == 1  # the scrape itself
+    info = [k for k in m if k[0] == "vitserve_model_info"]
+    assert info == [("vitserve_model_info", (("name", "tiny-vit"), ("opset", str(tiny_model.info.opset)),
+                                             ("provider", "CPUExecutionProvider"), ("version", "7")))]
+
+
+def test_buckets_resolve_sub_millisecond_to_tens_of_seconds():
+    assert LATENCY_BUCKETS[0] <= 0.0001 and LATENCY_BUCKETS[-1] >= 30
+    assert sum(1 for b in LATENCY_BUCKETS if b <= 0.01) >= 6  # millisecond resolution where it matters
+    assert list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS)
+
+
+def test_multiprocess_mode_aggregates_two_workers(tiny_onnx, tmp_path):
+    directory = tmp_path / "prometheus"
+    directory.mkdir()
+    (directory / "counter_999999.db").write_bytes(b"stale")  # a previous run's file: removed at start
+    with uvicorn_server(tiny_onnx, "--workers", "2", env={"PROMETHEUS_MULTIPROC_DIR": str(directory)}) as (url, _):
+        for _ in range(12):  # a new connection each: the kernel spreads them over the workers
+            response = httpx.post(f"{url}/v1/classify", content=image_bytes("PNG"),
+                                  headers={"content-type": "image/png"}, timeout=30)
+            assert response.status_code == 200
+        bad = httpx.post(f"{url}/v1/classify", content=b"nope", headers={"content-type": "image/png"}, timeout=30)
+        assert bad.status_code == 400
+        _wait_for_two_workers(directory)
+        scrapes = [samples(httpx.get(f"{url}/metrics", timeout=30).text) for _ in range(4)]
+    for m in scrapes:  # whichever worker answers, the totals are the same
+        assert value(m, "vitserve_request_duration_seconds_count", endpoint="/v1/classify", status="200") == 12
+        assert value(m, "vitserve_request_duration_seconds_count", endpoint="/v1/classify", status="400") == 1
+        assert value(m, "vitserve_images_total") == 12 and value(m, "vitserve_batch_size_sum") == 12
+        assert value(m, "vitserve_requests_rejected_total", reason="invalid_image") == 1
+        assert value(m, "vitserve_ready") == 1
+        assert len([k for k in m if k[0] == "vitserve_model_info"]) == 1
+    assert not (directory / "counter_999999.db").exists()
+
+
+def _wait_for_two_workers(directory: Path) -> None:
+    """Both workers write their ready gauge at startup: two pids' files."""
+    for _ in range(100):
+        pids = {p.stem.rsplit("_", 1)[-1] for p in directory.glob("gauge_livemin_*.db")}
+        if len(pids) == 2:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"expected files from two worker processes in {sorted(directory.iterdir())}")
