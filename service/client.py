@@ -1,0 +1,169 @@
+"""`vitserve predict IMAGE...`: the top-k classes of each image as a table, and its rollout overlay as a PNG.
+
+With `--url` the images go to a running server (`POST /v1/classify?rollout=overlay`); without, the ONNX model
+runs in this process through the service's own code (runtime, preprocessing, postprocessing), so the
+answers are the server's. Either way one image's failure is reported on its row and the others go on.
+"""
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import mimetypes
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
+
+
+@dataclass
+class Prediction:
+    """One image's answer, from either backend."""
+
+    image: Path
+    predictions: list[tuple[str, float]] = field(default_factory=list)  # (label, probability), best first
+    overlay_png: bytes | None = None
+    error: str | None = None  # "code: message" when the image failed
+
+
+class LocalPredictor:
+    """The model in this process: service.runtime's session, service.preprocess, service.postprocess."""
+
+    def __init__(self, model_path: Path, top_k: int, resize: str):
+        from service.runtime import OnnxModel
+        from service.settings import Settings
+
+        logging.getLogger("vitserve.runtime").setLevel(logging.ERROR)  # not "CUDA skipped" on every CPU run
+        self.settings = Settings(model_path=model_path)
+        self.model = OnnxModel.load(self.settings)
+        self.top_k, self.resize = top_k, resize
+
+    def predict(self, image: Path, want_overlay: bool) -> Prediction:
+        from service.errors import ServiceError
+        from service.preprocess import prepare_image
+        from service.routes.classify import encode_result  # the server's own encoding: same answers
+
+        s, info = self.settings, self.model.info
+        try:
+            prepared = prepare_image(image.read_bytes(), info, resize=self.resize, max_bytes=s.max_upload_bytes,
+                                     max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens,
+                                     keep_source=want_overlay)
+        except ServiceError as e:
+            return Prediction(image, error=f"{e.code}: {e}")
+        logits, rollout = self.model.run(prepared.pixels[None])  # (1, K), (1, h, w)
+        predictions, heat = encode_result(info.labels, prepared, logits[0], rollout[0], self.top_k,
+                                          "overlay" if want_overlay else "none")
+        return Prediction(image, [(p.label, p.score) for p in predictions],
+                          base64.b64decode(heat.data) if heat is not None else None)
+
+    def close(self) -> None:
+        pass
+
+
+class RemotePredictor:
+    """A running server: one `POST /v1/classify` per image, the image as a multipart `file`."""
+
+    def __init__(self, url: str, top_k: int, resize: str, timeout_s: float):
+        import httpx
+
+        self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+        self.top_k, self.resize = top_k, resize
+
+    def predict(self, image: Path, want_overlay: bool) -> Prediction:
+        import httpx
+
+        media_type = mimetypes.guess_type(image.name)[0] or "application/octet-stream"
+        params = {"top_k": self.top_k, "resize": self.resize, "rollout": "overlay" if want_overlay else "none"}
+        try:
+            r = self.client.post("/v1/classify", params=params, files={"file": (image.name, image.read_bytes(),
+                                                                                  media_type)})
+        except httpx.HTTPError as e:
+            return Prediction(image, error=f"connection_failed: {e}")
+        body = _json_or_none(r)
+        if r.status_code != 200 or body is None:
+            error = (body or {}).get("error", {})
+            return Prediction(image, error=f"{error.get('code', f'http_{r.status_code}')}: "
+                                           f"{error.get('message', r.text[:200])}")
+        result = Prediction(image, [(p["label"], p["score"]) for p in body["predictions"]])
+        if want_overlay and body.get("rollout"):
+            result.overlay_png = base64.b64decode(body["rollout"]["data"])
+        return result
+
+    def close(self) -> None:
+        self.client.close()
+
+
+def _json_or_none(response) -> dict | None:
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
+
+
+def overlay_path(image: Path, out_dir: Path | None) -> Path:
+    """`photo.jpg` -> `photo.rollout.png`, beside the image or in `out_dir`."""
+    return (out_dir or image.parent) / f"{image.stem}.rollout.png"
+
+
+def format_table(results: list[Prediction]) -> str:
+    """One row per (image, rank); a failed image gets one row with its error."""
+    rows = [("image", "rank", "label", "score")]
+    for r in results:
+        if r.error:
+            rows.append((str(r.image), "-", "error", r.error))
+        for rank, (label, score) in enumerate(r.predictions, 1):
+            rows.append((str(r.image) if rank == 1 else "", str(rank), label, f"{score:.4f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = [f"{a:<{widths[0]}}  {b:>{widths[1]}}  {c:<{widths[2]}}  {d}" for a, b, c, d in rows]
+    return "\n".join([lines[0], "-" * len(lines[0]), *lines[1:]])
+
+
+def add_predict_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "predict", help="classify images: top-k table and rollout overlay PNGs",
+        description="Prints the top-k classes of each image and writes its attention-rollout overlay as "
+                    "IMAGE.rollout.png. With --url, asks a running server; otherwise runs the ONNX model here.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
+    p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: run the model locally)")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the ONNX artifact, when running locally")
+    p.add_argument("--top-k", type=int, default=5)
+    p.add_argument("--resize", choices=("fit", "native"), default="fit")
+    p.add_argument("--out-dir", type=Path, help="where overlays go (default: beside each image)")
+    p.add_argument("--no-overlay", action="store_true", help="print the table only")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (--url)")
+    p.set_defaults(func=run_predict)
+
+
+def run_predict(args) -> int:
+    """Exit status 0 when every image was classified (and its overlay written), 1 otherwise."""
+    if args.top_k < 1:
+        raise SystemExit("vitserve predict: --top-k must be at least 1")
+    if args.url:
+        predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout)
+    else:
+        from service.errors import ModelLoadError
+
+        try:
+            predictor = LocalPredictor(args.model, args.top_k, args.resize)
+        except ModelLoadError as e:
+            raise SystemExit(f"vitserve predict: {e}") from None
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+    results, written = [], []
+    try:
+        for image in args.images:
+            result = predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file() else \
+                Prediction(image, error="not_found: no such file")
+            if result.overlay_png:
+                written.append(overlay_path(image, args.out_dir))
+                written[-1].write_bytes(result.overlay_png)
+            results.append(result)
+    finally:
+        predictor.close()
+    print(format_table(results))
+    for path in written:
+        print(f"wrote {path}")
+    return 1 if any(r.error for r in results) else 0

@@ -1,0 +1,139 @@
+"""`vitserve predict`: locally through the service's own code, and through a real uvicorn server."""
+from __future__ import annotations
+
+import io
+import re
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from service.client import format_table, overlay_path, Prediction
+from service_fixtures import patterned_png, uvicorn_server
+from vitserve.cli import main
+
+LABELS = {"cat", "dog", "bird"}  # tests/conftest.py TINY_LABELS
+ROW = re.compile(r"^(?P<image>\S*)\s+(?P<rank>\d+)\s+(?P<label>\S+)\s+(?P<score>[01]\.\d{4})$")
+
+
+@pytest.fixture
+def images(tmp_path):
+    """A 48x40 patterned PNG and a 640x480 JPEG (resized and cropped by `fit`)."""
+    png = tmp_path / "pattern.png"
+    png.write_bytes(patterned_png((48, 40)))
+    jpeg = tmp_path / "photo.jpg"
+    rng = np.random.default_rng(2)
+    Image.fromarray(rng.integers(0, 256, (480, 640, 3), dtype=np.uint8)).save(jpeg, "JPEG")
+    return [png, jpeg]
+
+
+def parse_table(text: str) -> dict[str, list[tuple[int, str, float]]]:
+    """The printed table back into {image: [(rank, label, score), ...]}."""
+    lines = text.splitlines()
+    assert lines[0].split() == ["image", "rank", "label", "score"]
+    assert set(lines[1]) == {"-"}
+    table, current = {}, None
+    for line in lines[2:]:
+        if line.startswith("wrote "):
+            continue
+        m = ROW.match(line)
+        assert m, f"unexpected row {line!r}"
+        current = m["image"] or current
+        table.setdefault(current, []).append((int(m["rank"]), m["label"], float(m["score"])))
+    return table
+
+
+def check_predictions(table, images, k):
+    assert list(table) == [str(p) for p in images]
+    for rows in table.values():
+        assert [r[0] for r in rows] == list(range(1, k + 1))
+        assert {r[1] for r in rows} <= LABELS and len({r[1] for r in rows}) == k
+        scores = [r[2] for r in rows]
+        assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0001
+
+
+def check_overlays(images, out_dir=None):
+    for image in images:
+        with Image.open(overlay_path(image, out_dir)) as overlay, Image.open(image) as source:
+            assert overlay.format == "PNG" and overlay.mode == "RGB"
+            assert overlay.size == source.size  # the overlay covers the whole input, at its size
+
+
+def test_predict_locally_prints_top_k_and_writes_overlays(tiny_onnx, images, capsys):
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "2"]) == 0
+    out = capsys.readouterr().out
+    check_predictions(parse_table(out), images, k=2)
+    check_overlays(images)
+    assert images[0].with_name("pattern.rollout.png").is_file()
+    assert f"wrote {images[1].with_name('photo.rollout.png')}" in out
+
+
+def test_predict_top_k_is_capped_at_the_class_count_and_out_dir_is_used(tiny_onnx, images, tmp_path, capsys):
+    out_dir = tmp_path / "overlays"
+    assert main(["predict", str(images[0]), "--model", str(tiny_onnx), "--top-k", "10",
+                 "--out-dir", str(out_dir)]) == 0
+    check_predictions(parse_table(capsys.readouterr().out), images[:1], k=3)
+    assert sorted(p.name for p in out_dir.iterdir()) == ["pattern.rollout.png"]
+    assert not images[0].with_name("pattern.rollout.png").exists()
+
+
+def test_predict_reports_a_bad_image_on_its_row_and_goes_on(tiny_onnx, images, tmp_path, capsys):
+    garbage = tmp_path / "garbage.png"
+    garbage.write_bytes(b"not an image at all")
+    missing = tmp_path / "missing.png"
+    args = ["predict", str(garbage), str(images[0]), str(missing), "--model", str(tiny_onnx), "--no-overlay"]
+    assert main(args) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert re.match(rf"^{re.escape(str(garbage))}\s+-\s+error\s+invalid_image: ", lines[2])
+    assert re.match(rf"^{re.escape(str(images[0]))}\s+1\s+", lines[3])
+    assert re.match(rf"^{re.escape(str(missing))}\s+-\s+error\s+not_found: no such file$", lines[-1])
+    assert not any(tmp_path.glob("*.rollout.png"))
+
+
+def test_predict_without_a_model_file_exits_with_a_message(tmp_path):
+    with pytest.raises(SystemExit, match="model file not found"):
+        main(["predict", str(tmp_path / "x.png"), "--model", str(tmp_path / "absent.onnx")])
+
+
+def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, capsys):
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "3",
+                 "--out-dir", str(tmp_path / "local")]) == 0
+    local = parse_table(capsys.readouterr().out)
+    with uvicorn_server(tiny_onnx) as (base_url, _):
+        assert main(["predict", *map(str, images), "--url", base_url, "--top-k", "3",
+                     "--out-dir", str(tmp_path / "remote")]) == 0
+        remote = parse_table(capsys.readouterr().out)
+        garbage = tmp_path / "garbage.jpg"
+        garbage.write_bytes(b"\xff\xd8\xff truncated")
+        assert main(["predict", str(garbage), "--url", base_url]) == 1
+        assert re.search(r"error\s+invalid_image: ", capsys.readouterr().out)
+    check_predictions(remote, images, k=3)
+    assert [[r[:2] for r in rows] for rows in remote.values()] == [[r[:2] for r in rows] for rows in local.values()]
+    for a, b in zip(remote.values(), local.values()):
+        np.testing.assert_allclose([r[2] for r in a], [r[2] for r in b], atol=2e-4)
+    check_overlays(images, tmp_path / "remote")
+    for image in images:  # the same code draws both: the same picture, up to float noise in the rollout
+        remote_px = np.asarray(Image.open(overlay_path(image, tmp_path / "remote")), np.int16)
+        local_px = np.asarray(Image.open(overlay_path(image, tmp_path / "local")), np.int16)
+        assert np.abs(remote_px - local_px).max() <= 2
+
+
+def test_predict_via_url_reports_an_unreachable_server(images, capsys):
+    from service.bench import free_port
+
+    assert main(["predict", str(images[0]), "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
+    assert re.search(r"error\s+connection_failed: ", capsys.readouterr().out)
+
+
+def test_format_table_is_aligned():
+    from pathlib import Path
+
+    results = [Prediction(Path("a.png"), [("cat", 0.75), ("bird", 0.125)]),
+               Prediction(Path("long/name.jpg"), error="invalid_image: broken")]
+    assert format_table(results).splitlines() == [
+        "image          rank  label  score",
+        "---------------------------------",
+        "a.png             1  cat    0.7500",
+        "                  2  bird   0.1250",
+        "long/name.jpg     -  error  invalid_image: broken",
+    ]
