@@ -82,7 +82,12 @@ def load_meta(directory: str | Path) -> CheckpointMeta:
     path = Path(directory) / CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{path} not found: a checkpoint is a directory with {CONFIG_FILE} and {WEIGHTS_FILE}")
-    return CheckpointMeta.from_dict(json.loads(path.read_text()))
+    try:
+        return CheckpointMeta.from_dict(json.loads(path.read_text()))
+    except CheckpointError:
+        raise
+    except (ValueError, KeyError, TypeError) as e:  # bad JSON, a missing key, an invalid architecture
+        raise CheckpointError(f"{path}: {type(e).__name__}: {e}") from e
 
 
 def load_checkpoint(directory: str | Path) -> tuple[VisionTransformer, CheckpointMeta]:
@@ -92,7 +97,10 @@ def load_checkpoint(directory: str | Path) -> tuple[VisionTransformer, Checkpoin
     if not path.is_file():
         raise CheckpointError(f"{path} not found")
     model = VisionTransformer(meta.config)
-    missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    try:
+        missing, unexpected = model.load_state_dict(load_file(str(path)), strict=False)
+    except RuntimeError as e:  # a tensor whose shape the config does not give
+        raise CheckpointError(f"weights do not match config: {e}") from e
     if missing or unexpected:
         raise CheckpointError(f"weights do not match config: missing {missing}, unexpected {unexpected}")
     return model.eval(), meta

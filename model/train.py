@@ -204,13 +204,26 @@ def progress_bar(total: int, desc: str, enabled: bool):
     return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False, file=sys.stderr)
 
 
+def steps_per_epoch(n_train: int, cfg: TrainConfig, world: int) -> int:
+    """Optimiser steps per epoch, the same on every rank (DDP needs each rank to make every step).
+
+    Counted from the whole set, not from a rank's shard: with an odd number of images rank 0's shard is
+    one longer, and counting shards gave it an extra step that left the other rank's collectives unpaired.
+    """
+    per_rank = cfg.batch_size // world
+    if per_rank < 1 or n_train // world < per_rank:
+        raise ValueError(f"{n_train} training images cannot fill one batch of {cfg.batch_size} on {world} process(es)")
+    steps = n_train // world // per_rank
+    return steps if cfg.max_steps_per_epoch is None else min(steps, cfg.max_steps_per_epoch)
+
+
 def train_one_epoch(model, optimizer, splits: DataSplits, cfg: TrainConfig, rt: Runtime, epoch: int,
                     step: int, total_steps: int, warmup_steps: int, generator: torch.Generator) -> tuple[dict, int]:
     images, labels = splits.train.images, splits.train.labels
     per_rank = cfg.batch_size // rt.world
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
     order = order[rt.rank::rt.world]
-    steps = len(order) // per_rank if cfg.max_steps_per_epoch is None else min(len(order) // per_rank, cfg.max_steps_per_epoch)
+    steps = steps_per_epoch(len(labels), cfg, rt.world)
     sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, seen
     start = time.perf_counter()
     bar = progress_bar(steps, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rt.is_main)
@@ -260,10 +273,8 @@ def train(cfg: TrainConfig) -> dict:
     if cfg.resume and (out_dir / TRAIN_STATE_FILE).is_file():
         first_epoch, step, elapsed_before = restore_state(out_dir, model, optimizer, generator, rt)
     ddp_model = nn.parallel.DistributedDataParallel(model) if rt.world > 1 else model
-    steps_per_epoch = len(splits.train.labels) // rt.world // (cfg.batch_size // rt.world)
-    if cfg.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    total_steps, warmup_steps = steps_per_epoch * cfg.epochs, max(1, int(steps_per_epoch * cfg.warmup_epochs))
+    epoch_steps = steps_per_epoch(len(splits.train.labels), cfg, rt.world)
+    total_steps, warmup_steps = epoch_steps * cfg.epochs, max(1, int(epoch_steps * cfg.warmup_epochs))
     log = None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,144 @@
+"""Checkpoints: save/load round trip, config.json contents, and the errors a bad directory gives."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from model.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, load_meta, save_checkpoint,
+                              weights_sha256)
+from model.vit import VisionTransformer, vit_config
+
+TINY_LABELS = ["cat", "dog", "bird"]  # as in tests/conftest.py's tiny_checkpoint
+
+
+def test_round_trip_gives_identical_logits(tiny_checkpoint, tmp_path):
+    model, meta = load_checkpoint(tiny_checkpoint)
+    assert not model.training
+    x = torch.randn(4, 3, 32, 32)
+    with torch.no_grad():
+        logits = model(x)
+    assert logits.shape == (4, 3) and not torch.allclose(logits[0], logits[1])
+    again, meta_again = load_checkpoint(save_checkpoint(tmp_path / "copy", model, meta))
+    with torch.no_grad():
+        assert torch.equal(again(x), logits)
+        assert again(torch.randn(1, 3, 48, 16)).shape == (1, 3)  # another grid: resampled, still 3 logits
+    assert meta_again.to_dict() == meta.to_dict()
+    assert weights_sha256(again.state_dict()) == weights_sha256(model.state_dict())
+
+
+def test_round_trip_of_a_fresh_model(tmp_path):
+    torch.manual_seed(3)
+    cfg = vit_config("fmnist", depth=1, embed_dim=16, num_heads=2, mlp_dim=32, representation_size=8, num_classes=4)
+    model = VisionTransformer(cfg).eval()
+    with torch.no_grad():
+        model.head.weight.normal_()
+    meta = CheckpointMeta(cfg, ["a", "b", "c", "d"], [0.3], [0.4], name="n", version="2",
+                          metrics={"test_accuracy": 0.75}, training={"epochs": 1})
+    loaded, loaded_meta = load_checkpoint(save_checkpoint(tmp_path / "ckpt", model, meta))
+    assert loaded.cfg == cfg and loaded_meta.config == cfg
+    x = torch.randn(2, 1, 28, 28)
+    with torch.no_grad():
+        assert torch.equal(loaded(x), model(x))
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_config_json_layout(tiny_checkpoint):
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    assert config["format"] == "vitserve-checkpoint" and config["format_version"] == 1
+    assert (config["name"], config["version"]) == ("tiny-vit", "7")
+    assert config["labels"] == TINY_LABELS
+    assert config["normalization"] == {"mean": [0.5, 0.5, 0.5], "std": [0.25, 0.25, 0.25]}
+    assert config["metrics"] == {"test_accuracy": 0.5} and config["training"] == {}
+    assert config["architecture"] == {
+        "image_size": [32, 32], "patch_size": 8, "in_channels": 3, "num_classes": 3, "embed_dim": 32,
+        "depth": 2, "num_heads": 2, "mlp_dim": 64, "qkv_bias": True, "layer_norm_eps": 1e-6,
+        "representation_size": None, "dropout": 0.0, "attention_dropout": 0.0}
+    assert load_meta(tiny_checkpoint).config.grid_size == (4, 4)
+
+
+def test_weight_names_follow_timm(tiny_checkpoint):
+    names = set(load_file(str(tiny_checkpoint / "model.safetensors")))
+    expected = {"cls_token", "pos_embed", "patch_embed.proj.weight", "patch_embed.proj.bias", "norm.weight",
+                "norm.bias", "head.weight", "head.bias"}
+    for i in range(2):
+        for layer in ("norm1", "attn.qkv", "attn.proj", "norm2", "mlp.fc1", "mlp.fc2"):
+            expected |= {f"blocks.{i}.{layer}.weight", f"blocks.{i}.{layer}.bias"}
+    assert names == expected
+
+
+def test_weights_sha256_depends_on_values_not_order(tiny_checkpoint):
+    state = load_file(str(tiny_checkpoint / "model.safetensors"))
+    digest = weights_sha256(state)
+    assert len(digest) == 64 and digest == weights_sha256(dict(reversed(list(state.items()))))
+    changed = dict(state)
+    changed["head.bias"] = state["head.bias"] + 1e-3
+    assert weights_sha256(changed) != digest
+
+
+def copy_of(tiny_checkpoint, tmp_path):
+    return shutil.copytree(tiny_checkpoint, tmp_path / "ckpt")
+
+
+def test_missing_directory_or_files(tiny_checkpoint, tmp_path):
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_checkpoint(tmp_path / "nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CheckpointError, match="config.json not found"):
+        load_checkpoint(tmp_path / "empty")
+    directory = copy_of(tiny_checkpoint, tmp_path)
+    (directory / "model.safetensors").unlink()
+    with pytest.raises(CheckpointError, match="model.safetensors not found"):
+        load_checkpoint(directory)
+
+
+def test_wrong_format(tiny_checkpoint, tmp_path):
+    directory = copy_of(tiny_checkpoint, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "format": "something-else"}))
+    with pytest.raises(CheckpointError, match="not a vitserve-checkpoint config"):
+        load_checkpoint(directory)
+
+
+def test_labels_and_normalisation_must_fit_the_architecture():
+    cfg = vit_config("fmnist")
+    with pytest.raises(CheckpointError, match="3 labels for 10 classes"):
+        CheckpointMeta(cfg, ["a", "b", "c"], [0.5], [0.5])
+    with pytest.raises(CheckpointError, match="mean/std need 1 values"):
+        CheckpointMeta(cfg, list("abcdefghij"), [0.5, 0.5, 0.5], [0.5, 0.5, 0.5])
+
+
+def test_weights_that_do_not_match_the_config(tiny_checkpoint, tmp_path):
+    directory = copy_of(tiny_checkpoint, tmp_path)
+    state = load_file(str(directory / "model.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.startswith("blocks.1.")}, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="weights do not match config: missing .*blocks.1.attn.qkv.weight"):
+        load_checkpoint(directory)
+    save_file({**state, "fc_norm.weight": torch.ones(32)}, str(directory / "model.safetensors"))
+    with pytest.raises(CheckpointError, match="unexpected .*fc_norm.weight"):
+        load_checkpoint(directory)
+
+
+def test_weights_of_the_wrong_shape(tiny_checkpoint, tmp_path):
+    directory = copy_of(tiny_checkpoint, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["architecture"]["image_size"] = [64, 64]  # a grid the stored position embeddings were not made for
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="pos_embed"):
+        load_checkpoint(directory)
+
+
+def test_invalid_architecture_or_json(tiny_checkpoint, tmp_path):
+    directory = copy_of(tiny_checkpoint, tmp_path)
+    config = json.loads((directory / "config.json").read_text())
+    config["architecture"]["num_heads"] = 5
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CheckpointError, match="not divisible by num_heads"):
+        load_checkpoint(directory)
+    (directory / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="config.json"):
+        load_checkpoint(directory)
