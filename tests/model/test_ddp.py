@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -57,7 +58,7 @@ def test_two_process_ddp_training(tmp_path):
     script = tmp_path / "ddp_train.py"
     script.write_text(SCRIPT)
     out = tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(script), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
