@@ -1,0 +1,143 @@
+"""The ONNX Runtime layer (metadata, providers, session), Settings, and the `serve` flags that map onto them."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+
+from service.errors import ModelLoadError
+from service.runtime import OnnxModel, parse_metadata, provider_chain, scan_model_file, session_options, warm_up
+from service.settings import Settings
+from service_fixtures import settings_for
+
+METADATA = {"vitserve.format_version": "1", "vitserve.name": "m", "vitserve.version": "2",
+            "vitserve.labels": '["a", "b"]', "vitserve.patch_size": "4", "vitserve.image_height": "28",
+            "vitserve.image_width": "24", "vitserve.channels": "1", "vitserve.mean": "[0.286]",
+            "vitserve.std": "[0.353]", "vitserve.architecture": '{"depth": 6}', "vitserve.precision": "fp16"}
+
+
+def test_parse_metadata():
+    info = parse_metadata(METADATA, opset=18)
+    assert (info.name, info.version, info.labels, info.patch_size) == ("m", "2", ["a", "b"], 4)
+    assert info.image_size == (28, 24) and info.channels == 1 and info.mean == [0.286] and info.std == [0.353]
+    assert info.precision == "fp16" and info.opset == 18 and info.architecture == {"depth": 6}
+    assert info.test_accuracy is None and info.num_classes == 2
+    assert parse_metadata({**METADATA, "vitserve.test_accuracy": "0.92"}).test_accuracy == 0.92
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"vitserve.labels": None}, "lacks 'vitserve.labels'"),
+    ({"vitserve.patch_size": "four"}, "'vitserve.patch_size' = 'four' is malformed"),
+    ({"vitserve.mean": "[0.1, 0.2]"}, "inconsistent"),
+    ({"vitserve.format_version": "9"}, "newer than this server"),
+])
+def test_parse_metadata_errors(change, message):
+    props = {k: v for k, v in {**METADATA, **change}.items() if v is not None}
+    with pytest.raises(ModelLoadError, match=message):
+        parse_metadata(props)
+
+
+def test_scan_model_file_reads_opset_and_metadata_without_onnx(tiny_onnx):
+    proto = onnx.load(str(tiny_onnx), load_external_data=False)
+    header = scan_model_file(tiny_onnx)
+    assert header.opset == next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    assert header.metadata == {p.key: p.value for p in proto.metadata_props}
+
+
+def test_load_errors_are_clear(tmp_path, tiny_onnx):
+    foreign = onnx.load(str(tiny_onnx))
+    del foreign.metadata_props[:]
+    onnx.save(foreign, str(tmp_path / "foreign.onnx"))
+    (tmp_path / "garbage.onnx").write_bytes(b"\x0a\xff\xff\xff\x0f" + b"x" * 10)
+    for name, message in (("missing.onnx", "not found"), ("garbage.onnx", "not an ONNX model"),
+                          ("foreign.onnx", "was it exported by `vitserve export`")):
+        with pytest.raises(ModelLoadError, match=message):
+            OnnxModel.load(settings_for(tmp_path / name))
+
+
+def test_provider_chain_prefers_accelerators_and_falls_back_to_cpu():
+    settings = Settings(providers="tensorrt,cuda,cpu", cuda_device_id=1, cuda_mem_limit_bytes=2**30,
+                        cudnn_conv_algo_search="EXHAUSTIVE", tensorrt_fp16=True, tensorrt_cache_dir="/tmp/trt")
+    everything = ["TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"]
+    chain = provider_chain(settings, everything)
+    assert [name for name, _ in chain] == everything
+    trt, cuda, cpu = (options for _, options in chain)
+    assert cuda == {"device_id": 1, "cudnn_conv_algo_search": "EXHAUSTIVE", "arena_extend_strategy": "kSameAsRequested",
+                    "do_copy_in_default_stream": True, "gpu_mem_limit": 2**30}
+    assert trt == {"device_id": 1, "trt_fp16_enable": True, "trt_engine_cache_enable": True,
+                   "trt_engine_cache_path": "/tmp/trt"}
+    assert cpu == {}
+    assert provider_chain(Settings(providers="cuda"), ["CPUExecutionProvider"]) == [("CPUExecutionProvider", {})]
+
+
+def test_session_options_follow_settings():
+    options = session_options(Settings(intra_op_threads=3, inter_op_threads=2, intra_op_spinning=False))
+    assert options.intra_op_num_threads == 3 and options.inter_op_num_threads == 2
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_model_runs_at_several_resolutions(tiny_model):
+    warm_up(tiny_model, [1, 2])
+    for batch, height, width in ((1, 32, 32), (3, 16, 48), (2, 40, 24)):
+        logits, rollout = tiny_model.run(np.zeros((batch, 3, height, width), np.float32))
+        assert logits.shape == (batch, 3) and rollout.shape == (batch, height // 8, width // 8)
+    assert tiny_model.provider == "CPUExecutionProvider" and tiny_model.info.name == "tiny-vit"
+
+
+def test_settings_from_environment(monkeypatch):
+    monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "8")
+    monkeypatch.setenv("VITSERVE_PROVIDERS", "CUDA, cpu")
+    monkeypatch.setenv("VITSERVE_MAX_QUEUE_DELAY_MS", "7.5")
+    settings = Settings()
+    assert settings.max_batch_size == 8 and settings.providers == ["cuda", "cpu"]
+    assert settings.max_queue_delay_s == 0.0075 and settings.warmup_batch_sizes == [1, 8]
+    with pytest.raises(ValueError):
+        Settings(warmup_batch_sizes="1,9")  # beyond max_batch_size
+    with pytest.raises(ValueError):
+        Settings(providers="tpu")
+
+
+@pytest.fixture
+def private_environ(monkeypatch):
+    """`serve` writes its flags into os.environ (for uvicorn's workers); keep that inside the test."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")
+                                        and k != "PROMETHEUS_MULTIPROC_DIR"})
+
+
+def test_every_setting_is_a_serve_flag_and_flags_reach_uvicorn(tiny_onnx, private_environ, monkeypatch):
+    import uvicorn
+
+    from vitserve.cli import build_parser, main
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest for a in serve._actions}
+    assert set(Settings.model_fields) <= flags
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs, Settings())))
+    assert main(["serve", "--model", str(tiny_onnx), "--port", "9123", "--workers", "2", "--max-batch-size", "7",
+                 "--providers", "cuda,cpu", "--tensorrt-fp16", "true", "--drain-timeout-s", "5"]) == 0
+    app, kwargs, settings = calls[0]
+    assert app == "service.app:app_from_env" and kwargs["factory"] is True
+    assert (kwargs["port"], kwargs["workers"], kwargs["timeout_graceful_shutdown"]) == (9123, 2, 5)
+    assert settings.max_batch_size == 7 and settings.providers == ["cuda", "cpu"] and settings.tensorrt_fp16
+    assert os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])  # several workers: multiprocess metrics
+
+
+@pytest.mark.parametrize("content, message", [(None, "model file not found"), (b"", "model file is empty"),
+                                              (b"\xff\xfenot protobuf", "is not an ONNX model")])
+def test_serve_rejects_missing_or_garbage_model_before_starting(tmp_path, private_environ, capsys, content, message):
+    from vitserve.cli import main
+    path = tmp_path / "model.onnx"
+    if content is not None:
+        path.write_bytes(content)
+    assert main(["serve", "--model", str(path)]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
+    from vitserve.cli import main
+    assert main(["serve", "--model", str(tiny_onnx), "--max-batch-size", "0"]) == 2
+    assert "max_batch_size" in capsys.readouterr().err

@@ -1,0 +1,103 @@
+"""A real `vitserve serve` process: HTTP over TCP, SIGTERM drains admitted requests, a corrupt model
+stops startup with a clear message, and the service package imports without torch."""
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import httpx
+import onnx
+import pytest
+
+from service_fixtures import REPO, image_bytes, uvicorn_server
+
+
+def test_serves_over_tcp(tiny_onnx):
+    with uvicorn_server(tiny_onnx) as (url, _):
+        response = httpx.post(f"{url}/v1/classify?top_k=2", files={"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")})
+        card = httpx.get(f"{url}/v1/model").json()
+        live = httpx.get(f"{url}/v2/health/live").json()
+        scrape = httpx.get(f"{url}/metrics")
+    assert response.status_code == 200 and len(response.json()["predictions"]) == 2
+    assert card["provider"] == "CPUExecutionProvider" and live == {"live": True}
+    assert scrape.status_code == 200 and "vitserve_ready 1.0" in scrape.text
+
+
+def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
+    results: list[int] = []
+
+    def send():
+        response = httpx.post(url + "/v1/classify", content=image_bytes("PNG"), headers={"content-type": "image/png"},
+                              timeout=30)
+        results.append(response.status_code)
+
+    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "2000", "--max-batch-size", "16") as (url, process):
+        senders = [threading.Thread(target=send) for _ in range(4)]
+        for sender in senders:
+            sender.start()
+        _wait_until_queued(url, 4)  # admitted: read, decoded and waiting for their batch
+        process.send_signal(signal.SIGTERM)
+        for sender in senders:
+            sender.join(30)
+        assert process.wait(30) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once it has drained
+        output = process.stdout.read().decode()
+    assert results == [200] * 4, output
+    with pytest.raises(httpx.TransportError):
+        httpx.get(url + "/v2/health/live", timeout=2)
+
+
+def _wait_until_queued(url: str, count: int) -> None:
+    for _ in range(300):
+        text = httpx.get(url + "/metrics", timeout=5).text
+        if f"vitserve_queue_depth {float(count)}" in text:
+            return
+        time.sleep(0.02)
+    raise AssertionError("requests were never queued")
+
+
+def test_a_corrupt_model_stops_startup_with_a_clear_message(tiny_onnx, tmp_path):
+    broken = onnx.load(str(tiny_onnx))
+    broken.graph.node[0].op_type = "NoSuchOperator"  # metadata intact, graph unloadable
+    path = tmp_path / "broken.onnx"
+    onnx.save(broken, str(path))
+    with pytest.raises(RuntimeError) as info:
+        with uvicorn_server(path, ready_timeout_s=60):
+            pass
+    assert "cannot load ONNX model" in str(info.value)
+
+
+BLOCK_TORCH = textwrap.dedent("""
+    import importlib, importlib.abc, json, pkgutil, sys
+
+    class Blocker(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.split(".")[0] in ("torch", "onnx", "torchvision", "safetensors"):
+                raise ImportError(f"{name} is blocked: the serving world has no {name}")
+            return None
+
+    sys.meta_path.insert(0, Blocker())
+    import service
+    modules = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
+    for name in modules:
+        importlib.import_module(name)
+    from service.app import create_app
+    from service.settings import Settings
+    create_app(Settings(model_path="unused.onnx")).openapi()
+    from vitserve.cli import build_parser
+    build_parser().parse_args(["serve", "--model", "m.onnx"])
+    print(json.dumps({"modules": modules, "torch": "torch" in sys.modules, "onnx": "onnx" in sys.modules}))
+""")
+
+
+def test_service_imports_without_torch():
+    result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert {"service.app", "service.batcher", "service.runtime", "service.cli", "service.routes.classify"} <= set(
+        report["modules"])
+    assert report["torch"] is False and report["onnx"] is False
