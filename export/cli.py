@@ -1,0 +1,103 @@
+"""`vitserve export` (and `evaluate`): argument parsing only; torch and onnx load when a command runs."""
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def _sizes(text: str) -> list[tuple[int, int]]:
+    """'28,24,36x20' -> [(28, 28), (24, 24), (36, 20)]"""
+    sizes = []
+    for part in text.split(","):
+        h, _, w = part.lower().partition("x")
+        sizes.append((int(h), int(w or h)))
+    return sizes
+
+
+def _ints(text: str) -> list[int]:
+    return [int(p) for p in text.split(",")]
+
+
+def add_export_parser(subparsers) -> None:
+    p = subparsers.add_parser("export", help="export a checkpoint to one verified ONNX file",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, help="ONNX file to write")
+    p.add_argument("--fp16", action="store_true", help="float16 weights and compute for GPU serving (float32 I/O)")
+    p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
+    p.add_argument("--no-verify", action="store_true", help="skip ONNX Runtime vs PyTorch verification")
+    p.set_defaults(func=run_export)
+
+
+def run_export(args) -> int:
+    from export.onnx_export import export_onnx
+    from export.verify import ExportVerificationError
+
+    try:
+        report = export_onnx(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=not args.no_verify)
+    except ExportVerificationError as e:
+        print(f"export failed verification: {e}")
+        return 1
+    print(json.dumps(report_summary(report)))
+    return 0
+
+
+def report_summary(report) -> dict:
+    summary = {"path": str(report.path), "precision": report.precision, "opset": report.opset,
+               "size_bytes": report.size_bytes, "export_seconds": round(report.export_seconds, 1)}
+    if report.verification:
+        v = report.verification
+        summary["verified"] = {"cases": [[c.height, c.width, c.batch] for c in v.cases],
+                               "max_logits_abs_diff": v.max_logits_diff, "max_rollout_abs_diff": v.max_rollout_diff,
+                               "tolerances": {"logits": v.logits_atol, "rollout": v.rollout_atol}}
+    if report.fp16:
+        f = report.fp16
+        summary["fp16_vs_fp32"] = {"max_logits_abs_diff": f.logits_max_abs_diff, "logits_tolerance": f.logits_tolerance,
+                                   "max_rollout_abs_diff": f.rollout_max_abs_diff, "photos": f.photos,
+                                   "near_ties": f.ties, "top1_agreement": f.top1_agreement}
+    return summary
+
+
+def add_evaluate_parser(subparsers) -> None:
+    p = subparsers.add_parser("evaluate", help="ONNX accuracy on Fashion-MNIST at several resolutions; ORT vs PyTorch speed")
+    commands = p.add_subparsers(dest="evaluate_command", required=True)
+    acc = commands.add_parser("accuracy", help="test accuracy of an ONNX model with ONNX Runtime (CPU)",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    acc.add_argument("model", help="ONNX file from `vitserve export` (1-channel, Fashion-MNIST classes)")
+    acc.add_argument("--sizes", type=_sizes, default=_sizes("28,24,36,56"), help="resolutions H[xW], comma-separated")
+    acc.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
+    acc.add_argument("--limit", type=int, help="only the first N test images")
+    acc.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    acc.set_defaults(func=run_accuracy)
+    bench = commands.add_parser("bench", help="images/s: ONNX Runtime vs PyTorch eager, with and without rollout",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = bench.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="checkpoint directory")
+    source.add_argument("--variant", help="random weights of a named variant, e.g. 'small' for ViT-S/16 at 224")
+    bench.add_argument("--batch-sizes", type=_ints, default=[1, 32])
+    bench.add_argument("--threads", type=int, help="threads for both runtimes (default: torch's)")
+    bench.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per case")
+    bench.set_defaults(func=run_bench)
+
+
+def run_accuracy(args) -> int:
+    from export.evaluate import onnx_accuracy
+
+    rows = onnx_accuracy(args.model, args.sizes, data_dir=args.data_dir, limit=args.limit, threads=args.threads)
+    for row in rows:
+        print(json.dumps(row))
+    return 0
+
+
+def run_bench(args) -> int:
+    from export.evaluate import benchmark, variant_model
+
+    if args.checkpoint:
+        from model.checkpoint import load_checkpoint
+
+        vit, _ = load_checkpoint(args.checkpoint)
+    else:
+        vit = variant_model(args.variant)
+    for row in benchmark(vit, args.batch_sizes, threads=args.threads, min_seconds=args.seconds):
+        print(json.dumps(row))
+    return 0

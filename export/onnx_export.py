@@ -1,0 +1,169 @@
+"""Checkpoint -> ONNX: dynamic batch, height and width, logits and in-graph attention rollout.
+
+`torch.export.export` runs first, with `Dim` dynamic shapes (height and width as multiples of the
+patch), so a violated shape constraint raises here instead of `torch.onnx.export` silently
+re-exporting with frozen sizes; the resulting ExportedProgram is what gets converted to ONNX, and
+the ONNX input dims are checked to be symbolic before anything is written.
+"""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+from torch.export import Dim
+
+from export.rollout import attention_rollout
+from export.verify import ExportVerificationError, Fp16Report, VerificationReport, require_symbolic_input
+from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
+from model.vit import VisionTransformer
+
+INPUT_NAME = "pixel_values"
+OUTPUT_NAMES = ("logits", "rollout")
+METADATA_FORMAT_VERSION = 1
+MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
+
+
+class ViTWithRollout(nn.Module):
+    """What the artifact computes: pixels (B, C, H, W) -> (logits (B, K), rollout (B, H/P, W/P))."""
+
+    def __init__(self, vit: VisionTransformer):
+        super().__init__()
+        self.vit = vit
+
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, attentions = self.vit.forward_with_attention(pixel_values)
+        patch = self.vit.cfg.patch_size
+        grid = (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)  # symbolic under export
+        return logits, attention_rollout(attentions, grid)
+
+
+@dataclass
+class ExportReport:
+    path: Path
+    precision: str  # "fp32" or "fp16"
+    opset: int
+    size_bytes: int
+    export_seconds: float
+    metadata: dict[str, str]
+    verification: VerificationReport | None  # fp32 graph vs PyTorch eager (None with verify=False)
+    fp16: Fp16Report | None = None  # fp16 graph vs fp32 (fp16 exports only)
+
+
+def export_program(module: nn.Module, patch_size: int, example: torch.Tensor) -> torch.export.ExportedProgram:
+    """torch.export with batch, height = P * gh and width = P * gw all dynamic; raises if any gets specialised."""
+    batch, gh, gw = Dim("batch", min=1), Dim("grid_height", min=1), Dim("grid_width", min=1)
+    shapes = ({0: batch, 2: patch_size * gh, 3: patch_size * gw},)
+    return torch.export.export(module, (example,), dynamic_shapes=shapes, strict=False)
+
+
+def example_input(vit: VisionTransformer, batch: int = 2) -> torch.Tensor:
+    # Batch 2 and the trained grid: sizes 0 and 1 would be specialised by torch.export.
+    channels, (height, width) = vit.cfg.in_channels, vit.cfg.image_size
+    return torch.randn(batch, channels, height, width, generator=torch.Generator().manual_seed(0))
+
+
+def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_names: tuple[str, ...],
+            opset: int | None = None) -> onnx.ModelProto:
+    """Export `module` (one input, pixels) to an in-memory ONNX model with named symbolic dims."""
+    program = export_program(module, patch_size, example)
+    onnx_program = torch.onnx.export(program, (example,), input_names=[INPUT_NAME], output_names=list(output_names),
+                                     opset_version=opset, dynamo=True, optimize=True, verbose=False)
+    proto = onnx_program.model_proto
+    require_symbolic_input(proto)
+    name_dims(proto, patch_size)
+    return proto
+
+
+def name_dims(proto: onnx.ModelProto, patch_size: int) -> None:
+    """Rename the exporter's symbols (s12, 4*s34, ...) to the contract's: batch, height, width, height/P, width/P."""
+    dims = proto.graph.input[0].type.tensor_type.shape.dim
+    names = {dims[0].dim_param: "batch", dims[2].dim_param: "height", dims[3].dim_param: "width"}
+    for output in proto.graph.output:
+        if output.name == "rollout":
+            grid = output.type.tensor_type.shape.dim
+            names[grid[1].dim_param] = f"height/{patch_size}"
+            names[grid[2].dim_param] = f"width/{patch_size}"
+    names.pop("", None)
+    for value in [*proto.graph.input, *proto.graph.output, *proto.graph.value_info]:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.dim_param in names:
+                dim.dim_param = names[dim.dim_param]
+
+
+def artifact_metadata(meta: CheckpointMeta, vit: VisionTransformer, precision: str) -> dict[str, str]:
+    """Everything the service reads from the file (docs/architecture.md); all values strings, JSON for structures."""
+    from vitserve import __version__
+
+    cfg = meta.config
+    props = {
+        "vitserve.format_version": str(METADATA_FORMAT_VERSION),
+        "vitserve.name": meta.name,
+        "vitserve.version": meta.version,
+        "vitserve.labels": json.dumps(meta.labels),
+        "vitserve.patch_size": str(cfg.patch_size),
+        "vitserve.image_height": str(cfg.image_size[0]),
+        "vitserve.image_width": str(cfg.image_size[1]),
+        "vitserve.channels": str(cfg.in_channels),
+        "vitserve.mean": json.dumps(meta.mean),
+        "vitserve.std": json.dumps(meta.std),
+        "vitserve.architecture": json.dumps(cfg.to_dict()),
+        "vitserve.precision": precision,
+        "vitserve.exporter": f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
+        "vitserve.weights_sha256": weights_sha256(vit.state_dict()),
+    }
+    accuracy = meta.metrics.get("test_accuracy")
+    if accuracy is not None:
+        props["vitserve.test_accuracy"] = str(float(accuracy))
+    return props
+
+
+def save_model(proto: onnx.ModelProto, out_path: Path) -> None:
+    """One self-contained file; only models past protobuf's 2 GiB limit get a `.data` file beside them."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    if proto.ByteSize() < MAX_SINGLE_FILE_BYTES:
+        onnx.save_model(proto, str(out_path))
+    else:
+        onnx.save_model(proto, str(out_path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=out_path.name + ".data")
+
+
+def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool = False, opset: int | None = None,
+                verify: bool = True) -> ExportReport:
+    """Export a checkpoint directory to one ONNX file and (by default) prove it right.
+
+    Raises ExportVerificationError (file left in place for inspection) when verification fails.
+    """
+    from export import verify as checks
+
+    out_path = Path(out_path)
+    started = time.perf_counter()
+    vit, meta = load_checkpoint(checkpoint_dir)
+    proto = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
+    fp32_proto = proto
+    if fp16:
+        from export.fp16 import convert_to_fp16
+
+        proto = convert_to_fp16(fp32_proto)
+    metadata = artifact_metadata(meta, vit, "fp16" if fp16 else "fp32")
+    onnx.helper.set_model_props(proto, metadata)
+    save_model(proto, out_path)
+    export_seconds = time.perf_counter() - started
+    opset_used = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+    report = ExportReport(out_path, metadata["vitserve.precision"], opset_used, out_path.stat().st_size,
+                          export_seconds, metadata, None)
+    if verify:
+        try:
+            report.verification = checks.verify_against_torch(fp32_proto if fp16 else str(out_path), vit)
+            if fp16:
+                report.fp16 = checks.verify_fp16(str(out_path), fp32_proto, vit, meta)
+            checks.check_artifact(str(out_path), metadata)
+        except ExportVerificationError as e:
+            rejected = out_path.with_name(out_path.name + ".rejected")
+            out_path.replace(rejected)  # never leave an unverified model where a server would load it
+            raise ExportVerificationError(f"{e} (the rejected model was moved to {rejected})") from e
+    return report

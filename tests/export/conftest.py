@@ -1,0 +1,54 @@
+"""Tiny ONNX models, each exported (and verified) once per session."""
+from __future__ import annotations
+
+import pytest
+
+NONSQUARE_LABELS = ["a", "b", "c", "d"]
+
+
+@pytest.fixture(scope="session")
+def tiny_export(tiny_checkpoint, tmp_path_factory):
+    """The shared 3-channel tiny checkpoint exported in float32, with its ExportReport."""
+    from export.onnx_export import export_onnx
+
+    return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny.onnx")
+
+
+@pytest.fixture(scope="session")
+def nonsquare_checkpoint(tmp_path_factory):
+    """1 channel, trained at 24x40 (a 3x5 grid of 8-pixel patches), 3 layers, no recorded accuracy."""
+    import torch
+
+    from model.checkpoint import CheckpointMeta, save_checkpoint
+    from model.vit import VisionTransformer, vit_config
+
+    torch.manual_seed(1)
+    cfg = vit_config("tiny", image_size=(24, 40), patch_size=8, in_channels=1, embed_dim=24, depth=3,
+                     num_heads=3, mlp_dim=48, num_classes=len(NONSQUARE_LABELS))
+    model = VisionTransformer(cfg)
+    with torch.no_grad():
+        model.head.weight.normal_(0, 0.5)
+        model.pos_embed.normal_(0, 0.5)
+    meta = CheckpointMeta(cfg, list(NONSQUARE_LABELS), [0.3], [0.4], name="wide", version="2")
+    return save_checkpoint(tmp_path_factory.mktemp("wide") / "checkpoint", model.eval(), meta)
+
+
+@pytest.fixture(scope="session")
+def nonsquare_export(nonsquare_checkpoint, tmp_path_factory):
+    from export.onnx_export import export_onnx
+
+    return export_onnx(nonsquare_checkpoint, tmp_path_factory.mktemp("onnx") / "wide.onnx")
+
+
+@pytest.fixture(scope="session")
+def tiny_fp16_export(tiny_checkpoint, tmp_path_factory):
+    from export.onnx_export import export_onnx
+
+    return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny-fp16.onnx", fp16=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_checkpoint):
+    from model.checkpoint import load_checkpoint
+
+    return load_checkpoint(tiny_checkpoint)[0]
