@@ -55,7 +55,11 @@ class ServiceState:
 
     async def _warm_up(self) -> None:
         started = time.perf_counter()
-        await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
+        try:
+            await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
+        except Exception:  # stay not-ready: the readiness probe fails and the orchestrator restarts us
+            log.exception("warm-up failed; the service stays not ready")
+            return
         self.ready = True
         self.metrics.set_ready(True)
         log.info("ready: %s %s on %s, warmed up at batch sizes %s in %.2f s", self.model.info.name,

@@ -17,15 +17,23 @@ import pytest
 from service_fixtures import REPO, image_bytes, uvicorn_server
 
 
-def test_serves_over_tcp(tiny_onnx):
-    with uvicorn_server(tiny_onnx) as (url, _):
-        response = httpx.post(f"{url}/v1/classify?top_k=2", files={"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")})
+def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
+    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "1500") as (url, _):
+        response = httpx.post(f"{url}/v1/classify?top_k=2", files={"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")},
+                              timeout=30)
         card = httpx.get(f"{url}/v1/model").json()
         live = httpx.get(f"{url}/v2/health/live").json()
-        scrape = httpx.get(f"{url}/metrics")
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up while its image waits for a batch
+            httpx.post(f"{url}/v1/classify", content=image_bytes("PNG"), headers={"content-type": "image/png"},
+                       timeout=0.3)
+        time.sleep(2.0)  # past the queue delay: had it stayed queued, it would have run by now
+        scrape = httpx.get(f"{url}/metrics").text
     assert response.status_code == 200 and len(response.json()["predictions"]) == 2
     assert card["provider"] == "CPUExecutionProvider" and live == {"live": True}
-    assert scrape.status_code == 200 and "vitserve_ready 1.0" in scrape.text
+    assert "vitserve_ready 1.0" in scrape
+    assert "vitserve_images_total 1.0" in scrape  # only the first request ran
+    assert 'vitserve_requests_rejected_total{reason="client_disconnected"} 1.0' in scrape
+    assert "vitserve_queue_depth 0.0" in scrape
 
 
 def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
