@@ -40,7 +40,10 @@ from pathlib import Path
 
 
 LOOPBACK = "127.0.0.1"
-PRESETS = {"vit-s16": ("S/16", 224)}  # --model names the bench can make itself (random weights; needs torch)
+# --model names the bench makes itself, with random weights (needs torch): a model.vit variant and its overrides.
+# Speed does not depend on the weights, so these measure the real architectures.
+PRESETS = {"vit-s16": ("S/16", {"image_size": (224, 224), "num_classes": 1000}),
+           "vit-fmnist-random": ("fmnist", {})}
 DEFAULT_CACHE = Path("build/bench-models")
 
 
@@ -211,48 +214,75 @@ def encode_request(method: str, target: str, body: bytes = b"", content_type: st
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
+@dataclass
+class _Window:
+    """The measured window of one level: opens after the warm-up, closes when the timer and the count allow."""
+
+    start: float
+    end: float | None = None  # None while open
+    latencies: list[float] = field(default_factory=list)
+    errors: Counter = field(default_factory=Counter)
+
+    def open_at(self, now: float) -> bool:
+        return self.end is None or now < self.end
+
+    def record(self, sent: float, done: float, status) -> None:
+        if done >= self.start and self.open_at(done):
+            self.latencies.append(done - sent) if status == 200 else self.errors.update([str(status)])
+
+
+async def _closed_loop_client(conn: HttpConnection, payloads: list[bytes], first: int, step: int, window: _Window,
+                              timeout_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    try:
+        for k in range(first, 10**9, step):  # bounded by the window's end, and by count here
+            if not window.open_at(loop.time()):
+                break
+            sent = loop.time()
+            try:
+                status, _ = await asyncio.wait_for(conn.request(payloads[k % len(payloads)]), timeout_s)
+            except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                status = type(e).__name__
+                await conn.close()
+            window.record(sent, loop.time(), status)
+    finally:
+        await conn.close()
+
+
 async def closed_loop(host: str, port: int, payloads: list[bytes], concurrency: int, warmup_s: float,
-                      duration_s: float, timeout_s: float, on_window=None) -> dict:
+                      duration_s: float, timeout_s: float, on_window=None, min_completed: int = 0,
+                      max_duration_s: float | None = None) -> dict:
     """`concurrency` clients, each sending its next request as soon as the previous one is answered.
 
-    Requests completed in [warm-up end, warm-up end + duration) are counted; the others only warm the server.
-    `on_window(edge)` is awaited at the window's start ("start") and end ("end") to take snapshots.
+    Requests completed inside the window (after `warmup_s`, for `duration_s`, stretched up to `max_duration_s`
+    until `min_completed` requests are in, so that slow models give more than a handful) are counted; the others
+    only warm the server. `on_window(edge)` is awaited at the window's "start" and "end" to take snapshots.
     """
     loop = asyncio.get_running_loop()
-    t0 = loop.time() + warmup_s
-    t1 = t0 + duration_s
-    latencies: list[float] = []
-    errors: Counter = Counter()
+    window = _Window(loop.time() + warmup_s)
+    last_end = window.start + max(duration_s, max_duration_s or 0)
 
-    async def client(index: int) -> None:
-        conn = HttpConnection(host, port)
-        try:
-            for k in range(index, 10**9, concurrency):  # bounded by time below, and by count here
-                if loop.time() >= t1:
-                    break
-                sent = loop.time()
-                try:
-                    status, _ = await asyncio.wait_for(conn.request(payloads[k % len(payloads)]), timeout_s)
-                except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                    status = type(e).__name__
-                    await conn.close()
-                done = loop.time()
-                if t0 <= done < t1:
-                    latencies.append(done - sent) if status == 200 else errors.update([str(status)])
-        finally:
-            await conn.close()
-
-    async def window() -> None:
-        await asyncio.sleep(max(t0 - loop.time(), 0))
+    async def timekeeper() -> None:
+        await asyncio.sleep(max(window.start - loop.time(), 0))
         if on_window:
             await on_window("start")
-        await asyncio.sleep(max(t1 - loop.time(), 0))
+        await asyncio.sleep(duration_s)
+        while len(window.latencies) + sum(window.errors.values()) < min_completed and loop.time() < last_end:
+            await asyncio.sleep(0.05)
+        window.end = loop.time()
         if on_window:
             await on_window("end")
 
-    await asyncio.gather(window(), *(client(i) for i in range(concurrency)))
-    return {"concurrency": concurrency, "completed": len(latencies), "errors": dict(errors),
-            "requests_per_s": len(latencies) / duration_s, **latency_summary(latencies)}
+    clients = [asyncio.create_task(_closed_loop_client(HttpConnection(host, port), payloads, i, concurrency, window,
+                                                       timeout_s)) for i in range(concurrency)]
+    await timekeeper()
+    for task in clients:  # requests still in flight are not counted: hang up (the server drops them unrun)
+        task.cancel()
+    await asyncio.gather(*clients, return_exceptions=True)
+    measured = window.end - window.start
+    return {"concurrency": concurrency, "completed": len(window.latencies), "errors": dict(window.errors),
+            "window_s": measured, "requests_per_s": len(window.latencies) / measured,
+            **latency_summary(window.latencies)}
 
 
 # ---------------------------------------------------------------------------------------------------- servers
@@ -356,12 +386,12 @@ def export_preset(name: str, out_path: str) -> None:
     from model.checkpoint import CheckpointMeta, save_checkpoint
     from model.vit import VisionTransformer, vit_config
 
-    variant, size = PRESETS[name]
+    variant, overrides = PRESETS[name]
     torch.manual_seed(0)
-    cfg = vit_config(variant, image_size=(size, size), num_classes=1000)
+    cfg = vit_config(variant, **overrides)
     vit = VisionTransformer(cfg).eval()
-    meta = CheckpointMeta(cfg, [f"class_{i}" for i in range(1000)], [0.485, 0.456, 0.406], [0.229, 0.224, 0.225],
-                          name=name, version="random")
+    mean, std = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) if cfg.in_channels == 3 else ([0.5], [0.5])
+    meta = CheckpointMeta(cfg, [f"class_{i}" for i in range(cfg.num_classes)], mean, std, name=name, version="random")
     with tempfile.TemporaryDirectory() as tmp:
         save_checkpoint(Path(tmp) / "checkpoint", vit, meta)
         export_onnx(Path(tmp) / "checkpoint", out_path, verify=False)
@@ -399,6 +429,8 @@ class BenchConfig:
     max_queue_delay_ms: float | None = None  # None: the server's default
     duration_s: float = 5.0  # measured window per served level
     warmup_s: float = 1.5  # discarded before each window
+    min_completed_per_client: int = 3  # a window stretches (up to max_duration_factor x) until this many per client
+    max_duration_factor: float = 3.0
     raw_duration_s: float = 3.0  # per raw batch size
     bare: str = "auto"  # "on", "off", or "auto": only when the model is fast enough to be HTTP-bound
     bare_threshold_ms: float = 5.0  # auto: run bare when raw batch-1 p50 is below this
@@ -430,7 +462,8 @@ def run_level(server: ServerProcess, payloads: list[bytes], concurrency: int, cf
         edges[edge] = (CpuSnapshot.take(server.pid), metrics)
 
     result = asyncio.run(closed_loop(LOOPBACK, server.port, payloads, concurrency, cfg.warmup_s, cfg.duration_s,
-                                     cfg.request_timeout_s, on_window))
+                                     cfg.request_timeout_s, on_window, min_completed=cfg.min_completed_per_client
+                                     * concurrency, max_duration_s=cfg.max_duration_factor * cfg.duration_s))
     (cpu0, m0), (cpu1, m1) = edges["start"], edges["end"]
     result.update(cpu0.usage(cpu1))
     batches = m1.get(names[1], 0.0) - m0.get(names[1], 0.0)
@@ -446,7 +479,7 @@ def run_levels(server: ServerProcess, payloads: dict[str, list[bytes]], cfg: Ben
     for kind, requests in payloads.items():
         for c in cfg.concurrency:
             row = {**labels, "input": kind, "concurrency": c}
-            if not budget.allows(cfg.warmup_s + cfg.duration_s + 5):
+            if not budget.allows(cfg.warmup_s + cfg.max_duration_factor * cfg.duration_s + 5):
                 rows.append({**row, "skipped": "time limit"})
                 continue
             rows.append({**row, **run_level(server, requests, c, cfg)})
@@ -502,14 +535,15 @@ def _table(header: list[str], rows: list[list[str]], text_columns: int = 0) -> l
 
 
 def _raw_table(raw: list[dict]) -> list[str]:
-    return _table(["batch size", "images/s", "latency p50 ms", "p99 ms", "calls"],
+    return _table(["batch size", "images/s", "latency p50 ms", "p99 ms", "calls", "session cores", "other cores"],
                   [[str(r["batch_size"]), _f(r["images_per_s"]), _f(r["p50_ms"], ".2f"), _f(r["p99_ms"], ".2f"),
-                    str(r["calls"])] for r in raw])
+                    str(r["calls"]), _f(r.get("session_cores"), ".2f"), _f(r.get("other_cores"), ".2f")]
+                   for r in raw])
 
 
 def _load_table(rows: list[dict], with_batching: bool = True) -> list[str]:
     header = (["input", "batching"] if with_batching else ["input"]) + [
-        "clients", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors", "mean batch", "ORT busy",
+        "clients", "req/s", "p50 ms", "p90 ms", "p99 ms", "errors", "window s", "mean batch", "ORT busy",
         "server cores", "client cores", "other cores"]
     body = []
     for r in rows:
@@ -519,7 +553,8 @@ def _load_table(rows: list[dict], with_batching: bool = True) -> list[str]:
             continue
         errors = ", ".join(f"{k}: {v}" for k, v in sorted(r["errors"].items())) or "0"
         body.append(head + [_f(r["requests_per_s"]), _f(r["p50_ms"], ".2f"), _f(r["p90_ms"], ".2f"),
-                            _f(r["p99_ms"], ".2f"), errors, _f(r.get("mean_batch_size"), ".2f"),
+                            _f(r["p99_ms"], ".2f"), errors, _f(r["window_s"], ".1f"),
+                            _f(r.get("mean_batch_size"), ".2f"),
                             _f(r.get("inference_busy"), ".0%"), _f(r["server_cores"], ".2f"),
                             _f(r["client_cores"], ".2f"), _f(r["other_cores"], ".2f")])
     return _table(header, body, text_columns=2 if with_batching else 1)
@@ -551,11 +586,12 @@ def render_markdown(report: dict, plot_name: str | None) -> str:
              f"provider {m['provider']}; onnxruntime {env['onnxruntime']}, Python {env['python']}; "
              f"{env['cpu']} ({env['cpus']} CPUs). Load average at start {env['loadavg_start']}, at end "
              f"{env['loadavg_end']}; other processes used **{env['other_cores_mean']:.2f} cores** on average during "
-             f"the measured windows ({'contended' if env['contended'] else 'quiet machine'}).", "",
+             f"the measured windows (raw and served) ({'contended' if env['contended'] else 'quiet machine'}).", "",
              f"Server: `vitserve serve` in a uvicorn child process on {LOOPBACK}; batching on = max batch size "
              f"{s['max_batch_size']}, off = 1; max queue delay {s['max_queue_delay_ms']} ms; other settings "
              f"{s['server_settings'] or 'default'}. Closed loop: each client sends its next request when the last "
-             f"is answered; {s['warmup_s']} s warm-up then {s['duration_s']} s measured per level. Requests: "
+             f"is answered; {s['warmup_s']} s warm-up then {s['duration_s']} s measured per level (stretched, up to "
+             f"{s['max_duration_factor']}x, until {s['min_completed_per_client']} answers per client). Requests: "
              f"`POST /v1/classify` with the image as the body (top_k 5, rollout grid); PNG = {m['height']}x{m['width']} "
              f"pre-sized, JPEG = 640x480 (decoded and resized by the server). The raw session gets the server's "
              f"own preprocessing of the PNGs. Load generator: {s['load_generator']}.", "",
@@ -574,7 +610,10 @@ def render_markdown(report: dict, plot_name: str | None) -> str:
 
 
 def plot_report(report: dict, path: Path) -> bool:
-    """Latency (p50, p99 dashed) vs throughput per configuration; False (with a message) without matplotlib."""
+    """Latency (p50 solid, p99 dashed) vs throughput per configuration, raw ORT images/s as vertical lines.
+
+    Returns False, with a message, when matplotlib (the `train` extra) is not installed.
+    """
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -583,33 +622,35 @@ def plot_report(report: dict, path: Path) -> bool:
         print("matplotlib is not installed (pip install matplotlib): no plot written", file=sys.stderr)
         return False
     fig, ax = plt.subplots(figsize=(8, 5))
-    groups: dict[str, list[dict]] = {}
-    for r in report["served"] + report.get("bare", []):
-        if "skipped" not in r:
-            groups.setdefault(f"{r.get('app', 'served')} {r['input']} batching {r.get('batching', '-')}", []).append(r)
-    for label, rows in groups.items():
-        rows.sort(key=lambda r: r["concurrency"])
-        x = [r["requests_per_s"] for r in rows]
-        (line,) = ax.plot(x, [r["p50_ms"] for r in rows], marker="o", label=label + " (p50)")
-        ax.plot(x, [r["p99_ms"] for r in rows], ls="--", color=line.get_color(), alpha=0.6)
-        for r in rows:
-            ax.annotate(str(r["concurrency"]), (r["requests_per_s"], r["p50_ms"]), fontsize=7,
-                        textcoords="offset points", xytext=(3, 3))
+    _plot_load_curves(ax, report["served"] + report.get("bare", []))
     for r in report["raw"]:
         ax.axvline(r["images_per_s"], color="grey", lw=0.8, ls=":")
         ax.annotate(f"raw bs {r['batch_size']}", (r["images_per_s"], 1), rotation=90, fontsize=7, color="grey",
                     xycoords=("data", "axes fraction"), va="top", ha="right")
-    ax.set_xscale("log")
-    ax.set_yscale("log")
-    ax.set_xlabel("throughput (images/s = requests/s)")
-    ax.set_ylabel("latency (ms); p50 solid, p99 dashed")
-    ax.set_title(f"vitserve bench: {report['model']['name']} (numbers: concurrent clients)")
+    ax.set(xscale="log", yscale="log", xlabel="throughput (images/s = requests/s)",
+           ylabel="latency (ms); p50 solid, p99 dashed",
+           title=f"vitserve bench: {report['model']['name']} (point labels: concurrent clients)")
     ax.legend(fontsize=7)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _plot_load_curves(ax, rows: list[dict]) -> None:
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if "skipped" not in r and r["completed"]:
+            groups.setdefault(f"{r.get('app', 'served')} {r['input']} batching {r.get('batching', '-')}", []).append(r)
+    for label, group in groups.items():
+        group.sort(key=lambda r: r["concurrency"])
+        x = [r["requests_per_s"] for r in group]
+        (line,) = ax.plot(x, [r["p50_ms"] for r in group], marker="o", label=label)
+        ax.plot(x, [r["p99_ms"] for r in group], ls="--", color=line.get_color(), alpha=0.6)
+        for r in group:
+            ax.annotate(str(r["concurrency"]), (r["requests_per_s"], r["p50_ms"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))
 
 
 # ---------------------------------------------------------------------------------------------------- orchestration
@@ -737,9 +778,14 @@ def raw_phase(model, images: list[bytes], cfg: BenchConfig) -> list[dict]:
                         for data in images])  # (n, C, H, W)
     sizes = sorted(set(cfg.batch_sizes) | {cfg.max_batch_size})
     print(f"raw ONNX Runtime, batch sizes {sizes}", flush=True)
-    rows = bench_raw(model.run, samples, sizes, cfg.raw_duration_s)
-    for r in rows:
-        print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms", flush=True)
+    rows = []
+    for size in sizes:
+        before = CpuSnapshot.take(None)
+        rows += bench_raw(model.run, samples, [size], cfg.raw_duration_s)
+        usage = before.usage(CpuSnapshot.take(None))  # "client" is this process: the session
+        rows[-1].update(session_cores=usage["client_cores"], other_cores=usage["other_cores"])
+        r = rows[-1]
+        print(f"  raw bs {size:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms", flush=True)
     return rows
 
 
@@ -764,7 +810,7 @@ def run_bench(cfg: BenchConfig, overrides: dict[str, str], command: str = "vitse
     served = served_phase(model_path, payloads, cfg, overrides, budget)
     run_bare = cfg.bare == "on" or (cfg.bare == "auto" and raw[0]["p50_ms"] < cfg.bare_threshold_ms)
     bare = bare_phase(payloads, cfg, overrides, budget) if run_bare and "png" in payloads else []
-    measured = [r for r in served + bare if "skipped" not in r]
+    measured = [r for r in raw + served + bare if "skipped" not in r]
     other = sum(r["other_cores"] for r in measured) / len(measured) if measured else float("nan")
     env.update(loadavg_end=_loadavg(), other_cores_mean=other, contended=bool(other > 0.25))
     settings = {**asdict(cfg), "server_settings": overrides,
