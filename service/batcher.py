@@ -114,9 +114,10 @@ class DynamicBatcher:
 
     def _expire(self, item: _Item) -> None:
         if not item.future.done():
-            waited = time.perf_counter() - item.enqueued
-            item.future.set_exception(DeadlineExceeded(f"waited {waited * 1000:.0f} ms in the queue; "
-                                                       f"the deadline is {(item.deadline - item.enqueued) * 1000:.0f} ms"))
+            waited_ms = (time.perf_counter() - item.enqueued) * 1000
+            limit_ms = (item.deadline - item.enqueued) * 1000
+            item.future.set_exception(DeadlineExceeded(f"waited {waited_ms:.0f} ms in the queue; "
+                                                       f"the deadline is {limit_ms:.0f} ms"))
 
     def _set_queued(self, depth: int) -> None:
         self._queued = depth

@@ -23,12 +23,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "serve", help="serve an exported model over HTTP (FastAPI + uvicorn, dynamic batching)",
         description="Serve a vitserve ONNX model. Each flag also reads from its VITSERVE_* environment variable.")
-    parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx", help="the exported model (VITSERVE_MODEL_PATH)")
+    parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx",
+                        help="the exported model (VITSERVE_MODEL_PATH)")
     for name, field in Settings.model_fields.items():
         if name == "model_path":
             continue
         default = field.default if field.default_factory is None else "(derived)"
-        help_text = f"{field.description + '; ' if field.description else ''}env {ENV_PREFIX}{name.upper()}, default {default}"
+        described = f"{field.description}; " if field.description else ""
+        help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}"
         parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=_metavar(field.annotation),
                             help=help_text.replace("%", "%%"))
     parser.set_defaults(func=run_serve)

@@ -31,13 +31,14 @@ _BATCH_BODY = {"requestBody": {"required": True, "content": {"multipart/form-dat
         "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}}}}}
 
 
+_TOP_K = Query(ge=1, le=1000, description="classes to return (capped at the model's class count)")
+_ROLLOUT = Query(description="rollout map: grid values, heat-map png, overlay png, or none")
+_RESIZE = Query(description="fit: scale and centre-crop to the trained size; native: keep aspect, snap to patches")
+
+
 class ClassifyParams:
-    def __init__(self,
-                 top_k: Annotated[int, Query(ge=1, le=1000, description="classes to return (capped at the "
-                                                                        "model's class count)")] = 5,
-                 rollout: Annotated[RolloutFormat, Query(description="rollout map format")] = "grid",
-                 resize: Annotated[ResizePolicy, Query(description="fit: scale and centre-crop to the trained "
-                                                                   "size; native: keep aspect, snap to patches")] = "fit"):
+    def __init__(self, top_k: Annotated[int, _TOP_K] = 5, rollout: Annotated[RolloutFormat, _ROLLOUT] = "grid",
+                 resize: Annotated[ResizePolicy, _RESIZE] = "fit"):
         self.top_k, self.rollout, self.resize = top_k, rollout, resize
 
 

@@ -19,8 +19,8 @@ from service_fixtures import REPO, image_bytes, uvicorn_server
 
 def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
     with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "1500") as (url, _):
-        response = httpx.post(f"{url}/v1/classify?top_k=2", files={"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")},
-                              timeout=30)
+        upload = {"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")}
+        response = httpx.post(f"{url}/v1/classify?top_k=2", files=upload, timeout=30)
         card = httpx.get(f"{url}/v1/model").json()
         live = httpx.get(f"{url}/v2/health/live").json()
         with pytest.raises(httpx.ReadTimeout):  # the client gives up while its image waits for a batch
