@@ -110,11 +110,14 @@ def quantile_bounds(q: float, prometheus: str, selector: str, at: float) -> tupl
     return lower, upper
 
 
-@pytest.fixture
-def vitserve(tiny_onnx):
-    started = time.monotonic()
-    with uvicorn_server(tiny_onnx, "--max-batch-size", "4", "--max-queue-delay-ms", "2") as (base_url, _process):
-        print(f"\nvitserve ready at {base_url} after {time.monotonic() - started:.1f} s")
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def vitserve(request, tiny_onnx, tmp_path):
+    """`vitserve serve` with one worker, and with two (multiprocess metrics: one scrape sums both)."""
+    workers, started = request.param, time.monotonic()
+    env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")} if workers > 1 else {}
+    flags = ("--max-batch-size", "4", "--max-queue-delay-ms", "2", "--workers", str(workers))
+    with uvicorn_server(tiny_onnx, *flags, env=env) as (base_url, _process):
+        print(f"\nvitserve ({workers} worker(s)) ready at {base_url} after {time.monotonic() - started:.1f} s")
         yield base_url
 
 
