@@ -1,7 +1,8 @@
 """Dynamic batching: many concurrent `submit(array)` calls become few `run_batch(stacked)` calls.
 
 The batcher knows nothing of HTTP or ONNX. It groups items by array shape, dispatches a group when
-it reaches `max_batch_size` or when its oldest item has waited `max_queue_delay_s`, and keeps up to
+it reaches `max_batch_size` or when its oldest item has waited `max_queue_delay_s` (or at once when
+no batch is in flight and `dispatch_when_idle`: an idle model has nobody to wait for), and keeps up to
 `max_batches_in_flight` batches assembled or running (one runs at a time on its own thread), so the
 next batch is stacked while the current one runs. Each item gets its own result or its own exception:
   - QueueFullError at once when `max_queue_size` items are already queued;
@@ -66,16 +67,18 @@ class _Item:
 
 class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
-                 max_queue_size: int, max_batches_in_flight: int = 2, retry_after_s: int = 1,
-                 observer: BatchObserver | None = None):
+                 max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
+                 retry_after_s: int = 1, observer: BatchObserver | None = None):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
+        self.dispatch_when_idle = dispatch_when_idle
         self.retry_after_s = retry_after_s
         self._observer = observer or _NullObserver()
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # shape -> items, oldest first
         self._queued = 0
+        self._active = 0  # batches taken from the queue and not yet answered
         self._slots = asyncio.Semaphore(max_batches_in_flight)
         self._wakeup = asyncio.Event()
         self._closing = False
@@ -146,7 +149,8 @@ class DynamicBatcher:
                 continue
             shape, group = min(self._groups.items(), key=lambda kv: kv[1][0].enqueued)
             wait = group[0].enqueued + self.max_queue_delay_s - time.perf_counter()
-            if len(group) >= self.max_batch_size or wait <= 0 or self._closing:
+            idle = self.dispatch_when_idle and self._active == 0
+            if len(group) >= self.max_batch_size or wait <= 0 or idle or self._closing:
                 return self._take(shape, group)
             self._wakeup.clear()
             try:
@@ -179,6 +183,7 @@ class DynamicBatcher:
             item.dispatched = now
             self._observer.queue_wait(now - item.enqueued)
         self._set_queued(self._queued - len(batch))
+        self._active += 1
         return batch
 
     async def _execute(self, batch: list[_Item]) -> None:
@@ -200,7 +205,9 @@ class DynamicBatcher:
             for item, output in zip(batch, outputs):
                 self._resolve(item, output, seconds, len(batch))
         finally:
+            self._active -= 1
             self._slots.release()
+            self._wakeup.set()  # an idle model may now take what is queued
 
     @staticmethod
     def _resolve(item: _Item, output: Any, seconds: float, size: int) -> None:

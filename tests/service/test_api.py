@@ -143,7 +143,7 @@ async def test_batch_endpoint_answers_each_file_in_order(settings, tiny_model):
 
 async def test_concurrent_requests_are_batched_within_the_maximum(tiny_onnx, tiny_model):
     model = WrappedModel(tiny_model)
-    settings = settings_for(tiny_onnx, max_batch_size=4, max_queue_delay_ms=300)
+    settings = settings_for(tiny_onnx, max_batch_size=4, max_queue_delay_ms=300, dispatch_when_idle=False)
     async with serving(settings, model) as client:
         model.batch_sizes.clear()
         responses = await asyncio.gather(*(classify(client, image_bytes("PNG")) for _ in range(10)))

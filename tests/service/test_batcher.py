@@ -32,7 +32,8 @@ class Recorder:
 
 
 def make(recorder, **overrides) -> DynamicBatcher:
-    options = dict(max_batch_size=4, max_queue_delay_s=0.05, max_queue_size=100, max_batches_in_flight=1)
+    options = dict(max_batch_size=4, max_queue_delay_s=0.05, max_queue_size=100, max_batches_in_flight=1,
+                   dispatch_when_idle=False)
     options.update(overrides)
     batcher = DynamicBatcher(recorder, **options)
     batcher.start()
@@ -58,6 +59,23 @@ async def test_a_lone_request_waits_about_the_delay_and_no_more():
     batcher = make(recorder, max_queue_delay_s=0.2)
     result = await batcher.submit(item(1), 10)
     assert 0.15 <= result.queue_s < 2.0 and result.batch_size == 1
+    await batcher.close()
+
+
+async def test_an_idle_model_takes_a_lone_request_at_once_and_a_busy_one_batches():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=5.0, dispatch_when_idle=True)
+    lone = await asyncio.wait_for(batcher.submit(item(1), 10), 2)  # not 5 s: nothing else runs
+    assert lone.batch_size == 1 and lone.queue_s < 2
+    recorder.gate.clear()
+    first = asyncio.ensure_future(batcher.submit(item(2), 10))  # runs at once, then blocks in the model
+    await asyncio.sleep(0.1)
+    waiting = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in (3, 4, 5)]
+    await asyncio.sleep(0.1)
+    recorder.gate.set()  # the model frees up: the three queued meanwhile go together, long before 5 s
+    results = await asyncio.wait_for(asyncio.gather(first, *waiting), 2)
+    assert [r.batch_size for r in results] == [1, 3, 3, 3]
+    assert recorder.batches == [[1.0], [2.0], [3.0, 4.0, 5.0]]
     await batcher.close()
 
 
@@ -154,7 +172,7 @@ async def test_observer_gets_plain_numbers():
 
     observer = Observer()
     batcher = DynamicBatcher(Recorder(), max_batch_size=4, max_queue_delay_s=0.2, max_queue_size=10,
-                             observer=observer)
+                             dispatch_when_idle=False, observer=observer)
     batcher.start()
     await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(3)))
     assert observer.batches == [3] and max(observer.depths) == 3 and observer.depths[-1] == 0

@@ -18,7 +18,7 @@ from service_fixtures import REPO, image_bytes, uvicorn_server
 
 
 def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
-    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "1500") as (url, _):
+    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "1500", "--dispatch-when-idle", "false") as (url, _):
         upload = {"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")}
         response = httpx.post(f"{url}/v1/classify?top_k=2", files=upload, timeout=30)
         card = httpx.get(f"{url}/v1/model").json()
@@ -44,7 +44,8 @@ def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
                               timeout=30)
         results.append(response.status_code)
 
-    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "2000", "--max-batch-size", "16") as (url, process):
+    queue_for_2_s = ("--max-queue-delay-ms", "2000", "--max-batch-size", "16", "--dispatch-when-idle", "false")
+    with uvicorn_server(tiny_onnx, *queue_for_2_s) as (url, process):
         senders = [threading.Thread(target=send) for _ in range(4)]
         for sender in senders:
             sender.start()
