@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -191,6 +192,13 @@ def _provider_options(name: str, s: Settings) -> dict:
     return {}
 
 
+def intra_op_threads(settings: Settings) -> int:
+    """The configured count; by default ORT's (one per core) for one worker, the cores shared out for several."""
+    if settings.intra_op_threads or settings.workers == 1:
+        return settings.intra_op_threads
+    return max(1, (os.cpu_count() or 1) // settings.workers)
+
+
 def session_options(settings: Settings):
     import onnxruntime as ort
     levels = {"disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
@@ -199,7 +207,7 @@ def session_options(settings: Settings):
               "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL}
     opts = ort.SessionOptions()
     opts.graph_optimization_level = levels[settings.graph_optimization]
-    opts.intra_op_num_threads = settings.intra_op_threads
+    opts.intra_op_num_threads = intra_op_threads(settings)
     opts.inter_op_num_threads = settings.inter_op_threads
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.intra_op_spinning else "0")

@@ -9,7 +9,7 @@ import onnx
 import pytest
 
 from service.errors import ModelLoadError
-from service.runtime import OnnxModel, parse_metadata, provider_chain, scan_model_file, session_options, warm_up
+from service.runtime import OnnxModel, intra_op_threads, parse_metadata, provider_chain, scan_model_file, session_options, warm_up
 from service.settings import Settings
 from service_fixtures import settings_for
 
@@ -77,6 +77,8 @@ def test_session_options_follow_settings():
     options = session_options(Settings(intra_op_threads=3, inter_op_threads=2, intra_op_spinning=False))
     assert options.intra_op_num_threads == 3 and options.inter_op_num_threads == 2
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+    assert intra_op_threads(Settings()) == 0  # ORT's default: every core for the one worker
+    assert intra_op_threads(Settings(workers=2)) == max(1, (os.cpu_count() or 1) // 2)  # no oversubscription
 
 
 def test_model_runs_at_several_resolutions(tiny_model):
