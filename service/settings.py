@@ -32,7 +32,8 @@ class Settings(BaseSettings):
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     tensorrt_fp16: bool = False
     tensorrt_cache_dir: Path | None = None
-    intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; 0 = one per core, shared out among workers")
+    intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; "
+                                                       "0 = one per core, shared out among workers")
     inter_op_threads: int = Field(1, ge=0)
     intra_op_spinning: bool = Field(True, description="spin-wait between ORT ops (faster, burns idle CPU)")
     graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"

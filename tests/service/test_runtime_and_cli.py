@@ -9,7 +9,8 @@ import onnx
 import pytest
 
 from service.errors import ModelLoadError
-from service.runtime import OnnxModel, intra_op_threads, parse_metadata, provider_chain, scan_model_file, session_options, warm_up
+from service.runtime import (OnnxModel, intra_op_threads, parse_metadata, provider_chain, scan_model_file,
+                             session_options, warm_up)
 from service.settings import Settings
 from service_fixtures import settings_for
 
