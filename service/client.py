@@ -10,7 +10,6 @@ import argparse
 import base64
 import logging
 import mimetypes
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 

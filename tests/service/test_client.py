@@ -59,8 +59,9 @@ def check_overlays(images, out_dir=None):
             assert overlay.size == source.size  # the overlay covers the whole input, at its size
 
 
-def test_predict_locally_prints_top_k_and_writes_overlays(tiny_onnx, images, capsys):
-    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "2"]) == 0
+@pytest.mark.parametrize("resize", ["fit", "native"])
+def test_predict_locally_prints_top_k_and_writes_overlays(tiny_onnx, images, capsys, resize):
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "2", "--resize", resize]) == 0
     out = capsys.readouterr().out
     check_predictions(parse_table(out), images, k=2)
     check_overlays(images)
