@@ -74,29 +74,35 @@ def images_per_second(run, batch: int, min_seconds: float) -> tuple[float, int]:
     return batch * calls / (time.perf_counter() - started), calls
 
 
-def benchmark(vit, batch_sizes: list[int], *, threads: int | None = None, min_seconds: float = 3.0) -> list[dict]:
-    """images/s of ONNX Runtime (CPU) and PyTorch eager, logits only (fused attention) and logits + rollout."""
+def benchmark(vit, batch_sizes: list[int], *, threads: int | None = None, min_seconds: float = 3.0,
+              rounds: int = 3) -> list[dict]:
+    """images/s of ONNX Runtime (CPU) and PyTorch eager, logits only (fused attention) and logits + rollout.
+
+    The four cases of a batch size take turns for `rounds` rounds and each keeps its best rate, so a
+    burst of load from other processes penalises one round, not one case.
+    """
     from export.onnx_export import OUTPUT_NAMES, ViTWithRollout, example_input, to_onnx
 
     if threads:
         torch.set_num_threads(threads)
     patch = vit.cfg.patch_size
-    variants = {False: vit, True: ViTWithRollout(vit)}
-    graphs = {False: to_onnx(vit, patch, example_input(vit), ("logits",)),
-              True: to_onnx(variants[True], patch, example_input(vit), OUTPUT_NAMES)}
-    sessions = {k: cpu_session(g, threads=threads or 0) for k, g in graphs.items()}
+    modules = {False: vit, True: ViTWithRollout(vit)}
+    sessions = {False: cpu_session(to_onnx(vit, patch, example_input(vit), ("logits",)), threads=threads or 0),
+                True: cpu_session(to_onnx(modules[True], patch, example_input(vit), OUTPUT_NAMES), threads=threads or 0)}
     rows = []
     for batch in batch_sizes:
         x = example_input(vit, batch)
         feed = {"pixel_values": x.numpy()}
-        for rollout in (False, True):
-            with torch.inference_mode():
-                torch_rate, _ = images_per_second(lambda: variants[rollout](x), batch, min_seconds)
-            ort_rate, _ = images_per_second(lambda: sessions[rollout].run(None, feed), batch, min_seconds)
-            for runtime, rate in (("torch", torch_rate), ("onnxruntime", ort_rate)):
-                rows.append({"runtime": runtime, "rollout": rollout, "batch": batch,
-                             "images_per_s": round(rate, 1), "size": list(vit.cfg.image_size),
-                             "threads": threads or torch.get_num_threads()})
+        cases = {("torch", r): (lambda r=r: modules[r](x)) for r in (False, True)}
+        cases.update({("onnxruntime", r): (lambda r=r: sessions[r].run(None, feed)) for r in (False, True)})
+        best = dict.fromkeys(cases, 0.0)
+        with torch.inference_mode():
+            for _ in range(rounds):
+                for key, run in cases.items():
+                    best[key] = max(best[key], images_per_second(run, batch, min_seconds / rounds)[0])
+        rows += [{"runtime": runtime, "rollout": rollout, "batch": batch, "images_per_s": round(rate, 1),
+                  "size": list(vit.cfg.image_size), "threads": threads or torch.get_num_threads()}
+                 for (runtime, rollout), rate in best.items()]
     return rows
 
 
