@@ -11,7 +11,7 @@ from vitserve import __version__
 # package module -> the functions that add its subcommands
 _COMMANDS = [
     ("model.cli", ["add_train_parser", "add_import_parser"]),
-    ("export.cli", ["add_export_parser"]),
+    ("export.cli", ["add_export_parser", "add_evaluate_parser"]),
     ("service.cli", ["add_serve_parser"]),
     ("service.client", ["add_predict_parser"]),
     ("service.bench", ["add_bench_parser"]),
