@@ -41,7 +41,7 @@ test: $(VENV)/.dev-installed
 
 # Trains the default model on Fashion-MNIST (resumes if interrupted), then exports and verifies it.
 model: $(VENV)/.dev-installed
-	$(BIN)/vitserve train --model fmnist --epochs 40 --seed 0 --name vit-fmnist --version 1 \
+	$(BIN)/vitserve train --model fmnist --epochs 60 --seed 0 --name vit-fmnist --version 1 \
 		--out $(TRAIN_RUN) --resume
 	rm -rf $(MODEL_DIR)/checkpoint && mkdir -p $(MODEL_DIR)
 	cp -r $(TRAIN_RUN)/checkpoint $(MODEL_DIR)/checkpoint
