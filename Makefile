@@ -46,6 +46,7 @@ model: $(VENV)/.dev-installed
 	rm -rf $(MODEL_DIR)/checkpoint && mkdir -p $(MODEL_DIR)
 	cp -r $(TRAIN_RUN)/checkpoint $(MODEL_DIR)/checkpoint
 	cp $(TRAIN_RUN)/log.csv $(TRAIN_RUN)/curves.png $(MODEL_DIR)/
+	$(BIN)/python -m model.report $(TRAIN_RUN) --out $(MODEL_DIR)/REPORT.md
 	$(MAKE) export-default
 
 export-default: $(VENV)/.dev-installed
