@@ -439,7 +439,7 @@ class BenchConfig:
     num_images: int = 8
     seed: int = 0
     cache_dir: Path = DEFAULT_CACHE
-    log_dir: Path | None = None  # server logs; default: beside --out
+    log_dir: Path = Path("build/bench-logs")  # the servers' logs
 
 
 class Budget:
@@ -484,7 +484,22 @@ def run_levels(server: ServerProcess, payloads: dict[str, list[bytes]], cfg: Ben
                 continue
             rows.append({**row, **run_level(server, requests, c, cfg)})
             print(_level_line(rows[-1]), flush=True)
+            settle(server.port, requests[0], cfg.request_timeout_s)
     return rows
+
+
+def settle(port: int, payload: bytes, timeout_s: float) -> None:
+    """Wait out the batch a level left running (its clients hung up): one request, answered after it, FIFO."""
+    async def probe() -> None:
+        conn = HttpConnection(LOOPBACK, port)
+        try:
+            await asyncio.wait_for(conn.request(payload), timeout_s)
+        except (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            pass
+        finally:
+            await conn.close()
+
+    asyncio.run(probe())
 
 
 def _level_line(r: dict) -> str:
@@ -655,7 +670,8 @@ def _plot_load_curves(ax, rows: list[dict]) -> None:
     groups: dict[str, list[dict]] = {}
     for r in rows:
         if "skipped" not in r and r["completed"]:
-            groups.setdefault(f"{r.get('app', 'served')} {r['input']} batching {r.get('batching', '-')}", []).append(r)
+            label = f"{r.get('app', 'served')} {r['input']}" + (f" batching {r['batching']}" if "batching" in r else "")
+            groups.setdefault(label, []).append(r)
     for label, group in groups.items():
         group.sort(key=lambda r: r["concurrency"])
         x = [r["requests_per_s"] for r in group]
@@ -806,7 +822,6 @@ def run_bench(cfg: BenchConfig, overrides: dict[str, str], command: str = "vitse
     """Everything, in one run; returns the report (also what the Markdown, JSON and plot are made from)."""
     budget = Budget(cfg.time_limit_s)
     model_path = resolve_model(cfg.model, cfg.cache_dir)
-    cfg.log_dir = cfg.log_dir or cfg.out.parent
     cfg.log_dir.mkdir(parents=True, exist_ok=True)
     env = environment()
     model = load_raw_model(model_path, server_settings(cfg, overrides, batching=True))
@@ -884,6 +899,7 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--set", dest="settings", type=_setting, action="append", default=[], metavar="NAME=VALUE",
                    help="a server setting under test, e.g. --set intra_op_spinning=false (also for the raw session)")
     p.add_argument("--cache-dir", type=Path, default=DEFAULT_CACHE, help="where preset models are exported")
+    p.add_argument("--log-dir", type=Path, default=Path("build/bench-logs"), help="the servers' logs")
     p.add_argument("--quick", action="store_true", help="a smoke run: raw batch sizes 1,8; 1 and 8 clients; 1 s levels (flags given still win)")
     p.set_defaults(func=run_bench_command)
 
@@ -907,7 +923,7 @@ def config_from_args(args) -> BenchConfig:
                        concurrency=value["concurrency"], inputs=args.inputs, max_batch_size=args.max_batch_size,
                        max_queue_delay_ms=args.max_queue_delay_ms, duration_s=value["duration"],
                        warmup_s=value["warmup"], raw_duration_s=value["raw_duration"], bare=args.bare,
-                       time_limit_s=args.time_limit, cache_dir=args.cache_dir)
+                       time_limit_s=args.time_limit, cache_dir=args.cache_dir, log_dir=args.log_dir)
 
 
 def run_bench_command(args) -> int:

@@ -129,7 +129,7 @@ def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
     args = ["bench", "--model", str(tiny_onnx), "--quick", "--out", str(out), "--concurrency", "1,4",
             "--duration", "0.5", "--warmup", "0.2", "--inputs", "png,jpeg", "--max-batch-size", "4",
             "--bare", "on", "--set", "intra_op_threads=1", "--set", "preprocess_threads=1",
-            "--set", "providers=cpu", "--time-limit", "300"]
+            "--set", "providers=cpu", "--time-limit", "300", "--log-dir", str(tmp_path / "logs")]
     assert main(args) == 0
     printed = capsys.readouterr().out
     report = json.loads(out.with_suffix(".json").read_text())
@@ -160,6 +160,8 @@ def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
     with Image.open(out.with_suffix(".png")) as plot:
         assert plot.format == "PNG" and plot.size[0] > 400
     assert f"wrote {out}" in printed and "saturation batching on" in printed
+    assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == [
+        "bench-server-bare.log", "bench-server-batching-off.log", "bench-server-batching-on.log"]
 
 
 def test_bench_without_matplotlib_still_writes_the_table(tmp_path, monkeypatch, capsys):
