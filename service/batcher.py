@@ -195,12 +195,14 @@ class DynamicBatcher:
             stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
             started = time.perf_counter()
             try:
-                outputs = await loop.run_in_executor(self._runner, self._run_batch, stacked)
+                # Timed inside the runner thread: with two batches in flight, the wait behind the other
+                # batch is queueing, not inference.
+                outputs, seconds = await loop.run_in_executor(self._runner, _timed_call, self._run_batch, stacked)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
-            seconds = time.perf_counter() - started
+                seconds = time.perf_counter() - started
             self._observer.batch_done(len(batch), seconds)
             for item, output in zip(batch, outputs):
                 self._resolve(item, output, seconds, len(batch))
@@ -235,3 +237,9 @@ class DynamicBatcher:
             if self._loop_task:
                 self._loop_task.cancel()
         self._runner.shutdown(wait=False)
+
+
+def _timed_call(function: Callable, *args) -> tuple[Any, float]:
+    started = time.perf_counter()
+    result = function(*args)
+    return result, time.perf_counter() - started
