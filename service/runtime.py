@@ -240,6 +240,11 @@ class OnnxModel:
         model = cls(session, info)
         log.info("loaded %s %s (%s, opset %s) from %s on %s", info.name, info.version, info.precision,
                  info.opset, path, model.provider)
+        preferred = settings.providers[0]
+        if model.provider != _ORT_PROVIDER_NAMES[preferred]:
+            # ORT falls back silently when a provider cannot start (no GPU visible, no driver, missing CUDA libraries).
+            log.warning("%s was requested first but the model runs on %s (no GPU visible, or its driver or "
+                        "CUDA/cuDNN libraries are missing)", preferred, model.provider)
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

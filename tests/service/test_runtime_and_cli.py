@@ -144,3 +144,14 @@ def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
     from vitserve.cli import main
     assert main(["serve", "--model", str(tiny_onnx), "--max-batch-size", "0"]) == 2
     assert "max_batch_size" in capsys.readouterr().err
+
+
+def test_fallback_from_the_preferred_provider_is_logged(tiny_onnx, caplog):
+    with caplog.at_level("WARNING", logger="vitserve.runtime"):
+        model = OnnxModel.load(Settings(model_path=tiny_onnx, providers="cuda,cpu"))
+    assert model.provider == "CPUExecutionProvider"  # this build has no CUDA provider
+    assert "cuda was requested first but the model runs on CPUExecutionProvider" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="vitserve.runtime"):
+        OnnxModel.load(Settings(model_path=tiny_onnx, providers="cpu"))
+    assert "requested first" not in caplog.text
