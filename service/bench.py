@@ -40,10 +40,9 @@ from pathlib import Path
 
 
 LOOPBACK = "127.0.0.1"
-# --model names the bench makes itself, with random weights (needs torch): a model.vit variant and its overrides.
-# Speed does not depend on the weights, so these measure the real architectures.
-PRESETS = {"vit-s16": ("S/16", {"image_size": (224, 224), "num_classes": 1000}),
-           "vit-fmnist-random": ("fmnist", {})}
+# --model names the bench makes itself with random weights, by running `python -m export.presets` (torch) in a
+# child process: this package never imports torch. Speed does not depend on the weights.
+PRESETS = ("vit-s16", "vit-fmnist-random")
 DEFAULT_CACHE = Path("build/bench-models")
 
 
@@ -376,27 +375,6 @@ def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------------- the model
 
 
-def export_preset(name: str, out_path: str) -> None:
-    """Make the random-weight model `name` (a PRESETS key) and export it; runs in a child process (torch)."""
-    import tempfile
-
-    import torch
-
-    from export.onnx_export import export_onnx
-    from model.checkpoint import CheckpointMeta, save_checkpoint
-    from model.vit import VisionTransformer, vit_config
-
-    variant, overrides = PRESETS[name]
-    torch.manual_seed(0)
-    cfg = vit_config(variant, **overrides)
-    vit = VisionTransformer(cfg).eval()
-    mean, std = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) if cfg.in_channels == 3 else ([0.5], [0.5])
-    meta = CheckpointMeta(cfg, [f"class_{i}" for i in range(cfg.num_classes)], mean, std, name=name, version="random")
-    with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp) / "checkpoint", vit, meta)
-        export_onnx(Path(tmp) / "checkpoint", out_path, verify=False)
-
-
 def resolve_model(model: str, cache_dir: Path) -> Path:
     """An ONNX path as given, or for a preset name the cached export, made on first use in a child process."""
     if model not in PRESETS:
@@ -407,10 +385,9 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
     path = cache_dir / f"{model}.onnx"
     if not path.is_file():
         print(f"exporting random-weight {model} to {path} (needs torch: pip install -e '.[export]') ...", flush=True)
-        code = "import sys; from service.bench import export_preset; export_preset(sys.argv[1], sys.argv[2])"
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial.onnx")
-        subprocess.run([sys.executable, "-c", code, model, str(tmp)], check=True, timeout=1800)
+        subprocess.run([sys.executable, "-m", "export.presets", model, str(tmp)], check=True, timeout=1800)
         tmp.replace(path)
     return path
 

@@ -24,3 +24,10 @@ def test_benchmark_rows(tiny_model):
     assert keys == {(rt, ro, b) for rt in ("torch", "onnxruntime") for ro in (False, True) for b in (1, 2)}
     assert all(r["images_per_s"] > 0 and r["size"] == [32, 32] for r in rows)
     assert np.isfinite([r["images_per_s"] for r in rows]).all()
+
+
+def test_bench_presets_are_the_exportable_ones():
+    from export.presets import PRESETS
+    from service.bench import PRESETS as BENCH_PRESETS
+
+    assert set(BENCH_PRESETS) == set(PRESETS)
