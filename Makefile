@@ -10,6 +10,7 @@ MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
 TRAIN_RUN := runs/vit-fmnist
 PYTEST_ARGS ?=
+DOCKER_IMAGES ?= cpu gpu train
 
 .PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean
 
@@ -55,8 +56,9 @@ export-default: $(VENV)/.dev-installed
 bench: $(VENV)/.dev-installed
 	$(BIN)/vitserve bench --model $(DEFAULT_MODEL)
 
+# Builds the images (offline, on a local debootstrapped base) and checks each from inside a container.
 docker-test:
-	bash docker/test.sh
+	bash docker/test.sh $(DOCKER_IMAGES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

