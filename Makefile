@@ -10,7 +10,7 @@ MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
 TRAIN_RUN := runs/vit-fmnist
 PYTEST_ARGS ?=
-DOCKER_IMAGES ?= cpu gpu train
+DOCKER_IMAGES ?= cpu gpu train stack
 
 .PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean
 

@@ -12,15 +12,18 @@
 #      CUDA/cuDNN libraries resolve, the server logs the fall-back to CPU and classifies on it
 #   7. train: `vitserve train` (a few steps on Fashion-MNIST) and `vitserve export` (verified) in the train
 #      image, then the CPU image serves that exported model, mounted and selected by VITSERVE_MODEL_PATH
+#   8. stack: docker-compose.yml with the CPU override, up for real: both healthchecks pass, Prometheus (a
+#      stand-in image from Debian's prometheus: none can be pulled) scrapes vitserve:8000 through the compose
+#      network and has loaded the mounted rules; then `compose down -v`
 #
-# Usage: docker/test.sh [cpu] [gpu] [train]      (default: all three, in that order)
+# Usage: docker/test.sh [cpu] [gpu] [train] [stack]      (default: all four, in that order)
 # Idempotent: fixed names, containers are removed on exit, images and downloads are cached under build/.
 # Env: KEEP=1 leaves the last container running.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 FLAVORS=("$@")
-[ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(cpu gpu train)
+[ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(cpu gpu train stack)
 BASE_IMAGE=vitserve-base:bookworm
 CONTAINER=vitserve-docker-test
 DEFAULT_MODEL=models/vit-fmnist/model.onnx
@@ -33,7 +36,7 @@ STARTED=$SECONDS
 SIZES=()
 mkdir -p "$LOGS"
 for flavor in "${FLAVORS[@]}"; do
-  case $flavor in cpu|gpu|train) ;; *) echo "usage: $0 [cpu] [gpu] [train]" >&2; exit 2 ;; esac
+  case $flavor in cpu|gpu|train|stack) ;; *) echo "usage: $0 [cpu] [gpu] [train] [stack]" >&2; exit 2 ;; esac
 done
 
 step() {
@@ -291,7 +294,84 @@ check_train() {  # train and export in vitserve:train, then serve the exported f
   check_sigterm
 }
 
+check_stack() {  # docker-compose.yml + the CPU override, for real: Prometheus scrapes the service in the compose network
+  step "docker compose up (CPU override): vitserve and Prometheus in the compose network"
+  docker image inspect vitserve:cpu >/dev/null 2>&1 || build_image cpu
+  # prom/prometheus cannot be pulled here: a stand-in made from Debian's prometheus (same flags, same mounts),
+  # with busybox's wget for the compose healthcheck. Grafana has no image or Debian package here: not started.
+  command -v busybox >/dev/null && command -v prometheus >/dev/null \
+    || apt-get install -y -qq busybox-static prometheus > "$LOGS/apt-stack.log" 2>&1 || die "need busybox-static and prometheus"
+  local dir=build/docker-test/stack project=vitserve-stack-test t0=$SECONDS
+  rm -rf "$dir" && mkdir -p "$dir"
+  cp "$(command -v prometheus)" "$(command -v busybox)" "$dir/"
+  cat > "$dir/Dockerfile" <<EOF
+FROM $BASE_IMAGE
+COPY prometheus busybox /bin/
+RUN ln -s busybox /bin/wget && mkdir -p /prometheus && chown 65534:65534 /prometheus
+USER 65534:65534
+ENTRYPOINT ["/bin/prometheus"]
+EOF
+  docker build -q -t vitserve-test/prometheus:debian "$dir" > "$LOGS/build-prometheus.log" 2>&1 || die "stand-in build failed"
+  printf 'services:\n  prometheus:\n    image: vitserve-test/prometheus:debian\n' > "$dir/compose.override.yml"
+  compose=("$TOOLS/bin/docker-compose" -p "$project" -f docker-compose.yml -f docker-compose.cpu.yml
+           -f "$dir/compose.override.yml")  # global: the EXIT trap takes the stack down
+  export VITSERVE_IMAGE=vitserve:cpu VITSERVE_CPUS=2 VITSERVE_HOST_PORT=18000 PROMETHEUS_HOST_PORT=19090
+  trap '"${compose[@]}" down -v --remove-orphans >/dev/null 2>&1 || true; cleanup' EXIT
+  "${compose[@]}" up -d --no-build vitserve prometheus > "$LOGS/compose-up.log" 2>&1 \
+    || { cat "$LOGS/compose-up.log" >&2; die "docker compose up failed"; }
+  until [ "$("${compose[@]}" ps --format '{{.Health}}' | grep -c healthy)" = 2 ]; do
+    [ $((SECONDS - t0)) -lt 180 ] || { "${compose[@]}" ps >&2; die "the stack was not healthy after 180 s"; }
+    sleep 2
+  done
+  ok "vitserve and prometheus healthy (their compose healthchecks) in $((SECONDS - t0)) s"
+  python3 - <<'EOF' || die "stack checks failed"
+import json, struct, time, urllib.parse, urllib.request, zlib
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+def promql(expr):
+    return get("http://127.0.0.1:19090/api/v1/query?" + urllib.parse.urlencode({"query": expr}))["data"]["result"]
+
+def gray_png(width, height):  # the host's python3 may lack Pillow: a PNG by hand, a horizontal gradient
+    rows = b"".join(b"\0" + bytes(range(0, 9 * width, 9)) for _ in range(height))
+    chunk = lambda kind, data: struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0))
+            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+
+png = gray_png(28, 28)
+for _ in range(5):
+    request = urllib.request.Request("http://127.0.0.1:18000/v1/classify", data=png, headers={"Content-Type": "image/png"})
+    with urllib.request.urlopen(request, timeout=10) as r:
+        assert r.status == 200, r.status
+deadline = time.time() + 60
+while time.time() < deadline:  # the next scrapes (every 5 s) must see the five images
+    up = promql('up{job="vitserve"}')
+    images = promql('vitserve_images_total{job="vitserve"}')
+    if up and images and float(images[0]["value"][1]) >= 5:
+        break
+    time.sleep(2)
+else:
+    raise SystemExit(f"Prometheus never saw the requests: up={up}, images={images}")
+assert up[0]["value"][1] == "1" and up[0]["metric"]["instance"] == "vitserve:8000", up
+print(f"    ok: Prometheus scrapes vitserve:8000 (up=1) through the compose network; vitserve_images_total = {images[0]['value'][1]}")
+groups = get("http://127.0.0.1:19090/api/v1/rules")["data"]["groups"]
+rules = [r for g in groups for r in g["rules"]]
+unhealthy = [r["name"] for r in rules if r.get("health") not in ("ok", "unknown")]
+assert rules and not unhealthy, unhealthy
+alerts = sum(r["type"] == "alerting" for r in rules)
+print(f"    ok: the mounted rules are loaded: {len(groups)} groups, {alerts} alerts and {len(rules) - alerts} recording rules, none failing")
+EOF
+  "${compose[@]}" down -v --remove-orphans > "$LOGS/compose-down.log" 2>&1 || die "docker compose down failed"
+  ok "docker compose down -v: the service drained and stopped"
+}
+
 test_flavor() {  # one statement a line: set -e does not reach into functions called from an && list
+  if [ "$1" = stack ]; then
+    check_stack
+    return
+  fi
   build_image "$1"
   if [ "$1" = train ]; then
     check_train

@@ -111,6 +111,18 @@ def test_targets_are_the_issue_ratios():
     assert t["one_client_latency_batching_on"]["overhead_ms"] == pytest.approx(6.0)
     assert t["one_client_latency_batching_off"]["overhead_ms"] == pytest.approx(1.5)
     assert [(r["batching"], r["ratio"]) for r in t["served_vs_bare"]] == [("on", 0.5), ("off", pytest.approx(38 / 60))]
+    assert t["one_client_latency_batching_on"]["method"] == "p50s of separate phases"
+
+
+def test_one_client_target_prefers_the_paired_measurement():
+    raw = [{"batch_size": 1, "images_per_s": 10.0, "p50_ms": 99.0, "session_cores": 2.0}]
+    served = [{"input": "png", "errors": {}, "server_cores": 2.0, "batching": "on", "concurrency": 1,
+               "requests_per_s": 12.0, "p50_ms": 80.0}]
+    paired = [{"batching": "on", "pairs": 30, "raw_p50_ms": 31.0, "served_p50_ms": 33.5, "overhead_p50_ms": 2.25}]
+    t = bench.targets({**_report(raw, served), "paired": paired})
+    assert t["one_client_latency_batching_on"] == {
+        "served_p50_ms": 33.5, "raw_batch1_p50_ms": 31.0, "overhead_ms": 2.25,
+        "method": "median of 30 paired differences", "target": "<= +3 ms"}
 
 
 def test_resolve_model_takes_a_file_or_a_cached_preset(tmp_path):
@@ -128,7 +140,7 @@ def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
     out = tmp_path / "docs" / "bench.md"
     args = ["bench", "--model", str(tiny_onnx), "--quick", "--out", str(out), "--concurrency", "1,4",
             "--duration", "0.5", "--warmup", "0.2", "--inputs", "png,jpeg", "--max-batch-size", "4",
-            "--bare", "on", "--set", "intra_op_threads=1", "--set", "preprocess_threads=1",
+            "--bare", "on", "--pairs", "3", "--set", "intra_op_threads=1", "--set", "preprocess_threads=1",
             "--set", "providers=cpu", "--time-limit", "300", "--log-dir", str(tmp_path / "logs")]
     assert main(args) == 0
     printed = capsys.readouterr().out
@@ -146,6 +158,11 @@ def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
         assert 1.0 <= r["mean_batch_size"] <= (4 if r["batching"] == "on" else 1)  # the server's own histogram
         assert 0 < r["inference_busy"] <= 2  # up to max_batches_in_flight (2) batches are timed at once
     assert [(r["app"], r["input"], r["concurrency"]) for r in report["bare"]] == [("bare", "png", 1), ("bare", "png", 4)]
+    assert [(r["batching"], r["pairs"]) for r in report["paired"]] == [("on", 3), ("off", 3)]
+    for r in report["paired"]:
+        assert 0 < r["raw_p50_ms"] and 0 < r["served_p50_ms"]
+        assert r["overhead_p10_ms"] <= r["overhead_p50_ms"] <= r["overhead_p90_ms"]
+        assert report["targets"][f"one_client_latency_batching_{r['batching']}"]["overhead_ms"] == r["overhead_p50_ms"]
     assert set(report["targets"]) == {"saturation_batching_on", "saturation_batching_off",
                                       "one_client_latency_batching_on", "one_client_latency_batching_off",
                                       "served_vs_bare"}
@@ -153,6 +170,7 @@ def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
 
     markdown = out.read_text()
     for heading in ("## Targets (this run)", "## Raw ONNX Runtime session (no HTTP)", "## Served",
+                    "## One client, paired with the raw session",
                     "## Bare FastAPI endpoint returning a constant (same uvicorn options)"):
         assert heading in markdown
     assert markdown.count("\n| png | on | ") == 2 and markdown.count("\n| jpeg | off | ") == 2
