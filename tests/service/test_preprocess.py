@@ -100,6 +100,18 @@ def test_normalize_matches_formula():
     np.testing.assert_allclose(out[:, 0, 0], [(1 - 0.5) / 0.25, (0 - 0.5) / 0.25, (0.2 - 0.5) / 0.25], rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode, shape", [("RGB", (17, 23, 3)), ("L", (28, 28))])
+def test_normalize_is_bit_identical_to_the_float32_formula(mode, shape):
+    pixels = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+    channels = 3 if mode == "RGB" else 1
+    mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]
+    out = normalize(Image.fromarray(pixels, mode), mean, std)
+    x = pixels.reshape(shape[0], shape[1], channels).astype(np.float32) / 255.0
+    expected = ((x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)).transpose(2, 0, 1)
+    assert out.shape == expected.shape and out.dtype == np.float32 and out.flags["C_CONTIGUOUS"]
+    assert np.array_equal(out, expected)
+
+
 def test_prepare_image_fit_and_native():
     data = image_bytes("PNG", size=(80, 40))
     fit = prepare_image(data, INFO, resize="fit", max_bytes=10**6, max_pixels=10**6, max_tokens=64)
