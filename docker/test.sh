@@ -127,7 +127,7 @@ build_image() {  # build_image FLAVOR: docker/Dockerfile.FLAVOR -> vitserve:FLAV
       --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELHOUSE=build/wheelhouse --build-arg PIP_NO_INDEX=1 \
       "${args[@]}" -t "$image" . > "$LOGS/build-$flavor.log" 2>&1 \
     || { tail -30 "$LOGS/build-$flavor.log" >&2; die "docker build $image failed (see $LOGS/build-$flavor.log)"; }
-  size=$(docker image inspect --format '{{.Size}}' "$image" | numfmt --to=si --format '%.0f')
+  size=$(docker image inspect --format '{{.Size}}' "$image" | numfmt --to=si --format '%.1f')
   SIZES+=("$image ${size}B")
   ok "$image: ${size}B, built in $((SECONDS - t0)) s ($(grep -c 'Using cache' "$LOGS/build-$flavor.log") steps from cache)"
 }
@@ -395,4 +395,4 @@ for flavor in "${FLAVORS[@]}"; do test_flavor "$flavor"; done
 docker image prune --force >/dev/null 2>&1 || true  # dangling layers from earlier builds
 printf '\ndocker-test passed in %s s; model %s; image sizes:\n' "$((SECONDS - STARTED))" "$MODEL_FILE"
 printf '    %s\n' "${SIZES[@]}" "$BASE_IMAGE (the base) $(docker image inspect --format '{{.Size}}' "$BASE_IMAGE" \
-  | numfmt --to=si --format '%.0f')B"
+  | numfmt --to=si --format '%.1f')B"
