@@ -594,8 +594,8 @@ def _paired_table(rows: list[dict]) -> list[str]:
     return _table(["batching", "pairs", "raw p50 ms", "served p50 ms", "overhead p10 ms", "overhead p50 ms",
                    "overhead p90 ms"],
                   [[r["batching"], str(r["pairs"]), _f(r["raw_p50_ms"], ".2f"), _f(r["served_p50_ms"], ".2f"),
-                    _f(r["overhead_p10_ms"], "+.2f"), _f(r["overhead_p50_ms"], "+.2f"), _f(r["overhead_p90_ms"], "+.2f")]
-                   for r in rows], text_columns=1)
+                    *(_f(r[f"overhead_{q}_ms"], "+.2f") for q in ("p10", "p50", "p90"))] for r in rows],
+                  text_columns=1)
 
 
 def _load_table(rows: list[dict], with_batching: bool = True) -> list[str]:
@@ -948,8 +948,8 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--duration", type=float, help="measured seconds per served level (default 5)")
     p.add_argument("--warmup", type=float, help="discarded seconds before each served level (default 1.5)")
     p.add_argument("--raw-duration", type=float, help="seconds per raw batch size (default 3)")
-    p.add_argument("--pairs", type=int, help="paired one-client measurements per server: a raw batch-1 call, then a "
-                                             "served request, in turn (default 30; 0 = none)")
+    p.add_argument("--pairs", type=int, help="paired one-client measurements per server: a raw batch-1 call, "
+                                             "then a served request, in turn (default 30; 0 = none)")
     p.add_argument("--bare", choices=("auto", "on", "off"), default="auto",
                    help="bare constant endpoint; auto = when raw batch-1 latency is under 5 ms (HTTP-bound)")
     p.add_argument("--time-limit", type=float, default=1800.0, help="seconds for the whole run; later levels skip")

@@ -101,8 +101,9 @@ def normalize(image: Image.Image, mean: list[float], std: list[float]) -> np.nda
     array = np.asarray(image)
     if array.ndim == 2:
         array = array[:, :, None]
-    table = (np.arange(256, dtype=np.float32)[:, None] / 255.0 - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)
-    return np.stack([table[:, c].take(array[:, :, c]) for c in range(array.shape[2])])  # (256, C) -> (C, H, W)
+    levels = np.arange(256, dtype=np.float32)[:, None] / 255.0  # (256, 1)
+    table = (levels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)  # (256, C)
+    return np.stack([table[:, c].take(array[:, :, c]) for c in range(array.shape[2])])  # (C, H, W)
 
 
 def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_bytes: int, max_pixels: int,
