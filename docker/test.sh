@@ -117,6 +117,14 @@ choose_model() {  # sets MODEL_FILE, the model the serving images bake in
   ok "$STAND_IN_MODEL"
 }
 
+image_size() {  # image_size IMAGE: e.g. 326.8M
+  docker image inspect --format '{{.Size}}' "$1" | numfmt --to=si --format '%.1f'
+}
+
+ensure_cpu_image() {  # the train and stack checks serve with vitserve:cpu
+  docker image inspect vitserve:cpu >/dev/null 2>&1 || build_image cpu
+}
+
 build_image() {  # build_image FLAVOR: docker/Dockerfile.FLAVOR -> vitserve:FLAVOR, offline, from its wheelhouse
   local flavor=$1 image=vitserve:$1 t0=$SECONDS size args=()
   step "docker build $image (docker/Dockerfile.$flavor, --network none)"
@@ -127,7 +135,7 @@ build_image() {  # build_image FLAVOR: docker/Dockerfile.FLAVOR -> vitserve:FLAV
       --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg WHEELHOUSE=build/wheelhouse --build-arg PIP_NO_INDEX=1 \
       "${args[@]}" -t "$image" . > "$LOGS/build-$flavor.log" 2>&1 \
     || { tail -30 "$LOGS/build-$flavor.log" >&2; die "docker build $image failed (see $LOGS/build-$flavor.log)"; }
-  size=$(docker image inspect --format '{{.Size}}' "$image" | numfmt --to=si --format '%.1f')
+  size=$(image_size "$image")
   SIZES+=("$image ${size}B")
   ok "$image: ${size}B, built in $((SECONDS - t0)) s ($(grep -c 'Using cache' "$LOGS/build-$flavor.log") steps from cache)"
 }
@@ -276,7 +284,7 @@ check_sigterm() {
 check_train() {  # train and export in vitserve:train, then serve the exported file with vitserve:cpu
   step "vitserve:train: train a few steps on Fashion-MNIST, export and verify; vitserve:cpu serves the result"
   [ -f "$FMNIST/train-images-idx3-ubyte.gz" ] || die "the train check needs Fashion-MNIST at $FMNIST"
-  docker image inspect vitserve:cpu >/dev/null 2>&1 || build_image cpu
+  ensure_cpu_image
   local dir=$PWD/build/docker-test/train t0=$SECONDS
   rm -rf "$dir" && mkdir -p "$dir"
   # as the calling user, as a user would, so the files written into the mounted folder are theirs
@@ -296,7 +304,7 @@ check_train() {  # train and export in vitserve:train, then serve the exported f
 
 check_stack() {  # docker-compose.yml + the CPU override, for real: Prometheus scrapes the service in the compose network
   step "docker compose up (CPU override): vitserve and Prometheus in the compose network"
-  docker image inspect vitserve:cpu >/dev/null 2>&1 || build_image cpu
+  ensure_cpu_image
   # prom/prometheus cannot be pulled here: a stand-in made from Debian's prometheus (same flags, same mounts),
   # with busybox's wget for the compose healthcheck. Grafana has no image or Debian package here: not started.
   command -v busybox >/dev/null && command -v prometheus >/dev/null \
@@ -394,5 +402,4 @@ if [ "$MODEL_FILE" = "$DEFAULT_MODEL" ]; then STRICT=1 MODEL_NAME=vit-fmnist; fi
 for flavor in "${FLAVORS[@]}"; do test_flavor "$flavor"; done
 docker image prune --force >/dev/null 2>&1 || true  # dangling layers from earlier builds
 printf '\ndocker-test passed in %s s; model %s; image sizes:\n' "$((SECONDS - STARTED))" "$MODEL_FILE"
-printf '    %s\n' "${SIZES[@]}" "$BASE_IMAGE (the base) $(docker image inspect --format '{{.Size}}' "$BASE_IMAGE" \
-  | numfmt --to=si --format '%.1f')B"
+printf '    %s\n' "${SIZES[@]}" "$BASE_IMAGE (the base) $(image_size "$BASE_IMAGE")B"
