@@ -111,7 +111,7 @@ choose_model() {  # sets MODEL_FILE, the model the serving images bake in
   echo "    WARNING: $DEFAULT_MODEL does not exist yet (make model); baking a random-weight stand-in"
   if [ ! -f "$STAND_IN_MODEL" ]; then
     [ -x .venv/bin/python ] || die "making the stand-in model needs torch: run 'make setup-dev' first"
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python docker/make_test_model.py "$STAND_IN_MODEL" \
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m export.presets vit-fmnist-stand-in "$STAND_IN_MODEL" --verify \
       > "$LOGS/make-test-model.log" 2>&1 || die "making the stand-in failed (see $LOGS/make-test-model.log)"
   fi
   ok "$STAND_IN_MODEL"
@@ -245,6 +245,12 @@ present = [m for m in ("torch", "torchvision", "onnx", "safetensors") if importl
 sys.exit(f"present in the serving image: {present}" if present else 0)' || die "training packages in the serving image"
   docker exec "$CONTAINER" sh -c 'find / -xdev -name "libtorch*" 2>/dev/null | grep -q .' && die "libtorch in the image"
   ok "no torch, torchvision, onnx, safetensors modules; no libtorch files"
+  local commands
+  commands=$(docker exec "$CONTAINER" python -c '
+from vitserve.cli import build_parser
+print(" ".join(sorted(build_parser()._subparsers._group_actions[0].choices)))')
+  [ "$commands" = "predict serve" ] || die "the serving image offers commands it cannot run: $commands"
+  ok "vitserve commands in the image: $commands"
   if [ "$1" = cpu ]; then
     docker exec "$CONTAINER" sh -c 'find / -xdev -name "libcudnn*" 2>/dev/null | grep -q .' \
       && die "CUDA libraries found in the CPU image"

@@ -7,7 +7,6 @@ the ONNX input dims are checked to be symbolic before anything is written.
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,10 +20,8 @@ from export.rollout import attention_rollout
 from export.verify import ExportVerificationError, Fp16Report, VerificationReport, require_symbolic_input
 from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from model.vit import VisionTransformer
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
 
-INPUT_NAME = "pixel_values"
-OUTPUT_NAMES = ("logits", "rollout")
-METADATA_FORMAT_VERSION = 1
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
 
 
@@ -76,6 +73,7 @@ def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_na
     proto = onnx_program.model_proto
     require_symbolic_input(proto)
     name_dims(proto, patch_size)
+    strip_debug_metadata(proto)
     return proto
 
 
@@ -95,31 +93,36 @@ def name_dims(proto: onnx.ModelProto, patch_size: int) -> None:
                 dim.dim_param = names[dim.dim_param]
 
 
-def artifact_metadata(meta: CheckpointMeta, vit: VisionTransformer, precision: str) -> dict[str, str]:
-    """Everything the service reads from the file (docs/architecture.md); all values strings, JSON for structures."""
+def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str) -> ModelInfo:
+    """What the file tells a server about the model (written as `vitserve.*` metadata by `ModelInfo.to_metadata`)."""
     from vitserve import __version__
 
     cfg = meta.config
-    props = {
-        "vitserve.format_version": str(METADATA_FORMAT_VERSION),
-        "vitserve.name": meta.name,
-        "vitserve.version": meta.version,
-        "vitserve.labels": json.dumps(meta.labels),
-        "vitserve.patch_size": str(cfg.patch_size),
-        "vitserve.image_height": str(cfg.image_size[0]),
-        "vitserve.image_width": str(cfg.image_size[1]),
-        "vitserve.channels": str(cfg.in_channels),
-        "vitserve.mean": json.dumps(meta.mean),
-        "vitserve.std": json.dumps(meta.std),
-        "vitserve.architecture": json.dumps(cfg.to_dict()),
-        "vitserve.precision": precision,
-        "vitserve.exporter": f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
-        "vitserve.weights_sha256": weights_sha256(vit.state_dict()),
-    }
     accuracy = meta.metrics.get("test_accuracy")
-    if accuracy is not None:
-        props["vitserve.test_accuracy"] = str(float(accuracy))
-    return props
+    return ModelInfo(
+        name=meta.name, version=meta.version, labels=list(meta.labels), patch_size=cfg.patch_size,
+        image_size=tuple(cfg.image_size), channels=cfg.in_channels, mean=list(meta.mean), std=list(meta.std),
+        precision=precision, exporter=f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
+        weights_sha256=weights_sha256(vit.state_dict()), architecture=cfg.to_dict(),
+        test_accuracy=None if accuracy is None else float(accuracy))
+
+
+def strip_debug_metadata(proto: onnx.ModelProto) -> None:
+    """Drop the exporter's per-node and per-value debugging metadata (Python stack traces with this machine's
+    absolute paths, FX node dumps): the same checkpoint must give the same bytes on every machine."""
+    def strip_graph(graph: onnx.GraphProto) -> None:
+        for value in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]:
+            del value.metadata_props[:]
+        for node in graph.node:
+            del node.metadata_props[:]
+            for attribute in node.attribute:
+                for subgraph in [attribute.g, *attribute.graphs]:
+                    strip_graph(subgraph)
+
+    strip_graph(proto.graph)
+    for function in proto.functions:
+        for node in function.node:
+            del node.metadata_props[:]
 
 
 def save_model(proto: onnx.ModelProto, out_path: Path) -> None:
@@ -149,12 +152,13 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool 
         from export.fp16 import convert_to_fp16
 
         proto = convert_to_fp16(fp32_proto)
-    metadata = artifact_metadata(meta, vit, "fp16" if fp16 else "fp32")
+    info = artifact_info(meta, vit, "fp16" if fp16 else "fp32")
+    metadata = info.to_metadata()
     onnx.helper.set_model_props(proto, metadata)
     save_model(proto, out_path)
     export_seconds = time.perf_counter() - started
     opset_used = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    report = ExportReport(out_path, metadata["vitserve.precision"], opset_used, out_path.stat().st_size,
+    report = ExportReport(out_path, info.precision, opset_used, out_path.stat().st_size,
                           export_seconds, metadata, None)
     if verify:
         try:

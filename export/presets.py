@@ -1,36 +1,90 @@
-"""Random-weight models of real architectures, exported for benchmarks: speed does not depend on the weights.
+"""Random-weight models: a checkpoint, and its ONNX export, of a real architecture without training.
 
-`python -m export.presets NAME OUT.onnx`; `vitserve bench --model NAME` runs it in a child process so that
-the serving package never imports torch.
+The one place that makes them: benchmarks (speed does not depend on the weights), the Docker test's stand-in
+for a default model not trained yet, and the test suite's tiny models.
+
+    python -m export.presets NAME OUT.onnx [--verify]
+
+`vitserve bench --model NAME` runs it in a child process, so that the serving world never imports torch.
 """
 from __future__ import annotations
 
-import sys
+import argparse
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
-# name -> (model.vit variant, ViTConfig overrides)
-PRESETS = {"vit-s16": ("S/16", {"image_size": (224, 224), "num_classes": 1000}),
-           "vit-fmnist-random": ("fmnist", {})}
+IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+FASHION_MNIST_MEAN, FASHION_MNIST_STD = [0.286], [0.353]
 
 
-def export_preset(name: str, out_path: str) -> None:
+@dataclass(frozen=True)
+class RandomModel:
+    """A model.vit variant with overrides, and the metadata its checkpoint carries."""
+
+    variant: str
+    overrides: dict = field(default_factory=dict)
+    labels: list[str] | None = None  # default: class_0 ... class_{K-1}
+    mean: list[float] | None = None  # default: ImageNet's for 3 channels, 0.5 for 1
+    std: list[float] | None = None
+    name: str = "random"
+    version: str = "random"
+    metrics: dict = field(default_factory=dict)
+
+
+PRESETS = {
+    "vit-s16": RandomModel("S/16", {"image_size": (224, 224), "num_classes": 1000}, name="vit-s16",
+                           mean=IMAGENET_MEAN, std=IMAGENET_STD),
+    "vit-fmnist-random": RandomModel("fmnist", name="vit-fmnist-random", mean=[0.5], std=[0.5]),
+    # the Docker test's stand-in for models/vit-fmnist/model.onnx: its interface, a fraction of its size
+    "vit-fmnist-stand-in": RandomModel("fmnist", {"embed_dim": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64},
+                                       mean=FASHION_MNIST_MEAN, std=FASHION_MNIST_STD,
+                                       name="vit-fmnist-docker-test", version="0"),
+}
+
+
+def random_checkpoint(spec: RandomModel, out_dir: str | Path, seed: int = 0) -> Path:
+    """Save a checkpoint of `spec` with seeded random weights; returns its directory."""
     import torch
 
-    from export.onnx_export import export_onnx
     from model.checkpoint import CheckpointMeta, save_checkpoint
+    from model.data import FASHION_MNIST_LABELS
     from model.vit import VisionTransformer, vit_config
 
-    variant, overrides = PRESETS[name]
-    torch.manual_seed(0)
-    cfg = vit_config(variant, **overrides)
-    vit = VisionTransformer(cfg).eval()
-    mean, std = ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]) if cfg.in_channels == 3 else ([0.5], [0.5])
-    meta = CheckpointMeta(cfg, [f"class_{i}" for i in range(cfg.num_classes)], mean, std, name=name, version="random")
+    torch.manual_seed(seed)
+    cfg = vit_config(spec.variant, **spec.overrides)
+    vit = VisionTransformer(cfg)
+    with torch.no_grad():  # the zero-initialised head would make every prediction a tie, and a near-zero
+        vit.head.weight.normal_(0, 0.5)  # position embedding would hide interpolation mistakes
+        vit.pos_embed.normal_(0, 0.5)
+    labels = spec.labels or (list(FASHION_MNIST_LABELS) if spec.variant == "fmnist" and cfg.num_classes == 10
+                             else [f"class_{i}" for i in range(cfg.num_classes)])
+    default_mean, default_std = (IMAGENET_MEAN, IMAGENET_STD) if cfg.in_channels == 3 else ([0.5], [0.5])
+    meta = CheckpointMeta(cfg, labels, spec.mean or default_mean, spec.std or default_std, name=spec.name,
+                          version=spec.version, metrics=dict(spec.metrics))
+    return save_checkpoint(Path(out_dir), vit.eval(), meta)
+
+
+def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool = False, seed: int = 0):
+    """`spec` with random weights, exported to `out_path`; returns the ExportReport."""
+    from export.onnx_export import export_onnx
+
     with tempfile.TemporaryDirectory() as tmp:
-        save_checkpoint(Path(tmp) / "checkpoint", vit, meta)
-        export_onnx(Path(tmp) / "checkpoint", out_path, verify=False)
+        checkpoint = random_checkpoint(spec, Path(tmp) / "checkpoint", seed)
+        return export_onnx(checkpoint, out_path, verify=verify)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m export.presets", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("name", choices=sorted(PRESETS))
+    parser.add_argument("out", type=Path, help="the ONNX file to write")
+    parser.add_argument("--verify", action="store_true", help="verify against PyTorch, as `vitserve export` does")
+    args = parser.parse_args(argv)
+    report = export_random_model(PRESETS[args.name], args.out, verify=args.verify)
+    print(report.path)
+    return 0
 
 
 if __name__ == "__main__":
-    export_preset(sys.argv[1], sys.argv[2])
+    raise SystemExit(main())

@@ -5,7 +5,6 @@ numbers that passed, so the caller can print them.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,6 +13,7 @@ import torch
 
 from export.rollout import attention_rollout
 from export.rollout_reference import numpy_attention_rollout
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ArtifactError, ModelInfo, normalize_pixels
 
 # float32 graph vs PyTorch eager (max absolute difference).
 LOGITS_ATOL = 1e-4
@@ -104,19 +104,24 @@ def check_graph(model: str | onnx.ModelProto) -> onnx.ModelProto:
     named = [d.dim_param or d.dim_value for d in proto.graph.input[0].type.tensor_type.shape.dim]
     if [named[0], named[2], named[3]] != ["batch", "height", "width"]:
         raise ExportVerificationError(f"input dims are {named}, the contract names them batch, height, width")
-    outputs = [o.name for o in proto.graph.output]
-    if outputs != ["logits", "rollout"]:
-        raise ExportVerificationError(f"outputs are {outputs}, the contract says ['logits', 'rollout']")
+    inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
+    if inputs != [INPUT_NAME] or outputs != list(OUTPUT_NAMES):
+        raise ExportVerificationError(f"the graph maps {inputs} to {outputs}; the contract says "
+                                      f"[{INPUT_NAME!r}] to {list(OUTPUT_NAMES)}")
     return proto
 
 
 def check_artifact(path: str, metadata: dict[str, str]) -> None:
-    """The saved file passes the checker, keeps its symbolic dims and carries exactly the metadata written."""
+    """The saved file passes the checker, keeps its symbolic dims and carries exactly the metadata written,
+    which a server reads back (`ModelInfo.from_metadata`) to the same values."""
     proto = check_graph(path)
     stored = {p.key: p.value for p in proto.metadata_props}
     if stored != metadata:
         raise ExportVerificationError(f"metadata did not round-trip: wrote {sorted(metadata)}, read {sorted(stored)}")
-    json.loads(stored["vitserve.labels"])  # JSON values must parse
+    try:
+        ModelInfo.from_metadata(stored)
+    except ArtifactError as e:
+        raise ExportVerificationError(f"a server would refuse this file: {e}") from e
 
 
 def cpu_session(model: str | bytes | onnx.ModelProto, threads: int = 0):
@@ -145,7 +150,7 @@ def random_pixels(batch: int, channels: int, size: tuple[int, int], seed: int) -
 
 
 def compare_case(session, vit, x: np.ndarray) -> CaseResult:
-    logits, rollout = session.run(["logits", "rollout"], {"pixel_values": x})
+    logits, rollout = session.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
     ref_logits, ref_rollout, attentions = torch_outputs(vit, x)
     grid = ref_rollout.shape[1:]
     if logits.shape != ref_logits.shape or rollout.shape != ref_rollout.shape:
@@ -193,11 +198,9 @@ def photo_batch(channels: int, size: tuple[int, int], mean: list[float], std: li
     images = []
     for name in COLOUR_PHOTOS + GREY_PHOTOS:
         im = Image.fromarray(getattr(skimage.data, name)()).convert(mode)
-        im = ImageOps.fit(im, (size[1], size[0]), Image.Resampling.BICUBIC)
-        array = np.asarray(im, dtype=np.float32) / 255.0
+        array = np.asarray(ImageOps.fit(im, (size[1], size[0]), Image.Resampling.BICUBIC))
         images.append(array[None] if channels == 1 else array.transpose(2, 0, 1))
-    x = np.stack(images)  # (N, C, H, W)
-    return ((x - np.reshape(mean, (1, -1, 1, 1))) / np.reshape(std, (1, -1, 1, 1))).astype(np.float32)
+    return normalize_pixels(np.stack(images), mean, std)  # (N, C, H, W)
 
 
 def verify_fp16(fp16_model: str | bytes | onnx.ModelProto, fp32_model: str | bytes | onnx.ModelProto, vit,
@@ -213,7 +216,7 @@ def verify_fp16(fp16_model: str | bytes | onnx.ModelProto, fp32_model: str | byt
     for i, size in enumerate(sizes):
         photos = photo_batch(cfg.in_channels, size, meta.mean, meta.std)
         for x, is_photo in ((random_pixels(3, cfg.in_channels, size, seed=100 + i), False), (photos, True)):
-            (l16, r16), (l32, r32) = half.run(None, {"pixel_values": x}), full.run(None, {"pixel_values": x})
+            (l16, r16), (l32, r32) = half.run(None, {INPUT_NAME: x}), full.run(None, {INPUT_NAME: x})
             rollout_diff = max(rollout_diff, float(np.abs(r16 - r32).max()))
             runs.append((l16, l32, is_photo))
     tolerance = FP16_LOGITS_RTOL * max(1.0, max(float(np.abs(l32).max()) for _, l32, _ in runs))

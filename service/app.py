@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
                   description="Vision Transformer classification with attention-rollout maps, dynamically batched "
                               "onto ONNX Runtime.")
     app.state.service = ServiceState(settings, metrics, model=model)
-    install_error_handlers(app, metrics)
+    install_error_handlers(app, metrics, settings.retry_after_s)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     for router in (classify.router, open_inference.router, operations.router):
         app.include_router(router)
@@ -57,7 +57,7 @@ def app_from_env() -> FastAPI:
     return create_app(settings)
 
 
-def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
+def install_error_handlers(app: FastAPI, metrics: ServiceMetrics, retry_after_s: int) -> None:
     """Every error response in one shape; `service.errors.STATUS_CODES` decides the status."""
     def respond(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
         metrics.rejected_request(code)
@@ -65,7 +65,8 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        return respond(status_code(exc), exc.code, str(exc), error_headers(exc))
+        status = status_code(exc)
+        return respond(status, exc.code, str(exc), error_headers(status, retry_after_s))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -68,13 +68,12 @@ class _Item:
 class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
-                 retry_after_s: int = 1, observer: BatchObserver | None = None):
+                 observer: BatchObserver | None = None):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
-        self.retry_after_s = retry_after_s
         self._observer = observer or _NullObserver()
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # shape -> items, oldest first
         self._queued = 0
@@ -98,7 +97,7 @@ class DynamicBatcher:
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:
-            raise QueueFullError(f"queue full ({self._queued} images waiting)", self.retry_after_s)
+            raise QueueFullError(f"queue full ({self._queued} images waiting)")
         now = time.perf_counter()
         item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s)
         self._groups.setdefault((array.shape, array.dtype.str), deque()).append(item)

@@ -41,7 +41,7 @@ class LocalPredictor:
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
         from service.errors import ServiceError
         from service.preprocess import prepare_image
-        from service.routes.classify import encode_result  # the server's own encoding: same answers
+        from service.postprocess import encode_result  # the server's own encoding: same answers
 
         s, info = self.settings, self.model.info
         try:

@@ -45,11 +45,9 @@ class ModelNotFound(ServiceError):
 
 
 class QueueFullError(ServiceError):
-    code = "queue_full"
+    """Too much work waiting; the client should come back after `Retry-After` (the error layer adds it)."""
 
-    def __init__(self, message: str, retry_after_s: int = 1):
-        super().__init__(message)
-        self.retry_after_s = retry_after_s
+    code = "queue_full"
 
 
 class NotReady(ServiceError):
@@ -114,10 +112,12 @@ def error_body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}
 
 
-def error_headers(exc: ServiceError) -> dict[str, str]:
-    if isinstance(exc, QueueFullError):
-        return {"Retry-After": str(exc.retry_after_s)}
-    return {}
+# Statuses that tell the client to come back later, with the Retry-After header (RFC 9110, section 10.2.3).
+RETRY_LATER_STATUSES = frozenset({429})
+
+
+def error_headers(status: int, retry_after_s: int) -> dict[str, str]:
+    return {"Retry-After": str(retry_after_s)} if status in RETRY_LATER_STATUSES else {}
 
 
 def openapi_responses(*codes: int) -> dict[int, dict]:

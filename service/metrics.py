@@ -1,13 +1,16 @@
 """Every Prometheus metric of the service, defined once; the rest of the code reports plain numbers.
 
-With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve`
-sets it), values live in per-process files and a scrape aggregates them with prometheus-client's
-`MultiProcessCollector`; gauges say how they combine across processes. The variable must be set
-before `prometheus_client` is first imported, which the CLI guarantees.
+With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve` calls
+`prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
+prometheus-client's `MultiProcessCollector`; gauges say how they combine across processes. prometheus-client
+reads the variable when it is first imported: the parent sets it, and uvicorn's workers are new (spawned)
+processes that inherit it before they import anything.
 """
 from __future__ import annotations
 
 import os
+import tempfile
+from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
@@ -18,8 +21,24 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 
 
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
 def multiprocess_dir() -> str | None:
-    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+    return os.environ.get(MULTIPROC_ENV) or None
+
+
+def prepare_multiprocess_dir() -> Path:
+    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one."""
+    directory = multiprocess_dir()
+    if directory:
+        for stale in Path(directory).glob("*.db"):  # a previous run's values would be summed in
+            stale.unlink()
+    else:
+        directory = tempfile.mkdtemp(prefix="vitserve-metrics-")
+        os.environ[MULTIPROC_ENV] = directory
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    return Path(directory)
 
 
 class ServiceMetrics:

@@ -1,6 +1,7 @@
 """Model outputs -> answer parts: softmax top-k, the rollout grid scaled to [0, 1], heat-map PNGs.
 
-Pure functions of arrays (and, for the overlay, the decoded image); no HTTP here.
+Pure functions of arrays (and, for the overlay, the decoded image); no HTTP here. `encode_result` puts the
+parts together into the response models, for the server and for `vitserve predict` alike.
 """
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import io
 
 import numpy as np
 from PIL import Image
+
+from service.preprocess import PreparedImage
+from service.schemas import Prediction, RolloutFormat, RolloutGrid, RolloutImage
 
 # A perceptual dark-blue -> cyan -> yellow -> red ramp (anchor colours of a 'turbo'-like map).
 _RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],
@@ -63,3 +67,20 @@ def png_base64(image: Image.Image) -> str:
     buffer = io.BytesIO()
     image.save(buffer, format="PNG", compress_level=1)  # speed over size: this is on the request path
     return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray, rollout: np.ndarray, k: int,
+                  rollout_format: RolloutFormat) -> tuple[list[Prediction], RolloutGrid | RolloutImage | None]:
+    """One image's logits and rollout -> its top-k predictions and the rollout in the asked format."""
+    probabilities = softmax(logits)
+    predictions = [Prediction(index=i, label=labels[i], score=p)
+                   for i, p in top_k(probabilities, min(k, len(labels)))]
+    if rollout_format == "none":
+        return predictions, None
+    unit = scale_unit(rollout)  # (h, w) in [0, 1]
+    if rollout_format == "grid":
+        return predictions, RolloutGrid(height=unit.shape[0], width=unit.shape[1],
+                                        values=[[round(float(v), 6) for v in row] for row in unit])
+    heat = heatmap(unit, prepared.size, prepared.crop_box)
+    image = heat if rollout_format == "png" else overlay(prepared.source, heat)
+    return predictions, RolloutImage(height=image.height, width=image.width, data=png_base64(image))

@@ -15,7 +15,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from service.runtime import ModelInfo
+from vitserve.artifact import ModelInfo
 
 ResizePolicy = Literal["fit", "native"]
 # Pillow format names we accept (MPO is the multi-picture JPEG many phones write).
@@ -91,12 +91,12 @@ def native_size(width: int, height: int, patch: int, max_tokens: int) -> tuple[i
     return cols * patch, rows * patch
 
 
-def normalize(image: Image.Image, mean: list[float], std: list[float]) -> np.ndarray:
-    """(H, W[, C]) uint8 -> (C, H, W) float32 as `(x / 255 - mean) / std`.
+def normalize_image(image: Image.Image, mean: list[float], std: list[float]) -> np.ndarray:
+    """(H, W[, C]) uint8 -> (C, H, W) float32: the fast path of `vitserve.artifact.normalize_pixels`.
 
     Through a per-channel table of the 256 possible values: one gather a channel instead of four float passes
     and a transposing copy (0.5 against 1.2 ms for 224x224 RGB here), with the same float32 arithmetic per value,
-    so the result is bit-identical to the formula.
+    so the result is bit-identical to the reference (tested).
     """
     array = np.asarray(image)
     if array.ndim == 2:
@@ -116,5 +116,5 @@ def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_byt
     else:
         size, box = native_size(width, height, info.patch_size, max_tokens), (0, 0, width, height)
     resized = image.resize(size, Image.Resampling.BICUBIC, box=box, reducing_gap=3.0)
-    return PreparedImage(normalize(resized, info.mean, info.std), image if keep_source else None, box,
+    return PreparedImage(normalize_image(resized, info.mean, info.std), image if keep_source else None, box,
                          (width, height))

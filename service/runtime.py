@@ -1,14 +1,12 @@
-"""ONNX Runtime: one session per process, the model's metadata as a typed `ModelInfo`, warm-up.
+"""ONNX Runtime: one session per process over a vitserve artifact (vitserve/artifact.py), warm-up.
 
 The server talks to a model only through `InferenceModel` (the whole contract: `info`, `provider`,
 `run`), so tests can wrap the real session to make it slow or make it fail.
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -16,39 +14,13 @@ import numpy as np
 
 from service.errors import ModelLoadError
 from service.settings import Settings
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ArtifactError, ModelInfo
+from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
 
-INPUT_NAME = "pixel_values"
-OUTPUT_NAMES = ("logits", "rollout")
-SUPPORTED_FORMAT_VERSION = 1
 _ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider",
                        "cpu": "CPUExecutionProvider"}
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """Everything the service knows about the model, read from the artifact's `vitserve.*` metadata."""
-
-    name: str
-    version: str
-    labels: list[str]
-    patch_size: int
-    image_size: tuple[int, int]  # (height, width) it was trained at
-    channels: int
-    mean: list[float]
-    std: list[float]
-    precision: str = "fp32"
-    opset: int | None = None
-    format_version: int = 1
-    exporter: str = ""
-    weights_sha256: str = ""
-    test_accuracy: float | None = None
-    architecture: dict = field(default_factory=dict)
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.labels)
 
 
 class InferenceModel(Protocol):
@@ -60,106 +32,12 @@ class InferenceModel(Protocol):
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
 
 
-_REQUIRED = object()
-
-
-def parse_metadata(props: dict[str, str], opset: int | None = None) -> ModelInfo:
-    """`vitserve.*` metadata_props -> ModelInfo; a missing or malformed key is a ModelLoadError."""
-    def get(key: str, convert=str, default=_REQUIRED):
-        raw = props.get(f"vitserve.{key}")
-        if raw is None:
-            if default is not _REQUIRED:
-                return default
-            raise ModelLoadError(f"model metadata lacks 'vitserve.{key}'; was it exported by `vitserve export`?")
-        try:
-            return convert(raw)
-        except (ValueError, TypeError) as e:
-            raise ModelLoadError(f"model metadata 'vitserve.{key}' = {raw!r} is malformed: {e}") from e
-
-    version = get("format_version", int)
-    if version > SUPPORTED_FORMAT_VERSION:
-        raise ModelLoadError(f"model format_version {version} is newer than this server ({SUPPORTED_FORMAT_VERSION})")
-    info = ModelInfo(
-        name=get("name"), version=get("version"), labels=[str(x) for x in get("labels", json.loads)],
-        patch_size=get("patch_size", int), image_size=(get("image_height", int), get("image_width", int)),
-        channels=get("channels", int), mean=[float(x) for x in get("mean", json.loads)],
-        std=[float(x) for x in get("std", json.loads)], precision=get("precision", str, "fp32"), opset=opset,
-        format_version=version, exporter=get("exporter", str, ""), weights_sha256=get("weights_sha256", str, ""),
-        test_accuracy=get("test_accuracy", float, None), architecture=get("architecture", json.loads, {}))
-    if not (len(info.mean) == len(info.std) == info.channels) or info.patch_size < 1 or not info.labels:
-        raise ModelLoadError(f"model metadata is inconsistent: channels={info.channels}, mean={info.mean}, "
-                             f"std={info.std}, patch_size={info.patch_size}, {len(info.labels)} labels")
-    return info
-
-
-@dataclass
-class ModelFileHeader:
-    opset: int | None
-    metadata: dict[str, str]
-
-
-def scan_model_file(path: Path) -> ModelFileHeader:
-    """Read a ModelProto's top-level `opset_import` (field 8) and `metadata_props` (field 14) without `onnx`.
-
-    Seeks past every other field (the graph), so checking a multi-gigabyte model costs a few reads;
-    anything that is not a well-formed protobuf message is a ModelLoadError.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise ModelLoadError(f"model file not found: {path}")
-    opset, metadata, size = None, {}, path.stat().st_size
-    if size == 0:
-        raise ModelLoadError(f"model file is empty: {path}")
-    with open(path, "rb") as f:
-        while (key := _read_varint(f)) is not None:
-            number, wire = key >> 3, key & 7
-            if wire == 0:
-                _read_varint(f)
-            elif wire == 2:
-                length = _read_varint(f)
-                if length is None or f.tell() + length > size:
-                    raise ModelLoadError(f"{path} is not an ONNX model (truncated or corrupt protobuf)")
-                if number in (8, 14):
-                    fields = _parse_message(f.read(length))
-                    if number == 8 and fields.get(1, b"") in (b"", b"ai.onnx"):
-                        opset = fields.get(2)
-                    elif number == 14:
-                        metadata[fields.get(1, b"").decode()] = fields.get(2, b"").decode()
-                else:
-                    f.seek(length, 1)
-            elif wire in (1, 5):
-                f.seek(8 if wire == 1 else 4, 1)
-            else:
-                raise ModelLoadError(f"{path} is not an ONNX model (wire type {wire} at offset {f.tell()})")
-    return ModelFileHeader(opset, metadata)
-
-
-def _read_varint(f) -> int | None:
-    result, shift = 0, 0
-    while True:
-        byte = f.read(1)
-        if not byte:
-            return None
-        result |= (byte[0] & 0x7F) << shift
-        if not byte[0] & 0x80:
-            return result
-        shift += 7
-        if shift > 63:
-            raise ModelLoadError("not an ONNX model (malformed varint)")
-
-
-def _parse_message(buf: bytes) -> dict[int, bytes | int]:
-    """A flat message of varint and length-delimited fields -> {field number: value}."""
-    import io
-    f, fields = io.BytesIO(buf), {}
-    while (key := _read_varint(f)) is not None:
-        if key & 7 == 0:
-            fields[key >> 3] = _read_varint(f)
-        elif key & 7 == 2:
-            fields[key >> 3] = f.read(_read_varint(f) or 0)
-        else:
-            raise ModelLoadError("not an ONNX model (unexpected field in a small message)")
-    return fields
+def read_model_file_info(path: Path) -> ModelInfo:
+    """The artifact's ModelInfo from the file alone (no session): a foreign or broken file is a ModelLoadError."""
+    try:
+        return read_model_info(path)
+    except ArtifactError as e:
+        raise ModelLoadError(str(e)) from e
 
 
 def provider_chain(settings: Settings, available: list[str]) -> list[tuple[str, dict]]:
@@ -226,8 +104,7 @@ class OnnxModel:
     def load(cls, settings: Settings) -> "OnnxModel":
         import onnxruntime as ort
         path = Path(settings.model_path)
-        header = scan_model_file(path)
-        parse_metadata(header.metadata)  # fail on a foreign ONNX file before paying for a session
+        info = read_model_file_info(path)  # fail on a foreign ONNX file before paying for a session
         chain = provider_chain(settings, ort.get_available_providers())
         try:
             session = ort.InferenceSession(str(path), sess_options=session_options(settings),
@@ -235,7 +112,6 @@ class OnnxModel:
                                            provider_options=[options for _, options in chain])
         except Exception as e:  # ORT raises its own Fail/InvalidProtobuf/... types
             raise ModelLoadError(f"cannot load ONNX model {path}: {e}") from e
-        info = parse_metadata(session.get_modelmeta().custom_metadata_map, header.opset)
         _check_signature(session, info, path)
         model = cls(session, info)
         log.info("loaded %s %s (%s, opset %s) from %s on %s", info.name, info.version, info.precision,

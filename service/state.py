@@ -50,7 +50,7 @@ class ServiceState:
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
                                       max_batches_in_flight=s.max_batches_in_flight,
                                       dispatch_when_idle=s.dispatch_when_idle,
-                                      retry_after_s=s.retry_after_s, observer=self.metrics)
+                                      observer=self.metrics)
         self.batcher.start()
         self._warmup = asyncio.create_task(self._warm_up())
 

@@ -14,18 +14,10 @@ TINY_LABELS = ["cat", "dog", "bird"]
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A 3-class, 3-channel, 2-layer ViT on a 4x4 grid of 8-pixel patches, random weights, saved as a checkpoint."""
-    import torch
+    from export.presets import RandomModel, random_checkpoint
 
-    from model.checkpoint import CheckpointMeta, save_checkpoint
-    from model.vit import VisionTransformer, vit_config
-
-    torch.manual_seed(0)
-    cfg = vit_config("tiny", image_size=(32, 32), patch_size=8, embed_dim=32, depth=2, num_heads=2,
-                     mlp_dim=64, num_classes=len(TINY_LABELS))
-    model = VisionTransformer(cfg)
-    with torch.no_grad():  # the zero-initialised head would make every prediction a tie
-        model.head.weight.normal_(0, 0.5)
-        model.pos_embed.normal_(0, 0.5)
-    meta = CheckpointMeta(cfg, list(TINY_LABELS), [0.5, 0.5, 0.5], [0.25, 0.25, 0.25], name="tiny-vit",
-                          version="7", metrics={"test_accuracy": 0.5})
-    return save_checkpoint(tmp_path_factory.mktemp("tiny") / "checkpoint", model.eval(), meta)
+    spec = RandomModel("tiny", dict(image_size=(32, 32), patch_size=8, embed_dim=32, depth=2, num_heads=2,
+                                    mlp_dim=64, num_classes=len(TINY_LABELS)),
+                       labels=list(TINY_LABELS), mean=[0.5] * 3, std=[0.25] * 3, name="tiny-vit", version="7",
+                       metrics={"test_accuracy": 0.5})
+    return random_checkpoint(spec, tmp_path_factory.mktemp("tiny") / "checkpoint")

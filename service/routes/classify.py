@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
@@ -15,8 +15,7 @@ from service import postprocess
 from service.errors import ServiceError, error_body, openapi_responses
 from service.preprocess import PreparedImage, ResizePolicy
 from service.routes.uploads import read_files, unless_disconnected
-from service.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, ModelRef, Prediction, RolloutFormat,
-                             RolloutGrid, RolloutImage, Timing)
+from service.schemas import BatchResponse, ClassifyResponse, ErrorResponse, ModelRef, RolloutFormat, Timing
 from service.state import ServiceState, get_ready_state
 
 router = APIRouter(tags=["classify"])
@@ -91,25 +90,9 @@ async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams,
 async def _encode(state: ServiceState, prepared: PreparedImage, logits, rollout, params: ClassifyParams):
     args = (state.model.info.labels, prepared, logits, rollout, params.top_k, params.rollout)
     if params.rollout in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
-        return await state.in_pool(encode_result, *args)
+        return await state.in_pool(postprocess.encode_result, *args)
     started = time.perf_counter()
-    return encode_result(*args), time.perf_counter() - started
-
-
-def encode_result(labels: list[str], prepared: PreparedImage, logits, rollout, top_k: int,
-                  rollout_format: Literal["grid", "png", "overlay", "none"]):
-    probabilities = postprocess.softmax(logits)
-    predictions = [Prediction(index=i, label=labels[i], score=p)
-                   for i, p in postprocess.top_k(probabilities, min(top_k, len(labels)))]
-    if rollout_format == "none":
-        return predictions, None
-    unit = postprocess.scale_unit(rollout)  # (h, w) in [0, 1]
-    if rollout_format == "grid":
-        return predictions, RolloutGrid(height=unit.shape[0], width=unit.shape[1],
-                                        values=[[round(float(v), 6) for v in row] for row in unit])
-    heat = postprocess.heatmap(unit, prepared.size, prepared.crop_box)
-    image = heat if rollout_format == "png" else postprocess.overlay(prepared.source, heat)
-    return predictions, RolloutImage(height=image.height, width=image.width, data=postprocess.png_base64(image))
+    return postprocess.encode_result(*args), time.perf_counter() - started
 
 
 def _model_ref(state: ServiceState) -> ModelRef:

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Depends, Request
 
 from service.errors import InvalidParameter, ModelNotFound, NotReady, openapi_responses
 from service.routes.uploads import unless_disconnected
-from service.runtime import INPUT_NAME, OUTPUT_NAMES
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from service.schemas import (InferOutputTensor, InferRequest, InferResponse, ModelMetadata, TensorMetadata)
 from service.state import ServiceState, get_ready_state, get_state
 

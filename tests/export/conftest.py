@@ -17,20 +17,12 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def nonsquare_checkpoint(tmp_path_factory):
     """1 channel, trained at 24x40 (a 3x5 grid of 8-pixel patches), 3 layers, no recorded accuracy."""
-    import torch
+    from export.presets import RandomModel, random_checkpoint
 
-    from model.checkpoint import CheckpointMeta, save_checkpoint
-    from model.vit import VisionTransformer, vit_config
-
-    torch.manual_seed(1)
-    cfg = vit_config("tiny", image_size=(24, 40), patch_size=8, in_channels=1, embed_dim=24, depth=3,
-                     num_heads=3, mlp_dim=48, num_classes=len(NONSQUARE_LABELS))
-    model = VisionTransformer(cfg)
-    with torch.no_grad():
-        model.head.weight.normal_(0, 0.5)
-        model.pos_embed.normal_(0, 0.5)
-    meta = CheckpointMeta(cfg, list(NONSQUARE_LABELS), [0.3], [0.4], name="wide", version="2")
-    return save_checkpoint(tmp_path_factory.mktemp("wide") / "checkpoint", model.eval(), meta)
+    spec = RandomModel("tiny", dict(image_size=(24, 40), patch_size=8, in_channels=1, embed_dim=24, depth=3,
+                                    num_heads=3, mlp_dim=48, num_classes=len(NONSQUARE_LABELS)),
+                       labels=list(NONSQUARE_LABELS), mean=[0.3], std=[0.4], name="wide", version="2")
+    return random_checkpoint(spec, tmp_path_factory.mktemp("wide") / "checkpoint", seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,7 @@ import torch
 from export.rollout_reference import numpy_attention_rollout
 from export.verify import (ExportVerificationError, check_graph, cpu_session, require_symbolic_input,
                            verify_against_torch)
+from vitserve.onnx_header import read_model_info
 TINY_LABELS = ["cat", "dog", "bird"]  # as tests/conftest.py makes them
 
 
@@ -39,21 +40,22 @@ def test_single_file_without_external_data(tiny_export):
     assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in proto.graph.initializer)
 
 
-def test_metadata_round_trips(tiny_export, tiny_checkpoint, tiny_model):
+def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
+    """The one round trip of the contract: export writes ModelInfo, the service's reader gets it back."""
     from model.checkpoint import weights_sha256
+    from vitserve.artifact import ModelInfo
+    from vitserve.onnx_header import read_model_info
 
     props = cpu_session(str(tiny_export.path)).get_modelmeta().custom_metadata_map
     assert props == tiny_export.metadata
-    assert json.loads(props["vitserve.labels"]) == TINY_LABELS
-    assert (props["vitserve.name"], props["vitserve.version"], props["vitserve.format_version"]) == ("tiny-vit", "7", "1")
-    assert (props["vitserve.patch_size"], props["vitserve.image_height"], props["vitserve.image_width"]) == ("8", "32", "32")
-    assert props["vitserve.channels"] == "3"
-    assert json.loads(props["vitserve.mean"]) == [0.5] * 3 and json.loads(props["vitserve.std"]) == [0.25] * 3
-    assert json.loads(props["vitserve.architecture"]) == tiny_model.cfg.to_dict()
-    assert props["vitserve.precision"] == "fp32"
-    assert props["vitserve.weights_sha256"] == weights_sha256(tiny_model.state_dict())
-    assert props["vitserve.test_accuracy"] == "0.5"
-    assert props["vitserve.exporter"] == f"vitserve 0.1.0, torch {torch.__version__}, onnx {onnx.__version__}"
+    info = read_model_info(tiny_export.path)
+    assert info == ModelInfo(
+        name="tiny-vit", version="7", labels=TINY_LABELS, patch_size=8, image_size=(32, 32), channels=3,
+        mean=[0.5] * 3, std=[0.25] * 3, precision="fp32",
+        exporter=f"vitserve 0.1.0, torch {torch.__version__}, onnx {onnx.__version__}",
+        weights_sha256=weights_sha256(tiny_model.state_dict()), test_accuracy=0.5,
+        architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset)
+    assert ModelInfo.from_metadata(props, tiny_export.opset) == info
 
 
 def test_export_report_covers_required_cases(tiny_export):
@@ -86,9 +88,9 @@ def test_nonsquare_trained_grid(nonsquare_export, nonsquare_checkpoint):
     from model.checkpoint import load_checkpoint
 
     vit, _ = load_checkpoint(nonsquare_checkpoint)
-    props = nonsquare_export.metadata
-    assert (props["vitserve.image_height"], props["vitserve.image_width"], props["vitserve.channels"]) == ("24", "40", "1")
-    assert "vitserve.test_accuracy" not in props  # the checkpoint recorded none
+    info = read_model_info(nonsquare_export.path)
+    assert info.image_size == (24, 40) and info.channels == 1
+    assert info.test_accuracy is None  # the checkpoint recorded none
     assert (24, 40) in {(c.height, c.width) for c in nonsquare_export.verification.cases}
     for batch, size in [(1, (24, 40)), (7, (40, 24)), (7, (32, 32))]:
         x = np.random.default_rng(batch).standard_normal((batch, 1, *size)).astype(np.float32)

@@ -8,8 +8,8 @@ import pytest
 from PIL import Image
 
 from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from service.preprocess import decode_image, fit_box, native_size, normalize, prepare_image, to_channels
-from service.runtime import ModelInfo
+from service.preprocess import decode_image, fit_box, native_size, normalize_image, prepare_image, to_channels
+from vitserve.artifact import ModelInfo, normalize_pixels
 from service_fixtures import image_bytes, png_declaring
 
 LIMITS = dict(max_bytes=1_000_000, max_pixels=1_000_000)
@@ -93,21 +93,21 @@ def test_native_size_snaps_to_patches_and_caps_tokens():
     assert native_size(1000, 10, 8, 16) == (128, 8)
 
 
-def test_normalize_matches_formula():
+def test_normalize_image_matches_formula():
     image = Image.new("RGB", (2, 3), (255, 0, 51))
-    out = normalize(image, [0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
+    out = normalize_image(image, [0.5, 0.5, 0.5], [0.25, 0.25, 0.25])
     assert out.shape == (3, 3, 2) and out.dtype == np.float32
     np.testing.assert_allclose(out[:, 0, 0], [(1 - 0.5) / 0.25, (0 - 0.5) / 0.25, (0.2 - 0.5) / 0.25], rtol=1e-6)
 
 
 @pytest.mark.parametrize("mode, shape", [("RGB", (17, 23, 3)), ("L", (28, 28))])
-def test_normalize_is_bit_identical_to_the_float32_formula(mode, shape):
+def test_normalize_image_is_bit_identical_to_the_reference(mode, shape):
     pixels = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
     channels = 3 if mode == "RGB" else 1
     mean, std = [0.485, 0.456, 0.406][:channels], [0.229, 0.224, 0.225][:channels]
-    out = normalize(Image.fromarray(pixels, mode), mean, std)
-    x = pixels.reshape(shape[0], shape[1], channels).astype(np.float32) / 255.0
-    expected = ((x - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)).transpose(2, 0, 1)
+    out = normalize_image(Image.fromarray(pixels, mode), mean, std)
+    expected = normalize_pixels(pixels.reshape(shape[0], shape[1], channels).transpose(2, 0, 1), mean, std,
+                                channel_axis=0)
     assert out.shape == expected.shape and out.dtype == np.float32 and out.flags["C_CONTIGUOUS"]
     assert np.array_equal(out, expected)
 

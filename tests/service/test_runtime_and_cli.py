@@ -1,7 +1,6 @@
-"""The ONNX Runtime layer (metadata, providers, session), Settings, and the `serve` flags that map onto them."""
+"""The ONNX Runtime layer (load errors, providers, session), Settings, and the `serve` flags that map onto them."""
 from __future__ import annotations
 
-import json
 import os
 
 import numpy as np
@@ -9,44 +8,9 @@ import onnx
 import pytest
 
 from service.errors import ModelLoadError
-from service.runtime import (OnnxModel, intra_op_threads, parse_metadata, provider_chain, scan_model_file,
-                             session_options, warm_up)
+from service.runtime import OnnxModel, intra_op_threads, provider_chain, session_options, warm_up
 from service.settings import Settings
 from service_fixtures import settings_for
-
-METADATA = {"vitserve.format_version": "1", "vitserve.name": "m", "vitserve.version": "2",
-            "vitserve.labels": '["a", "b"]', "vitserve.patch_size": "4", "vitserve.image_height": "28",
-            "vitserve.image_width": "24", "vitserve.channels": "1", "vitserve.mean": "[0.286]",
-            "vitserve.std": "[0.353]", "vitserve.architecture": '{"depth": 6}', "vitserve.precision": "fp16"}
-
-
-def test_parse_metadata():
-    info = parse_metadata(METADATA, opset=18)
-    assert (info.name, info.version, info.labels, info.patch_size) == ("m", "2", ["a", "b"], 4)
-    assert info.image_size == (28, 24) and info.channels == 1 and info.mean == [0.286] and info.std == [0.353]
-    assert info.precision == "fp16" and info.opset == 18 and info.architecture == {"depth": 6}
-    assert info.test_accuracy is None and info.num_classes == 2
-    assert parse_metadata({**METADATA, "vitserve.test_accuracy": "0.92"}).test_accuracy == 0.92
-
-
-@pytest.mark.parametrize("change, message", [
-    ({"vitserve.labels": None}, "lacks 'vitserve.labels'"),
-    ({"vitserve.patch_size": "four"}, "'vitserve.patch_size' = 'four' is malformed"),
-    ({"vitserve.mean": "[0.1, 0.2]"}, "inconsistent"),
-    ({"vitserve.format_version": "9"}, "newer than this server"),
-])
-def test_parse_metadata_errors(change, message):
-    props = {k: v for k, v in {**METADATA, **change}.items() if v is not None}
-    with pytest.raises(ModelLoadError, match=message):
-        parse_metadata(props)
-
-
-def test_scan_model_file_reads_opset_and_metadata_without_onnx(tiny_onnx):
-    proto = onnx.load(str(tiny_onnx), load_external_data=False)
-    header = scan_model_file(tiny_onnx)
-    assert header.opset == next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    assert header.metadata == {p.key: p.value for p in proto.metadata_props}
-
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
     foreign = onnx.load(str(tiny_onnx))

@@ -1,0 +1,127 @@
+"""The contract of the exported model file: one module that export writes through and the service reads through.
+
+An artifact is one ONNX file. Its graph takes `INPUT_NAME`, float32 `[batch, channels, height, width]` pixels
+already normalised by `normalize_pixels`, and returns `OUTPUT_NAMES`: logits `[batch, classes]` and the attention
+rollout `[batch, height/P, width/P]`. Everything else the server needs travels in the file's `metadata_props`
+under `vitserve.*` keys, all values strings (JSON for lists and objects): `ModelInfo.to_metadata()` writes
+them and `ModelInfo.from_metadata()` reads them back. docs/architecture.md lists the keys.
+
+Imports numpy only, so the torch world (export) and the ONNX Runtime world (service) can both use it.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+import numpy as np
+
+INPUT_NAME = "pixel_values"
+OUTPUT_NAMES = ("logits", "rollout")
+# Bump when a reader of the old format would misread a new file; readers refuse newer versions.
+FORMAT_VERSION = 1
+METADATA_PREFIX = "vitserve."
+PRECISIONS = ("fp32", "fp16")
+
+
+class ArtifactError(ValueError):
+    """The file's `vitserve.*` metadata is missing, malformed, inconsistent or from a newer format."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Everything a server knows about a model, as written in the artifact's metadata."""
+
+    name: str
+    version: str
+    labels: list[str]
+    patch_size: int
+    image_size: tuple[int, int]  # (height, width) it was trained at
+    channels: int
+    mean: list[float]
+    std: list[float]
+    precision: str = "fp32"
+    format_version: int = FORMAT_VERSION
+    exporter: str = ""
+    weights_sha256: str = ""
+    test_accuracy: float | None = None
+    architecture: dict = field(default_factory=dict)
+    opset: int | None = None  # read from the graph's opset_import, not from metadata
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.labels)
+
+    def with_opset(self, opset: int | None) -> "ModelInfo":
+        return replace(self, opset=opset)
+
+    def to_metadata(self) -> dict[str, str]:
+        """The `metadata_props` that describe this model: every value a string."""
+        props = {
+            "format_version": str(self.format_version), "name": self.name, "version": self.version,
+            "labels": json.dumps(list(self.labels)), "patch_size": str(self.patch_size),
+            "image_height": str(self.image_size[0]), "image_width": str(self.image_size[1]),
+            "channels": str(self.channels), "mean": json.dumps(list(self.mean)), "std": json.dumps(list(self.std)),
+            "architecture": json.dumps(self.architecture), "precision": self.precision,
+            "exporter": self.exporter, "weights_sha256": self.weights_sha256,
+        }
+        if self.test_accuracy is not None:
+            props["test_accuracy"] = str(float(self.test_accuracy))
+        return {METADATA_PREFIX + key: value for key, value in props.items()}
+
+    @classmethod
+    def from_metadata(cls, props: dict[str, str], opset: int | None = None) -> "ModelInfo":
+        """`metadata_props` -> ModelInfo; a missing, malformed or inconsistent value is an ArtifactError."""
+        get = _metadata_reader(props)
+        format_version = get("format_version", int)
+        if format_version > FORMAT_VERSION:
+            raise ArtifactError(f"model format_version {format_version} is newer than this reader ({FORMAT_VERSION})")
+        info = cls(
+            name=get("name"), version=get("version"), labels=[str(x) for x in get("labels", json.loads)],
+            patch_size=get("patch_size", int), image_size=(get("image_height", int), get("image_width", int)),
+            channels=get("channels", int), mean=[float(x) for x in get("mean", json.loads)],
+            std=[float(x) for x in get("std", json.loads)], precision=get("precision", str, "fp32"),
+            format_version=format_version, exporter=get("exporter", str, ""),
+            weights_sha256=get("weights_sha256", str, ""), test_accuracy=get("test_accuracy", float, None),
+            architecture=get("architecture", json.loads, {}), opset=opset)
+        info.check()
+        return info
+
+    def check(self) -> None:
+        """The values agree with each other: one mean and std per channel, a patch, labels, a known precision."""
+        consistent = (len(self.mean) == len(self.std) == self.channels and self.patch_size >= 1 and self.labels
+                      and min(self.image_size) >= self.patch_size and all(s > 0 for s in self.std)
+                      and self.precision in PRECISIONS)
+        if not consistent:
+            raise ArtifactError(f"model metadata is inconsistent: channels={self.channels}, mean={self.mean}, "
+                                f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "
+                                f"{len(self.labels)} labels, precision={self.precision!r}")
+
+
+_REQUIRED = object()
+
+
+def _metadata_reader(props: dict[str, str]) -> Callable[..., Any]:
+    def get(key: str, convert: Callable[[str], Any] = str, default: Any = _REQUIRED) -> Any:
+        raw = props.get(METADATA_PREFIX + key)
+        if raw is None:
+            if default is not _REQUIRED:
+                return default
+            raise ArtifactError(f"model metadata lacks '{METADATA_PREFIX}{key}'; was it exported by `vitserve export`?")
+        try:
+            return convert(raw)
+        except (ValueError, TypeError) as e:
+            raise ArtifactError(f"model metadata '{METADATA_PREFIX}{key}' = {raw!r} is malformed: {e}") from e
+    return get
+
+
+def normalize_pixels(pixels: np.ndarray, mean: list[float], std: list[float], channel_axis: int = 1) -> np.ndarray:
+    """uint8 pixels -> the graph's float32 input: `(x / 255 - mean) / std` per channel, in float32 arithmetic.
+
+    The reference every other path is tested equal to (the service's lookup table, training's torch version).
+    `channel_axis` says which axis holds the channels: 1 for (N, C, H, W), 0 for (C, H, W), -1 for (H, W, C).
+    """
+    shape = [1] * pixels.ndim
+    shape[channel_axis] = -1
+    m, s = np.asarray(mean, np.float32).reshape(shape), np.asarray(std, np.float32).reshape(shape)
+    return (np.asarray(pixels).astype(np.float32) / np.float32(255.0) - m) / s

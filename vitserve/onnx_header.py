@@ -1,0 +1,91 @@
+"""Read an ONNX file's opset and `metadata_props` without the `onnx` package or a session.
+
+A ModelProto is a protobuf message; its top-level `opset_import` (field 8) and `metadata_props` (field 14)
+are small, and everything else (the graph, with the weights) is one length-delimited field this reader
+seeks past. So checking that a multi-gigabyte file is a vitserve model costs a few reads, and the serving
+image, which has no `onnx`, can refuse a foreign file before paying for an ONNX Runtime session.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+from vitserve.artifact import ArtifactError, ModelInfo
+
+_OPSET_IMPORT, _METADATA_PROPS = 8, 14
+_VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
+
+
+@dataclass
+class ModelFileHeader:
+    opset: int | None  # the default (ai.onnx) domain's version
+    metadata: dict[str, str]
+
+
+def read_header(path: str | Path) -> ModelFileHeader:
+    """The file's default-domain opset and metadata; anything that is not a well-formed ModelProto is an ArtifactError."""
+    path = Path(path)
+    if not path.is_file():
+        raise ArtifactError(f"model file not found: {path}")
+    size = path.stat().st_size
+    if size == 0:
+        raise ArtifactError(f"model file is empty: {path}")
+    opset, metadata = None, {}
+    with open(path, "rb") as f:
+        while (key := _read_varint(f)) is not None:
+            number, wire = key >> 3, key & 7
+            if wire == _VARINT:
+                _read_varint(f)
+            elif wire == _LENGTH_DELIMITED:
+                length = _read_varint(f)
+                if length is None or f.tell() + length > size:
+                    raise ArtifactError(f"{path} is not an ONNX model (truncated or corrupt protobuf)")
+                if number == _OPSET_IMPORT:
+                    fields = _parse_flat_message(f.read(length))
+                    if fields.get(1, b"") in (b"", b"ai.onnx"):
+                        opset = fields.get(2)
+                elif number == _METADATA_PROPS:
+                    fields = _parse_flat_message(f.read(length))
+                    metadata[fields.get(1, b"").decode()] = fields.get(2, b"").decode()
+                else:
+                    f.seek(length, 1)
+            elif wire in (_FIXED64, _FIXED32):
+                f.seek(8 if wire == _FIXED64 else 4, 1)
+            else:
+                raise ArtifactError(f"{path} is not an ONNX model (wire type {wire} at offset {f.tell()})")
+    return ModelFileHeader(opset, metadata)
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """The artifact's ModelInfo straight from the file: cheap, no session, no `onnx`."""
+    header = read_header(path)
+    return ModelInfo.from_metadata(header.metadata, header.opset)
+
+
+def _read_varint(f: BinaryIO) -> int | None:
+    result, shift = 0, 0
+    while True:
+        byte = f.read(1)
+        if not byte:
+            return None
+        result |= (byte[0] & 0x7F) << shift
+        if not byte[0] & 0x80:
+            return result
+        shift += 7
+        if shift > 63:
+            raise ArtifactError("not an ONNX model (malformed varint)")
+
+
+def _parse_flat_message(buf: bytes) -> dict[int, bytes | int]:
+    """A message of varint and length-delimited fields only -> {field number: value}."""
+    f, fields = io.BytesIO(buf), {}
+    while (key := _read_varint(f)) is not None:
+        if key & 7 == _VARINT:
+            fields[key >> 3] = _read_varint(f)
+        elif key & 7 == _LENGTH_DELIMITED:
+            fields[key >> 3] = f.read(_read_varint(f) or 0)
+        else:
+            raise ArtifactError("not an ONNX model (unexpected field in a small message)")
+    return fields
