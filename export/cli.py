@@ -90,7 +90,8 @@ def run_accuracy(args) -> int:
 
 
 def run_bench(args) -> int:
-    from export.evaluate import benchmark, variant_model
+    """The speed comparison is a benchmark: it lives in bench/raw.py, beside `vitserve bench`."""
+    from bench.raw import benchmark, variant_model
 
     if args.checkpoint:
         from model.checkpoint import load_checkpoint

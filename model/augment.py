@@ -1,27 +1,18 @@
-"""Batched image augmentations on uint8/float tensors (B, C, H, W), written with torch alone.
+"""Batched image augmentations on uint8/float tensors (B, C, H, W), written with torch; normalisation is
+`vitserve.artifact.normalize_pixels`, the one reference for it.
 
 Working on whole batches keeps augmentation off the per-image Python path, which on two CPU
-cores would cost more than the model's forward pass.
+cores would cost more than the model's forward pass. AugmentConfig lives in model.config (no torch there).
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-
-@dataclass(frozen=True)
-class AugmentConfig:
-    crop: str = "pad"  # "pad": random crop with zero padding; "rrc": random-resized crop; "none"
-    crop_padding: int = 2
-    rrc_scale: tuple[float, float] = (0.35, 1.0)
-    rrc_ratio: tuple[float, float] = (3 / 4, 4 / 3)
-    hflip: bool = True
-    erasing_prob: float = 0.25
-    erasing_scale: tuple[float, float] = (0.02, 0.25)
-    erasing_ratio: tuple[float, float] = (0.3, 3.3)
+from model.config import AugmentConfig  # re-exported: `from model.augment import AugmentConfig`
+from vitserve.artifact import normalize_pixels
 
 
 def random_crop_with_padding(x: torch.Tensor, padding: int, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -87,10 +78,12 @@ def random_erasing(x: torch.Tensor, p: float, scale: tuple[float, float], ratio:
 
 
 def normalize(x: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
-    """uint8 (B, C, H, W) in [0, 255] -> float, scaled to [0, 1] then standardised per channel."""
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return (x.float() / 255.0 - m) / s
+    """uint8 or float (B, C, H, W) in [0, 255] on the CPU -> float32 `(x / 255 - mean) / std` per channel.
+
+    `vitserve.artifact.normalize_pixels` itself, the reference the exported graph's callers are tested against,
+    so training sees the very floats serving will; training calls it before moving a batch to the device.
+    """
+    return torch.from_numpy(normalize_pixels(x.numpy(), mean, std, channel_axis=1))
 
 
 def augment_batch(images: torch.Tensor, cfg: AugmentConfig, mean: list[float], std: list[float],

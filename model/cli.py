@@ -1,8 +1,19 @@
-"""`vitserve train` and `vitserve import`: argument parsing only; torch is imported when a command runs."""
+"""`vitserve train` and `vitserve import`: argument parsing only; torch is imported when a command runs.
+
+`vitserve train`'s flags are made from model.config's `TrainConfig`, its nested `AugmentConfig`, and the ViTConfig
+fields that `TrainConfig.model_overrides` lists: name, type, choices and help come from the dataclasses, and so
+do the defaults, which a flag left out keeps. model.config imports neither torch nor numpy, so the flags are
+added with the parser, which `vitserve` builds for every command (`vitserve serve` too).
+"""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import types
+import typing
+
+from model.config import AugmentConfig, TrainConfig
 
 
 def _size(text: str) -> list[int]:
@@ -11,65 +22,94 @@ def _size(text: str) -> list[int]:
 
 
 def add_train_parser(subparsers) -> None:
-    p = subparsers.add_parser("train", help="train a ViT on Fashion-MNIST or an image folder",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--data", default="fashion-mnist", help="'fashion-mnist' or an ImageFolder root (one folder per class)")
-    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist", help="Fashion-MNIST IDX directory")
-    p.add_argument("--model", default="fmnist", help="variant: fmnist, tiny, small, base, large, huge, B/16, L/32, ...")
-    p.add_argument("--image-size", type=_size, help="training resolution H[xW] (default: the data's own)")
-    p.add_argument("--patch-size", type=int)
-    p.add_argument("--embed-dim", type=int)
-    p.add_argument("--depth", type=int)
-    p.add_argument("--num-heads", type=int)
-    p.add_argument("--mlp-dim", type=int)
-    p.add_argument("--dropout", type=float)
-    p.add_argument("--attention-dropout", type=float)
-    p.add_argument("--representation-size", type=int, help="hidden size of the pre-training MLP head")
-    p.add_argument("--channels", type=int, default=3, choices=(1, 3), help="for image folders")
-    p.add_argument("--epochs", type=int, default=40)
-    p.add_argument("--batch-size", type=int, default=128)
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--min-lr", type=float, default=1e-5)
-    p.add_argument("--weight-decay", type=float, default=0.05)
-    p.add_argument("--warmup-epochs", type=float, default=3.0)
-    p.add_argument("--label-smoothing", type=float, default=0.1)
-    p.add_argument("--grad-clip", type=float, default=1.0)
-    p.add_argument("--crop", choices=("pad", "rrc", "none"), default="pad")
-    p.add_argument("--crop-padding", type=int, default=2)
-    p.add_argument("--no-hflip", action="store_true")
-    p.add_argument("--erasing-prob", type=float, default=0.25)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--val-fraction", type=float, default=0.1)
-    p.add_argument("--out", default="runs/train", help="output directory (checkpoint/, log.csv, curves.png)")
-    p.add_argument("--resume", action="store_true", help="continue from the last epoch saved in --out")
-    p.add_argument("--init-from", help="fine-tune from this checkpoint (position embeddings resampled)")
-    p.add_argument("--name", default="vit")
-    p.add_argument("--version", default="1")
-    p.add_argument("--threads", type=int)
-    p.add_argument("--max-steps-per-epoch", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--no-progress", action="store_true")
+    p = subparsers.add_parser(
+        "train", help="train a ViT on Fashion-MNIST or an image folder",
+        description="Train a ViT. Each flag sets one field of model.config.TrainConfig (or of its AugmentConfig, "
+                    "or one ViTConfig field in its model_overrides); a flag left out keeps the default shown.")
+    add_config_flags(p)
     p.set_defaults(func=run_train)
 
 
-def run_train(args) -> int:
-    from model.augment import AugmentConfig
-    from model.train import TrainConfig, train
+def add_config_flags(parser: argparse.ArgumentParser) -> None:
+    """A flag per field, in a group per dataclass. A flag sets its field's path ("epochs", "augment.crop",
+    "model_overrides.depth") only when given, so a default lives in its dataclass alone."""
+    run = parser.add_argument_group("TrainConfig")
+    for f, hint in _fields(TrainConfig):
+        if dataclasses.is_dataclass(hint):
+            group = parser.add_argument_group(f"{f.name} ({hint.__name__})", f.metadata.get("help"))
+            for sub, sub_hint in _fields(hint):
+                _add_flag(group, f"{f.name}.{sub.name}", sub_hint, sub.metadata, sub.default)
+        elif "flags" in f.metadata:  # {ViTConfig field: (its type, help)}
+            group = parser.add_argument_group(f"{f.name} (ViTConfig fields)", f.metadata["help"])
+            for name, (vit_hint, help_text) in f.metadata["flags"].items():
+                group.add_argument("--" + name.replace("_", "-"), dest=f"{f.name}.{name}", default=argparse.SUPPRESS,
+                                   help=help_text.replace("%", "%%"), **_value_kwargs(vit_hint))
+        else:
+            _add_flag(run, f.name, hint, f.metadata, f.default)
 
-    overrides = {k: getattr(args, k) for k in ("patch_size", "embed_dim", "depth", "num_heads", "mlp_dim",
-                                              "dropout", "attention_dropout", "representation_size")
-                 if getattr(args, k) is not None}
-    if args.image_size:
-        overrides["image_size"] = args.image_size
-    cfg = TrainConfig(
-        data=args.data, data_dir=args.data_dir, model=args.model, model_overrides=overrides, channels=args.channels,
-        epochs=args.epochs, batch_size=args.batch_size, lr=args.lr, min_lr=args.min_lr,
-        weight_decay=args.weight_decay, warmup_epochs=args.warmup_epochs, label_smoothing=args.label_smoothing,
-        grad_clip=args.grad_clip, seed=args.seed, out_dir=args.out, resume=args.resume, init_from=args.init_from,
-        augment=AugmentConfig(crop=args.crop, crop_padding=args.crop_padding, hflip=not args.no_hflip,
-                              erasing_prob=args.erasing_prob),
-        val_fraction=args.val_fraction, name=args.name, version=args.version, threads=args.threads,
-        max_steps_per_epoch=args.max_steps_per_epoch, progress=not args.no_progress)
-    row = train(cfg)
+
+def _fields(cls) -> list[tuple[dataclasses.Field, typing.Any]]:
+    hints = typing.get_type_hints(cls)  # the annotations are strings (`from __future__ import annotations`)
+    return [(f, hints[f.name]) for f in dataclasses.fields(cls)]
+
+
+def _add_flag(group, dest: str, hint, metadata, default) -> None:
+    name = metadata.get("flag", dest.rpartition(".")[2]).replace("_", "-")
+    if hint is bool:  # the flag flips the default: --resume turns it on, --no-hflip turns it off
+        flag = f"--no-{name}" if default else f"--{name}"
+        kwargs, shown = {"action": "store_false" if default else "store_true"}, "on" if default else "off"
+    else:
+        flag, kwargs, shown = f"--{name}", _value_kwargs(hint), _shown(default)
+    help_text = f"{metadata['help']} (default: {shown})"
+    group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"), **kwargs)
+
+
+def _value_kwargs(hint) -> dict:
+    """type, choices, nargs, metavar for int, float, str, X | None, Literal[...], tuple[float, float] and
+    tuple[int, int] (an image size, written H[xW])."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # X | None: the flag takes an X
+        return _value_kwargs(args[0])
+    if origin is typing.Literal:
+        return {"type": type(args[0]), "choices": args}
+    if hint == tuple[int, int]:
+        return {"type": _size, "metavar": "H[xW]"}
+    if origin is tuple:
+        return {"type": args[0], "nargs": len(args), "metavar": ("MIN", "MAX"), "action": _StoreTuple}
+    return {"type": hint, "metavar": {int: "N", float: "X"}.get(hint)}
+
+
+class _StoreTuple(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, tuple(values))  # the field is a tuple; nargs makes a list
+
+
+def _shown(value) -> str:
+    if value is None:
+        return "none"
+    if isinstance(value, tuple):
+        return " ".join(map(_shown, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig the flags describe: the flags given, dataclass defaults for the rest."""
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    given: dict = {"model_overrides": {}, "augment": {}}
+    for key, value in vars(args).items():
+        name, _, sub = key.partition(".")
+        if name in names and sub:
+            given[name][sub] = value
+        elif name in names:
+            given[name] = value
+    return TrainConfig(**{**given, "augment": AugmentConfig(**given["augment"])})
+
+
+def run_train(args) -> int:
+    from model.train import train
+
+    row = train(train_config(args))
     if row:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}))
     return 0

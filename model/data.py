@@ -15,7 +15,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+from model.config import FASHION_MNIST_DIR
+
 FASHION_MNIST_LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
 # Per-pixel statistics of the 60,000 training images (scaled to [0, 1]).

@@ -10,16 +10,7 @@ import statistics
 from pathlib import Path
 
 from model.checkpoint import load_meta
-
-
-def cpu_model_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+from vitserve.machine import cpu_model_name
 
 
 def read_log(run_dir: Path) -> list[dict]:

@@ -13,7 +13,7 @@ import os
 import platform
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -21,40 +21,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.augment import AugmentConfig, augment_batch, normalize
+from model.augment import augment_batch, normalize
 from model.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
-from model.data import DataSplits, load_fashion_mnist, load_image_folder, resize_batch, FASHION_MNIST_DIR
+from model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
+from model.data import DataSplits, load_fashion_mnist, load_image_folder, resize_batch
 from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
 
 TRAIN_STATE_FILE = "train_state.pt"
-
-
-@dataclass
-class TrainConfig:
-    data: str = "fashion-mnist"  # "fashion-mnist" or an ImageFolder root
-    data_dir: str = FASHION_MNIST_DIR
-    model: str = "fmnist"  # a variant name for vit_config
-    model_overrides: dict = field(default_factory=dict)  # ViTConfig fields: embed_dim, depth, image_size, ...
-    channels: int = 3  # for ImageFolder data; Fashion-MNIST is 1
-    epochs: int = 40
-    batch_size: int = 128  # global: split across processes
-    lr: float = 1e-3
-    min_lr: float = 1e-5
-    weight_decay: float = 0.05
-    warmup_epochs: float = 3.0
-    label_smoothing: float = 0.1
-    grad_clip: float = 1.0
-    seed: int = 0
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
-    out_dir: str = "runs/train"
-    resume: bool = False  # continue from out_dir's last epoch
-    init_from: str | None = None  # fine-tune from this checkpoint (position embeddings resampled)
-    val_fraction: float = 0.1  # ImageFolder only
-    max_steps_per_epoch: int | None = None  # for smoke tests
-    name: str = "vit"
-    version: str = "1"
-    threads: int | None = None
-    progress: bool = True
 
 
 @dataclass

@@ -10,12 +10,12 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 import typing
-from pathlib import Path
+
+if typing.TYPE_CHECKING:
+    from service.settings import Settings
 
 ENV_PREFIX = "VITSERVE_"
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
@@ -50,47 +50,48 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.errors import ModelLoadError
-    from service.runtime import parse_metadata, scan_model_file
     from service.settings import Settings
+    from vitserve.artifact import ArtifactError
+    from vitserve.onnx_header import read_model_info
 
     for name, value in vars(args).items():
         if name not in ("command", "func") and value is not None:
             os.environ[ENV_PREFIX + name.upper()] = str(value)
     try:
         settings = Settings()
-        info = parse_metadata(scan_model_file(settings.model_path).metadata)  # cheap: no session yet
+        info = read_model_info(settings.model_path)  # cheap: no session yet
     except ValidationError as e:
         print(f"vitserve serve: invalid settings:\n{e}", file=sys.stderr)
         return 2
-    except ModelLoadError as e:
+    except ArtifactError as e:
         print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
         return 2
     if settings.workers > 1:
-        prepare_multiprocess_metrics()
+        from service.metrics import prepare_multiprocess_dir
+        prepare_multiprocess_dir()
     configure_logging(settings.log_level)
     logging.getLogger("vitserve.cli").info("serving %s %s from %s on http://%s:%d with %d worker(s)", info.name,
                                            info.version, settings.model_path, settings.host, settings.port,
                                            settings.workers)
-    import uvicorn
-    uvicorn.run("service.app:app_from_env", factory=True, host=settings.host, port=settings.port,
-                workers=settings.workers, log_level=settings.log_level, limit_concurrency=settings.limit_concurrency,
-                timeout_graceful_shutdown=int(settings.drain_timeout_s) or None)
+    serve_with_uvicorn("service.app:app_from_env", settings)
     return 0
 
 
-def prepare_multiprocess_metrics() -> Path:
-    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one.
-    Must run before anything imports prometheus_client."""
-    directory = os.environ.get(MULTIPROC_ENV)
-    if directory:
-        for stale in Path(directory).glob("*.db"):  # a previous run's values would be summed in
-            stale.unlink()
-    else:
-        directory = tempfile.mkdtemp(prefix="vitserve-metrics-")
-        os.environ[MULTIPROC_ENV] = directory
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    return Path(directory)
+def uvicorn_options(settings: Settings) -> dict:
+    """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
+    return {"host": settings.host, "port": settings.port, "workers": settings.workers,
+            "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
+            "timeout_graceful_shutdown": int(settings.drain_timeout_s) or None}
+
+
+def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:
+    """Run uvicorn on the app that `app_factory_path` ('module:function') builds, with `uvicorn_options`.
+
+    `vitserve serve` and the benchmark's bare endpoint (bench/servers.py) both start here, so the bare
+    endpoint measures the HTTP floor under exactly the options the real server has.
+    """
+    import uvicorn
+    uvicorn.run(app_factory_path, factory=True, **uvicorn_options(settings))
 
 
 def configure_logging(level: str) -> None:

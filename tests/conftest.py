@@ -21,3 +21,13 @@ def tiny_checkpoint(tmp_path_factory):
                        labels=list(TINY_LABELS), mean=[0.5] * 3, std=[0.25] * 3, name="tiny-vit", version="7",
                        metrics={"test_accuracy": 0.5})
     return random_checkpoint(spec, tmp_path_factory.mktemp("tiny") / "checkpoint")
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx(tiny_checkpoint, tmp_path_factory):
+    """The tiny ViT exported by `export_onnx` without verification (export's own tests verify it)."""
+    from export.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
+    export_onnx(tiny_checkpoint, out, verify=False)
+    return out

@@ -14,7 +14,7 @@ _COMMANDS = [
     ("export.cli", ["add_export_parser", "add_evaluate_parser"]),
     ("service.cli", ["add_serve_parser"]),
     ("service.client", ["add_predict_parser"]),
-    ("service.bench", ["add_bench_parser"]),
+    ("bench.cli", ["add_bench_parser"]),
 ]
 
 
@@ -26,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            # A package left out of this install (the serving image has no model/ or export/) offers no commands;
-            # a missing dependency inside a present package is a real error.
+            # A package left out of this install (the serving image has no model/, export/ or bench/) offers no
+            # commands; a missing dependency inside a present package is a real error.
             if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
                 raise
             continue

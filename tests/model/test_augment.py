@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
 from model.augment import (AugmentConfig, augment_batch, normalize, random_crop_with_padding, random_erasing,
                            random_horizontal_flip, random_resized_crop)
+from vitserve.artifact import normalize_pixels
 
 
 def numbered(b: int, c: int, h: int, w: int) -> torch.Tensor:
@@ -127,6 +129,26 @@ def test_normalize_values():
     assert out.dtype == torch.float32
     assert torch.equal(out[:, 0], torch.full((2, 2, 2), 1.0)) and torch.equal(out[:, 1], torch.full((2, 2, 2), 3.0))
     assert torch.equal(out[:, 2], torch.full((2, 2, 2), 0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float32, torch.float64])
+@pytest.mark.parametrize("mean, std", [([0.2860], [0.3530]), ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
+                                       ([0.5, 0.5, 0.5], [0.5, 0.5, 0.5])])
+def test_normalize_is_normalize_pixels_and_the_old_torch_formula_bit_for_bit(dtype, mean, std):
+    g = gen(7)
+    shape = (16, len(mean), 13, 11)
+    if dtype == torch.uint8:
+        x = torch.randint(0, 256, shape, dtype=dtype, generator=g)
+    else:  # what augment_batch passes: crops and resizes of the pixels, not whole numbers
+        x = (torch.rand(shape, generator=g, dtype=torch.float64) * 255).to(dtype)
+    x = torch.cat([x, torch.full((1, *shape[1:]), 255, dtype=dtype), torch.zeros((1, *shape[1:]), dtype=dtype)])
+    out = normalize(x, mean, std)
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    assert out.dtype == torch.float32 and out.shape == x.shape
+    assert torch.equal(out, (x.float() / 255.0 - m) / s)  # what training computed before normalize_pixels
+    assert np.array_equal(out.numpy(), normalize_pixels(x.numpy(), mean, std, channel_axis=1))
+    assert torch.equal(normalize(x[:, :, 1:, ::2], mean, std), out[:, :, 1:, ::2])  # a strided view, as cropped
 
 
 def test_augment_batch_without_augmentation_is_normalize():

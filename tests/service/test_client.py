@@ -1,7 +1,6 @@
 """`vitserve predict`: locally through the service's own code, and through a real uvicorn server."""
 from __future__ import annotations
 
-import io
 import re
 
 import numpy as np
@@ -120,7 +119,7 @@ def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, ca
 
 
 def test_predict_via_url_reports_an_unreachable_server(images, capsys):
-    from service.bench import free_port
+    from service_fixtures import free_port
 
     assert main(["predict", str(images[0]), "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
     assert re.search(r"error\s+connection_failed: ", capsys.readouterr().out)

@@ -1,0 +1,40 @@
+"""What a measured window records: latency percentiles, and the CPU each party used while it was open."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from vitserve.machine import machine_busy_seconds, process_cpu_seconds
+
+
+def latency_summary(latencies_s: list[float] | np.ndarray) -> dict[str, float]:
+    """p50/p90/p99/mean in milliseconds; NaN when there is nothing to summarise."""
+    if len(latencies_s) == 0:
+        return {"p50_ms": float("nan"), "p90_ms": float("nan"), "p99_ms": float("nan"), "mean_ms": float("nan")}
+    ms = np.asarray(latencies_s, dtype=np.float64) * 1000.0
+    p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+    return {"p50_ms": float(p50), "p90_ms": float(p90), "p99_ms": float(p99), "mean_ms": float(ms.mean())}
+
+
+@dataclass
+class CpuSnapshot:
+    """CPU seconds used so far by the server process, this process, and the whole machine (busy, all cores)."""
+
+    wall: float
+    server: float
+    client: float
+    machine: float
+
+    @classmethod
+    def take(cls, server_pid: int | None) -> "CpuSnapshot":
+        return cls(time.perf_counter(), process_cpu_seconds(server_pid), time.process_time(), machine_busy_seconds())
+
+    def usage(self, later: "CpuSnapshot") -> dict[str, float]:
+        """Average cores busy between two snapshots: server, client, and everything else on the machine."""
+        wall = max(later.wall - self.wall, 1e-9)
+        server = (later.server - self.server) / wall
+        client = (later.client - self.client) / wall
+        other = (later.machine - self.machine) / wall - server - client
+        return {"server_cores": server, "client_cores": client, "other_cores": max(other, 0.0)}

@@ -1,0 +1,158 @@
+"""Servers under test, each in its own process on 127.0.0.1: `vitserve serve` as a user starts it, and the bare
+endpoint, started through the very function `vitserve serve` uses (`service.cli.serve_with_uvicorn`).
+
+`python -m bench.servers` runs the bare endpoint with settings from `VITSERVE_*` variables.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bench.config import LOOPBACK, BenchConfig
+
+READY_PATH = "/v2/health/ready"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def serve_argv(model_path: Path, port: int) -> list[str]:
+    """The user's own command: `vitserve serve`, in a child process, on loopback."""
+    return [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--host", LOOPBACK,
+            "--port", str(port)]
+
+
+def bare_argv() -> list[str]:
+    return [sys.executable, "-m", "bench.servers"]
+
+
+def server_settings(cfg: BenchConfig, overrides: dict[str, str], batching: bool) -> dict[str, str]:
+    """The settings under test as `VITSERVE_*` variables: the user's overrides, batching on or off, loopback."""
+    env = {f"VITSERVE_{k.upper()}": v for k, v in overrides.items()}
+    env["VITSERVE_MAX_BATCH_SIZE"] = str(cfg.max_batch_size if batching else 1)
+    if cfg.max_queue_delay_ms is not None:
+        env["VITSERVE_MAX_QUEUE_DELAY_MS"] = str(cfg.max_queue_delay_ms)
+    # a closed loop never has more than `concurrency` requests queued; deadlines must not cut the measurement
+    env.setdefault("VITSERVE_REQUEST_TIMEOUT_MS", str(cfg.request_timeout_s * 1000))
+    env.setdefault("VITSERVE_MAX_QUEUE_SIZE", str(max(256, 2 * max(cfg.concurrency))))
+    env["VITSERVE_HOST"] = LOOPBACK
+    env.setdefault("VITSERVE_LOG_LEVEL", "warning")
+    return env
+
+
+class ServerProcess:
+    """A server in a child process on 127.0.0.1, ready when GET `ready_path` answers 200; stopped on exit."""
+
+    def __init__(self, argv: list[str], port: int, ready_path: str = READY_PATH, env: dict[str, str] | None = None,
+                 startup_timeout_s: float = 180.0, log_path: Path | None = None):
+        self.argv, self.port, self.ready_path = argv, port, ready_path
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout_s = startup_timeout_s
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "ServerProcess":
+        log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
+        self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                     stdin=subprocess.DEVNULL)
+        if self.log_path:
+            log.close()
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        url = f"http://{LOOPBACK}:{self.port}{self.ready_path}"
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} before it was ready"
+                                   f"{self._log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {self.startup_timeout_s:.0f} s{self._log_tail()}")
+
+    def _log_tail(self) -> str:
+        if not self.log_path or not self.log_path.exists():
+            return ""
+        return "; its log ends:\n" + self.log_path.read_text(errors="replace")[-2000:]
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def stop(self) -> None:
+        """SIGTERM (the server drains), then SIGKILL after 30 s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Current values of unlabelled Prometheus samples (e.g. `vitserve_batch_size_sum`); absent ones are left out."""
+    try:
+        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    values = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in names:
+            values[name] = float(value)
+    return values
+
+
+def bare_app():
+    """A FastAPI app whose classify endpoint reads the upload and returns a constant: the HTTP floor."""
+    from fastapi import Body, FastAPI
+
+    app = FastAPI(title="vitserve bench: bare endpoint")
+    constant = {"model": {"name": "bare", "version": "0"}, "predictions": [{"index": 0, "label": "x", "score": 1.0}]}
+
+    @app.post("/v1/classify")
+    async def classify(image: bytes = Body(media_type="image/png")) -> dict:
+        return constant
+
+    @app.get(READY_PATH)
+    async def ready() -> dict:
+        return {"ready": True}
+
+    return app
+
+
+def run_bare_server() -> None:
+    """Serve `bare_app` exactly as `vitserve serve` serves its app, with settings from `VITSERVE_*`."""
+    from service.cli import serve_with_uvicorn
+    from service.settings import Settings
+
+    serve_with_uvicorn("bench.servers:bare_app", Settings())
+
+
+if __name__ == "__main__":
+    run_bare_server()

@@ -1,0 +1,83 @@
+"""What a training run is: `TrainConfig` and its `AugmentConfig`, with the stdlib alone.
+
+Each field is a `vitserve train` flag (metadata: "help" its help text, "flag" a new name), so model/cli.py
+builds the flags from here, and `vitserve` builds every command's parser on every run (`vitserve serve` too):
+this module must import neither torch nor numpy. model.train and model.augment import the classes from here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # where Debian's dataset-fashion-mnist puts the IDX files
+
+
+@dataclass(frozen=True)
+class AugmentConfig:
+    """Augmentation of training batches. Each field is a `vitserve train` flag; "help" is its help text."""
+
+    crop: Literal["pad", "rrc", "none"] = field(default="pad", metadata={
+        "help": "pad: random crop with zero padding; rrc: random-resized crop; none"})
+    crop_padding: int = field(default=2, metadata={"help": "pixels of zero padding on each side for --crop pad"})
+    rrc_scale: tuple[float, float] = field(default=(0.35, 1.0), metadata={
+        "help": "area range of a --crop rrc crop, as fractions of the image"})
+    rrc_ratio: tuple[float, float] = field(default=(3 / 4, 4 / 3), metadata={
+        "help": "aspect-ratio (width / height) range of a --crop rrc crop"})
+    hflip: bool = field(default=True, metadata={"help": "flip half the images left-right"})
+    erasing_prob: float = field(default=0.25, metadata={
+        "help": "probability that an image gets one rectangle of noise (random erasing)"})
+    erasing_scale: tuple[float, float] = field(default=(0.02, 0.25), metadata={
+        "help": "area range of an erased rectangle, as fractions of the image"})
+    erasing_ratio: tuple[float, float] = field(default=(0.3, 3.3), metadata={
+        "help": "aspect-ratio (height / width) range of an erased rectangle"})
+
+
+@dataclass
+class TrainConfig:
+    """One training run. Each field is a `vitserve train` flag ("flag" renames one, "help" is its help text);
+    AugmentConfig's fields are flags too, and model_overrides' "flags" are the ViTConfig fields offered, each
+    as (its type in model.vit.ViTConfig, help text): the type is written here so that no torch is needed."""
+
+    data: str = field(default="fashion-mnist", metadata={
+        "help": "'fashion-mnist' or an ImageFolder root (one folder per class)"})
+    data_dir: str = field(default=FASHION_MNIST_DIR, metadata={"help": "Fashion-MNIST IDX directory"})
+    model: str = field(default="fmnist", metadata={
+        "help": "variant: fmnist, tiny, small, base, large, huge, B/16, L/32, ..."})
+    model_overrides: dict = field(default_factory=dict, metadata={
+        "help": "ViTConfig fields that replace the variant's; only the flags given are set",
+        "flags": {
+            "image_size": (tuple[int, int], "training resolution H[xW], e.g. 28 or 32x40 (default: the data's own)"),
+            "patch_size": (int, "patch side in pixels (default: the variant's)"),
+            "embed_dim": (int, "token width (default: the variant's)"),
+            "depth": (int, "transformer blocks (default: the variant's)"),
+            "num_heads": (int, "attention heads (default: the variant's)"),
+            "mlp_dim": (int, "hidden width of each block's MLP (default: the variant's)"),
+            "dropout": (float, "dropout after dense layers and position embeddings (default: the variant's)"),
+            "attention_dropout": (float, "dropout on attention weights (default: the variant's)"),
+            "representation_size": (int | None, "hidden size of the pre-training MLP head (default: the variant's)"),
+        }})
+    channels: Literal[1, 3] = field(default=3, metadata={"help": "for image folders; Fashion-MNIST is 1"})
+    epochs: int = field(default=40, metadata={"help": "passes over the training set"})
+    batch_size: int = field(default=128, metadata={"help": "global batch, split across processes"})
+    lr: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate, reached after the warm-up"})
+    min_lr: float = field(default=1e-5, metadata={"help": "learning rate at the end of the cosine decay"})
+    weight_decay: float = field(default=0.05, metadata={
+        "help": "AdamW weight decay (none on biases, norms, position embeddings, class token)"})
+    warmup_epochs: float = field(default=3.0, metadata={"help": "epochs of linear learning-rate warm-up"})
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the cross-entropy"})
+    grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this; 0: no clipping"})
+    seed: int = field(default=0, metadata={"help": "seeds weights, batch order, augmentation, validation split"})
+    augment: AugmentConfig = field(default_factory=AugmentConfig, metadata={
+        "help": "augmentation of training batches"})
+    out_dir: str = field(default="runs/train", metadata={
+        "flag": "out", "help": "output directory (checkpoint/, log.csv, curves.png)"})
+    resume: bool = field(default=False, metadata={"help": "continue from the last epoch saved in --out"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "fine-tune from this checkpoint (position embeddings resampled)"})
+    val_fraction: float = field(default=0.1, metadata={"help": "share of an image folder held out for validation"})
+    max_steps_per_epoch: int | None = field(default=None, metadata={
+        "help": "end each epoch after this many steps: a quick run, for smoke tests"})
+    name: str = field(default="vit", metadata={"help": "model name recorded in the checkpoint"})
+    version: str = field(default="1", metadata={"help": "model version recorded in the checkpoint"})
+    threads: int | None = field(default=None, metadata={"help": "CPU threads for torch; none: torch's choice"})
+    progress: bool = field(default=True, metadata={"help": "progress bar on stderr"})

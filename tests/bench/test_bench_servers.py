@@ -1,0 +1,47 @@
+"""Bench servers start the way `vitserve serve` does: one uvicorn options function, the settings under test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bench.config import BenchConfig
+from bench.servers import run_bare_server, server_settings
+
+
+@pytest.fixture
+def private_environ(monkeypatch):
+    """`serve` writes its flags into os.environ (for uvicorn's workers); keep that inside the test."""
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")
+                                        and k != "PROMETHEUS_MULTIPROC_DIR"})
+
+
+def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, private_environ, monkeypatch):
+    import uvicorn
+
+    from service.cli import uvicorn_options
+    from service.settings import Settings
+    from vitserve.cli import main
+
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
+    assert main(["serve", "--model", str(tiny_onnx), "--port", "9123", "--limit-concurrency", "50",
+                 "--drain-timeout-s", "5", "--log-level", "warning"]) == 0
+    run_bare_server()  # reads the same VITSERVE_* variables that `serve` just wrote
+    (serve_app, serve_kwargs), (bare_app, bare_kwargs) = calls
+    assert (serve_app, bare_app) == ("service.app:app_from_env", "bench.servers:bare_app")
+    assert serve_kwargs == bare_kwargs == {"factory": True, **uvicorn_options(Settings())}
+    assert serve_kwargs == {"factory": True, "host": "127.0.0.1", "port": 9123, "workers": 1, "log_level": "warning",
+                            "limit_concurrency": 50, "timeout_graceful_shutdown": 5}
+
+
+def test_server_settings_are_the_overrides_plus_batching_and_loopback():
+    cfg = BenchConfig(max_batch_size=8, max_queue_delay_ms=2.0, concurrency=[1, 200], request_timeout_s=60.0)
+    on = server_settings(cfg, {"intra_op_threads": "1", "log_level": "info"}, batching=True)
+    assert on == {"VITSERVE_INTRA_OP_THREADS": "1", "VITSERVE_LOG_LEVEL": "info", "VITSERVE_MAX_BATCH_SIZE": "8",
+                  "VITSERVE_MAX_QUEUE_DELAY_MS": "2.0", "VITSERVE_REQUEST_TIMEOUT_MS": "60000.0",
+                  "VITSERVE_MAX_QUEUE_SIZE": "400", "VITSERVE_HOST": "127.0.0.1"}
+    off = server_settings(BenchConfig(max_batch_size=8), {"max_queue_size": "9"}, batching=False)
+    assert off == {"VITSERVE_MAX_QUEUE_SIZE": "9", "VITSERVE_MAX_BATCH_SIZE": "1",
+                   "VITSERVE_REQUEST_TIMEOUT_MS": "120000.0", "VITSERVE_HOST": "127.0.0.1",
+                   "VITSERVE_LOG_LEVEL": "warning"}
