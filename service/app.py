@@ -4,6 +4,7 @@ batcher, the thread pool) is made in the lifespan and reached through `service.s
 from __future__ import annotations
 
 import logging
+import math
 import time
 from contextlib import asynccontextmanager
 
@@ -42,7 +43,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
                   description="Vision Transformer classification with attention-rollout maps, dynamically batched "
                               "onto ONNX Runtime.")
     app.state.service = ServiceState(settings, metrics, model=model)
-    install_error_handlers(app, metrics, settings.retry_after_s)
+    install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     for router in (classify.router, open_inference.router, operations.router):
         app.include_router(router)
@@ -57,7 +58,7 @@ def app_from_env() -> FastAPI:
     return create_app(settings)
 
 
-def install_error_handlers(app: FastAPI, metrics: ServiceMetrics, retry_after_s: int) -> None:
+def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     """Every error response in one shape; `service.errors.STATUS_CODES` decides the status."""
     def respond(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
         metrics.rejected_request(code)
@@ -66,7 +67,7 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics, retry_after_s:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         status = status_code(exc)
-        return respond(status, exc.code, str(exc), error_headers(status, retry_after_s))
+        return respond(status, exc.code, str(exc), error_headers(status, retry_after(request.app.state.service)))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -81,7 +82,13 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics, retry_after_s:
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(500, "internal_error", "internal server error")
+        return respond(500, "internal_error", "internal server error", error_headers(500, 0))
+
+
+def retry_after(state: ServiceState) -> int:
+    """Seconds a refused client should wait: the time the queued work needs to run (at least the setting)."""
+    predicted = state.batcher.predicted_wait_s() if state.batcher else 0.0
+    return max(state.settings.retry_after_s, math.ceil(predicted))
 
 
 class RequestMetricsMiddleware:

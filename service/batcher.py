@@ -1,10 +1,16 @@
 """Dynamic batching: many concurrent `submit(array)` calls become few `run_batch(stacked)` calls.
 
 The batcher knows nothing of HTTP or ONNX. It groups items by array shape, dispatches a group when
-it reaches `max_batch_size` or when its oldest item has waited `max_queue_delay_s` (or at once when
-no batch is in flight and `dispatch_when_idle`: an idle model has nobody to wait for), and keeps up to
-`max_batches_in_flight` batches assembled or running (one runs at a time on its own thread), so the
-next batch is stacked while the current one runs. Each item gets its own result or its own exception:
+it reaches `max_batch_size` images or `max_batch_cost` input values, or when its oldest item has waited
+`max_queue_delay_s` (or at once when no batch is in flight and `dispatch_when_idle`: an idle model has
+nobody to wait for), and keeps up to `max_batches_in_flight` batches assembled or running (one runs at a
+time on its own thread), so the next batch is stacked while the current one runs.
+
+Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
+batch of large inputs short; so a burst of large images is cut into small batches and a small request
+waits for at most the batches already in flight, not for the whole burst.
+
+Each item gets its own result or its own exception:
   - QueueFullError at once when `max_queue_size` items are already queued;
   - DeadlineExceeded when it waited queued past its timeout (it never runs);
   - InferenceError when its batch's `run_batch` call raised (its batch-mates get it too, nobody else);
@@ -68,15 +74,19 @@ class _Item:
 class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
-                 observer: BatchObserver | None = None):
+                 max_batch_cost: int | None = None, observer: BatchObserver | None = None):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
+        self.max_batch_cost = max_batch_cost  # input values (array.size summed) per batch; None: no cap
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
         self._observer = observer or _NullObserver()
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # shape -> items, oldest first
+        self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
+        self._queued_cost = 0
+        self._seconds_per_cost: float | None = None  # running estimate of run_batch time per input value
         self._active = 0  # batches taken from the queue and not yet answered
         self._slots = asyncio.Semaphore(max_batches_in_flight)
         self._wakeup = asyncio.Event()
@@ -88,6 +98,13 @@ class DynamicBatcher:
     @property
     def queued(self) -> int:
         return self._queued
+
+    def predicted_wait_s(self, extra_cost: int = 0) -> float:
+        """How long the work queued now (plus `extra_cost` input values) will take to run, from measured batch
+        times; 0 until a batch has run."""
+        if self._seconds_per_cost is None:
+            return 0.0
+        return (self._queued_cost + extra_cost) * self._seconds_per_cost
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
@@ -101,7 +118,7 @@ class DynamicBatcher:
         now = time.perf_counter()
         item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s)
         self._groups.setdefault((array.shape, array.dtype.str), deque()).append(item)
-        self._set_queued(self._queued + 1)
+        self._set_queued(self._queued + 1, self._queued_cost + array.size)
         self._wakeup.set()
         try:
             done, _ = await asyncio.wait({item.future}, timeout=timeout_s)
@@ -121,8 +138,8 @@ class DynamicBatcher:
             item.future.set_exception(DeadlineExceeded(f"waited {waited_ms:.0f} ms in the queue; "
                                                        f"the deadline is {limit_ms:.0f} ms"))
 
-    def _set_queued(self, depth: int) -> None:
-        self._queued = depth
+    def _set_queued(self, depth: int, cost: int) -> None:
+        self._queued, self._queued_cost = depth, cost
         self._observer.queue_depth(depth)
 
     async def _dispatch_loop(self) -> None:
@@ -137,7 +154,8 @@ class DynamicBatcher:
             task.add_done_callback(self._tasks.discard)
 
     async def _next_batch(self) -> list[_Item] | None:
-        """Wait until some group is full or its oldest item has waited the delay; take up to a full batch."""
+        """Wait until some group is full or its oldest item has waited the delay; take up to a full batch
+        from the ready group served longest ago."""
         while True:
             self._drop_finished()
             if not self._groups:
@@ -146,16 +164,27 @@ class DynamicBatcher:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            shape, group = min(self._groups.items(), key=lambda kv: kv[1][0].enqueued)
-            wait = group[0].enqueued + self.max_queue_delay_s - time.perf_counter()
-            idle = self.dispatch_when_idle and self._active == 0
-            if len(group) >= self.max_batch_size or wait <= 0 or idle or self._closing:
-                return self._take(shape, group)
+            now, idle = time.perf_counter(), self.dispatch_when_idle and self._active == 0
+            waits = {shape: group[0].enqueued + self.max_queue_delay_s - now for shape, group in self._groups.items()}
+            ready = [shape for shape, group in self._groups.items()
+                     if waits[shape] <= 0 or idle or self._closing or self._batch_length(group) < len(group)
+                     or len(group) >= self.max_batch_size]
+            if ready:
+                shape = min(ready, key=lambda s: (self._last_served.get(s, float("-inf")), self._groups[s][0].enqueued))
+                return self._take(shape, self._groups[shape])
             self._wakeup.clear()
             try:
-                await asyncio.wait_for(self._wakeup.wait(), timeout=wait)
+                await asyncio.wait_for(self._wakeup.wait(), timeout=min(waits.values()))
             except asyncio.TimeoutError:
                 pass
+
+    def _batch_length(self, group: deque[_Item]) -> int:
+        """How many of the group's oldest items one batch takes: up to max_batch_size, within max_batch_cost
+        (always at least one, however large)."""
+        if self.max_batch_cost is None:
+            return min(self.max_batch_size, len(group))
+        per_item = group[0].array.size  # one group, one shape
+        return max(1, min(self.max_batch_size, len(group), self.max_batch_cost // per_item))
 
     def _drop_finished(self) -> None:
         """Remove items already answered (cancelled, or expired) and expire those past their deadline."""
@@ -171,17 +200,21 @@ class DynamicBatcher:
                 self._groups[shape] = kept
             else:
                 del self._groups[shape]
-        self._set_queued(sum(len(g) for g in self._groups.values()))
+        self._set_queued(sum(len(g) for g in self._groups.values()),
+                         sum(item.array.size for g in self._groups.values() for item in g))
 
     def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
         now = time.perf_counter()
-        batch = [group.popleft() for _ in range(min(self.max_batch_size, len(group)))]
+        batch = [group.popleft() for _ in range(self._batch_length(group))]
         if not group:
             del self._groups[shape]
+        self._last_served[shape] = now
+        if len(self._last_served) > 2 * len(self._groups) + 64:  # forget shapes no longer queued: bounded memory
+            self._last_served = {s: t for s, t in self._last_served.items() if s in self._groups or s == shape}
         for item in batch:
             item.dispatched = now
             self._observer.queue_wait(now - item.enqueued)
-        self._set_queued(self._queued - len(batch))
+        self._set_queued(self._queued - len(batch), self._queued_cost - sum(item.array.size for item in batch))
         self._active += 1
         return batch
 
@@ -206,12 +239,19 @@ class DynamicBatcher:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
             self._observer.batch_done(len(batch), seconds)
+            self._learn_speed(seconds, sum(item.array.size for item in batch))
             for item, output in zip(batch, outputs):
                 self._resolve(item, output, seconds, len(batch))
         finally:
             self._active -= 1
             self._slots.release()
             self._wakeup.set()  # an idle model may now take what is queued
+
+    def _learn_speed(self, seconds: float, cost: int) -> None:
+        """An exponential moving average of seconds per input value, for `predicted_wait_s`."""
+        rate = seconds / max(cost, 1)
+        previous = self._seconds_per_cost
+        self._seconds_per_cost = rate if previous is None else 0.8 * previous + 0.2 * rate
 
     @staticmethod
     def _resolve(item: _Item, output: Any, seconds: float, size: int) -> None:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shutil
+import signal
 import sys
 import typing
 
@@ -66,22 +68,33 @@ def run_serve(args: argparse.Namespace) -> int:
     except ArtifactError as e:
         print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
         return 2
+    metrics_dir = None
     if settings.workers > 1:
         from service.metrics import prepare_multiprocess_dir
-        prepare_multiprocess_dir()
+        metrics_dir, made = prepare_multiprocess_dir()
+        metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
     logging.getLogger("vitserve.cli").info("serving %s %s from %s on http://%s:%d with %d worker(s)", info.name,
                                            info.version, settings.model_path, settings.host, settings.port,
                                            settings.workers)
-    serve_with_uvicorn("service.app:app_from_env", settings)
+    try:
+        serve_with_uvicorn("service.app:app_from_env", settings)
+    finally:
+        if metrics_dir:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+# uvicorn's own graceful timeout comes this long after the service's drain (service/state.py), so requests
+# still waiting at the end of the drain get the service's JSON 503, never uvicorn's cancellation.
+DRAIN_MARGIN_S = 1.0
 
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
     return {"host": settings.host, "port": settings.port, "workers": settings.workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
-            "timeout_graceful_shutdown": int(settings.drain_timeout_s) or None}
+            "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S}
 
 
 def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:
@@ -91,7 +104,18 @@ def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:
     endpoint measures the HTTP floor under exactly the options the real server has.
     """
     import uvicorn
-    uvicorn.run(app_factory_path, factory=True, **uvicorn_options(settings))
+    # uvicorn drains on these, then raises the signal again under the handler it found: a drained server
+    # exits 0 rather than dying of its signal (143 or a KeyboardInterrupt traceback).
+    previous = {number: signal.signal(number, _exit_cleanly) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        uvicorn.run(app_factory_path, factory=True, **uvicorn_options(settings))
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+
+
+def _exit_cleanly(number, frame) -> None:
+    raise SystemExit(0)
 
 
 def configure_logging(level: str) -> None:

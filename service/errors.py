@@ -50,8 +50,21 @@ class QueueFullError(ServiceError):
     code = "queue_full"
 
 
+class Overloaded(ServiceError):
+    """Admission refused before the body was read: too many requests in flight, or more queued work than the
+    deadline allows. The client should come back after `Retry-After`."""
+
+    code = "overloaded"
+
+
 class NotReady(ServiceError):
     code = "not_ready"
+
+
+class RequestTimeout(ServiceError):
+    """The client sent its request too slowly (the upload outlasted the request's deadline)."""
+
+    code = "request_timeout"
 
 
 class DeadlineExceeded(ServiceError):
@@ -77,8 +90,10 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     PayloadTooLarge: 413,
     ImageTooLarge: 413,
     UnsupportedMediaType: 415,
+    RequestTimeout: 408,
     InvalidParameter: 422,
     QueueFullError: 429,
+    Overloaded: 429,
     ClientDisconnected: 499,  # nginx's convention; only ever seen in logs and metrics
     InferenceError: 500,
     ModelLoadError: 500,
@@ -92,12 +107,13 @@ STATUS_DESCRIPTIONS = {
     400: "Undecodable or corrupt image",
     404: "No model with that name",
     413: "Too many bytes, pixels or files",
+    408: "The request was sent too slowly",
     415: "Unsupported media type",
     422: "Invalid parameters",
-    429: "Queue full; retry after the Retry-After header's seconds",
+    429: "Overloaded or queue full; retry after the Retry-After header's seconds",
     500: "Inference failed",
     503: "Not ready (warming up or shutting down)",
-    504: "Deadline exceeded while queued",
+    504: "Deadline exceeded (decoding, queueing, inference and rendering together)",
 }
 
 
@@ -114,10 +130,17 @@ def error_body(code: str, message: str) -> dict:
 
 # Statuses that tell the client to come back later, with the Retry-After header (RFC 9110, section 10.2.3).
 RETRY_LATER_STATUSES = frozenset({429})
+# Statuses after which the connection is closed, and the response says so: the request was not read to its
+# end (408), or the server's state for it is unknown (500). A client that reuses the connection would lose
+# its next request.
+CLOSE_CONNECTION_STATUSES = frozenset({408, 500})
 
 
 def error_headers(status: int, retry_after_s: int) -> dict[str, str]:
-    return {"Retry-After": str(retry_after_s)} if status in RETRY_LATER_STATUSES else {}
+    headers = {"Retry-After": str(retry_after_s)} if status in RETRY_LATER_STATUSES else {}
+    if status in CLOSE_CONNECTION_STATUSES:
+        headers["Connection"] = "close"
+    return headers
 
 
 def openapi_responses(*codes: int) -> dict[int, dict]:

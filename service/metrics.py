@@ -28,17 +28,18 @@ def multiprocess_dir() -> str | None:
     return os.environ.get(MULTIPROC_ENV) or None
 
 
-def prepare_multiprocess_dir() -> Path:
-    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one."""
-    directory = multiprocess_dir()
+def prepare_multiprocess_dir() -> tuple[Path, bool]:
+    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one; returns the
+    directory and whether it was made here (then the caller removes it when the server exits)."""
+    directory, made = multiprocess_dir(), False
     if directory:
         for stale in Path(directory).glob("*.db"):  # a previous run's values would be summed in
             stale.unlink()
     else:
-        directory = tempfile.mkdtemp(prefix="vitserve-metrics-")
+        directory, made = tempfile.mkdtemp(prefix="vitserve-metrics-"), True
         os.environ[MULTIPROC_ENV] = directory
     Path(directory).mkdir(parents=True, exist_ok=True)
-    return Path(directory)
+    return Path(directory), made
 
 
 class ServiceMetrics:
@@ -111,10 +112,25 @@ class ServiceMetrics:
     def render(self) -> tuple[bytes, str]:
         """The exposition text: this registry, or every process's files in multiprocess mode."""
         if multiprocess_dir():
+            forget_dead_workers(multiprocess_dir())
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
             return generate_latest(registry), CONTENT_TYPE_LATEST
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+def forget_dead_workers(directory: str) -> None:
+    """Drop the live gauges of workers that died without a clean stop (killed, crashed): their last queue
+    depth and in-flight counts would stay in the totals forever. A worker's files end in its pid."""
+    pids = {int(p.stem.rsplit("_", 1)[-1]) for p in Path(directory).glob("gauge_live*_*.db")
+            if p.stem.rsplit("_", 1)[-1].isdigit()}
+    for pid in pids - {os.getpid()}:
+        try:
+            os.kill(pid, 0)  # signal 0: does the process exist?
+        except ProcessLookupError:
+            multiprocess.mark_process_dead(pid)
+        except PermissionError:  # alive, another user's: not ours to judge
+            pass
 
 
 def mark_process_dead(pid: int) -> None:

@@ -2,19 +2,26 @@
 in a bounded thread pool so decoding never blocks the event loop.
 
 Limits are enforced before the pixels are decoded: the byte count first, then the pixel count
-read from the header (`Image.open` is lazy), then the full decode.
+read from the header (`Image.open` is lazy), then the full decode. Every failure of Pillow on client
+bytes, whatever it raises, becomes that image's ImageDecodeError (400) in `client_image`.
+
+Large inputs: a JPEG decodes already scaled down (DCT scaling) but never below what the model's resize and the
+rollout rendering need (`decode_need`); the heavy resizes run on the image as stored and only their small results
+are turned upright; the source kept for overlays is kept at the bounded render size.
 """
 from __future__ import annotations
 
 import io
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Literal
+from functools import cache
+from typing import Iterator, Literal
 
 import numpy as np
-from PIL import Image, ImageOps, UnidentifiedImageError
+from PIL import Image, UnidentifiedImageError
 
-from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
+from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, ServiceError, UnsupportedMediaType
 from vitserve.artifact import ModelInfo
 
 ResizePolicy = Literal["fit", "native"]
@@ -22,60 +29,201 @@ ResizePolicy = Literal["fit", "native"]
 ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
 IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/pjpeg", "image/png", "image/webp", "image/bmp",
                                "image/x-ms-bmp", "image/gif", "image/tiff"})
+# The bicubic resizes first box-reduce to at least this many times their target (Pillow's reducing_gap); a JPEG's
+# scaled decode stops at the same point (`decode_need`), so it moves the model's input by a few levels at most.
+REDUCING_GAP = 3.0
+# EXIF orientation -> the transpose that makes the image upright (as `ImageOps.exif_transpose`).
+_UPRIGHT = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+            5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
+            8: Image.Transpose.ROTATE_90}
+# Upright (x, y) -> stored (x, y) for each EXIF orientation; (w, h) is the upright size.
+_TO_STORED = {1: lambda x, y, w, h: (x, y), 2: lambda x, y, w, h: (w - x, y), 3: lambda x, y, w, h: (w - x, h - y),
+              4: lambda x, y, w, h: (x, h - y), 5: lambda x, y, w, h: (y, x), 6: lambda x, y, w, h: (y, w - x),
+              7: lambda x, y, w, h: (h - y, w - x), 8: lambda x, y, w, h: (h - y, x)}
+_GREY_MODES = frozenset({"1", "L", "LA", "La"})  # 8-bit modes that convert to 'L' without going through RGB
+_ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
 
 
 @dataclass
 class PreparedImage:
     pixels: np.ndarray  # (C, H, W) float32, normalised, H and W multiples of the patch size
-    source: Image.Image | None  # the decoded, upright image in model channels (kept for overlays)
-    crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) of `source` that `pixels` covers
-    size: tuple[int, int]  # (width, height) of the decoded input
+    source: Image.Image | None  # the upright input in model channels at `render_size` (kept for overlays)
+    crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) of the input (`size`) that `pixels` covers
+    size: tuple[int, int]  # (width, height) of the upright input, as its header declares
+    render_size: tuple[int, int]  # (width, height) heat-maps and overlays are drawn at: `size` within the bound
 
 
-def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
-    """Bytes -> an upright Pillow image (first frame), or ImageDecodeError / PayloadTooLarge / ImageTooLarge /
-    UnsupportedMediaType."""
-    if len(data) > max_bytes:
-        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}")
-    if not data:
-        raise ImageDecodeError("empty body: no image bytes")
+@contextmanager
+def client_image(what: str) -> Iterator[None]:
+    """Pillow raises almost anything on hostile bytes (struct.error, TypeError, IndexError, AssertionError...);
+    each is the client's image's fault, so it becomes ImageDecodeError for that image alone, never a 500.
+    Our own errors, decompression bombs (ImageTooLarge) and MemoryError keep their meaning; KeyboardInterrupt
+    and SystemExit are not Exceptions and pass untouched."""
     try:
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        yield
+    except (ServiceError, MemoryError):
+        raise
     except Image.DecompressionBombError as e:  # Pillow's own hard limit, far above ours
         raise ImageTooLarge(f"image has too many pixels: {e}") from e
     except UnidentifiedImageError as e:
         raise ImageDecodeError("not a recognisable image") from e
-    except (OSError, SyntaxError, ValueError) as e:
-        raise ImageDecodeError(f"corrupt image header: {e}") from e
-    if image.format not in ALLOWED_FORMATS:
-        raise UnsupportedMediaType(f"{image.format} images are not supported; send JPEG, PNG, WebP, BMP, GIF or TIFF")
-    width, height = image.size
+    except Exception as e:
+        raise ImageDecodeError(f"corrupt or unreadable image ({what}): {type(e).__name__}: {e}") from e
+
+
+def open_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
+    """Bytes -> the image with its header read and its pixels not yet decoded, after the byte, format and pixel
+    limits; raises PayloadTooLarge / ImageDecodeError / UnsupportedMediaType / ImageTooLarge."""
+    if len(data) > max_bytes:
+        raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}")
+    if not data:
+        raise ImageDecodeError("empty body: no image bytes")
+    with client_image("header"):
+        image = Image.open(io.BytesIO(data))  # reads the header only
+        image_format, (width, height) = image.format, image.size
+    if image_format not in ALLOWED_FORMATS:
+        raise UnsupportedMediaType(f"{image_format} images are not supported; send JPEG, PNG, WebP, BMP, GIF or TIFF")
     if width * height > max_pixels:
         raise ImageTooLarge(f"image is {width}x{height} = {width * height} pixels; the limit is {max_pixels}")
     if width < 1 or height < 1:
         raise ImageDecodeError(f"image has no pixels ({width}x{height})")
-    try:
-        image.seek(0)  # GIF/TIFF: the first frame
-        image.load()
-        return ImageOps.exif_transpose(image)
-    except (OSError, SyntaxError, ValueError, EOFError) as e:
-        raise ImageDecodeError(f"corrupt or truncated {image.format} image: {e}") from e
+    return image
+
+
+def peek_pixels(data: bytes, *, max_bytes: int, max_pixels: int) -> int:
+    """width x height from the header alone, so the server can reserve the decode's memory before decoding;
+    raises exactly what `decode_image` raises for the byte, format and pixel limits."""
+    width, height = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels).size
+    return width * height
+
+
+def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
+    """Bytes -> an upright Pillow image (first frame) in the mode it was stored in, or ImageDecodeError /
+    PayloadTooLarge / ImageTooLarge / UnsupportedMediaType."""
+    image = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    with client_image(f"{image.format} pixels"):
+        orientation = exif_orientation(image)
+        return upright(load_first_frame(image)[0], orientation)
+
+
+def exif_orientation(image: Image.Image) -> int:
+    """The EXIF orientation tag (1 = upright, 2..8 = flipped and/or rotated); read before decoding for JPEG."""
+    value = image.getexif().get(0x0112, 1)
+    return value if value in _UPRIGHT else 1
+
+
+def upright(image: Image.Image, orientation: int) -> Image.Image:
+    return image.transpose(_UPRIGHT[orientation]) if orientation in _UPRIGHT else image
+
+
+def upright_size(size: tuple[int, int], orientation: int) -> tuple[int, int]:
+    return (size[1], size[0]) if orientation in (5, 6, 7, 8) else size  # these orientations swap the axes
+
+
+def load_first_frame(image: Image.Image, need: tuple[int, int] | None = None) -> tuple[Image.Image, int]:
+    """Decode the first frame (GIF/TIFF/APNG) -> (image, scale). A JPEG decodes scaled by 1/`scale` (2, 4 or 8,
+    DCT scaling: up to 64 times less memory and most of the time) when it stays at least `need` (width, height,
+    as stored); every other format decodes at full size (scale 1)."""
+    image.seek(0)
+    full_width = image.width
+    drafted = image.draft(None, need) if need is not None else None  # only JPEG implements it: None elsewhere
+    image.load()
+    return image, round(full_width / drafted[1][2]) if drafted else 1  # draft's box is the size divided by scale
 
 
 def to_channels(image: Image.Image, channels: int) -> Image.Image:
-    """Convert to 'L' or 'RGB'; transparent pixels are composed over white, not black."""
-    if image.mode in ("RGBA", "LA", "PA") or (image.mode == "P" and "transparency" in image.info):
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        image = Image.alpha_composite(background, rgba)
-    return image.convert("L" if channels == 1 else "RGB")
+    """Any mode Pillow reads -> 8-bit 'L' (channels == 1) or 'RGB', by each mode's real range, never by clipping.
+
+    - 16-bit and 32-bit integer and float greyscale (I;16*, I, F): see `high_depth_to_8bit`.
+    - Transparency, whether an alpha channel (LA, La, PA, RGBA, RGBa), a palette's transparent entries (P) or a
+      tRNS colour key (1, L, RGB, 16-bit grey), is composed over one background, white.
+    - CMYK, YCbCr, HSV and palettes go through Pillow's own conversion to RGB (then to L for one channel).
+    """
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        image = high_depth_to_8bit(image)  # 'L', or 'LA' where a colour key made transparent pixels
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
+        image = over_white(image)
+    if image.mode not in ("L", "RGB"):
+        image = image.convert("L" if image.mode in _GREY_MODES else "RGB")
+    target = "L" if channels == 1 else "RGB"
+    return image if image.mode == target else image.convert(target)
+
+
+def over_white(image: Image.Image) -> Image.Image:
+    """Compose over white: out = (colour * alpha + 255 * (255 - alpha)) / 255, rounded, per band."""
+    grey = image.mode in _GREY_MODES
+    with_alpha = image.convert("LA" if grey else "RGBA")  # also turns a colour key or palette alpha into alpha
+    colour = with_alpha.convert("L" if grey else "RGB")
+    background = Image.new(colour.mode, colour.size, "white")
+    background.paste(colour, mask=with_alpha.getchannel("A"))
+    return background
+
+
+@cache
+def _sixteen_to_eight() -> np.ndarray:
+    """(65536,) uint8: v -> round(v / 257), so 65535 -> 255 and 8-bit data stored as v * 257 comes back exactly."""
+    return np.rint(np.arange(65536) / 257).astype(np.uint8)
+
+
+def high_depth_to_8bit(image: Image.Image) -> Image.Image:
+    """I;16, I;16B, I;16L, I;16N, I and F -> 'L' (or 'LA' for a 16-bit image with a tRNS colour key).
+
+    The rule, by the values actually present:
+    - 16-bit (I;16*): v / 257 (the full 16-bit range onto 0..255).
+    - 32-bit integer (I): all values within 0..255 are taken as 8-bit and kept; all within 0..65535 as 16-bit
+      (v / 257); anything else (negative or above 65535) is min-max scaled onto 0..255.
+    - 32-bit float (F): all values within 0..1 are scaled by 255; all within 0..255 are kept (rounded); anything
+      else is min-max scaled. NaN counts as 0 and +-inf as the largest / smallest finite value.
+    Min-max of a constant image has no scale: it is clipped to 0..255 instead.
+    """
+    values = np.asarray(image)  # (H, W): uint16 (either byte order), int32 or float32
+    key = image.info.get("transparency")
+    if values.dtype.kind == "u":
+        grey = _sixteen_to_eight().take(values)
+    elif values.dtype.kind == "i":
+        grey = int_to_8bit(values)
+    else:
+        grey = float_to_8bit(values)
+    result = Image.fromarray(grey, "L")
+    if isinstance(key, int) and values.dtype.kind in "ui":  # a 16-bit PNG's tRNS: that exact value is transparent
+        result.putalpha(Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8), "L"))
+    return result
+
+
+def int_to_8bit(values: np.ndarray) -> np.ndarray:
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    if 0 <= low and high <= 255:
+        return values.astype(np.uint8)
+    if 0 <= low and high <= 65535:
+        return _sixteen_to_eight().take(values)
+    return min_max_to_8bit(values.astype(np.float32), low, high)
+
+
+def float_to_8bit(values: np.ndarray) -> np.ndarray:
+    values = values.astype(np.float32)  # a writable copy (and native byte order)
+    finite = values[np.isfinite(values)]
+    low, high = (float(finite.min()), float(finite.max())) if finite.size else (0.0, 0.0)
+    np.nan_to_num(values, copy=False, nan=0.0, posinf=high, neginf=low)
+    low, high = min(low, float(values.min())), max(high, float(values.max()))  # NaN -> 0 may widen the range
+    if 0 <= low and high <= 1:
+        return np.rint(values * 255).astype(np.uint8)
+    if 0 <= low and high <= 255:
+        return np.rint(values).astype(np.uint8)
+    return min_max_to_8bit(values, low, high)
+
+
+def min_max_to_8bit(values: np.ndarray, low: float, high: float) -> np.ndarray:
+    if high - low <= 0:
+        return np.clip(values, 0, 255).astype(np.uint8)
+    return np.rint((values - np.float32(low)) * np.float32(255 / (high - low))).clip(0, 255).astype(np.uint8)
 
 
 def fit_box(width: int, height: int, target: tuple[int, int]) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
     """`fit`: the centred crop of the source with the target's aspect ratio, and the target (W, H) size."""
     target_h, target_w = target
     scale = max(target_w / width, target_h / height)  # cover the target, crop the overflow
-    crop_w, crop_h = min(width, round(target_w / scale)), min(height, round(target_h / scale))
+    # At least a pixel each way: a 10000x1 input for a tall target would otherwise round its crop to nothing.
+    crop_w, crop_h = min(width, max(1, round(target_w / scale))), min(height, max(1, round(target_h / scale)))
     left, top = (width - crop_w) // 2, (height - crop_h) // 2
     return (target_w, target_h), (left, top, left + crop_w, top + crop_h)
 
@@ -89,6 +237,30 @@ def native_size(width: int, height: int, patch: int, max_tokens: int) -> tuple[i
         while cols * rows > max_tokens:  # floor of a product can still overshoot by rounding
             cols, rows = (cols - 1, rows) if cols >= rows else (cols, rows - 1)
     return cols * patch, rows * patch
+
+
+def model_geometry(width: int, height: int, info: ModelInfo, resize: ResizePolicy,
+                   max_tokens: int) -> tuple[tuple[int, int], tuple[int, int, int, int]]:
+    """The model input's (W, H) and the box of the (width, height) input it is resized from, by policy."""
+    if resize == "fit":
+        return fit_box(width, height, info.image_size)
+    return native_size(width, height, info.patch_size, max_tokens), (0, 0, width, height)
+
+
+def render_size(width: int, height: int, max_side: int) -> tuple[int, int]:
+    """The size heat-maps and overlays are drawn at: the input's, scaled down to a longest side of `max_side`."""
+    scale = min(1.0, max_side / max(width, height))
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def decode_need(size: tuple[int, int], target: tuple[int, int], box: tuple[int, int, int, int],
+                render: tuple[int, int]) -> tuple[int, int]:
+    """The smallest (width, height) the whole input may be shrunk to before resizing: `box` must keep
+    REDUCING_GAP times the `target` size (where the resize's own reduction stops), and the whole at least `render`."""
+    box_w, box_h = box[2] - box[0], box[3] - box[1]
+    need_w = math.ceil(size[0] * REDUCING_GAP * target[0] / box_w)
+    need_h = math.ceil(size[1] * REDUCING_GAP * target[1] / box_h)
+    return min(size[0], max(need_w, render[0])), min(size[1], max(need_h, render[1]))
 
 
 def normalize_image(image: Image.Image, mean: list[float], std: list[float]) -> np.ndarray:
@@ -106,15 +278,44 @@ def normalize_image(image: Image.Image, mean: list[float], std: list[float]) -> 
     return np.stack([table[:, c].take(array[:, :, c]) for c in range(array.shape[2])])  # (C, H, W)
 
 
+def stored_box(box: tuple[int, int, int, int], size: tuple[int, int], orientation: int) -> tuple[int, ...]:
+    """A box of the upright image of `size` (W, H) -> the box of the same pixels in the image as stored, so the
+    heavy resize runs before the transpose and only its small result is turned upright."""
+    to_stored = _TO_STORED.get(orientation, _TO_STORED[1])
+    (x0, y0), (x1, y1) = to_stored(box[0], box[1], *size), to_stored(box[2], box[3], *size)
+    return min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)
+
+
+def resize_upright(image: Image.Image, size: tuple[int, int], box: tuple[float, ...], orientation: int) -> Image.Image:
+    """Resize `box` of the stored image to the upright `size` (W, H) and turn the result upright."""
+    stored_size = upright_size(size, orientation)  # the swap is its own inverse
+    if image.size == stored_size and box == (0, 0, *image.size):
+        return upright(image, orientation)  # nothing to resample
+    resized = image.resize(stored_size, Image.Resampling.BICUBIC, box=box, reducing_gap=REDUCING_GAP)
+    return upright(resized, orientation)
+
+
 def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_bytes: int, max_pixels: int,
-                  max_tokens: int, keep_source: bool = False) -> PreparedImage:
-    """Decode, convert, resize by policy and normalise one image."""
-    image = to_channels(decode_image(data, max_bytes=max_bytes, max_pixels=max_pixels), info.channels)
-    width, height = image.size
-    if resize == "fit":
-        size, box = fit_box(width, height, info.image_size)
-    else:
-        size, box = native_size(width, height, info.patch_size, max_tokens), (0, 0, width, height)
-    resized = image.resize(size, Image.Resampling.BICUBIC, box=box, reducing_gap=3.0)
-    return PreparedImage(normalize_image(resized, info.mean, info.std), image if keep_source else None, box,
-                         (width, height))
+                  max_tokens: int, keep_source: bool = False, max_render_side: int = 1024) -> PreparedImage:
+    """Decode, convert, resize by policy and normalise one image; keep the source (for overlays) at the render size,
+    the input's size bounded to a longest side of `max_render_side`.
+
+    The geometry is planned on the header's size, before decoding, so a JPEG can decode scaled down. The decode is
+    the same whether or not the source is kept (its need includes the render size either way), so the rollout
+    format never changes the predictions.
+    """
+    image = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    with client_image(f"{image.format} pixels"):
+        orientation = exif_orientation(image)
+    width, height = upright_size(image.size, orientation)
+    target, box = model_geometry(width, height, info, resize, max_tokens)
+    render = render_size(width, height, max_render_side)
+    need = decode_need((width, height), target, box, render)
+    with client_image(f"{image.format} pixels"):
+        image, scale = load_first_frame(image, upright_size(need, orientation))
+        image = to_channels(image, info.channels)
+        model_box = tuple(v / scale for v in stored_box(box, (width, height), orientation))
+        resized = resize_upright(image, target, model_box, orientation)
+        whole = (0, 0, image.width, image.height)
+        source = resize_upright(image, render, whole, orientation) if keep_source else None
+    return PreparedImage(normalize_image(resized, info.mean, info.std), source, box, (width, height), render)

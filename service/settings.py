@@ -35,7 +35,10 @@ class Settings(BaseSettings):
     intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; "
                                                        "0 = one per core, shared out among workers")
     inter_op_threads: int = Field(1, ge=0)
-    intra_op_spinning: bool = Field(True, description="spin-wait between ORT ops (faster, burns idle CPU)")
+    # Off by default: spinning intra-op threads take the cores from the event loop and the decoders between
+    # batches (2 cores, same open-loop load: 210 req/s spinning, 510 not); worth it only with spare cores.
+    intra_op_spinning: bool = Field(False, description="spin-wait between ORT ops (lower latency per call, "
+                                                        "but burns the cores the HTTP side needs)")
     graph_optimization: Literal["disable", "basic", "extended", "all"] = "all"
     warmup_batch_sizes: Annotated[list[int], NoDecode] = Field(
         default_factory=list, description="batch sizes run at the trained resolution before ready; empty = 1 and max")
@@ -47,9 +50,22 @@ class Settings(BaseSettings):
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
     dispatch_when_idle: bool = Field(True, description="with no batch in flight, run a request at once instead of "
                                                        "waiting max_queue_delay_ms for company")
-    request_timeout_ms: float = Field(10_000, gt=0, description="longest an image may wait queued before 504")
+    request_timeout_ms: float = Field(10_000, gt=0, description="deadline of a whole request from its first byte: "
+                                                                "upload, decode, queue, inference, rendering")
     retry_after_s: int = Field(1, ge=0)
-    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may finish")
+    drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may finish "
+                                                           "(0: not at all); those still waiting then get 503")
+
+    # admission: decided before a request's body is read
+    max_requests_in_flight: int = Field(64, ge=1, description="inference requests admitted at once per process; "
+                                                              "more get 429 at once")
+    max_pixels_in_flight: int = Field(100_000_000, ge=1, description="decoded pixels held by admitted requests at "
+                                                                     "once; a request waits for its share")
+    large_image_pixels: int = Field(4_000_000, ge=1, description="images with more pixels decode on their own "
+                                                                 "thread, so small ones never queue behind them")
+    max_batch_cost: int | None = Field(None, ge=1, description="input values one batch may hold (batch x C x H x "
+                                                               "W); unset = max_batch_size images at the trained "
+                                                               "size, so large inputs go in small batches")
 
     # input limits and preprocessing
     max_upload_bytes: int = Field(20 * 2**20, ge=1)
@@ -57,6 +73,18 @@ class Settings(BaseSettings):
     max_batch_files: int = Field(32, ge=1)
     max_native_tokens: int = Field(1024, ge=1, description="patch-token cap for resize=native")
     preprocess_threads: int = Field(2, ge=1, description="threads decoding images and rendering PNGs")
+    max_rollout_image_side: int = Field(1024, ge=16, description="longest side of rollout heat-map and overlay "
+                                                                 "PNGs (larger inputs are drawn scaled down)")
+    max_json_body_bytes: int = Field(16 * 2**20, ge=1, description="largest JSON request body (Open Inference "
+                                                                   "Protocol)")
+
+    # the HTTP connection (uvicorn): what a client may send before the app sees a request
+    max_header_bytes: int = Field(16 * 1024, ge=1024, description="request line and headers together; more gets 431")
+    max_headers: int = Field(100, ge=1, description="header fields per request; more gets 431")
+    header_timeout_s: float = Field(10.0, gt=0, description="time to send the request line and headers; "
+                                                            "slower clients get 408 and are disconnected")
+    body_timeout_s: float = Field(10.0, gt=0, description="longest pause between two pieces of a request body; "
+                                                          "a slower client gets 408")
 
     @field_validator("providers", "warmup_batch_sizes", mode="before")
     @classmethod

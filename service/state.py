@@ -1,14 +1,21 @@
 """The per-process serving state, made in the app's lifespan and reached by routes through dependencies.
 
 `ServiceState.start` loads the model (a bad model stops startup), starts the batcher, then warms up
-in the background; only after warm-up does the service report ready. `stop` drains.
+in the background; only after warm-up does the service report ready.
+
+Shutdown: on SIGTERM (or SIGINT) the state stops being ready at once and gives admitted requests
+`drain_timeout_s` to finish; then `stopping` is set and whatever still waits is answered 503 (JSON), before
+uvicorn's own graceful timeout (a second later) would cancel it with a bare 500. `stop` then closes the batcher.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -16,12 +23,15 @@ from functools import partial
 import numpy as np
 from fastapi import Request
 
+from service.admission import Admission, PixelBudget
 from service.batcher import DynamicBatcher
 from service.errors import InferenceError, ModelLoadError, NotReady
 from service.metrics import ServiceMetrics, mark_process_dead
-from service.preprocess import PreparedImage, ResizePolicy, prepare_image
+from service.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from service.runtime import InferenceModel, OnnxModel, warm_up
 from service.settings import Settings
+
+SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 log = logging.getLogger("vitserve.service")
 
@@ -33,8 +43,14 @@ class ServiceState:
     model: InferenceModel | None = None  # given (tests) or loaded from settings.model_path at startup
     batcher: DynamicBatcher | None = None
     pool: ThreadPoolExecutor | None = None  # preprocessing and PNG rendering, off the event loop
+    large_pool: ThreadPoolExecutor | None = None  # images over large_image_pixels: small ones never wait for them
+    admission: Admission | None = None
+    pixels: PixelBudget | None = None
+    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the drain ran out: answer 503 now
     ready: bool = False
+    draining: bool = False
     _warmup: asyncio.Task | None = field(default=None, repr=False)
+    _previous_handlers: dict = field(default_factory=dict, repr=False)
 
     async def start(self) -> None:
         if self.model is None:
@@ -46,13 +62,42 @@ class ServiceState:
         s, info = self.settings, self.model.info
         self.metrics.set_model(info.name, info.version, self.model.provider, info.opset)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
+        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
+        self.admission, self.pixels = Admission(s.max_requests_in_flight), PixelBudget(s.max_pixels_in_flight)
+        trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
                                       max_batches_in_flight=s.max_batches_in_flight,
                                       dispatch_when_idle=s.dispatch_when_idle,
+                                      max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics)
         self.batcher.start()
+        self._install_drain_handlers()
         self._warmup = asyncio.create_task(self._warm_up())
+
+    def _install_drain_handlers(self) -> None:
+        """Chain in front of the server's signal handlers (uvicorn's, which stop accepting and wait for the
+        admitted requests): start the drain clock, then let the server do what it does."""
+        if threading.current_thread() is not threading.main_thread():
+            return  # signal handlers can only be set from the main thread (an embedding app's concern)
+        loop = asyncio.get_running_loop()
+
+        def on_signal(number, frame):
+            loop.call_soon_threadsafe(self.begin_drain)
+            previous = self._previous_handlers.get(number)
+            if callable(previous):
+                previous(number, frame)
+
+        for number in SHUTDOWN_SIGNALS:
+            self._previous_handlers[number] = signal.signal(number, on_signal)
+
+    def begin_drain(self) -> None:
+        """Not ready from now on; after drain_timeout_s whatever still waits is answered 503."""
+        if self.draining:
+            return
+        self.draining, self.ready = True, False
+        self.metrics.set_ready(False)
+        asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self.stopping.set)
 
     async def _warm_up(self) -> None:
         started = time.perf_counter()
@@ -70,12 +115,15 @@ class ServiceState:
     async def stop(self) -> None:
         self.ready = False
         self.metrics.set_ready(False)
+        for number, handler in self._previous_handlers.items():
+            signal.signal(number, handler)
         if self._warmup and not self._warmup.done():
             self._warmup.cancel()
         if self.batcher:
             await self.batcher.close(self.settings.drain_timeout_s)
-        if self.pool:
-            self.pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self.pool, self.large_pool):
+            if pool:
+                pool.shutdown(wait=False, cancel_futures=True)
         mark_process_dead(os.getpid())
 
     def run_batch(self, pixel_values: np.ndarray) -> list:
@@ -89,11 +137,21 @@ class ServiceState:
                 for i in range(len(pixel_values))]
 
     async def preprocess(self, data: bytes, resize: ResizePolicy, keep_source: bool) -> tuple[PreparedImage, float]:
-        """Decode and prepare one image in the pool; returns it and the seconds it took."""
-        s = self.settings
-        job = partial(_timed, prepare_image, data, self.model.info, resize=resize, max_bytes=s.max_upload_bytes,
-                      max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source)
-        return await asyncio.get_running_loop().run_in_executor(self.pool, job)
+        """Decode and prepare one image in a pool, holding its share of the pixel budget while it does; returns
+        it and the seconds it took. The header is read first: the limits, and the size to reserve."""
+        s, loop = self.settings, asyncio.get_running_loop()
+        # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
+        pixels = await loop.run_in_executor(self.pool, partial(peek_pixels, data, max_bytes=s.max_upload_bytes,
+                                                               max_pixels=s.max_image_pixels))
+        reserved = await self.pixels.acquire(pixels)
+        pool = self.large_pool if pixels > s.large_image_pixels else self.pool
+        job = pool.submit(_timed, prepare_image, data, self.model.info, resize=resize, max_bytes=s.max_upload_bytes,
+                          max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
+                          max_render_side=s.max_rollout_image_side)
+        # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
+        # memory its thread still holds.
+        job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self.pixels.release, reserved))
+        return await asyncio.wrap_future(job)
 
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))
@@ -116,3 +174,14 @@ def get_ready_state(request: Request) -> ServiceState:
     if not state.ready:
         raise NotReady("the model is not ready (warming up or shutting down)")
     return state
+
+
+async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
+    """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
+    otherwise, before its body is read); it counts as in flight until its route returns."""
+    state = get_ready_state(request)
+    state.admission.enter(state.batcher.predicted_wait_s(), state.settings.request_timeout_s)
+    try:
+        yield state
+    finally:
+        state.admission.leave()

@@ -1,4 +1,10 @@
-"""Getting image bytes out of a request (raw body or multipart `file` fields) within the byte limits."""
+"""A request's I/O: its body (raw, or multipart `file` fields) within the byte limits, and its work run under
+its deadline, its client's connection and the server's drain.
+
+Byte limits hold however the body comes: a declared Content-Length over the limit is refused before any
+byte is read, and a chunked body is counted as it streams in. A client that hangs up mid-upload is a
+`ClientDisconnected` (499 in logs and metrics), never a server error.
+"""
 from __future__ import annotations
 
 import asyncio
@@ -6,9 +12,11 @@ import asyncio
 from fastapi import Request
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
-from service.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, ServiceError,
-                            UnsupportedMediaType)
+from service.admission import Deadline
+from service.errors import (ClientDisconnected, DeadlineExceeded, InvalidParameter, NotReady, PayloadTooLarge,
+                            ServiceError, UnsupportedMediaType)
 from service.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
@@ -29,11 +37,14 @@ async def read_raw_body(request: Request, limit: int) -> bytes:
     """The body, read as it streams in; stops reading as soon as it passes `limit` bytes."""
     _check_content_length(request, limit)
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise PayloadTooLarge(f"request body exceeds the limit of {limit} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as e:
+        raise ClientDisconnected(f"client disconnected after {size} bytes of its body") from e
     return b"".join(chunks)
 
 
@@ -46,9 +57,10 @@ async def read_files(request: Request, *, max_bytes: int, max_files: int) -> lis
     if kind != "multipart/form-data":
         raise UnsupportedMediaType(f"send an image (JPEG, PNG, WebP, BMP, GIF, TIFF) as the body or as multipart "
                                    f"field 'file'; got content type {kind or 'none'!r}")
-    _check_content_length(request, max_files * max_bytes + MULTIPART_OVERHEAD_BYTES)
+    limit = max_files * max_bytes + MULTIPART_OVERHEAD_BYTES
+    _check_content_length(request, limit)
     try:
-        async with request.form(max_files=max_files, max_fields=max_files) as form:
+        async with _counted(request, limit).form(max_files=max_files, max_fields=max_files) as form:
             uploads = form.getlist("file")
             if not uploads:
                 raise InvalidParameter("multipart body has no 'file' field")
@@ -57,6 +69,24 @@ async def read_files(request: Request, *, max_bytes: int, max_files: int) -> lis
         if "Too many files" in str(e.detail):
             raise PayloadTooLarge(f"at most {max_files} files per request") from e
         raise InvalidParameter(f"malformed multipart body: {e.detail}") from e
+    except ClientDisconnect as e:
+        raise ClientDisconnected("client disconnected during its multipart upload") from e
+
+
+def _counted(request: Request, limit: int) -> Request:
+    """The same request, its body counted as the multipart parser pulls it: a chunked body (no Content-Length)
+    is refused as soon as it passes `limit`, before it fills a temporary file."""
+    received = 0
+
+    async def receive():
+        nonlocal received
+        message = await request.receive()
+        received += len(message.get("body", b""))
+        if received > limit:
+            raise PayloadTooLarge(f"multipart body exceeds the limit of {limit} bytes")
+        return message
+
+    return Request(request.scope, receive)
 
 
 async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
@@ -70,24 +100,46 @@ async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
     return await upload.read()
 
 
-async def unless_disconnected(request: Request, awaitable):
-    """Await `awaitable`, but cancel it (dropping queued work) if the client disconnects first."""
+async def run_guarded(request: Request, awaitable, deadline: Deadline, stop: asyncio.Event, *,
+                      watch_disconnect: bool = True, on_timeout: ServiceError | None = None):
+    """Await `awaitable`, cancelling it (which drops its queued work) when the deadline passes (DeadlineExceeded,
+    or `on_timeout`), the client disconnects (ClientDisconnected; watched only once the body has been read) or
+    the server's drain runs out (`stop` set: NotReady)."""
     work = asyncio.ensure_future(awaitable)
-    watcher = asyncio.ensure_future(_disconnected(request))
+    watchers = {asyncio.ensure_future(stop.wait())}
+    if watch_disconnect:
+        watchers.add(asyncio.ensure_future(_disconnected(request)))
     try:
-        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, *watchers}, timeout=deadline.remaining(),
+                                     return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         work.cancel()
         raise
     finally:
-        watcher.cancel()
+        for watcher in watchers:
+            watcher.cancel()
     if work in done:
         return work.result()
     work.cancel()
-    raise ClientDisconnected("client disconnected before its answer was ready")
+    work.add_done_callback(_retrieve)
+    if stop.is_set():
+        raise NotReady("the server shut down before this request finished")
+    if done:
+        raise ClientDisconnected("client disconnected before its answer was ready")
+    raise on_timeout or DeadlineExceeded("the request's deadline passed before its answer was ready")
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A cancelled request's work may still end in an error; it is nobody's to report."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _disconnected(request: Request) -> None:
     # The body has been read, so the next ASGI message can only be the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+async def unless_disconnected(request: Request, awaitable):  # TEMPORARY: until open_inference moves to run_guarded
+    return await run_guarded(request, awaitable, Deadline.after(3600), asyncio.Event())

@@ -9,20 +9,42 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 import zlib
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import numpy as np
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
+# How long a test waits for something that should take milliseconds: long enough that only a hung
+# service reaches it, however loaded the machine. Tests wait on conditions, never on the clock.
+PATIENCE_S = 60.0
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = PATIENCE_S) -> None:
+    """Poll `condition` on the event loop until it holds; fail after `timeout_s` saying `what` never happened."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s"
+        await asyncio.sleep(0.005)
+
+
+def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = PATIENCE_S) -> None:
+    """`until` for blocking code (a server in another process)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout_s:.0f} s"
+        time.sleep(0.02)
 
 
 def settings_for(model_path: Path, **overrides) -> Settings:
@@ -39,11 +61,8 @@ async def serving(settings: Settings, model=None, *, wait_ready: bool = True, me
     """An app with its lifespan running, and an httpx client talking HTTP to it in-process."""
     app = create_app(settings, model=model, metrics=metrics)
     async with app.router.lifespan_context(app):
-        state = app.state.service
-        for _ in range(500):
-            if state.ready or not wait_ready:
-                break
-            await asyncio.sleep(0.01)
+        if wait_ready:
+            await until(lambda: app.state.service.ready, "warm-up finished")
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://vitserve", timeout=30) as client:
             client.app = app
@@ -51,25 +70,44 @@ async def serving(settings: Settings, model=None, *, wait_ready: bool = True, me
 
 
 class WrappedModel:
-    """The real model behind the InferenceModel contract, with knobs: slow it down or make calls fail."""
+    """The real model behind the InferenceModel contract, with knobs the test controls: make the next call
+    fail, or hold calls at a gate until the test releases them (a slow model without sleeping)."""
 
-    def __init__(self, model, delay_s: float = 0.0):
+    def __init__(self, model):
         self.inner, self.info, self.provider = model, model.info, model.provider
-        self.delay_s = delay_s
         self.fail_next = 0  # this many next calls raise
-        self.batch_sizes: list[int] = []
-        self.gate = None  # a threading.Event the next calls wait for, when set
+        self.entered: list[int] = []  # batch size of every call that started, held or not
+        self.batch_sizes: list[int] = []  # batch size of every call that got past the gate
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def hold(self) -> None:
+        """From now on calls wait at the gate (after entering) until `release`; forgets earlier entries."""
+        self.entered.clear()
+        self.gate.clear()
+
+    def release(self) -> None:
+        self.gate.set()
 
     def run(self, pixel_values: np.ndarray):
-        if self.gate is not None:
-            self.gate.wait(30)
-        if self.delay_s:
-            time.sleep(self.delay_s)
+        self.entered.append(len(pixel_values))
+        if not self.gate.wait(PATIENCE_S):
+            raise RuntimeError("the test never released the gate")
         self.batch_sizes.append(len(pixel_values))
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("injected ONNX Runtime failure")
         return self.inner.run(pixel_values)
+
+
+async def classify(client, data: bytes, content_type="image/png", **params):
+    return await client.post("/v1/classify", params=params, content=data, headers={"content-type": content_type})
+
+
+def assert_error(response, status: int, code: str):
+    assert response.status_code == status, response.text
+    assert response.json()["error"]["code"] == code
+    assert set(response.json()["error"]) == {"code", "message"}
 
 
 def image_bytes(fmt: str, size=(40, 30), color=(200, 30, 60), mode="RGB", **save) -> bytes:
@@ -100,29 +138,56 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def samples(text: str) -> dict[tuple, float]:
+    """Exposition text -> {(sample name, sorted labels): value}."""
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def value(parsed: dict, name: str, **labels) -> float:
+    return parsed.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def scrape(base_url: str) -> dict[tuple, float]:
+    return samples(httpx.get(f"{base_url}/metrics", timeout=PATIENCE_S).text)
+
+
 @contextmanager
-def uvicorn_server(model_path: Path, *flags: str, env: dict | None = None, ready_timeout_s: float = 60):
-    """`vitserve serve` in a real process on a free port; yields (base_url, process); always stopped."""
+def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | None = None,
+                   ready_timeout_s: float = PATIENCE_S):
+    """`vitserve serve` in a real process on a free port; yields (base_url, process) once every worker is
+    warmed up; always stopped. With several workers, their ready gauges in the metrics directory are how the
+    test knows that they all are: PROMETHEUS_MULTIPROC_DIR in `env`, or the one the server makes in TMPDIR."""
+    named = (env or {}).get("PROMETHEUS_MULTIPROC_DIR")
     port = free_port()
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
-            "1", "--log-level", "warning", *flags]
+            "1", "--log-level", "warning", "--workers", str(workers), *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{process.stdout.read().decode()}")
+        try:
+            if httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code != 200:
+                return False  # the worker that answered is still warming up
+            if workers == 1:
+                return True
+            made = sorted(Path((env or {}).get("TMPDIR", "/tmp")).glob("vitserve-metrics-*"))
+            metrics_dir = Path(named) if named else made[-1] if made else None
+            if metrics_dir is None:
+                return False
+            # Each worker writes its ready gauge (0) as it starts. Files first, then the scrape: its minimum
+            # over the workers then covers every one of them.
+            pids = {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("gauge_livemin_*.db")}
+            return len(pids) == workers and value(scrape(base_url), "vitserve_ready") == 1
+        except httpx.TransportError:
+            return False  # not listening yet
+
     try:
-        deadline = time.monotonic() + ready_timeout_s
-        while True:
-            if process.poll() is not None:
-                raise RuntimeError(f"server exited with {process.returncode}:\n{process.stdout.read().decode()}")
-            try:
-                if httpx.get(f"{base_url}/v2/health/ready", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become ready")
-            time.sleep(0.1)
+        wait_until(ready, f"vitserve serve with {workers} worker(s) ready", ready_timeout_s)
         yield base_url, process
     finally:
         if process.poll() is None:

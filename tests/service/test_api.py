@@ -11,8 +11,10 @@ import pytest
 from PIL import Image
 
 from service.errors import ClientDisconnected
-from service.routes.uploads import unless_disconnected
-from service_fixtures import WrappedModel, image_bytes, patterned_png, png_declaring, serving, settings_for
+from service.admission import Deadline
+from service.routes.uploads import run_guarded
+from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
+                              png_declaring, serving, settings_for, until)
 
 pytestmark = pytest.mark.anyio
 PNG = {"content-type": "image/png"}
@@ -21,16 +23,6 @@ PNG = {"content-type": "image/png"}
 @pytest.fixture
 def settings(tiny_onnx):
     return settings_for(tiny_onnx)
-
-
-async def classify(client, data: bytes, content_type="image/png", **params):
-    return await client.post("/v1/classify", params=params, content=data, headers={"content-type": content_type})
-
-
-def assert_error(response, status: int, code: str):
-    assert response.status_code == status, response.text
-    assert response.json()["error"]["code"] == code
-    assert set(response.json()["error"]) == {"code", "message"}
 
 
 @pytest.mark.parametrize("fmt, content_type", [("JPEG", "image/jpeg"), ("PNG", "image/png"), ("WEBP", "image/webp"),
@@ -143,10 +135,17 @@ async def test_batch_endpoint_answers_each_file_in_order(settings, tiny_model):
 
 async def test_concurrent_requests_are_batched_within_the_maximum(tiny_onnx, tiny_model):
     model = WrappedModel(tiny_model)
-    settings = settings_for(tiny_onnx, max_batch_size=4, max_queue_delay_ms=300, dispatch_when_idle=False)
+    settings = settings_for(tiny_onnx, max_batch_size=4, max_queue_delay_ms=300, dispatch_when_idle=False,
+                            max_batches_in_flight=1)
     async with serving(settings, model) as client:
         model.batch_sizes.clear()
-        responses = await asyncio.gather(*(classify(client, image_bytes("PNG")) for _ in range(10)))
+        model.hold()  # the first batch (whatever arrived within the delay) waits in the model...
+        requests = [asyncio.ensure_future(classify(client, image_bytes("PNG"))) for _ in range(10)]
+        queue = client.app.state.service.batcher
+        await until(lambda: len(model.entered) == 1 and model.entered[0] + queue.queued == 10,
+                    "the first batch running and the other requests queued")
+        model.release()  # ...so at least four are queued behind it, however slowly they were decoded
+        responses = await asyncio.gather(*requests)
     assert [r.status_code for r in responses] == [200] * 10
     assert sum(model.batch_sizes) == 10 and max(model.batch_sizes) == 4 and min(model.batch_sizes) >= 1
     assert {r.json()["timing_ms"]["queue"] > 0 for r in responses} == {True}
@@ -155,29 +154,43 @@ async def test_concurrent_requests_are_batched_within_the_maximum(tiny_onnx, tin
 async def test_queue_full_is_429_with_retry_after(tiny_onnx, tiny_model):
     model = WrappedModel(tiny_model)
     settings = settings_for(tiny_onnx, max_batch_size=1, max_queue_size=1, max_batches_in_flight=1,
-                            max_queue_delay_ms=0, retry_after_s=2)
+                            max_queue_delay_ms=0, retry_after_s=2, request_timeout_ms=PATIENCE_S * 1000)
     async with serving(settings, model) as client:
-        model.delay_s = 1.0
-        responses = await asyncio.gather(*(classify(client, image_bytes("PNG")) for _ in range(5)))
-    statuses = sorted(r.status_code for r in responses)
-    assert statuses.count(429) >= 1 and statuses.count(200) >= 2 and set(statuses) == {200, 429}
+        batcher = client.app.state.service.batcher
+        model.hold()
+        running = asyncio.ensure_future(classify(client, image_bytes("PNG")))
+        await until(lambda: model.entered == [1], "one request in the model")
+        queued = asyncio.ensure_future(classify(client, image_bytes("PNG")))
+        await until(lambda: batcher.queued == 1, "one request queued behind it")
+        turned_away = await asyncio.gather(*(classify(client, image_bytes("PNG")) for _ in range(3)))  # full: at once
+        model.release()
+        responses = [await running, await queued, *turned_away]
+    statuses = [r.status_code for r in responses]
+    assert statuses == [200, 200, 429, 429, 429]
     rejected = next(r for r in responses if r.status_code == 429)
     assert rejected.headers["retry-after"] == "2"
     assert_error(rejected, 429, "queue_full")
 
 
 async def test_deadline_is_504_and_the_late_request_never_runs(tiny_onnx, tiny_model):
+    """The deadline covers the whole request: the late request expires queued behind a batch held in the model
+    and never runs; the held one is answered 504 at its own deadline, while the model still holds it."""
     model = WrappedModel(tiny_model)
+    # An idle model takes the first request within one event-loop turn; 2 s is room for a loaded machine.
+    first_deadline_s = 2.0
     settings = settings_for(tiny_onnx, max_batch_size=1, max_batches_in_flight=1, max_queue_delay_ms=0,
-                            request_timeout_ms=200)
+                            request_timeout_ms=first_deadline_s * 1000)
     async with serving(settings, model) as client:
-        model.delay_s, model.batch_sizes = 1.0, []
+        model.batch_sizes.clear()
+        model.hold()
         first = asyncio.ensure_future(classify(client, image_bytes("PNG")))
-        await asyncio.sleep(0.3)
-        late = await classify(client, image_bytes("PNG"))
-        assert (await first).status_code == 200
+        await until(lambda: model.entered == [1], "the first request in the model")
+        client.app.state.service.settings.request_timeout_ms = 200  # each submit reads it: the late one's
+        late = await classify(client, image_bytes("PNG"))  # queued behind the held batch until it expires
+        assert_error(await first, 504, "deadline_exceeded")  # answered while its batch is still held
+        model.release()
     assert_error(late, 504, "deadline_exceeded")
-    assert model.batch_sizes == [1]
+    assert model.batch_sizes == [1]  # checked after shutdown, which runs everything still queued
 
 
 async def test_a_failed_batch_fails_only_itself(settings, tiny_model):
@@ -189,18 +202,14 @@ async def test_a_failed_batch_fails_only_itself(settings, tiny_model):
 
 
 async def test_not_ready_until_warm_up_finishes(settings, tiny_model):
-    import threading
     model = WrappedModel(tiny_model)
-    model.gate = threading.Event()
+    model.hold()  # warm-up waits in the model
     async with serving(settings, model, wait_ready=False) as client:
         assert (await client.get("/v2/health/live")).json() == {"live": True}
         assert_error(await client.get("/v2/health/ready"), 503, "not_ready")
         assert_error(await classify(client, image_bytes("PNG")), 503, "not_ready")
-        model.gate.set()
-        for _ in range(200):
-            if (await client.get("/v2/health/ready")).status_code == 200:
-                break
-            await asyncio.sleep(0.02)
+        model.release()
+        await until(lambda: client.app.state.service.ready, "warm-up finished")
         assert (await client.get("/v2/health/ready")).json() == {"ready": True}
         assert (await classify(client, image_bytes("PNG"))).status_code == 200
 
@@ -274,12 +283,13 @@ async def test_disconnected_client_work_is_cancelled():
     async def queued_work():
         started.set()
         try:
-            await asyncio.sleep(10)
+            await asyncio.sleep(10)  # long work: cancelled long before it ends
         except asyncio.CancelledError:
             cancelled.set()
             raise
 
     with pytest.raises(ClientDisconnected):
-        await unless_disconnected(GoneRequest(), queued_work())
-    await asyncio.sleep(0)
+        await run_guarded(GoneRequest(), queued_work(), Deadline.after(PATIENCE_S), asyncio.Event())
+    assert started.is_set()
+    await asyncio.wait_for(cancelled.wait(), PATIENCE_S)  # the work sees its cancellation on its next turn
     assert cancelled.is_set()

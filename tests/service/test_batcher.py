@@ -9,22 +9,27 @@ import pytest
 
 from service.batcher import DynamicBatcher
 from service.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from service_fixtures import PATIENCE_S, until
 
 pytestmark = pytest.mark.anyio
 
 
 class Recorder:
-    """run_batch that records every batch, echoes each item's first value, and can fail or block."""
+    """run_batch that records every batch, echoes each item's first value, and can fail or block: while
+    `gate` is clear, a batch waits in the runner after `started` has recorded it."""
 
     def __init__(self):
-        self.batches: list[list[float]] = []
+        self.started: list[list[float]] = []  # batches that entered run_batch, held at the gate or not
+        self.batches: list[list[float]] = []  # batches that ran
         self.fail_when = lambda values: False
         self.gate = threading.Event()
         self.gate.set()
 
     def __call__(self, stacked: np.ndarray):
-        self.gate.wait(10)
         values = [float(x.ravel()[0]) for x in stacked]
+        self.started.append(values)
+        if not self.gate.wait(PATIENCE_S):
+            raise RuntimeError("the test never opened the gate")
         self.batches.append(values)
         if self.fail_when(values):
             raise RuntimeError("boom")
@@ -58,6 +63,8 @@ async def test_a_lone_request_waits_about_the_delay_and_no_more():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=0.2)
     result = await batcher.submit(item(1), 10)
+    # The batcher dispatches on its own clock, never before the delay, so the lower bound is exact; above
+    # it lies only an event-loop wake-up with nothing to compute, 1.8 s of slack.
     assert 0.15 <= result.queue_s < 2.0 and result.batch_size == 1
     await batcher.close()
 
@@ -65,16 +72,17 @@ async def test_a_lone_request_waits_about_the_delay_and_no_more():
 async def test_an_idle_model_takes_a_lone_request_at_once_and_a_busy_one_batches():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=5.0, dispatch_when_idle=True)
-    lone = await asyncio.wait_for(batcher.submit(item(1), 10), 2)  # not 5 s: nothing else runs
-    assert lone.batch_size == 1 and lone.queue_s < 2
+    lone = await asyncio.wait_for(batcher.submit(item(1), 10), PATIENCE_S)
+    assert lone.batch_size == 1 and lone.queue_s < 2  # not the 5 s delay: nothing else runs
     recorder.gate.clear()
     first = asyncio.ensure_future(batcher.submit(item(2), 10))  # runs at once, then blocks in the model
-    await asyncio.sleep(0.1)
+    await until(lambda: recorder.started == [[1.0], [2.0]], "the second batch running")
     waiting = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in (3, 4, 5)]
-    await asyncio.sleep(0.1)
+    await until(lambda: batcher.queued == 3, "three items queued behind the running batch")
     recorder.gate.set()  # the model frees up: the three queued meanwhile go together, long before 5 s
-    results = await asyncio.wait_for(asyncio.gather(first, *waiting), 2)
+    results = await asyncio.wait_for(asyncio.gather(first, *waiting), PATIENCE_S)
     assert [r.batch_size for r in results] == [1, 3, 3, 3]
+    assert all(r.queue_s < 2 for r in results[1:])  # dispatched when the model freed up, not after the delay
     assert recorder.batches == [[1.0], [2.0], [3.0, 4.0, 5.0]]
     await batcher.close()
 
@@ -91,14 +99,13 @@ async def test_items_of_different_shapes_never_share_a_batch():
 async def test_queue_full_is_rejected_at_once():
     recorder = Recorder()
     recorder.gate.clear()  # the first batch blocks in the runner
-    batcher = make(recorder, max_batch_size=1, max_queue_delay_s=0, max_queue_size=2, retry_after_s=3)
+    batcher = make(recorder, max_batch_size=1, max_queue_delay_s=0, max_queue_size=2)
     first = asyncio.ensure_future(batcher.submit(item(0), 10))
-    await asyncio.sleep(0.1)  # dispatched and running (blocked)
+    await until(lambda: recorder.started == [[0.0]], "the first batch running (blocked)")
     queued = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in (1, 2)]
-    await asyncio.sleep(0.05)
-    with pytest.raises(QueueFullError) as info:
+    await until(lambda: batcher.queued == 2, "two items queued")
+    with pytest.raises(QueueFullError, match="queue full"):
         await batcher.submit(item(3), 10)
-    assert info.value.retry_after_s == 3
     recorder.gate.set()
     assert [r.output for r in await asyncio.gather(first, *queued)] == [0, 10, 20]
     await batcher.close()
@@ -109,13 +116,14 @@ async def test_deadline_exceeded_items_never_run():
     recorder.gate.clear()
     batcher = make(recorder, max_batch_size=1, max_queue_delay_s=0)
     running = asyncio.ensure_future(batcher.submit(item(1), 10))
-    await asyncio.sleep(0.1)
+    await until(lambda: recorder.started == [[1.0]], "the first batch running (blocked)")
     with pytest.raises(DeadlineExceeded):
         await batcher.submit(item(2), 0.1)  # queued behind the blocked batch past its deadline
     recorder.gate.set()
     assert (await running).output == 10
-    await asyncio.sleep(0.05)
-    assert recorder.batches == [[1.0]]
+    # Had the expired item stayed queued, it would run before (or with) a later item of its shape.
+    assert (await batcher.submit(item(3), 10)).output == 30
+    assert recorder.batches == [[1.0], [3.0]]
     assert batcher.queued == 0
     await batcher.close()
 
@@ -125,7 +133,7 @@ async def test_a_cancelled_request_is_dropped_before_it_runs():
     batcher = make(recorder, max_queue_delay_s=0.3)
     leaving = asyncio.ensure_future(batcher.submit(item(7), 10))
     staying = asyncio.ensure_future(batcher.submit(item(8), 10))
-    await asyncio.sleep(0.05)
+    await until(lambda: batcher.queued == 2, "both items queued")
     leaving.cancel()  # what the route does when the client disconnects
     assert (await staying).output == 80
     assert recorder.batches == [[8.0]]
@@ -149,9 +157,10 @@ async def test_close_drains_queued_items_and_then_refuses():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=5.0)  # they would otherwise wait 5 s
     pending = [asyncio.ensure_future(batcher.submit(item(i), 10)) for i in range(3)]
-    await asyncio.sleep(0.05)
-    await asyncio.wait_for(batcher.close(), 2)
+    await until(lambda: batcher.queued == 3, "three items queued")
+    await asyncio.wait_for(batcher.close(), PATIENCE_S)
     assert [p.result().output for p in pending] == [0, 10, 20]
+    assert all(p.result().queue_s < 2 for p in pending)  # dispatched by close, not after the 5 s delay
     with pytest.raises(NotReady):
         await batcher.submit(item(1), 10)
 

@@ -4,25 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from service.metrics import LATENCY_BUCKETS, ServiceMetrics
-from service_fixtures import WrappedModel, image_bytes, patterned_png, serving, settings_for, uvicorn_server
-
-
-def samples(text: str) -> dict[tuple, float]:
-    """Exposition text -> {(sample name, sorted labels): value}."""
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def value(parsed: dict, name: str, **labels) -> float:
-    return parsed.get((name, tuple(sorted(labels.items()))), 0.0)
+from service_fixtures import (WrappedModel, image_bytes, patterned_png, samples, scrape, serving, settings_for,
+                              uvicorn_server, value, wait_until)
 
 
 @pytest.mark.anyio
@@ -91,14 +80,16 @@ def test_multiprocess_mode_aggregates_two_workers(tiny_onnx, tmp_path):
     directory = tmp_path / "prometheus"
     directory.mkdir()
     (directory / "counter_999999.db").write_bytes(b"stale")  # a previous run's file: removed at start
-    with uvicorn_server(tiny_onnx, "--workers", "2", env={"PROMETHEUS_MULTIPROC_DIR": str(directory)}) as (url, _):
+    # Yielded once both workers are warmed up (their ready gauges say so), so that any worker may answer.
+    with uvicorn_server(tiny_onnx, workers=2, env={"PROMETHEUS_MULTIPROC_DIR": str(directory)}) as (url, _):
         for _ in range(12):  # a new connection each: the kernel spreads them over the workers
             response = httpx.post(f"{url}/v1/classify", content=image_bytes("PNG"),
                                   headers={"content-type": "image/png"}, timeout=30)
             assert response.status_code == 200
         bad = httpx.post(f"{url}/v1/classify", content=b"nope", headers={"content-type": "image/png"}, timeout=30)
         assert bad.status_code == 400
-        _wait_for_two_workers(directory)
+        # A worker records a request's duration just after sending its answer, so the answer can reach us first.
+        wait_until(lambda: _classify_counts(url) == (12, 1), "every request recorded")
         scrapes = [samples(httpx.get(f"{url}/metrics", timeout=30).text) for _ in range(4)]
     for m in scrapes:  # whichever worker answers, the totals are the same
         assert value(m, "vitserve_request_duration_seconds_count", endpoint="/v1/classify", status="200") == 12
@@ -110,11 +101,8 @@ def test_multiprocess_mode_aggregates_two_workers(tiny_onnx, tmp_path):
     assert not (directory / "counter_999999.db").exists()
 
 
-def _wait_for_two_workers(directory: Path) -> None:
-    """Both workers write their ready gauge at startup: two pids' files."""
-    for _ in range(100):
-        pids = {p.stem.rsplit("_", 1)[-1] for p in directory.glob("gauge_livemin_*.db")}
-        if len(pids) == 2:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"expected files from two worker processes in {sorted(directory.iterdir())}")
+def _classify_counts(url: str) -> tuple[float, float]:
+    """(200s, 400s) recorded for /v1/classify, summed over the workers."""
+    m, count = scrape(url), "vitserve_request_duration_seconds_count"
+    return (value(m, count, endpoint="/v1/classify", status="200"),
+            value(m, count, endpoint="/v1/classify", status="400"))

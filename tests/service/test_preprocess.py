@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 import io
+import struct
+from functools import cache
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from service.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from service.preprocess import decode_image, fit_box, native_size, normalize_image, prepare_image, to_channels
+from service.preprocess import (decode_image, decode_need, fit_box, load_first_frame, native_size, normalize_image,
+                                peek_pixels, prepare_image, render_size, stored_box, to_channels)
 from vitserve.artifact import ModelInfo, normalize_pixels
 from service_fixtures import image_bytes, png_declaring
 
@@ -119,4 +122,155 @@ def test_prepare_image_fit_and_native():
     native = prepare_image(data, INFO, resize="native", max_bytes=10**6, max_pixels=10**6, max_tokens=64,
                            keep_source=True)
     assert native.pixels.shape == (3, 40, 80) and native.crop_box == (0, 0, 80, 40)
-    assert native.size == (80, 40) and native.source.size == (80, 40)
+    assert native.size == (80, 40) and native.source.size == (80, 40) and native.render_size == (80, 40)
+
+
+@pytest.mark.parametrize("data, error", [
+    (b"", ImageDecodeError),
+    (b"this is not an image at all" * 4, ImageDecodeError),
+    (png_declaring(100_000, 100_000), ImageTooLarge),
+    (png_declaring(1001, 1000), ImageTooLarge),
+    (image_bytes("ICO", size=(16, 16)), UnsupportedMediaType),
+    (b"\xff" * 1_000_001, PayloadTooLarge),
+])
+def test_peek_pixels_raises_what_decode_image_raises(data, error):
+    with pytest.raises(error):
+        peek_pixels(data, **LIMITS)
+    with pytest.raises(error):
+        decode_image(data, **LIMITS)
+
+
+def test_peek_pixels_reads_the_header_only(monkeypatch):
+    png, jpeg, loaded = png_declaring(1000, 700), image_bytes("JPEG", size=(40, 30)), []
+    monkeypatch.setattr(Image.Image, "load", lambda self: loaded.append(1))
+    assert peek_pixels(png, **LIMITS) == 700_000
+    assert peek_pixels(jpeg, **LIMITS) == 1200
+    assert loaded == []
+
+
+def test_fit_box_never_crops_to_nothing():
+    assert fit_box(10_000, 1, (32, 8)) == ((8, 32), (4999, 0, 5000, 1))  # round(0.25) would be an empty crop
+
+
+def test_render_size_bounds_the_longest_side():
+    assert render_size(80, 40, 1024) == (80, 40)
+    assert render_size(6320, 6320, 1024) == (1024, 1024)
+    assert render_size(6000, 4000, 1024) == (1024, 683)
+    assert render_size(4000, 6000, 1024) == (683, 1024)
+    assert render_size(100_000, 3, 1024) == (1024, 1)
+
+
+def test_decode_need_keeps_the_reducing_gap_and_the_render_size():
+    # a 28x28 fit of the centre 4000x4000 of 6000x4000: the box keeps 3 x 28 = 84 pixels each way
+    assert decode_need((6000, 4000), (28, 28), (1000, 0, 5000, 4000), (1, 1)) == (126, 84)
+    assert decode_need((6000, 4000), (28, 28), (1000, 0, 5000, 4000), (1024, 683)) == (1024, 683)
+    assert decode_need((50, 40), (28, 28), (5, 0, 45, 40), (50, 40)) == (50, 40)  # never above the input
+
+
+@cache
+def large_jpeg(size=(4000, 3000)) -> bytes:
+    """Smooth content (a bicubic blow-up of noise), so DCT-scaled decoding is comparable to a full decode."""
+    small = np.random.default_rng(3).integers(0, 256, (size[1] // 250, size[0] // 250, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(small).resize(size, Image.Resampling.BICUBIC).save(buffer, "JPEG", quality=92)
+    return buffer.getvalue()
+
+
+def test_jpeg_decodes_scaled_down_but_never_below_the_need():
+    image, scale = load_first_frame(Image.open(io.BytesIO(large_jpeg())), (300, 200))
+    assert scale == 8 and image.size == (500, 375)
+    image, scale = load_first_frame(Image.open(io.BytesIO(large_jpeg())), (1024, 768))
+    assert scale == 2 and image.size == (2000, 1500)  # 1/4 would be 1000x750, below the need
+    image, scale = load_first_frame(Image.open(io.BytesIO(image_bytes("PNG", size=(400, 300)))), (50, 40))
+    assert scale == 1 and image.size == (400, 300)  # only JPEG can decode scaled
+
+
+@pytest.mark.parametrize("resize", ["fit", "native"])
+def test_large_jpeg_prepares_as_a_full_decode_would(resize):
+    data = large_jpeg()
+    limits = dict(resize=resize, max_bytes=10**8, max_pixels=10**8, max_tokens=64)
+    prepared = prepare_image(data, INFO, **limits)
+    full = to_channels(decode_image(data, max_bytes=10**8, max_pixels=10**8), 3)  # no DCT scaling
+    reference = full.resize(prepared.pixels.shape[:0:-1], Image.Resampling.BICUBIC, box=prepared.crop_box,
+                            reducing_gap=3.0)
+    levels = np.abs(prepared.pixels - normalize_image(reference, INFO.mean, INFO.std)) * 0.25 * 255
+    assert levels.max() <= 6 and levels.mean() <= 0.5
+    assert prepared.size == (4000, 3000) and prepared.render_size == (1024, 768)
+
+
+def test_the_kept_source_never_changes_the_model_input():
+    data = large_jpeg()
+    limits = dict(resize="fit", max_bytes=10**8, max_pixels=10**8, max_tokens=64)
+    with_source = prepare_image(data, INFO, **limits, keep_source=True, max_render_side=512)
+    without = prepare_image(data, INFO, **limits, max_render_side=512)
+    assert np.array_equal(with_source.pixels, without.pixels) and without.source is None
+    assert with_source.source.size == with_source.render_size == (512, 384)
+    assert with_source.crop_box == without.crop_box == (500, 0, 3500, 3000)  # in the input's own pixels
+
+
+UPRIGHT_FROM = {2: Image.Transpose.FLIP_LEFT_RIGHT, 3: Image.Transpose.ROTATE_180, 4: Image.Transpose.FLIP_TOP_BOTTOM,
+                5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_90, 7: Image.Transpose.TRANSVERSE,
+                8: Image.Transpose.ROTATE_270}  # the transpose that makes a stored image from an upright one
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+@pytest.mark.parametrize("resize", ["fit", "native"])
+def test_every_exif_orientation_prepares_like_the_upright_image(orientation, resize):
+    rng = np.random.default_rng(orientation)
+    upright_image = Image.fromarray(rng.integers(0, 256, (5, 7, 3), dtype=np.uint8)).resize((70, 45))
+    stored = upright_image if orientation == 1 else upright_image.transpose(UPRIGHT_FROM[orientation])
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    buffer = io.BytesIO()
+    stored.save(buffer, "PNG", exif=exif)
+    limits = dict(resize=resize, max_bytes=10**6, max_pixels=10**6, max_tokens=64, keep_source=True)
+    got = prepare_image(buffer.getvalue(), INFO, **limits, max_render_side=35)
+    want = prepare_image(image_bytes_of(upright_image), INFO, **limits, max_render_side=35)
+    assert got.size == want.size == (70, 45) and got.crop_box == want.crop_box
+    assert got.source.size == got.render_size == (35, 22)
+    # Resized before the turn: for the axis-swapping orientations (5-8) Pillow's two separable passes run in the
+    # other order, each rounding to 8 bits, so a pixel may differ by up to two levels.
+    levels = np.abs(got.pixels - want.pixels) * 0.25 * 255
+    assert levels.max() <= 2.0001 and levels.mean() <= 0.1
+    assert np.abs(np.asarray(got.source, int) - np.asarray(want.source, int)).max() <= 2
+
+
+def image_bytes_of(image: Image.Image, fmt: str = "PNG") -> bytes:
+    buffer = io.BytesIO()
+    image.save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def test_stored_box_maps_an_upright_box_back():
+    box, size = (10, 5, 30, 20), (70, 45)  # of the upright image
+    assert stored_box(box, size, 1) == box
+    assert stored_box(box, size, 2) == (40, 5, 60, 20)
+    assert stored_box(box, size, 3) == (40, 25, 60, 40)
+    assert stored_box(box, size, 6) == (5, 40, 20, 60)  # stored 45x70, turned clockwise to view
+
+
+@pytest.mark.parametrize("failure", [struct.error("unpack requires a buffer of 4 bytes"), TypeError("bad tile"),
+                                     IndexError("list index out of range"), AssertionError(), ZeroDivisionError()])
+def test_any_pillow_failure_is_the_images_decode_error(monkeypatch, failure):
+    def load(self):
+        raise failure
+    data = image_bytes("PNG", size=(8, 8))
+    monkeypatch.setattr(Image.Image, "load", load)
+    with pytest.raises(ImageDecodeError, match=type(failure).__name__):
+        prepare_image(data, INFO, resize="fit", max_bytes=10**6, max_pixels=10**6, max_tokens=64)
+
+
+@pytest.mark.parametrize("failure", [MemoryError, KeyboardInterrupt, SystemExit])
+def test_memory_error_and_interrupts_are_not_the_clients_fault(monkeypatch, failure):
+    def load(self):
+        raise failure()
+    data = image_bytes("PNG", size=(8, 8))
+    monkeypatch.setattr(Image.Image, "load", load)
+    with pytest.raises(failure):
+        prepare_image(data, INFO, resize="fit", max_bytes=10**6, max_pixels=10**6, max_tokens=64)
+
+
+def test_a_decompression_bomb_stays_image_too_large(monkeypatch):
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's own limit, normally far above ours
+    with pytest.raises(ImageTooLarge):
+        decode_image(image_bytes("PNG", size=(20, 20)), **LIMITS)

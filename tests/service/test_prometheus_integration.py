@@ -12,11 +12,12 @@ import math
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import httpx
 import pytest
 
-from service_fixtures import image_bytes, uvicorn_server
+from service_fixtures import PATIENCE_S, image_bytes, uvicorn_server, wait_until
 from test_monitoring_config import (RULE_FILES, api_get, dashboard_queries, needs_promtool, running_prometheus,
                                     series_names)
 
@@ -65,7 +66,7 @@ def send(client: httpx.Client, kind: str) -> float:
     return latency
 
 
-def wait_for(prometheus: str, promql: str, expected: float, timeout_s: float = 20) -> float:
+def wait_for(prometheus: str, promql: str, expected: float, timeout_s: float = PATIENCE_S) -> float:
     """Polls until Prometheus has scraped what was sent (quietly), then prints the final answer."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -74,6 +75,16 @@ def wait_for(prometheus: str, promql: str, expected: float, timeout_s: float = 2
             return scalar(prometheus, promql)
         time.sleep(0.25)
     return scalar(prometheus, promql)
+
+
+def wait_for_rule_evaluation(prometheus: str, after: float) -> None:
+    """Until every rule group has evaluated at a time after `after`. An evaluation that starts at T runs at
+    the last interval boundary before T, so T must be more than one interval past `after`."""
+    def evaluated() -> bool:
+        groups = api_get(prometheus, "/api/v1/rules")["data"]["groups"]
+        return all(datetime.fromisoformat(g["lastEvaluation"]).timestamp() > after + g["interval"] for g in groups)
+
+    wait_until(evaluated, "every rule group evaluated after the last scrape")
 
 
 def quantile_bounds(q: float, prometheus: str, selector: str, at: float) -> tuple[float, float]:
@@ -115,8 +126,8 @@ def vitserve(request, tiny_onnx, tmp_path):
     """`vitserve serve` with one worker, and with two (multiprocess metrics: one scrape sums both)."""
     workers, started = request.param, time.monotonic()
     env = {"PROMETHEUS_MULTIPROC_DIR": str(tmp_path / "metrics")} if workers > 1 else {}
-    flags = ("--max-batch-size", "4", "--max-queue-delay-ms", "2", "--workers", str(workers))
-    with uvicorn_server(tiny_onnx, *flags, env=env) as (base_url, _process):
+    flags = ("--max-batch-size", "4", "--max-queue-delay-ms", "2")
+    with uvicorn_server(tiny_onnx, *flags, workers=workers, env=env) as (base_url, _process):
         print(f"\nvitserve ({workers} worker(s)) ready at {base_url} after {time.monotonic() - started:.1f} s")
         yield base_url
 
@@ -145,7 +156,7 @@ def test_prometheus_scrapes_exact_counts_and_a_consistent_p99(vitserve, tmp_path
 
         check_counts(prometheus, sent, at)
         client_bound = check_p99(prometheus, latencies, at)
-        time.sleep(1.5)  # one more rule evaluation after the last scrape
+        wait_for_rule_evaluation(prometheus, at)  # the recorded series and alerts then cover every request
         rules = check_rules_on_real_data(prometheus, client_bound)
         check_named_metrics_are_exposed(prometheus, rules)
 

@@ -7,6 +7,7 @@ import numpy as np
 import onnx
 import pytest
 
+from service.cli import DRAIN_MARGIN_S
 from service.errors import ModelLoadError
 from service.runtime import OnnxModel, intra_op_threads, provider_chain, session_options, warm_up
 from service.settings import Settings
@@ -83,14 +84,16 @@ def test_every_setting_is_a_serve_flag_and_flags_reach_uvicorn(tiny_onnx, privat
     flags = {a.dest for a in serve._actions}
     assert set(Settings.model_fields) <= flags
     calls = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs, Settings())))
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(
+        (app, kwargs, Settings(), os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))))
     assert main(["serve", "--model", str(tiny_onnx), "--port", "9123", "--workers", "2", "--max-batch-size", "7",
                  "--providers", "cuda,cpu", "--tensorrt-fp16", "true", "--drain-timeout-s", "5"]) == 0
-    app, kwargs, settings = calls[0]
+    app, kwargs, settings, metrics_dir_made = calls[0]
     assert app == "service.app:app_from_env" and kwargs["factory"] is True
-    assert (kwargs["port"], kwargs["workers"], kwargs["timeout_graceful_shutdown"]) == (9123, 2, 5)
+    assert (kwargs["port"], kwargs["workers"], kwargs["timeout_graceful_shutdown"]) == (9123, 2, 5 + DRAIN_MARGIN_S)
     assert settings.max_batch_size == 7 and settings.providers == ["cuda", "cpu"] and settings.tensorrt_fp16
-    assert os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"])  # several workers: multiprocess metrics
+    assert metrics_dir_made  # several workers: multiprocess metrics, in a directory made for this run...
+    assert not os.path.exists(os.environ["PROMETHEUS_MULTIPROC_DIR"])  # ...and removed when it ends
 
 
 @pytest.mark.parametrize("content, message", [(None, "model file not found"), (b"", "model file is empty"),

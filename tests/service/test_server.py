@@ -8,17 +8,21 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 
 import httpx
 import onnx
 import pytest
 
-from service_fixtures import REPO, image_bytes, uvicorn_server
+from service_fixtures import REPO, image_bytes, scrape, uvicorn_server, value, wait_until
+
+# With dispatch_when_idle off, a lone image waits this long for company: long enough for the test's own
+# steps (a client giving up after 0.3 s, four requests arriving) to fit in however loaded the machine.
+QUEUE_DELAY_MS = "3000"
 
 
 def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
-    with uvicorn_server(tiny_onnx, "--max-queue-delay-ms", "1500", "--dispatch-when-idle", "false") as (url, _):
+    lone_waits = ("--max-queue-delay-ms", QUEUE_DELAY_MS, "--dispatch-when-idle", "false")
+    with uvicorn_server(tiny_onnx, *lone_waits) as (url, _):
         upload = {"file": ("a.jpg", image_bytes("JPEG"), "image/jpeg")}
         response = httpx.post(f"{url}/v1/classify?top_k=2", files=upload, timeout=30)
         card = httpx.get(f"{url}/v1/model").json()
@@ -26,14 +30,19 @@ def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
         with pytest.raises(httpx.ReadTimeout):  # the client gives up while its image waits for a batch
             httpx.post(f"{url}/v1/classify", content=image_bytes("PNG"), headers={"content-type": "image/png"},
                        timeout=0.3)
-        time.sleep(2.0)  # past the queue delay: had it stayed queued, it would have run by now
-        scrape = httpx.get(f"{url}/metrics").text
+        wait_until(lambda: value(scrape(url), "vitserve_requests_rejected_total", reason="client_disconnected") == 1,
+                   "the server noticing that the client left")
+        # Had the abandoned image stayed queued, it would run before (or with) this one: same shape, queued earlier.
+        sentinel = httpx.post(f"{url}/v1/classify", content=image_bytes("PNG"), headers={"content-type": "image/png"},
+                              timeout=30)
+        text = httpx.get(f"{url}/metrics").text
     assert response.status_code == 200 and len(response.json()["predictions"]) == 2
     assert card["provider"] == "CPUExecutionProvider" and live == {"live": True}
-    assert "vitserve_ready 1.0" in scrape
-    assert "vitserve_images_total 1.0" in scrape  # only the first request ran
-    assert 'vitserve_requests_rejected_total{reason="client_disconnected"} 1.0' in scrape
-    assert "vitserve_queue_depth 0.0" in scrape
+    assert sentinel.status_code == 200
+    assert "vitserve_ready 1.0" in text
+    assert "vitserve_images_total 2.0" in text  # the first request and the sentinel; never the abandoned one
+    assert 'vitserve_requests_rejected_total{reason="client_disconnected"} 1.0' in text
+    assert "vitserve_queue_depth 0.0" in text
 
 
 def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
@@ -44,8 +53,9 @@ def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
                               timeout=30)
         results.append(response.status_code)
 
-    queue_for_2_s = ("--max-queue-delay-ms", "2000", "--max-batch-size", "16", "--dispatch-when-idle", "false")
-    with uvicorn_server(tiny_onnx, *queue_for_2_s) as (url, process):
+    queue_for_a_while = ("--max-queue-delay-ms", QUEUE_DELAY_MS, "--max-batch-size", "16", "--dispatch-when-idle",
+                         "false")
+    with uvicorn_server(tiny_onnx, *queue_for_a_while) as (url, process):
         senders = [threading.Thread(target=send) for _ in range(4)]
         for sender in senders:
             sender.start()
@@ -61,12 +71,12 @@ def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
 
 
 def _wait_until_queued(url: str, count: int) -> None:
-    for _ in range(300):
-        text = httpx.get(url + "/metrics", timeout=5).text
-        if f"vitserve_queue_depth {float(count)}" in text:
-            return
-        time.sleep(0.02)
-    raise AssertionError("requests were never queued")
+    def queued() -> bool:
+        metrics = scrape(url)
+        assert value(metrics, "vitserve_images_total") == 0, f"the queue delay ran out before {count} were queued"
+        return value(metrics, "vitserve_queue_depth") == count
+
+    wait_until(queued, f"{count} requests queued")
 
 
 def test_a_corrupt_model_stops_startup_with_a_clear_message(tiny_onnx, tmp_path):

@@ -1,0 +1,78 @@
+"""What one process lets in, decided before the work it would cause: requests in flight, queued work against the
+deadline, and decoded pixels held at once.
+
+Plain asyncio, no HTTP: the routes turn `Overloaded` into 429 through the error table.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+
+from service.errors import Overloaded
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """The moment (time.perf_counter) a request's work must be done by."""
+
+    at: float
+
+    @classmethod
+    def after(cls, seconds: float) -> "Deadline":
+        return cls(time.perf_counter() + seconds)
+
+    def remaining(self) -> float:
+        return max(0.0, self.at - time.perf_counter())
+
+
+class Admission:
+    """Counts admitted requests and refuses one at once when the process is full: `max_in_flight` requests
+    already admitted, or more queued work than the request's deadline allows (`predicted_wait_s` measures the
+    batcher's queue by its observed speed, as BentoML's dispatcher does)."""
+
+    def __init__(self, max_in_flight: int):
+        self.max_in_flight = max_in_flight
+        self.in_flight = 0
+
+    def enter(self, predicted_wait_s: float, timeout_s: float) -> None:
+        if self.in_flight >= self.max_in_flight:
+            raise Overloaded(f"{self.in_flight} requests in flight, the limit of this process; retry later")
+        if predicted_wait_s > timeout_s:
+            raise Overloaded(f"the queued work needs about {predicted_wait_s:.1f} s, more than the request's "
+                             f"deadline of {timeout_s:.1f} s; retry later")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+
+class PixelBudget:
+    """A budget of decoded pixels held by requests at once, so a few huge images cannot take the memory: a
+    request waits (within its deadline) until its pixels fit. Event-loop thread only."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.used = 0
+        self._waiters: list[asyncio.Future] = []
+
+    async def acquire(self, pixels: int) -> int:
+        """Reserve `pixels` (at most the whole budget); returns what was reserved, to give to `release`."""
+        pixels = min(pixels, self.capacity)
+        while self.used + pixels > self.capacity:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.used += pixels
+        return pixels
+
+    def release(self, pixels: int) -> None:
+        self.used -= pixels
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:  # each re-checks whether it fits now
+            if not waiter.done():
+                waiter.set_result(None)

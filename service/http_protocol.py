@@ -1,0 +1,302 @@
+"""uvicorn's httptools protocol with limits on what a client may send before the app sees its request.
+
+uvicorn (0.54) bounds neither the request head nor the time a client takes to send it: httptools buffers a
+header of any length (a 100 MB one stalled every client for 11-15 s), and a client that trickles its head or
+body holds its connection forever. `LimitedHttpToolsProtocol` adds, per connection:
+
+- a size limit: a request line and headers over `max_header_bytes` (414 when the request line alone is), or more
+  than `max_headers` fields, get 431. A head still incomplete is measured as its bytes arrive, so a connection
+  never buffers much more than the limit (one read at most);
+- a head deadline: the request line and headers must all arrive within `header_timeout_s` of the connection
+  opening (its first request) or of their first byte (later ones), else 408;
+- a body gap: while the app waits for body bytes, a client silent for `body_timeout_s` gets 408. The same gap
+  holds while uvicorn discards the rest of a body that the app answered without reading (a 413 or 429 decided
+  from the headers); the answer is out by then, so the connection is just closed.
+
+A refusal is one `{"error": {"code", "message"}}` response with `Connection: close`, then the connection closes.
+Time is kept by one event-loop timer per connection that is re-armed only when it lapses (`_expect_bytes`): no
+threads, no work per byte, and no timer made or cancelled per request.
+
+`uvicorn_http_options(settings)` gives the `uvicorn.run` options. uvicorn pickles its `Config` into worker
+processes, so the protocol is a module-level class made by a picklable factory, not a class built on the fly.
+Without httptools (a dependency, but not every platform has a wheel) uvicorn's h11 protocol serves instead, with
+only h11's own head limit (`h11_max_incomplete_event_size`: answered 400, and only for a head that arrives in
+several reads) and no timeouts.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass
+from typing import Callable
+
+from service.errors import ServiceError, error_body
+from service.settings import Settings
+
+try:
+    import httptools
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+except ImportError:  # pragma: no cover - see `uvicorn_http_options`
+    httptools = None
+    HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
+
+# The refusals of a request the app never sees, in the service's error shape and codes.
+
+
+class HeadersTooLarge(ServiceError):
+    code = "headers_too_large"
+
+
+class UriTooLong(ServiceError):
+    code = "uri_too_long"
+
+
+class ClientTooSlow(ServiceError):
+    code = "request_timeout"
+
+
+_STATUS_CODES = {HeadersTooLarge: 431, UriTooLong: 414, ClientTooSlow: 408}
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may send before the app sees its request (see the module's docstring)."""
+
+    max_header_bytes: int = 16 * 1024
+    max_headers: int = 100
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> HttpLimits:
+        return cls(settings.max_header_bytes, settings.max_headers, settings.header_timeout_s,
+                   settings.body_timeout_s)
+
+
+@dataclass(frozen=True)
+class LimitedHttpToolsFactory:
+    """uvicorn's `http=`: it calls this as it would a protocol class. A value, so that it pickles into worker
+    processes and two option dicts built from the same settings compare equal."""
+
+    limits: HttpLimits
+
+    def __call__(self, config, server_state, app_state, _loop=None) -> LimitedHttpToolsProtocol:
+        return LimitedHttpToolsProtocol(config, server_state, app_state, _loop, limits=self.limits)
+
+
+def uvicorn_http_options(settings: Settings) -> dict:
+    """The HTTP protocol options of `uvicorn.run` for these settings."""
+    if httptools is None:  # pragma: no cover
+        return {"http": "h11", "h11_max_incomplete_event_size": settings.max_header_bytes}
+    return {"http": LimitedHttpToolsFactory(HttpLimits.from_settings(settings))}
+
+
+# Where a connection is in its current request (plain strings: this is checked several times per request).
+_IDLE, _HEAD, _BODY = "between requests", "reading a head", "reading a body"
+
+
+class LimitedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's `HttpToolsProtocol` plus `HttpLimits`; everything else is uvicorn's own flow."""
+
+    def __init__(self, config, server_state, app_state, _loop=None, *, limits: HttpLimits):
+        super().__init__(config, server_state, app_state, _loop)
+        self.limits = limits
+        self._phase = _IDLE
+        self._read_bytes = 0  # of the read being parsed
+        self._head_arrived = 0  # bytes read while the head was incomplete: a bound on what the parser holds
+        self._head_began_in_read = False
+        self._refused = False  # the parser has stopped: input is dropped until the connection closes
+        # the one wait on the client at a time (head, body, or the rest of a body already answered)
+        self._deadline: float | None = None
+        self._on_timeout: Callable[[], None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    # the connection
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)  # a silent client times out too
+
+    def connection_lost(self, exc) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        """uvicorn's own, plus the refusals the parser callbacks raise and the byte count of an incomplete head."""
+        if self._refused:
+            return
+        in_message = self._phase is not _IDLE
+        self._read_bytes = len(data)
+        self._head_began_in_read = False
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+            return
+        except httptools.HttpParserError as e:
+            if isinstance(e.__context__, ServiceError):  # raised by on_headers_complete below
+                self._refuse_head(e.__context__)
+            else:
+                self.logger.warning("Invalid HTTP request received.")
+                self.send_400_response("Invalid HTTP request received.")
+            return
+        # httptools holds a header's bytes until the header ends, so a huge one is counted as it arrives. A read
+        # that also ended an earlier message holds an unknown share of this head: it is left out (one read).
+        if self._phase is _HEAD and not (in_message and self._head_began_in_read):
+            self._head_arrived += len(data)
+            if self._head_arrived > self.limits.max_header_bytes:
+                self._refuse_head(HeadersTooLarge(self._too_large_message()))
+
+    # parser callbacks: a limit raises, which stops the parser, and data_received answers
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self._phase = _HEAD
+        self._head_arrived = 0
+        self._head_began_in_read = True
+        self._unset_keepalive_if_required()  # armed when an earlier body's discarded rest ended in this read
+        if self._on_timeout != self._head_timed_out:  # a first request keeps the clock from connection_made
+            self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)
+
+    def on_headers_complete(self) -> None:
+        if len(self.headers) > self.limits.max_headers:
+            raise HeadersTooLarge(f"more than {self.limits.max_headers} header fields")
+        if not self._head_began_in_read or self._read_bytes > self.limits.max_header_bytes:
+            self._check_head_size()  # else the whole head came in one read no longer than the limit
+        self._phase = _BODY
+        self._bytes_came(self._head_timed_out)
+        earlier = self.cycle
+        super().on_headers_complete()
+        if self.cycle is not earlier:  # else the request is upgrading (websockets): no cycle of ours
+            self.cycle.__class__ = _BodyTimedCycle
+            self.cycle.protocol = self
+
+    def on_body(self, body: bytes) -> None:
+        # Already answered: uvicorn discards this; the client is still sending, so it gets another gap.
+        if self.cycle is not None and self.cycle.response_complete:
+            self._expect_bytes(self.limits.body_timeout_s, self._rest_of_body_timed_out)
+        super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        super().on_message_complete()
+        self._phase = _IDLE
+        discarded = self._on_timeout == self._rest_of_body_timed_out
+        self._deadline = self._on_timeout = None  # the body is all here: no one waits for it any more
+        if discarded:
+            # Idle from here, as after any response: data_received disarmed uvicorn's keep-alive timer, which
+            # uvicorn armed at the response and would not arm again.
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
+                                                                self.timeout_keep_alive_handler)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()  # may start a pipelined request: then self.cycle is that one
+        if self._phase is _BODY and self.cycle.response_complete and not self.transport.is_closing():
+            # answered before its body was read: uvicorn reads and discards the rest
+            self._expect_bytes(self.limits.body_timeout_s, self._rest_of_body_timed_out)
+
+    # time limits
+
+    def _expect_bytes(self, within_s: float, on_timeout: Callable[[], None]) -> None:
+        """From now the client has `within_s` to send what we wait for; else `on_timeout` runs."""
+        self._deadline = self.loop.time() + within_s
+        self._on_timeout = on_timeout
+        if self._timer is None or self._timer.when() > self._deadline:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+
+    def _bytes_came(self, on_timeout: Callable[[], None]) -> None:
+        """The wait that `on_timeout` was for is over (if it is still the current one)."""
+        if self._on_timeout == on_timeout:
+            self._deadline = self._on_timeout = None
+
+    def _check_deadline(self) -> None:
+        """The timer: the wait it was armed for may be over, or replaced by a later one."""
+        self._timer = None
+        if self._deadline is None or self.transport.is_closing():
+            return  # no wait now: the next one arms a timer
+        if self.loop.time() < self._deadline:
+            self._timer = self.loop.call_at(self._deadline, self._check_deadline)
+            return
+        on_timeout, self._deadline, self._on_timeout = self._on_timeout, None, None
+        on_timeout()
+
+    def _head_timed_out(self) -> None:
+        if self.cycle is not None and not self.cycle.response_complete:
+            # An earlier request is still being answered (pipelining; uvicorn stops reading meanwhile): the
+            # head's clock starts over.
+            self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)
+            return
+        self._send_error_and_close(ClientTooSlow(
+            f"request line and headers not received within {self.limits.header_timeout_s:g} s"))
+
+    def _body_timed_out(self) -> None:
+        cycle = self.cycle  # the app waiting for body bytes: every earlier request has been answered
+        if cycle.response_started:  # the app streams an answer while it reads: too late for a 408
+            self.transport.close()
+        else:
+            self._send_error_and_close(ClientTooSlow(f"no request body bytes for {self.limits.body_timeout_s:g} s"))
+        # What connection_lost will do, done now: the app's receive returns http.disconnect, its sends are dropped.
+        cycle.disconnected = True
+        cycle.message_event.set()
+
+    def _rest_of_body_timed_out(self) -> None:
+        self.transport.close()  # its answer is out already
+
+    # sizes and refusals
+
+    def _check_head_size(self) -> None:
+        if len(self.url) > self.limits.max_header_bytes:
+            raise UriTooLong(f"the request line exceeds {self.limits.max_header_bytes} bytes")
+        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)  # ": ", CRLF
+        if size > self.limits.max_header_bytes:
+            raise HeadersTooLarge(self._too_large_message())
+
+    def _too_large_message(self) -> str:
+        return f"the request line and headers exceed {self.limits.max_header_bytes} bytes"
+
+    def _refuse_head(self, error: ServiceError) -> None:
+        self._refused = True
+        self._bytes_came(self._head_timed_out)
+        if self.cycle is not None and not self.cycle.response_complete:
+            # An earlier request is still being answered: let it finish, then close (as uvicorn's shutdown does).
+            self.cycle.keep_alive = False
+            return
+        self._send_error_and_close(error)
+
+    def _send_error_and_close(self, error: ServiceError) -> None:
+        status = _STATUS_CODES[type(error)]
+        body = json.dumps(error_body(error.code, str(error))).encode()
+        head = [STATUS_LINE[status]]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
+                 b"connection: close\r\n\r\n"]
+        client = "%s:%d - " % self.client if self.client else ""
+        self.logger.info("%s%d %s: %s", client, status, error.code, error)
+        self._refused = True
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
+
+
+class _BodyTimedCycle(RequestResponseCycle):
+    """uvicorn's request cycle, telling its protocol when the app waits for body bytes not sent yet.
+
+    The protocol turns the cycle uvicorn made into this class (`__class__`), rather than keeping a `receive`
+    closure on it: a closure stored on the cycle it calls would make every request garbage for the collector."""
+
+    protocol: LimitedHttpToolsProtocol
+
+    async def receive(self):
+        if not self.more_body or self.body or self.response_complete or self.disconnected:
+            return await super().receive()  # it returns at once: no wait on the client
+        on_timeout = self.protocol._body_timed_out
+        self.protocol._expect_bytes(self.protocol.limits.body_timeout_s, on_timeout)
+        try:
+            return await super().receive()
+        finally:
+            self.protocol._bytes_came(on_timeout)

@@ -1,0 +1,187 @@
+"""Admission and the request's life: in-flight caps and predicted wait (429 before the body is read), the pixel
+budget, the whole-request deadline (504; 408 for a slow upload), hang-ups (499), and the batcher's fairness."""
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import numpy as np
+import pytest
+from starlette.requests import Request
+
+from service.admission import Admission, Deadline, PixelBudget
+from service.batcher import DynamicBatcher
+from service.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
+from service.routes.uploads import read_raw_body, run_guarded
+from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
+                              until)
+
+pytestmark = pytest.mark.anyio
+
+
+def test_admission_caps_requests_in_flight_and_predicted_wait():
+    admission = Admission(max_in_flight=2)
+    admission.enter(0.0, 10.0)
+    admission.enter(9.9, 10.0)
+    with pytest.raises(Overloaded, match="2 requests in flight"):
+        admission.enter(0.0, 10.0)
+    admission.leave()
+    with pytest.raises(Overloaded, match="about 12.0 s, more than the request's deadline of 10.0 s"):
+        admission.enter(12.0, 10.0)
+    assert admission.in_flight == 1
+
+
+async def test_pixel_budget_makes_a_request_wait_until_its_pixels_fit():
+    assert await PixelBudget(100).acquire(500) == 100  # more than the whole budget: clamped, never stuck
+    budget = PixelBudget(100)
+    assert await budget.acquire(70) == 70
+    waiting = asyncio.ensure_future(budget.acquire(40))
+    await asyncio.sleep(0)
+    assert not waiting.done() and budget.used == 70
+    budget.release(70)
+    assert await asyncio.wait_for(waiting, 5) == 40 and budget.used == 40
+
+
+async def test_a_cancelled_wait_for_pixels_leaves_the_budget_as_it_was():
+    budget = PixelBudget(10)
+    await budget.acquire(10)
+    waiting = asyncio.ensure_future(budget.acquire(5))
+    await asyncio.sleep(0)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    budget.release(10)
+    assert budget.used == 0 and await budget.acquire(10) == 10
+
+
+class _Connected:
+    """A request whose client never disconnects."""
+
+    async def receive(self):
+        await asyncio.Event().wait()
+
+
+async def _forever(cancelled: asyncio.Event):
+    try:
+        await asyncio.Event().wait()
+    except asyncio.CancelledError:
+        cancelled.set()
+        raise
+
+
+async def test_guarded_work_past_its_deadline_is_cancelled():
+    cancelled = asyncio.Event()
+    with pytest.raises(DeadlineExceeded):
+        await run_guarded(_Connected(), _forever(cancelled), Deadline.after(0.05), asyncio.Event())
+    await asyncio.wait_for(cancelled.wait(), 5)
+    with pytest.raises(RequestTimeout):
+        await run_guarded(_Connected(), _forever(asyncio.Event()), Deadline.after(0.01), asyncio.Event(),
+                          watch_disconnect=False, on_timeout=RequestTimeout("slow upload"))
+
+
+async def test_guarded_work_is_answered_not_ready_when_the_drain_runs_out():
+    stop, cancelled = asyncio.Event(), asyncio.Event()
+    work = asyncio.ensure_future(run_guarded(_Connected(), _forever(cancelled), Deadline.after(60), stop))
+    await asyncio.sleep(0)
+    stop.set()
+    with pytest.raises(NotReady, match="shut down"):
+        await asyncio.wait_for(work, 5)
+    await asyncio.wait_for(cancelled.wait(), 5)
+
+
+async def test_a_hang_up_mid_upload_is_client_disconnected():
+    messages = [{"type": "http.request", "body": b"x" * 10, "more_body": True}, {"type": "http.disconnect"}]
+
+    async def receive():
+        return messages.pop(0)
+
+    request = Request({"type": "http", "method": "POST", "headers": []}, receive)
+    with pytest.raises(ClientDisconnected, match="after 10 bytes"):
+        await read_raw_body(request, 1000)
+
+
+async def test_past_the_in_flight_cap_a_request_gets_429_before_its_body_is_read(tiny_onnx, tiny_model):
+    model = WrappedModel(tiny_model)
+    settings = settings_for(tiny_onnx, max_requests_in_flight=1, retry_after_s=3)
+    async with serving(settings, model) as client:
+        model.hold()
+        first = asyncio.ensure_future(classify(client, image_bytes("PNG")))
+        await until(lambda: model.entered == [1], "the first request in the model")
+        read = asyncio.Event()
+
+        async def body():  # a body the server never asks for: refused from the headers alone
+            read.set()
+            yield image_bytes("PNG")
+
+        refused = await client.post("/v1/classify", content=body(), headers={"content-type": "image/png"})
+        assert_error(refused, 429, "overloaded")
+        assert refused.headers["retry-after"] == "3" and not read.is_set()
+        model.release()
+        assert (await first).status_code == 200
+        assert (await classify(client, image_bytes("PNG"))).status_code == 200  # admitted again
+
+
+async def test_the_deadline_covers_inference_too(tiny_onnx, tiny_model):
+    model = WrappedModel(tiny_model)
+    settings = settings_for(tiny_onnx, request_timeout_ms=300)
+    async with serving(settings, model) as client:
+        model.hold()  # the model never finishes this request's batch in time
+        late = await classify(client, image_bytes("PNG"))
+        assert_error(late, 504, "deadline_exceeded")
+        assert not model.gate.is_set()  # answered at the deadline, not when the model finished
+        model.release()
+        assert (await classify(client, image_bytes("PNG"))).status_code == 200
+
+
+async def test_a_slow_upload_is_408(tiny_onnx, tiny_model):
+    settings = settings_for(tiny_onnx, request_timeout_ms=200)
+    async with serving(settings, tiny_model) as client:
+        never = asyncio.Event()
+
+        async def stalled_body():
+            yield image_bytes("PNG")[:10]
+            await never.wait()  # the client stops sending: the server must not wait for it
+            yield b""
+
+        response = await client.post("/v1/classify", content=stalled_body(), headers={"content-type": "image/png"})
+        assert_error(response, 408, "request_timeout")
+        assert response.headers["connection"] == "close"
+
+
+async def test_a_chunked_multipart_body_over_the_limit_is_413(tiny_onnx, tiny_model):
+    settings = settings_for(tiny_onnx, max_upload_bytes=1000, max_batch_files=2)
+    async with serving(settings, tiny_model) as client:
+        async def endless_part():  # no Content-Length: counted as it streams
+            yield b"--b\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.png\"\r\n" \
+                  b"Content-Type: image/png\r\n\r\n"
+            for _ in range(1000):
+                yield b"\0" * 1024
+
+        response = await client.post("/v1/classify/batch", content=endless_part(),
+                                     headers={"content-type": "multipart/form-data; boundary=b"})
+        assert_error(response, 413, "payload_too_large")
+
+
+async def test_a_burst_of_large_inputs_does_not_starve_a_small_one():
+    """Six large items queued first, then one small: the small one runs after at most the large batch in
+    flight, not after all six (the cost cap makes each large batch one item)."""
+    order: list[int] = []
+    gate = threading.Event()
+
+    def run_batch(stacked: np.ndarray):
+        gate.wait(10)
+        order.extend(int(x.size) for x in stacked)
+        return [x.size for x in stacked]
+
+    batcher = DynamicBatcher(run_batch, max_batch_size=8, max_queue_delay_s=0.0, max_queue_size=100,
+                             max_batches_in_flight=1, max_batch_cost=64)
+    batcher.start()
+    large = [asyncio.ensure_future(batcher.submit(np.zeros((1, 16, 16), np.float32), 30)) for _ in range(6)]
+    await until(lambda: batcher.queued == 5, "one large batch running (held by the gate)")
+    small = asyncio.ensure_future(batcher.submit(np.zeros((1, 4, 4), np.float32), 30))
+    await until(lambda: batcher.queued == 6, "the small item queued")
+    gate.set()
+    await asyncio.wait_for(asyncio.gather(small, *large), PATIENCE_S)
+    assert order == [256, 16, 256, 256, 256, 256, 256]
+    assert batcher.predicted_wait_s() == 0.0 and batcher.predicted_wait_s(100) > 0  # measured, nothing queued
+    await batcher.close()

@@ -1,0 +1,390 @@
+"""The HTTP connection's limits (service/http_protocol.py) against a real uvicorn over TCP, with raw sockets:
+what a hostile or slow client sends, byte by byte, and what well-behaved clients beside it still get.
+
+A tiny FastAPI app stands in for the service, so that each test controls how the app reads its body. Time
+bounds are generous on the slow side (the machine may be busy) and exact on the early side (a timer never
+fires before its time)."""
+from __future__ import annotations
+
+import asyncio
+import json
+import pickle
+import select
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import pytest
+import uvicorn
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
+
+from service.http_protocol import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
+from service.settings import Settings
+from service_fixtures import PATIENCE_S, REPO, free_port, wait_until
+
+LIMITS = HttpLimits(max_header_bytes=16 * 1024, max_headers=100, header_timeout_s=1.0, body_timeout_s=1.0)
+KEEP_ALIVE_S = 1
+LATE_S = 5.0  # how late past its time a timer may fire on a busy machine before the test calls it hung
+
+
+def make_app() -> FastAPI:
+    app = FastAPI()
+    app.state.disconnects = 0
+
+    @app.get("/")
+    async def hello():
+        return {"hello": "world"}
+
+    @app.post("/echo")
+    async def echo(request: Request, wait_s: float = 0.0):
+        await asyncio.sleep(wait_s)  # busy elsewhere before it reads the body
+        try:
+            body = await request.body()
+        except ClientDisconnect:
+            request.app.state.disconnects += 1
+            return Response(status_code=499)
+        return {"bytes": len(body)}
+
+    @app.post("/refuse")
+    async def refuse():  # answers from the headers alone, as a 413 or 429 does: uvicorn discards the body
+        return JSONResponse({"error": {"code": "payload_too_large", "message": "no"}}, status_code=413)
+
+    return app
+
+
+@contextmanager
+def uvicorn_in_thread(app, limits: HttpLimits):
+    """uvicorn with the limited protocol on a free port, in a thread; yields (port, server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=LimitedHttpToolsFactory(limits), log_level="warning",
+                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started, "uvicorn started")
+        yield sock.getsockname()[1], server
+    finally:
+        server.should_exit = True
+        thread.join(PATIENCE_S)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def served():
+    app = make_app()
+    with uvicorn_in_thread(app, LIMITS) as (port, server):
+        yield port, app
+
+
+@dataclass
+class Answer:
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error_code(self) -> str:
+        assert self.headers["content-type"] == "application/json"
+        error = json.loads(self.body)["error"]
+        assert set(error) == {"code", "message"} and error["message"]
+        return error["code"]
+
+
+class RawClient:
+    """One HTTP/1.1 connection over a plain socket."""
+
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE_S)
+        self.buffer = b""
+
+    def __enter__(self) -> RawClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> bool:
+        """False when the server has already closed the connection."""
+        try:
+            self.sock.sendall(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    def answered(self, within_s: float) -> bool:
+        """Whether the server has sent something (or closed) within `within_s`."""
+        return bool(self.buffer) or bool(select.select([self.sock], [], [], within_s)[0])
+
+    def _read(self) -> bool:
+        try:
+            chunk = self.sock.recv(65536)
+        except ConnectionResetError:  # the server closed with our bytes unread: what it sent was read first
+            chunk = b""
+        self.buffer += chunk
+        return bool(chunk)
+
+    def response(self) -> Answer:
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._read(), f"closed without a response (got {self.buffer!r})"
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        length = int(headers.get("content-length", 0))
+        while len(self.buffer) < length:
+            assert self._read(), "closed in the middle of a response body"
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return Answer(int(status_line.split()[1]), headers, body)
+
+    def closed(self) -> bool:
+        """Waits for the server to close the connection; False if it sends anything else."""
+        return not self.buffer and not self._read()
+
+
+def get(path: str = "/", *headers: bytes) -> bytes:
+    return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: test\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n"
+
+
+def post_head(path: str, length: int) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Length: {length}\r\n\r\n".encode()
+
+
+def assert_refused(client: RawClient, status: int, code: str) -> None:
+    answer = client.response()
+    assert (answer.status, answer.error_code()) == (status, code)
+    assert answer.headers["connection"] == "close"
+    assert client.closed()
+
+
+# sizes
+
+def test_a_head_within_the_limits_is_served(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(get("/", b"X-Big: " + b"a" * 15_000, *(b"X-%d: 1" % i for i in range(98))))  # 100 fields
+        answer = client.response()
+    assert (answer.status, json.loads(answer.body)) == (200, {"hello": "world"})
+
+
+def test_a_20_kb_header_gets_431_and_the_connection_closes(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(get("/", b"X-Big: " + b"a" * 20_000))
+        assert_refused(client, 431, "headers_too_large")
+
+
+def test_more_header_fields_than_the_limit_get_431(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(get("/", *(b"X-%d: 1" % i for i in range(100))))  # with Host: 101
+        assert_refused(client, 431, "headers_too_large")
+
+
+def test_a_20_kb_request_line_gets_414(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(get("/" + "a" * 20_000))
+        assert_refused(client, 414, "uri_too_long")
+
+
+def test_a_header_that_never_ends_is_refused_once_past_the_limit():
+    """httptools buffers a header until it ends: the bytes are counted as they arrive, read after read."""
+    sent, piece, most = 0, b"a" * 8192, 256 * 1024
+    with uvicorn_in_thread(make_app(), HttpLimits(header_timeout_s=60)) as (port, _), RawClient(port) as client:
+        client.send(b"GET / HTTP/1.1\r\nHost: test\r\nX-Endless: ")
+        while sent < most and not client.answered(0.2):  # a pause per piece: the server reads them one by one
+            client.send(piece)
+            sent += len(piece)
+        assert sent < most, f"no answer after {sent} bytes of one header"
+        assert_refused(client, 431, "headers_too_large")
+
+
+# time
+
+def test_a_silent_connection_gets_408_after_the_header_timeout(served):
+    port, _ = served
+    start = time.monotonic()
+    with RawClient(port) as client:
+        assert_refused(client, 408, "request_timeout")
+    assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - start < LIMITS.header_timeout_s + LATE_S
+
+
+def test_a_trickled_head_gets_408_after_the_header_timeout(served):
+    """One byte every 0.4 s: each byte is progress, but the whole head has one deadline."""
+    port, _ = served
+    head = get("/")
+    start = time.monotonic()
+    with RawClient(port) as client:
+        for i in range(len(head)):
+            if client.answered(0.4) or not client.send(head[i:i + 1]):
+                break
+        assert_refused(client, 408, "request_timeout")
+        assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - start < LIMITS.header_timeout_s + LATE_S
+
+
+def test_a_stalled_body_gets_408_and_the_app_sees_a_disconnect(served):
+    port, app = served
+    disconnects = app.state.disconnects
+    with RawClient(port) as client:
+        client.send(post_head("/echo", 100) + b"x" * 10)
+        stalled = time.monotonic()
+        assert_refused(client, 408, "request_timeout")
+        assert LIMITS.body_timeout_s * 0.9 <= time.monotonic() - stalled < LIMITS.body_timeout_s + LATE_S
+    wait_until(lambda: app.state.disconnects == disconnects + 1, "the app's receive returned http.disconnect")
+
+
+def test_a_body_in_pieces_closer_than_the_body_timeout_is_read_whole(served):
+    """The body timeout is a gap between pieces, not a deadline for the whole body."""
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head("/echo", 6))
+        for _ in range(6):  # 6 x 0.25 s: longer than the timeout in all, never one gap as long
+            time.sleep(LIMITS.body_timeout_s / 4)
+            client.send(b"x")
+        answer = client.response()
+    assert (answer.status, json.loads(answer.body)) == (200, {"bytes": 6})
+
+
+def test_the_body_timeout_runs_only_while_the_app_waits_for_the_body(served):
+    """A 1 MB body fills uvicorn's buffer, which then stops reading, while the app is busy for twice the body
+    timeout: the client, held back, is not the slow one."""
+    port, _ = served
+    body = b"x" * 2**20
+    with RawClient(port) as client:
+        client.send(post_head(f"/echo?wait_s={2 * LIMITS.body_timeout_s}", len(body)) + body)
+        answer = client.response()
+    assert (answer.status, json.loads(answer.body)) == (200, {"bytes": len(body)})
+
+
+def test_the_rest_of_a_body_answered_early_has_the_body_timeout_too(served):
+    """The app answered from the headers; uvicorn discards the body as it comes (each piece cancels its
+    keep-alive timer), and a client that stops sending it is disconnected (the answer is out: no 408)."""
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head("/refuse", 100_000) + b"x" * 10)
+        assert client.response().status == 413
+        for _ in range(3):
+            time.sleep(LIMITS.body_timeout_s / 4)
+            assert client.send(b"x" * 10)
+        stalled = time.monotonic()
+        assert client.closed()
+    assert LIMITS.body_timeout_s * 0.9 <= time.monotonic() - stalled < LIMITS.body_timeout_s + LATE_S
+
+
+def test_a_connection_idle_after_a_discarded_body_meets_the_keep_alive_timeout(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head("/refuse", 10))
+        assert client.response().status == 413
+        client.send(b"x" * 10)  # the body, after the answer: discarded
+        idle = time.monotonic()
+        assert client.closed()
+    assert KEEP_ALIVE_S * 0.9 <= time.monotonic() - idle < KEEP_ALIVE_S + LATE_S
+
+
+# uvicorn's own flow, unchanged
+
+def test_keep_alive_requests_share_one_connection(served):
+    port, _ = served
+    with RawClient(port) as client:
+        for i in range(5):
+            client.send(get("/") if i % 2 else post_head("/echo", i) + b"x" * i)
+            answer = client.response()
+            assert answer.status == 200 and "connection" not in answer.headers
+            assert json.loads(answer.body) == ({"hello": "world"} if i % 2 else {"bytes": i})
+        assert not client.answered(0.1)  # still open
+
+
+def test_pipelined_requests_are_answered_in_order(served):
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head("/echo?wait_s=0.2", 3) + b"abc" + get("/") + post_head("/echo", 2) + b"de")
+        answers = [client.response() for _ in range(3)]
+    assert [(a.status, json.loads(a.body)) for a in answers] == [
+        (200, {"bytes": 3}), (200, {"hello": "world"}), (200, {"bytes": 2})]
+
+
+def test_trickling_clients_do_not_slow_a_normal_request():
+    """50 connections trickle their heads or bodies (limits long enough to keep them all open); a normal
+    request on a new connection is answered in far less than a second, however many of them."""
+    patient = HttpLimits(header_timeout_s=60, body_timeout_s=60)
+    with uvicorn_in_thread(make_app(), patient) as (port, server), ExitStack() as stack:
+        tricklers = [stack.enter_context(RawClient(port)) for _ in range(50)]
+        for i, client in enumerate(tricklers):
+            client.send(b"GET / HTTP/1.1\r\nHost: test\r\nX-Slow: " if i % 2 else post_head("/echo", 1000))
+        stop = threading.Event()
+
+        def trickle():
+            while not stop.wait(0.2):
+                for client in tricklers:
+                    client.send(b"a")
+
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        try:
+            wait_until(lambda: len(server.server_state.connections) >= 50, "50 trickling connections open")
+            for _ in range(5):
+                start = time.monotonic()
+                with RawClient(port) as client:
+                    client.send(get("/"))
+                    assert client.response().status == 200
+                assert time.monotonic() - start < 1.0
+            assert len(server.server_state.connections) >= 50  # the tricklers are all still there
+        finally:
+            stop.set()
+            thread.join(PATIENCE_S)
+
+
+# wiring
+
+def test_the_options_travel_to_worker_processes():
+    """uvicorn pickles its Config into each worker; the protocol factory pickles, and compares by value."""
+    settings = Settings(max_header_bytes=4096, max_headers=20, header_timeout_s=3, body_timeout_s=4)
+    options = uvicorn_http_options(settings)
+    assert options == uvicorn_http_options(settings)
+    assert options == {"http": LimitedHttpToolsFactory(HttpLimits(4096, 20, 3.0, 4.0))}
+    assert pickle.loads(pickle.dumps(options)) == options
+
+
+def test_two_worker_processes_enforce_the_limits(tmp_path):
+    (tmp_path / "tiny_asgi.py").write_text(textwrap.dedent("""
+        async def app(scope, receive, send):
+            if scope["type"] == "http":
+                await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+                await send({"type": "http.response.body", "body": b"ok"})
+        """))
+    port = free_port()
+    script = textwrap.dedent(f"""
+        import sys, uvicorn
+        from service.http_protocol import HttpLimits, LimitedHttpToolsFactory
+        sys.path.insert(0, {str(tmp_path)!r})
+        uvicorn.run("tiny_asgi:app", port={port}, workers=2, log_level="warning",
+                    http=LimitedHttpToolsFactory(HttpLimits(max_header_bytes=4096)))
+        """)
+    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT)
+
+    def serving() -> bool:
+        assert process.poll() is None, process.stdout.read().decode()
+        try:
+            with RawClient(port) as client:
+                client.send(get("/"))
+                return client.response().status == 200
+        except OSError:
+            return False
+
+    try:
+        wait_until(serving, "two uvicorn workers serving")
+        with RawClient(port) as client:
+            client.send(get("/", b"X-Big: " + b"a" * 5000))
+            assert_refused(client, 431, "headers_too_large")
+    finally:
+        process.terminate()
+        process.wait(PATIENCE_S)

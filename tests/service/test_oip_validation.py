@@ -1,0 +1,260 @@
+"""The Open Inference Protocol's infer route against bad input: every malformed or out-of-limit request gets
+4xx with a message naming the problem (never 500, never an echo of what was sent), the body is capped as it
+streams in, and a good request right after is served."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from service.schemas import (FLOAT32_MAX, MAX_BODY_VALUES, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
+                             MAX_PARAMETERS)
+from service_fixtures import serving, settings_for
+
+pytestmark = pytest.mark.anyio
+INFER = "/v2/models/tiny-vit/infer"
+BODY_LIMIT = 64 * 1024  # the tests' max_json_body_bytes: a good request below is about 15 KB
+SHAPE = [1, 3, 16, 16]  # the tiny model: 3 channels, 8-pixel patches
+PIXELS = np.random.default_rng(0).normal(size=SHAPE).astype(np.float32).round(2)
+VALUES = PIXELS.ravel().tolist()
+
+
+@pytest.fixture
+def settings(tiny_onnx):
+    return settings_for(tiny_onnx, max_json_body_bytes=BODY_LIMIT)
+
+
+def tensor(**changes) -> dict:
+    return {"name": "pixel_values", "shape": SHAPE, "datatype": "FP32", "data": VALUES, **changes}
+
+
+def body(**changes) -> bytes:
+    """A request with `changes` to the tensor (its keys) or to the request; Python's json writes NaN and
+    Infinity as the bare tokens NaN, Infinity and -Infinity."""
+    request = {"id": "r1", "inputs": [tensor()]}
+    for key, value in changes.items():
+        (request["inputs"][0] if key in request["inputs"][0] else request)[key] = value
+    return json.dumps(request).encode()
+
+
+def with_value(value) -> bytes:
+    """The good tensor with its sixth value replaced."""
+    return body(data=VALUES[:5] + [value] + VALUES[6:])
+
+
+def with_token(token: bytes) -> bytes:
+    """The good tensor with its sixth value replaced by raw JSON text."""
+    return with_value(1234.5).replace(b"1234.5", token)
+
+
+def nested(values: list) -> list:
+    return np.array(values, dtype=object).reshape(SHAPE).tolist()
+
+
+def assert_error(response, status: int, code: str, *names: str) -> None:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"code", "message"} and error["code"] == code
+    for name in names:
+        assert name.lower() in error["message"].lower(), error["message"]
+    assert len(response.content) < 2000  # the message names the problem; it never carries the input back
+
+
+async def assert_serves_good_request(client, tiny_model) -> None:
+    """A good request, sent with no Content-Type (as tritonclient does), is answered with the model's outputs."""
+    logits, rollout = tiny_model.run(PIXELS)
+    response = await client.post(INFER, content=body())
+    assert response.status_code == 200, response.text
+    answer = response.json()
+    assert answer["id"] == "r1" and [o["name"] for o in answer["outputs"]] == ["logits", "rollout"]
+    out = {o["name"]: o for o in answer["outputs"]}
+    assert out["logits"]["shape"] == [1, 3] and out["rollout"]["shape"] == [1, 2, 2]
+    np.testing.assert_allclose(out["logits"]["data"], logits.ravel(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out["rollout"]["data"], rollout.ravel(), rtol=1e-5, atol=1e-6)
+
+
+BAD_REQUESTS = [
+    # the body as a whole
+    pytest.param(b"", ("empty",), id="empty-body"),
+    pytest.param(b"   \n", ("empty",), id="blank-body"),
+    pytest.param(b'{"inputs": [', ("body", "invalid json"), id="truncated-json"),
+    pytest.param(b"{'inputs': []}", ("body", "invalid json"), id="malformed-json"),
+    pytest.param(b"[1, 2, 3]", ("body", "object"), id="array-not-object"),
+    pytest.param(b'"pixel_values"', ("body", "object"), id="string-not-object"),
+    pytest.param(b"[" * 5000 + b"]" * 5000, ("body", "invalid json"), id="nesting-past-json-recursion-limit"),
+    # the request's fields
+    pytest.param(body(id="x" * (MAX_ID_CHARS + 1)), ("id", f"at most {MAX_ID_CHARS} characters"), id="id-too-long"),
+    pytest.param(body(id=12), ("id", "valid string"), id="id-not-string"),
+    pytest.param(json.dumps({"id": "r1"}).encode(), ("inputs", "field required"), id="missing-inputs"),
+    pytest.param(body(inputs=[]), ("inputs", "at least 1"), id="no-inputs"),
+    pytest.param(body(inputs=[tensor(), tensor()]), ("inputs", "at most 1"), id="two-inputs"),
+    pytest.param(body(inputs="nope"), ("inputs", "valid array"), id="inputs-not-list"),
+    pytest.param(body(outputs=[{"name": "attention"}]), ("outputs.0.name", "logits", "rollout"),
+                 id="unknown-output"),
+    pytest.param(body(outputs=[{"name": "logits"}] * 3), ("outputs", "at most 2"), id="too-many-outputs"),
+    pytest.param(body(parameters={f"p{i}": i for i in range(MAX_PARAMETERS + 1)}),
+                 ("parameters", f"at most {MAX_PARAMETERS}"), id="too-many-parameters"),
+    pytest.param(body(parameters={"p": "x" * (MAX_PARAMETER_STRING_CHARS + 1)}),
+                 ("parameters.p", f"at most {MAX_PARAMETER_STRING_CHARS} characters"), id="parameter-too-long"),
+    pytest.param(body(parameters={"p": {"nested": [1, 2]}}), ("parameters.p", "boolean, a finite number"),
+                 id="parameter-not-scalar"),
+    pytest.param(body(parameters={"k" * 5000: 1}), ("parameters.kkk", "at most 64 characters"),
+                 id="parameter-key-too-long"),
+    # the tensor's name, datatype and shape
+    pytest.param(body(name="image"), ("inputs.0.name", "pixel_values"), id="unknown-input-name"),
+    pytest.param(body(datatype="FLOAT"), ("inputs.0.datatype", "FP32"), id="unknown-datatype"),
+    pytest.param(body(datatype="INT8"), ("inputs.0.datatype", "FP32"), id="wrong-datatype"),
+    pytest.param(body(shape=[1, 3, -16, 16]), ("inputs.0.shape.2", "greater than or equal to 1"), id="negative-dim"),
+    pytest.param(body(shape=[0, 3, 16, 16]), ("inputs.0.shape.0", "greater than or equal to 1"), id="zero-dim"),
+    pytest.param(body(shape=[1, 3, 16, 10**12]), ("inputs.0.shape.3", f"less than or equal to {MAX_DIM}"),
+                 id="huge-dim"),
+    pytest.param(body(shape=[1, 3, "16", 16]), ("inputs.0.shape.2", "valid integer"), id="dim-as-string"),
+    pytest.param(body(shape=[1.0, 3, 16, 16]), ("inputs.0.shape.0", "valid integer"), id="dim-as-float"),
+    pytest.param(body(shape=[3, 16, 16]), ("inputs.0.shape", "[batch, channels, height, width]"), id="rank-3"),
+    pytest.param(body(shape=[1, 1, 3, 16, 16]), ("inputs.0.shape", "at most 4"), id="rank-5"),
+    pytest.param(body(shape=[1, 1, 16, 16]), ("inputs.0.shape", "3 channels"), id="wrong-channels"),
+    pytest.param(body(shape=[1, 3, 16, 12]), ("inputs.0.shape", "multiples of 8"), id="not-patch-multiple"),
+    pytest.param(body(shape=[33, 3, 16, 16]), ("inputs.0.shape", "at most 32 images"), id="batch-over-limit"),
+    # the tensor's values
+    pytest.param(with_value(float("nan")), ("inputs.0.data.5", "finite number"), id="NaN"),
+    pytest.param(with_value(float("inf")), ("inputs.0.data.5", "finite number"), id="Infinity"),
+    pytest.param(with_value(float("-inf")), ("inputs.0.data.5", "finite number"), id="-Infinity"),
+    pytest.param(with_value(None), ("inputs.0.data.5", "valid number"), id="null"),
+    pytest.param(with_value(1e300), ("inputs.0.data", "value 5", "1e+300", "float32 range"), id="1e300"),
+    pytest.param(with_value(1e39), ("inputs.0.data", "value 5", "float32 range"), id="1e39"),
+    pytest.param(with_value(-3.5e38), ("inputs.0.data", "value 5", "float32 range"), id="-3.5e38"),
+    pytest.param(with_value("1.0"), ("inputs.0.data.5", "valid number"), id="number-as-string"),
+    pytest.param(with_value(True), ("inputs.0.data.5", "valid number"), id="boolean"),
+    pytest.param(with_value([1.0]), ("inputs.0.data.5", "valid number"), id="list-among-numbers"),
+    pytest.param(with_token(b"9" * 5000), ("body", "number out of range"), id="5000-digit-integer"),
+    pytest.param(with_token(b"1e400"), ("inputs.0.data.5", "finite number"), id="1e400"),
+    pytest.param(body(data="0.5"), ("inputs.0.data", "valid array"), id="data-not-list"),
+    pytest.param(body(data=VALUES[:-1]), ("inputs.0.data", "767 values", "needs 768"), id="one-value-short"),
+    pytest.param(body(data=VALUES + [0.5]), ("inputs.0.data", "769 values", "needs 768"), id="one-value-over"),
+    pytest.param(body(data=[]), ("inputs.0.data", "0 values"), id="no-values"),
+    pytest.param(body(data=[VALUES[:400], VALUES[400:]]), ("inputs.0.data", "differ in length"), id="ragged-rows"),
+    pytest.param(body(data=[[VALUES[:384]], VALUES[384:]]), ("inputs.0.data.1.0", "valid array"),
+                 id="ragged-depth"),
+    pytest.param(body(data=[[[[[0.5]]]]]), ("inputs.0.data.0.0.0.0", "valid number"), id="nested-past-rank"),
+    pytest.param(body(data=nested(VALUES[:5] + ["x"] + VALUES[6:])), ("inputs.0.data.0.0.0.5", "valid number"),
+                 id="string-in-nested"),
+]
+
+
+@pytest.mark.parametrize("content, names", BAD_REQUESTS)
+async def test_bad_request_is_422_naming_the_problem(settings, tiny_model, content, names):
+    async with serving(settings, tiny_model) as client:
+        response = await client.post(INFER, content=content, headers={"content-type": "application/json"})
+        assert_error(response, 422, "invalid_parameter", *names)
+        await assert_serves_good_request(client, tiny_model)
+
+
+async def test_only_the_first_few_problems_are_listed(settings, tiny_model):
+    """Every field wrong at once: three problems and a count of the rest; a tensor of strings costs one error."""
+    content = body(id="x" * 300, parameters=[], shape=[0], datatype="INT8", name="x", data=["a"] * 10_000)
+    async with serving(settings, tiny_model) as client:
+        response = await client.post(INFER, content=content)
+        assert_error(response, 422, "invalid_parameter", "id:", "parameters:", "inputs.0.name:", "(and 3 more)")
+        await assert_serves_good_request(client, tiny_model)
+
+
+async def test_body_over_the_limit_with_content_length_is_refused_unread(settings, tiny_model):
+    chunks_read = 0
+
+    async def chunks():
+        nonlocal chunks_read
+        for _ in range(64):
+            chunks_read += 1
+            yield b" " * 16 * 1024
+
+    async with serving(settings, tiny_model) as client:
+        response = await client.post(INFER, content=chunks(), headers={"content-length": str(64 * 16 * 1024)})
+        assert_error(response, 413, "payload_too_large", str(64 * 16 * 1024), f"limit is {BODY_LIMIT}")
+        assert chunks_read == 0
+        await assert_serves_good_request(client, tiny_model)
+
+
+async def test_chunked_body_over_the_limit_is_cut_off_as_it_streams(settings, tiny_model):
+    """No Content-Length (chunked): reading stops at the limit; the rest of a 1 MiB body is never pulled."""
+    chunks_read = 0
+
+    async def chunks():
+        nonlocal chunks_read
+        yield b'{"id": "'
+        for _ in range(64):
+            chunks_read += 1
+            yield b"x" * 16 * 1024
+
+    async with serving(settings, tiny_model) as client:
+        response = await client.post(INFER, content=chunks())
+        assert_error(response, 413, "payload_too_large", f"limit of {BODY_LIMIT} bytes")
+        assert chunks_read == BODY_LIMIT // (16 * 1024)
+        await assert_serves_good_request(client, tiny_model)
+
+
+async def test_values_past_the_limit_are_refused_before_parsing(tiny_onnx, tiny_model):
+    """A body of short numbers holds many values per byte: past MAX_BODY_VALUES (counted by commas) it is refused
+    before the parse, even when it is not JSON at all; just under the limit it is parsed (and its count checked)."""
+    under = body(data=[0] * (MAX_BODY_VALUES - 16))
+    async with serving(settings_for(tiny_onnx), tiny_model) as client:  # the default 16 MiB body limit
+        assert_error(await client.post(INFER, content=body(data=[0] * MAX_BODY_VALUES)), 413, "payload_too_large",
+                     f"limit is {MAX_BODY_VALUES}")
+        assert_error(await client.post(INFER, content=b"," * MAX_BODY_VALUES), 413, "payload_too_large", "values")
+        assert_error(await client.post(INFER, content=under), 422, "invalid_parameter",
+                     f"{MAX_BODY_VALUES - 16} values", "needs 768")
+        await assert_serves_good_request(client, tiny_model)
+
+
+async def test_body_at_the_limit_is_read(settings, tiny_model):
+    content = body()
+    content = content[:-1] + b" " * (BODY_LIMIT - len(content)) + b"}"  # JSON allows whitespace before the brace
+    async with serving(settings, tiny_model) as client:
+        response = await client.post(INFER, content=content, headers={"content-type": "application/json"})
+        assert response.status_code == 200, response.text
+        assert_error(await client.post(INFER, content=content + b" "), 413, "payload_too_large")
+
+
+async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
+    """Nested data (fully or partly), integers, parameters within the limits, an id at its longest, any
+    Content-Type (the JSON is read whatever the header says)."""
+    logits, _ = tiny_model.run(PIXELS)
+    integers = np.arange(768).reshape(SHAPE) % 5 - 2
+    int_logits, _ = tiny_model.run(integers.astype(np.float32))
+    longest_id = "i" * MAX_ID_CHARS
+    parameters = {"binary_data_output": False, "priority": 1, "timeout": 2.5, "tag": "t" * MAX_PARAMETER_STRING_CHARS}
+    async with serving(settings, tiny_model) as client:
+        answers = [await client.post(INFER, content=content, headers={"content-type": "text/plain"}) for content in (
+            body(data=PIXELS.tolist()), body(data=PIXELS.reshape(3, 256).tolist()),
+            body(id=longest_id, parameters=parameters, outputs=[{"name": "logits", "parameters": {"binary_data": 0}}]),
+            body(data=integers.ravel().tolist()))]
+    assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
+    for answer in answers[:3]:
+        np.testing.assert_allclose(answer.json()["outputs"][0]["data"], logits.ravel(), rtol=1e-5, atol=1e-5)
+    assert answers[2].json()["id"] == longest_id and [o["name"] for o in answers[2].json()["outputs"]] == ["logits"]
+    np.testing.assert_allclose(answers[3].json()["outputs"][0]["data"], int_logits.ravel(), rtol=1e-5, atol=1e-5)
+
+
+async def test_float32_max_is_within_range(settings, tiny_model):
+    """The range check comes before the count check: at the largest float32 the count is what is wrong, just past
+    it the value is (whatever the model would make of such inputs)."""
+    async with serving(settings, tiny_model) as client:
+        at_max = await client.post(INFER, content=body(data=[FLOAT32_MAX, -FLOAT32_MAX]))
+        past_max = await client.post(INFER, content=body(data=[FLOAT32_MAX * (1 + 1e-7), 0.0]))
+    assert_error(at_max, 422, "invalid_parameter", "2 values", "needs 768")
+    assert_error(past_max, 422, "invalid_parameter", "value 0", "float32 range")
+
+
+async def test_openapi_documents_the_request_body(settings, tiny_model):
+    async with serving(settings, tiny_model) as client:
+        spec = (await client.get("/openapi.json")).json()
+    infer = spec["paths"]["/v2/models/{name}/infer"]["post"]
+    schema = infer["requestBody"]["content"]["application/json"]["schema"]
+    assert infer["requestBody"]["required"] is True and "$ref" not in json.dumps(schema)
+    assert set(schema["properties"]) == {"id", "parameters", "inputs", "outputs"} and schema["required"] == ["inputs"]
+    assert schema["properties"]["id"]["anyOf"][0]["maxLength"] == MAX_ID_CHARS
+    input_tensor = schema["properties"]["inputs"]["items"]
+    assert input_tensor["properties"]["name"]["const"] == "pixel_values"
+    assert input_tensor["properties"]["shape"]["items"]["maximum"] == MAX_DIM
+    assert len(input_tensor["properties"]["data"]["anyOf"]) == 4  # flat, or nested two to four deep
+    assert {"200", "404", "413", "422", "429", "503", "504"} <= set(infer["responses"])

@@ -1,0 +1,94 @@
+"""A real `vitserve serve` process: draining on SIGTERM (JSON 503 past the drain, exit 0, a short drain stays
+short), a killed worker's gauges leaving the totals, and the metrics directory removed on exit."""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+from PIL import Image
+
+from service_fixtures import scrape, uvicorn_server, value, wait_until
+
+# resize=native keeps the 256x256 image whole: 1024 patches of 8 pixels, the slowest input the tiny model takes
+SLOW_PATH = "/v1/classify?resize=native"
+
+
+def _slow_image() -> bytes:
+    buffer = io.BytesIO()
+    Image.effect_noise((256, 256), 64).convert("RGB").save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def _post(url: str, data: bytes) -> httpx.Response | Exception:
+    try:
+        return httpx.post(url + SLOW_PATH, content=data, headers={"content-type": "image/png"}, timeout=60)
+    except httpx.TransportError as e:
+        return e
+
+
+def _seconds_per_request(url: str, data: bytes) -> float:
+    started = time.perf_counter()
+    assert _post(url, data).status_code == 200
+    return time.perf_counter() - started
+
+
+def test_sigterm_drains_answers_the_rest_503_in_json_and_exits_0(tiny_onnx):
+    drain_s = 0.5
+    flags = ("--max-batch-size", "1", "--max-batches-in-flight", "1", "--drain-timeout-s", str(drain_s),
+             "--request-timeout-ms", "120000")
+    data = _slow_image()
+    with uvicorn_server(tiny_onnx, *flags) as (url, process), ThreadPoolExecutor(64) as pool:
+        # enough queued work that the drain cannot finish it, however fast this machine is
+        count = min(60, int(3 * drain_s / _seconds_per_request(url, data)) + 8)
+        futures = [pool.submit(_post, url, data) for _ in range(count)]
+        _wait_for_metric(url, "vitserve_queue_depth", lambda v: v >= 2)
+        signalled = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+        exit_s = time.monotonic() - signalled
+        results = [f.result() for f in futures]
+    statuses = [r.status_code for r in results if isinstance(r, httpx.Response)]
+    assert code == 0, process.stdout.read().decode()
+    assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+    assert all(r.json()["error"]["code"] == "not_ready" for r in results
+               if isinstance(r, httpx.Response) and r.status_code == 503)
+    assert len(statuses) == count  # every admitted request got an answer
+    assert exit_s < drain_s + 8  # a sub-second drain stays short (it once meant no limit at all)
+
+
+def test_a_killed_workers_gauges_leave_the_totals_and_the_metrics_dir_goes(tiny_onnx, tmp_path):
+    env = {"TMPDIR": str(tmp_path)}  # where the server makes its multiprocess metrics directory
+    flags = ("--max-batch-size", "1", "--max-batches-in-flight", "1", "--request-timeout-ms", "120000")
+    data = _slow_image()
+    with uvicorn_server(tiny_onnx, *flags, workers=2, env=env) as (url, process), ThreadPoolExecutor(16) as pool:
+        assert len(list(tmp_path.glob("vitserve-metrics-*"))) == 1
+        futures = [pool.submit(_post, url, data) for _ in range(16)]
+        _wait_for_metric(url, "vitserve_requests_in_flight", lambda v: v >= 4)
+        victim = _children(process.pid)[0]
+        os.kill(victim, signal.SIGKILL)
+        results = [f.result() for f in futures]  # the victim's clients lose their connection; others finish
+        assert any(isinstance(r, httpx.Response) and r.status_code == 200 for r in results)
+        # uvicorn replaces the worker; once the load is over, only the scrape itself is in flight
+        _wait_for_metric(url, "vitserve_requests_in_flight", lambda v: v == 1)
+        _wait_for_metric(url, "vitserve_queue_depth", lambda v: v == 0)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    assert not list(tmp_path.glob("vitserve-metrics-*"))
+
+
+def _wait_for_metric(url: str, name: str, condition) -> None:
+    wait_until(lambda: condition(value(scrape(url), name)), f"{name} as expected")
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    pids = [int(p) for p in out.split()]
+    workers = [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    assert workers, f"no worker processes under {pid}: {pids}"
+    return workers
