@@ -1,17 +1,21 @@
 """`vitserve bench`: flags onto `bench.config.BenchConfig`, whose field defaults are the only defaults (a flag
-left out keeps its field's default, or `--quick`'s). Only the standard library, bench.config and bench.presets
-load here, since `vitserve` imports this module for every command; the measuring modules load when one runs.
+left out keeps its field's default, or `--quick`'s). `--mode overload|hol|soak` runs a reliability mode instead,
+its flags onto `bench.reliability.ReliabilityConfig` the same way. Only the standard library, bench.config,
+bench.presets and bench.reliability load here, since `vitserve` imports this module for every command; the
+measuring modules load when one runs.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 from bench.config import INPUT_KINDS, QUICK, BenchConfig
 from bench.presets import PRESETS
+from bench.reliability import MODES, ReliabilityConfig
 
 
 def _ints(text: str) -> list[int]:
@@ -31,10 +35,16 @@ def _setting(text: str) -> tuple[str, str]:
 
 def add_bench_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="raw ONNX Runtime vs served throughput and latency, in one run",
+        "bench", help="raw ONNX Runtime vs served throughput and latency, in one run; or overload, head-of-line, "
+                      "soak (--mode)",
         description="Measures the raw ONNX Runtime session, then a real `vitserve serve` process under closed-loop "
                     "load (batching on and off, pre-sized PNGs and 640x480 JPEGs), and for fast models a bare "
-                    "FastAPI endpoint; writes a Markdown table, its JSON and a latency/throughput plot.")
+                    "FastAPI endpoint; writes a Markdown table, its JSON and a latency/throughput plot. "
+                    "--mode overload|hol|soak measures how the server holds up instead (docs/reliability.md).")
+    p.add_argument("--mode", choices=("throughput", *MODES), default="throughput",
+                   help="throughput (default): raw vs served; overload: an open loop at twice the measured "
+                        "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
+                        "for minutes, memory and file descriptors")
     d = BenchConfig()  # for the help text only: a flag not given stays None, and the field's default holds
     p.add_argument("--model", metavar="MODEL", help=f"an ONNX artifact, or a preset made on first use with random "
                                                     f"weights (needs torch): {', '.join(PRESETS)} (default {d.model})")
@@ -57,6 +67,8 @@ def add_bench_parser(subparsers) -> None:
     p.add_argument("--set", dest="settings", type=_setting, action="append", default=[], metavar="NAME=VALUE",
                    help="a server setting under test, e.g. --set intra_op_spinning=false (also for the raw session)")
     _add_timing_and_paths(p, d)
+    _add_reliability_flags(p.add_argument_group("overload, hol and soak (--mode); --model, --out, --set, "
+                                                "--cache-dir and --log-dir apply too"))
     p.set_defaults(func=run_bench_command)
 
 
@@ -79,9 +91,78 @@ def _add_timing_and_paths(p: argparse.ArgumentParser, d: BenchConfig) -> None:
     p.add_argument("--log-dir", type=Path, metavar="DIR", help=f"the servers' logs (default {d.log_dir})")
 
 
+def _shape(text: str) -> tuple[int, int, int]:
+    values = tuple(int(v) for v in text.lower().split("x"))
+    if len(values) != 3 or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected BATCHxHEIGHTxWIDTH, e.g. 32x128x128, got {text!r}")
+    return values
+
+
+def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
+    d = ReliabilityConfig()
+    s = {"type": float, "metavar": "SECONDS"}
+    g.add_argument("--checkout", dest="checkouts", type=Path, action="append", metavar="DIR",
+                   help="serve with the code in DIR (its .venv's python if it has one, else this one, with "
+                        "PYTHONPATH=DIR); given twice, the two alternate round by round (default: this code)")
+    g.add_argument("--serve-flags", dest="server_args", type=shlex.split, metavar="'--FLAG VALUE ...'",
+                   help="extra `vitserve serve` flags for every server, e.g. '--max-queue-size 64'")
+    g.add_argument("--rounds", type=int, metavar="N", help=f"overload and hol runs per server (default {d.rounds})")
+    g.add_argument("--rate", type=float, metavar="REQ/S", help="overload: the open loop's rate (default: "
+                                                               "--overload-factor x the measured saturation)")
+    g.add_argument("--overload-factor", type=float, metavar="X", help=f"default {d.overload_factor:g}")
+    g.add_argument("--saturation-clients", type=_ints, metavar="N,N", help=f"closed-loop levels measuring "
+                                                                           f"saturation; the best counts (default "
+                                                                           f"{_csv(d.saturation_clients)})")
+    g.add_argument("--saturation-duration", dest="saturation_s", **s, help=f"default {d.saturation_s:g}")
+    g.add_argument("--overload-duration", dest="overload_s", **s, help=f"measured open loop (default "
+                                                                       f"{d.overload_s:g})")
+    g.add_argument("--overload-warmup", dest="overload_warmup_s", **s, help=f"open loop before the window "
+                                                                            f"(default {d.overload_warmup_s:g})")
+    g.add_argument("--probes", type=int, metavar="N", help=f"requests one at a time after the load stops "
+                                                           f"(default {d.probes})")
+    g.add_argument("--hol-rate", type=float, metavar="REQ/S", help="small requests per second (default: 20, or "
+                                                                   "half the one-at-a-time rate when that is lower)")
+    g.add_argument("--hol-repeats", type=int, metavar="N", help=f"heavy pairs (default {d.hol_repeats})")
+    g.add_argument("--hol-png-side", type=int, metavar="PIXELS", help=f"the heavy greyscale PNG's side (default "
+                                                                      f"{d.hol_png_side})")
+    g.add_argument("--hol-oip-shape", type=_shape, metavar="BxHxW", help="the heavy Open Inference request, "
+                                                                         "channels the model's (default "
+                                                                         f"{'x'.join(map(str, d.hol_oip_shape))})")
+    g.add_argument("--memory-limit-mb", type=float, metavar="MB", help=f"default {d.memory_limit_mb:g}")
+    g.add_argument("--soak-minutes", type=float, metavar="MINUTES", help=f"default {d.soak_minutes:g}")
+    g.add_argument("--soak-load", type=float, metavar="X", help=f"soak rate as a fraction of the mix's saturation "
+                                                                f"(default {d.soak_load:g})")
+    g.add_argument("--soak-rate", type=float, metavar="REQ/S", help="the soak's rate (default: --soak-load x "
+                                                                    "saturation)")
+    g.add_argument("--sample-every", dest="sample_s", **s, help=f"soak: memory and descriptors read this often "
+                                                                f"(default {d.sample_s:g})")
+
+
+_THROUGHPUT_ONLY = ("batch_sizes", "concurrency", "inputs", "max_batch_size", "max_queue_delay_ms", "pairs", "bare",
+                    "duration_s", "warmup_s", "raw_duration_s", "time_limit_s")
+_SHARED = ("model", "out", "cache_dir", "log_dir")
+
+
+def _given(args: argparse.Namespace, names) -> list[str]:
+    return [n for n in names if getattr(args, n, None) is not None]
+
+
+def reliability_config_from_args(args: argparse.Namespace) -> ReliabilityConfig:
+    """ReliabilityConfig's defaults, then the flags given; flags of the throughput mode are refused."""
+    stray = _given(args, _THROUGHPUT_ONLY) + (["quick"] if args.quick else [])
+    if stray:
+        raise SystemExit(f"vitserve bench: --mode {args.mode} does not use {', '.join(stray)}")
+    given = {f.name: getattr(args, f.name) for f in fields(ReliabilityConfig)
+             if getattr(args, f.name, None) is not None}
+    return ReliabilityConfig(**{**given, "mode": args.mode})
+
+
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
     """BenchConfig's defaults, then --quick's, then the flags given."""
     given = {f.name: getattr(args, f.name) for f in fields(BenchConfig) if getattr(args, f.name, None) is not None}
+    stray = _given(args, [f.name for f in fields(ReliabilityConfig) if f.name not in _SHARED + ("mode",)])
+    if stray:
+        raise SystemExit(f"vitserve bench: {', '.join(stray)} belong to --mode overload, hol or soak")
     cfg = BenchConfig(**{**(copy.deepcopy(QUICK) if args.quick else {}), **given})
     bad = set(cfg.inputs) - set(INPUT_KINDS)
     if bad:
@@ -90,6 +171,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.mode != "throughput":
+        return run_reliability_command(args)
     from bench.report import targets_lines, write_report
     from bench.run import run_bench
 
@@ -98,4 +181,20 @@ def run_bench_command(args: argparse.Namespace) -> int:
     for path in write_report(report, cfg.out):
         print(f"wrote {path}")
     print("\n".join(targets_lines(report["targets"])))
+    return 0
+
+
+def run_reliability_command(args: argparse.Namespace) -> int:
+    from bench import overload, soak
+    from bench.reliability import write_report
+
+    cfg = reliability_config_from_args(args)
+    run, render = {"overload": (overload.run_overload, overload.render_overload),
+                   "hol": (soak.run_head_of_line, soak.render_head_of_line),
+                   "soak": (soak.run_soak, soak.render_soak)}[cfg.mode]
+    report = run(cfg, dict(args.settings), command=shlex.join(["vitserve", "bench", *sys.argv[2:]]))
+    for path in write_report(report, render(report), cfg.report_path):
+        print(f"wrote {path}")
+    for r in report["runs"]:
+        print("\n".join(overload.target_lines(r.get("targets", []))))
     return 0

@@ -47,7 +47,7 @@ class LocalPredictor:
         try:
             prepared = prepare_image(image.read_bytes(), info, resize=self.resize, max_bytes=s.max_upload_bytes,
                                      max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens,
-                                     keep_source=want_overlay)
+                                     keep_source=want_overlay, max_render_side=s.max_rollout_image_side)
         except ServiceError as e:
             return Prediction(image, error=f"{e.code}: {e}")
         logits, rollout = self.model.run(prepared.pixels[None])  # (1, K), (1, h, w)

@@ -311,6 +311,28 @@ def test_pipelined_requests_are_answered_in_order(served):
         (200, {"bytes": 3}), (200, {"hello": "world"}), (200, {"bytes": 2})]
 
 
+def test_a_head_trickled_behind_a_running_request_times_out_after_its_answer(served):
+    """The head's clock starts over while an earlier request is being answered (uvicorn reads no further
+    meanwhile); the earlier answer comes whole, then the 408."""
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head(f"/echo?wait_s={1.5 * LIMITS.header_timeout_s}", 1) + b"x" + b"GET / HTTP/1.1\r\nHo")
+        first = client.response()
+        assert (first.status, json.loads(first.body)) == (200, {"bytes": 1})
+        assert_refused(client, 408, "request_timeout")
+
+
+def test_an_oversized_head_behind_a_running_request_closes_after_its_answer(served):
+    """No 431 in the middle of an earlier answer: that answer finishes, says Connection: close, and the
+    connection closes."""
+    port, _ = served
+    with RawClient(port) as client:
+        client.send(post_head("/echo?wait_s=0.5", 1) + b"x" + get("/", b"X-Big: " + b"a" * 20_000))
+        first = client.response()
+        assert (first.status, first.headers["connection"], json.loads(first.body)) == (200, "close", {"bytes": 1})
+        assert client.closed()
+
+
 def test_trickling_clients_do_not_slow_a_normal_request():
     """50 connections trickle their heads or bodies (limits long enough to keep them all open); a normal
     request on a new connection is answered in far less than a second, however many of them."""
