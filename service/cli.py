@@ -92,9 +92,11 @@ DRAIN_MARGIN_S = 1.0
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
+    from service.http_protocol import uvicorn_http_options  # imports uvicorn and httptools: only when serving
     return {"host": settings.host, "port": settings.port, "workers": settings.workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
-            "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S}
+            "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,
+            **uvicorn_http_options(settings)}
 
 
 def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:

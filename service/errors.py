@@ -61,6 +61,16 @@ class NotReady(ServiceError):
     code = "not_ready"
 
 
+class HeadersTooLarge(ServiceError):
+    """The request line and headers are over the size or count limit (refused by the connection, service/http_protocol.py)."""
+
+    code = "headers_too_large"
+
+
+class UriTooLong(ServiceError):
+    code = "uri_too_long"
+
+
 class RequestTimeout(ServiceError):
     """The client sent its request too slowly (the upload outlasted the request's deadline)."""
 
@@ -91,6 +101,8 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     ImageTooLarge: 413,
     UnsupportedMediaType: 415,
     RequestTimeout: 408,
+    UriTooLong: 414,
+    HeadersTooLarge: 431,
     InvalidParameter: 422,
     QueueFullError: 429,
     Overloaded: 429,
@@ -108,8 +120,10 @@ STATUS_DESCRIPTIONS = {
     404: "No model with that name",
     413: "Too many bytes, pixels or files",
     408: "The request was sent too slowly",
+    414: "Request line too long",
     415: "Unsupported media type",
     422: "Invalid parameters",
+    431: "Too many or too large headers",
     429: "Overloaded or queue full; retry after the Retry-After header's seconds",
     500: "Inference failed",
     503: "Not ready (warming up or shutting down)",

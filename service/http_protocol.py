@@ -27,10 +27,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
-from service.errors import ServiceError, error_body
+from service.errors import HeadersTooLarge, RequestTimeout, ServiceError, UriTooLong, error_body, status_code
 from service.settings import Settings
 
 try:
@@ -39,23 +39,6 @@ try:
 except ImportError:  # pragma: no cover - see `uvicorn_http_options`
     httptools = None
     HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
-
-# The refusals of a request the app never sees, in the service's error shape and codes.
-
-
-class HeadersTooLarge(ServiceError):
-    code = "headers_too_large"
-
-
-class UriTooLong(ServiceError):
-    code = "uri_too_long"
-
-
-class ClientTooSlow(ServiceError):
-    code = "request_timeout"
-
-
-_STATUS_CODES = {HeadersTooLarge: 431, UriTooLong: 414, ClientTooSlow: 408}
 
 
 @dataclass(frozen=True)
@@ -232,7 +215,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             # head's clock starts over.
             self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)
             return
-        self._send_error_and_close(ClientTooSlow(
+        self._send_error_and_close(RequestTimeout(
             f"request line and headers not received within {self.limits.header_timeout_s:g} s"))
 
     def _body_timed_out(self) -> None:
@@ -240,7 +223,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if cycle.response_started:  # the app streams an answer while it reads: too late for a 408
             self.transport.close()
         else:
-            self._send_error_and_close(ClientTooSlow(f"no request body bytes for {self.limits.body_timeout_s:g} s"))
+            self._send_error_and_close(RequestTimeout(f"no request body bytes for {self.limits.body_timeout_s:g} s"))
         # What connection_lost will do, done now: the app's receive returns http.disconnect, its sends are dropped.
         cycle.disconnected = True
         cycle.message_event.set()
@@ -270,7 +253,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._send_error_and_close(error)
 
     def _send_error_and_close(self, error: ServiceError) -> None:
-        status = _STATUS_CODES[type(error)]
+        status = status_code(error)
         body = json.dumps(error_body(error.code, str(error))).encode()
         head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
@@ -286,8 +269,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
 class _BodyTimedCycle(RequestResponseCycle):
     """uvicorn's request cycle, telling its protocol when the app waits for body bytes not sent yet.
 
-    The protocol turns the cycle uvicorn made into this class (`__class__`), rather than keeping a `receive`
-    closure on it: a closure stored on the cycle it calls would make every request garbage for the collector."""
+    The protocol turns the cycle uvicorn made into this class (`__class__`) rather than keeping a `receive`
+    closure on it: a closure stored on the cycle it calls is a reference cycle, one more per request for the
+    garbage collector to find."""
 
     protocol: LimitedHttpToolsProtocol
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
 
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
@@ -103,7 +102,7 @@ class ModelMetadata(BaseModel):
 
 
 # Limits of an inference request, checked while its JSON is parsed and before any work; the body as a whole is
-# capped by `Settings.max_json_body_bytes` and `MAX_BODY_VALUES` (413), which also bound the length of `data`.
+# capped by `Settings.max_json_body_bytes` and `Settings.max_json_values` (413), which also bound the length of `data`.
 # Each limit is far above what a real client sends, and a value past one gets 422 naming the field.
 MAX_ID_CHARS = 256  # the id is echoed back in the answer: a correlation key, not a payload
 MAX_PARAMETERS = 16  # entries per `parameters` object; the protocol's own (priority, timeout, binary_data...) are few
@@ -113,11 +112,10 @@ MAX_INPUTS = 1  # the artifact has one input, pixel_values
 MAX_OUTPUTS = len(OUTPUT_NAMES)  # one request per model output; naming one twice adds nothing
 MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
-# JSON values (array elements, object members) in one body, counted by their separating commas before it is
-# parsed: the parse costs about 80 bytes and 0.25 us per value, so a body of short numbers ("0,0,0,...": 8M values in
-# 16 MiB) would take 640 MiB and 2 s of the event loop. Twice the default model's largest request (32x1x128x128).
-MAX_BODY_VALUES = 2**20
-FLOAT32_MAX = float(np.finfo(np.float32).max)  # the largest value `data` may hold (the route checks it in numpy)
+# Normalised pixels ((x/255 - mean) / std) lie within a few units of zero; a value past this is no image, and near
+# float32's limit it overflows the model's arithmetic (3e38 made the logits infinite: a client's mistake, then a
+# 500). The route checks it in numpy.
+MAX_ABS_PIXEL_VALUE = 1e4
 
 # Parsed strictly (`_StrictRequest`): a string ("1.0"), a boolean or null where a number belongs is an error, never
 # converted; JSON integers are numbers. NaN and Infinity (tokens Python's json writes) are refused here.

@@ -77,6 +77,9 @@ class Settings(BaseSettings):
                                                                  "PNGs (larger inputs are drawn scaled down)")
     max_json_body_bytes: int = Field(16 * 2**20, ge=1, description="largest JSON request body (Open Inference "
                                                                    "Protocol)")
+    max_json_values: int = Field(2**20, ge=1, description="JSON values in one body, counted before it is parsed "
+                                                          "(the parse costs per value); twice the default "
+                                                          "model's largest request, 32x1x128x128")
 
     # the HTTP connection (uvicorn): what a client may send before the app sees a request
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="request line and headers together; more gets 431")

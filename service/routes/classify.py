@@ -14,9 +14,9 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from service import postprocess
 from service.admission import Deadline
-from service.errors import RequestTimeout, ServiceError, error_body, openapi_responses
+from service.errors import ServiceError, error_body, openapi_responses
 from service.preprocess import PreparedImage, ResizePolicy
-from service.routes.uploads import read_files, run_guarded
+from service.routes.uploads import read_files, run_guarded, upload_within
 from service.schemas import BatchResponse, ClassifyResponse, ErrorResponse, ModelRef, RolloutFormat, Timing
 from service.state import ServiceState, get_admitted_state
 
@@ -84,11 +84,9 @@ async def classify_batch(request: Request, params: Annotated[ClassifyParams, Dep
 
 
 async def upload(request: Request, state: ServiceState, deadline: Deadline, max_files: int) -> list:
-    """The request's image files, read within its deadline (a slower upload is the client's: 408)."""
-    timeout = RequestTimeout(f"the upload did not finish within the request's deadline of "
-                             f"{state.settings.request_timeout_s:g} s")
+    """The request's image files, read within its deadline."""
     reading = read_files(request, max_bytes=state.settings.max_upload_bytes, max_files=max_files)
-    return await run_guarded(request, reading, deadline, state.stopping, watch_disconnect=False, on_timeout=timeout)
+    return await upload_within(request, reading, deadline, state.stopping)
 
 
 async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams, started: float,

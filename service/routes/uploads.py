@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect
 
 from service.admission import Deadline
 from service.errors import (ClientDisconnected, DeadlineExceeded, InvalidParameter, NotReady, PayloadTooLarge,
-                            ServiceError, UnsupportedMediaType)
+                            RequestTimeout, ServiceError, UnsupportedMediaType)
 from service.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
@@ -141,5 +141,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def unless_disconnected(request: Request, awaitable):  # TEMPORARY: until open_inference moves to run_guarded
-    return await run_guarded(request, awaitable, Deadline.after(3600), asyncio.Event())
+async def upload_within(request: Request, reading, deadline: Deadline, stop: asyncio.Event):
+    """`reading` (of the request's body) within the request's deadline: a slower upload is the client's (408)."""
+    timeout = RequestTimeout("the upload did not finish within the request's deadline")
+    return await run_guarded(request, reading, deadline, stop, watch_disconnect=False, on_timeout=timeout)

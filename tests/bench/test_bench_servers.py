@@ -19,7 +19,8 @@ def private_environ(monkeypatch):
 def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, private_environ, monkeypatch):
     import uvicorn
 
-    from service.cli import uvicorn_options
+    from service.cli import DRAIN_MARGIN_S, uvicorn_options
+    from service.http_protocol import HttpLimits, LimitedHttpToolsFactory
     from service.settings import Settings
     from vitserve.cli import main
 
@@ -32,7 +33,8 @@ def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, 
     assert (serve_app, bare_app) == ("service.app:app_from_env", "bench.servers:bare_app")
     assert serve_kwargs == bare_kwargs == {"factory": True, **uvicorn_options(Settings())}
     assert serve_kwargs == {"factory": True, "host": "127.0.0.1", "port": 9123, "workers": 1, "log_level": "warning",
-                            "limit_concurrency": 50, "timeout_graceful_shutdown": 5}
+                            "limit_concurrency": 50, "timeout_graceful_shutdown": 5 + DRAIN_MARGIN_S,
+                            "http": LimitedHttpToolsFactory(HttpLimits.from_settings(Settings()))}
 
 
 def test_server_settings_are_the_overrides_plus_batching_and_loopback():

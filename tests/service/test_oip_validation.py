@@ -8,10 +8,12 @@ import json
 import numpy as np
 import pytest
 
-from service.schemas import (FLOAT32_MAX, MAX_BODY_VALUES, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
+from service.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
                              MAX_PARAMETERS)
+from service.settings import Settings
 from service_fixtures import serving, settings_for
 
+MAX_JSON_VALUES = Settings.model_fields["max_json_values"].default
 pytestmark = pytest.mark.anyio
 INFER = "/v2/models/tiny-vit/infer"
 BODY_LIMIT = 64 * 1024  # the tests' max_json_body_bytes: a good request below is about 15 KB
@@ -121,9 +123,11 @@ BAD_REQUESTS = [
     pytest.param(with_value(float("inf")), ("inputs.0.data.5", "finite number"), id="Infinity"),
     pytest.param(with_value(float("-inf")), ("inputs.0.data.5", "finite number"), id="-Infinity"),
     pytest.param(with_value(None), ("inputs.0.data.5", "valid number"), id="null"),
-    pytest.param(with_value(1e300), ("inputs.0.data", "value 5", "1e+300", "float32 range"), id="1e300"),
-    pytest.param(with_value(1e39), ("inputs.0.data", "value 5", "float32 range"), id="1e39"),
-    pytest.param(with_value(-3.5e38), ("inputs.0.data", "value 5", "float32 range"), id="-3.5e38"),
+    pytest.param(with_value(1e300), ("inputs.0.data", "value 5", "1e+300", "normalised pixels"), id="1e300"),
+    pytest.param(with_value(1e39), ("inputs.0.data", "value 5", "normalised pixels"), id="1e39"),
+    pytest.param(with_value(-3.5e38), ("inputs.0.data", "value 5", "normalised pixels"), id="-3.5e38"),
+    pytest.param(with_value(3e38), ("inputs.0.data", "value 5", "normalised pixels"), id="3e38-overflows-the-model"),
+    pytest.param(with_value(2e4), ("inputs.0.data", "value 5", "at most 10000"), id="2e4"),
     pytest.param(with_value("1.0"), ("inputs.0.data.5", "valid number"), id="number-as-string"),
     pytest.param(with_value(True), ("inputs.0.data.5", "valid number"), id="boolean"),
     pytest.param(with_value([1.0]), ("inputs.0.data.5", "valid number"), id="list-among-numbers"),
@@ -194,15 +198,15 @@ async def test_chunked_body_over_the_limit_is_cut_off_as_it_streams(settings, ti
 
 
 async def test_values_past_the_limit_are_refused_before_parsing(tiny_onnx, tiny_model):
-    """A body of short numbers holds many values per byte: past MAX_BODY_VALUES (counted by commas) it is refused
+    """A body of short numbers holds many values per byte: past MAX_JSON_VALUES (counted by commas) it is refused
     before the parse, even when it is not JSON at all; just under the limit it is parsed (and its count checked)."""
-    under = body(data=[0] * (MAX_BODY_VALUES - 16))
+    under = body(data=[0] * (MAX_JSON_VALUES - 16))
     async with serving(settings_for(tiny_onnx), tiny_model) as client:  # the default 16 MiB body limit
-        assert_error(await client.post(INFER, content=body(data=[0] * MAX_BODY_VALUES)), 413, "payload_too_large",
-                     f"limit is {MAX_BODY_VALUES}")
-        assert_error(await client.post(INFER, content=b"," * MAX_BODY_VALUES), 413, "payload_too_large", "values")
+        assert_error(await client.post(INFER, content=body(data=[0] * MAX_JSON_VALUES)), 413, "payload_too_large",
+                     f"limit is {MAX_JSON_VALUES}")
+        assert_error(await client.post(INFER, content=b"," * MAX_JSON_VALUES), 413, "payload_too_large", "values")
         assert_error(await client.post(INFER, content=under), 422, "invalid_parameter",
-                     f"{MAX_BODY_VALUES - 16} values", "needs 768")
+                     f"{MAX_JSON_VALUES - 16} values", "needs 768")
         await assert_serves_good_request(client, tiny_model)
 
 
@@ -235,14 +239,14 @@ async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
     np.testing.assert_allclose(answers[3].json()["outputs"][0]["data"], int_logits.ravel(), rtol=1e-5, atol=1e-5)
 
 
-async def test_float32_max_is_within_range(settings, tiny_model):
-    """The range check comes before the count check: at the largest float32 the count is what is wrong, just past
-    it the value is (whatever the model would make of such inputs)."""
+async def test_the_largest_pixel_value_is_within_range(settings, tiny_model):
+    """The range check comes before the count check: at the bound the count is what is wrong, just past it the
+    value is."""
     async with serving(settings, tiny_model) as client:
-        at_max = await client.post(INFER, content=body(data=[FLOAT32_MAX, -FLOAT32_MAX]))
-        past_max = await client.post(INFER, content=body(data=[FLOAT32_MAX * (1 + 1e-7), 0.0]))
+        at_max = await client.post(INFER, content=body(data=[MAX_ABS_PIXEL_VALUE, -MAX_ABS_PIXEL_VALUE]))
+        past_max = await client.post(INFER, content=body(data=[MAX_ABS_PIXEL_VALUE * (1 + 1e-7), 0.0]))
     assert_error(at_max, 422, "invalid_parameter", "2 values", "needs 768")
-    assert_error(past_max, 422, "invalid_parameter", "value 0", "float32 range")
+    assert_error(past_max, 422, "invalid_parameter", "value 0", "normalised pixels")
 
 
 async def test_openapi_documents_the_request_body(settings, tiny_model):
