@@ -61,6 +61,12 @@ class NotReady(ServiceError):
     code = "not_ready"
 
 
+class MalformedRequest(ServiceError):
+    """Not HTTP the parser accepts (a garbage request line, a bad chunk size, Content-Length with chunked...)."""
+
+    code = "invalid_request"
+
+
 class HeadersTooLarge(ServiceError):
     """The request line and headers are over the size or count limit (refused by the connection, service/http_protocol.py)."""
 
@@ -96,6 +102,7 @@ class InferenceError(ServiceError):
 # The single domain-error -> status-code table (most specific class first is not needed: exact types).
 STATUS_CODES: dict[type[ServiceError], int] = {
     ImageDecodeError: 400,
+    MalformedRequest: 400,
     ModelNotFound: 404,
     PayloadTooLarge: 413,
     ImageTooLarge: 413,

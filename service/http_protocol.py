@@ -30,7 +30,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import HeadersTooLarge, RequestTimeout, ServiceError, UriTooLong, error_body, status_code
+from service.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong, error_body,
+                            status_code)
 from service.settings import Settings
 
 try:
@@ -74,6 +75,9 @@ def uvicorn_http_options(settings: Settings) -> dict:
     return {"http": LimitedHttpToolsFactory(HttpLimits.from_settings(settings))}
 
 
+# Chunk sizes and CRLFs between pieces of a chunked body: bytes the parser reads but does not deliver as body.
+_CHUNK_FRAMING_SLACK = 4096
+
 # Where a connection is in its current request (plain strings: this is checked several times per request).
 _IDLE, _HEAD, _BODY = "between requests", "reading a head", "reading a body"
 
@@ -88,6 +92,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._read_bytes = 0  # of the read being parsed
         self._head_arrived = 0  # bytes read while the head was incomplete: a bound on what the parser holds
         self._head_began_in_read = False
+        self._body_bytes = 0  # delivered by on_body, ever
+        self._unparsed_in_body = 0  # bytes read since the last body byte that no on_body delivered: trailers
+        self._trailer_bytes = 0
         self._refused = False  # the parser has stopped: input is dropped until the connection closes
         # the one wait on the client at a time (head, body, or the rest of a body already answered)
         self._deadline: float | None = None
@@ -113,6 +120,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._read_bytes = len(data)
         self._head_began_in_read = False
         self._unset_keepalive_if_required()
+        body_before = self._body_bytes
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -122,18 +130,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self._unsupported_upgrade_warning()
             return
         except httptools.HttpParserError as e:
-            if isinstance(e.__context__, ServiceError):  # raised by on_headers_complete below
-                self._refuse_head(e.__context__)
+            if isinstance(e.__context__, ServiceError):  # raised by a parser callback below
+                self._refuse(e.__context__)
             else:
-                self.logger.warning("Invalid HTTP request received.")
-                self.send_400_response("Invalid HTTP request received.")
+                self.send_400_response(f"invalid HTTP request: {e}")
             return
         # httptools holds a header's bytes until the header ends, so a huge one is counted as it arrives. A read
         # that also ended an earlier message holds an unknown share of this head: it is left out (one read).
         if self._phase is _HEAD and not (in_message and self._head_began_in_read):
             self._head_arrived += len(data)
             if self._head_arrived > self.limits.max_header_bytes:
-                self._refuse_head(HeadersTooLarge(self._too_large_message()))
+                self._refuse(HeadersTooLarge(self._too_large_message()))
+        elif self._phase is _BODY:
+            # Trailer fields after a chunked body are held by the parser like a head's: on_header checks each
+            # one as it ends; this bounds one that never ends. Counted from the last read that brought body bytes,
+            # which may also hold the head (at most max_header_bytes) and chunk framing (a few bytes).
+            delivered = self._body_bytes - body_before
+            unparsed = len(data) - delivered
+            self._unparsed_in_body = unparsed if delivered else self._unparsed_in_body + unparsed
+            if self._unparsed_in_body > 2 * self.limits.max_header_bytes + _CHUNK_FRAMING_SLACK:
+                self._refuse(HeadersTooLarge(f"trailer fields exceed {self.limits.max_header_bytes} bytes"))
 
     # parser callbacks: a limit raises, which stops the parser, and data_received answers
 
@@ -146,12 +162,23 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self._on_timeout != self._head_timed_out:  # a first request keeps the clock from connection_made
             self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if self._phase is _BODY:  # a trailer field: it joins the head's fields, within the same limits
+            self._trailer_bytes += len(name) + len(value) + 4
+            if len(self.headers) >= self.limits.max_headers:
+                raise HeadersTooLarge(f"more than {self.limits.max_headers} header and trailer fields")
+            if self._head_size() + self._trailer_bytes > self.limits.max_header_bytes:
+                raise HeadersTooLarge(f"the request line, headers and trailers exceed {self.limits.max_header_bytes} "
+                                      f"bytes")
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         if len(self.headers) > self.limits.max_headers:
             raise HeadersTooLarge(f"more than {self.limits.max_headers} header fields")
         if not self._head_began_in_read or self._read_bytes > self.limits.max_header_bytes:
             self._check_head_size()  # else the whole head came in one read no longer than the limit
         self._phase = _BODY
+        self._unparsed_in_body = self._trailer_bytes = 0
         self._bytes_came(self._head_timed_out)
         earlier = self.cycle
         super().on_headers_complete()
@@ -160,6 +187,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self.cycle.protocol = self
 
     def on_body(self, body: bytes) -> None:
+        self._body_bytes += len(body)
         # Already answered: uvicorn discards this; the client is still sending, so it gets another gap.
         if self.cycle is not None and self.cycle.response_complete:
             self._expect_bytes(self.limits.body_timeout_s, self._rest_of_body_timed_out)
@@ -219,11 +247,16 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             f"request line and headers not received within {self.limits.header_timeout_s:g} s"))
 
     def _body_timed_out(self) -> None:
-        cycle = self.cycle  # the app waiting for body bytes: every earlier request has been answered
-        if cycle.response_started:  # the app streams an answer while it reads: too late for a 408
+        # the app waits for body bytes: every earlier request has been answered
+        self._answer_for_the_app(RequestTimeout(f"no request body bytes for {self.limits.body_timeout_s:g} s"))
+
+    def _answer_for_the_app(self, error: ServiceError) -> None:
+        """The request's body cannot be read on: answer `error` in the app's place and close."""
+        cycle = self.cycle
+        if cycle.response_started:  # the app streams an answer while it reads: too late for an error
             self.transport.close()
         else:
-            self._send_error_and_close(RequestTimeout(f"no request body bytes for {self.limits.body_timeout_s:g} s"))
+            self._send_error_and_close(error)
         # What connection_lost will do, done now: the app's receive returns http.disconnect, its sends are dropped.
         cycle.disconnected = True
         cycle.message_event.set()
@@ -236,16 +269,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def _check_head_size(self) -> None:
         if len(self.url) > self.limits.max_header_bytes:
             raise UriTooLong(f"the request line exceeds {self.limits.max_header_bytes} bytes")
-        size = len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)  # ": ", CRLF
-        if size > self.limits.max_header_bytes:
+        if self._head_size() > self.limits.max_header_bytes:
             raise HeadersTooLarge(self._too_large_message())
+
+    def _head_size(self) -> int:
+        return len(self.url) + sum(len(name) + len(value) + 4 for name, value in self.headers)  # ": ", CRLF
 
     def _too_large_message(self) -> str:
         return f"the request line and headers exceed {self.limits.max_header_bytes} bytes"
 
-    def _refuse_head(self, error: ServiceError) -> None:
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to input its parser refuses, in the service's JSON shape."""
+        self._send_error_and_close(MalformedRequest(msg))
+
+    def _refuse(self, error: ServiceError) -> None:
         self._refused = True
         self._bytes_came(self._head_timed_out)
+        if self._phase is _BODY and self.cycle is not None and not self.cycle.response_complete:
+            self._answer_for_the_app(error)  # trailers over the limit: the app still waits for the body's end
+            return
         if self.cycle is not None and not self.cycle.response_complete:
             # An earlier request is still being answered: let it finish, then close (as uvicorn's shutdown does).
             self.cycle.keep_alive = False

@@ -14,7 +14,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from service import postprocess
 from service.admission import Deadline
-from service.errors import ServiceError, error_body, openapi_responses
+from service.errors import InvalidParameter, ServiceError, error_body, openapi_responses
 from service.preprocess import PreparedImage, ResizePolicy
 from service.routes.uploads import read_files, run_guarded, upload_within
 from service.schemas import BatchResponse, ClassifyResponse, ErrorResponse, ModelRef, RolloutFormat, Timing
@@ -39,8 +39,12 @@ _RESIZE = Query(description="fit: scale and centre-crop to the trained size; nat
 
 
 class ClassifyParams:
-    def __init__(self, top_k: Annotated[int, _TOP_K] = 5, rollout: Annotated[RolloutFormat, _ROLLOUT] = "grid",
-                 resize: Annotated[ResizePolicy, _RESIZE] = "fit"):
+    def __init__(self, request: Request, top_k: Annotated[int, _TOP_K] = 5,
+                 rollout: Annotated[RolloutFormat, _ROLLOUT] = "grid", resize: Annotated[ResizePolicy, _RESIZE] = "fit"):
+        # A parameter given twice would be read from its last copy, an invalid first one silently ignored.
+        repeated = sorted(name for name in ("top_k", "rollout", "resize") if len(request.query_params.getlist(name)) > 1)
+        if repeated:
+            raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
         self.top_k, self.rollout, self.resize = top_k, rollout, resize
 
 
