@@ -26,21 +26,59 @@ class Deadline:
         return max(0.0, self.at - time.perf_counter())
 
 
+class LoopLag:
+    """How late the event loop runs a timer: its backlog. The HTTP side (parsing, routing, encoding) runs on
+    the loop, so when it is the bottleneck (a fast model) the loop falls behind before the model's queue
+    grows, and every request, refusals included, waits in the socket buffers behind it."""
+
+    def __init__(self, interval_s: float = 0.005):
+        self.interval_s = interval_s
+        self.lag_s = 0.0  # a moving average
+        self._handle: asyncio.TimerHandle | None = None
+
+    def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        due = loop.time() + self.interval_s
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def _tick(self, loop: asyncio.AbstractEventLoop, due: float) -> None:
+        self.lag_s = 0.7 * self.lag_s + 0.3 * max(0.0, loop.time() - due)
+        due = loop.time() + self.interval_s
+        self._handle = loop.call_at(due, self._tick, loop, due)
+
+    def stop(self) -> None:
+        if self._handle:
+            self._handle.cancel()
+
+
 class Admission:
     """Counts admitted requests and refuses one at once when the process is full: `max_in_flight` requests
-    already admitted, or more queued work than the request's deadline allows (`predicted_wait_s` measures the
-    batcher's queue by its observed speed, as BentoML's dispatcher does)."""
+    already admitted, an event loop running more than `max_loop_lag_s` behind, or more queued work than the
+    request's deadline allows (`predicted_wait_s` measures the batcher's queue by its observed speed, as
+    BentoML's dispatcher does)."""
 
-    def __init__(self, max_in_flight: int):
+    def __init__(self, max_in_flight: int, max_loop_lag_s: float | None = None):
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        self.loop_lag = LoopLag()
+        self.max_loop_lag_s = max_loop_lag_s
+
+    def refusal(self, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
+        """Why a request arriving now would be refused, or None."""
+        if self.in_flight >= self.max_in_flight:
+            return Overloaded(f"{self.in_flight} requests in flight, the limit of this process; retry later")
+        if self.max_loop_lag_s is not None and self.loop_lag.lag_s > self.max_loop_lag_s:
+            return Overloaded(f"the server is {self.loop_lag.lag_s * 1000:.0f} ms behind on its connections; "
+                              f"retry later")
+        if predicted_wait_s > timeout_s:
+            return Overloaded(f"the queued work needs about {predicted_wait_s:.1f} s, more than the request's "
+                              f"deadline of {timeout_s:.1f} s; retry later")
+        return None
 
     def enter(self, predicted_wait_s: float, timeout_s: float) -> None:
-        if self.in_flight >= self.max_in_flight:
-            raise Overloaded(f"{self.in_flight} requests in flight, the limit of this process; retry later")
-        if predicted_wait_s > timeout_s:
-            raise Overloaded(f"the queued work needs about {predicted_wait_s:.1f} s, more than the request's "
-                             f"deadline of {timeout_s:.1f} s; retry later")
+        refused = self.refusal(predicted_wait_s, timeout_s)
+        if refused:
+            raise refused
         self.in_flight += 1
 
     def leave(self) -> None:

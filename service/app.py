@@ -28,7 +28,8 @@ async def lifespan(app: FastAPI):
     state: ServiceState = app.state.service
     await state.start()
     try:
-        yield
+        # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
+        yield {"early_refusal": state.early_refusal}
     finally:
         await state.stop()
 

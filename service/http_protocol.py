@@ -177,14 +177,42 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             raise HeadersTooLarge(f"more than {self.limits.max_headers} header fields")
         if not self._head_began_in_read or self._read_bytes > self.limits.max_header_bytes:
             self._check_head_size()  # else the whole head came in one read no longer than the limit
+        refusal = self._overload_refusal()
         self._phase = _BODY
         self._unparsed_in_body = self._trailer_bytes = 0
         self._bytes_came(self._head_timed_out)
-        earlier = self.cycle
-        super().on_headers_complete()
+        earlier, app = self.cycle, self.app
+        if refusal is not None:  # this request runs the refusal instead of the app (uvicorn discards its body)
+            self.app = refusal
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
         if self.cycle is not earlier:  # else the request is upgrading (websockets): no cycle of ours
             self.cycle.__class__ = _BodyTimedCycle
             self.cycle.protocol = self
+
+    def _overload_refusal(self):
+        """Under overload a 429 must cost far less than an answer, or the server cannot even refuse at twice its
+        capacity: ask the app's admission (lifespan state `early_refusal`) from the request line alone and, if
+        it refuses, an ASGI app that only sends the 429 (no routing, dependencies or middleware). The
+        connection stays open: uvicorn discards the unread body, as for any early answer."""
+        early_refusal = self.app_state.get("early_refusal")
+        if early_refusal is None or (self.cycle is not None and not self.cycle.response_complete):
+            return None
+        refused = early_refusal(self.parser.get_method(), self.url.split(b"?", 1)[0].decode("latin-1"))
+        if refused is None:
+            return None
+        error, retry_after_s = refused
+        body = json.dumps(error_body(error.code, str(error))).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
+                   (b"retry-after", b"%d" % retry_after_s)]
+
+        async def refuse(scope, receive, send) -> None:
+            await send({"type": "http.response.start", "status": status_code(error), "headers": headers})
+            await send({"type": "http.response.body", "body": body})
+
+        return refuse
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)

@@ -59,6 +59,9 @@ class Settings(BaseSettings):
     # admission: decided before a request's body is read
     max_requests_in_flight: int = Field(64, ge=1, description="inference requests admitted at once per process; "
                                                               "more get 429 at once")
+    max_loop_lag_ms: float | None = Field(20.0, ge=0, description="refuse new inference requests while the event "
+                                                                  "loop runs this far behind (its backlog); unset: "
+                                                                  "never on this ground")
     max_pixels_in_flight: int = Field(100_000_000, ge=1, description="decoded pixels held by admitted requests at "
                                                                      "once; a request waits for its share")
     large_image_pixels: int = Field(4_000_000, ge=1, description="images with more pixels decode on their own "

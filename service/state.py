@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import signal
 import threading
@@ -25,7 +26,7 @@ from fastapi import Request
 
 from service.admission import Admission, PixelBudget
 from service.batcher import DynamicBatcher
-from service.errors import InferenceError, ModelLoadError, NotReady
+from service.errors import InferenceError, ModelLoadError, NotReady, ServiceError
 from service.metrics import ServiceMetrics, mark_process_dead
 from service.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from service.runtime import InferenceModel, OnnxModel, warm_up
@@ -63,7 +64,9 @@ class ServiceState:
         self.metrics.set_model(info.name, info.version, self.model.provider, info.opset)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
-        self.admission, self.pixels = Admission(s.max_requests_in_flight), PixelBudget(s.max_pixels_in_flight)
+        self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None)
+        self.admission.loop_lag.start()
+        self.pixels = PixelBudget(s.max_pixels_in_flight)
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
@@ -117,6 +120,8 @@ class ServiceState:
         self.metrics.set_ready(False)
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
+        if self.admission:
+            self.admission.loop_lag.stop()
         if self._warmup and not self._warmup.done():
             self._warmup.cancel()
         if self.batcher:
@@ -153,6 +158,23 @@ class ServiceState:
         job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self.pixels.release, reserved))
         return await asyncio.wrap_future(job)
 
+    def early_refusal(self, method: bytes, path: str) -> tuple[ServiceError, int] | None:
+        """For the connection (service/http_protocol.py), from the request line alone: the error and Retry-After
+        seconds of an inference request that admission would refuse now, or None. Under overload a refusal
+        must cost far less than an answer, so it skips the app (routing, dependencies, middleware) entirely;
+        it is counted here as the app would count it."""
+        route = inference_route(method, path)
+        if route is None or not self.ready:
+            return None
+        predicted = self.batcher.predicted_wait_s()
+        refused = self.admission.refusal(predicted, self.settings.request_timeout_s)
+        if refused is None:
+            return None
+        self.metrics.rejected_request(refused.code)
+        self.metrics.request_started()
+        self.metrics.request_done(route, 429, 0.0)
+        return refused, max(self.settings.retry_after_s, math.ceil(predicted))
+
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))
 
@@ -166,6 +188,17 @@ def _timed(function, *args, **kwargs):
 def get_state(request: Request) -> ServiceState:
     """Dependency: the serving state, whether or not it is ready (health and metadata routes)."""
     return request.app.state.service
+
+
+# The inference routes (the ones admission guards), as the connection sees them: method, path -> route template.
+def inference_route(method: bytes, path: str) -> str | None:
+    if method != b"POST":
+        return None
+    if path in ("/v1/classify", "/v1/classify/batch"):
+        return path
+    if path.startswith("/v2/models/") and path.endswith("/infer"):
+        return "/v2/models/{name}/infer"
+    return None
 
 
 def get_ready_state(request: Request) -> ServiceState:

@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import json
 import os
+import select
 import signal
 import socket
 import struct
@@ -14,7 +16,7 @@ import time
 import zlib
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import httpx
 import numpy as np
@@ -197,3 +199,74 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+
+
+class Answer(NamedTuple):
+    """One HTTP response as read off a raw socket."""
+
+    status: int
+    headers: dict[str, str]
+    body: bytes
+
+    def error_code(self) -> str:
+        """The JSON error's code, after checking the error's shape."""
+        assert self.headers["content-type"] == "application/json"
+        error = json.loads(self.body)["error"]
+        assert set(error) == {"code", "message"} and error["message"]
+        return error["code"]
+
+
+class RawConnection:
+    """One HTTP/1.1 connection over a plain socket: for what an HTTP client library will not send."""
+
+    def __init__(self, port: int, timeout_s: float = PATIENCE_S):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+        self.buffer = b""
+
+    def __enter__(self) -> "RawConnection":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.sock.close()
+
+    def send(self, data: bytes) -> bool:
+        """False when the server has closed the connection already."""
+        try:
+            self.sock.sendall(data)
+            return True
+        except (BrokenPipeError, ConnectionResetError):
+            return False
+
+    def hang_up(self, reset: bool) -> None:
+        """Close: with FIN, or with RST (SO_LINGER 0), as a killed client's kernel may."""
+        if reset:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.sock.close()
+
+    def answered(self, within_s: float = 0.0) -> bool:
+        """Whether the server has sent something, or closed, within `within_s`."""
+        return bool(self.buffer) or bool(select.select([self.sock], [], [], within_s)[0])
+
+    def _read(self) -> bool:
+        try:
+            chunk = self.sock.recv(65536)
+        except ConnectionResetError:  # the server closed with our bytes unread: what it sent was read first
+            chunk = b""
+        self.buffer += chunk
+        return bool(chunk)
+
+    def response(self) -> Answer:
+        while b"\r\n\r\n" not in self.buffer:
+            assert self._read(), f"closed without a response (got {self.buffer!r})"
+        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
+        status_line, *lines = head.decode("latin-1").split("\r\n")
+        headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
+        length = int(headers.get("content-length", 0))
+        while len(self.buffer) < length:
+            assert self._read(), "closed in the middle of a response body"
+        body, self.buffer = self.buffer[:length], self.buffer[length:]
+        return Answer(int(status_line.split()[1]), headers, body)
+
+    def closed(self) -> bool:
+        """Waits for the server to close the connection; False if it sends anything else."""
+        return not self.buffer and not self._read()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -185,3 +186,15 @@ async def test_a_burst_of_large_inputs_does_not_starve_a_small_one():
     assert order == [256, 16, 256, 256, 256, 256, 256]
     assert batcher.predicted_wait_s() == 0.0 and batcher.predicted_wait_s(100) > 0  # measured, nothing queued
     await batcher.close()
+
+
+async def test_a_loop_running_behind_refuses_new_requests():
+    admission = Admission(max_in_flight=10, max_loop_lag_s=0.02)
+    admission.loop_lag.start()
+    try:
+        assert admission.refusal(0.0, 10.0) is None
+        time.sleep(0.1)  # the loop is blocked: its timer fires at least this late
+        await until(lambda: admission.loop_lag.lag_s > 0.02, "the lag measured")
+        assert "ms behind on its connections" in str(admission.refusal(0.0, 10.0))
+    finally:
+        admission.loop_lag.stop()

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import select
-import socket
 import struct
 import threading
 import time
@@ -27,7 +25,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service_fixtures import PATIENCE_S, image_bytes, png_declaring, scrape, uvicorn_server, value, wait_until
+from service_fixtures import (PATIENCE_S, RawConnection, image_bytes, png_declaring, scrape, uvicorn_server, value,
+                              wait_until)
 
 UPLOAD_LIMIT = 200_000
 PIXEL_LIMIT = 4_000_000
@@ -237,62 +236,6 @@ def send(server: Server, request: Request) -> Reply:
         response = client.request(request.method, server.url + request.path.format(model=server.model),
                                   headers=dict(request.headers), content=content)
     return Reply(response.status_code, dict(response.headers), response.content, time.monotonic() - started)
-
-
-class RawConnection:
-    """One HTTP/1.1 connection over a plain socket."""
-
-    def __init__(self, port: int, timeout_s: float = ANSWER_BOUND_S + LATE_S):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
-        self.buffer = b""
-
-    def __enter__(self) -> RawConnection:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> bool:
-        """False when the server has closed the connection already."""
-        try:
-            self.sock.sendall(data)
-            return True
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-
-    def hang_up(self, reset: bool) -> None:
-        """Close: with FIN, or with RST (SO_LINGER 0), as a killed client's kernel may."""
-        if reset:
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        self.sock.close()
-
-    def answered(self, within_s: float = 0.0) -> bool:
-        """Whether the server has sent something, or closed, within `within_s`."""
-        return bool(self.buffer) or bool(select.select([self.sock], [], [], within_s)[0])
-
-    def _read(self) -> bool:
-        try:
-            chunk = self.sock.recv(65536)
-        except ConnectionResetError:
-            chunk = b""
-        self.buffer += chunk
-        return bool(chunk)
-
-    def response(self) -> tuple[int, dict[str, str], bytes]:
-        while b"\r\n\r\n" not in self.buffer:
-            assert self._read(), f"closed without a response (got {self.buffer!r})"
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
-        length = int(headers.get("content-length", 0))
-        while len(self.buffer) < length:
-            assert self._read(), "closed in the middle of a response body"
-        body, self.buffer = self.buffer[:length], self.buffer[length:]
-        return int(status_line.split()[1]), headers, body
-
-    def closed(self) -> bool:
-        """Waits for the server to close the connection; False if it sends anything else."""
-        return not self.buffer and not self._read()
 
 
 def raw_exchange(port: int, data: bytes) -> tuple[int, dict[str, str], bytes]:

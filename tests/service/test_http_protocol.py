@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import pickle
-import select
 import socket
 import subprocess
 import sys
@@ -17,7 +16,6 @@ import textwrap
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
 
 import pytest
 import uvicorn
@@ -27,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from service.http_protocol import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
 from service.settings import Settings
-from service_fixtures import PATIENCE_S, REPO, free_port, wait_until
+from service_fixtures import PATIENCE_S, REPO, RawConnection, free_port, wait_until
 
 LIMITS = HttpLimits(max_header_bytes=16 * 1024, max_headers=100, header_timeout_s=1.0, body_timeout_s=1.0)
 KEEP_ALIVE_S = 1
@@ -85,69 +83,6 @@ def served():
         yield port, app
 
 
-@dataclass
-class Answer:
-    status: int
-    headers: dict[str, str]
-    body: bytes
-
-    def error_code(self) -> str:
-        assert self.headers["content-type"] == "application/json"
-        error = json.loads(self.body)["error"]
-        assert set(error) == {"code", "message"} and error["message"]
-        return error["code"]
-
-
-class RawClient:
-    """One HTTP/1.1 connection over a plain socket."""
-
-    def __init__(self, port: int):
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=PATIENCE_S)
-        self.buffer = b""
-
-    def __enter__(self) -> RawClient:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.sock.close()
-
-    def send(self, data: bytes) -> bool:
-        """False when the server has already closed the connection."""
-        try:
-            self.sock.sendall(data)
-            return True
-        except (BrokenPipeError, ConnectionResetError):
-            return False
-
-    def answered(self, within_s: float) -> bool:
-        """Whether the server has sent something (or closed) within `within_s`."""
-        return bool(self.buffer) or bool(select.select([self.sock], [], [], within_s)[0])
-
-    def _read(self) -> bool:
-        try:
-            chunk = self.sock.recv(65536)
-        except ConnectionResetError:  # the server closed with our bytes unread: what it sent was read first
-            chunk = b""
-        self.buffer += chunk
-        return bool(chunk)
-
-    def response(self) -> Answer:
-        while b"\r\n\r\n" not in self.buffer:
-            assert self._read(), f"closed without a response (got {self.buffer!r})"
-        head, self.buffer = self.buffer.split(b"\r\n\r\n", 1)
-        status_line, *lines = head.decode("latin-1").split("\r\n")
-        headers = {name.strip().lower(): value.strip() for name, value in (line.split(":", 1) for line in lines)}
-        length = int(headers.get("content-length", 0))
-        while len(self.buffer) < length:
-            assert self._read(), "closed in the middle of a response body"
-        body, self.buffer = self.buffer[:length], self.buffer[length:]
-        return Answer(int(status_line.split()[1]), headers, body)
-
-    def closed(self) -> bool:
-        """Waits for the server to close the connection; False if it sends anything else."""
-        return not self.buffer and not self._read()
-
-
 def get(path: str = "/", *headers: bytes) -> bytes:
     return b"GET " + path.encode() + b" HTTP/1.1\r\nHost: test\r\n" + b"".join(h + b"\r\n" for h in headers) + b"\r\n"
 
@@ -156,7 +91,7 @@ def post_head(path: str, length: int) -> bytes:
     return f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Length: {length}\r\n\r\n".encode()
 
 
-def assert_refused(client: RawClient, status: int, code: str) -> None:
+def assert_refused(client: RawConnection, status: int, code: str) -> None:
     answer = client.response()
     assert (answer.status, answer.error_code()) == (status, code)
     assert answer.headers["connection"] == "close"
@@ -167,7 +102,7 @@ def assert_refused(client: RawClient, status: int, code: str) -> None:
 
 def test_a_head_within_the_limits_is_served(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(get("/", b"X-Big: " + b"a" * 15_000, *(b"X-%d: 1" % i for i in range(98))))  # 100 fields
         answer = client.response()
     assert (answer.status, json.loads(answer.body)) == (200, {"hello": "world"})
@@ -175,21 +110,21 @@ def test_a_head_within_the_limits_is_served(served):
 
 def test_a_20_kb_header_gets_431_and_the_connection_closes(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(get("/", b"X-Big: " + b"a" * 20_000))
         assert_refused(client, 431, "headers_too_large")
 
 
 def test_more_header_fields_than_the_limit_get_431(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(get("/", *(b"X-%d: 1" % i for i in range(100))))  # with Host: 101
         assert_refused(client, 431, "headers_too_large")
 
 
 def test_a_20_kb_request_line_gets_414(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(get("/" + "a" * 20_000))
         assert_refused(client, 414, "uri_too_long")
 
@@ -197,7 +132,7 @@ def test_a_20_kb_request_line_gets_414(served):
 def test_a_header_that_never_ends_is_refused_once_past_the_limit():
     """httptools buffers a header until it ends: the bytes are counted as they arrive, read after read."""
     sent, piece, most = 0, b"a" * 8192, 256 * 1024
-    with uvicorn_in_thread(make_app(), HttpLimits(header_timeout_s=60)) as (port, _), RawClient(port) as client:
+    with uvicorn_in_thread(make_app(), HttpLimits(header_timeout_s=60)) as (port, _), RawConnection(port) as client:
         client.send(b"GET / HTTP/1.1\r\nHost: test\r\nX-Endless: ")
         while sent < most and not client.answered(0.2):  # a pause per piece: the server reads them one by one
             client.send(piece)
@@ -211,7 +146,7 @@ def test_a_header_that_never_ends_is_refused_once_past_the_limit():
 def test_a_silent_connection_gets_408_after_the_header_timeout(served):
     port, _ = served
     start = time.monotonic()
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         assert_refused(client, 408, "request_timeout")
     assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - start < LIMITS.header_timeout_s + LATE_S
 
@@ -221,7 +156,7 @@ def test_a_trickled_head_gets_408_after_the_header_timeout(served):
     port, _ = served
     head = get("/")
     start = time.monotonic()
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         for i in range(len(head)):
             if client.answered(0.4) or not client.send(head[i:i + 1]):
                 break
@@ -232,7 +167,7 @@ def test_a_trickled_head_gets_408_after_the_header_timeout(served):
 def test_a_stalled_body_gets_408_and_the_app_sees_a_disconnect(served):
     port, app = served
     disconnects = app.state.disconnects
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/echo", 100) + b"x" * 10)
         stalled = time.monotonic()
         assert_refused(client, 408, "request_timeout")
@@ -243,7 +178,7 @@ def test_a_stalled_body_gets_408_and_the_app_sees_a_disconnect(served):
 def test_a_body_in_pieces_closer_than_the_body_timeout_is_read_whole(served):
     """The body timeout is a gap between pieces, not a deadline for the whole body."""
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/echo", 6))
         for _ in range(6):  # 6 x 0.25 s: longer than the timeout in all, never one gap as long
             time.sleep(LIMITS.body_timeout_s / 4)
@@ -257,7 +192,7 @@ def test_the_body_timeout_runs_only_while_the_app_waits_for_the_body(served):
     timeout: the client, held back, is not the slow one."""
     port, _ = served
     body = b"x" * 2**20
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head(f"/echo?wait_s={2 * LIMITS.body_timeout_s}", len(body)) + body)
         answer = client.response()
     assert (answer.status, json.loads(answer.body)) == (200, {"bytes": len(body)})
@@ -267,7 +202,7 @@ def test_the_rest_of_a_body_answered_early_has_the_body_timeout_too(served):
     """The app answered from the headers; uvicorn discards the body as it comes (each piece cancels its
     keep-alive timer), and a client that stops sending it is disconnected (the answer is out: no 408)."""
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/refuse", 100_000) + b"x" * 10)
         assert client.response().status == 413
         for _ in range(3):
@@ -280,7 +215,7 @@ def test_the_rest_of_a_body_answered_early_has_the_body_timeout_too(served):
 
 def test_a_connection_idle_after_a_discarded_body_meets_the_keep_alive_timeout(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/refuse", 10))
         assert client.response().status == 413
         client.send(b"x" * 10)  # the body, after the answer: discarded
@@ -293,7 +228,7 @@ def test_a_connection_idle_after_a_discarded_body_meets_the_keep_alive_timeout(s
 
 def test_keep_alive_requests_share_one_connection(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         for i in range(5):
             client.send(get("/") if i % 2 else post_head("/echo", i) + b"x" * i)
             answer = client.response()
@@ -304,7 +239,7 @@ def test_keep_alive_requests_share_one_connection(served):
 
 def test_pipelined_requests_are_answered_in_order(served):
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/echo?wait_s=0.2", 3) + b"abc" + get("/") + post_head("/echo", 2) + b"de")
         answers = [client.response() for _ in range(3)]
     assert [(a.status, json.loads(a.body)) for a in answers] == [
@@ -315,7 +250,7 @@ def test_a_head_trickled_behind_a_running_request_times_out_after_its_answer(ser
     """The head's clock starts over while an earlier request is being answered (uvicorn reads no further
     meanwhile); the earlier answer comes whole, then the 408."""
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head(f"/echo?wait_s={1.5 * LIMITS.header_timeout_s}", 1) + b"x" + b"GET / HTTP/1.1\r\nHo")
         first = client.response()
         assert (first.status, json.loads(first.body)) == (200, {"bytes": 1})
@@ -326,7 +261,7 @@ def test_an_oversized_head_behind_a_running_request_closes_after_its_answer(serv
     """No 431 in the middle of an earlier answer: that answer finishes, says Connection: close, and the
     connection closes."""
     port, _ = served
-    with RawClient(port) as client:
+    with RawConnection(port) as client:
         client.send(post_head("/echo?wait_s=0.5", 1) + b"x" + get("/", b"X-Big: " + b"a" * 20_000))
         first = client.response()
         assert (first.status, first.headers["connection"], json.loads(first.body)) == (200, "close", {"bytes": 1})
@@ -338,7 +273,7 @@ def test_trickling_clients_do_not_slow_a_normal_request():
     request on a new connection is answered in far less than a second, however many of them."""
     patient = HttpLimits(header_timeout_s=60, body_timeout_s=60)
     with uvicorn_in_thread(make_app(), patient) as (port, server), ExitStack() as stack:
-        tricklers = [stack.enter_context(RawClient(port)) for _ in range(50)]
+        tricklers = [stack.enter_context(RawConnection(port)) for _ in range(50)]
         for i, client in enumerate(tricklers):
             client.send(b"GET / HTTP/1.1\r\nHost: test\r\nX-Slow: " if i % 2 else post_head("/echo", 1000))
         stop = threading.Event()
@@ -354,7 +289,7 @@ def test_trickling_clients_do_not_slow_a_normal_request():
             wait_until(lambda: len(server.server_state.connections) >= 50, "50 trickling connections open")
             for _ in range(5):
                 start = time.monotonic()
-                with RawClient(port) as client:
+                with RawConnection(port) as client:
                     client.send(get("/"))
                     assert client.response().status == 200
                 assert time.monotonic() - start < 1.0
@@ -396,7 +331,7 @@ def test_two_worker_processes_enforce_the_limits(tmp_path):
     def serving() -> bool:
         assert process.poll() is None, process.stdout.read().decode()
         try:
-            with RawClient(port) as client:
+            with RawConnection(port) as client:
                 client.send(get("/"))
                 return client.response().status == 200
         except OSError:
@@ -404,9 +339,43 @@ def test_two_worker_processes_enforce_the_limits(tmp_path):
 
     try:
         wait_until(serving, "two uvicorn workers serving")
-        with RawClient(port) as client:
+        with RawConnection(port) as client:
             client.send(get("/", b"X-Big: " + b"a" * 5000))
             assert_refused(client, 431, "headers_too_large")
     finally:
         process.terminate()
         process.wait(PATIENCE_S)
+
+
+def test_overload_is_refused_from_the_request_line_without_the_app_and_the_connection_stays_open():
+    """The app's admission (lifespan state `early_refusal`) refuses from the request line alone; the refusal is
+    answered without routing to the app, the unread body is discarded and the connection serves on."""
+    from contextlib import asynccontextmanager
+
+    from service.errors import Overloaded
+
+    overloaded, asked = threading.Event(), []
+
+    def early_refusal(method: bytes, path: str):
+        asked.append((method, path))
+        return (Overloaded("busy"), 7) if overloaded.is_set() and path == "/echo" else None
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield {"early_refusal": early_refusal}
+
+    app = make_app()
+    app.router.lifespan_context = lifespan
+    calls = []
+    app.middleware("http")(lambda request, call_next: calls.append(request.url.path) or call_next(request))
+    with uvicorn_in_thread(app, LIMITS) as (port, _), RawConnection(port) as client:
+        overloaded.set()
+        client.send(post_head("/echo?x=1", 5) + b"hello")
+        refused = client.response()
+        assert refused.status == 429 and refused.error_code() == "overloaded"
+        assert refused.headers["retry-after"] == "7" and refused.headers.get("connection") != "close"
+        overloaded.clear()
+        client.send(post_head("/echo", 5) + b"hello")  # the same connection
+        answer = client.response()
+        assert answer.status == 200 and json.loads(answer.body) == {"bytes": 5}
+    assert asked == [(b"POST", "/echo"), (b"POST", "/echo")] and calls == ["/echo"]
