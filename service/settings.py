@@ -59,6 +59,10 @@ class Settings(BaseSettings):
     # admission: decided before a request's body is read
     max_requests_in_flight: int = Field(64, ge=1, description="inference requests admitted at once per process; "
                                                               "more get 429 at once")
+    max_queue_wait_ms: float | None = Field(None, gt=0, description="refuse new inference requests when the queued "
+                                                                    "work would take longer than this: a latency "
+                                                                    "objective tighter than the deadline (fewer "
+                                                                    "admitted, each faster); unset: the deadline")
     max_loop_lag_ms: float | None = Field(20.0, ge=0, description="refuse new inference requests while the event "
                                                                   "loop runs this far behind (its backlog); unset: "
                                                                   "never on this ground")
@@ -114,3 +118,9 @@ class Settings(BaseSettings):
     @property
     def request_timeout_s(self) -> float:
         return self.request_timeout_ms / 1000
+
+    @property
+    def queue_wait_limit_s(self) -> float:
+        """The longest predicted wait in the batch queue admission accepts."""
+        limit = self.request_timeout_s
+        return min(limit, self.max_queue_wait_ms / 1000) if self.max_queue_wait_ms else limit

@@ -24,7 +24,7 @@ from functools import partial
 import numpy as np
 from fastapi import Request
 
-from service.admission import Admission, PixelBudget
+from service.admission import Admission, PixelBudget, return_large_frees_to_the_os
 from service.batcher import DynamicBatcher
 from service.errors import InferenceError, ModelLoadError, NotReady, ServiceError
 from service.metrics import ServiceMetrics, mark_process_dead
@@ -67,6 +67,7 @@ class ServiceState:
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None)
         self.admission.loop_lag.start()
         self.pixels = PixelBudget(s.max_pixels_in_flight)
+        return_large_frees_to_the_os()
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
@@ -167,7 +168,7 @@ class ServiceState:
         if route is None or not self.ready:
             return None
         predicted = self.batcher.predicted_wait_s()
-        refused = self.admission.refusal(predicted, self.settings.request_timeout_s)
+        refused = self.admission.refusal(predicted, self.settings.queue_wait_limit_s)
         if refused is None:
             return None
         self.metrics.rejected_request(refused.code)
@@ -213,7 +214,7 @@ async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
     """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
     otherwise, before its body is read); it counts as in flight until its route returns."""
     state = get_ready_state(request)
-    state.admission.enter(state.batcher.predicted_wait_s(), state.settings.request_timeout_s)
+    state.admission.enter(state.batcher.predicted_wait_s(), state.settings.queue_wait_limit_s)
     try:
         yield state
     finally:

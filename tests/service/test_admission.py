@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.admission import Admission, Deadline, PixelBudget
+from service.admission import Admission, Deadline, PixelBudget, return_large_frees_to_the_os
 from service.batcher import DynamicBatcher
 from service.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from service.routes.uploads import read_raw_body, run_guarded
+from service.settings import Settings
 from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
                               until)
 
@@ -27,9 +28,15 @@ def test_admission_caps_requests_in_flight_and_predicted_wait():
     with pytest.raises(Overloaded, match="2 requests in flight"):
         admission.enter(0.0, 10.0)
     admission.leave()
-    with pytest.raises(Overloaded, match="about 12.0 s, more than the request's deadline of 10.0 s"):
+    with pytest.raises(Overloaded, match=r"about 12.00 s, more than this server waits \(10.00 s\)"):
         admission.enter(12.0, 10.0)
     assert admission.in_flight == 1
+
+
+def test_the_queue_wait_admission_accepts_is_the_deadline_or_a_tighter_objective():
+    assert Settings(request_timeout_ms=10_000).queue_wait_limit_s == 10.0
+    assert Settings(request_timeout_ms=10_000, max_queue_wait_ms=300).queue_wait_limit_s == 0.3
+    assert Settings(request_timeout_ms=200, max_queue_wait_ms=300).queue_wait_limit_s == 0.2
 
 
 async def test_pixel_budget_makes_a_request_wait_until_its_pixels_fit():
@@ -198,3 +205,8 @@ async def test_a_loop_running_behind_refuses_new_requests():
         assert "ms behind on its connections" in str(admission.refusal(0.0, 10.0))
     finally:
         admission.loop_lag.stop()
+
+
+def test_large_frees_go_back_to_the_os_on_glibc():
+    import platform
+    assert return_large_frees_to_the_os() == (platform.libc_ver()[0] == "glibc")
