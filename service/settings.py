@@ -50,7 +50,7 @@ class Settings(BaseSettings):
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
     dispatch_when_idle: bool = Field(True, description="with no batch in flight, run a request at once instead of "
                                                        "waiting max_queue_delay_ms for company")
-    request_timeout_ms: float = Field(10_000, gt=0, description="deadline of a whole request from its first byte: "
+    request_timeout_ms: float = Field(10_000, gt=0, description="deadline of a whole request from its headers: "
                                                                 "upload, decode, queue, inference, rendering")
     retry_after_s: int = Field(1, ge=0)
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may finish "

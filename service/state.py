@@ -110,6 +110,8 @@ class ServiceState:
         except Exception:  # stay not-ready: the readiness probe fails and the orchestrator restarts us
             log.exception("warm-up failed; the service stays not ready")
             return
+        if self.draining:  # a SIGTERM came during the warm-up: stay not ready
+            return
         self.ready = True
         self.metrics.set_ready(True)
         log.info("ready: %s %s on %s, warmed up at batch sizes %s in %.2f s", self.model.info.name,

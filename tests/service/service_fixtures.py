@@ -271,3 +271,22 @@ class RawConnection:
     def closed(self) -> bool:
         """Waits for the server to close the connection; False if it sends anything else."""
         return not self.buffer and not self._read()
+
+
+@contextmanager
+def trickling(connections: list[RawConnection], piece: bytes, every_s: float = 0.2):
+    """While the block runs, a thread sends `piece` on every connection every `every_s`: slow clients."""
+    stop = threading.Event()
+
+    def trickle():
+        while not stop.wait(every_s):
+            for connection in connections:
+                connection.send(piece)
+
+    thread = threading.Thread(target=trickle, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join(PATIENCE_S)

@@ -25,8 +25,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service_fixtures import (PATIENCE_S, RawConnection, image_bytes, png_declaring, scrape, uvicorn_server, value,
-                              wait_until)
+from service_fixtures import (PATIENCE_S, RawConnection, image_bytes, png_declaring, scrape, trickling,
+                              uvicorn_server, value, wait_until)
 
 UPLOAD_LIMIT = 200_000
 PIXEL_LIMIT = 4_000_000
@@ -706,25 +706,13 @@ def test_fifty_trickling_uploads_leave_normal_requests_served(server):
         tricklers = [stack.enter_context(RawConnection(server.port)) for _ in range(TRICKLERS)]
         for client in tricklers:
             client.send(classify_head(body_length) + GOOD_PNG[:8])
-        stop = threading.Event()
-
-        def trickle():
-            while not stop.wait(0.2):
-                for client in tricklers:
-                    client.send(b"\0")
-
-        thread = threading.Thread(target=trickle, daemon=True)
-        thread.start()
-        try:
+        with trickling(tricklers, b"\0"):
             wait_until(lambda: value(scrape(server.url), "vitserve_requests_in_flight") >= TRICKLERS + 1,
                        f"{TRICKLERS} trickling uploads admitted")
             for _ in range(5):
                 started = time.monotonic()
                 good_classify(server)
                 assert time.monotonic() - started < ANSWER_BOUND_S
-        finally:
-            stop.set()
-            thread.join(PATIENCE_S)
         for client in tricklers:  # still uploading, or (a slow machine) past the request's deadline
             if client.answered():
                 assert_refused_and_closed(client, 408, "request_timeout")

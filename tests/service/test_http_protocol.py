@@ -25,7 +25,7 @@ from starlette.requests import ClientDisconnect
 
 from service.http_protocol import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
 from service.settings import Settings
-from service_fixtures import PATIENCE_S, REPO, RawConnection, free_port, wait_until
+from service_fixtures import PATIENCE_S, REPO, RawConnection, free_port, trickling, wait_until
 
 LIMITS = HttpLimits(max_header_bytes=16 * 1024, max_headers=100, header_timeout_s=1.0, body_timeout_s=1.0)
 KEEP_ALIVE_S = 1
@@ -276,16 +276,7 @@ def test_trickling_clients_do_not_slow_a_normal_request():
         tricklers = [stack.enter_context(RawConnection(port)) for _ in range(50)]
         for i, client in enumerate(tricklers):
             client.send(b"GET / HTTP/1.1\r\nHost: test\r\nX-Slow: " if i % 2 else post_head("/echo", 1000))
-        stop = threading.Event()
-
-        def trickle():
-            while not stop.wait(0.2):
-                for client in tricklers:
-                    client.send(b"a")
-
-        thread = threading.Thread(target=trickle, daemon=True)
-        thread.start()
-        try:
+        with trickling(tricklers, b"a"):
             wait_until(lambda: len(server.server_state.connections) >= 50, "50 trickling connections open")
             for _ in range(5):
                 start = time.monotonic()
@@ -294,9 +285,6 @@ def test_trickling_clients_do_not_slow_a_normal_request():
                     assert client.response().status == 200
                 assert time.monotonic() - start < 1.0
             assert len(server.server_state.connections) >= 50  # the tricklers are all still there
-        finally:
-            stop.set()
-            thread.join(PATIENCE_S)
 
 
 # wiring
