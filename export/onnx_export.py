@@ -108,15 +108,19 @@ def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str) 
 
 
 def strip_debug_metadata(proto: onnx.ModelProto) -> None:
-    """Drop the exporter's per-node and per-value debugging metadata (Python stack traces with this machine's
-    absolute paths, FX node dumps): the same checkpoint must give the same bytes on every machine."""
+    """Drop the exporter's debugging metadata: per node and value (Python stack traces with this machine's
+    absolute paths, FX node dumps) and per graph (the ExportedProgram's signature and range constraints, a set
+    printed in hash order, so it changes with PYTHONHASHSEED): the same checkpoint must give the same bytes on
+    every machine and in every process. The model's own metadata_props (vitserve.*) are untouched."""
     def strip_graph(graph: onnx.GraphProto) -> None:
+        del graph.metadata_props[:]
         for value in [*graph.input, *graph.output, *graph.value_info, *graph.initializer]:
             del value.metadata_props[:]
         for node in graph.node:
             del node.metadata_props[:]
-            for attribute in node.attribute:
-                for subgraph in [attribute.g, *attribute.graphs]:
+            for attribute in node.attribute:  # only real subgraphs: touching an unset `g` would set it
+                subgraphs = [attribute.g] if attribute.type == onnx.AttributeProto.GRAPH else []
+                for subgraph in [*subgraphs, *attribute.graphs]:
                     strip_graph(subgraph)
 
     strip_graph(proto.graph)
