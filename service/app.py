@@ -4,7 +4,6 @@ batcher, the thread pool) is made in the lifespan and reached through `service.s
 from __future__ import annotations
 
 import logging
-import math
 import time
 from contextlib import asynccontextmanager
 
@@ -68,7 +67,7 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         status = status_code(exc)
-        return respond(status, exc.code, str(exc), error_headers(status, retry_after(request.app.state.service)))
+        return respond(status, exc.code, str(exc), error_headers(status, request.app.state.service.retry_after_s()))
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -84,12 +83,6 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return respond(500, "internal_error", "internal server error", error_headers(500, 0))
-
-
-def retry_after(state: ServiceState) -> int:
-    """Seconds a refused client should wait: the time the queued work needs to run (at least the setting)."""
-    predicted = state.batcher.predicted_wait_s() if state.batcher else 0.0
-    return max(state.settings.retry_after_s, math.ceil(predicted))
 
 
 class RequestMetricsMiddleware:

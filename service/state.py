@@ -176,7 +176,12 @@ class ServiceState:
         self.metrics.rejected_request(refused.code)
         self.metrics.request_started()
         self.metrics.request_done(route, 429, 0.0)
-        return refused, max(self.settings.retry_after_s, math.ceil(predicted))
+        return refused, self.retry_after_s()
+
+    def retry_after_s(self) -> int:
+        """Seconds a refused client should wait: the time the queued work needs to run (at least the setting)."""
+        predicted = self.batcher.predicted_wait_s() if self.batcher else 0.0
+        return max(self.settings.retry_after_s, math.ceil(predicted))
 
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))
