@@ -1,8 +1,8 @@
 """`vitserve bench`: flags onto `bench.config.BenchConfig`, whose field defaults are the only defaults (a flag
 left out keeps its field's default, or `--quick`'s). `--mode overload|hol|soak` runs a reliability mode instead,
-its flags onto `bench.reliability.ReliabilityConfig` the same way. Only the standard library, bench.config,
-bench.presets and bench.reliability load here, since `vitserve` imports this module for every command; the
-measuring modules load when one runs.
+its flags onto `bench.reliability.ReliabilityConfig` the same way, and `--mode oip` onto `bench.oip.OipConfig`.
+Only the standard library, bench.config, bench.presets and bench.reliability load here, since `vitserve` imports
+this module for every command; the measuring modules (bench.oip among them) load when one runs.
 """
 from __future__ import annotations
 
@@ -41,10 +41,11 @@ def add_bench_parser(subparsers) -> None:
                     "load (batching on and off, pre-sized PNGs and 640x480 JPEGs), and for fast models a bare "
                     "FastAPI endpoint; writes a Markdown table, its JSON and a latency/throughput plot. "
                     "--mode overload|hol|soak measures how the server holds up instead (docs/reliability.md).")
-    p.add_argument("--mode", choices=("throughput", *MODES), default="throughput",
+    p.add_argument("--mode", choices=("throughput", *MODES, "oip"), default="throughput",
                    help="throughput (default): raw vs served; overload: an open loop at twice the measured "
                         "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
-                        "for minutes, memory and file descriptors")
+                        "for minutes, memory and file descriptors; oip: the Open Inference Protocol's request "
+                        "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side")
     d = BenchConfig()  # for the help text only: a flag not given stays None, and the field's default holds
     p.add_argument("--model", metavar="MODEL", help=f"an ONNX artifact, or a preset made on first use with random "
                                                     f"weights (needs torch): {', '.join(PRESETS)} (default {d.model})")
@@ -69,6 +70,13 @@ def add_bench_parser(subparsers) -> None:
     _add_timing_and_paths(p, d)
     _add_reliability_flags(p.add_argument_group("overload, hol and soak (--mode); --model, --out, --set, "
                                                 "--cache-dir and --log-dir apply too"))
+    g = p.add_argument_group(
+        "oip (--mode oip)", "--model, --out, --concurrency, --duration, --warmup, --time-limit, --quick, --rounds, "
+                            "--serve-flags, --set, --cache-dir and --log-dir apply, with this mode's own defaults "
+                            "(bench/oip.py: OipConfig): 1, 8 and 32 clients, 3 rounds, 3 s windows, "
+                            "build/bench/oip.md")
+    g.add_argument("--encodings", type=lambda t: t.split(","), metavar="NAME,NAME",
+                   help="any of json, binary, image, classify (default: all four)")
     p.set_defaults(func=run_bench_command)
 
 
@@ -140,6 +148,7 @@ def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
 
 _THROUGHPUT_ONLY = ("batch_sizes", "concurrency", "inputs", "max_batch_size", "max_queue_delay_ms", "pairs", "bare",
                     "duration_s", "warmup_s", "raw_duration_s", "time_limit_s")
+_OIP_ONLY = ("encodings",)
 _SHARED = ("model", "out", "cache_dir", "log_dir")
 
 
@@ -149,7 +158,7 @@ def _given(args: argparse.Namespace, names) -> list[str]:
 
 def reliability_config_from_args(args: argparse.Namespace) -> ReliabilityConfig:
     """ReliabilityConfig's defaults, then the flags given; flags of the throughput mode are refused."""
-    stray = _given(args, _THROUGHPUT_ONLY) + (["quick"] if args.quick else [])
+    stray = _given(args, _THROUGHPUT_ONLY + _OIP_ONLY) + (["quick"] if args.quick else [])
     if stray:
         raise SystemExit(f"vitserve bench: --mode {args.mode} does not use {', '.join(stray)}")
     given = {f.name: getattr(args, f.name) for f in fields(ReliabilityConfig)
@@ -163,6 +172,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     stray = _given(args, [f.name for f in fields(ReliabilityConfig) if f.name not in _SHARED + ("mode",)])
     if stray:
         raise SystemExit(f"vitserve bench: {', '.join(stray)} belong to --mode overload, hol or soak")
+    if _given(args, _OIP_ONLY):
+        raise SystemExit("vitserve bench: encodings belong to --mode oip")
     cfg = BenchConfig(**{**(copy.deepcopy(QUICK) if args.quick else {}), **given})
     bad = set(cfg.inputs) - set(INPUT_KINDS)
     if bad:
@@ -170,7 +181,26 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     return cfg
 
 
+def oip_config_from_args(args: argparse.Namespace):
+    """bench.oip.OipConfig's defaults, then its --quick's, then the flags given; other modes' flags are refused."""
+    from bench.oip import ENCODINGS, OIP_QUICK, OipConfig
+
+    names = {f.name for f in fields(OipConfig)}
+    others = [*_THROUGHPUT_ONLY, *(f.name for f in fields(ReliabilityConfig) if f.name != "mode")]
+    stray = _given(args, [n for n in others if n not in names])
+    if stray:
+        raise SystemExit(f"vitserve bench: --mode oip does not use {', '.join(stray)}")
+    given = {n: getattr(args, n) for n in names if getattr(args, n, None) is not None}
+    cfg = OipConfig(**{**(copy.deepcopy(OIP_QUICK) if args.quick else {}), **given})
+    bad = [e for e in cfg.encodings if e not in ENCODINGS]
+    if bad or not cfg.encodings:
+        raise SystemExit(f"vitserve bench: unknown --encodings {bad}; use some of {', '.join(ENCODINGS)}")
+    return cfg
+
+
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.mode == "oip":
+        return run_oip_command(args)
     if args.mode != "throughput":
         return run_reliability_command(args)
     from bench.report import targets_lines, write_report
@@ -197,4 +227,16 @@ def run_reliability_command(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for r in report["runs"]:
         print("\n".join(overload.target_lines(r.get("targets", []))))
+    return 0
+
+
+def run_oip_command(args: argparse.Namespace) -> int:
+    from bench.oip import render_oip, run_oip, summary_lines
+    from bench.reliability import write_report
+
+    cfg = oip_config_from_args(args)
+    report = run_oip(cfg, dict(args.settings), command=shlex.join(["vitserve", "bench", *sys.argv[2:]]))
+    for path in write_report(report, render_oip(report), cfg.out):
+        print(f"wrote {path}")
+    print("\n".join(summary_lines(report)))
     return 0

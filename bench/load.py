@@ -96,11 +96,14 @@ class HttpConnection:
         self.reader = self.writer = None
 
 
-def encode_request(method: str, target: str, body: bytes = b"", content_type: str | None = None) -> bytes:
-    """A complete HTTP/1.1 request, encoded once so that sending it costs the client nothing more."""
+def encode_request(method: str, target: str, body: bytes = b"", content_type: str | None = None,
+                   headers: dict[str, str] | None = None) -> bytes:
+    """A complete HTTP/1.1 request, encoded once so that sending it costs the client nothing more; `headers` are
+    sent as given, after the Content-Type."""
     head = [f"{method} {target} HTTP/1.1", f"Host: {LOOPBACK}", f"Content-Length: {len(body)}"]
     if content_type:
         head.append(f"Content-Type: {content_type}")
+    head += [f"{name}: {value}" for name, value in (headers or {}).items()]
     return ("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body
 
 
