@@ -6,18 +6,20 @@ from __future__ import annotations
 import logging
 import time
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service.errors import ServiceError, error_body, error_headers, status_code
+from service.errors import ServiceError, error_headers, error_response, status_code
 from service.metrics import ServiceMetrics
 from service.routes import classify, open_inference, operations
 from service.runtime import InferenceModel
 from service.settings import Settings
-from service.state import ServiceState
+from service.state import INFERENCE_ENDPOINTS, ServiceState
 
 log = logging.getLogger("vitserve.app")
 
@@ -47,7 +49,25 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     for router in (classify.router, open_inference.router, operations.router):
         app.include_router(router)
+    app.openapi = partial(openapi_document, app)
     return app
+
+
+def openapi_document(app: FastAPI) -> dict:
+    """FastAPI's document, without the 422 `HTTPValidationError` it adds to every route with a path parameter:
+    a path parameter here is a plain string that cannot fail, and the service never sends that shape (each
+    route declares the errors it really answers, in its protocol's shape)."""
+    if app.openapi_schema is None:
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        for operations in spec["paths"].values():
+            for operation in operations.values():
+                answer = operation["responses"].get("422", {})
+                if "HTTPValidationError" in str(answer):
+                    del operation["responses"]["422"]
+        for unused in ("HTTPValidationError", "ValidationError"):
+            spec.get("components", {}).get("schemas", {}).pop(unused, None)
+        app.openapi_schema = spec
+    return app.openapi_schema
 
 
 def app_from_env() -> FastAPI:
@@ -59,30 +79,33 @@ def app_from_env() -> FastAPI:
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
-    """Every error response in one shape; `service.errors.STATUS_CODES` decides the status."""
-    def respond(status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
+    """Every error response in its protocol's shape (`service.errors.error_response`); `STATUS_CODES` decides
+    the status."""
+    def respond(request: Request, status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
         metrics.rejected_request(code)
-        return JSONResponse(error_body(code, message), status_code=status, headers=headers)
+        status, body = error_response(request.url.path, status, code, message)
+        return JSONResponse(body, status_code=status, headers=headers)
 
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         status = status_code(exc)
-        return respond(status, exc.code, str(exc), error_headers(status, request.app.state.service.retry_after_s()))
+        headers = error_headers(status, request.app.state.service.retry_after_s())
+        return respond(request, status, exc.code, str(exc), headers)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return respond(422, "invalid_parameter", problems)
+        return respond(request, 422, "invalid_parameter", problems)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
-        return respond(exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+        return respond(request, exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(500, "internal_error", "internal server error", error_headers(500, 0))
+        return respond(request, 500, "internal_error", "internal server error", error_headers(500, 0))
 
 
 class RequestMetricsMiddleware:
@@ -108,4 +131,5 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_done(endpoint, status, time.perf_counter() - started)
+            self.metrics.request_done(endpoint, status, time.perf_counter() - started,
+                                      inference=endpoint in INFERENCE_ENDPOINTS)

@@ -36,7 +36,7 @@ RunBatch = Callable[[np.ndarray], Sequence[Any]]  # (B, ...) -> B per-item outpu
 class BatchObserver(Protocol):
     """Where the batcher reports plain numbers (service.metrics implements it)."""
 
-    def batch_done(self, size: int, seconds: float) -> None: ...
+    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None: ...
 
     def queue_wait(self, seconds: float) -> None: ...
 
@@ -44,7 +44,7 @@ class BatchObserver(Protocol):
 
 
 class _NullObserver:
-    def batch_done(self, size: int, seconds: float) -> None:
+    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:
         pass
 
     def queue_wait(self, seconds: float) -> None:
@@ -223,12 +223,13 @@ class DynamicBatcher:
             batch = [item for item in batch if not item.future.done()]  # cancelled while assembling
             if not batch:
                 return
-            loop = asyncio.get_running_loop()
+            loop, stacking = asyncio.get_running_loop(), time.perf_counter()
             if len(batch) == 1:  # a lone request (an idle model) pays no thread hop for a copy
                 stacked = batch[0].array[None]  # (1, ...)
             else:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
             started = time.perf_counter()
+            stack_seconds = started - stacking
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
                 # batch is queueing, not inference.
@@ -238,7 +239,7 @@ class DynamicBatcher:
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
-            self._observer.batch_done(len(batch), seconds)
+            self._observer.batch_done(len(batch), seconds, stack_seconds)
             self._learn_speed(seconds, sum(item.array.size for item in batch))
             for item, output in zip(batch, outputs):
                 self._resolve(item, output, seconds, len(batch))

@@ -1,7 +1,9 @@
 """Domain errors and the one table that maps them to HTTP.
 
-Everything below the routes raises these plain exceptions; only `STATUS_CODES` and
-`error_body` know about HTTP. Every error response is `{"error": {"code": ..., "message": ...}}`.
+Everything below the routes raises these plain exceptions; only `STATUS_CODES` and `error_response` know
+about HTTP. An error response on /v1 is `{"error": {"code": ..., "message": ...}}`; on the Open Inference
+Protocol's /v2 it is the protocol's `{"error": "<message>"}` (with vitserve's `code` beside it), and the
+protocol has no 422: an invalid request is a 400 there.
 """
 from __future__ import annotations
 
@@ -149,6 +151,18 @@ def error_body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}
 
 
+def is_protocol_path(path: str) -> bool:
+    """Whether `path` belongs to the Open Inference Protocol (KServe v2), whose errors have their own shape."""
+    return path == "/v2" or path.startswith("/v2/")
+
+
+def error_response(path: str, status: int, code: str, message: str) -> tuple[int, dict]:
+    """The status and body of an error answered on `path`, in its protocol's shape."""
+    if is_protocol_path(path):
+        return (400 if status == 422 else status), {"error": message, "code": code}
+    return status, error_body(code, message)
+
+
 # Statuses that tell the client to come back later, with the Retry-After header (RFC 9110, section 10.2.3).
 RETRY_LATER_STATUSES = frozenset({429})
 # Statuses after which the connection is closed, and the response says so: the request was not read to its
@@ -164,9 +178,18 @@ def error_headers(status: int, retry_after_s: int) -> dict[str, str]:
     return headers
 
 
-def openapi_responses(*codes: int) -> dict[int, dict]:
-    """The `responses=` of a route: each listed status with its meaning and the error schema."""
-    schema = {"type": "object", "properties": {"error": {"type": "object", "properties": {
+_V1_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "required": ["code", "message"], "properties": {
         "code": {"type": "string"}, "message": {"type": "string"}}}}}
-    return {c: {"description": STATUS_DESCRIPTIONS[c], "content": {"application/json": {"schema": schema}}}
-            for c in codes}
+_PROTOCOL_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties": {
+    "error": {"type": "string", "description": "what went wrong"},
+    "code": {"type": "string", "description": "vitserve's stable name for the error (as on /v1)"}}}
+_PROTOCOL_DESCRIPTIONS = {400: "Malformed or invalid inference request, or an undecodable image"}
+
+
+def openapi_responses(*codes: int, protocol: bool = False) -> dict[int, dict]:
+    """The `responses=` of a route: each listed status with its meaning and the error schema it really sends
+    (the Open Inference Protocol's on /v2, `protocol=True`)."""
+    schema = _PROTOCOL_ERROR_SCHEMA if protocol else _V1_ERROR_SCHEMA
+    described = {**STATUS_DESCRIPTIONS, **_PROTOCOL_DESCRIPTIONS} if protocol else STATUS_DESCRIPTIONS
+    return {c: {"description": described[c], "content": {"application/json": {"schema": schema}}} for c in codes}

@@ -30,8 +30,8 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong, error_body,
-                            status_code)
+from service.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong,
+                            error_response, status_code)
 from service.settings import Settings
 
 try:
@@ -200,16 +200,17 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         early_refusal = self.app_state.get("early_refusal")
         if early_refusal is None or (self.cycle is not None and not self.cycle.response_complete):
             return None
-        refused = early_refusal(self.parser.get_method(), self.url.split(b"?", 1)[0].decode("latin-1"))
+        path = self.url.split(b"?", 1)[0].decode("latin-1")
+        refused = early_refusal(self.parser.get_method(), path)
         if refused is None:
             return None
         error, retry_after_s = refused
-        body = json.dumps(error_body(error.code, str(error))).encode()
+        status, body = self._error_response(error, path)
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
                    (b"retry-after", b"%d" % retry_after_s)]
 
         async def refuse(scope, receive, send) -> None:
-            await send({"type": "http.response.start", "status": status_code(error), "headers": headers})
+            await send({"type": "http.response.start", "status": status, "headers": headers})
             await send({"type": "http.response.body", "body": body})
 
         return refuse
@@ -322,9 +323,15 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._send_error_and_close(error)
 
+    @staticmethod
+    def _error_response(error: ServiceError, path: str) -> tuple[int, bytes]:
+        status, body = error_response(path, status_code(error), error.code, str(error))
+        return status, json.dumps(body).encode()
+
     def _send_error_and_close(self, error: ServiceError) -> None:
-        status = status_code(error)
-        body = json.dumps(error_body(error.code, str(error))).encode()
+        # The path, when the request line got that far: a /v2 client gets the Open Inference Protocol's shape.
+        url = getattr(self, "url", None) or b""
+        status, body = self._error_response(error, url.split(b"?", 1)[0].decode("latin-1"))
         head = [STATUS_LINE[status]]
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),

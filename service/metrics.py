@@ -15,6 +15,8 @@ from pathlib import Path
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
 
+from service.statistics import InferenceStatistics
+
 # 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
                    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -75,29 +77,44 @@ class ServiceMetrics:
         self.model_info = Gauge("vitserve_model_info", "The served model", ["name", "version", "provider", "opset"],
                                 multiprocess_mode="livemax", registry=r)
         self.ready.set(0)
+        # The same numbers for the Open Inference Protocol's statistics extension (this process's share).
+        self.statistics = InferenceStatistics()
 
     # --- what the rest of the service reports (plain numbers) ---
     def request_started(self) -> None:
         self.in_flight.inc()
 
-    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+    def request_done(self, endpoint: str, status: int, seconds: float, inference: bool = False) -> None:
         self.in_flight.dec()
         self.request_duration.labels(endpoint, str(status)).observe(seconds)
+        if inference:
+            self.statistics.request_done(status == 200, seconds)
 
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
     def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
+        """One image decoded and prepared, then its result encoded."""
         self.preprocess.observe(preprocess_s)
         self.postprocess.observe(postprocess_s)
+        self.statistics.image_prepared(preprocess_s)
+        self.statistics.image_encoded(postprocess_s)
 
-    def batch_done(self, size: int, seconds: float) -> None:  # service.batcher.BatchObserver
+    def tensor_stages(self, images: int, parse_s: float, encode_s: float) -> None:
+        """A request of `images` pixel tensors parsed and its outputs encoded (no image decoding to observe)."""
+        for _ in range(images):
+            self.statistics.image_prepared(parse_s / images)
+            self.statistics.image_encoded(encode_s / images)
+
+    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:  # service.batcher.BatchObserver
         self.inference.observe(seconds)
         self.batch_size.observe(size)
         self.images.inc(size)
+        self.statistics.batch_done(size, seconds, stack_seconds)
 
     def queue_wait(self, seconds: float) -> None:  # service.batcher.BatchObserver
         self.queue_wait_seconds.observe(seconds)
+        self.statistics.queue_wait(seconds)
 
     def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
         self.queue_depth_gauge.set(depth)

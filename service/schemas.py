@@ -7,6 +7,10 @@ from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
 
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
+# The protocol's second input: encoded images (JPEG, PNG, ...), one BYTES element per batch item, decoded and
+# preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
+IMAGE_INPUT_NAME = "image"
+
 RolloutFormat = Literal["grid", "png", "overlay", "none"]
 
 
@@ -108,9 +112,9 @@ MAX_ID_CHARS = 256  # the id is echoed back in the answer: a correlation key, no
 MAX_PARAMETERS = 16  # entries per `parameters` object; the protocol's own (priority, timeout, binary_data...) are few
 MAX_PARAMETER_KEY_CHARS = 64
 MAX_PARAMETER_STRING_CHARS = 256
-MAX_INPUTS = 1  # the artifact has one input, pixel_values
+MAX_INPUTS = 1  # one of pixel_values (the model's own input) or image
 MAX_OUTPUTS = len(OUTPUT_NAMES)  # one request per model output; naming one twice adds nothing
-MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width)
+MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width); image is (batch,) or (batch, 1)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
 # Normalised pixels ((x/255 - mean) / std) lie within a few units of zero; a value past this is no image, and near
 # float32's limit it overflows the model's arithmetic (3e38 made the logits infinite: a client's mistake, then a
@@ -142,11 +146,13 @@ def _rows(item):
 
 
 # Tensor data, row-major, flat or nested up to the rank (the v2 protocol allows both). Flat comes first: it is what
-# clients send, and each alternative that does not fit fails at its first element. A union of four list types
+# clients send, and each alternative that does not fit fails at its first element. A union of list types
 # validates natively: a flat 32x1x128x128 tensor parses as fast as `list[Any]` did (a recursive alias is slower).
+# BYTES elements in JSON are strings: an image, base64-encoded (JSON strings cannot carry raw bytes).
 TensorData = Annotated[_rows(Float) | _rows(_rows(Float)) | _rows(_rows(_rows(Float)))
-                       | _rows(_rows(_rows(_rows(Float)))),
-                       Field(union_mode="left_to_right", description="row-major values, flat or nested")]
+                       | _rows(_rows(_rows(_rows(Float)))) | _rows(str) | _rows(_rows(str)),
+                       Field(union_mode="left_to_right", description="row-major values, flat or nested; BYTES "
+                                                                     "elements as base64 strings")]
 
 
 class _StrictRequest(BaseModel):
@@ -154,11 +160,12 @@ class _StrictRequest(BaseModel):
 
 
 class InferInputTensor(_StrictRequest):
-    name: Literal[INPUT_NAME]
+    name: Literal[INPUT_NAME, IMAGE_INPUT_NAME]
     shape: Annotated[list[Dim], Field(min_length=1, max_length=MAX_SHAPE_RANK)]
-    datatype: Literal["FP32"]
+    datatype: Literal["FP32", "BYTES"]
     parameters: Parameters | None = None
-    data: TensorData
+    data: TensorData | None = Field(None, description="absent when `parameters.binary_data_size` says the values "
+                                                      "follow the JSON (binary tensor extension)")
 
 
 class RequestedOutput(_StrictRequest):
@@ -177,11 +184,22 @@ class InferOutputTensor(BaseModel):
     name: str
     shape: list[int]
     datatype: str
-    data: list[float]
+    parameters: dict | None = Field(None, description="`binary_data_size` when the values follow the JSON")
+    data: list[float] | list[str] | None = Field(None, description="absent for a binary output")
 
 
 class InferResponse(BaseModel):
+    """Sent as JSON, or with binary outputs as this JSON followed by their bytes (`Inference-Header-Content-Length`
+    says where the JSON ends); `id` only when the request had one."""
+
     model_name: str
-    model_version: str | None = None
+    model_version: str
     id: str | None = None
     outputs: list[InferOutputTensor]
+
+
+class ProtocolError(BaseModel):
+    """The Open Inference Protocol's error body; `code` is vitserve's stable name for it (as on /v1)."""
+
+    error: str
+    code: str

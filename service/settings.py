@@ -84,6 +84,9 @@ class Settings(BaseSettings):
                                                                  "PNGs (larger inputs are drawn scaled down)")
     max_json_body_bytes: int = Field(16 * 2**20, ge=1, description="largest JSON request body (Open Inference "
                                                                    "Protocol)")
+    max_binary_body_bytes: int = Field(64 * 2**20, ge=1, description="largest Open Inference Protocol body with "
+                                                                     "binary tensors (JSON header and tensors; the "
+                                                                     "header within max_json_body_bytes)")
     max_json_values: int = Field(2**20, ge=1, description="JSON values in one body, counted before it is parsed "
                                                           "(the parse costs per value); twice the default "
                                                           "model's largest request, 32x1x128x128")

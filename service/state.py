@@ -175,7 +175,7 @@ class ServiceState:
             return None
         self.metrics.rejected_request(refused.code)
         self.metrics.request_started()
-        self.metrics.request_done(route, 429, 0.0)
+        self.metrics.request_done(route, 429, 0.0, inference=True)
         return refused, self.retry_after_s()
 
     def retry_after_s(self) -> int:
@@ -198,14 +198,19 @@ def get_state(request: Request) -> ServiceState:
     return request.app.state.service
 
 
-# The inference routes (the ones admission guards), as the connection sees them: method, path -> route template.
+# The inference routes (the ones admission guards), by their templates.
+INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v2/models/{name}/infer",
+                                 "/v2/models/{name}/versions/{version}/infer"})
+
+
 def inference_route(method: bytes, path: str) -> str | None:
+    """The inference route a request line asks for, as the connection sees it (before routing), or None."""
     if method != b"POST":
         return None
     if path in ("/v1/classify", "/v1/classify/batch"):
         return path
     if path.startswith("/v2/models/") and path.endswith("/infer"):
-        return "/v2/models/{name}/infer"
+        return "/v2/models/{name}/versions/{version}/infer" if "/versions/" in path else "/v2/models/{name}/infer"
     return None
 
 

@@ -1,28 +1,41 @@
-"""The Open Inference Protocol (KServe v2) over the same model and batcher, so standard clients work.
+"""The Open Inference Protocol (KServe v2, Triton's HTTP/REST) over the same model and batcher, so that
+standard clients (tritonclient, kserve) work unmodified. docs/open-inference-protocol.md is the
+conformance table: every endpoint, field and extension, and the test that holds it.
 
-`pixel_values` arrives as an FP32 JSON tensor (already normalised, like the ONNX input); each image of
-it joins the shared batch queue on its own and the answers come back as `logits` and `rollout` tensors.
-The infer route reads its own body within the byte and value limits, parses it strictly against
-`service.schemas` (where every field's limit is), and answers bad input with 4xx naming the field.
+An inference request sends one input: `pixel_values` (normalised FP32, the ONNX input) or `image` (BYTES:
+encoded images, decoded and preprocessed here as /v1/classify does), as JSON or as binary tensors, whatever
+its Content-Type, gzip/deflate-compressed or not. Each image joins the shared batch queue on its own; the
+answer holds `logits` and `rollout` (or the classification extension's top classes), as JSON or binary.
+Every route also answers under `/versions/{version}`. Errors are the protocol's `{"error": "..."}`.
 """
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Annotated
 
 import numpy as np
-from fastapi import APIRouter, Depends, Request
-from pydantic import ValidationError
+from fastapi import APIRouter, Depends, Request, Response
 
-from service.errors import InvalidParameter, ModelNotFound, NotReady, PayloadTooLarge, openapi_responses
 from service.admission import Deadline
-from service.routes.uploads import read_raw_body, run_guarded, upload_within
-from service.schemas import (MAX_ABS_PIXEL_VALUE, InferInputTensor, InferOutputTensor, InferRequest,
-                             InferResponse, ModelMetadata, TensorMetadata)
+from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from service.errors import InvalidParameter, ModelNotFound, NotReady, ServiceError, openapi_responses
+from service.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
+from service.model_config import model_metadata, triton_config
+from service.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
+from service.schemas import InferRequest, InferResponse, ModelMetadata
 from service.state import ServiceState, get_admitted_state, get_ready_state, get_state
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+from vitserve.artifact import OUTPUT_NAMES
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
+
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics"]
+MODEL = "/models/{name}"
+VERSIONED = "/models/{name}/versions/{version}"
+
+
+def _errors(*codes: int) -> dict:
+    return openapi_responses(*codes, protocol=True)
 
 
 def _inlined(schema: dict) -> dict:
@@ -40,143 +53,219 @@ def _inlined(schema: dict) -> dict:
 
 
 # The infer route reads its own body (to cap it as it streams in), so its schema is declared here for /docs.
-_INFER_BODY = {"requestBody": {"required": True, "content": {"application/json": {
-    "schema": _inlined(InferRequest.model_json_schema())}}}}
+_BINARY_BODY = {"type": "string", "format": "binary", "description": f"the JSON request, then the binary tensors; "
+                                                                     f"the {HEADER_LENGTH} header says where the "
+                                                                     f"JSON ends"}
+_INFER_BODY = {"requestBody": {"required": True, "content": {
+    "application/json": {"schema": _inlined(InferRequest.model_json_schema())},
+    BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}}
+_INFER_ANSWER = {200: {"description": "The outputs, as JSON, or (binary outputs) JSON followed by their bytes",
+                       "content": {"application/json": {"schema": _inlined(InferResponse.model_json_schema())},
+                                   BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}}
 
 
 @router.get("")
 async def server_metadata() -> dict:
     from vitserve import __version__
-    return {"name": "vitserve", "version": __version__, "extensions": []}
+    return {"name": "vitserve", "version": __version__, "extensions": EXTENSIONS}
 
 
 @router.get("/health/live")
+@router.head("/health/live")
 async def live() -> dict:
     return {"live": True}
 
 
-@router.get("/health/ready", responses=openapi_responses(503))
+@router.get("/health/ready", responses=_errors(503))
+@router.head("/health/ready", responses=_errors(503))
 async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     if not state.ready:
         raise NotReady("the model is not ready (warming up or shutting down)")
     return {"ready": True}
 
 
-@router.get("/models/{name}", response_model=ModelMetadata, responses=openapi_responses(404, 503))
-async def model_metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    info = _model_named(state, name).info
-    return ModelMetadata(name=info.name, versions=[info.version], platform="onnxruntime_onnx",
-                         inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, info.channels, -1, -1])],
-                         outputs=[TensorMetadata(name=OUTPUT_NAMES[0], datatype="FP32", shape=[-1, info.num_classes]),
-                                  TensorMetadata(name=OUTPUT_NAMES[1], datatype="FP32", shape=[-1, -1, -1])])
+# Before `/models/{name}`, which would take "stats" for a model's name.
+@router.get("/models/stats", responses=_errors(503))
+async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    """Triton's statistics extension for every served model (there is one)."""
+    if state.model is None:
+        raise NotReady("no model loaded yet")
+    return _statistics(state, state.model.info.name, None)
 
 
-@router.get("/models/{name}/ready", responses=openapi_responses(404, 503))
+# Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
+# declares each path's own parameters) over one function.
+@router.get(MODEL, response_model=ModelMetadata, responses=_errors(404, 503))
+async def metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
+    return model_metadata(_model_named(state, name).info)
+
+
+@router.get(VERSIONED, response_model=ModelMetadata, responses=_errors(404, 503))
+async def versioned_metadata(name: str, version: str,
+                             state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
+    return model_metadata(_model_named(state, name, version).info)
+
+
+@router.get(MODEL + "/ready", responses=_errors(404, 503))
+@router.head(MODEL + "/ready", responses=_errors(404, 503))
 async def model_ready(name: str, state: Annotated[ServiceState, Depends(get_ready_state)]) -> dict:
     _model_named(state, name)
     return {"name": name, "ready": True}
 
 
-@router.post("/models/{name}/infer", response_model=InferResponse, openapi_extra=_INFER_BODY,
-             responses=openapi_responses(404, 413, 422, 429, 500, 503, 504))
-async def infer(name: str, request: Request,
-                state: Annotated[ServiceState, Depends(get_admitted_state)]) -> InferResponse:
-    """Run `pixel_values` (B, C, H, W), normalised FP32, and return `logits` (B, K) and `rollout` (B, H/P, W/P).
-
-    The body is read here as it streams in, up to `max_json_body_bytes`, and parsed as JSON whatever its
-    Content-Type (tritonclient sends none)."""
-    _model_named(state, name)
-    s, deadline = state.settings, Deadline.after(state.settings.request_timeout_s)
-    raw = await upload_within(request, read_raw_body(request, s.max_json_body_bytes), deadline, state.stopping)
-    body = parse_infer_request(raw, s.max_json_values)
-    pixels = _pixel_values(body.inputs[0], state)
-    submits = (state.batcher.submit(image, deadline.remaining()) for image in pixels)
-    results = await run_guarded(request, asyncio.gather(*submits), deadline, state.stopping)
-    logits = np.stack([r.output[0] for r in results])
-    rollout = np.stack([r.output[1] for r in results])
-    wanted = {o.name for o in body.outputs} if body.outputs else set(OUTPUT_NAMES)
-    outputs = [InferOutputTensor(name=n, shape=list(a.shape), datatype="FP32", data=a.ravel().tolist())
-               for n, a in zip(OUTPUT_NAMES, (logits, rollout)) if n in wanted]
-    return InferResponse(model_name=name, model_version=state.model.info.version, id=body.id, outputs=outputs)
+@router.get(VERSIONED + "/ready", responses=_errors(404, 503))
+@router.head(VERSIONED + "/ready", responses=_errors(404, 503))
+async def versioned_model_ready(name: str, version: str,
+                                state: Annotated[ServiceState, Depends(get_ready_state)]) -> dict:
+    _model_named(state, name, version)
+    return {"name": name, "ready": True}
 
 
-def _model_named(state: ServiceState, name: str):
+@router.get(MODEL + "/config", responses=_errors(404, 503))
+async def config(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    """Triton's model configuration extension: the model's tensors and this server's batching settings."""
+    return _config(state, name, None)
+
+
+@router.get(VERSIONED + "/config", responses=_errors(404, 503))
+async def versioned_config(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    return _config(state, name, version)
+
+
+@router.get(MODEL + "/stats", responses=_errors(404, 503))
+async def statistics(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    """Triton's statistics extension: this process's counts and durations (see service/statistics.py)."""
+    return _statistics(state, name, None)
+
+
+@router.get(VERSIONED + "/stats", responses=_errors(404, 503))
+async def versioned_statistics(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
+    return _statistics(state, name, version)
+
+
+_INFER_RESPONSES = {**_INFER_ANSWER, **_errors(400, 404, 408, 413, 415, 429, 500, 503, 504)}
+
+
+@router.post(MODEL + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
+async def infer(name: str, request: Request, state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
+    """Run `pixel_values` (B, C, H, W), normalised FP32, or `image` (B encoded images); return `logits` (B, K)
+    and `rollout` (B, H/P, W/P), or the top classes of `logits` (classification extension).
+
+    The body is read here as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
+    binary tensors), decompressed if its Content-Encoding says so, and parsed whatever its Content-Type
+    (tritonclient sends none, or application/octet-stream)."""
+    return await _infer(request, state, name, None)
+
+
+@router.post(VERSIONED + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
+async def versioned_infer(name: str, version: str, request: Request,
+                          state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
+    return await _infer(request, state, name, version)
+
+
+def _config(state: ServiceState, name: str, version: str | None) -> dict:
+    model = _model_named(state, name, version)
+    return triton_config(model.info, state.settings, model.provider)
+
+
+def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
+    info = _model_named(state, name, version).info
+    return {"model_stats": [state.metrics.statistics.to_triton(info.name, info.version)]}
+
+
+async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
+    """A request's life: read and parse its body, run its images through the batcher, encode the outputs."""
+    started, info = time.perf_counter(), _model_named(state, name, version).info
+    deadline = Deadline.after(state.settings.request_timeout_s)
+    call, parse_s = await _read_call(request, state, deadline)
+    if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
+        deadline = Deadline(min(deadline.at, started + call.timeout_s))
+    if call.images is not None:
+        tensors = await run_guarded(request, _run_images(state, call, deadline), deadline, state.stopping)
+    else:
+        tensors = await run_guarded(request, _run_pixels(state, call.pixels, deadline), deadline, state.stopping)
+    encoding = time.perf_counter()
+    body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
+    encode_s = time.perf_counter() - encoding
+    if call.images is None:
+        state.metrics.tensor_stages(call.batch, parse_s, encode_s)
+    else:
+        for prepare_s in tensors["prepare_s"]:
+            state.metrics.image_stages(prepare_s, encode_s / call.batch)
+    return Response(body, headers=headers)
+
+
+async def _read_call(request: Request, state: ServiceState, deadline: Deadline) -> tuple[InferCall, float]:
+    """The request's body, read within its limit and deadline, decompressed and parsed; and the parse's seconds."""
+    s = state.settings
+    header_length = request.headers.get(HEADER_LENGTH)
+    limit = s.max_binary_body_bytes if header_length is not None else s.max_json_body_bytes
+    body = await upload_within(request, read_raw_body(request, limit), deadline, state.stopping)
+    started = time.perf_counter()
+    encoding = request.headers.get("content-encoding")
+    if encoding:  # inflating megabytes is real work: off the event loop
+        body, _ = await state.in_pool(decode_content, body, encoding, limit)
+    info = state.model.info
+    limits = ProtocolLimits(max_json_bytes=s.max_json_body_bytes, max_json_values=s.max_json_values,
+                            max_batch=s.max_batch_files, max_image_bytes=s.max_upload_bytes, channels=info.channels,
+                            patch_size=info.patch_size, max_tokens=s.max_native_tokens)
+    return parse_infer_request(body, header_length, limits), time.perf_counter() - started
+
+
+async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline) -> dict[str, np.ndarray]:
+    results = await asyncio.gather(*(state.batcher.submit(image, deadline.remaining()) for image in pixels))
+    return _stacked(results)
+
+
+async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline) -> dict:
+    """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
+    the request, named by its index, and the others' work is cancelled."""
+    prepared = await _each(call.images, lambda data: state.preprocess(data, call.resize, keep_source=False))
+    shapes = {p.pixels.shape for p, _ in prepared}
+    if len(shapes) > 1:
+        raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
+                               f"tensor must be rectangular: send them in separate requests, or resize=fit")
+    results = await _each([p.pixels for p, _ in prepared],
+                          lambda pixels: state.batcher.submit(pixels, deadline.remaining()))
+    return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
+
+
+async def _each(items: list, work) -> list:
+    """`work(item)` for every item at once; the first ServiceError (with the item's index) cancels the rest."""
+    async def one(index: int, item):
+        try:
+            return await work(item)
+        except ServiceError as e:
+            raise type(e)(f"inputs.0 item {index}: {e}") from e
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i, item)) for i, item in enumerate(items)]
+    except BaseExceptionGroup as failed:
+        raise _first_error(failed) from None
+    return [task.result() for task in tasks]
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            error = _first_error(error)
+        if isinstance(error, ServiceError):
+            return error
+    return group.exceptions[0]
+
+
+def _stacked(results: list) -> dict[str, np.ndarray]:
+    return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(OUTPUT_NAMES)}
+
+
+def _model_named(state: ServiceState, name: str, version: str | None = None):
     if state.model is None:
         raise NotReady("no model loaded yet")
-    if name != state.model.info.name:
-        raise ModelNotFound(f"no model named {name!r}; this server serves {state.model.info.name!r}")
+    info = state.model.info
+    if name != info.name:
+        raise ModelNotFound(f"no model named {name[:64]!r}; this server serves {info.name!r}")
+    if version is not None and version != info.version:
+        raise ModelNotFound(f"model {info.name!r} has no version {version[:32]!r}; it serves version {info.version!r}")
     return state.model
 
-
-def parse_infer_request(body: bytes, max_values: int) -> InferRequest:
-    """The body as an `InferRequest` (every field within the limits in `service.schemas`), or InvalidParameter
-    naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
-
-    The values are counted by their separating commas first: the parse costs about 80 bytes and 0.25 us per
-    value, so a body of short numbers ("0,0,0,...": 8M values in 16 MiB) would take 640 MiB and 2 s of the
-    event loop."""
-    if not body or body.isspace():
-        raise InvalidParameter("empty body: send an inference request as JSON")
-    commas = int(np.count_nonzero(np.frombuffer(body, np.uint8) == ord(",")))  # 1 ms per 10 MB (bytes.count: 5)
-    if commas >= max_values:  # refused before the parse, which costs per value
-        raise PayloadTooLarge(f"request body holds up to {commas + 1} JSON values; the limit is {max_values}")
-    try:
-        return InferRequest.model_validate_json(body)
-    except ValidationError as e:
-        raise InvalidParameter(_problems(e)) from None
-
-
-def _problems(error: ValidationError, shown: int = 3) -> str:
-    """The first few problems as `where: what` (`body` for the document itself). A tensor's `data` is one of
-    four list depths, and each depth that does not fit reports an error: only the one that got furthest into
-    the data is kept (the others fail at its first element)."""
-    places: dict[tuple, tuple[tuple, str]] = {}  # where -> (index into data, message)
-    for e in error.errors(include_url=False, include_input=False):
-        loc = e["loc"]
-        in_data = len(loc) > 3 and loc[0] == "inputs" and loc[2] == "data"  # then loc[3] names the list depth
-        place, index = (loc[:3], loc[4:]) if in_data else (loc, ())
-        if place not in places or index > places[place][0]:
-            places[place] = (index, e["msg"])
-    lines = [f"{_dotted(place + index)}: {msg}" for place, (index, msg) in places.items()]
-    return "; ".join(lines[:shown]) + (f" (and {len(lines) - shown} more)" if len(lines) > shown else "")
-
-
-def _dotted(loc: tuple) -> str:
-    """`inputs.0.data.5`; a part the client named (a parameter's key) is cut short, never echoed whole."""
-    return ".".join(str(p) if len(str(p)) <= 32 else f"{str(p)[:29]}..." for p in loc) or "body"
-
-
-def _pixel_values(tensor: InferInputTensor, state: ServiceState) -> np.ndarray:
-    """The request's one `pixel_values` tensor as (B, C, H, W) float32, checked against the model."""
-    info, s = state.model.info, state.settings
-    if len(tensor.shape) != 4:
-        raise InvalidParameter(f"inputs.0.shape must be [batch, channels, height, width], got {tensor.shape}")
-    batch, channels, height, width = tensor.shape
-    p = info.patch_size
-    if channels != info.channels or height % p or width % p:
-        raise InvalidParameter(f"inputs.0.shape must have {info.channels} channels and height/width multiples of "
-                               f"{p}; got {tensor.shape}")
-    if batch > s.max_batch_files or (height // p) * (width // p) > s.max_native_tokens:
-        raise InvalidParameter(f"inputs.0.shape {tensor.shape}: at most {s.max_batch_files} images of at most "
-                               f"{s.max_native_tokens} patches")
-    values = _float32_values(tensor.data)
-    if values.size != batch * channels * height * width:
-        raise InvalidParameter(f"inputs.0.data has {values.size} values; shape {tensor.shape} needs "
-                               f"{batch * channels * height * width}")
-    return values.reshape(batch, channels, height, width)
-
-
-def _float32_values(data: list) -> np.ndarray:
-    """`data` (flat or nested, row-major) as a flat float32 array; each value must lie within
-    MAX_ABS_PIXEL_VALUE (the schema has already refused NaN, Infinity and anything not a number)."""
-    try:
-        values = np.asarray(data, dtype=np.float64).ravel()
-    except ValueError:  # nested lists of different lengths
-        raise InvalidParameter("inputs.0.data: nested lists differ in length; nest them as the shape, or send the "
-                               "values flat") from None
-    outside = np.abs(values) > MAX_ABS_PIXEL_VALUE
-    if outside.any():
-        i = int(outside.argmax())
-        raise InvalidParameter(f"inputs.0.data: value {i} (row-major) is {values[i]:g}, outside the range of "
-                               f"normalised pixels (magnitude at most {MAX_ABS_PIXEL_VALUE:g})")
-    return values.astype(np.float32)

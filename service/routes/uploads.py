@@ -8,6 +8,7 @@ byte is read, and a chunked body is counted as it streams in. A client that hang
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 from fastapi import Request
 from starlette.datastructures import UploadFile
@@ -46,6 +47,43 @@ async def read_raw_body(request: Request, limit: int) -> bytes:
     except ClientDisconnect as e:
         raise ClientDisconnected(f"client disconnected after {size} bytes of its body") from e
     return b"".join(chunks)
+
+
+# Content-Encoding -> zlib's window bits: gzip's header and trailer, or zlib's ("deflate" in HTTP is the zlib
+# format, RFC 9110 section 8.4.1.2; some clients send raw deflate, tried when the zlib header is missing).
+_CODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
+def decode_content(body: bytes, encoding: str, limit: int) -> bytes:
+    """A body sent with `Content-Encoding` (gzip or deflate; identity), decompressed up to `limit` bytes: a small
+    body that would expand past it (a compression bomb) is refused after `limit` bytes of output, not all."""
+    coding = encoding.strip().lower()
+    if coding in ("", "identity"):
+        return body
+    if coding not in _CODINGS:
+        raise UnsupportedMediaType(f"Content-Encoding {encoding[:32]!r} is not supported; use gzip, deflate or none")
+    try:
+        return _inflate(body, _CODINGS[coding], limit)
+    except zlib.error:
+        if coding != "deflate":
+            raise InvalidParameter(f"the body is not valid {coding} data") from None
+    try:
+        return _inflate(body, -zlib.MAX_WBITS, limit)
+    except zlib.error:
+        raise InvalidParameter("the body is not valid deflate data") from None
+
+
+def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
+    out, rest = [], data
+    while rest:  # a gzip body may hold several members, one after the other
+        inflater = zlib.decompressobj(wbits)
+        out.append(inflater.decompress(rest, limit + 1 - sum(map(len, out))))
+        if sum(map(len, out)) > limit:
+            raise PayloadTooLarge(f"the decompressed body exceeds the limit of {limit} bytes")
+        if not inflater.eof:
+            raise InvalidParameter("the compressed body is cut short")
+        rest = inflater.unused_data
+    return b"".join(out)
 
 
 async def read_files(request: Request, *, max_bytes: int, max_files: int) -> list[bytes | ServiceError]:

@@ -24,6 +24,7 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
+from service.errors import is_protocol_path
 from service.metrics import ServiceMetrics
 from service.settings import Settings
 
@@ -108,9 +109,19 @@ async def classify(client, data: bytes, content_type="image/png", **params):
 
 
 def assert_error(response, status: int, code: str):
+    """`response` is the error `code` with `status`, in the shape of its path's protocol."""
     assert response.status_code == status, response.text
-    assert response.json()["error"]["code"] == code
-    assert set(response.json()["error"]) == {"code", "message"}
+    assert error_code(response.request.url.path, response.json()) == code
+
+
+def error_code(path: str, body: dict) -> str:
+    """The code of an error body, checked to have the shape its protocol sends: on /v2 the Open Inference
+    Protocol's `{"error": "<message>"}` (with our `code` beside it), elsewhere `{"error": {code, message}}`."""
+    if is_protocol_path(path):
+        assert set(body) == {"error", "code"} and isinstance(body["error"], str) and body["error"], body
+        return body["code"]
+    assert set(body) == {"error"} and set(body["error"]) == {"code", "message"} and body["error"]["message"], body
+    return body["error"]["code"]
 
 
 def image_bytes(fmt: str, size=(40, 30), color=(200, 30, 60), mode="RGB", **save) -> bytes:

@@ -240,12 +240,13 @@ async def test_open_inference_protocol(settings, tiny_model):
         for bad in ({"datatype": "INT8"}, {"shape": [2, 3, 32, 40]}, {"shape": [2, 1, 32, 48]},
                     {"name": "image"}, {"data": pixels.ravel().tolist()[:-1]}):
             tensor = {**request["inputs"][0], **bad}
-            assert_error(await client.post("/v2/models/tiny-vit/infer", json={"inputs": [tensor]}), 422,
+            assert_error(await client.post("/v2/models/tiny-vit/infer", json={"inputs": [tensor]}), 400,
                          "invalid_parameter")
-        assert_error(await client.post("/v2/models/tiny-vit/infer", json={"inputs": "nope"}), 422,
+        assert_error(await client.post("/v2/models/tiny-vit/infer", json={"inputs": "nope"}), 400,
                      "invalid_parameter")
     assert metadata["name"] == "tiny-vit" and metadata["versions"] == ["7"]
-    assert metadata["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, -1, -1]}]
+    assert metadata["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, -1, -1]},
+                                  {"name": "image", "datatype": "BYTES", "shape": [-1]}]
     assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout"]
     assert answer["model_name"] == "tiny-vit" and answer["id"] == "r1"
     out = {o["name"]: o for o in answer["outputs"]}
@@ -263,7 +264,7 @@ async def test_openapi_lists_every_status_code(settings, tiny_model):
     assert {"200", "400", "413", "415", "422", "429", "500", "503", "504"} <= codes
     assert {"image/png", "multipart/form-data"} <= set(spec["paths"]["/v1/classify"]["post"]["requestBody"]["content"])
     infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["responses"]
-    assert {"200", "404", "422", "429", "503", "504"} <= set(infer)
+    assert {"200", "400", "404", "429", "503", "504"} <= set(infer) and "422" not in infer
     assert "503" in spec["paths"]["/v2/health/ready"]["get"]["responses"]
 
 

@@ -170,7 +170,7 @@ async def test_observer_gets_plain_numbers():
         def __init__(self):
             self.batches, self.depths, self.waits = [], [], []
 
-        def batch_done(self, size, seconds):
+        def batch_done(self, size, seconds, stack_seconds):
             self.batches.append(size)
 
         def queue_wait(self, seconds):

@@ -8,6 +8,8 @@ import json
 import numpy as np
 import pytest
 
+from service.binary_tensors import BINARY_MEDIA_TYPE
+
 from service.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
                              MAX_PARAMETERS)
 from service.settings import Settings
@@ -55,11 +57,12 @@ def nested(values: list) -> list:
 
 
 def assert_error(response, status: int, code: str, *names: str) -> None:
+    """The Open Inference Protocol's error: `{"error": "<message>", "code": ...}`, the message naming `names`."""
     assert response.status_code == status, response.text
-    error = response.json()["error"]
-    assert set(error) == {"code", "message"} and error["code"] == code
+    error = response.json()
+    assert set(error) == {"error", "code"} and error["code"] == code and isinstance(error["error"], str)
     for name in names:
-        assert name.lower() in error["message"].lower(), error["message"]
+        assert name.lower() in error["error"].lower(), error["error"]
     assert len(response.content) < 2000  # the message names the problem; it never carries the input back
 
 
@@ -104,7 +107,8 @@ BAD_REQUESTS = [
     pytest.param(body(parameters={"k" * 5000: 1}), ("parameters.kkk", "at most 64 characters"),
                  id="parameter-key-too-long"),
     # the tensor's name, datatype and shape
-    pytest.param(body(name="image"), ("inputs.0.name", "pixel_values"), id="unknown-input-name"),
+    pytest.param(body(name="pixels"), ("inputs.0.name", "pixel_values", "image"), id="unknown-input-name"),
+    pytest.param(body(name="image"), ("inputs.0", "image", "BYTES"), id="image-input-as-fp32"),
     pytest.param(body(datatype="FLOAT"), ("inputs.0.datatype", "FP32"), id="unknown-datatype"),
     pytest.param(body(datatype="INT8"), ("inputs.0.datatype", "FP32"), id="wrong-datatype"),
     pytest.param(body(shape=[1, 3, -16, 16]), ("inputs.0.shape.2", "greater than or equal to 1"), id="negative-dim"),
@@ -147,19 +151,19 @@ BAD_REQUESTS = [
 
 
 @pytest.mark.parametrize("content, names", BAD_REQUESTS)
-async def test_bad_request_is_422_naming_the_problem(settings, tiny_model, content, names):
+async def test_bad_request_is_400_naming_the_problem(settings, tiny_model, content, names):
     async with serving(settings, tiny_model) as client:
         response = await client.post(INFER, content=content, headers={"content-type": "application/json"})
-        assert_error(response, 422, "invalid_parameter", *names)
+        assert_error(response, 400, "invalid_parameter", *names)
         await assert_serves_good_request(client, tiny_model)
 
 
 async def test_only_the_first_few_problems_are_listed(settings, tiny_model):
     """Every field wrong at once: three problems and a count of the rest; a tensor of strings costs one error."""
-    content = body(id="x" * 300, parameters=[], shape=[0], datatype="INT8", name="x", data=["a"] * 10_000)
+    content = body(id="x" * 300, parameters=[], shape=[0], datatype="INT8", name="x", data=[True] * 10_000)
     async with serving(settings, tiny_model) as client:
         response = await client.post(INFER, content=content)
-        assert_error(response, 422, "invalid_parameter", "id:", "parameters:", "inputs.0.name:", "(and 3 more)")
+        assert_error(response, 400, "invalid_parameter", "id:", "parameters:", "inputs.0.name:", "(and 3 more)")
         await assert_serves_good_request(client, tiny_model)
 
 
@@ -205,7 +209,7 @@ async def test_values_past_the_limit_are_refused_before_parsing(tiny_onnx, tiny_
         assert_error(await client.post(INFER, content=body(data=[0] * MAX_JSON_VALUES)), 413, "payload_too_large",
                      f"limit is {MAX_JSON_VALUES}")
         assert_error(await client.post(INFER, content=b"," * MAX_JSON_VALUES), 413, "payload_too_large", "values")
-        assert_error(await client.post(INFER, content=under), 422, "invalid_parameter",
+        assert_error(await client.post(INFER, content=under), 400, "invalid_parameter",
                      f"{MAX_JSON_VALUES - 16} values", "needs 768")
         await assert_serves_good_request(client, tiny_model)
 
@@ -226,11 +230,11 @@ async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
     integers = np.arange(768).reshape(SHAPE) % 5 - 2
     int_logits, _ = tiny_model.run(integers.astype(np.float32))
     longest_id = "i" * MAX_ID_CHARS
-    parameters = {"binary_data_output": False, "priority": 1, "timeout": 2.5, "tag": "t" * MAX_PARAMETER_STRING_CHARS}
+    parameters = {"binary_data_output": False, "priority": 1, "timeout": 2_500_000, "tag": "t" * MAX_PARAMETER_STRING_CHARS}
     async with serving(settings, tiny_model) as client:
         answers = [await client.post(INFER, content=content, headers={"content-type": "text/plain"}) for content in (
             body(data=PIXELS.tolist()), body(data=PIXELS.reshape(3, 256).tolist()),
-            body(id=longest_id, parameters=parameters, outputs=[{"name": "logits", "parameters": {"binary_data": 0}}]),
+            body(id=longest_id, parameters=parameters, outputs=[{"name": "logits", "parameters": {"binary_data": False}}]),
             body(data=integers.ravel().tolist()))]
     assert [a.status_code for a in answers] == [200] * 4, [a.text for a in answers]
     for answer in answers[:3]:
@@ -245,8 +249,8 @@ async def test_the_largest_pixel_value_is_within_range(settings, tiny_model):
     async with serving(settings, tiny_model) as client:
         at_max = await client.post(INFER, content=body(data=[MAX_ABS_PIXEL_VALUE, -MAX_ABS_PIXEL_VALUE]))
         past_max = await client.post(INFER, content=body(data=[MAX_ABS_PIXEL_VALUE * (1 + 1e-7), 0.0]))
-    assert_error(at_max, 422, "invalid_parameter", "2 values", "needs 768")
-    assert_error(past_max, 422, "invalid_parameter", "value 0", "normalised pixels")
+    assert_error(at_max, 400, "invalid_parameter", "2 values", "needs 768")
+    assert_error(past_max, 400, "invalid_parameter", "value 0", "normalised pixels")
 
 
 async def test_openapi_documents_the_request_body(settings, tiny_model):
@@ -258,7 +262,9 @@ async def test_openapi_documents_the_request_body(settings, tiny_model):
     assert set(schema["properties"]) == {"id", "parameters", "inputs", "outputs"} and schema["required"] == ["inputs"]
     assert schema["properties"]["id"]["anyOf"][0]["maxLength"] == MAX_ID_CHARS
     input_tensor = schema["properties"]["inputs"]["items"]
-    assert input_tensor["properties"]["name"]["const"] == "pixel_values"
+    assert input_tensor["properties"]["name"]["enum"] == ["pixel_values", "image"]
     assert input_tensor["properties"]["shape"]["items"]["maximum"] == MAX_DIM
-    assert len(input_tensor["properties"]["data"]["anyOf"]) == 4  # flat, or nested two to four deep
-    assert {"200", "404", "413", "422", "429", "503", "504"} <= set(infer["responses"])
+    data, absent = input_tensor["properties"]["data"]["anyOf"]  # absent: the values are binary, after the JSON
+    assert len(data["anyOf"]) == 6 and absent == {"type": "null"}  # numbers flat or nested 2-4 deep; strings
+    assert BINARY_MEDIA_TYPE in infer["requestBody"]["content"]
+    assert {"200", "400", "404", "413", "429", "503", "504"} <= set(infer["responses"]) and "422" not in infer["responses"]

@@ -1,0 +1,308 @@
+"""The Open Inference Protocol's inference request and response, as plain data: no HTTP, no model calls.
+
+`parse_infer_request` turns a body (JSON, or JSON followed by binary tensors) into an `InferCall`: the one
+input (`pixel_values` as a float32 array, or `image` as encoded images), the outputs asked for and how
+(JSON or binary, classification), and the request's own parameters. `encode_response` turns the model's
+outputs back into a body. Every refusal is an `InvalidParameter` (400 on /v2) or `PayloadTooLarge` (413)
+that names the field; the limits are those of `service.schemas` plus the `ProtocolLimits` given.
+
+Extensions: binary tensors (`binary_data_size` on inputs, `binary_data` on outputs, `binary_data_output` on
+the request), classification (`classification` on an output: BYTES `"value:index:label"`, best first, as
+Triton writes them; tests/service/data/triton holds Triton's own answers), and Triton's `timeout` request parameter (microseconds), which can only shorten the
+server's own deadline.
+"""
+from __future__ import annotations
+
+import base64
+import binascii
+from dataclasses import dataclass, field
+
+import numpy as np
+from pydantic import ValidationError
+
+from service.binary_tensors import BinaryFormatError, join_body, pack_bytes, split_body, take_sections, unpack_bytes
+from service.errors import InvalidParameter, PayloadTooLarge
+from service.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
+                             RequestedOutput)
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+
+RESIZE_POLICIES = ("fit", "native")
+LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
+
+
+@dataclass(frozen=True)
+class ProtocolLimits:
+    max_json_bytes: int  # the JSON header
+    max_json_values: int  # JSON values in the header, counted before the parse
+    max_batch: int  # items of one request
+    max_image_bytes: int  # one encoded image
+    channels: int  # pixel_values: the model's channels,
+    patch_size: int  # its height and width multiples of the patch size,
+    max_tokens: int  # and at most this many patches
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    name: str
+    binary: bool
+    class_count: int = 0  # > 0: the classification extension's top classes instead of the tensor
+
+
+@dataclass
+class InferCall:
+    """One parsed inference request: exactly one of `pixels` and `images` is set."""
+
+    id: str | None
+    outputs: list[OutputRequest]
+    pixels: np.ndarray | None = None  # (B, C, H, W) float32, as sent (the model's geometry is checked later)
+    images: list[bytes] | None = None  # B encoded images
+    resize: str = "fit"
+    timeout_s: float | None = None
+    extra: dict = field(default_factory=dict)  # request parameters the server does not use
+
+    @property
+    def batch(self) -> int:
+        return len(self.images) if self.images is not None else len(self.pixels)
+
+
+def parse_infer_request(body: bytes, header_length: str | None, limits: ProtocolLimits) -> InferCall:
+    """A body and its `Inference-Header-Content-Length` header (None: all JSON) -> the request it holds."""
+    try:
+        header, binary = split_body(body, header_length)
+    except BinaryFormatError as e:
+        raise InvalidParameter(str(e)) from None
+    if len(header) > limits.max_json_bytes:
+        raise PayloadTooLarge(f"the JSON inference header is {len(header)} bytes; the limit is {limits.max_json_bytes}")
+    request = parse_header(header, limits.max_json_values)
+    tensor = request.inputs[0]
+    size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
+    try:
+        (section,) = take_sections(binary, [size or 0])
+    except BinaryFormatError as e:
+        raise InvalidParameter(str(e)) from None
+    if size is not None and tensor.data is not None:
+        raise InvalidParameter("inputs.0 has both `data` and parameters.binary_data_size; send one")
+    if size is None and tensor.data is None:
+        raise InvalidParameter("inputs.0 has no `data` and no parameters.binary_data_size")
+    call = InferCall(id=request.id, outputs=requested_outputs(request))
+    _read_request_parameters(request.parameters or {}, call)
+    if tensor.name == IMAGE_INPUT_NAME:
+        call.images = _images(tensor, section if size is not None else None, limits)
+    else:
+        if "resize" in (request.parameters or {}):
+            raise InvalidParameter("parameters.resize applies to the `image` input, not to pixel_values")
+        call.pixels = _pixels(tensor, section if size is not None else None, limits)
+    return call
+
+
+def parse_header(header: bytes, max_values: int) -> InferRequest:
+    """The JSON header as an `InferRequest` (every field within the limits in `service.schemas`), or
+    InvalidParameter naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
+
+    The values are counted by their separating commas first: the parse costs about 80 bytes and 0.25 us per
+    value, so a body of short numbers ("0,0,0,...": 8M values in 16 MiB) would take 640 MiB and 2 s of the
+    event loop."""
+    if not header or header.isspace():
+        raise InvalidParameter("empty body: send an inference request as JSON")
+    commas = int(np.count_nonzero(np.frombuffer(header, np.uint8) == ord(",")))  # 1 ms per 10 MB (bytes.count: 5)
+    if commas >= max_values:  # refused before the parse, which costs per value
+        raise PayloadTooLarge(f"request body holds up to {commas + 1} JSON values; the limit is {max_values}")
+    try:
+        return InferRequest.model_validate_json(header)
+    except ValidationError as e:
+        raise InvalidParameter(_problems(e)) from None
+
+
+def requested_outputs(request: InferRequest) -> list[OutputRequest]:
+    """What to send back: the outputs named (in their order), or all; binary per output, or for every output
+    with the request's `binary_data_output` (an output's own `binary_data` wins)."""
+    all_binary = _parameter(request.parameters, "binary_data_output", bool, "parameters") or False
+    named = request.outputs if request.outputs is not None else [RequestedOutput(name=n) for n in OUTPUT_NAMES]
+    if len({o.name for o in named}) != len(named):
+        raise InvalidParameter("outputs: an output is named more than once")
+    chosen = []
+    for i, output in enumerate(named):
+        where = f"outputs.{i}"
+        binary = _parameter(output.parameters, "binary_data", bool, where)
+        count = _parameter(output.parameters, "classification", int, where) or 0
+        if count < 0:
+            raise InvalidParameter(f"{where}.parameters.classification must be at least 0, got {count}")
+        chosen.append(OutputRequest(output.name, all_binary if binary is None else binary, count))
+    return chosen
+
+
+def _read_request_parameters(parameters: dict, call: InferCall) -> None:
+    resize = _parameter(parameters, "resize", str, "parameters")
+    if resize is not None and resize not in RESIZE_POLICIES:
+        raise InvalidParameter(f"parameters.resize must be one of {', '.join(RESIZE_POLICIES)}, got {resize[:32]!r}")
+    call.resize = resize or "fit"
+    timeout_us = _parameter(parameters, "timeout", int, "parameters")
+    if timeout_us is not None:
+        if timeout_us <= 0:
+            raise InvalidParameter(f"parameters.timeout is in microseconds and must be positive, got {timeout_us}")
+        call.timeout_s = timeout_us / 1e6
+    known = {"resize", "timeout", "binary_data_output"}
+    call.extra = {k: v for k, v in parameters.items() if k not in known}  # e.g. priority: accepted, not used
+
+
+def _parameter(parameters: dict | None, key: str, kind: type, where: str):
+    """`parameters[key]` if present, checked to be of `kind` (a bool is not an int here)."""
+    if not parameters or key not in parameters:
+        return None
+    value = parameters[key]
+    if type(value) is not kind:
+        raise InvalidParameter(f"{where}.parameters.{key} must be {_KIND_NAMES[kind]}, got {value!r:.40}")
+    return value
+
+
+_KIND_NAMES = {bool: "a boolean", int: "an integer", str: "a string"}
+
+
+def _pixels(tensor: InferInputTensor, section: memoryview | None, limits: ProtocolLimits) -> np.ndarray:
+    """`pixel_values` as (B, C, H, W) float32 from JSON data or its binary section: the shape checked against the
+    model before the values are read, then only normalised pixels (the range before the count: a value out of
+    range is the clearer message)."""
+    if tensor.datatype != "FP32":
+        raise InvalidParameter(f"inputs.0 ({INPUT_NAME}) must have datatype FP32, got {tensor.datatype}")
+    _check_geometry(tensor.shape, limits)
+    count = int(np.prod(tensor.shape))
+    if section is not None:
+        if len(section) != count * 4:
+            raise InvalidParameter(f"inputs.0 declares binary_data_size {len(section)} bytes; shape {tensor.shape} "
+                                   f"of FP32 needs {count * 4}")
+        values = np.frombuffer(section, dtype="<f4")
+        _check_pixel_range(values)
+    else:
+        values = _json_numbers(tensor.data)
+        _check_pixel_range(values)
+        if values.size != count:
+            raise InvalidParameter(f"inputs.0.data has {values.size} values; shape {tensor.shape} needs {count}")
+    return values.astype(np.float32).reshape(tensor.shape)
+
+
+def _check_geometry(shape: list[int], limits: ProtocolLimits) -> None:
+    """(B, C, H, W) against the model: its channels, patch multiples, and the batch and token limits."""
+    if len(shape) != 4:
+        raise InvalidParameter(f"inputs.0.shape must be [batch, channels, height, width], got {shape}")
+    batch, channels, height, width = shape
+    p = limits.patch_size
+    if channels != limits.channels or height % p or width % p:
+        raise InvalidParameter(f"inputs.0.shape must have {limits.channels} channels and height/width multiples of "
+                               f"{p}; got {shape}")
+    if batch > limits.max_batch or (height // p) * (width // p) > limits.max_tokens:
+        raise InvalidParameter(f"inputs.0.shape {shape}: at most {limits.max_batch} images of at most "
+                               f"{limits.max_tokens} patches")
+
+
+def _json_numbers(data: list) -> np.ndarray:
+    """JSON `data` (flat or nested, row-major) as a flat float64 array."""
+    if data and _first_leaf(data).__class__ is str:
+        raise InvalidParameter("inputs.0.data: FP32 values must be numbers, not strings")
+    try:
+        return np.asarray(data, dtype=np.float64).ravel()
+    except ValueError:  # nested lists of different lengths
+        raise InvalidParameter("inputs.0.data: nested lists differ in length; nest them as the shape, or send the "
+                               "values flat") from None
+
+
+def _check_pixel_range(values: np.ndarray) -> None:
+    """Normalised pixels lie within a few units of zero; NaN, infinities and huge values are no image (and near
+    float32's limit they overflow the model's arithmetic: a client's mistake, then a 500)."""
+    outside = ~(np.abs(values) <= MAX_ABS_PIXEL_VALUE)  # NaN compares false: outside too
+    if outside.any():
+        i = int(outside.argmax())
+        raise InvalidParameter(f"inputs.0.data: value {i} (row-major) is {values[i]:g}, outside the range of "
+                               f"normalised pixels (finite, magnitude at most {MAX_ABS_PIXEL_VALUE:g})")
+
+
+def _images(tensor: InferInputTensor, section: memoryview | None, limits: ProtocolLimits) -> list[bytes]:
+    """`image`: B encoded images, shape [B] or [B, 1], from binary BYTES or base64 JSON strings."""
+    if tensor.datatype != "BYTES":
+        raise InvalidParameter(f"inputs.0 ({IMAGE_INPUT_NAME}) must have datatype BYTES, got {tensor.datatype}")
+    if len(tensor.shape) > 2 or (len(tensor.shape) == 2 and tensor.shape[1] != 1):
+        raise InvalidParameter(f"inputs.0.shape must be [batch] or [batch, 1] (one image per item), got "
+                               f"{tensor.shape}")
+    count = tensor.shape[0]
+    if count > limits.max_batch:
+        raise PayloadTooLarge(f"inputs.0 holds {count} images; the limit is {limits.max_batch} per request")
+    if section is not None:
+        try:
+            return unpack_bytes(section, count, limits.max_image_bytes)
+        except BinaryFormatError as e:
+            raise InvalidParameter(f"inputs.0: {e}") from None
+    strings = [s for row in tensor.data for s in (row if isinstance(row, list) else [row])]
+    if len(strings) != count or not all(isinstance(s, str) for s in strings):
+        raise InvalidParameter(f"inputs.0.data must hold {count} base64 strings (one image each) for shape "
+                               f"{tensor.shape}")
+    return [_base64_image(s, i, limits.max_image_bytes) for i, s in enumerate(strings)]
+
+
+def _base64_image(text: str, index: int, max_bytes: int) -> bytes:
+    if len(text) > (max_bytes + 2) // 3 * 4 + 4:  # checked before decoding
+        raise PayloadTooLarge(f"inputs.0.data.{index}: the image is over {max_bytes} bytes")
+    try:
+        return base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidParameter(f"inputs.0.data.{index}: not base64 (in JSON, BYTES images are base64 strings; "
+                               f"or send them binary with parameters.binary_data_size)") from None
+
+
+def _first_leaf(data):
+    while isinstance(data, list) and data:
+        data = data[0]
+    return data
+
+
+def classify(values: np.ndarray, count: int, labels: list[str] | None) -> np.ndarray:
+    """The classification extension, as Triton does it: (B, ...) output values, each item flattened ->
+    (B, min(count, its size)) strings `"value:index:label"` (`"value:index"` without labels), highest value
+    first (ties: lower index first), the value printed with six decimals (C's %f)."""
+    flat = values.reshape(len(values), -1)  # (B, K)
+    k = min(count, flat.shape[1])
+    order = np.argsort(-flat, axis=1, kind="stable")[:, :k]  # (B, k)
+    name = (lambda i: f":{labels[i]}") if labels else (lambda i: "")
+    return np.array([[f"{row[i]:f}:{i}{name(i)}" for i in best] for row, best in zip(flat, order)],
+                    dtype=object).reshape(len(values), k)
+
+
+def encode_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
+                    labels: list[str]) -> tuple[bytes, dict[str, str]]:
+    """The response body and its framing headers: the requested outputs, each as JSON `data` or as binary bytes
+    after the JSON (with `binary_data_size`); `id` only when the request had one."""
+    outputs, sections = [], []
+    for wanted in call.outputs:
+        array, datatype = tensors[wanted.name], "FP32"
+        if wanted.class_count:
+            named = labels if wanted.name == LABELLED_OUTPUT else None
+            array, datatype = classify(array, wanted.class_count, named), "BYTES"
+        entry = {"name": wanted.name, "datatype": datatype, "shape": list(array.shape)}
+        if wanted.binary:
+            data = pack_bytes(array.ravel()) if datatype == "BYTES" else np.ascontiguousarray(array, "<f4").tobytes()
+            entry["parameters"] = {"binary_data_size": len(data)}
+            sections.append(data)
+        else:
+            entry["data"] = array.ravel().tolist()
+        outputs.append(entry)
+    header = {"model_name": model_name, "model_version": model_version,
+              **({"id": call.id} if call.id else {}), "outputs": outputs}
+    return join_body(header, sections)
+
+
+def _problems(error: ValidationError, shown: int = 3) -> str:
+    """The first few problems as `where: what` (`body` for the document itself). A tensor's `data` is one of
+    several list depths, and each depth that does not fit reports an error: only the one that got furthest into
+    the data is kept (the others fail at its first element)."""
+    places: dict[tuple, tuple[tuple, str]] = {}  # where -> (index into data, message)
+    for e in error.errors(include_url=False, include_input=False):
+        loc = e["loc"]
+        in_data = len(loc) > 3 and loc[0] == "inputs" and loc[2] == "data"  # then loc[3] names the list depth
+        place, index = (loc[:3], loc[4:]) if in_data else (loc, ())
+        if place not in places or index > places[place][0]:
+            places[place] = (index, e["msg"])
+    lines = [f"{_dotted(place + index)}: {msg}" for place, (index, msg) in places.items()]
+    return "; ".join(lines[:shown]) + (f" (and {len(lines) - shown} more)" if len(lines) > shown else "")
+
+
+def _dotted(loc: tuple) -> str:
+    """`inputs.0.data.5`; a part the client named (a parameter's key) is cut short, never echoed whole."""
+    return ".".join(str(p) if len(str(p)) <= 32 else f"{str(p)[:29]}..." for p in loc) or "body"

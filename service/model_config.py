@@ -1,0 +1,57 @@
+"""How the served model describes itself to Open Inference Protocol clients: the protocol's model metadata, and
+Triton's model configuration (`docs/protocol/extension_model_configuration.md`), so that tools written for
+Triton (perf_analyzer, model-analyzer, tritonclient's `get_model_config`) read vitserve's real settings.
+
+The service adds one input the ONNX graph does not have, `image` (encoded images, decoded by the server);
+a request sends either it or `pixel_values`, so both are optional in the configuration.
+"""
+from __future__ import annotations
+
+from service.schemas import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
+from service.settings import Settings
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
+
+PLATFORM = "onnxruntime_onnx"
+
+
+def model_metadata(info: ModelInfo) -> ModelMetadata:
+    """The protocol's metadata: shapes with the batch dimension, -1 where a request chooses."""
+    return ModelMetadata(name=info.name, versions=[info.version], platform=PLATFORM,
+                         inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, info.channels, -1, -1]),
+                                 TensorMetadata(name=IMAGE_INPUT_NAME, datatype="BYTES", shape=[-1])],
+                         outputs=[TensorMetadata(name=OUTPUT_NAMES[0], datatype="FP32", shape=[-1, info.num_classes]),
+                                  TensorMetadata(name=OUTPUT_NAMES[1], datatype="FP32", shape=[-1, -1, -1])])
+
+
+def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:
+    """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
+    the dynamic batcher as this server runs it, one instance on the execution provider in use."""
+    on_gpu = provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
+                "gpus": [settings.cuda_device_id] if on_gpu else []}
+    return {
+        "name": info.name,
+        "platform": PLATFORM,
+        "backend": "onnxruntime",
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": settings.max_batch_size,
+        "input": [
+            {"name": INPUT_NAME, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",
+             "dims": [info.channels, -1, -1], "optional": True},
+            {"name": IMAGE_INPUT_NAME, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1],
+             "optional": True},
+        ],
+        "output": [
+            {"name": OUTPUT_NAMES[0], "data_type": "TYPE_FP32", "dims": [info.num_classes]},
+            {"name": OUTPUT_NAMES[1], "data_type": "TYPE_FP32", "dims": [-1, -1]},
+        ],
+        "dynamic_batching": {"preferred_batch_size": [settings.max_batch_size],
+                             "max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000),
+                             "preserve_ordering": False},
+        "instance_group": [instance],
+        "default_model_filename": settings.model_path.name,
+        "parameters": {"execution_provider": {"string_value": provider},
+                       "image_size": {"string_value": "x".join(map(str, info.image_size))},
+                       "patch_size": {"string_value": str(info.patch_size)}},
+        "model_warmup": [],
+    }
