@@ -238,13 +238,17 @@ def _images(tensor: InferInputTensor, section: memoryview | None, limits: Protoc
 
 
 def _base64_image(text: str, index: int, max_bytes: int) -> bytes:
-    if len(text) > (max_bytes + 2) // 3 * 4 + 4:  # checked before decoding
-        raise PayloadTooLarge(f"inputs.0.data.{index}: the image is over {max_bytes} bytes")
+    too_large = PayloadTooLarge(f"inputs.0.data.{index}: the image is over {max_bytes} bytes")
+    if len(text) > (max_bytes + 2) // 3 * 4:  # the encoding of max_bytes: refused before decoding
+        raise too_large
     try:
-        return base64.b64decode(text, validate=True)
+        data = base64.b64decode(text, validate=True)
     except (binascii.Error, ValueError):
         raise InvalidParameter(f"inputs.0.data.{index}: not base64 (in JSON, BYTES images are base64 strings; "
                                f"or send them binary with parameters.binary_data_size)") from None
+    if len(data) > max_bytes:
+        raise too_large
+    return data
 
 
 def _first_leaf(data):
@@ -283,8 +287,8 @@ def encode_response(call: InferCall, model_name: str, model_version: str, tensor
         else:
             entry["data"] = array.ravel().tolist()
         outputs.append(entry)
-    header = {"model_name": model_name, "model_version": model_version,
-              **({"id": call.id} if call.id else {}), "outputs": outputs}
+    header = {**({"id": call.id} if call.id else {}), "model_name": model_name, "model_version": model_version,
+              "outputs": outputs}
     return join_body(header, sections)
 
 

@@ -18,7 +18,7 @@ def model_metadata(info: ModelInfo) -> ModelMetadata:
     """The protocol's metadata: shapes with the batch dimension, -1 where a request chooses."""
     return ModelMetadata(name=info.name, versions=[info.version], platform=PLATFORM,
                          inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, info.channels, -1, -1]),
-                                 TensorMetadata(name=IMAGE_INPUT_NAME, datatype="BYTES", shape=[-1])],
+                                 TensorMetadata(name=IMAGE_INPUT_NAME, datatype="BYTES", shape=[-1, 1])],
                          outputs=[TensorMetadata(name=OUTPUT_NAMES[0], datatype="FP32", shape=[-1, info.num_classes]),
                                   TensorMetadata(name=OUTPUT_NAMES[1], datatype="FP32", shape=[-1, -1, -1])])
 
