@@ -27,6 +27,10 @@ class BinaryFormatError(ValueError):
     """The bytes do not follow the extension's framing (the message says where)."""
 
 
+class ElementTooLarge(BinaryFormatError):
+    """A BYTES element declares more bytes than the reader's limit (checked before it is copied)."""
+
+
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
     """(JSON header, binary section) of a request or response body; the whole body is JSON without the header."""
     if header_length is None:
@@ -61,7 +65,7 @@ def unpack_bytes(section: memoryview | bytes, count: int, max_element_bytes: int
         (length,) = _LENGTH.unpack_from(section, offset)
         offset += 4
         if length > max_element_bytes:
-            raise BinaryFormatError(f"BYTES element {i} is {length} bytes; the limit is {max_element_bytes}")
+            raise ElementTooLarge(f"BYTES element {i} is {length} bytes; the limit is {max_element_bytes}")
         if offset + length > size:
             raise BinaryFormatError(f"BYTES element {i} declares {length} bytes but only {size - offset} remain")
         elements.append(bytes(section[offset:offset + length]))

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import ValidationError
 
-from service.binary_tensors import BinaryFormatError, join_body, pack_bytes, split_body, take_sections, unpack_bytes
+from service.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
+                                    unpack_bytes)
 from service.errors import InvalidParameter, PayloadTooLarge
 from service.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
                              RequestedOutput)
@@ -76,6 +77,8 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
     request = parse_header(header, limits.max_json_values)
     tensor = request.inputs[0]
     size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
+    if size is not None and size < 0:
+        raise InvalidParameter(f"inputs.0.parameters.binary_data_size must be at least 0, got {size}")
     try:
         (section,) = take_sections(binary, [size or 0])
     except BinaryFormatError as e:
@@ -228,6 +231,8 @@ def _images(tensor: InferInputTensor, section: memoryview | None, limits: Protoc
     if section is not None:
         try:
             return unpack_bytes(section, count, limits.max_image_bytes)
+        except ElementTooLarge as e:
+            raise PayloadTooLarge(f"inputs.0: {e}") from None
         except BinaryFormatError as e:
             raise InvalidParameter(f"inputs.0: {e}") from None
     strings = [s for row in tensor.data for s in (row if isinstance(row, list) else [row])]

@@ -11,6 +11,7 @@ the clock; time bounds are generous on the slow side and exact on the early side
 """
 from __future__ import annotations
 
+import gzip
 import io
 import json
 import struct
@@ -25,7 +26,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service_fixtures import (PATIENCE_S, error_code, RawConnection, image_bytes, png_declaring, scrape, trickling,
+from service_fixtures import (PATIENCE_S, RawConnection, error_code, image_bytes, png_declaring, scrape, trickling,
                               uvicorn_server, value, wait_until)
 
 UPLOAD_LIMIT = 200_000
@@ -470,6 +471,68 @@ def infer_bodies() -> dict[str, Bad]:
     return cases
 
 
+def binary_infer(header: dict, data: bytes, length: str | None = None, *headers: tuple[str, str]) -> Request:
+    """An inference request with binary tensors: the JSON header, then `data`; `length` overrides the header length."""
+    text = json.dumps(header).encode()
+    return Request("POST", INFER, (("inference-header-content-length", length or str(len(text))), *headers),
+                   text + data)
+
+
+def as_json(document: dict) -> Request:
+    return Request("POST", INFER, JSON, json.dumps(document).encode())
+
+
+def image_tensor(shape: list[int], size: int) -> dict:
+    return {"name": "image", "datatype": "BYTES", "shape": shape, "parameters": {"binary_data_size": size}}
+
+
+def protocol_extensions() -> dict[str, Bad]:
+    """The Open Inference Protocol's binary tensors, images, compression and classification, misused."""
+    pixels = np.zeros((1, 3, 8, 8), np.float32)
+    binary = tensor(parameters={"binary_data_size": pixels.nbytes})
+    del binary["data"]
+    with_nan = pixels.copy()
+    with_nan.flat[5] = np.nan
+    png = struct.pack("<I", len(GOOD_PNG)) + GOOD_PNG
+    wide, tall = (struct.pack("<I", len(p)) + p for p in (image_bytes("PNG", (16, 8)), image_bytes("PNG", (8, 16))))
+    bomb = gzip.compress(b" " * (4 * JSON_LIMIT))
+    invalid, too_large = (400, "invalid_parameter"), (413, "payload_too_large")
+    cases = {
+        "header-length-past-body": (binary_infer({"inputs": [binary]}, pixels.tobytes(), "100000"), invalid),
+        "header-length-not-a-number": (binary_infer({"inputs": [binary]}, pixels.tobytes(), "12abc"), invalid),
+        "binary-shorter-than-declared": (binary_infer({"inputs": [binary]}, pixels.tobytes()[:700]), invalid),
+        "binary-longer-than-declared": (binary_infer({"inputs": [binary]}, pixels.tobytes() + b"\0" * 32), invalid),
+        "binary-size-negative": (binary_infer({"inputs": [{**binary, "parameters": {"binary_data_size": -1}}]}, b""),
+                                 invalid),
+        "binary-and-json-data": (binary_infer({"inputs": [{**binary, "data": [0.0] * 192}]}, pixels.tobytes()),
+                                 invalid),
+        "binary-nan": (binary_infer({"inputs": [binary]}, with_nan.tobytes()), invalid),
+        "bytes-length-past-the-data": (binary_infer({"inputs": [image_tensor([1], 8)]}, b"\xff\xff\x00\x00abcd"),
+                                       invalid),
+        "bytes-fewer-than-the-shape": (binary_infer({"inputs": [image_tensor([2], len(png))]}, png), invalid),
+        "bytes-element-over-upload-limit": (binary_infer({"inputs": [image_tensor([1], 8)]},
+                                                         struct.pack("<I", UPLOAD_LIMIT + 1) + b"abcd"), too_large),
+        "images-over-max-files": (binary_infer({"inputs": [image_tensor([BATCH_FILES + 1], len(png) * 5)]}, png * 5),
+                                  too_large),
+        "image-not-an-image": (binary_infer({"inputs": [image_tensor([2], len(png) + 9)]},
+                                            png + struct.pack("<I", 5) + b"hello"), (400, "invalid_image")),
+        "images-native-of-different-sizes": (binary_infer({"inputs": [image_tensor([2], len(wide) * 2)],
+                                                           "parameters": {"resize": "native"}}, wide + tall), invalid),
+        "image-as-base64-garbage": (as_json({"inputs": [{"name": "image", "datatype": "BYTES", "shape": [1],
+                                                       "data": ["%%%"]}]}), invalid),
+        "classification-string": (as_json({"inputs": [tensor()], "outputs": [
+            {"name": "logits", "parameters": {"classification": "3"}}]}), invalid),
+        "gzip-bomb": (Request("POST", INFER, (("content-encoding", "gzip"),), bomb), too_large),
+        "gzip-garbage": (Request("POST", INFER, (("content-encoding", "gzip"),), infer_body()), invalid),
+        "content-encoding-br": (Request("POST", INFER, (("content-encoding", "br"),), infer_body()),
+                                (415, "unsupported_media_type")),
+    }
+    ico = image_bytes("ICO", size=(32, 32))
+    cases["image-ico"] = (binary_infer({"inputs": [image_tensor([1], len(ico) + 4)]},
+                                       struct.pack("<I", len(ico)) + ico), (415, "unsupported_media_type"))
+    return {f"oip-{name}": Bad(request, status, code) for name, (request, (status, code)) in cases.items()}
+
+
 def routes() -> dict[str, Bad]:
     return {
         "get-classify": Bad(Request("GET", "/v1/classify"), 405, "method_not_allowed"),
@@ -516,8 +579,8 @@ def http_heads() -> dict[str, Bad]:
 
 
 CORPUS = {**not_images(), **truncated_images(), **corrupt_images(), **decompression_bombs(), **oversized_bodies(),
-          **content_types(), **multipart_bodies(), **query_parameters(), **infer_bodies(), **routes(),
-          **http_heads()}
+          **content_types(), **multipart_bodies(), **query_parameters(), **infer_bodies(), **protocol_extensions(),
+          **routes(), **http_heads()}
 
 
 def test_the_corpus_is_large_and_every_case_distinct():

@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from service.binary_tensors import BINARY_MEDIA_TYPE
+from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
 from service.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
                              MAX_PARAMETERS)
@@ -181,6 +181,25 @@ async def test_body_over_the_limit_with_content_length_is_refused_unread(setting
         assert_error(response, 413, "payload_too_large", str(64 * 16 * 1024), f"limit is {BODY_LIMIT}")
         assert chunks_read == 0
         await assert_serves_good_request(client, tiny_model)
+
+
+async def test_a_binary_body_has_its_own_limit_and_its_json_header_the_json_limit(tiny_onnx, tiny_model):
+    """With Inference-Header-Content-Length the body may hold max_binary_body_bytes; its JSON part, and a body
+    without the header, max_json_body_bytes."""
+    pixels = np.zeros((2, 3, 16, 16), np.float32).tobytes()  # 6 KB
+    header = json.dumps({"inputs": [{"name": "pixel_values", "shape": [2, 3, 16, 16], "datatype": "FP32",
+                                     "parameters": {"binary_data_size": len(pixels)}}]}).encode()
+    settings = settings_for(tiny_onnx, max_json_body_bytes=len(header) + 10, max_binary_body_bytes=8 * 1024)
+    framed = {HEADER_LENGTH: str(len(header))}
+    async with serving(settings, tiny_model) as client:
+        assert (await client.post(INFER, content=header + pixels, headers=framed)).status_code == 200
+        assert_error(await client.post(INFER, content=header + pixels + b"\0" * 4096, headers=framed), 413,
+                     "payload_too_large", "the limit is 8192")
+        assert_error(await client.post(INFER, content=header + pixels), 413, "payload_too_large")
+        long_header = header.replace(b'"inputs"', b'"id": "' + b"i" * 20 + b'", "inputs"')
+        assert_error(await client.post(INFER, content=long_header + pixels,
+                                       headers={HEADER_LENGTH: str(len(long_header))}), 413, "payload_too_large",
+                     "JSON inference header")
 
 
 async def test_chunked_body_over_the_limit_is_cut_off_as_it_streams(settings, tiny_model):
