@@ -271,6 +271,32 @@ async def test_openapi_lists_every_status_code(settings, tiny_model):
 async def test_unknown_path_is_404_json(settings, tiny_model):
     async with serving(settings, tiny_model) as client:
         assert_error(await client.get("/v1/nothing"), 404, "not_found")
+        assert_error(await client.get("/v2/nothing"), 404, "not_found")  # the protocol's shape under /v2
+        assert_error(await client.post("/v2/health/live"), 405, "method_not_allowed")
+
+
+async def test_health_routes_answer_head_and_every_model_route_answers_under_its_version(settings, tiny_model):
+    model = WrappedModel(tiny_model)
+    model.hold()  # warm-up waits in the model: not ready yet
+    async with serving(settings, model, wait_ready=False) as client:
+        for path in ("/v2/health/ready", "/v2/models/tiny-vit/ready", "/v2/models/tiny-vit/versions/7/ready"):
+            not_ready = await client.head(path)
+            assert (not_ready.status_code, not_ready.content) == (503, b"")
+        model.release()
+        await until(lambda: client.app.state.service.ready, "warm-up finished")
+        for path in ("/v2/health/live", "/v2/health/ready", "/v2/models/tiny-vit/ready",
+                     "/v2/models/tiny-vit/versions/7/ready"):
+            answer = await client.head(path)
+            assert (answer.status_code, answer.content) == (200, b""), path
+        plain, versioned = [(await client.get(p)).json() for p in ("/v2/models/tiny-vit",
+                                                                     "/v2/models/tiny-vit/versions/7")]
+        assert plain == versioned and plain["versions"] == ["7"]
+        for suffix in ("", "/ready", "/config", "/stats"):
+            assert_error(await client.get(f"/v2/models/tiny-vit/versions/8{suffix}"), 404, "model_not_found")
+        assert (await client.get("/v2/models/tiny-vit/versions/7/config")).json()["name"] == "tiny-vit"
+        stats = (await client.get("/v2/models/tiny-vit/versions/7/stats")).json()["model_stats"]
+        assert [(s["name"], s["version"]) for s in stats] == [("tiny-vit", "7")]
+        assert (await client.get("/v2/models/stats")).json()["model_stats"][0]["name"] == "tiny-vit"
 
 
 async def test_disconnected_client_work_is_cancelled():
