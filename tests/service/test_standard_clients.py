@@ -189,6 +189,12 @@ def test_statistics_count_what_was_sent(client, reference, version):
     assert images(after) - images(before) == 4
 
 
+def test_statistics_of_every_model_and_of_a_wrong_version(client):
+    assert [entry["name"] for entry in client.get_inference_statistics()["model_stats"]] == [MODEL]
+    error = refused(client.get_inference_statistics, MODEL, "8")
+    assert error.status() == "404" and "'8'" in error.message()
+
+
 # --- inference -----------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("binary_in, binary_out", [(False, False), (True, True), (True, False), (False, True)],
@@ -333,7 +339,7 @@ def test_unknown_model_is_404_with_a_readable_message(client):
     (lambda: pixel_input(pixels(1, (12, 16)), True), ["shape", "multiples of 8"]),  # not a multiple of the patch
     (lambda: pixel_input(np.zeros((1, 1, 32, 32), np.float32), False), ["shape", "3 channels"]),
     (lambda: pixel_input(np.zeros((3, 32, 32), np.float32), True), ["shape"]),  # no batch dimension
-    (lambda: _fp64_input(), ["FP32", "FP64"]),
+    (lambda: _fp64_input(), ["datatype", "FP32"]),
 ], ids=["patch", "channels", "rank", "datatype"])
 def test_a_bad_tensor_is_400_naming_the_problem(client, tensor, names):
     error = refused(client.infer, MODEL, [tensor()])
@@ -392,7 +398,7 @@ def test_timeout_is_sent_in_microseconds_and_a_normal_one_succeeds(url, referenc
         result = client.infer(MODEL, [pixel_input(array, binary=False)], outputs=requested(False), timeout=5_000_000)
     assert_outputs(result, reference(array))
     printed = capsys.readouterr().out.splitlines()
-    posted = printed[next(i for i, line in enumerate(printed) if line.startswith(f"POST v2/models/{MODEL}/infer")) + 1]
+    posted = printed[next(i for i, line in enumerate(printed) if line.startswith(f"POST /v2/models/{MODEL}/infer")) + 1]
     assert json.loads(ast.literal_eval(posted))["parameters"] == {"timeout": 5_000_000}
 
 
@@ -403,9 +409,10 @@ def test_a_timeout_shorter_than_the_work_is_504(client):
     assert client.is_server_ready()
 
 
-@pytest.mark.xfail(strict=True, reason="Triton reads a timeout of 0 as 'no timeout' (tritonserver.h: "
-                                       "TRITONSERVER_InferenceRequestSetTimeoutMicroseconds, 'The default is 0 which "
-                                       "indicates that the request has no timeout'); vitserve answers 400")
+@pytest.mark.xfail(strict=True, raises=InferenceServerException,
+                   reason="Triton reads a timeout of 0 as 'no timeout' (tritonserver.h, "
+                          "TRITONSERVER_InferenceRequestSetTimeoutMicroseconds: 'The default is 0 which indicates "
+                          "that the request has no timeout'); vitserve answers 400")
 def test_a_timeout_of_zero_means_none(client, reference):
     array = pixels(1, TRAINED, seed=11)
     result = client.infer(MODEL, [pixel_input(array, binary=True)], outputs=requested(True), timeout=0)
