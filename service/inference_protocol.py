@@ -140,10 +140,10 @@ def _read_request_parameters(parameters: dict, call: InferCall) -> None:
         raise InvalidParameter(f"parameters.resize must be one of {', '.join(RESIZE_POLICIES)}, got {resize[:32]!r}")
     call.resize = resize or "fit"
     timeout_us = _parameter(parameters, "timeout", int, "parameters")
-    if timeout_us is not None:
-        if timeout_us <= 0:
-            raise InvalidParameter(f"parameters.timeout is in microseconds and must be positive, got {timeout_us}")
-        call.timeout_s = timeout_us / 1e6
+    if timeout_us is not None:  # 0 is no timeout, as in Triton (TRITONSERVER_InferenceRequestSetTimeoutMicroseconds)
+        if timeout_us < 0:
+            raise InvalidParameter(f"parameters.timeout is in microseconds and must be at least 0, got {timeout_us}")
+        call.timeout_s = timeout_us / 1e6 if timeout_us else None
     known = {"resize", "timeout", "binary_data_output"}
     call.extra = {k: v for k, v in parameters.items() if k not in known}  # e.g. priority: accepted, not used
 

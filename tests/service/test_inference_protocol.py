@@ -119,7 +119,7 @@ def test_a_binary_tensor_holds_only_normalised_pixels(value):
     (request([pixel_input(data=[0.0])], outputs=[{"name": "logits"}, {"name": "logits"}]), [], "more than once"),
     (request([pixel_input(data=[0.0])], outputs=[{"name": "logits", "parameters": {"classification": -1}}]), [],
      "at least 0"),
-    (request([pixel_input(data=[0.0])], parameters={"timeout": 0}), [], "microseconds"),
+    (request([pixel_input(data=[0.0])], parameters={"timeout": -1}), [], "microseconds"),
     (request([pixel_input(data=[0.0])], parameters={"resize": "native"}), [], "applies to the `image` input"),
     (request([pixel_input(shape=[2, 3, 8, 12], data=[0.0])]), [], "1 channels"),
     (request([pixel_input(shape=[5, 1, 8, 12], data=[0.0])]), [], "at most 4 images"),
