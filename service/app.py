@@ -14,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from service.engine import Engine
 from service.errors import ServiceError, error_headers, error_response, status_code
 from service.metrics import ServiceMetrics
 from service.routes import classify, open_inference, operations
@@ -44,7 +45,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan,
                   description="Vision Transformer classification with attention-rollout maps, dynamically batched "
                               "onto ONNX Runtime.")
-    app.state.service = ServiceState(settings, metrics, model=model)
+    app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
     install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     for router in (classify.router, open_inference.router, operations.router):
@@ -68,6 +69,16 @@ def openapi_document(app: FastAPI) -> dict:
             spec.get("components", {}).get("schemas", {}).pop(unused, None)
         app.openapi_schema = spec
     return app.openapi_schema
+
+
+def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None) -> Engine:
+    """The engine process at `settings.engine_addresses` (a frontend started by `vitserve serve`), or the model
+    and batcher in this process."""
+    if settings.engine_addresses and model is None:
+        from service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
+        return RemoteEngine(settings, metrics)
+    from service.engine.local import LocalEngine
+    return LocalEngine(settings, metrics, model)
 
 
 def app_from_env() -> FastAPI:

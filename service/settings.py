@@ -22,6 +22,8 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: int = Field(1, ge=1, description="uvicorn worker processes (each loads its own session)")
+    # Set by `vitserve serve` for its HTTP frontends: where the engine processes listen (one per device).
+    engine_addresses: Annotated[list[str], NoDecode] = Field(default_factory=list, description="internal")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
 
@@ -104,6 +106,13 @@ class Settings(BaseSettings):
     def _split_commas(cls, value):
         if isinstance(value, str):
             return [v.strip().lower() for v in value.split(",") if v.strip()]
+        return value
+
+    @field_validator("engine_addresses", mode="before")
+    @classmethod
+    def _split_addresses(cls, value):
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
         return value
 
     @model_validator(mode="after")

@@ -1,11 +1,11 @@
 """The per-process serving state, made in the app's lifespan and reached by routes through dependencies.
 
-`ServiceState.start` loads the model (a bad model stops startup), starts the batcher, then warms up
-in the background; only after warm-up does the service report ready.
+`ServiceState.start` starts the engine (`service/engine/`: in this process, a bad model stops startup; or
+the connection to an engine process); the service reports ready only while the engine is ready (warmed up).
 
 Shutdown: on SIGTERM (or SIGINT) the state stops being ready at once and gives admitted requests
 `drain_timeout_s` to finish; then `stopping` is set and whatever still waits is answered 503 (JSON), before
-uvicorn's own graceful timeout (a second later) would cancel it with a bare 500. `stop` then closes the batcher.
+uvicorn's own graceful timeout (a second later) would cancel it with a bare 500. `stop` then closes the engine.
 """
 from __future__ import annotations
 
@@ -21,16 +21,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
-import numpy as np
 from fastapi import Request
 
 from service.admission import Admission, PixelBudget, return_large_frees_to_the_os
-from service.batcher import DynamicBatcher
-from service.errors import InferenceError, ModelLoadError, NotReady, ServiceError
+from service.engine import Engine
+from service.errors import NotReady, ServiceError
 from service.metrics import ServiceMetrics, mark_process_dead
 from service.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
-from service.runtime import InferenceModel, OnnxModel, warm_up
 from service.settings import Settings
+from vitserve.artifact import ModelInfo
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -41,43 +40,37 @@ log = logging.getLogger("vitserve.service")
 class ServiceState:
     settings: Settings
     metrics: ServiceMetrics
-    model: InferenceModel | None = None  # given (tests) or loaded from settings.model_path at startup
-    batcher: DynamicBatcher | None = None
+    engine: Engine  # the session and batcher: in this process, or in an engine process every frontend feeds
     pool: ThreadPoolExecutor | None = None  # preprocessing and PNG rendering, off the event loop
     large_pool: ThreadPoolExecutor | None = None  # images over large_image_pixels: small ones never wait for them
     admission: Admission | None = None
     pixels: PixelBudget | None = None
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the drain ran out: answer 503 now
-    ready: bool = False
     draining: bool = False
-    _warmup: asyncio.Task | None = field(default=None, repr=False)
     _previous_handlers: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def ready(self) -> bool:
+        """Serving: the engine is ready (loaded, warmed up, reachable) and this process is not shutting down."""
+        return self.engine.ready and not self.draining
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.engine.info
+
     async def start(self) -> None:
-        if self.model is None:
-            try:
-                self.model = await asyncio.to_thread(OnnxModel.load, self.settings)
-            except ModelLoadError as e:
-                log.error("cannot start: %s", e)
-                raise
-        s, info = self.settings, self.model.info
-        self.metrics.set_model(info.name, info.version, self.model.provider, info.opset)
+        s = self.settings
+        self.engine.on_ready = lambda ready: self.metrics.set_ready(ready and not self.draining)
+        await self.engine.start()
+        info = self.engine.info
+        self.metrics.set_model(info.name, info.version, self.engine.provider, info.opset)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None)
         self.admission.loop_lag.start()
         self.pixels = PixelBudget(s.max_pixels_in_flight)
         return_large_frees_to_the_os()
-        trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
-        self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
-                                      max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
-                                      max_batches_in_flight=s.max_batches_in_flight,
-                                      dispatch_when_idle=s.dispatch_when_idle,
-                                      max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
-                                      observer=self.metrics)
-        self.batcher.start()
         self._install_drain_handlers()
-        self._warmup = asyncio.create_task(self._warm_up())
 
     def _install_drain_handlers(self) -> None:
         """Chain in front of the server's signal handlers (uvicorn's, which stop accepting and wait for the
@@ -99,50 +92,22 @@ class ServiceState:
         """Not ready from now on; after drain_timeout_s whatever still waits is answered 503."""
         if self.draining:
             return
-        self.draining, self.ready = True, False
+        self.draining = True
         self.metrics.set_ready(False)
         asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self.stopping.set)
 
-    async def _warm_up(self) -> None:
-        started = time.perf_counter()
-        try:
-            await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
-        except Exception:  # stay not-ready: the readiness probe fails and the orchestrator restarts us
-            log.exception("warm-up failed; the service stays not ready")
-            return
-        if self.draining:  # a SIGTERM came during the warm-up: stay not ready
-            return
-        self.ready = True
-        self.metrics.set_ready(True)
-        log.info("ready: %s %s on %s, warmed up at batch sizes %s in %.2f s", self.model.info.name,
-                 self.model.info.version, self.model.provider, self.settings.warmup_batch_sizes,
-                 time.perf_counter() - started)
-
     async def stop(self) -> None:
-        self.ready = False
+        self.draining = True
         self.metrics.set_ready(False)
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         if self.admission:
             self.admission.loop_lag.stop()
-        if self._warmup and not self._warmup.done():
-            self._warmup.cancel()
-        if self.batcher:
-            await self.batcher.close(self.settings.drain_timeout_s)
+        await self.engine.close(self.settings.drain_timeout_s)
         for pool in (self.pool, self.large_pool):
             if pool:
                 pool.shutdown(wait=False, cancel_futures=True)
         mark_process_dead(os.getpid())
-
-    def run_batch(self, pixel_values: np.ndarray) -> list:
-        """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs.
-        An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
-        logits, rollout = self.model.run(pixel_values)
-        if logits.shape[0] != len(pixel_values) or rollout.shape[0] != len(pixel_values):
-            raise InferenceError(f"model returned {logits.shape[0]} results for {len(pixel_values)} images")
-        finite = np.isfinite(logits).all(axis=1) & np.isfinite(rollout).reshape(len(rollout), -1).all(axis=1)
-        return [(logits[i], rollout[i]) if finite[i] else InferenceError("model output is not finite")
-                for i in range(len(pixel_values))]
 
     async def preprocess(self, data: bytes, resize: ResizePolicy, keep_source: bool) -> tuple[PreparedImage, float]:
         """Decode and prepare one image in a pool, holding its share of the pixel budget while it does; returns
@@ -153,7 +118,7 @@ class ServiceState:
                                                                max_pixels=s.max_image_pixels))
         reserved = await self.pixels.acquire(pixels)
         pool = self.large_pool if pixels > s.large_image_pixels else self.pool
-        job = pool.submit(_timed, prepare_image, data, self.model.info, resize=resize, max_bytes=s.max_upload_bytes,
+        job = pool.submit(_timed, prepare_image, data, self.info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side)
         # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
@@ -169,7 +134,7 @@ class ServiceState:
         route = inference_route(method, path)
         if route is None or not self.ready:
             return None
-        predicted = self.batcher.predicted_wait_s()
+        predicted = self.engine.predicted_wait_s()
         refused = self.admission.refusal(predicted, self.settings.queue_wait_limit_s)
         if refused is None:
             return None
@@ -180,8 +145,7 @@ class ServiceState:
 
     def retry_after_s(self) -> int:
         """Seconds a refused client should wait: the time the queued work needs to run (at least the setting)."""
-        predicted = self.batcher.predicted_wait_s() if self.batcher else 0.0
-        return max(self.settings.retry_after_s, math.ceil(predicted))
+        return max(self.settings.retry_after_s, math.ceil(self.engine.predicted_wait_s()))
 
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))
@@ -226,7 +190,7 @@ async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
     """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
     otherwise, before its body is read); it counts as in flight until its route returns."""
     state = get_ready_state(request)
-    state.admission.enter(state.batcher.predicted_wait_s(), state.settings.queue_wait_limit_s)
+    state.admission.enter(state.engine.predicted_wait_s(), state.settings.queue_wait_limit_s)
     try:
         yield state
     finally:

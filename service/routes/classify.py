@@ -97,7 +97,7 @@ async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams,
                        deadline: Deadline) -> ClassifyResponse:
     keep_source = params.rollout == "overlay"
     prepared, preprocess_s = await state.preprocess(data, params.resize, keep_source)
-    result = await state.batcher.submit(prepared.pixels, deadline.remaining())
+    result = await state.engine.submit(prepared.pixels, deadline.remaining())
     logits, rollout = result.output
     (predictions, rollout_body), postprocess_s = await _encode(state, prepared, logits, rollout, params)
     state.metrics.image_stages(preprocess_s, postprocess_s)
@@ -107,7 +107,7 @@ async def classify_one(state: ServiceState, data: bytes, params: ClassifyParams,
 
 
 async def _encode(state: ServiceState, prepared: PreparedImage, logits, rollout, params: ClassifyParams):
-    args = (state.model.info.labels, prepared, logits, rollout, params.top_k, params.rollout)
+    args = (state.info.labels, prepared, logits, rollout, params.top_k, params.rollout)
     if params.rollout in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
         return await state.in_pool(postprocess.encode_result, *args)
     started = time.perf_counter()
@@ -115,7 +115,7 @@ async def _encode(state: ServiceState, prepared: PreparedImage, logits, rollout,
 
 
 def _model_ref(state: ServiceState) -> ModelRef:
-    return ModelRef(name=state.model.info.name, version=state.model.info.version)
+    return ModelRef(name=state.info.name, version=state.info.version)
 
 
 def _ms(seconds: float) -> float:

@@ -25,7 +25,7 @@ from service.model_config import model_metadata, triton_config
 from service.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from service.schemas import InferRequest, InferResponse, ModelMetadata
 from service.state import ServiceState, get_admitted_state, get_ready_state, get_state
-from vitserve.artifact import OUTPUT_NAMES
+from vitserve.artifact import OUTPUT_NAMES, ModelInfo
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
 
@@ -88,22 +88,20 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 @router.get("/models/stats", responses=_errors(503))
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension for every served model (there is one)."""
-    if state.model is None:
-        raise NotReady("no model loaded yet")
-    return _statistics(state, state.model.info.name, None)
+    return _statistics(state, state.info.name, None)
 
 
 # Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
 # declares each path's own parameters) over one function.
 @router.get(MODEL, response_model=ModelMetadata, responses=_errors(404, 503))
 async def metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    return model_metadata(_model_named(state, name).info)
+    return model_metadata(_model_named(state, name))
 
 
 @router.get(VERSIONED, response_model=ModelMetadata, responses=_errors(404, 503))
 async def versioned_metadata(name: str, version: str,
                              state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    return model_metadata(_model_named(state, name, version).info)
+    return model_metadata(_model_named(state, name, version))
 
 
 @router.get(MODEL + "/ready", responses=_errors(404, 503))
@@ -164,18 +162,18 @@ async def versioned_infer(name: str, version: str, request: Request,
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
-    model = _model_named(state, name, version)
-    return triton_config(model.info, state.settings, model.provider)
+    info = _model_named(state, name, version)
+    return triton_config(info, state.settings, state.engine.provider)
 
 
 def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
-    info = _model_named(state, name, version).info
+    info = _model_named(state, name, version)
     return {"model_stats": [state.metrics.statistics.to_triton(info.name, info.version)]}
 
 
 async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
     """A request's life: read and parse its body, run its images through the batcher, encode the outputs."""
-    started, info = time.perf_counter(), _model_named(state, name, version).info
+    started, info = time.perf_counter(), _model_named(state, name, version)
     deadline = Deadline.after(state.settings.request_timeout_s)
     call, parse_s = await _read_call(request, state, deadline)
     if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
@@ -205,7 +203,7 @@ async def _read_call(request: Request, state: ServiceState, deadline: Deadline) 
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    info = state.model.info
+    info = state.info
     limits = ProtocolLimits(max_json_bytes=s.max_json_body_bytes, max_json_values=s.max_json_values,
                             max_batch=s.max_batch_files, max_image_bytes=s.max_upload_bytes, channels=info.channels,
                             patch_size=info.patch_size, max_tokens=s.max_native_tokens)
@@ -213,7 +211,7 @@ async def _read_call(request: Request, state: ServiceState, deadline: Deadline) 
 
 
 async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline) -> dict[str, np.ndarray]:
-    results = await asyncio.gather(*(state.batcher.submit(image, deadline.remaining()) for image in pixels))
+    results = await asyncio.gather(*(state.engine.submit(image, deadline.remaining()) for image in pixels))
     return _stacked(results)
 
 
@@ -226,7 +224,7 @@ async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline) 
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: state.batcher.submit(pixels, deadline.remaining()))
+                          lambda pixels: state.engine.submit(pixels, deadline.remaining()))
     return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
 
 
@@ -259,13 +257,11 @@ def _stacked(results: list) -> dict[str, np.ndarray]:
     return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(OUTPUT_NAMES)}
 
 
-def _model_named(state: ServiceState, name: str, version: str | None = None):
-    if state.model is None:
-        raise NotReady("no model loaded yet")
-    info = state.model.info
+def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelInfo:
+    info = state.info
     if name != info.name:
         raise ModelNotFound(f"no model named {name[:64]!r}; this server serves {info.name!r}")
     if version is not None and version != info.version:
         raise ModelNotFound(f"model {info.name!r} has no version {version[:32]!r}; it serves version {info.version!r}")
-    return state.model
+    return info
 

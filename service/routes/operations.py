@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Response
 
-from service.errors import NotReady, openapi_responses
+from service.errors import openapi_responses
 from service.schemas import ModelCard
 from service.state import ServiceState, get_state
 
@@ -15,12 +15,10 @@ router = APIRouter(tags=["operations"])
 
 @router.get("/v1/model", response_model=ModelCard, responses=openapi_responses(503))
 async def model_card(state: Annotated[ServiceState, Depends(get_state)]) -> ModelCard:
-    if state.model is None:
-        raise NotReady("no model loaded yet")
-    info, s = state.model.info, state.settings
+    info, s = state.info, state.settings
     return ModelCard(name=info.name, version=info.version, labels=info.labels, image_height=info.image_size[0],
                      image_width=info.image_size[1], patch_size=info.patch_size, channels=info.channels,
-                     mean=info.mean, std=info.std, precision=info.precision, provider=state.model.provider,
+                     mean=info.mean, std=info.std, precision=info.precision, provider=state.engine.provider,
                      opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
                      test_accuracy=info.test_accuracy, max_batch_size=s.max_batch_size,
                      max_native_tokens=s.max_native_tokens)

@@ -1,0 +1,85 @@
+"""The one contract between HTTP frontends and an engine process: the messages, as msgspec structs over ZeroMQ.
+
+A frontend (DEALER socket) sends `Submit` for each image: the pixels themselves are in the frontend's
+shared-memory arena (`service/engine/shm.py`); the message says where. It may send `Cancel` for an image
+whose client went away. The engine (ROUTER socket) answers every `Submit` exactly once, with `Result` or
+`Failure`, and publishes `EngineStatus` on a PUB socket several times a second: readiness, which engine
+incarnation is running (a restarted engine has a new one), and its queue, for the frontends' admission.
+
+Both sides import this module; tests/service/test_engine_messages.py holds the round trip.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from service.errors import STATUS_CODES, ServiceError
+
+
+class Submit(msgspec.Struct, tag="submit", array_like=True):
+    id: int  # unique per frontend connection
+    arena: str  # the shared-memory segment's name
+    offset: int  # of the array's first byte in it
+    shape: tuple[int, ...]
+    dtype: str  # numpy's dtype.str, e.g. "<f4"
+    timeout_s: float  # the time left before the request's deadline
+
+
+class Cancel(msgspec.Struct, tag="cancel", array_like=True):
+    id: int
+
+
+class Tensor(msgspec.Struct, array_like=True):
+    shape: tuple[int, ...]
+    data: bytes  # float32, little-endian, row-major
+
+
+class Result(msgspec.Struct, tag="result", array_like=True):
+    id: int
+    outputs: list[Tensor]  # one per model output, in service.artifact's OUTPUT_NAMES order
+    queue_s: float
+    inference_s: float
+    batch_size: int
+
+
+class Failure(msgspec.Struct, tag="failure", array_like=True):
+    id: int
+    code: str  # a ServiceError's code: the frontend raises the same error
+    message: str
+
+
+class EngineStatus(msgspec.Struct, tag="status", array_like=True):
+    incarnation: str  # new each time an engine process starts
+    ready: bool  # loaded and warmed up, not shutting down
+    provider: str  # the ONNX Runtime execution provider in use
+    queued: int  # images waiting in its batch queue
+    queued_cost: int  # their input values
+    seconds_per_cost: float | None  # measured batch time per input value; None before the first batch
+    sent_at: float  # time.time() when published
+
+
+ToEngine = Submit | Cancel
+FromEngine = Result | Failure
+
+_ERRORS: dict[str, type[ServiceError]] = {cls.code: cls for cls in STATUS_CODES}
+
+
+def failure_for(id: int, error: ServiceError) -> Failure:
+    return Failure(id, error.code, str(error))
+
+
+def error_of(failure: Failure) -> ServiceError:
+    """The frontend's exception for an engine's Failure: the same class, so the same status code."""
+    return _ERRORS.get(failure.code, ServiceError)(failure.message)
+
+
+class Codec:
+    """msgpack encoders and typed decoders for both directions (one instance per socket user)."""
+
+    def __init__(self):
+        self.encoder = msgspec.msgpack.Encoder()
+        self.to_engine = msgspec.msgpack.Decoder(ToEngine)
+        self.from_engine = msgspec.msgpack.Decoder(FromEngine)
+        self.status = msgspec.msgpack.Decoder(EngineStatus)
+
+    def encode(self, message) -> bytes:
+        return self.encoder.encode(message)
