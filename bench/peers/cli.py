@@ -1,0 +1,90 @@
+"""`python -m bench.peers` flags onto `PeersConfig` (a flag left out keeps the field's default, or `--quick`'s), and
+`vitserve bench --mode peers`, which takes the bench command's shared flags (--model, --out, --concurrency,
+--duration, --warmup, --rounds, --time-limit, --quick, --cache-dir, --log-dir) onto the same object."""
+from __future__ import annotations
+
+import argparse
+import copy
+import shlex
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from bench.peers.config import QUICK, SERVERS, PeersConfig
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = PeersConfig()
+    p = argparse.ArgumentParser(prog="python -m bench.peers", description=(
+        "vitserve side by side with Triton Inference Server (nvidia-pytriton) and LitServe: same model, same "
+        "per-image work, same bodies, Debian's wrk, alternating rounds. Writes Markdown and JSON."))
+    p.add_argument("--models", type=_names, metavar="M,M", help=f"ONNX artifacts or presets (default "
+                                                                f"{','.join(d.models)})")
+    p.add_argument("--servers", type=_names, metavar="S,S", help=f"some of {','.join(SERVERS)} (default: all)")
+    p.add_argument("--out", type=Path, metavar="REPORT.md", help=f"default {d.out}; `make bench-peers` writes docs/")
+    p.add_argument("--rounds", type=int, metavar="N", help=f"default {d.rounds}")
+    p.add_argument("--concurrency", type=_ints, metavar="N,N", help=f"wrk connections (default "
+                                                                    f"{','.join(map(str, d.concurrency))})")
+    p.add_argument("--duration", dest="duration_s", type=int, metavar="SECONDS", help=f"per level (default "
+                                                                                      f"{d.duration_s})")
+    p.add_argument("--warmup", dest="warmup_s", type=int, metavar="SECONDS", help=f"default {d.warmup_s}")
+    p.add_argument("--time-limit", dest="time_limit_s", type=float, metavar="SECONDS",
+                   help=f"the whole run; later levels are skipped (default {d.time_limit_s:g})")
+    p.add_argument("--venv-python", metavar="PYTHON", help="interpreter the peers' venvs are made from (default: "
+                                                           "this Python's base interpreter)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: the default model, 1 round, 1 and 8 "
+                                                        "connections, 2 s levels (flags given still win)")
+    p.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"preset models (default {d.cache_dir})")
+    p.add_argument("--log-dir", type=Path, metavar="DIR", help=f"the servers' logs (default {d.log_dir})")
+    return p
+
+
+def config_from(given: dict, quick: bool) -> PeersConfig:
+    """PeersConfig's defaults, then --quick's, then the values given (None: not given)."""
+    names = {f.name for f in fields(PeersConfig)}
+    cfg = PeersConfig(**{**(copy.deepcopy(QUICK) if quick else {}),
+                         **{k: v for k, v in given.items() if k in names and v is not None}})
+    unknown = set(cfg.servers) - set(SERVERS)
+    if unknown or not cfg.servers:
+        raise SystemExit(f"bench peers: unknown servers {sorted(unknown)}; use some of {', '.join(SERVERS)}")
+    return cfg
+
+
+_BENCH_SHARED = ("out", "concurrency", "duration_s", "warmup_s", "rounds", "time_limit_s", "cache_dir", "log_dir")
+
+
+def config_from_bench_args(args: argparse.Namespace) -> PeersConfig:
+    """`vitserve bench --mode peers`: the shared flags; `--duration`/`--warmup` in whole seconds."""
+    given = {n: getattr(args, n, None) for n in _BENCH_SHARED}
+    for n in ("duration_s", "warmup_s"):
+        if given[n] is not None:
+            given[n] = max(1, round(given[n]))
+    if getattr(args, "model", None):
+        given["models"] = [args.model]
+    return config_from(given, args.quick)
+
+
+def run(cfg: PeersConfig, command: str) -> int:
+    from bench.peers.report import render
+    from bench.peers.run import run_peers
+    from bench.reliability import write_report
+
+    report = run_peers(cfg, command)
+    for path in write_report(report, render(report), cfg.out):
+        print(f"wrote {path}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser().parse_args(argv)
+    cfg = config_from(vars(args), args.quick)
+    return run(cfg, shlex.join(["python", "-m", "bench.peers", *argv]))

@@ -1,0 +1,43 @@
+"""The peer comparison's settings, and the only place their defaults are written (the command line overrides them)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SERVERS = ("vitserve", "triton", "litserve")
+# image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
+# Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
+PATHS = ("image", "oip-json", "oip-binary")
+SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",)}
+
+
+@dataclass
+class PeersConfig:
+    # ONNX artifacts, or names in bench/presets.py; the default model is HTTP-bound, ViT-S/16 compute-bound
+    models: list[str] = field(default_factory=lambda: ["models/vit-fmnist/model.onnx", "vit-s16"])
+    servers: list[str] = field(default_factory=lambda: list(SERVERS))
+    out: Path = Path("build/bench/peers.md")  # under build/: never over the committed report unless asked
+    rounds: int = 3  # every server once per round, the order reversed every other round
+    concurrency: list[int] = field(default_factory=lambda: [1, 8, 32, 64])  # wrk connections
+    # a model whose raw batch-1 latency is above compute_bound_ms is measured on the image path only, at these
+    compute_bound_ms: float = 10.0
+    compute_bound_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    duration_s: int = 5  # measured wrk run per level (wrk takes whole seconds)
+    warmup_s: int = 1  # a discarded wrk run at the same level before it
+    wrk_timeout_s: int = 60  # a request unanswered this long is a wrk timeout error
+    raw_batch_sizes: list[int] = field(default_factory=lambda: [1, 8, 16])
+    raw_duration_s: float = 3.0  # per raw batch size
+    quiet_load: float = 1.0  # the 1-minute load average to wait for before measuring ...
+    quiet_wait_s: float = 180.0  # ... at most this long (then it runs anyway, and says so)
+    time_limit_s: float = 2400.0  # the whole run; levels that would start after it are skipped
+    startup_timeout_s: float = 300.0
+    seed: int = 0
+    venv_python: str | None = None  # the interpreter the peers' venvs are made from; None: this Python's base
+    work_dir: Path = Path("build/peers")  # the venvs, request bodies and wrk scripts
+    cache_dir: Path = Path("build/bench-models")  # preset models, exported on first use
+    log_dir: Path = Path("build/bench-logs")  # the servers' logs
+
+
+# `--quick`: a smoke run of the default model; flags given still win over these
+QUICK = {"models": ["models/vit-fmnist/model.onnx"], "rounds": 1, "concurrency": [1, 8], "duration_s": 2,
+         "raw_duration_s": 0.5, "quiet_wait_s": 0.0}

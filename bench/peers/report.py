@@ -1,0 +1,191 @@
+"""The comparison's report: medians over rounds (pure), and the Markdown made from the JSON-able result."""
+from __future__ import annotations
+
+import statistics
+
+from bench.reliability import number, table
+
+LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe"}
+PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
+_MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
+
+
+def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrency: list[int]) -> list[dict]:
+    """Per path and connection count: each server's medians over its rounds (2xx req/s, p50, p99), its non-2xx
+    answers and socket errors summed, and vitserve's req/s over Triton's (medians)."""
+    out = []
+    for path in paths:
+        for connections in concurrency:
+            entry: dict = {"path": path, "connections": connections}
+            for server in servers:
+                mine = [r for r in rows if (r["server"], r["path"], r["connections"]) == (server, path, connections)
+                        and "skipped" not in r]
+                if mine:
+                    entry[server] = {**{k: statistics.median(r[k] for r in mine) for k in _MEDIANS},
+                                     "rounds": len(mine), "non_2xx": sum(r["non_2xx"] for r in mine),
+                                     "socket_errors": sum(sum(r["socket_errors"].values()) for r in mine)}
+            if len(entry) > 2:
+                mine, theirs = entry.get("vitserve"), entry.get("triton")
+                entry["vitserve_over_triton"] = (mine["ok_per_s"] / theirs["ok_per_s"]
+                                                 if mine and theirs and theirs["ok_per_s"] else None)
+                out.append(entry)
+    return out
+
+
+def render(report: dict) -> str:
+    env = report["environment"]
+    lines = ["# vitserve side by side with Triton Inference Server and LitServe", "",
+             f"`{report['command']}`, {env['date']}, commit `{(env['commit'] or 'unknown')[:12]}`. {env['cpu']} "
+             f"({env['cpus']} CPUs). Load average (1 / 5 / 15 min) before {env['loadavg_start']}"
+             f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env), "", *_commands(report), "",
+             *_method(report), ""]
+    lines += ["## The raw ONNX Runtime session (context)", "", *_raw_table(report["models"]), "",
+              "vitserve's own session and preprocessing (bench/raw.py), no server: per-call p50 at batch 1, and "
+              "images/s at each batch size.", ""]
+    for entry in report["models"]:
+        lines += _model_section(entry, report["settings"])
+    lines += ["## Every round", "", "wrk's own output for every run is in the JSON beside this file.", "",
+              *_rounds_table(report["models"]), ""]
+    return "\n".join(lines)
+
+
+def _waited(env: dict) -> str:
+    return f" (after waiting {env['waited_for_quiet_s']:g} s for a quieter machine)" if env["waited_for_quiet_s"] else ""
+
+
+def _versions(env: dict) -> list[str]:
+    peers = env["peer_versions"]
+    lines = [f"- **vitserve**: this commit, Python {env['python']}, onnxruntime {env['onnxruntime']}"]
+    if "triton" in peers:
+        t = peers["triton"]
+        lines.append(f"- **Triton Inference Server** {env.get('triton_version', '?')} (the `tritonserver` in "
+                     f"nvidia-pytriton {t['nvidia-pytriton']}), Python {t['python']}, numpy {t['numpy']}, "
+                     f"onnxruntime {t['onnxruntime']}")
+    if "litserve" in peers:
+        ls = peers["litserve"]
+        lines.append(f"- **LitServe** {ls['litserve']} (FastAPI {ls['fastapi']}, uvicorn {ls['uvicorn']}), Python "
+                     f"{ls['python']}, numpy {ls['numpy']}, onnxruntime {ls['onnxruntime']}")
+    return lines + [f"- load generator: {env['wrk']}"]
+
+
+def _commands(report: dict) -> list[str]:
+    """How to rerun it, and what each server was started with (ports are chosen free for every start)."""
+    lines = ["## Commands", "", "Rerun: `make bench-peers` (`.venv/bin/python -m bench.peers --out docs/bench-peers.md`; "
+             "`vitserve bench --mode peers` is the same). It makes build/peers/venv-triton and build/peers/venv-litserve "
+             "with pinned versions (bench/peers/venvs.py) when absent and needs Debian's `wrk`.", "",
+             "Servers, as started for the first model:", "", "```"]
+    first = report["models"][0]["servers"] if report["models"] else {}
+    for server, facts in first.items():
+        env = " ".join(f"{k}={v}" for k, v in facts["env"].items())
+        lines.append(f"{env} {' '.join(facts['argv'])}".strip())
+    rows = [r for m in report["models"] for r in m["rounds"] if "wrk_argv" in r]
+    if rows:
+        lines.append(f"wrk {rows[-1]['wrk_argv']}")
+    return lines + ["```"]
+
+
+def _method(report: dict) -> list[str]:
+    s = report["settings"]
+    return [
+        "## How it was run", "",
+        f"One server at a time on 127.0.0.1, {s['rounds']} round(s), each starting every server in turn (the order "
+        "reversed every other round) and stopping it before the next starts. Every server does the same per-image "
+        "work: vitserve's `prepare_image` (Pillow decode, resize, normalise), one ONNX Runtime call per batch "
+        "returning logits and rollout (vitserve's session options: cores shared among worker processes, no "
+        "spinning), top 5 and the rollout grid in the answer (bench/peers/image_classifier.py). All batch "
+        "dynamically with at most 16 images per batch and a 5 ms queue delay.", "",
+        "- **vitserve**: `vitserve serve --model M` with its defaults (log level warning: no access log).",
+        "- **Triton**: pytriton's `Triton().bind(...)` of two models, `vit-image` (BYTES input, the image) and "
+        "`vit-tensor` (FP32 `pixel_values` [C, -1, -1]), `@batch` infer functions, `DynamicBatcher("
+        "max_queue_delay_microseconds=5000)`, max batch 16; the C++ HTTP front end and batcher of `tritonserver`, "
+        "the model code reached through the Python backend (bench/peers/triton_server.py).",
+        "- **LitServe**: `LitServer(api, accelerator=\"cpu\", workers_per_device=<cores>, fast_queue=True)`, "
+        "`max_batch_size=16, batch_timeout=0.005` on the `LitAPI`, `run(log_level=\"warning\", "
+        "generate_client_file=False)` (bench/peers/litserve_server.py).", "",
+        "Paths: **image**: each server's own image endpoint (vitserve `POST /v1/classify` with the PNG as the body; "
+        "Triton the PNG as a binary BYTES input of `vit-image`, outputs as JSON; LitServe `POST /predict` with the "
+        "PNG as the multipart field `file`: LitServe 0.2 parses a body as a form or JSON only). **OIP JSON "
+        "tensor** and **OIP binary tensor**: the same bytes to vitserve's `/v2/models/<name>/infer` and Triton's "
+        "`vit-tensor` (bench/oip.py's bodies). Each request carries the same image.", "",
+        f"Load: `wrk -t min(c,2) -c c -d {s['duration_s']}s --timeout {s['wrk_timeout_s']}s --latency -s "
+        f"<path>.lua URL`, a closed loop over keep-alive connections, the Lua script sending one body read from a "
+        f"file; before each measured run a discarded {s['warmup_s']} s run at the same level, and after each run one "
+        "request answered alone (work left queued is done before the next run). wrk runs on the same two cores as "
+        "the server. A model whose raw batch-1 latency exceeds "
+        f"{s['compute_bound_ms']:g} ms is measured on the image path only, at "
+        f"{', '.join(map(str, s['compute_bound_concurrency']))} connections.", "",
+        "Numbers: **req/s** counts 2xx answers only (median over rounds), then (p50 / p99 latency in ms, medians "
+        "over rounds, from wrk's `--latency` distribution); *vitserve / Triton* is the ratio of the req/s medians.",
+    ]
+
+
+def _raw_table(models: list[dict]) -> list[str]:
+    sizes = sorted({r["batch_size"] for m in models for r in m["raw"]})
+    rows = []
+    for m in models:
+        by_size = {r["batch_size"]: r for r in m["raw"]}
+        one = by_size[min(by_size)]
+        rows.append([_model_name(m["model"]), number(one["p50_ms"], ".2f")]
+                    + [number(by_size[b]["images_per_s"]) if b in by_size else "-" for b in sizes]
+                    + [number(max(r["images_per_s"] for r in m["raw"]))])
+    return table(["model", "batch-1 p50 ms", *(f"images/s at {b}" for b in sizes), "best images/s"], rows)
+
+
+def _model_name(model: dict) -> str:
+    return f"{model['name']} ({model['height']}x{model['width']})"
+
+
+def _model_section(entry: dict, settings: dict) -> list[str]:
+    m = entry["model"]
+    kind = "compute-bound" if m["compute_bound"] else "HTTP-bound"
+    servers = [s for s in settings["servers"]]
+    lines = [f"## {_model_name(m)}, {kind}", "",
+             f"`{m['path']}`: {m['name']} {m['version']}, {m['channels']} channel(s), patch {m['patch_size']}, "
+             f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers), ""]
+    errors = [f"{LABELS[s]} {PATH_LABELS[e['path']]} at {e['connections']}: {e[s]['non_2xx']} non-2xx, "
+              f"{e[s]['socket_errors']} socket errors" for e in entry["summary"] for s in servers
+              if s in e and (e[s]["non_2xx"] or e[s]["socket_errors"])]
+    lines.append("Errors (all rounds): " + ("; ".join(errors) if errors else "none: every answer was 2xx.") + "")
+    lines += ["", "Answers checked (one request per path, against the raw session on the same image; top-1 class "
+              "and values within 1e-4: logits on the tensor paths, the top-5 probabilities on the image path):", ""]
+    for server, checks in entry["checks"].items():
+        lines.append(f"- {LABELS[server]}: " + "; ".join(_check(path, c) for path, c in checks.items()))
+    sizes = entry["request_bytes"]
+    lines += ["", "Request bodies (bytes): " + "; ".join(
+        f"{LABELS[s]} " + ", ".join(f"{PATH_LABELS[p]} {n:,}" for p, n in sizes[s].items()) for s in sizes) + ".", ""]
+    return lines
+
+
+def _check(path: str, c: dict) -> str:
+    if "error" in c:
+        return f"{PATH_LABELS[path]} **failed** ({c['status']}: {c['error'][:120]})"
+    verdict = "ok" if c["ok"] else "**WRONG**"
+    return f"{PATH_LABELS[path]} {verdict} (top-1 {c['top1']}, max abs diff {c['max_abs_diff']:.1e})"
+
+
+def _cell(value: dict | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value['ok_per_s']:.0f} ({value['p50_ms']:.1f} / {value['p99_ms']:.1f})"
+
+
+def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:
+    rows = [[PATH_LABELS[e["path"]], str(e["connections"]), *(_cell(e.get(s)) for s in servers),
+             number(e.get("vitserve_over_triton"), ".2f")] for e in summary]
+    header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers), "vitserve / Triton"]
+    return table(header, rows, text_columns=1)
+
+
+def _rounds_table(models: list[dict]) -> list[str]:
+    rows = []
+    for m in models:
+        for r in m["rounds"]:
+            head = [m["model"]["name"], str(r["round"]), LABELS[r["server"]], PATH_LABELS[r["path"]],
+                    str(r["connections"])]
+            if "skipped" in r:
+                rows.append(head + [f"skipped ({r['skipped']})"] + ["-"] * 5)
+                continue
+            rows.append(head + [number(r["ok_per_s"]), number(r["p50_ms"], ".2f"), number(r["p99_ms"], ".2f"),
+                                str(r["non_2xx"]), str(sum(r["socket_errors"].values())), number(r["load1_before"], ".2f")])
+    return table(["model", "round", "server", "path", "clients", "req/s (2xx)", "p50 ms", "p99 ms", "non-2xx",
+                  "socket errors", "load (1 min)"], rows, text_columns=5)

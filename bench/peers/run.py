@@ -1,0 +1,208 @@
+"""The comparison, in order, per model: the raw ONNX Runtime session (for context, and the reference answer), then
+`rounds` rounds, each starting every server in turn (the order reversed every other round), one at a time; a
+server's answers are checked once (bench/peers/answers.py), then every path it serves is loaded with wrk at every
+connection count: a discarded warm-up run, the measured run, and after each one request answered alone, so that
+work a run left queued is done before the next one starts.
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from bench.load import make_images
+from bench.peers.answers import check, post
+from bench.peers.bodies import PeerRequest, peer_request
+from bench.peers.config import PATHS, SERVED_PATHS, PeersConfig
+from bench.peers.report import summarise
+from bench.peers.servers import RunningServer, ServerSpec, litserve_spec, triton_spec, vitserve_spec
+from bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
+from bench.peers.wrk import find_wrk, run_wrk, threads_for, wrk_argv, wrk_version, write_script
+from bench.presets import resolve_model
+from bench.raw import bench_raw, load_raw_model, preprocessed
+from bench.reliability import alternated
+from bench.run import Budget
+from vitserve.machine import cpu_model_name, load_average
+
+_STARTUP_ALLOWANCE_S = 40.0  # what a level's time check adds for a server yet to start
+
+
+@dataclass
+class ModelUnderTest:
+    path: Path
+    png: bytes  # the one image every request carries
+    pixels: np.ndarray  # (1, C, H, W): vitserve's preprocessing of it
+    logits: np.ndarray  # (K,): the raw session's answer, the reference
+    grid: list[int]  # [h, w] of the rollout
+    paths: tuple[str, ...]
+    concurrency: list[int]
+    work_dir: Path
+
+
+def run_peers(cfg: PeersConfig, command: str) -> dict:
+    wrk = find_wrk()
+    pythons = {p: ensure_venv(cfg.work_dir, p, cfg.venv_python) for p in cfg.servers if p != "vitserve"}
+    env = environment(wrk, pythons)
+    env["loadavg_start"], env["waited_for_quiet_s"] = wait_for_quiet(cfg.quiet_load, cfg.quiet_wait_s)
+    budget = Budget(cfg.time_limit_s)
+    models = [measure_model(cfg, name, wrk, pythons, budget) for name in cfg.models]
+    env["loadavg_end"] = load_average()
+    env["triton_version"] = next((m["servers"]["triton"]["server_metadata"].get("version") for m in models
+                                  if "triton" in m["servers"]), None)
+    return {"command": command, "environment": env, "settings": asdict(cfg), "models": models}
+
+
+def environment(wrk: str, pythons: dict[str, Path]) -> dict:
+    import onnxruntime
+
+    versions = {p: package_versions(py, VERSIONS_OF[p]) for p, py in pythons.items()}
+    return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model_name(),
+            "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
+            "wrk": wrk_version(wrk), "commit": _commit(), "peer_versions": versions}
+
+
+def _commit() -> str | None:
+    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return out.stdout.strip() or None
+
+
+def wait_for_quiet(quiet_load: float, wait_s: float) -> tuple[str, float]:
+    """Wait (at most `wait_s`) for the 1-minute load average to fall to `quiet_load`; (load then, seconds waited)."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > quiet_load and time.monotonic() - started < wait_s:
+        if time.monotonic() - started < 1:
+            print(f"load average {load_average()}: waiting up to {wait_s:.0f} s for it to fall to {quiet_load:g}",
+                  flush=True)
+        time.sleep(5)
+    return load_average(), round(time.monotonic() - started, 1)
+
+
+def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path], budget: Budget) -> dict:
+    model_path = resolve_model(name, cfg.cache_dir)
+    model, raw = raw_session(cfg, model_path)
+    batch_one = min(raw, key=lambda r: r["batch_size"])
+    compute_bound = batch_one["p50_ms"] > cfg.compute_bound_ms
+    m = ModelUnderTest(model["path"], model["png"], model["pixels"], model["logits"], model["grid"],
+                       ("image",) if compute_bound else PATHS,
+                       cfg.compute_bound_concurrency if compute_bound else cfg.concurrency,
+                       cfg.work_dir / "requests" / model_path.stem)
+    print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({'compute' if compute_bound else 'HTTP'}-bound); "
+          f"paths {', '.join(m.paths)} at {m.concurrency} connections", flush=True)
+    rows, checks, servers = [], {}, {}
+    for round_, server in alternated(cfg.servers, cfg.rounds):
+        levels = [(p, c) for p in m.paths if p in SERVED_PATHS[server] for c in m.concurrency]
+        head = {"round": round_ + 1, "server": server}
+        if not budget.allows(_STARTUP_ALLOWANCE_S + cfg.warmup_s + cfg.duration_s + 5):
+            rows += [{**head, "path": p, "connections": c, "skipped": "time limit"} for p, c in levels]
+            continue
+        spec = server_spec(server, m.path, pythons)
+        log = cfg.log_dir / f"peers-{model_path.stem}-{server}-round{round_ + 1}.log"
+        with RunningServer(spec, log, cfg.startup_timeout_s) as running:
+            requests = {p: request_for(server, p, running, m) for p, _ in levels}
+            if server not in checks:
+                checks[server] = {p: check(server, p, running.url, r, m.logits, m.grid) for p, r in requests.items()}
+                servers[server] = describe(server, spec, running)
+                print(f"  {server}: answers {_check_line(checks[server])}", flush=True)
+            for path, connections in levels:
+                row = {**head, "path": path, "connections": connections}
+                if not budget.allows(cfg.warmup_s + cfg.duration_s + 5):
+                    rows.append({**row, "skipped": "time limit"})
+                    continue
+                script = write_script(m.work_dir, f"{server}-{path}", requests[path])
+                rows.append({**row, **measure_level(cfg, wrk, running.url, script, connections, requests[path])})
+                print(_level_line(rows[-1]), flush=True)
+    return {"model": {**model_summary_of(model_path), "compute_bound": compute_bound}, "raw": raw,
+            "paths": list(m.paths), "concurrency": m.concurrency, "checks": checks, "servers": servers,
+            "request_bytes": {s: {p: len(request_for_size(s, p, m)) for p in m.paths if p in SERVED_PATHS[s]}
+                              for s in cfg.servers},
+            "rounds": rows, "summary": summarise(rows, cfg.servers, list(m.paths), m.concurrency)}
+
+
+def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
+    """The reference image and answer, and the session alone at each batch size (vitserve's own session)."""
+    session = load_raw_model(model_path, {})
+    info = session.info
+    png = make_images("png", info.image_size, info.channels, 1, cfg.seed)[0]
+    pixels = preprocessed(session, [png])  # (1, C, H, W)
+    logits, rollout = session.run(pixels)
+    print(f"raw ONNX Runtime session, batch sizes {cfg.raw_batch_sizes}", flush=True)
+    raw = bench_raw(session.run, pixels, cfg.raw_batch_sizes, cfg.raw_duration_s)
+    for r in raw:
+        print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms", flush=True)
+    model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:])}
+    return model, raw
+
+
+def model_summary_of(model_path: Path) -> dict:
+    from service.runtime import read_model_file_info
+
+    info = read_model_file_info(model_path)
+    return {"name": info.name, "version": info.version, "path": str(model_path), "height": info.image_size[0],
+            "width": info.image_size[1], "channels": info.channels, "patch_size": info.patch_size,
+            "size_mb": round(model_path.stat().st_size / 2**20, 1)}
+
+
+def server_spec(server: str, model_path: Path, pythons: dict[str, Path]) -> ServerSpec:
+    if server == "vitserve":
+        return vitserve_spec(model_path)
+    if server == "triton":
+        return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]))
+    return litserve_spec(model_path, pythons["litserve"])
+
+
+def request_for(server: str, path: str, running: RunningServer, m: ModelUnderTest) -> PeerRequest:
+    name = _get_json(running.url + "/v1/model")["name"] if server == "vitserve" and path != "image" else ""
+    return peer_request(server, path, m.png, m.pixels, name)
+
+
+def request_for_size(server: str, path: str, m: ModelUnderTest) -> bytes:
+    return peer_request(server, path, m.png, m.pixels, "model").body
+
+
+def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
+    """How the server was started, and what it says it is."""
+    facts = {"argv": spec.argv, "env": spec.env}
+    if server == "triton":
+        facts["server_metadata"] = _get_json(running.url + "/v2")
+    if server == "vitserve":
+        facts["model"] = _get_json(running.url + "/v1/model")
+    return facts
+
+
+def _get_json(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int,
+                  request: PeerRequest) -> dict:
+    """A discarded warm-up run, then the measured one, each followed by one request answered alone."""
+    limit = cfg.duration_s + cfg.wrk_timeout_s + 60
+    target = url + request.target
+    run_wrk(wrk_argv(wrk, target, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
+    post(url, request, cfg.wrk_timeout_s)
+    load = os.getloadavg()[0]
+    argv = wrk_argv(wrk, target, connections, cfg.duration_s, cfg.wrk_timeout_s, script)
+    result = run_wrk(argv, limit)
+    post(url, request, cfg.wrk_timeout_s)
+    return {**result, "threads": threads_for(connections), "load1_before": round(load, 2),
+            "wrk_argv": " ".join(argv[1:])}
+
+
+def _check_line(checks: dict) -> str:
+    return "; ".join(f"{p} {'ok' if c['ok'] else 'WRONG'} (top-1 {c.get('top1')}, max diff "
+                     f"{c.get('max_abs_diff', float('nan')):.2g})" if "error" not in c else f"{p} FAILED {c['error']}"
+                     for p, c in checks.items())
+
+
+def _level_line(r: dict) -> str:
+    return (f"  round {r['round']} {r['server']:8s} {r['path']:10s} c={r['connections']:<3d} "
+            f"{r['ok_per_s']:8.1f} req/s (2xx)  p50 {r['p50_ms']:8.2f} ms  p99 {r['p99_ms']:8.2f} ms  "
+            f"non-2xx {r['non_2xx']}  socket errors {sum(r['socket_errors'].values())}")

@@ -1,0 +1,153 @@
+"""Starting and stopping the three servers, one at a time, each as its users start it, on 127.0.0.1.
+
+- vitserve: `vitserve serve --model M --host 127.0.0.1 --port P` (bench/servers.py `serve_argv`), its defaults
+  but for the log level (warning: no access log line per request; neither peer writes one).
+- Triton: `python -m bench.peers.triton_server` in the Triton venv, the repository on PYTHONPATH and the venv
+  Python's library directory on LD_LIBRARY_PATH (the Python backend stub links libpython).
+- LitServe: `python -m bench.peers.litserve_server` in the LitServe venv, the repository on PYTHONPATH.
+
+Each runs in its own session (process group): a stop is SIGTERM, then after `grace_s` SIGKILL to the group, since
+neither peer's children are sure to go with their parent (LitServe 0.2's workers outlive a SIGTERM). A server
+starts only on ports nobody listens on, is ready when all its readiness paths answer 200,, and a stop waits until its ports are free again.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bench.config import LOOPBACK
+from bench.peers.bodies import TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
+from bench.servers import free_port, serve_argv
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass
+class ServerSpec:
+    name: str
+    argv: list[str]
+    ports: list[int]  # the first is HTTP
+    ready_paths: list[str]  # every one answers 200 when the server is ready
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
+
+
+def vitserve_spec(model: Path) -> ServerSpec:
+    port = free_port()
+    return ServerSpec("vitserve", serve_argv(model, port), [port], ["/v2/health/ready"],
+                      {"VITSERVE_LOG_LEVEL": "warning"})
+
+
+def triton_spec(model: Path, python: Path, library_dir: str) -> ServerSpec:
+    http, grpc, metrics = _distinct_free_ports(3)
+    argv = [str(python), "-m", "bench.peers.triton_server", "--model", str(model.resolve()), "--http-port", str(http),
+            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+    path = os.pathsep.join(p for p in (library_dir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
+    # tritonserver is ready before pytriton has loaded the models into it
+    ready = [f"/v2/models/{name}/ready" for name in (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL)]
+    return ServerSpec("triton", argv, [http, grpc, metrics], ["/v2/health/ready", *ready],
+                      {"PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": path})
+
+
+def litserve_spec(model: Path, python: Path) -> ServerSpec:
+    port = free_port()
+    argv = [str(python), "-m", "bench.peers.litserve_server", "--model", str(model.resolve()), "--port", str(port)]
+    return ServerSpec("litserve", argv, [port], ["/health"], {"PYTHONPATH": str(REPO)})
+
+
+def _distinct_free_ports(count: int) -> list[int]:
+    ports: list[int] = []
+    while len(ports) < count:
+        port = free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((LOOPBACK, port))
+        except OSError:
+            return False
+    return True
+
+
+class RunningServer:
+    """A server in its own process group, ready when every readiness path answers 200; stopped on exit."""
+
+    def __init__(self, spec: ServerSpec, log_path: Path, startup_timeout_s: float, grace_s: float = 30.0):
+        self.spec, self.log_path = spec, log_path
+        self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "RunningServer":
+        busy = [p for p in self.spec.ports if not port_is_free(p)]
+        if busy:
+            raise RuntimeError(f"{self.spec.name}: port(s) {busy} already in use")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.spec.argv, env={**os.environ, **self.spec.env}, cwd=REPO, stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def url(self) -> str:
+        return f"http://{LOOPBACK}:{self.spec.port}"
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} before it was ready; "
+                                   f"its log ends:\n{self.log_path.read_text(errors='replace')[-2000:]}")
+            if all(self._answers_200(path) for path in self.spec.ready_paths):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.spec.name} not ready after {self.startup_timeout_s:.0f} s (log: {self.log_path})")
+
+    def _answers_200(self, path: str) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        """SIGTERM to the server, then SIGKILL to its whole group; returns when its ports are free."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own group (start_new_session): children left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        deadline = time.monotonic() + 30
+        while any(not port_is_free(p) for p in self.spec.ports) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        self.proc = None
+

@@ -1,0 +1,91 @@
+"""The load: Debian's `wrk`, closed loop over keep-alive connections, one Lua script per server and path that sends
+the same body every time (read from a file the script names), and its `--latency` report parsed into numbers.
+
+wrk runs `min(connections, 2)` threads. Its requests/s counts every answer; `ok_per_s` counts the 2xx ones only
+(wrk reports the others as "Non-2xx or 3xx responses"), so a server that answers fast refusals is not credited.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+from bench.peers.bodies import PeerRequest
+
+INSTALL_HINT = "install it with `apt-get update && apt-get install -y wrk` (Debian's package)"
+_UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}
+_NUMBER_UNIT = r"([\d.]+)(us|ms|s|m|h)"
+
+
+def find_wrk() -> str:
+    path = shutil.which("wrk")
+    if path is None:
+        raise SystemExit(f"bench peers: no `wrk` on PATH; {INSTALL_HINT}")
+    return path
+
+
+def wrk_version(wrk: str) -> str:
+    out = subprocess.run([wrk, "-v"], capture_output=True, text=True, timeout=10)
+    return (out.stdout + out.stderr).splitlines()[0].split(" Copyright")[0] if out.stdout + out.stderr else "?"
+
+
+def lua_script(body_path: Path, request: PeerRequest) -> str:
+    """A script that POSTs the file's bytes, with the request's headers (wrk adds Host and Content-Length)."""
+    lines = ["-- written by bench/peers/wrk.py: the same body on every request",
+             f"local f = assert(io.open({_lua_string(str(body_path.resolve()))}, \"rb\"))",
+             "wrk.method = \"POST\"", "wrk.body = f:read(\"*a\")", "f:close()"]
+    lines += [f"wrk.headers[{_lua_string(k)}] = {_lua_string(v)}" for k, v in request.headers.items()]
+    return "\n".join(lines) + "\n"
+
+
+def _lua_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def write_script(directory: Path, name: str, request: PeerRequest) -> Path:
+    """`name`.body and `name`.lua in `directory`; the script's path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    body_path = directory / f"{name}.body"
+    body_path.write_bytes(request.body)
+    script = directory / f"{name}.lua"
+    script.write_text(lua_script(body_path, request))
+    return script
+
+
+def threads_for(connections: int) -> int:
+    return min(connections, 2)
+
+
+def wrk_argv(wrk: str, url: str, connections: int, duration_s: int, timeout_s: int, script: Path) -> list[str]:
+    return [wrk, "-t", str(threads_for(connections)), "-c", str(connections), "-d", f"{duration_s}s",
+            "--timeout", f"{timeout_s}s", "--latency", "-s", str(script), url]
+
+
+def _ms(number: str, unit: str) -> float:
+    return float(number) * _UNITS_MS[unit]
+
+
+def parse_wrk(text: str) -> dict:
+    """wrk's `--latency` report -> requests, seconds, req/s (all and 2xx only), p50/p75/p90/p99 in ms, non-2xx,
+    socket errors."""
+    done = re.search(r"(\d+) requests in " + _NUMBER_UNIT, text)
+    rate = re.search(r"Requests/sec:\s+([\d.]+)", text)
+    if not done or not rate:
+        raise ValueError(f"not a wrk report: {text[-500:]!r}")
+    requests, seconds = int(done.group(1)), _ms(done.group(2), done.group(3)) / 1000
+    percentiles = {f"p{p}_ms": _ms(n, u) for p, n, u in re.findall(r"^\s+(\d+)%\s+" + _NUMBER_UNIT, text, re.M)}
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", text)
+    socket_errors = dict(zip(("connect", "read", "write", "timeout"), map(int, errors.groups()))) if errors else {}
+    bad = int(non_2xx.group(1)) if non_2xx else 0
+    return {"requests": requests, "seconds": seconds, "requests_per_s": float(rate.group(1)),
+            "ok_per_s": (requests - bad) / seconds if seconds else 0.0, **percentiles, "non_2xx": bad,
+            "socket_errors": socket_errors}
+
+
+def run_wrk(argv: list[str], timeout_s: float) -> dict:
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if out.returncode != 0:
+        raise RuntimeError(f"wrk exited {out.returncode}: {out.stderr[-500:] or out.stdout[-500:]}")
+    return {**parse_wrk(out.stdout), "wrk_output": out.stdout}
