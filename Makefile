@@ -63,3 +63,11 @@ docker-test:
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; rewrites the committed
+# docs/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
+# when absent. PEERS_ARGS adds flags, e.g. PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
+.PHONY: bench-peers
+bench-peers: $(VENV)/.dev-installed
+	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }
+	$(BIN)/python -m bench.peers --out docs/bench-peers.md $(PEERS_ARGS)

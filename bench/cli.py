@@ -41,11 +41,12 @@ def add_bench_parser(subparsers) -> None:
                     "load (batching on and off, pre-sized PNGs and 640x480 JPEGs), and for fast models a bare "
                     "FastAPI endpoint; writes a Markdown table, its JSON and a latency/throughput plot. "
                     "--mode overload|hol|soak measures how the server holds up instead (docs/reliability.md).")
-    p.add_argument("--mode", choices=("throughput", *MODES, "oip"), default="throughput",
+    p.add_argument("--mode", choices=("throughput", *MODES, "oip", "peers"), default="throughput",
                    help="throughput (default): raw vs served; overload: an open loop at twice the measured "
                         "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
                         "for minutes, memory and file descriptors; oip: the Open Inference Protocol's request "
-                        "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side")
+                        "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side; peers: "
+                        "side by side with Triton and LitServe under wrk (bench/peers/cli.py, docs/bench-peers.md)")
     d = BenchConfig()  # for the help text only: a flag not given stays None, and the field's default holds
     p.add_argument("--model", metavar="MODEL", help=f"an ONNX artifact, or a preset made on first use with random "
                                                     f"weights (needs torch): {', '.join(PRESETS)} (default {d.model})")
@@ -199,6 +200,9 @@ def oip_config_from_args(args: argparse.Namespace):
 
 
 def run_bench_command(args: argparse.Namespace) -> int:
+    if args.mode == "peers":
+        from bench.peers.cli import config_from_bench_args, run
+        return run(config_from_bench_args(args), shlex.join(["vitserve", "bench", *sys.argv[2:]]))
     if args.mode == "oip":
         return run_oip_command(args)
     if args.mode != "throughput":

@@ -36,7 +36,8 @@ def answer_values(server: str, path: str, body: bytes, header_length: str | None
         return {"logits": outputs["logits"].reshape(-1), "grid": list(outputs["rollout"].shape[-2:])}
     if server == "triton":
         outputs, _ = decode_outputs(body, header_length)
-        return {"indices": outputs["top_index"].reshape(-1).astype(np.int64), "scores": outputs["top_score"].reshape(-1),
+        return {"indices": outputs["top_index"].reshape(-1).astype(np.int64),
+                "scores": outputs["top_score"].reshape(-1),
                 "grid": list(outputs["rollout"].shape[-2:])}
     doc = json.loads(body)  # vitserve's /v1/classify and LitServe's answer share this shape
     rollout = doc["rollout"]

@@ -32,7 +32,8 @@ def multipart_image(png: bytes, field: str = "file", boundary: str = BOUNDARY) -
     """The PNG as the one file field of a multipart/form-data body."""
     head = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{field}\"; filename=\"image.png\"\r\n"
             f"Content-Type: image/png\r\n\r\n").encode()
-    return head + png + f"\r\n--{boundary}--\r\n".encode(), {"Content-Type": f"multipart/form-data; boundary={boundary}"}
+    tail = f"\r\n--{boundary}--\r\n".encode()
+    return head + png + tail, {"Content-Type": f"multipart/form-data; boundary={boundary}"}
 
 
 def triton_image_request(png: bytes) -> tuple[bytes, dict[str, str]]:

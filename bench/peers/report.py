@@ -35,8 +35,8 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
 def render(report: dict) -> str:
     env = report["environment"]
     lines = ["# vitserve side by side with Triton Inference Server and LitServe", "",
-             f"`{report['command']}`, {env['date']}, commit `{(env['commit'] or 'unknown')[:12]}`. {env['cpu']} "
-             f"({env['cpus']} CPUs). Load average (1 / 5 / 15 min) before {env['loadavg_start']}"
+             f"`{report['command']}`, {env['date']}, commit `{(env['commit'] or 'unknown')[:12]}`{_dirty(env)}. "
+             f"{env['cpu']} ({env['cpus']} CPUs). Load average (1 / 5 / 15 min) before {env['loadavg_start']}"
              f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env), "", *_commands(report), "",
              *_method(report), ""]
     lines += ["## The raw ONNX Runtime session (context)", "", *_raw_table(report["models"]), "",
@@ -49,8 +49,14 @@ def render(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _dirty(env: dict) -> str:
+    n = env.get("uncommitted_files")
+    return f" with {n} uncommitted file(s) in the working tree (vitserve ran with them)" if n else ""
+
+
 def _waited(env: dict) -> str:
-    return f" (after waiting {env['waited_for_quiet_s']:g} s for a quieter machine)" if env["waited_for_quiet_s"] else ""
+    waited = env["waited_for_quiet_s"]
+    return f" (after waiting {waited:g} s for a quieter machine)" if waited else ""
 
 
 def _versions(env: dict) -> list[str]:
@@ -70,9 +76,10 @@ def _versions(env: dict) -> list[str]:
 
 def _commands(report: dict) -> list[str]:
     """How to rerun it, and what each server was started with (ports are chosen free for every start)."""
-    lines = ["## Commands", "", "Rerun: `make bench-peers` (`.venv/bin/python -m bench.peers --out docs/bench-peers.md`; "
-             "`vitserve bench --mode peers` is the same). It makes build/peers/venv-triton and build/peers/venv-litserve "
-             "with pinned versions (bench/peers/venvs.py) when absent and needs Debian's `wrk`.", "",
+    lines = ["## Commands", "", "Rerun: `make bench-peers` (`.venv/bin/python -m bench.peers --out "
+             "docs/bench-peers.md`; `vitserve bench --mode peers` is the same). It makes build/peers/venv-triton and "
+             "build/peers/venv-litserve with pinned versions (bench/peers/venvs.py) when absent and needs Debian's "
+             "`wrk`.", "",
              "Servers, as started for the first model:", "", "```"]
     first = report["models"][0]["servers"] if report["models"] else {}
     for server, facts in first.items():
@@ -186,6 +193,7 @@ def _rounds_table(models: list[dict]) -> list[str]:
                 rows.append(head + [f"skipped ({r['skipped']})"] + ["-"] * 5)
                 continue
             rows.append(head + [number(r["ok_per_s"]), number(r["p50_ms"], ".2f"), number(r["p99_ms"], ".2f"),
-                                str(r["non_2xx"]), str(sum(r["socket_errors"].values())), number(r["load1_before"], ".2f")])
+                                str(r["non_2xx"]), str(sum(r["socket_errors"].values())),
+                                number(r["load1_before"], ".2f")])
     return table(["model", "round", "server", "path", "clients", "req/s (2xx)", "p50 ms", "p99 ms", "non-2xx",
                   "socket errors", "load (1 min)"], rows, text_columns=5)

@@ -65,12 +65,13 @@ def environment(wrk: str, pythons: dict[str, Path]) -> dict:
     versions = {p: package_versions(py, VERSIONS_OF[p]) for p, py in pythons.items()}
     return {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpu": cpu_model_name(),
             "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
-            "wrk": wrk_version(wrk), "commit": _commit(), "peer_versions": versions}
+            "wrk": wrk_version(wrk), "commit": _git("rev-parse", "HEAD") or None,
+            "uncommitted_files": len(_git("status", "--porcelain", "--untracked-files=no").splitlines()),
+            "peer_versions": versions}
 
 
-def _commit() -> str | None:
-    out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return out.stdout.strip() or None
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
 
 
 def wait_for_quiet(quiet_load: float, wait_s: float) -> tuple[str, float]:
@@ -93,7 +94,8 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
                        ("image",) if compute_bound else PATHS,
                        cfg.compute_bound_concurrency if compute_bound else cfg.concurrency,
                        cfg.work_dir / "requests" / model_path.stem)
-    print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({'compute' if compute_bound else 'HTTP'}-bound); "
+    kind = "compute" if compute_bound else "HTTP"
+    print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({kind}-bound); "
           f"paths {', '.join(m.paths)} at {m.concurrency} connections", flush=True)
     rows, checks, servers = [], {}, {}
     for round_, server in alternated(cfg.servers, cfg.rounds):
@@ -135,7 +137,8 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
     print(f"raw ONNX Runtime session, batch sizes {cfg.raw_batch_sizes}", flush=True)
     raw = bench_raw(session.run, pixels, cfg.raw_batch_sizes, cfg.raw_duration_s)
     for r in raw:
-        print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms", flush=True)
+        print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms",
+              flush=True)
     model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:])}
     return model, raw
 

@@ -8,7 +8,8 @@
 
 Each runs in its own session (process group): a stop is SIGTERM, then after `grace_s` SIGKILL to the group, since
 neither peer's children are sure to go with their parent (LitServe 0.2's workers outlive a SIGTERM). A server
-starts only on ports nobody listens on, is ready when all its readiness paths answer 200,, and a stop waits until its ports are free again.
+starts only on ports nobody listens on and is ready when all its readiness paths answer 200 (Triton's models load
+after the server is up); a stop waits until its ports are free again.
 """
 from __future__ import annotations
 

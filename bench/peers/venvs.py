@@ -60,4 +60,5 @@ def library_dir(python: Path) -> str:
 
 def package_versions(python: Path, names: list[str]) -> dict[str, str]:
     code = f"import importlib.metadata as m, json; print(json.dumps({{n: m.version(n) for n in {names!r}}}))"
-    return {"python": _ask(python, "import platform; print(platform.python_version())"), **json.loads(_ask(python, code))}
+    version = _ask(python, "import platform; print(platform.python_version())")
+    return {"python": version, **json.loads(_ask(python, code))}

@@ -1,0 +1,366 @@
+"""`vitserve bench --mode peers` (bench/peers/): the request bodies each server is sent, wrk's scripts and its report
+parsed (samples captured from real wrk 4.1.0 runs on this machine), the rounds' order, the medians, the answer
+checks, the report, the flags, and the per-image work the peers run held equal to vitserve's. No server starts
+here: Triton and LitServe live in their own venvs, which CI does not have."""
+from __future__ import annotations
+
+import email.parser
+import email.policy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from bench.load import make_images
+from bench.peers.answers import TOLERANCE, answer_values, compare
+from bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL, multipart_image, peer_request,
+                                triton_image_request)
+from bench.peers.cli import build_parser, config_from, config_from_bench_args
+from bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
+from bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
+from bench.peers.report import render, summarise
+from bench.peers.venvs import REQUIREMENTS
+from bench.peers.wrk import lua_script, parse_wrk, threads_for, wrk_argv, write_script
+from bench.reliability import alternated
+from service.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
+
+# `wrk -t2 -c8 -d3s --timeout 30s --latency -s multipart.lua http://127.0.0.1:18200/predict` against LitServe
+WRK_OK = """Running 3s test @ http://127.0.0.1:18200/predict
+  2 threads and 8 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency    25.80ms    8.00ms  56.03ms   72.91%
+    Req/Sec   154.68     25.29   202.00     76.67%
+  Latency Distribution
+     50%   24.96ms
+     75%   30.02ms
+     90%   35.46ms
+     99%   50.14ms
+  941 requests in 3.05s, 829.81KB read
+Requests/sec:    308.43
+Transfer/sec:    271.99KB
+"""
+# the same script against a path LitServe does not have: every answer a 404
+WRK_NOT_FOUND = """Running 2s test @ http://127.0.0.1:18200/nope
+  2 threads and 8 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency     2.29ms    2.69ms  35.60ms   88.85%
+    Req/Sec     2.31k   788.32     5.02k    72.50%
+  Latency Distribution
+     50%    1.18ms
+     75%    2.97ms
+     90%    5.24ms
+     99%   11.45ms
+  9247 requests in 2.02s, 1.36MB read
+  Non-2xx or 3xx responses: 9247
+Requests/sec:   4586.49
+Transfer/sec:    689.83KB
+"""
+# `wrk -t1 -c2 -d2s --timeout 1s --latency` against a socket that answers 503 and hangs up
+WRK_SOCKET_ERRORS = """Running 2s test @ http://127.0.0.1:18399/
+  1 threads and 2 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   141.55us  345.36us   4.39ms   95.83%
+    Req/Sec    10.08k   631.22    10.78k    76.19%
+  Latency Distribution
+     50%   67.00us
+     75%  107.00us
+     90%  129.00us
+     99%    2.12ms
+  21056 requests in 2.10s, 1.14MB read
+  Socket errors: connect 0, read 21056, write 0, timeout 0
+  Non-2xx or 3xx responses: 21056
+Requests/sec:  10029.31
+Transfer/sec:    558.27KB
+"""
+
+
+@pytest.fixture(scope="module")
+def png() -> bytes:
+    return make_images("png", (8, 8), channels=3, count=1)[0]
+
+
+@pytest.fixture
+def pixels() -> np.ndarray:
+    return np.random.default_rng(0).normal(size=(1, 3, 8, 8)).astype(np.float32)  # (1, C, H, W)
+
+
+# ---------------------------------------------------------------------------------------------------- bodies
+
+
+def test_multipart_image_is_a_form_whose_file_field_is_the_png_byte_for_byte(png):
+    body, headers = multipart_image(png)
+    message = email.parser.BytesParser(policy=email.policy.default).parsebytes(
+        f"Content-Type: {headers['Content-Type']}\r\n\r\n".encode() + body)
+    (part,) = message.iter_parts()
+    assert part.get_param("name", header="content-disposition") == "file"
+    assert part.get_content_type() == "image/png"
+    assert part.get_payload(decode=True) == png
+
+
+def test_triton_image_request_is_one_binary_bytes_element_with_json_outputs(png):
+    body, headers = triton_image_request(png)
+    header, binary = split_body(body, headers[HEADER_LENGTH])
+    doc = json.loads(header)
+    (tensor,) = doc["inputs"]
+    assert (tensor["name"], tensor["datatype"], tensor["shape"]) == ("image", "BYTES", [1, 1])  # a batch of one
+    (section,) = take_sections(binary, [tensor["parameters"]["binary_data_size"]])
+    assert unpack_bytes(section, 1, max_element_bytes=len(png)) == [png]
+    assert doc["outputs"] == [{"name": "top_index"}, {"name": "top_score"}, {"name": "rollout"}]  # JSON, not binary
+
+
+def test_tensor_paths_send_vitserve_and_triton_the_same_bytes(png, pixels):
+    for path in ("oip-json", "oip-binary"):
+        mine, theirs = (peer_request(s, path, png, pixels, "vit-fmnist") for s in ("vitserve", "triton"))
+        assert mine.body == theirs.body and mine.headers == theirs.headers
+        assert (mine.target, theirs.target) == ("/v2/models/vit-fmnist/infer",
+                                                f"/v2/models/{TRITON_TENSOR_MODEL}/infer")
+    binary = peer_request("triton", "oip-binary", png, pixels, "")
+    assert binary.body.endswith(tensor_bytes(pixels, "FP32"))
+
+
+def test_image_path_per_server(png, pixels):
+    vitserve, triton, litserve = (peer_request(s, "image", png, pixels, "m") for s in ("vitserve", "triton",
+                                                                                       "litserve"))
+    assert (vitserve.target, vitserve.body, vitserve.headers) == ("/v1/classify", png, {"Content-Type": "image/png"})
+    assert triton.target == f"/v2/models/{TRITON_IMAGE_MODEL}/infer" and png in triton.body
+    assert litserve.target == "/predict" and litserve.headers["Content-Type"].startswith("multipart/form-data")
+    with pytest.raises(ValueError, match="no Open Inference Protocol"):
+        peer_request("litserve", "oip-json", png, pixels, "m")
+    assert SERVED_PATHS["litserve"] == ("image",)
+
+
+# ---------------------------------------------------------------------------------------------------- wrk
+
+
+def test_parse_wrk_reads_rate_percentiles_and_counts():
+    r = parse_wrk(WRK_OK)
+    assert (r["requests"], r["seconds"], r["requests_per_s"]) == (941, 3.05, 308.43)
+    assert r["ok_per_s"] == pytest.approx(941 / 3.05)
+    assert (r["p50_ms"], r["p75_ms"], r["p90_ms"], r["p99_ms"]) == (24.96, 30.02, 35.46, 50.14)
+    assert (r["non_2xx"], r["socket_errors"]) == (0, {})
+
+
+def test_parse_wrk_counts_only_2xx_as_served():
+    r = parse_wrk(WRK_NOT_FOUND)
+    assert r["non_2xx"] == 9247 and r["ok_per_s"] == 0.0 and r["requests_per_s"] == 4586.49
+    assert r["p50_ms"] == 1.18
+
+
+def test_parse_wrk_reads_microseconds_and_socket_errors():
+    r = parse_wrk(WRK_SOCKET_ERRORS)
+    assert r["p50_ms"] == pytest.approx(0.067) and r["p99_ms"] == pytest.approx(2.12)
+    assert r["socket_errors"] == {"connect": 0, "read": 21056, "write": 0, "timeout": 0}
+    assert r["non_2xx"] == 21056
+
+
+def test_parse_wrk_reads_minutes_and_refuses_what_is_not_a_report():
+    assert parse_wrk(WRK_OK.replace("in 3.05s", "in 1.50m"))["seconds"] == 90.0
+    with pytest.raises(ValueError, match="not a wrk report"):
+        parse_wrk("unable to connect to 127.0.0.1:1 Connection refused\n")
+
+
+def test_wrk_command_and_script(tmp_path, png, pixels):
+    request = peer_request("triton", "oip-binary", png, pixels, "")
+    script = write_script(tmp_path, "triton-oip-binary", request)
+    assert (tmp_path / "triton-oip-binary.body").read_bytes() == request.body
+    text = script.read_text()
+    assert f'io.open("{(tmp_path / "triton-oip-binary.body").resolve()}", "rb")' in text
+    assert 'wrk.method = "POST"' in text and 'wrk.body = f:read("*a")' in text
+    assert f'wrk.headers["{HEADER_LENGTH}"] = "{request.headers[HEADER_LENGTH]}"' in text
+    assert [threads_for(c) for c in (1, 8, 32, 64)] == [1, 2, 2, 2]
+    assert wrk_argv("wrk", "http://h:1/p", 32, 5, 60, script) == [
+        "wrk", "-t", "2", "-c", "32", "-d", "5s", "--timeout", "60s", "--latency", "-s", str(script), "http://h:1/p"]
+
+
+def test_lua_strings_are_escaped():
+    from bench.peers.bodies import PeerRequest
+
+    text = lua_script(Path('/tmp/a "b"\\c.body'), PeerRequest("/", b"", {"X-Quote": 'say "hi"'}))
+    assert r'io.open("/tmp/a \"b\"\\c.body", "rb")' in text
+    assert r'wrk.headers["X-Quote"] = "say \"hi\""' in text
+
+
+# ---------------------------------------------------------------------------------------------------- rounds, medians
+
+
+def test_rounds_alternate_the_servers_order():
+    order = [s for _, s in alternated(["vitserve", "triton", "litserve"], 3)]
+    assert order == ["vitserve", "triton", "litserve", "litserve", "triton", "vitserve",
+                     "vitserve", "triton", "litserve"]
+
+
+def _row(server: str, round_: int, ok: float, p50: float, non_2xx: int = 0, path: str = "image",
+         connections: int = 8) -> dict:
+    return {"server": server, "round": round_, "path": path, "connections": connections, "ok_per_s": ok,
+            "p50_ms": p50, "p99_ms": 2 * p50, "non_2xx": non_2xx, "socket_errors": {"read": 0, "timeout": 1},
+            "load1_before": 0.4}
+
+
+def test_summarise_takes_medians_over_rounds_and_the_ratio_of_medians():
+    rows = [_row("vitserve", 1, 300, 3), _row("vitserve", 2, 330, 4), _row("vitserve", 3, 310, 9, non_2xx=2),
+            _row("triton", 1, 100, 10), _row("triton", 2, 200, 20),
+            {"server": "triton", "round": 3, "path": "image", "connections": 8, "skipped": "time limit"},
+            _row("litserve", 1, 50, 1)]
+    (entry,) = summarise(rows, ["vitserve", "triton", "litserve"], ["image"], [8])
+    assert entry["vitserve"] == {"ok_per_s": 310, "p50_ms": 4, "p99_ms": 8, "rounds": 3, "non_2xx": 2,
+                                 "socket_errors": 3}
+    assert entry["triton"]["ok_per_s"] == 150 and entry["triton"]["rounds"] == 2  # the skipped round left out
+    assert entry["vitserve_over_triton"] == pytest.approx(310 / 150)
+    assert entry["litserve"]["ok_per_s"] == 50
+
+
+def test_summarise_leaves_out_levels_nobody_ran_and_has_no_ratio_without_triton():
+    rows = [_row("litserve", 1, 50, 1)]
+    out = summarise(rows, ["vitserve", "litserve"], ["image", "oip-json"], [1, 8])
+    assert [(e["path"], e["connections"]) for e in out] == [("image", 8)]
+    assert out[0]["vitserve_over_triton"] is None
+
+
+# ---------------------------------------------------------------------------------------------------- answers
+
+
+def test_compare_logits_within_tolerance_and_the_same_top_class():
+    logits = np.array([0.1, 2.0, -1.0], np.float32)
+    assert compare({"logits": logits + TOLERANCE / 2, "grid": [7, 7]}, logits, [7, 7])["ok"]
+    assert not compare({"logits": logits + 3 * TOLERANCE, "grid": [7, 7]}, logits, [7, 7])["ok"]
+    assert not compare({"logits": logits, "grid": [14, 14]}, logits, [7, 7])["ok"]
+
+
+def test_compare_top_scores_against_the_softmax_of_the_reference():
+    logits = np.array([0.1, 2.0, -1.0, 0.5], np.float32)
+    probabilities = softmax(logits)
+    right = {"indices": np.array([1, 3, 0]), "scores": probabilities[[1, 3, 0]], "grid": [2, 2]}
+    result = compare(right, logits, [2, 2])
+    assert result["ok"] and result["top1"] == 1 and result["max_abs_diff"] < 1e-12
+    wrong_order = {**right, "indices": np.array([3, 1, 0]), "scores": probabilities[[3, 1, 0]]}
+    assert not compare(wrong_order, logits, [2, 2])["ok"]
+
+
+def test_answer_values_reads_each_servers_answer():
+    classify = {"predictions": [{"index": 4, "label": "x", "score": 0.5}, {"index": 1, "label": "y", "score": 0.2}],
+                "rollout": {"height": 7, "width": 5, "values": []}}
+    v = answer_values("litserve", "image", json.dumps(classify).encode(), None)
+    assert v["indices"].tolist() == [4, 1] and v["grid"] == [7, 5]
+    triton = {"outputs": [{"name": "top_index", "datatype": "INT64", "shape": [1, 2], "data": [4, 1]},
+                          {"name": "top_score", "datatype": "FP32", "shape": [1, 2], "data": [0.5, 0.2]},
+                          {"name": "rollout", "datatype": "FP32", "shape": [1, 2, 3], "data": [0.0] * 6}]}
+    v = answer_values("triton", "image", json.dumps(triton).encode(), None)
+    assert v["indices"].dtype.kind == "i" and v["indices"].tolist() == [4, 1] and v["grid"] == [2, 3]
+    logits = np.arange(3, dtype=np.float32)
+    body, headers = join_body({"outputs": [
+        {"name": "logits", "datatype": "FP32", "shape": [1, 3], "parameters": {"binary_data_size": 12}},
+        {"name": "rollout", "datatype": "FP32", "shape": [1, 1, 2], "parameters": {"binary_data_size": 8}}]},
+        [logits.tobytes(), np.zeros(2, np.float32).tobytes()])
+    v = answer_values("vitserve", "oip-binary", body, headers[HEADER_LENGTH])
+    np.testing.assert_array_equal(v["logits"], logits)
+    assert v["grid"] == [1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------- the peers' work
+
+
+def test_limits_and_session_options_are_vitserves_defaults():
+    from service.runtime import session_options as vitserve_options
+    from service.settings import Settings
+
+    s = Settings()
+    assert LIMITS == {"max_bytes": s.max_upload_bytes, "max_pixels": s.max_image_pixels,
+                      "max_tokens": s.max_native_tokens}
+    mine, theirs = session_options(), vitserve_options(s)
+    for name in ("graph_optimization_level", "intra_op_num_threads", "inter_op_num_threads", "execution_mode"):
+        assert getattr(mine, name) == getattr(theirs, name), name
+    key = "session.intra_op.allow_spinning"
+    assert mine.get_session_config_entry(key) == theirs.get_session_config_entry(key)
+
+
+def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx):
+    from bench.raw import preprocessed
+    from service.postprocess import encode_result
+    from service.runtime import OnnxModel
+    from service.settings import Settings
+
+    vitserve = OnnxModel.load(Settings(model_path=tiny_onnx))
+    peer = ImageClassifier(tiny_onnx)
+    info = peer.info
+    images = make_images("png", tuple(info.image_size), info.channels, count=2, seed=3)
+    pixels = np.stack([peer.prepare(data) for data in images])  # (2, C, H, W)
+    np.testing.assert_array_equal(pixels, preprocessed(vitserve, images))
+    logits, rollout = peer.run(pixels)
+    np.testing.assert_allclose(logits, vitserve.run(pixels)[0], atol=1e-5)
+    answer = peer.answer(logits[0], rollout[0])
+    predictions, grid = encode_result(info.labels, None, logits[0], rollout[0], k=5, rollout_format="grid")
+    assert answer["predictions"] == [p.model_dump() for p in predictions]
+    assert answer["rollout"] == grid.model_dump()
+
+
+def test_peer_venvs_are_pinned_and_hold_no_torch():
+    for peer, requirements in REQUIREMENTS.items():
+        assert all("==" in r for r in requirements), peer
+        assert not any(r.startswith(("torch", "torchvision")) for r in requirements), peer
+        assert {r.split("==")[0] for r in requirements} >= {"numpy", "pillow", "onnxruntime"}
+
+
+# ---------------------------------------------------------------------------------------------------- flags, report
+
+
+def test_flags_onto_the_config():
+    args = build_parser().parse_args(["--models", "a.onnx,vit-s16", "--servers", "vitserve,triton", "--rounds", "2",
+                                      "--concurrency", "1,64", "--duration", "3"])
+    cfg = config_from(vars(args), args.quick)
+    assert (cfg.models, cfg.servers, cfg.rounds, cfg.concurrency, cfg.duration_s) == (
+        ["a.onnx", "vit-s16"], ["vitserve", "triton"], 2, [1, 64], 3)
+    assert cfg.warmup_s == PeersConfig().warmup_s
+    quick = config_from({"rounds": 2}, quick=True)
+    assert quick.rounds == 2 and quick.concurrency == QUICK["concurrency"] and quick.models == QUICK["models"]
+    with pytest.raises(SystemExit, match="unknown servers"):
+        config_from({"servers": ["vllm"]}, quick=False)
+
+
+def test_vitserve_bench_mode_peers_takes_the_shared_flags_and_refuses_the_others():
+    from vitserve.cli import build_parser as vitserve_parser
+
+    args = vitserve_parser().parse_args(["bench", "--mode", "peers", "--model", "vit-s16", "--duration", "2.4",
+                                         "--rounds", "2", "--out", "x.md"])
+    cfg = config_from_bench_args(args)
+    assert (cfg.models, cfg.duration_s, cfg.rounds, cfg.out) == (["vit-s16"], 2, 2, Path("x.md"))
+    with pytest.raises(SystemExit, match="does not use pairs"):
+        config_from_bench_args(vitserve_parser().parse_args(["bench", "--mode", "peers", "--pairs", "3"]))
+
+
+def _fake_report() -> dict:
+    rows = [_row("vitserve", 1, 400.0, 2.5), _row("triton", 1, 320.0, 3.0), _row("litserve", 1, 250.0, 4.0, 3)]
+    servers = ["vitserve", "triton", "litserve"]
+    model = {"name": "vit-fmnist", "version": "1", "path": "m.onnx", "height": 28, "width": 28, "channels": 1,
+             "patch_size": 4, "size_mb": 3.1, "compute_bound": False}
+    checks = {"vitserve": {"image": {"ok": True, "status": 200, "top1": 8, "max_abs_diff": 0.0, "grid": [7, 7]}},
+              "triton": {"image": {"ok": False, "status": 500, "error": "boom"}}}
+    return {"command": "python -m bench.peers", "settings": {**PeersConfig().__dict__, "servers": servers},
+            "environment": {"date": "2026-01-01 00:00 UTC", "cpu": "AMD EPYC", "cpus": 2, "python": "3.11.7",
+                            "onnxruntime": "1.32.0", "wrk": "wrk 4.1.0", "commit": "abc", "uncommitted_files": 0,
+                            "loadavg_start": "0.5 / 0.5 / 0.5", "loadavg_end": "1.0 / 1.0 / 1.0",
+                            "waited_for_quiet_s": 0, "triton_version": "2.51.0",
+                            "peer_versions": {"triton": {"nvidia-pytriton": "0.7.0", "python": "3.11.7",
+                                                         "numpy": "1.26.4", "onnxruntime": "1.32.0"},
+                                              "litserve": {"litserve": "0.2.19", "fastapi": "0.165.0",
+                                                           "uvicorn": "0.54.0", "python": "3.11.7",
+                                                           "numpy": "2.4.6", "onnxruntime": "1.32.0"}}},
+            "models": [{"model": model, "raw": [{"batch_size": 1, "p50_ms": 1.7, "images_per_s": 575.0},
+                                                {"batch_size": 16, "p50_ms": 14.0, "images_per_s": 1131.0}],
+                        "paths": ["image"], "concurrency": [8], "checks": checks,
+                        "servers": {"vitserve": {"argv": ["vitserve", "serve"], "env": {}}},
+                        "request_bytes": {"vitserve": {"image": 751}, "triton": {"image": 928},
+                                          "litserve": {"image": 903}},
+                        "rounds": rows, "summary": summarise(rows, servers, ["image"], [8])}]}
+
+
+def test_report_has_a_table_per_model_with_the_ratio_and_the_facts():
+    text = render(_fake_report())
+    assert "| image | 8 | 400 (2.5 / 5.0) | 320 (3.0 / 6.0) | 250 (4.0 / 8.0) | 1.25 |" in text
+    assert "## vit-fmnist (28x28), HTTP-bound" in text
+    assert "Triton Inference Server** 2.51.0" in text and "LitServe** 0.2.19" in text
+    assert "LitServe image at 8: 3 non-2xx, 1 socket errors" in text
+    assert "image **failed** (500: boom)" in text
+    assert "| vit-fmnist (28x28) | 1.70 | 575.0 | 1131.0 | 1131.0 |" in text
+    assert "before 0.5 / 0.5 / 0.5" in text and "after 1.0 / 1.0 / 1.0" in text
+    assert "`make bench-peers`" in text
