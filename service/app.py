@@ -20,7 +20,7 @@ from service.metrics import ServiceMetrics
 from service.routes import classify, open_inference, operations
 from service.runtime import InferenceModel
 from service.settings import Settings
-from service.state import INFERENCE_ENDPOINTS, ServiceState
+from service.state import ServiceState
 
 log = logging.getLogger("vitserve.app")
 
@@ -142,5 +142,4 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_done(endpoint, status, time.perf_counter() - started,
-                                      inference=endpoint in INFERENCE_ENDPOINTS)
+            self.metrics.request_done(endpoint, status, time.perf_counter() - started)

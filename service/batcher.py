@@ -99,6 +99,16 @@ class DynamicBatcher:
     def queued(self) -> int:
         return self._queued
 
+    @property
+    def queued_cost(self) -> int:
+        """Input values of the images queued."""
+        return self._queued_cost
+
+    @property
+    def seconds_per_cost(self) -> float | None:
+        """The measured run time per input value (a moving average); None before the first batch."""
+        return self._seconds_per_cost
+
     def predicted_wait_s(self, extra_cost: int = 0) -> float:
         """How long the work queued now (plus `extra_cost` input values) will take to run, from measured batch
         times; 0 until a batch has run."""

@@ -7,6 +7,7 @@ Only the standard library and `service.settings` are imported until the command 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shutil
@@ -21,14 +22,14 @@ ENV_PREFIX = "VITSERVE_"
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from service.settings import Settings
+    from service.settings import INTERNAL, Settings
     parser = subparsers.add_parser(
         "serve", help="serve an exported model over HTTP (FastAPI + uvicorn, dynamic batching)",
         description="Serve a vitserve ONNX model. Each flag also reads from its VITSERVE_* environment variable.")
     parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx",
                         help="the exported model (VITSERVE_MODEL_PATH)")
     for name, field in Settings.model_fields.items():
-        if name == "model_path":
+        if name == "model_path" or field.description == INTERNAL:
             continue
         default = field.default if field.default_factory is None else "(derived)"
         described = f"{field.description}; " if field.description else ""
@@ -52,6 +53,7 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from service.errors import ModelLoadError
     from service.settings import Settings
     from vitserve.artifact import ArtifactError
     from vitserve.onnx_header import read_model_info
@@ -69,20 +71,37 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
         return 2
     metrics_dir = None
-    if settings.workers > 1:
-        from service.metrics import prepare_multiprocess_dir
+    if settings.http_workers > 1 or settings.engine == "process":
+        from service.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
-    logging.getLogger("vitserve.cli").info("serving %s %s from %s on http://%s:%d with %d worker(s)", info.name,
-                                           info.version, settings.model_path, settings.host, settings.port,
-                                           settings.workers)
+    logging.getLogger("vitserve.cli").info(
+        "serving %s %s from %s on http://%s:%d: %d HTTP worker(s), engine %s", info.name, info.version,
+        settings.model_path, settings.host, settings.port, settings.http_workers, settings.engine)
     try:
-        serve_with_uvicorn("service.app:app_from_env", settings)
+        with _engines(settings) as settings:
+            serve_with_uvicorn("service.app:app_from_env", settings)
+    except ModelLoadError as e:
+        logging.getLogger("vitserve.cli").error("cannot start: %s", e)
+        return 1
     finally:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+@contextlib.contextmanager
+def _engines(settings: Settings):
+    """With engine=process: the engine processes running (stopped after the HTTP workers have drained), and the
+    settings that tell the workers where they are."""
+    if settings.engine != "process":
+        yield settings
+        return
+    from service.engine.supervisor import EngineSupervisor
+    with EngineSupervisor(settings) as supervisor:
+        os.environ[ENV_PREFIX + "ENGINE_ADDRESSES"] = ",".join(supervisor.addresses)
+        yield settings.model_copy(update={"engine_addresses": supervisor.addresses})
 
 
 # uvicorn's own graceful timeout comes this long after the service's drain (service/state.py), so requests
@@ -93,7 +112,7 @@ DRAIN_MARGIN_S = 1.0
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
     from service.http_protocol import uvicorn_http_options  # imports uvicorn and httptools: only when serving
-    return {"host": settings.host, "port": settings.port, "workers": settings.workers,
+    return {"host": settings.host, "port": settings.port, "workers": settings.http_workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
             "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,
             **uvicorn_http_options(settings)}

@@ -1,7 +1,7 @@
 """Every Prometheus metric of the service, defined once; the rest of the code reports plain numbers.
 
 With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve` calls
-`prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
+`service.metrics_files.prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
 prometheus-client's `MultiProcessCollector`; gauges say how they combine across processes. prometheus-client
 reads the variable when it is first imported: the parent sets it, and uvicorn's workers are new (spawned)
 processes that inherit it before they import anything.
@@ -9,39 +9,17 @@ processes that inherit it before they import anything.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
 
-from service.statistics import InferenceStatistics
+from service.metrics_files import multiprocess_dir
 
 # 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
                    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
-
-
-MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
-
-
-def multiprocess_dir() -> str | None:
-    return os.environ.get(MULTIPROC_ENV) or None
-
-
-def prepare_multiprocess_dir() -> tuple[Path, bool]:
-    """Workers share metrics through files: use (and empty) PROMETHEUS_MULTIPROC_DIR, or make one; returns the
-    directory and whether it was made here (then the caller removes it when the server exits)."""
-    directory, made = multiprocess_dir(), False
-    if directory:
-        for stale in Path(directory).glob("*.db"):  # a previous run's values would be summed in
-            stale.unlink()
-    else:
-        directory, made = tempfile.mkdtemp(prefix="vitserve-metrics-"), True
-        os.environ[MULTIPROC_ENV] = directory
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    return Path(directory), made
 
 
 class ServiceMetrics:
@@ -56,15 +34,26 @@ class ServiceMetrics:
             buckets=LATENCY_BUCKETS, registry=r)
         self.queue_wait_seconds = Histogram("vitserve_queue_wait_seconds", "Time an image waited in the batch queue",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.preprocess = Histogram("vitserve_preprocess_seconds", "Decoding, resizing and normalising one image",
+        self.preprocess = Histogram("vitserve_preprocess_seconds", "Preparing one image's input: decoding, resizing "
+                                    "and normalising it, or its share of parsing a tensor request",
                                     buckets=LATENCY_BUCKETS, registry=r)
         self.inference = Histogram("vitserve_inference_seconds", "One ONNX Runtime call (one batch)",
                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.postprocess = Histogram("vitserve_postprocess_seconds", "Top-k and rollout rendering for one image",
+        self.postprocess = Histogram("vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
+                                     "rollout rendering, or its share of a tensor response",
                                      buckets=LATENCY_BUCKETS, registry=r)
         self.batch_size = Histogram("vitserve_batch_size", "Images per ONNX Runtime call",
                                     buckets=BATCH_SIZE_BUCKETS, registry=r)
         self.images = Counter("vitserve_images", "Images run through the model", registry=r)
+        # By batch size, for the Open Inference Protocol's statistics extension (service/statistics.py); the
+        # label has at most max_batch_size values.
+        self.batches = Counter("vitserve_batches", "ONNX Runtime calls, by batch size", ["batch_size"], registry=r)
+        self.batch_seconds = Counter("vitserve_batch_seconds", "Time in ONNX Runtime calls, by batch size",
+                                     ["batch_size"], registry=r)
+        self.batch_stack_seconds = Counter("vitserve_batch_stack_seconds", "Time stacking batches' inputs, by "
+                                           "batch size", ["batch_size"], registry=r)
+        self.last_inference = Gauge("vitserve_last_inference_timestamp_seconds", "When the last batch ran (Unix "
+                                    "time)", multiprocess_mode="max", registry=r)
         self.rejected = Counter("vitserve_requests_rejected", "Requests (or files of a batch request) answered "
                                 "with an error, by error code", ["reason"], registry=r)
         self.queue_depth_gauge = Gauge("vitserve_queue_depth", "Images waiting in the batch queue",
@@ -77,44 +66,39 @@ class ServiceMetrics:
         self.model_info = Gauge("vitserve_model_info", "The served model", ["name", "version", "provider", "opset"],
                                 multiprocess_mode="livemax", registry=r)
         self.ready.set(0)
-        # The same numbers for the Open Inference Protocol's statistics extension (this process's share).
-        self.statistics = InferenceStatistics()
 
     # --- what the rest of the service reports (plain numbers) ---
     def request_started(self) -> None:
         self.in_flight.inc()
 
-    def request_done(self, endpoint: str, status: int, seconds: float, inference: bool = False) -> None:
+    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
         self.in_flight.dec()
         self.request_duration.labels(endpoint, str(status)).observe(seconds)
-        if inference:
-            self.statistics.request_done(status == 200, seconds)
 
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
     def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
-        """One image decoded and prepared, then its result encoded."""
+        """One image's input prepared, and its result encoded."""
         self.preprocess.observe(preprocess_s)
         self.postprocess.observe(postprocess_s)
-        self.statistics.image_prepared(preprocess_s)
-        self.statistics.image_encoded(postprocess_s)
 
     def tensor_stages(self, images: int, parse_s: float, encode_s: float) -> None:
-        """A request of `images` pixel tensors parsed and its outputs encoded (no image decoding to observe)."""
+        """A request of `images` pixel tensors parsed and its outputs encoded: each image's share."""
         for _ in range(images):
-            self.statistics.image_prepared(parse_s / images)
-            self.statistics.image_encoded(encode_s / images)
+            self.image_stages(parse_s / images, encode_s / images)
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:  # service.batcher.BatchObserver
         self.inference.observe(seconds)
         self.batch_size.observe(size)
         self.images.inc(size)
-        self.statistics.batch_done(size, seconds, stack_seconds)
+        self.batches.labels(size).inc()
+        self.batch_seconds.labels(size).inc(seconds)
+        self.batch_stack_seconds.labels(size).inc(stack_seconds)
+        self.last_inference.set_to_current_time()
 
     def queue_wait(self, seconds: float) -> None:  # service.batcher.BatchObserver
         self.queue_wait_seconds.observe(seconds)
-        self.statistics.queue_wait(seconds)
 
     def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
         self.queue_depth_gauge.set(depth)
@@ -128,12 +112,19 @@ class ServiceMetrics:
     # --- the scrape ---
     def render(self) -> tuple[bytes, str]:
         """The exposition text: this registry, or every process's files in multiprocess mode."""
+        return generate_latest(self._scraped()), CONTENT_TYPE_LATEST
+
+    def families(self) -> list:
+        """The metric families as a scrape sees them (every process's, in multiprocess mode)."""
+        return list(self._scraped().collect())
+
+    def _scraped(self) -> CollectorRegistry:
         if multiprocess_dir():
             forget_dead_workers(multiprocess_dir())
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
-            return generate_latest(registry), CONTENT_TYPE_LATEST
-        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+            return registry
+        return self.registry
 
 
 def forget_dead_workers(directory: str) -> None:

@@ -71,10 +71,11 @@ def _provider_options(name: str, s: Settings) -> dict:
 
 
 def intra_op_threads(settings: Settings) -> int:
-    """The configured count; by default ORT's (one per core) for one worker, the cores shared out for several."""
-    if settings.intra_op_threads or settings.workers == 1:
+    """The configured count; by default ORT's (one per core) for an engine process or a single worker, the cores
+    shared out among inline workers (each has its own session)."""
+    if settings.intra_op_threads or settings.engine == "process" or settings.http_workers == 1:
         return settings.intra_op_threads
-    return max(1, (os.cpu_count() or 1) // settings.workers)
+    return max(1, (os.cpu_count() or 1) // settings.http_workers)
 
 
 def session_options(settings: Settings):

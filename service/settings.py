@@ -5,6 +5,7 @@ flag, an environment variable and a test's keyword argument all land in the same
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -12,6 +13,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Provider = Literal["tensorrt", "cuda", "cpu"]
+INTERNAL = "internal"  # the description of fields `vitserve serve` sets for its own processes: no flag
 
 
 class Settings(BaseSettings):
@@ -21,15 +23,26 @@ class Settings(BaseSettings):
     model_path: Path = Path("models/vit-fmnist/model.onnx")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    workers: int = Field(1, ge=1, description="uvicorn worker processes (each loads its own session)")
-    # Set by `vitserve serve` for its HTTP frontends: where the engine processes listen (one per device).
-    engine_addresses: Annotated[list[str], NoDecode] = Field(default_factory=list, description="internal")
+    engine: Literal["process", "inline"] = Field(
+        "process", description="process: the session and batcher in one engine process per device, fed by every "
+                               "HTTP worker; inline: in each HTTP worker (each loads its own session)")
+    workers: int | None = Field(None, ge=1, description="HTTP worker processes (uvicorn); unset: one per core with "
+                                                        "engine=process, 1 with engine=inline")
+    engine_arena_bytes: int = Field(64 * 2**20, ge=2**20, description="shared memory each HTTP worker writes pixels "
+                                                                      "into for the engine (at most a quarter of "
+                                                                      "what /dev/shm has free)")
+    engine_timeout_s: float = Field(2.0, gt=0, description="an engine silent this long is given up on: its "
+                                                           "requests fail with 503 (it is restarted)")
+    # Set by `vitserve serve` for its HTTP workers: where the engine processes listen (one per device).
+    engine_addresses: Annotated[list[str], NoDecode] = Field(default_factory=list, description=INTERNAL)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
 
     # ONNX Runtime: execution providers in order of preference; CPU is always the last resort
     providers: Annotated[list[Provider], NoDecode] = ["cuda", "cpu"]
     cuda_device_id: int = Field(0, ge=0)
+    cuda_device_ids: Annotated[list[int], NoDecode] = Field(default_factory=list, description="with engine=process: "
+                                                            "one engine per device listed; unset: cuda_device_id")
     cuda_mem_limit_bytes: int | None = Field(None, ge=1, description="CUDA arena limit; unset = no limit")
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
     tensorrt_fp16: bool = False
@@ -108,6 +121,13 @@ class Settings(BaseSettings):
             return [v.strip().lower() for v in value.split(",") if v.strip()]
         return value
 
+    @field_validator("cuda_device_ids", mode="before")
+    @classmethod
+    def _split_ints(cls, value):
+        if isinstance(value, str):
+            return [int(v) for v in value.split(",") if v.strip()]
+        return value
+
     @field_validator("engine_addresses", mode="before")
     @classmethod
     def _split_addresses(cls, value):
@@ -122,6 +142,13 @@ class Settings(BaseSettings):
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes {self.warmup_batch_sizes} must lie in 1..max_batch_size")
         return self
+
+    @property
+    def http_workers(self) -> int:
+        """HTTP worker processes: as set, else one per core that this process may use (engine=process) or one."""
+        if self.workers:
+            return self.workers
+        return len(os.sched_getaffinity(0)) if self.engine == "process" else 1
 
     @property
     def max_queue_delay_s(self) -> float:

@@ -61,9 +61,7 @@ class ServiceState:
     async def start(self) -> None:
         s = self.settings
         self.engine.on_ready = lambda ready: self.metrics.set_ready(ready and not self.draining)
-        await self.engine.start()
-        info = self.engine.info
-        self.metrics.set_model(info.name, info.version, self.engine.provider, info.opset)
+        await self.engine.start()  # the engine that holds the model reports it (metrics.set_model)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None)
@@ -140,7 +138,7 @@ class ServiceState:
             return None
         self.metrics.rejected_request(refused.code)
         self.metrics.request_started()
-        self.metrics.request_done(route, 429, 0.0, inference=True)
+        self.metrics.request_done(route, 429, 0.0)
         return refused, self.retry_after_s()
 
     def retry_after_s(self) -> int:

@@ -1,75 +1,61 @@
-"""Triton's statistics extension (`GET /v2/models/{name}/stats`), kept from the numbers the service already
-reports to its metrics: plain counters and nanosecond sums, in this process.
+"""Triton's statistics extension (`GET /v2/models/{name}/stats`), read from the service's own Prometheus
+metrics: the numbers are those every process already reports (service/metrics.py), so with several HTTP
+workers and an engine process the answer is one view across all of them, like a scrape of /metrics.
 
 The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our units of work:
-- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer) and their whole
-  duration, by outcome;
-- `queue`, `compute_input`, `compute_infer`, `compute_output`: per image: its wait in the batch queue,
-  its preparation (image decoding and preprocessing, or a tensor's parse), the model call of its batch, and
-  its encoding (top-k, maps, the response tensors);
-- `inference_count`: images run; `execution_count`: model calls (batches); `batch_stats`: per batch size,
-  the model calls (`compute_infer`) and the stacking of their inputs (`compute_input`).
+- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer) answered 200 / with an
+  error, and their whole duration;
+- `queue`, `compute_input`, `compute_infer`, `compute_output`: per image: its wait in the batch queue, its
+  preparation (decoding and preprocessing an image, or its share of parsing a tensor request), the model call
+  of its batch, and its encoding (top-k, maps, the response tensors);
+- `inference_count`: images run; `execution_count`: model calls (batches); `batch_stats`: per batch size, the
+  model calls (`compute_infer`) and the stacking of their inputs (`compute_input`); `last_inference`: ms since
+  the epoch.
 """
 from __future__ import annotations
 
-import time
 from collections import defaultdict
-from dataclasses import dataclass
 
 
-@dataclass
-class Duration:
-    count: int = 0
-    ns: int = 0
+def triton_statistics(families, name: str, version: str, inference_endpoints: frozenset[str]) -> dict:
+    """One entry of the extension's `model_stats` list, from collected metric families."""
+    totals: dict[str, float] = defaultdict(float)
+    requests = {True: [0.0, 0.0], False: [0.0, 0.0]}  # succeeded -> [count, seconds]
+    batches: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for family in families:
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name.startswith("vitserve_request_duration_seconds_"):
+                if labels.get("endpoint") in inference_endpoints and sample.name.endswith(("_count", "_sum")):
+                    requests[labels["status"] == "200"][sample.name.endswith("_sum")] += sample.value
+            elif "batch_size" in labels and sample.name.startswith("vitserve_batch"):
+                batches[int(labels["batch_size"])][sample.name] += sample.value
+            else:
+                totals[sample.name] += sample.value
 
-    def add(self, seconds: float, count: int = 1) -> None:
-        self.count += count
-        self.ns += int(seconds * 1e9) * count
+    def stage(histogram: str) -> dict:
+        return _duration(totals[f"{histogram}_count"], totals[f"{histogram}_sum"])
 
-    def to_json(self) -> dict:
-        return {"count": self.count, "ns": self.ns}
+    infer_ns = sum(size * b["vitserve_batch_seconds_total"] for size, b in batches.items())
+    return {
+        "name": name, "version": version,
+        "last_inference": int(totals["vitserve_last_inference_timestamp_seconds"] * 1000),
+        "inference_count": int(totals["vitserve_images_total"]),
+        "execution_count": int(sum(b["vitserve_batches_total"] for b in batches.values())),
+        "inference_stats": {
+            "success": _duration(*requests[True]), "fail": _duration(*requests[False]),
+            "queue": stage("vitserve_queue_wait_seconds"), "compute_input": stage("vitserve_preprocess_seconds"),
+            "compute_infer": _duration(totals["vitserve_images_total"], infer_ns),
+            "compute_output": stage("vitserve_postprocess_seconds"),
+            "cache_hit": _duration(0, 0), "cache_miss": _duration(0, 0)},
+        "response_stats": {},  # per-response statistics of decoupled (streaming) models: none here
+        "batch_stats": [{"batch_size": size,
+                         "compute_input": _duration(b["vitserve_batches_total"], b["vitserve_batch_stack_seconds_total"]),
+                         "compute_infer": _duration(b["vitserve_batches_total"], b["vitserve_batch_seconds_total"])}
+                        for size, b in sorted(batches.items())],
+        "memory_usage": [],
+    }
 
 
-class InferenceStatistics:
-    """The running totals of one served model in this process."""
-
-    STAGES = ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output")
-
-    def __init__(self):
-        self.stages = {stage: Duration() for stage in self.STAGES}
-        self.batches: dict[int, dict[str, Duration]] = defaultdict(lambda: {"compute_input": Duration(),
-                                                                           "compute_infer": Duration()})
-        self.inference_count = 0
-        self.execution_count = 0
-        self.last_inference_ms = 0
-
-    def request_done(self, succeeded: bool, seconds: float) -> None:
-        self.stages["success" if succeeded else "fail"].add(seconds)
-
-    def image_prepared(self, seconds: float) -> None:
-        self.stages["compute_input"].add(seconds)
-
-    def image_encoded(self, seconds: float) -> None:
-        self.stages["compute_output"].add(seconds)
-
-    def queue_wait(self, seconds: float) -> None:
-        self.stages["queue"].add(seconds)
-
-    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:
-        self.inference_count += size
-        self.execution_count += 1
-        self.last_inference_ms = int(time.time() * 1000)
-        self.stages["compute_infer"].add(seconds, count=size)  # each image waited for its whole batch
-        self.batches[size]["compute_infer"].add(seconds)
-        self.batches[size]["compute_input"].add(stack_seconds)
-
-    def to_triton(self, name: str, version: str) -> dict:
-        """One entry of the extension's `model_stats` list."""
-        return {"name": name, "version": version, "last_inference": self.last_inference_ms,
-                "inference_count": self.inference_count, "execution_count": self.execution_count,
-                "inference_stats": {**{stage: d.to_json() for stage, d in self.stages.items()},
-                                    "cache_hit": Duration().to_json(), "cache_miss": Duration().to_json()},
-                "response_stats": {},  # per-response statistics of decoupled (streaming) models: none here
-                "batch_stats": [{"batch_size": size, **{k: d.to_json() for k, d in stages.items()}}
-                                for size, stages in sorted(self.batches.items())],
-                "memory_usage": []}
+def _duration(count: float, seconds: float) -> dict:
+    return {"count": int(round(count)), "ns": int(round(seconds * 1e9))}

@@ -57,6 +57,11 @@ class EngineStatus(msgspec.Struct, tag="status", array_like=True):
     sent_at: float  # time.time() when published
 
 
+def status_address(address: str) -> str:
+    """Where the engine at `address` publishes its status."""
+    return address + ".status"
+
+
 ToEngine = Submit | Cancel
 FromEngine = Result | Failure
 

@@ -11,7 +11,7 @@ import asyncio
 import bisect
 import os
 import secrets
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 
@@ -104,10 +104,10 @@ class ArenaReader:
     def array(self, name: str, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         segment = self._segments.get(name)
         if segment is None:
+            # Python 3.11 registers a segment it only attaches to with the resource tracker too. The tracker is
+            # the one `vitserve serve` started and its frontends share (spawned processes inherit it), so this
+            # adds nothing: it unlinks a segment only if the frontend that made it never could.
             segment = self._segments[name] = shared_memory.SharedMemory(name=name)
-            # Python 3.11 registers a segment it only attached to with the resource tracker, which would unlink
-            # the frontend's segment when this process exits: the frontend owns it.
-            resource_tracker.unregister(segment._name, "shared_memory")  # noqa: SLF001
         return np.ndarray(shape, np.dtype(dtype), buffer=segment.buf, offset=offset)
 
     def forget(self, name: str) -> None:

@@ -24,7 +24,8 @@ from service.inference_protocol import InferCall, ProtocolLimits, encode_respons
 from service.model_config import model_metadata, triton_config
 from service.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from service.schemas import InferRequest, InferResponse, ModelMetadata
-from service.state import ServiceState, get_admitted_state, get_ready_state, get_state
+from service.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
+from service.statistics import triton_statistics
 from vitserve.artifact import OUTPUT_NAMES, ModelInfo
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
@@ -88,7 +89,7 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 @router.get("/models/stats", responses=_errors(503))
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension for every served model (there is one)."""
-    return _statistics(state, state.info.name, None)
+    return await _statistics(state, state.info.name, None)
 
 
 # Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
@@ -133,12 +134,12 @@ async def versioned_config(name: str, version: str, state: Annotated[ServiceStat
 @router.get(MODEL + "/stats", responses=_errors(404, 503))
 async def statistics(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension: this process's counts and durations (see service/statistics.py)."""
-    return _statistics(state, name, None)
+    return await _statistics(state, name, None)
 
 
 @router.get(VERSIONED + "/stats", responses=_errors(404, 503))
 async def versioned_statistics(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    return _statistics(state, name, version)
+    return await _statistics(state, name, version)
 
 
 _INFER_RESPONSES = {**_INFER_ANSWER, **_errors(400, 404, 408, 413, 415, 429, 500, 503, 504)}
@@ -166,9 +167,10 @@ def _config(state: ServiceState, name: str, version: str | None) -> dict:
     return triton_config(info, state.settings, state.engine.provider)
 
 
-def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
+async def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
     info = _model_named(state, name, version)
-    return {"model_stats": [state.metrics.statistics.to_triton(info.name, info.version)]}
+    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
+    return {"model_stats": [triton_statistics(families, info.name, info.version, INFERENCE_ENDPOINTS)]}
 
 
 async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:

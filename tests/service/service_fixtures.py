@@ -196,7 +196,7 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
             # Each worker writes its ready gauge (0) as it starts. Files first, then the scrape: its minimum
             # over the workers then covers every one of them.
             pids = {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("gauge_livemin_*.db")}
-            return len(pids) == workers and value(scrape(base_url), "vitserve_ready") == 1
+            return len(pids) >= workers and value(scrape(base_url), "vitserve_ready") == 1  # (+ the engine)
         except httpx.TransportError:
             return False  # not listening yet
 

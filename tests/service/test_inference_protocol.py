@@ -7,6 +7,7 @@ import base64
 import gzip
 import json
 import struct
+import time
 import zlib
 from pathlib import Path
 
@@ -20,7 +21,9 @@ from service.inference_protocol import ProtocolLimits, classify, encode_response
 from service.model_config import model_metadata, triton_config
 from service.routes.uploads import decode_content
 from service.settings import Settings
-from service.statistics import InferenceStatistics
+from service.metrics import ServiceMetrics
+from service.state import INFERENCE_ENDPOINTS
+from service.statistics import triton_statistics
 from vitserve.artifact import ModelInfo
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())
@@ -256,22 +259,29 @@ def shape_of(document):
 
 
 def test_statistics_count_requests_images_and_batches_in_triton_s_shape():
-    stats = InferenceStatistics()
-    stats.request_done(True, 0.010)
-    stats.request_done(False, 0.002)
+    """The numbers the service reports to its metrics, read back as Triton's statistics."""
+    metrics = ServiceMetrics()
+    metrics.request_started()
+    metrics.request_done("/v2/models/{name}/infer", 200, 0.010)
+    metrics.request_started()
+    metrics.request_done("/v1/classify", 415, 0.002)
+    metrics.request_started()
+    metrics.request_done("/v1/model", 200, 0.5)  # not an inference request
     for _ in range(3):
-        stats.queue_wait(0.001)
-        stats.image_prepared(0.0005)
-        stats.image_encoded(0.0002)
-    stats.batch_done(2, 0.004, 0.0001)
-    stats.batch_done(1, 0.003, 0.0)
-    ours = stats.to_triton("m", "1")
+        metrics.queue_wait(0.001)
+        metrics.image_stages(0.0005, 0.0002)
+    metrics.batch_done(2, 0.004, 0.0001)
+    metrics.batch_done(1, 0.003, 0.0)
+    ours = triton_statistics(metrics.families(), "m", "1", INFERENCE_ENDPOINTS)
     s = ours["inference_stats"]
     assert (s["success"], s["fail"]) == ({"count": 1, "ns": 10_000_000}, {"count": 1, "ns": 2_000_000})
-    assert s["queue"]["count"] == 3 and s["compute_infer"] == {"count": 3, "ns": 2 * 4_000_000 + 3_000_000}
+    assert s["queue"] == {"count": 3, "ns": 3_000_000} and s["compute_input"] == {"count": 3, "ns": 1_500_000}
+    assert s["compute_infer"] == {"count": 3, "ns": 2 * 4_000_000 + 3_000_000}
     assert (ours["inference_count"], ours["execution_count"]) == (3, 2)
     assert [b["batch_size"] for b in ours["batch_stats"]] == [1, 2]
     assert ours["batch_stats"][1]["compute_infer"] == {"count": 1, "ns": 4_000_000}
+    assert ours["batch_stats"][1]["compute_input"] == {"count": 1, "ns": 100_000}
+    assert abs(ours["last_inference"] / 1000 - time.time()) < 60
     triton = triton_json("model_stats")["model_stats"][0]
     assert shape_of({**ours, "batch_stats": []}) == shape_of({**triton, "batch_stats": []})
     assert set(ours["batch_stats"][0]) <= set(triton["batch_stats"][0])  # compute_output is inside compute_infer

@@ -57,8 +57,11 @@ async def test_counts_and_sums_match_the_requests_sent(tiny_onnx, tiny_model):
     assert value(m, "vitserve_queue_wait_seconds_count") == images
     ort_calls = len(model.batch_sizes) - 1  # less the warm-up
     assert value(m, "vitserve_batch_size_count") == value(m, "vitserve_inference_seconds_count") == ort_calls
-    assert value(m, "vitserve_preprocess_seconds_count") == 6  # images decoded and answered: 5 + the batch's good one
-    assert value(m, "vitserve_postprocess_seconds_count") == 6
+    # images prepared and answered: 5 + the batch's good one + the v2 tensor's two
+    assert value(m, "vitserve_preprocess_seconds_count") == 8
+    assert value(m, "vitserve_postprocess_seconds_count") == 8
+    by_size = {dict(labels)["batch_size"]: v for (name, labels), v in m.items() if name == "vitserve_batches_total"}
+    assert sum(by_size.values()) == ort_calls and sum(int(size) * n for size, n in by_size.items()) == images
     assert value(m, "vitserve_requests_rejected_total", reason="invalid_image") == 3
     assert value(m, "vitserve_requests_rejected_total", reason="unsupported_media_type") == 1
     assert value(m, "vitserve_requests_rejected_total", reason="invalid_parameter") == 1

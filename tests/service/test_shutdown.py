@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
+from service.engine.process import PROCESS_NAME as ENGINE_PROCESS_NAME
 from service_fixtures import scrape, uvicorn_server, value, wait_until
 
 # resize=native keeps the 256x256 image whole: 1024 patches of 8 pixels, the slowest input the tiny model takes
@@ -83,6 +84,35 @@ def test_a_killed_workers_gauges_leave_the_totals_and_the_metrics_dir_goes(tiny_
     assert not list(tmp_path.glob("vitserve-metrics-*"))
 
 
+def test_a_killed_engine_fails_what_it_held_at_once_and_is_restarted(tiny_onnx):
+    """Requests the engine held get a 503 in JSON when it dies (not a wait for their 120 s deadline); the
+    supervisor starts a new engine, and the service is ready and correct again."""
+    flags = ("--max-batch-size", "1", "--max-batches-in-flight", "1", "--request-timeout-ms", "120000")
+    data = _slow_image()
+    with uvicorn_server(tiny_onnx, *flags) as (url, process), ThreadPoolExecutor(8) as pool:
+        futures = [pool.submit(_post, url, data) for _ in range(8)]
+        _wait_for_metric(url, "vitserve_queue_depth", lambda v: v >= 3)
+        (engine,) = _engines(process.pid)
+        os.kill(engine, signal.SIGKILL)
+        killed = time.monotonic()
+        results = [f.result() for f in futures]
+        answered_s = time.monotonic() - killed
+        statuses = [r.status_code for r in results]  # every request answered: no transport error
+        assert set(statuses) <= {200, 503} and 503 in statuses, statuses
+        assert all(r.json()["error"]["code"] == "not_ready" for r in results if r.status_code == 503)
+        assert answered_s < 60  # far inside the deadline: a hang would take 120 s
+        wait_until(lambda: httpx.get(url + "/v2/health/ready").status_code == 200, "ready again")
+        (restarted,) = _engines(process.pid)
+        assert restarted != engine and _post(url, data).status_code == 200
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+
+
+def _engines(pid: int) -> list[int]:
+    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split() if Path(f"/proc/{p}/comm").read_text().strip() == ENGINE_PROCESS_NAME]
+
+
 def _started(metrics: dict) -> float:
     """Classify requests answered or in flight (the in-flight gauge also counts the scrape itself)."""
     done = value(metrics, "vitserve_request_duration_seconds_count", endpoint="/v1/classify", status="200")
@@ -96,6 +126,7 @@ def _wait_for_metric(url: str, name: str, condition) -> None:
 def _children(pid: int) -> list[int]:
     out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
     pids = [int(p) for p in out.split()]
-    workers = [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")]
+    workers = [p for p in pids if "spawn_main" in Path(f"/proc/{p}/cmdline").read_text(errors="replace")
+               and Path(f"/proc/{p}/comm").read_text().strip() != ENGINE_PROCESS_NAME]
     assert workers, f"no worker processes under {pid}: {pids}"
     return workers

@@ -1,0 +1,151 @@
+"""An engine process: one `LocalEngine` (the session and the batcher) fed by every HTTP frontend.
+
+`run_engine_process` is the process's entry point (started by `service/engine/supervisor.py`). It binds a
+ZeroMQ ROUTER socket at its address for `Submit` and `Cancel` (service/engine/messages.py) and a PUB socket
+beside it for `EngineStatus`. Each submitted image is read in place from its frontend's shared-memory arena
+and joins the one batch queue, so batches fill across frontends as in one process; every `Submit` gets exactly
+one `Result` or `Failure`. It stops when the supervisor sets `stop` (running what is queued first), or when its
+parent is gone. Ctrl-C reaches every process of the terminal's group: the engine leaves it to the supervisor.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import zmq
+import zmq.asyncio
+
+from service.engine.local import LocalEngine
+from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Result, Submit, Tensor, failure_for,
+                                     status_address)
+from service.engine.shm import ArenaReader
+from service.errors import ClientDisconnected, ModelLoadError, ServiceError
+from service.metrics import ServiceMetrics, mark_process_dead
+from service.settings import Settings
+
+log = logging.getLogger("vitserve.engine")
+
+PROCESS_NAME = "vitserve-engine"  # at most 15 characters: the kernel's limit for a process's name
+STATUS_INTERVAL_S = 0.02  # how often frontends hear the queue state (their admission's estimate) and liveness
+
+
+def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
+    """Entry point of a spawned engine process. `started` (a pipe's end) gets one message once the model is
+    loaded: None, or the ModelLoadError's text (then the process exits 1)."""
+    from service.cli import configure_logging
+    configure_logging(settings.log_level)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:  # its name in ps and top (and how tests tell it from the HTTP workers)
+        Path("/proc/self/comm").write_text(PROCESS_NAME)
+    except OSError:
+        pass
+    try:
+        import uvloop
+        uvloop.install()
+    except ImportError:
+        pass
+    server = EngineServer(LocalEngine(settings, ServiceMetrics()), address)
+    try:
+        asyncio.run(server.run(stop, parent_pid, started))
+    except ModelLoadError as e:
+        _report(started, str(e))
+        raise SystemExit(1) from None
+
+
+def _report(started, outcome: str | None) -> None:
+    try:
+        started.send(outcome)
+    except OSError:  # the supervisor no longer listens (a restart it does not wait on)
+        pass
+
+
+class EngineServer:
+    def __init__(self, engine: LocalEngine, address: str):
+        self.engine, self.address = engine, address
+        self.incarnation = uuid.uuid4().hex[:12]
+        self.codec = Codec()
+        self.arenas = ArenaReader()
+        self.running: dict[tuple[bytes, int], asyncio.Task] = {}  # (frontend, id) -> its image's work
+        self.stopping = False
+
+    async def run(self, stop, parent_pid: int, started) -> None:
+        context = zmq.asyncio.Context()
+        router, publisher = context.socket(zmq.ROUTER), context.socket(zmq.PUB)
+        for socket in (router, publisher):
+            socket.setsockopt(zmq.LINGER, 0)
+        router.bind(self.address)
+        publisher.bind(status_address(self.address))
+        self.engine.on_ready = self.engine.metrics.set_ready
+        await self.engine.start()  # loads the model: a ModelLoadError ends the process
+        _report(started, None)
+        log.info("engine %s (pid %d) listening at %s", self.incarnation, os.getpid(), self.address)
+        workers = [asyncio.create_task(self._receive(router)), asyncio.create_task(self._publish(publisher))]
+        try:
+            await self._until_stopped(stop, parent_pid)
+        finally:
+            self.stopping = True
+            await self.engine.close(self.engine.settings.drain_timeout_s)
+            if self.running:
+                await asyncio.wait(list(self.running.values()), timeout=1.0)
+            await self._send_status(publisher)  # not ready: frontends stop sending at once
+            for worker in workers:
+                worker.cancel()
+            context.destroy(linger=0)
+            self.arenas.close()
+            mark_process_dead(os.getpid())
+            log.info("engine %s stopped", self.incarnation)
+
+    @staticmethod
+    async def _until_stopped(stop, parent_pid: int) -> None:
+        terminated = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, terminated.set)
+        while not (stop.is_set() or terminated.is_set() or os.getppid() != parent_pid):
+            await asyncio.sleep(0.1)
+
+    async def _receive(self, router) -> None:
+        while True:
+            frontend, payload = await router.recv_multipart()
+            message = self.codec.to_engine.decode(payload)
+            key = (frontend, message.id)
+            if isinstance(message, Cancel):
+                task = self.running.get(key)
+                if task is not None:
+                    task.cancel()
+                continue
+            task = asyncio.create_task(self._run(router, frontend, message))
+            self.running[key] = task
+            task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
+
+    async def _run(self, router, frontend: bytes, submit: Submit) -> None:
+        """One image: read in place, run in some batch, answered with its result or its own error."""
+        try:
+            pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
+            result = await self.engine.submit(pixels, submit.timeout_s)
+            reply = Result(submit.id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes())
+                                       for o in result.output], result.queue_s, result.inference_s,
+                           result.batch_size)
+        except ServiceError as e:
+            reply = failure_for(submit.id, e)
+        except asyncio.CancelledError:  # the frontend's client went away; the frontend still waits for the slot
+            reply = failure_for(submit.id, ClientDisconnected("cancelled by the frontend"))
+        except Exception as e:  # a bug here must not hang the frontend's request
+            log.exception("unexpected error on an engine request")
+            reply = Failure(submit.id, "inference_failed", f"engine error: {type(e).__name__}")
+        await router.send_multipart([frontend, self.codec.encode(reply)])
+
+    async def _publish(self, publisher) -> None:
+        while True:
+            await self._send_status(publisher)
+            await asyncio.sleep(STATUS_INTERVAL_S)
+
+    async def _send_status(self, publisher) -> None:
+        batcher, engine = self.engine.batcher, self.engine
+        status = EngineStatus(self.incarnation, engine.ready and not self.stopping, engine.provider,
+                              batcher.queued, batcher.queued_cost, batcher.seconds_per_cost, time.time())
+        await publisher.send(self.codec.encode(status))
