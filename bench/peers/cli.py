@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", dest="warmup_s", type=int, metavar="SECONDS", help=f"default {d.warmup_s}")
     p.add_argument("--time-limit", dest="time_limit_s", type=float, metavar="SECONDS",
                    help=f"the whole run; later levels are skipped (default {d.time_limit_s:g})")
+    p.add_argument("--vitserve-commit", metavar="REV", help="serve vitserve from this commit, exported with git "
+                                                            "archive (default: this working tree)")
     p.add_argument("--venv-python", metavar="PYTHON", help="interpreter the peers' venvs are made from (default: "
                                                            "this Python's base interpreter)")
     p.add_argument("--quick", action="store_true", help="a smoke run: the default model, 1 round, 1 and 8 "

@@ -22,6 +22,8 @@ class PeersConfig:
     # a model whose raw batch-1 latency is above compute_bound_ms is measured on the image path only, at these
     compute_bound_ms: float = 10.0
     compute_bound_concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])
+    # ... for this long: at 32 connections one answer takes seconds, and the first comes a whole batch late
+    compute_bound_duration_s: int = 15
     duration_s: int = 5  # measured wrk run per level (wrk takes whole seconds)
     warmup_s: int = 1  # a discarded wrk run at the same level before it
     wrk_timeout_s: int = 60  # a request unanswered this long is a wrk timeout error
@@ -32,6 +34,8 @@ class PeersConfig:
     time_limit_s: float = 2400.0  # the whole run; levels that would start after it are skipped
     startup_timeout_s: float = 300.0
     seed: int = 0
+    # serve vitserve from this commit (exported with `git archive` under work_dir), not from the working tree
+    vitserve_commit: str | None = None
     venv_python: str | None = None  # the interpreter the peers' venvs are made from; None: this Python's base
     work_dir: Path = Path("build/peers")  # the venvs, request bodies and wrk scripts
     cache_dir: Path = Path("build/bench-models")  # preset models, exported on first use

@@ -51,7 +51,10 @@ def render(report: dict) -> str:
 
 def _dirty(env: dict) -> str:
     n = env.get("uncommitted_files")
-    return f" with {n} uncommitted file(s) in the working tree (vitserve ran with them)" if n else ""
+    if not n:
+        return ""
+    ran = "vitserve ran from a commit, without them" if env.get("vitserve_commit") else "vitserve ran with them"
+    return f" with {n} uncommitted file(s) in the working tree ({ran})"
 
 
 def _waited(env: dict) -> str:
@@ -61,7 +64,9 @@ def _waited(env: dict) -> str:
 
 def _versions(env: dict) -> list[str]:
     peers = env["peer_versions"]
-    lines = [f"- **vitserve**: this commit, Python {env['python']}, onnxruntime {env['onnxruntime']}"]
+    where = (f"commit `{env['vitserve_commit'][:12]}` (exported with git archive)" if env.get("vitserve_commit")
+             else "this working tree")
+    lines = [f"- **vitserve**: {where}, Python {env['python']}, onnxruntime {env['onnxruntime']}"]
     if "triton" in peers:
         t = peers["triton"]
         lines.append(f"- **Triton Inference Server** {env.get('triton_version', '?')} (the `tritonserver` in "
@@ -120,7 +125,9 @@ def _method(report: dict) -> list[str]:
         "request answered alone (work left queued is done before the next run). wrk runs on the same two cores as "
         "the server. A model whose raw batch-1 latency exceeds "
         f"{s['compute_bound_ms']:g} ms is measured on the image path only, at "
-        f"{', '.join(map(str, s['compute_bound_concurrency']))} connections.", "",
+        f"{', '.join(map(str, s['compute_bound_concurrency']))} connections, for "
+        f"{max(s['duration_s'], s['compute_bound_duration_s'])} s per run (at 32 connections an answer takes "
+        "seconds, and the first comes a whole batch late).", "",
         "Numbers: **req/s** counts 2xx answers only (median over rounds), then (p50 / p99 latency in ms, medians "
         "over rounds, from wrk's `--latency` distribution); *vitserve / Triton* is the ratio of the req/s medians.",
     ]

@@ -22,7 +22,8 @@ from bench.peers.answers import check, post
 from bench.peers.bodies import PeerRequest, peer_request
 from bench.peers.config import PATHS, SERVED_PATHS, PeersConfig
 from bench.peers.report import summarise
-from bench.peers.servers import RunningServer, ServerSpec, litserve_spec, triton_spec, vitserve_spec
+from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
+                                 vitserve_spec)
 from bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
 from bench.peers.wrk import find_wrk, run_wrk, threads_for, wrk_argv, wrk_version, write_script
 from bench.presets import resolve_model
@@ -43,16 +44,20 @@ class ModelUnderTest:
     grid: list[int]  # [h, w] of the rollout
     paths: tuple[str, ...]
     concurrency: list[int]
+    duration_s: int  # measured wrk run per level
     work_dir: Path
 
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
     pythons = {p: ensure_venv(cfg.work_dir, p, cfg.venv_python) for p in cfg.servers if p != "vitserve"}
+    source = None
     env = environment(wrk, pythons)
+    if cfg.vitserve_commit:
+        source, env["vitserve_commit"] = export_commit(cfg.vitserve_commit, cfg.work_dir)
     env["loadavg_start"], env["waited_for_quiet_s"] = wait_for_quiet(cfg.quiet_load, cfg.quiet_wait_s)
     budget = Budget(cfg.time_limit_s)
-    models = [measure_model(cfg, name, wrk, pythons, budget) for name in cfg.models]
+    models = [measure_model(cfg, name, wrk, pythons, source, budget) for name in cfg.models]
     env["loadavg_end"] = load_average()
     env["triton_version"] = next((m["servers"]["triton"]["server_metadata"].get("version") for m in models
                                   if "triton" in m["servers"]), None)
@@ -85,7 +90,8 @@ def wait_for_quiet(quiet_load: float, wait_s: float) -> tuple[str, float]:
     return load_average(), round(time.monotonic() - started, 1)
 
 
-def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path], budget: Budget) -> dict:
+def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path], source: Path | None,
+                  budget: Budget) -> dict:
     model_path = resolve_model(name, cfg.cache_dir)
     model, raw = raw_session(cfg, model_path)
     batch_one = min(raw, key=lambda r: r["batch_size"])
@@ -93,19 +99,31 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
     m = ModelUnderTest(model["path"], model["png"], model["pixels"], model["logits"], model["grid"],
                        ("image",) if compute_bound else PATHS,
                        cfg.compute_bound_concurrency if compute_bound else cfg.concurrency,
+                       max(cfg.duration_s, cfg.compute_bound_duration_s) if compute_bound else cfg.duration_s,
                        cfg.work_dir / "requests" / model_path.stem)
     kind = "compute" if compute_bound else "HTTP"
     print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({kind}-bound); "
-          f"paths {', '.join(m.paths)} at {m.concurrency} connections", flush=True)
+          f"paths {', '.join(m.paths)} at {m.concurrency} connections, {m.duration_s} s each", flush=True)
+    rows, checks, servers = run_rounds(cfg, m, wrk, lambda server: server_spec(server, m.path, pythons, source),
+                                       budget)
+    sizes = {s: {p: len(request_for_size(s, p, m)) for p in m.paths if p in SERVED_PATHS[s]} for s in cfg.servers}
+    return {"model": {**model_summary_of(model_path), "compute_bound": compute_bound}, "raw": raw,
+            "paths": list(m.paths), "concurrency": m.concurrency, "duration_s": m.duration_s, "checks": checks,
+            "servers": servers, "request_bytes": sizes, "rounds": rows,
+            "summary": summarise(rows, cfg.servers, list(m.paths), m.concurrency)}
+
+
+def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: Budget) -> tuple[list, dict, dict]:
+    """Every server once per round, one at a time: (a row per level, answer checks, how each server ran)."""
     rows, checks, servers = [], {}, {}
     for round_, server in alternated(cfg.servers, cfg.rounds):
         levels = [(p, c) for p in m.paths if p in SERVED_PATHS[server] for c in m.concurrency]
         head = {"round": round_ + 1, "server": server}
-        if not budget.allows(_STARTUP_ALLOWANCE_S + cfg.warmup_s + cfg.duration_s + 5):
+        if not budget.allows(_STARTUP_ALLOWANCE_S + cfg.warmup_s + m.duration_s + 5):
             rows += [{**head, "path": p, "connections": c, "skipped": "time limit"} for p, c in levels]
             continue
-        spec = server_spec(server, m.path, pythons)
-        log = cfg.log_dir / f"peers-{model_path.stem}-{server}-round{round_ + 1}.log"
+        spec = spec_of(server)
+        log = cfg.log_dir / f"peers-{m.path.stem}-{server}-round{round_ + 1}.log"
         with RunningServer(spec, log, cfg.startup_timeout_s) as running:
             requests = {p: request_for(server, p, running, m) for p, _ in levels}
             if server not in checks:
@@ -114,17 +132,14 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
                 print(f"  {server}: answers {_check_line(checks[server])}", flush=True)
             for path, connections in levels:
                 row = {**head, "path": path, "connections": connections}
-                if not budget.allows(cfg.warmup_s + cfg.duration_s + 5):
+                if not budget.allows(cfg.warmup_s + m.duration_s + 5):
                     rows.append({**row, "skipped": "time limit"})
                     continue
                 script = write_script(m.work_dir, f"{server}-{path}", requests[path])
-                rows.append({**row, **measure_level(cfg, wrk, running.url, script, connections, requests[path])})
+                rows.append({**row, **measure_level(cfg, wrk, running.url + requests[path].target, script,
+                                                    connections, m.duration_s, requests[path])})
                 print(_level_line(rows[-1]), flush=True)
-    return {"model": {**model_summary_of(model_path), "compute_bound": compute_bound}, "raw": raw,
-            "paths": list(m.paths), "concurrency": m.concurrency, "checks": checks, "servers": servers,
-            "request_bytes": {s: {p: len(request_for_size(s, p, m)) for p in m.paths if p in SERVED_PATHS[s]}
-                              for s in cfg.servers},
-            "rounds": rows, "summary": summarise(rows, cfg.servers, list(m.paths), m.concurrency)}
+    return rows, checks, servers
 
 
 def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
@@ -152,9 +167,9 @@ def model_summary_of(model_path: Path) -> dict:
             "size_mb": round(model_path.stat().st_size / 2**20, 1)}
 
 
-def server_spec(server: str, model_path: Path, pythons: dict[str, Path]) -> ServerSpec:
+def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | None) -> ServerSpec:
     if server == "vitserve":
-        return vitserve_spec(model_path)
+        return vitserve_spec(model_path, source)
     if server == "triton":
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]))
     return litserve_spec(model_path, pythons["litserve"])
@@ -184,17 +199,18 @@ def _get_json(url: str) -> dict:
         return json.loads(r.read())
 
 
-def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int,
+def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int, duration_s: int,
                   request: PeerRequest) -> dict:
-    """A discarded warm-up run, then the measured one, each followed by one request answered alone."""
-    limit = cfg.duration_s + cfg.wrk_timeout_s + 60
-    target = url + request.target
-    run_wrk(wrk_argv(wrk, target, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
-    post(url, request, cfg.wrk_timeout_s)
+    """At `url` (the path's whole URL): a discarded warm-up run, then the measured one, each followed by one
+    request answered alone."""
+    limit = duration_s + cfg.wrk_timeout_s + 60
+    server = url.removesuffix(request.target)
+    run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
+    post(server, request, cfg.wrk_timeout_s)
     load = os.getloadavg()[0]
-    argv = wrk_argv(wrk, target, connections, cfg.duration_s, cfg.wrk_timeout_s, script)
+    argv = wrk_argv(wrk, url, connections, duration_s, cfg.wrk_timeout_s, script)
     result = run_wrk(argv, limit)
-    post(url, request, cfg.wrk_timeout_s)
+    post(server, request, cfg.wrk_timeout_s)
     return {**result, "threads": threads_for(connections), "load1_before": round(load, 2),
             "wrk_argv": " ".join(argv[1:])}
 

@@ -1,7 +1,8 @@
 """Starting and stopping the three servers, one at a time, each as its users start it, on 127.0.0.1.
 
 - vitserve: `vitserve serve --model M --host 127.0.0.1 --port P` (bench/servers.py `serve_argv`), its defaults
-  but for the log level (warning: no access log line per request; neither peer writes one).
+  but for the log level (warning: no access log line per request; neither peer writes one); the working tree's
+  code, or a commit's exported by `export_commit`.
 - Triton: `python -m bench.peers.triton_server` in the Triton venv, the repository on PYTHONPATH and the venv
   Python's library directory on LD_LIBRARY_PATH (the Python backend stub links libpython).
 - LitServe: `python -m bench.peers.litserve_server` in the LitServe venv, the repository on PYTHONPATH.
@@ -13,10 +14,13 @@ after the server is up); a stop waits until its ports are free again.
 """
 from __future__ import annotations
 
+import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
+import tarfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -42,10 +46,27 @@ class ServerSpec:
         return self.ports[0]
 
 
-def vitserve_spec(model: Path) -> ServerSpec:
+def vitserve_spec(model: Path, source: Path | None = None) -> ServerSpec:
+    """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given."""
     port = free_port()
-    return ServerSpec("vitserve", serve_argv(model, port), [port], ["/v2/health/ready"],
-                      {"VITSERVE_LOG_LEVEL": "warning"})
+    env = {"VITSERVE_LOG_LEVEL": "warning", **({"PYTHONPATH": str(source.resolve())} if source else {})}
+    return ServerSpec("vitserve", serve_argv(model.resolve(), port), [port], ["/v2/health/ready"], env)
+
+
+def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
+    """The tree of commit `rev` as files under `work_dir` (`git archive`: the working tree and the index are not
+    touched), and its full hash."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    dest = work_dir / f"vitserve-{sha[:12]}"
+    if not dest.is_dir():
+        archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True)
+        partial = dest.with_name(dest.name + ".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+            tar.extractall(partial, filter="data")
+        partial.rename(dest)
+    return dest, sha
 
 
 def triton_spec(model: Path, python: Path, library_dir: str) -> ServerSpec:

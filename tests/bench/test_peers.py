@@ -364,3 +364,13 @@ def test_report_has_a_table_per_model_with_the_ratio_and_the_facts():
     assert "| vit-fmnist (28x28) | 1.70 | 575.0 | 1131.0 | 1131.0 |" in text
     assert "before 0.5 / 0.5 / 0.5" in text and "after 1.0 / 1.0 / 1.0" in text
     assert "`make bench-peers`" in text
+
+
+def test_export_commit_writes_that_commits_tree_once(tmp_path):
+    from bench.peers.servers import export_commit
+
+    source, sha = export_commit("HEAD", tmp_path)
+    assert len(sha) == 40 and source == tmp_path / f"vitserve-{sha[:12]}"
+    assert (source / "vitserve" / "__init__.py").is_file() and (source / "bench" / "peers" / "servers.py").is_file()
+    (source / "marker").write_text("kept")
+    assert export_commit("HEAD", tmp_path) == (source, sha) and (source / "marker").is_file()  # not exported again
