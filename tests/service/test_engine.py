@@ -1,0 +1,197 @@
+"""The engine boundary: the messages' round trip, the shared-memory arena, and a real engine process fed by
+two frontends' `RemoteEngine`s in this test's event loop (batches fill across frontends; errors, cancels and
+a restarted engine reach the right caller)."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+
+import msgspec
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Result, Submit, Tensor, error_of,
+                                     failure_for)
+from service.engine.remote import RemoteEngine
+from service.engine.shm import ALIGNMENT, ArenaFull, ArenaReader, TensorArena
+from service.engine.supervisor import EngineSupervisor, engine_devices
+from service.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
+from service.metrics import ServiceMetrics
+from service_fixtures import PATIENCE_S, settings_for, until
+
+# --- the messages ---
+
+
+@pytest.mark.parametrize("message", [
+    Submit(7, "vitserve-1-ab", 128, (3, 16, 24), "<f4", 9.5), Cancel(7),
+    Result(7, [Tensor((3,), b"\0" * 12), Tensor((2, 2), b"\1" * 16)], 0.001, 0.002, 4),
+    Failure(7, "queue_full", "queue full (3 images waiting)"),
+])
+def test_every_message_round_trips(message):
+    codec = Codec()
+    decoder = codec.status if isinstance(message, EngineStatus) else (
+        codec.to_engine if isinstance(message, (Submit, Cancel)) else codec.from_engine)
+    assert decoder.decode(codec.encode(message)) == message
+
+
+def test_status_round_trips_and_a_message_for_the_other_side_is_refused():
+    codec = Codec()
+    status = EngineStatus("abc", True, "CPUExecutionProvider", 3, 768, None, 1.5)
+    assert codec.status.decode(codec.encode(status)) == status
+    with pytest.raises(msgspec.ValidationError):
+        codec.to_engine.decode(codec.encode(Failure(1, "x", "y")))
+
+
+def test_an_engine_failure_is_the_same_error_on_the_frontend():
+    for error in (QueueFullError("full"), DeadlineExceeded("late"), NotReady("stopping")):
+        again = error_of(failure_for(3, error))
+        assert type(again) is type(error) and str(again) == str(error)
+    assert type(error_of(Failure(1, "no_such_code", "?"))).__name__ == "ServiceError"
+
+
+# --- the arena ---
+
+
+@pytest.fixture
+def arena():
+    arena = TensorArena.create(4096)
+    yield arena
+    arena.close()
+
+
+def test_the_arena_allocates_aligned_regions_and_coalesces_what_is_freed(arena):
+    a, b, c = (np.full((10,), i, np.float32) for i in range(3))  # 40 bytes: one 64-byte region each
+    offsets = [arena.put(x) for x in (a, b, c)]
+    assert offsets == [0, ALIGNMENT, 2 * ALIGNMENT]
+    reader = ArenaReader()
+    np.testing.assert_array_equal(reader.array(arena.name, offsets[1], (10,), "<f4"), b)
+    arena.release(offsets[1], b.nbytes)
+    arena.release(offsets[0], a.nbytes)
+    assert arena._free[0] == (0, 2 * ALIGNMENT)  # the two freed neighbours are one region again
+    arena.release(offsets[2], c.nbytes)
+    assert arena._free == [(0, arena.size)] and arena.free_bytes == arena.size
+    reader.close()
+
+
+def test_a_full_arena_refuses_then_waits_for_a_release(arena):
+    big = np.zeros(arena.size // 4, np.float32)  # the whole arena
+    offset = arena.put(big)
+    with pytest.raises(ArenaFull):
+        arena.put(np.zeros(1, np.float32))
+
+    async def scenario():
+        waiting = asyncio.create_task(arena.put_when_free(np.zeros(4, np.float32), timeout_s=PATIENCE_S))
+        await asyncio.sleep(0.01)
+        assert not waiting.done()
+        arena.release(offset, big.nbytes)
+        assert await waiting == 0
+        with pytest.raises(asyncio.TimeoutError):
+            await arena.put_when_free(big, timeout_s=0.01)
+
+    asyncio.run(scenario())
+
+
+def test_an_arena_takes_no_more_than_its_share_of_dev_shm(tmp_path):
+    arena = TensorArena.create(2**40)  # a terabyte asked for
+    try:
+        stats = os.statvfs("/dev/shm")
+        assert arena.size <= stats.f_bavail * stats.f_frsize * 0.25 + ALIGNMENT
+    finally:
+        arena.close()
+
+
+# --- a real engine process ---
+
+
+def test_one_engine_for_the_cpu_one_per_named_gpu(tiny_onnx):
+    assert engine_devices(settings_for(tiny_onnx), ["CPUExecutionProvider"]) == [None]
+    gpu = settings_for(tiny_onnx, providers=["cuda", "cpu"], cuda_device_ids=[0, 1])
+    assert engine_devices(gpu, ["CUDAExecutionProvider", "CPUExecutionProvider"]) == [0, 1]
+    assert engine_devices(gpu, ["CPUExecutionProvider"]) == [None]  # a CPU-only build: one CPU engine
+
+
+@pytest.fixture(scope="module")
+def engine_settings(tiny_onnx):
+    return settings_for(tiny_onnx, max_batch_size=8, max_queue_delay_ms=200, dispatch_when_idle=False,
+                        max_queue_size=64, engine_timeout_s=2.0)
+
+
+@pytest.fixture
+def supervisor(engine_settings):
+    with EngineSupervisor(engine_settings) as supervisor:
+        yield supervisor
+
+
+async def frontends(settings, supervisor, count: int) -> list[RemoteEngine]:
+    engines = [RemoteEngine(settings.model_copy(update={"engine_addresses": supervisor.addresses}), ServiceMetrics())
+               for _ in range(count)]
+    for engine in engines:
+        await engine.start()
+    await until(lambda: all(e.ready for e in engines), "the engine ready for every frontend")
+    return engines
+
+
+def reference(tiny_onnx, pixels: np.ndarray):
+    session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    return session.run(["logits", "rollout"], {"pixel_values": pixels})
+
+
+def test_images_from_two_frontends_share_batches_and_get_their_own_results(engine_settings, supervisor, tiny_onnx):
+    pixels = np.random.default_rng(0).normal(size=(6, 3, 16, 16)).astype(np.float32)
+    logits, rollout = reference(tiny_onnx, pixels)
+
+    async def scenario():
+        a, b = await frontends(engine_settings, supervisor, 2)
+        results = await asyncio.gather(*(engine.submit(image, PATIENCE_S)
+                                         for engine, image in zip([a, b] * 3, pixels)))
+        await asyncio.gather(a.close(1), b.close(1))
+        return results
+
+    results = asyncio.run(scenario())
+    for i, result in enumerate(results):
+        np.testing.assert_allclose(result.output[0], logits[i], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(result.output[1], rollout[i], rtol=1e-5, atol=1e-6)
+    assert max(r.batch_size for r in results) > 1  # the two frontends' images ran together
+    assert all(r.queue_s >= 0 and r.inference_s > 0 for r in results)
+
+
+def test_engine_errors_reach_their_caller_and_cancelled_images_free_their_memory(engine_settings, supervisor):
+    async def scenario():
+        (frontend,) = await frontends(engine_settings, supervisor, 1)
+        image = np.zeros((3, 16, 16), np.float32)
+        with pytest.raises(DeadlineExceeded):  # queued for 200 ms (no company) with 50 ms left
+            await frontend.submit(image, 0.05)
+        waiting = asyncio.create_task(frontend.submit(image, PATIENCE_S))
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        await until(lambda: frontend.arena.free_bytes == frontend.arena.size, "the cancelled image's region freed")
+        assert (await frontend.submit(image, PATIENCE_S)).output[0].shape == (3,)
+        await frontend.close(1)
+
+    asyncio.run(scenario())
+
+
+def test_a_killed_engine_fails_its_requests_at_once_and_its_restart_serves_again(engine_settings, supervisor):
+    async def scenario():
+        (frontend,) = await frontends(engine_settings, supervisor, 1)
+        image = np.zeros((3, 16, 16), np.float32)
+        held = asyncio.create_task(frontend.submit(image, PATIENCE_S))  # queued for 200 ms
+        await asyncio.sleep(0.05)
+        os.kill(supervisor._engines[0].process.pid, signal.SIGKILL)
+        with pytest.raises(NotReady, match="restarted|stopped responding"):
+            await held
+        await until(lambda: frontend.ready, "the restarted engine ready")
+        assert (await frontend.submit(image, PATIENCE_S)).output[0].shape == (3,)
+        assert supervisor._engines[0].restarts == 1
+        await frontend.close(1)
+
+    asyncio.run(scenario())
+
+
+def test_a_model_that_does_not_load_stops_the_supervisor(tmp_path, engine_settings):
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(engine_settings.model_path.read_bytes()[:2000])
+    with pytest.raises(ModelLoadError):
+        EngineSupervisor(engine_settings.model_copy(update={"model_path": broken})).start()
