@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vitserve.machine import machine_busy_seconds, process_cpu_seconds
+from vitserve.machine import machine_busy_seconds, process_tree_cpu_seconds
 
 
 def latency_summary(latencies_s: list[float] | np.ndarray) -> dict[str, float]:
@@ -20,7 +20,8 @@ def latency_summary(latencies_s: list[float] | np.ndarray) -> dict[str, float]:
 
 @dataclass
 class CpuSnapshot:
-    """CPU seconds used so far by the server process, this process, and the whole machine (busy, all cores)."""
+    """CPU seconds used so far by the server (its process and their children: HTTP workers, engines), this
+    process, and the whole machine (busy, all cores)."""
 
     wall: float
     server: float
@@ -29,7 +30,7 @@ class CpuSnapshot:
 
     @classmethod
     def take(cls, server_pid: int | None) -> "CpuSnapshot":
-        return cls(time.perf_counter(), process_cpu_seconds(server_pid), time.process_time(), machine_busy_seconds())
+        return cls(time.perf_counter(), process_tree_cpu_seconds(server_pid), time.process_time(), machine_busy_seconds())
 
     def usage(self, later: "CpuSnapshot") -> dict[str, float]:
         """Average cores busy between two snapshots: server, client, and everything else on the machine."""

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from bench.config import LOOPBACK
 from bench.servers import ServerProcess
+from vitserve.machine import process_tree
 
 MODES = ("overload", "hol", "soak")
 
@@ -151,26 +152,6 @@ def alternated(servers: list, rounds: int) -> list[tuple[int, object]]:
 
 
 # ---------------------------------------------------------------------------------------------------- /proc
-
-
-def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants, from the parent ids in /proc/*/stat (empty when `pid` is gone)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            try:
-                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue  # gone meanwhile
-            children.setdefault(ppid, []).append(int(entry.name))
-    if not Path(f"/proc/{pid}").exists():
-        return []
-    tree, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        tree.append(p)
-        todo += children.get(p, [])
-    return tree
 
 
 @dataclass

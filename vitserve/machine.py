@@ -33,6 +33,31 @@ def machine_busy_seconds(stat: Path = Path("/proc/stat")) -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
+def process_tree(pid: int) -> list[int]:
+    """`pid` and all its descendants, from the parent ids in /proc/*/stat (empty when `pid` is gone)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            try:
+                ppid = int(Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue  # gone meanwhile
+            children.setdefault(ppid, []).append(int(entry.name))
+    if not Path(f"/proc/{pid}").exists():
+        return []
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    return tree
+
+
+def process_tree_cpu_seconds(pid: int | None) -> float:
+    """`process_cpu_seconds` of `pid` and of its descendants now alive: a server's HTTP workers and engines."""
+    return sum(process_cpu_seconds(p) for p in process_tree(pid)) if pid is not None else 0.0
+
+
 def process_cpu_seconds(pid: int | None) -> float:
     """User plus system CPU seconds of process `pid` (its own threads, not its children); 0 when it is gone."""
     if pid is None:

@@ -26,13 +26,13 @@ def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, 
 
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append((app, kwargs)))
-    assert main(["serve", "--model", str(tiny_onnx), "--port", "9123", "--limit-concurrency", "50",
+    assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", "9123", "--limit-concurrency", "50",
                  "--drain-timeout-s", "5", "--log-level", "warning"]) == 0
     run_bare_server()  # reads the same VITSERVE_* variables that `serve` just wrote
     (serve_app, serve_kwargs), (bare_app, bare_kwargs) = calls
     assert (serve_app, bare_app) == ("service.app:app_from_env", "bench.servers:bare_app")
     assert serve_kwargs == bare_kwargs == {"factory": True, **uvicorn_options(Settings())}
-    assert serve_kwargs == {"factory": True, "host": "127.0.0.1", "port": 9123, "workers": 1, "log_level": "warning",
+    assert serve_kwargs == {"factory": True, "host": "127.0.0.1", "port": 9123, "workers": 1, "log_level": "warning",  # inline
                             "limit_concurrency": 50, "timeout_graceful_shutdown": 5 + DRAIN_MARGIN_S,
                             "http": LimitedHttpToolsFactory(HttpLimits.from_settings(Settings()))}
 

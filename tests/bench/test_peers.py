@@ -374,3 +374,17 @@ def test_export_commit_writes_that_commits_tree_once(tmp_path):
     assert (source / "vitserve" / "__init__.py").is_file() and (source / "bench" / "peers" / "servers.py").is_file()
     (source / "marker").write_text("kept")
     assert export_commit("HEAD", tmp_path) == (source, sha) and (source / "marker").is_file()  # not exported again
+
+
+def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_log(tmp_path):
+    import sys
+
+    from bench.peers.servers import RunningServer, ServerSpec
+    from bench.servers import free_port
+
+    spec = ServerSpec("broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], [free_port()],
+                      ["/"])
+    server = RunningServer(spec, tmp_path / "broken.log", startup_timeout_s=30)
+    with pytest.raises(RuntimeError, match="(?s)exited with code 3.*no model here"):
+        server.start()
+    assert server.proc is None  # stopped: nothing left running

@@ -10,7 +10,7 @@ import pytest
 from service.cli import DRAIN_MARGIN_S
 from service.errors import ModelLoadError
 from service.runtime import OnnxModel, intra_op_threads, provider_chain, session_options, warm_up
-from service.settings import Settings
+from service.settings import INTERNAL, Settings
 from service_fixtures import settings_for
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
@@ -43,8 +43,10 @@ def test_session_options_follow_settings():
     options = session_options(Settings(intra_op_threads=3, inter_op_threads=2, intra_op_spinning=False))
     assert options.intra_op_num_threads == 3 and options.inter_op_num_threads == 2
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
-    assert intra_op_threads(Settings()) == 0  # ORT's default: every core for the one worker
-    assert intra_op_threads(Settings(workers=2)) == max(1, (os.cpu_count() or 1) // 2)  # no oversubscription
+    assert intra_op_threads(Settings()) == 0  # ORT's default: every core for the one engine process
+    assert intra_op_threads(Settings(workers=2)) == 0  # however many HTTP workers feed it
+    # inline engines, one per worker: the cores shared out, no oversubscription
+    assert intra_op_threads(Settings(engine="inline", workers=2)) == max(1, (os.cpu_count() or 1) // 2)
 
 
 def test_model_runs_at_several_resolutions(tiny_model):
@@ -82,11 +84,13 @@ def test_every_setting_is_a_serve_flag_and_flags_reach_uvicorn(tiny_onnx, privat
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]
     flags = {a.dest for a in serve._actions}
-    assert set(Settings.model_fields) <= flags
+    internal = {name for name, field in Settings.model_fields.items() if field.description == INTERNAL}
+    assert internal == {"engine_addresses"} and set(Settings.model_fields) - internal <= flags
     calls = []
     monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(
         (app, kwargs, Settings(), os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))))
-    assert main(["serve", "--model", str(tiny_onnx), "--port", "9123", "--workers", "2", "--max-batch-size", "7",
+    assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", "9123", "--workers", "2",
+                 "--max-batch-size", "7",
                  "--providers", "cuda,cpu", "--tensorrt-fp16", "true", "--drain-timeout-s", "5"]) == 0
     app, kwargs, settings, metrics_dir_made = calls[0]
     assert app == "service.app:app_from_env" and kwargs["factory"] is True
