@@ -57,6 +57,15 @@ def test_model_runs_at_several_resolutions(tiny_model):
     assert tiny_model.provider == "CPUExecutionProvider" and tiny_model.info.name == "tiny-vit"
 
 
+def test_the_io_binding_path_gives_the_plain_calls_results(tiny_model):
+    """The path GPU sessions take (an IOBinding), forced on the CPU session: here is where it ran (no GPU)."""
+    bound = OnnxModel(tiny_model.session, tiny_model.info, io_binding=True)
+    assert not tiny_model.io_binding and bound.io_binding  # the CPU provider binds nothing by default
+    pixels = np.random.default_rng(2).normal(size=(3, 3, 16, 24)).astype(np.float32)
+    for plain, via_binding in zip(tiny_model.run(pixels), bound.run(pixels)):
+        np.testing.assert_array_equal(plain, via_binding)
+
+
 def test_settings_from_environment(monkeypatch):
     monkeypatch.setenv("VITSERVE_MAX_BATCH_SIZE", "8")
     monkeypatch.setenv("VITSERVE_PROVIDERS", "CUDA, cpu")
