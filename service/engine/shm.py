@@ -12,6 +12,7 @@ import bisect
 import os
 import secrets
 from multiprocessing import shared_memory
+from pathlib import Path
 
 import numpy as np
 
@@ -95,6 +96,34 @@ class TensorArena:
             pass
 
 
+def owner_pid(name: str) -> int | None:
+    """The pid of the process that made the segment `name` (`vitserve-<pid>-<token>`), if it is one of ours."""
+    parts = name.lstrip("/").split("-")
+    return int(parts[1]) if len(parts) == 3 and parts[0] == NAME_PREFIX and parts[1].isdigit() else None
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        pass
+    return True
+
+
+def remove_orphaned_segments(shm_dir: str = "/dev/shm") -> list[str]:
+    """Unlink our segments whose maker is gone (an HTTP worker killed before it could): their pages would stay
+    in /dev/shm until the server stops. Returns the names removed."""
+    removed = []
+    for path in Path(shm_dir).glob(f"{NAME_PREFIX}-*-*"):
+        pid = owner_pid(path.name)
+        if pid is not None and not alive(pid):
+            path.unlink(missing_ok=True)
+            removed.append(path.name)
+    return removed
+
+
 class ArenaReader:
     """The engine's side: frontends' segments mapped by name, arrays read in place."""
 
@@ -104,6 +133,10 @@ class ArenaReader:
     def array(self, name: str, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:
         segment = self._segments.get(name)
         if segment is None:
+            for known in list(self._segments):  # a new worker: a good moment to unmap those that are gone
+                pid = owner_pid(known)
+                if pid is not None and not alive(pid):
+                    self.forget(known)
             # Python 3.11 registers a segment it only attaches to with the resource tracker too. The tracker is
             # the one `vitserve serve` started and its frontends share (spawned processes inherit it), so this
             # adds nothing: it unlinks a segment only if the frontend that made it never could.

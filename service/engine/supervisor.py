@@ -16,12 +16,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+from service.engine.shm import remove_orphaned_segments
 from service.errors import ModelLoadError
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.supervisor")
 
 RESTART_DELAY_S = 1.0  # between an engine's death and its restart: a crash loop must not spin
+SWEEP_INTERVAL_S = 10.0
 LOAD_TIMEOUT_S = 600.0  # a TensorRT engine build can take minutes
 
 
@@ -100,7 +102,12 @@ class EngineSupervisor:
             return f"the engine process exited with {engine.process.exitcode} before loading the model"
 
     def _watch(self) -> None:
+        sweep_at = 0.0
         while not self._stopping:
+            if time.monotonic() >= sweep_at:  # killed HTTP workers' shared memory
+                for name in remove_orphaned_segments():
+                    log.warning("removed shared memory %s of an HTTP worker that is gone", name)
+                sweep_at = time.monotonic() + SWEEP_INTERVAL_S
             for engine in self._engines:
                 if self._stopping or engine.process.is_alive():
                     continue

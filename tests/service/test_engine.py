@@ -15,7 +15,8 @@ import pytest
 from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Result, Submit, Tensor, error_of,
                                      failure_for)
 from service.engine.remote import RemoteEngine
-from service.engine.shm import ALIGNMENT, ArenaFull, ArenaReader, TensorArena
+from service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
+                                 remove_orphaned_segments)
 from service.engine.supervisor import EngineSupervisor, engine_devices
 from service.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
 from service.metrics import ServiceMetrics
@@ -100,6 +101,18 @@ def test_an_arena_takes_no_more_than_its_share_of_dev_shm(tmp_path):
         assert arena.size <= stats.f_bavail * stats.f_frsize * 0.25 + ALIGNMENT
     finally:
         arena.close()
+
+
+def test_segments_of_processes_that_are_gone_are_removed(tmp_path):
+    import subprocess
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    for name in (f"vitserve-{gone.pid}-abcd", f"vitserve-{os.getpid()}-abcd", "vitserve-x-y", "other-1-2"):
+        (tmp_path / name).write_bytes(b"")
+    assert owner_pid(f"/vitserve-{os.getpid()}-ab12") == os.getpid() and owner_pid("other-1-2") is None
+    assert remove_orphaned_segments(str(tmp_path)) == [f"vitserve-{gone.pid}-abcd"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["other-1-2", f"vitserve-{os.getpid()}-abcd",
+                                                                 "vitserve-x-y"])
 
 
 # --- a real engine process ---
