@@ -133,10 +133,9 @@ class RemoteEngine:
             raise
 
     def _send_quietly(self, link: _Link, message) -> None:
-        try:
-            link.requests.send(self.codec.encode(message), flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass
+        """Send without waiting (from a cancelled task, which cannot await); a failure is nobody's to report."""
+        sent = link.requests.send(self.codec.encode(message), flags=zmq.NOBLOCK)
+        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _answers(self, link: _Link) -> None:
         while True:
