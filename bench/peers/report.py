@@ -160,21 +160,46 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
               f"{e[s]['socket_errors']} socket errors" for e in entry["summary"] for s in servers
               if s in e and (e[s]["non_2xx"] or e[s]["socket_errors"])]
     lines.append("Errors (all rounds): " + ("; ".join(errors) if errors else "none: every answer was 2xx.") + "")
-    lines += ["", "Answers checked (one request per path, against the raw session on the same image; top-1 class "
-              "and values within 1e-4: logits on the tensor paths, the top-5 probabilities on the image path):", ""]
+    lines += _statuses(entry)
+    lines += ["", "Answers checked (one request per path after each start, against the raw session on the same image; "
+              "top-1 class and values within 1e-4: logits on the tensor paths, the top-5 probabilities on the image "
+              "path):", ""]
     for server, checks in entry["checks"].items():
-        lines.append(f"- {LABELS[server]}: " + "; ".join(_check(path, c) for path, c in checks.items()))
+        lines.append(f"- {LABELS[server]}: " + "; ".join(_checks(path, runs) for path, runs in checks.items()))
     sizes = entry["request_bytes"]
     lines += ["", "Request bodies (bytes): " + "; ".join(
         f"{LABELS[s]} " + ", ".join(f"{PATH_LABELS[p]} {n:,}" for p, n in sizes[s].items()) for s in sizes) + ".", ""]
     return lines
 
 
-def _check(path: str, c: dict) -> str:
-    if "error" in c:
-        return f"{PATH_LABELS[path]} **failed** ({c['status']}: {c['error'][:120]})"
-    verdict = "ok" if c["ok"] else "**WRONG**"
-    return f"{PATH_LABELS[path]} {verdict} (top-1 {c['top1']}, max abs diff {c['max_abs_diff']:.1e})"
+def _checks(path: str, runs: list[dict]) -> str:
+    """A path's checks over the rounds: right in all, or which rounds were not and why."""
+    right = [c for c in runs if c["ok"]]
+    text = f"{PATH_LABELS[path]} right in {len(right)} of {len(runs)} round(s)"
+    if right:
+        worst = max(c["max_abs_diff"] for c in right)
+        text += f" (top-1 {right[0]['top1']}, max abs diff {worst:.1e})"
+    for c in runs:
+        if "error" in c:
+            text += f"; round {c['round']} **failed** ({c['status']}: {c['error'][:120]})"
+        elif not c["ok"]:
+            text += f"; round {c['round']} **WRONG** (top-1 {c['top1']}, max abs diff {c['max_abs_diff']:.1e})"
+    return text
+
+
+def _statuses(entry: dict) -> list[str]:
+    """What the non-2xx answers were: the status codes of a short extra run after each level that had some."""
+    seen: dict[str, dict[str, int]] = {}
+    for r in entry["rounds"]:
+        for code, n in (r.get("status_sample") or {}).items():
+            if not code.startswith("2"):
+                counts = seen.setdefault(LABELS[r["server"]], {})
+                counts[code] = counts.get(code, 0) + n
+    if not seen:
+        return []
+    return ["", "Their status codes, counted in a short extra run (the warm-up's length) after each level that "
+                  "had some: " + "; ".join(
+        f"{server} " + ", ".join(f"{code} x{n}" for code, n in sorted(c.items())) for server, c in seen.items()) + "."]
 
 
 def _cell(value: dict | None) -> str:

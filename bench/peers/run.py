@@ -25,7 +25,8 @@ from bench.peers.report import summarise
 from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
 from bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
-from bench.peers.wrk import find_wrk, run_wrk, threads_for, wrk_argv, wrk_version, write_script
+from bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, threads_for, wrk_argv, wrk_version,
+                             write_script)
 from bench.presets import resolve_model
 from bench.raw import bench_raw, load_raw_model, preprocessed
 from bench.reliability import alternated
@@ -124,22 +125,41 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
             continue
         spec = spec_of(server)
         log = cfg.log_dir / f"peers-{m.path.stem}-{server}-round{round_ + 1}.log"
-        with RunningServer(spec, log, cfg.startup_timeout_s) as running:
+        running = RunningServer(spec, log, cfg.startup_timeout_s)
+        try:
+            running.start()
+        except RuntimeError as e:  # reported in its rows; the other servers still run
+            print(f"  {server} did not start: {e}", flush=True)
+            rows += [{**head, "path": p, "connections": c, "skipped": f"did not start ({log})"} for p, c in levels]
+            continue
+        with running:
             requests = {p: request_for(server, p, running, m) for p, _ in levels}
-            if server not in checks:
-                checks[server] = {p: check(server, p, running.url, r, m.logits, m.grid) for p, r in requests.items()}
-                servers[server] = describe(server, spec, running)
-                print(f"  {server}: answers {_check_line(checks[server])}", flush=True)
-            for path, connections in levels:
-                row = {**head, "path": path, "connections": connections}
-                if not budget.allows(cfg.warmup_s + m.duration_s + 5):
-                    rows.append({**row, "skipped": "time limit"})
-                    continue
-                script = write_script(m.work_dir, f"{server}-{path}", requests[path])
-                rows.append({**row, **measure_level(cfg, wrk, running.url + requests[path].target, script,
-                                                    connections, m.duration_s, requests[path])})
-                print(_level_line(rows[-1]), flush=True)
+            answers = {p: {"round": round_ + 1, **check(server, p, running.url, r, m.logits, m.grid)}
+                       for p, r in requests.items()}  # every round: a failure may be passing
+            for path, result in answers.items():
+                checks.setdefault(server, {}).setdefault(path, []).append(result)
+            servers.setdefault(server, describe(server, spec, running))
+            print(f"  {server}: answers {_check_line(answers)}", flush=True)
+            rows += [load_level(cfg, m, wrk, running, {**head, "path": p, "connections": c}, requests[p], budget)
+                     for p, c in levels]
     return rows, checks, servers
+
+
+def load_level(cfg: PeersConfig, m: ModelUnderTest, wrk: str, running: RunningServer, row: dict,
+               request: PeerRequest, budget: Budget) -> dict:
+    """One row: the level measured, or why not (the time limit, or wrk failing)."""
+    if not budget.allows(cfg.warmup_s + m.duration_s + 5):
+        return {**row, "skipped": "time limit"}
+    script = write_script(m.work_dir, f"{row['server']}-{row['path']}", request)
+    try:
+        row = {**row, **measure_level(cfg, wrk, running.url + request.target, script, row["connections"],
+                                      m.duration_s, request)}
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        row = {**row, "skipped": f"wrk failed: {str(e)[:200]}"}
+        print(f"  {row['server']} {row['path']} c={row['connections']}: {row['skipped']}", flush=True)
+        return row
+    print(_level_line(row), flush=True)
+    return row
 
 
 def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
@@ -202,7 +222,7 @@ def _get_json(url: str) -> dict:
 def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int, duration_s: int,
                   request: PeerRequest) -> dict:
     """At `url` (the path's whole URL): a discarded warm-up run, then the measured one, each followed by one
-    request answered alone."""
+    request answered alone; when some answers were not 2xx, a short run counting their status codes."""
     limit = duration_s + cfg.wrk_timeout_s + 60
     server = url.removesuffix(request.target)
     run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
@@ -210,6 +230,10 @@ def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connection
     load = os.getloadavg()[0]
     argv = wrk_argv(wrk, url, connections, duration_s, cfg.wrk_timeout_s, script)
     result = run_wrk(argv, limit)
+    if result["non_2xx"]:
+        counted = run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s,
+                                   script.with_suffix(".status.lua")), limit)
+        result["status_sample"] = parse_statuses(counted["wrk_output"])
     post(server, request, cfg.wrk_timeout_s)
     return {**result, "threads": threads_for(connections), "load1_before": round(load, 2),
             "wrk_argv": " ".join(argv[1:])}

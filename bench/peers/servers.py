@@ -113,7 +113,8 @@ class RunningServer:
         self.startup_timeout_s, self.grace_s = startup_timeout_s, grace_s
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "RunningServer":
+    def start(self) -> None:
+        """Start it and wait until it is ready; RuntimeError (and nothing left running) when it cannot be."""
         busy = [p for p in self.spec.ports if not port_is_free(p)]
         if busy:
             raise RuntimeError(f"{self.spec.name}: port(s) {busy} already in use")
@@ -126,6 +127,10 @@ class RunningServer:
         except BaseException:
             self.stop()
             raise
+
+    def __enter__(self) -> "RunningServer":  # an already started server: `with` only stops it
+        if self.proc is None:
+            self.start()
         return self
 
     def __exit__(self, *exc) -> None:

@@ -43,14 +43,38 @@ def _lua_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
+# Appended to a script, this counts the answers' status codes (wrk says only how many were not 2xx or 3xx) and
+# prints them at the end. A Lua call per response costs wrk time, so only a short extra run uses it.
+STATUS_COUNTER = """
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args) statuses = {} end
+function response(status, headers, body) statuses[status] = (statuses[status] or 0) + 1 end
+function done(summary, latency, requests)
+  local total = {}
+  for _, t in ipairs(threads) do
+    for code, n in pairs(t:get("statuses")) do total[code] = (total[code] or 0) + n end
+  end
+  for code, n in pairs(total) do io.write(string.format("status %d: %d\\n", code, n)) end
+end
+"""
+
+
 def write_script(directory: Path, name: str, request: PeerRequest) -> Path:
-    """`name`.body and `name`.lua in `directory`; the script's path."""
+    """`name`.body, `name`.lua and `name`.status.lua (the same, counting status codes) in `directory`; the
+    script's path."""
     directory.mkdir(parents=True, exist_ok=True)
     body_path = directory / f"{name}.body"
     body_path.write_bytes(request.body)
     script = directory / f"{name}.lua"
     script.write_text(lua_script(body_path, request))
+    script.with_suffix(".status.lua").write_text(lua_script(body_path, request) + STATUS_COUNTER)
     return script
+
+
+def parse_statuses(text: str) -> dict[str, int]:
+    """The status counts a STATUS_COUNTER script printed, e.g. {"200": 877, "429": 438}."""
+    return {code: int(n) for code, n in sorted(re.findall(r"^status (\d+): (\d+)$", text, re.M))}
 
 
 def threads_for(connections: int) -> int:

@@ -21,7 +21,7 @@ from bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
 from bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
 from bench.peers.report import render, summarise
 from bench.peers.venvs import REQUIREMENTS
-from bench.peers.wrk import lua_script, parse_wrk, threads_for, wrk_argv, write_script
+from bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
 from bench.reliability import alternated
 from service.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
 
@@ -171,6 +171,16 @@ def test_wrk_command_and_script(tmp_path, png, pixels):
     assert [threads_for(c) for c in (1, 8, 32, 64)] == [1, 2, 2, 2]
     assert wrk_argv("wrk", "http://h:1/p", 32, 5, 60, script) == [
         "wrk", "-t", "2", "-c", "32", "-d", "5s", "--timeout", "60s", "--latency", "-s", str(script), "http://h:1/p"]
+
+
+def test_the_status_counting_script_and_its_output(tmp_path, png, pixels):
+    script = write_script(tmp_path, "vitserve-image", peer_request("vitserve", "image", png, pixels, ""))
+    counting = script.with_suffix(".status.lua").read_text()
+    assert counting.startswith(script.read_text()) and "function response(status, headers, body)" in counting
+    # printed by that script after `wrk -c64 -d5s` against vitserve shedding load
+    output = "Requests/sec:    260.82\nTransfer/sec:    197.13KB\nstatus 429: 438\nstatus 200: 877\n"
+    assert parse_statuses(output) == {"200": 877, "429": 438}
+    assert parse_statuses(WRK_OK) == {}
 
 
 def test_lua_strings_are_escaped():
@@ -333,8 +343,11 @@ def _fake_report() -> dict:
     servers = ["vitserve", "triton", "litserve"]
     model = {"name": "vit-fmnist", "version": "1", "path": "m.onnx", "height": 28, "width": 28, "channels": 1,
              "patch_size": 4, "size_mb": 3.1, "compute_bound": False}
-    checks = {"vitserve": {"image": {"ok": True, "status": 200, "top1": 8, "max_abs_diff": 0.0, "grid": [7, 7]}},
-              "triton": {"image": {"ok": False, "status": 500, "error": "boom"}}}
+    right = {"ok": True, "status": 200, "top1": 8, "max_abs_diff": 1e-6, "grid": [7, 7]}
+    checks = {"vitserve": {"image": [{"round": 1, **right}]},
+              "triton": {"image": [{"round": 1, "ok": False, "status": 503, "error": "not ready"},
+                                   {"round": 2, **right}]}}
+    rows[2]["status_sample"] = {"200": 40, "429": 7}
     return {"command": "python -m bench.peers", "settings": {**PeersConfig().__dict__, "servers": servers},
             "environment": {"date": "2026-01-01 00:00 UTC", "cpu": "AMD EPYC", "cpus": 2, "python": "3.11.7",
                             "onnxruntime": "1.32.0", "wrk": "wrk 4.1.0", "commit": "abc", "uncommitted_files": 0,
@@ -360,7 +373,10 @@ def test_report_has_a_table_per_model_with_the_ratio_and_the_facts():
     assert "## vit-fmnist (28x28), HTTP-bound" in text
     assert "Triton Inference Server** 2.51.0" in text and "LitServe** 0.2.19" in text
     assert "LitServe image at 8: 3 non-2xx, 1 socket errors" in text
-    assert "image **failed** (500: boom)" in text
+    assert "- vitserve: image right in 1 of 1 round(s) (top-1 8, max abs diff 1.0e-06)" in text
+    assert ("- Triton: image right in 1 of 2 round(s) (top-1 8, max abs diff 1.0e-06); round 1 **failed** (503: "
+            "not ready)") in text
+    assert "had some: LitServe 429 x7." in text
     assert "| vit-fmnist (28x28) | 1.70 | 575.0 | 1131.0 | 1131.0 |" in text
     assert "before 0.5 / 0.5 / 0.5" in text and "after 1.0 / 1.0 / 1.0" in text
     assert "`make bench-peers`" in text
