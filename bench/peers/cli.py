@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import shlex
 import sys
 from dataclasses import fields
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                            "this Python's base interpreter)")
     p.add_argument("--quick", action="store_true", help="a smoke run: the default model, 1 round, 1 and 8 "
                                                         "connections, 2 s levels (flags given still win)")
+    p.add_argument("--render", type=Path, metavar="REPORT.json", help="measure nothing: write --out's Markdown "
+                                                                      "again from a run's JSON")
     p.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"preset models (default {d.cache_dir})")
     p.add_argument("--log-dir", type=Path, metavar="DIR", help=f"the servers' logs (default {d.log_dir})")
     return p
@@ -98,4 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     cfg = config_from(vars(args), args.quick)
+    if args.render:
+        from bench.peers.report import render
+
+        cfg.out.write_text(render(json.loads(args.render.read_text())))
+        print(f"wrote {cfg.out}")
+        return 0
     return run(cfg, shlex.join(["python", "-m", "bench.peers", *argv]))

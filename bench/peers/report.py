@@ -205,7 +205,8 @@ def _statuses(entry: dict) -> list[str]:
 def _cell(value: dict | None) -> str:
     if value is None:
         return "-"
-    return f"{value['ok_per_s']:.0f} ({value['p50_ms']:.1f} / {value['p99_ms']:.1f})"
+    rate = value["ok_per_s"]
+    return f"{rate:.{0 if rate >= 100 else 1}f} ({value['p50_ms']:.1f} / {value['p99_ms']:.1f})"
 
 
 def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:

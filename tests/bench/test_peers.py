@@ -404,3 +404,14 @@ def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_log(tmp_pat
     with pytest.raises(RuntimeError, match="(?s)exited with code 3.*no model here"):
         server.start()
     assert server.proc is None  # stopped: nothing left running
+
+
+def test_render_writes_the_markdown_again_from_a_runs_json(tmp_path):
+    from bench.peers.cli import main
+
+    data = tmp_path / "peers.json"
+    data.write_text(json.dumps(_fake_report(), default=str))
+    out = tmp_path / "peers.md"
+    assert main(["--render", str(data), "--out", str(out)]) == 0
+    assert out.read_text() == render(json.loads(data.read_text()))
+    assert "| image | 8 | 400 (2.5 / 5.0) |" in out.read_text()
