@@ -25,9 +25,11 @@ log = logging.getLogger("vitserve.engine")
 
 
 class LocalEngine:
-    def __init__(self, settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None = None):
+    def __init__(self, settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None = None,
+                 loader: Callable[[Settings], InferenceModel] = OnnxModel.load):
         self.settings, self.metrics = settings, metrics
-        self.model = model  # given (tests) or loaded from settings.model_path at start
+        self.model = model  # given (tests) or loaded from settings.model_path at start, by `loader`
+        self._loader = loader
         self.batcher: DynamicBatcher | None = None
         self.ready = False
         self.on_ready: Callable[[bool], None] = lambda ready: None
@@ -44,7 +46,7 @@ class LocalEngine:
     async def start(self) -> None:
         if self.model is None:
             try:
-                self.model = await asyncio.to_thread(OnnxModel.load, self.settings)
+                self.model = await asyncio.to_thread(self._loader, self.settings)
             except ModelLoadError as e:
                 log.error("cannot start: %s", e)
                 raise

@@ -27,6 +27,7 @@ from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Resul
 from service.engine.shm import ArenaReader
 from service.errors import ClientDisconnected, ModelLoadError, ServiceError
 from service.metrics import ServiceMetrics, mark_process_dead
+from service.runtime import load_engine_model
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.engine")
@@ -50,7 +51,7 @@ def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, 
         uvloop.install()
     except ImportError:
         pass
-    server = EngineServer(LocalEngine(settings, ServiceMetrics()), address)
+    server = EngineServer(LocalEngine(settings, ServiceMetrics(), loader=load_engine_model), address)
     try:
         asyncio.run(server.run(stop, parent_pid, started))
     except ModelLoadError as e:

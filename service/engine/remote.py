@@ -99,8 +99,13 @@ class RemoteEngine:
             self._links.append(link)
             self._tasks += [asyncio.create_task(self._answers(link)), asyncio.create_task(self._statuses(link))]
         self._tasks.append(asyncio.create_task(self._watch()))
-        log.info("frontend connected to %d engine(s); arena %s of %d bytes", len(self._links), self.arena.name,
-                 self.arena.size)
+        # Hear each engine once before this worker accepts connections (uvicorn accepts after the lifespan's
+        # startup): a worker that started after its engine warmed up is ready from its first request.
+        heard = time.monotonic() + self.settings.engine_timeout_s
+        while any(link.status is None for link in self._links) and time.monotonic() < heard:
+            await asyncio.sleep(0.005)
+        log.info("frontend connected to %d engine(s), %s; arena %s of %d bytes", len(self._links),
+                 "ready" if self.ready else "not ready yet", self.arena.name, self.arena.size)
 
     def predicted_wait_s(self) -> float:
         ready = [link.predicted_wait_s() for link in self._links if link.ready]

@@ -9,7 +9,8 @@ import pytest
 
 from service.cli import DRAIN_MARGIN_S
 from service.errors import ModelLoadError
-from service.runtime import OnnxModel, intra_op_threads, provider_chain, session_options, warm_up
+from service.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
+                             warm_up)
 from service.settings import INTERNAL, Settings
 from service_fixtures import settings_for
 
@@ -135,3 +136,14 @@ def test_fallback_from_the_preferred_provider_is_logged(tiny_onnx, caplog):
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
         OnnxModel.load(Settings(model_path=tiny_onnx, providers="cpu"))
     assert "requested first" not in caplog.text
+
+
+def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_core(tiny_onnx, monkeypatch):
+    import service.runtime as runtime
+    light = load_engine_model(Settings(model_path=tiny_onnx, providers=["cpu"]))
+    assert light.session.get_session_options().intra_op_num_threads == 1  # the tiny model is light
+    monkeypatch.setattr(runtime, "LIGHT_MODEL_MS", 0.0)  # every model heavy
+    heavy = load_engine_model(Settings(model_path=tiny_onnx, providers=["cpu"]))
+    assert heavy.session.get_session_options().intra_op_num_threads == 0  # ORT's default: every core
+    chosen = load_engine_model(Settings(model_path=tiny_onnx, providers=["cpu"], intra_op_threads=2))
+    assert chosen.session.get_session_options().intra_op_num_threads == 2  # a count given is kept
