@@ -78,7 +78,9 @@ class Settings(BaseSettings):
                                                                     "work would take longer than this: a latency "
                                                                     "objective tighter than the deadline (fewer "
                                                                     "admitted, each faster); unset: the deadline")
-    max_loop_lag_ms: float | None = Field(20.0, ge=0, description="refuse new inference requests while the event "
+    # 50, not the 20 of a single process: HTTP workers share the cores with the engine, and a loop's timers then
+    # run late by the scheduler's slices too (at 64 closed-loop clients, 20 refused 1% of requests, 50 none).
+    max_loop_lag_ms: float | None = Field(50.0, ge=0, description="refuse new inference requests while the event "
                                                                   "loop runs this far behind (its backlog); unset: "
                                                                   "never on this ground")
     max_pixels_in_flight: int = Field(100_000_000, ge=1, description="decoded pixels held by admitted requests at "
