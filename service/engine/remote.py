@@ -31,6 +31,8 @@ from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.frontend")
 
+RECONNECT_GRACE_S = 1.0  # how long a request waits for the connection to an engine said to be ready
+
 
 @dataclass(eq=False)
 class _Pending:
@@ -90,10 +92,12 @@ class RemoteEngine:
             requests = self._context.socket(zmq.DEALER)
             requests.setsockopt(zmq.LINGER, 0)
             requests.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for an engine that is not connected
+            requests.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: back soon after an engine restarts
             requests.connect(address)
             status = self._context.socket(zmq.SUB)
             status.setsockopt(zmq.LINGER, 0)
             status.setsockopt(zmq.SUBSCRIBE, b"")
+            status.setsockopt(zmq.RECONNECT_IVL, 10)
             status.connect(status_address(address))
             link = _Link(address, requests, status)
             self._links.append(link)
@@ -123,11 +127,9 @@ class RemoteEngine:
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         message = Submit(id, self.arena.name, offset, pixels.shape, pixels.dtype.str, timeout_s)
-        try:
-            await link.requests.send(self.codec.encode(message), flags=zmq.NOBLOCK)
-        except zmq.Again:
+        if not await self._send(link, self.codec.encode(message), min(timeout_s, RECONNECT_GRACE_S)):
             self.arena.release(offset, pixels.nbytes)
-            raise NotReady("the inference engine is not reachable") from None
+            raise NotReady("the inference engine is not reachable")
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
         try:
@@ -136,6 +138,20 @@ class RemoteEngine:
             if id in link.pending:  # the engine drops it (or its result) and still answers, freeing the region
                 self._send_quietly(link, Cancel(id))
             raise
+
+    @staticmethod
+    async def _send(link: _Link, payload: bytes, grace_s: float) -> bool:
+        """Send now, or within `grace_s` while the connection is being made: after an engine restarts, its status
+        (another socket) can arrive before this socket has reconnected."""
+        give_up = time.monotonic() + grace_s
+        while True:
+            try:
+                await link.requests.send(payload, flags=zmq.NOBLOCK)
+                return True
+            except zmq.Again:
+                if time.monotonic() >= give_up:
+                    return False
+                await asyncio.sleep(0.005)
 
     def _send_quietly(self, link: _Link, message) -> None:
         """Send without waiting (from a cancelled task, which cannot await); a failure is nobody's to report."""
