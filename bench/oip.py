@@ -19,6 +19,7 @@ round.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import statistics
 import urllib.error
@@ -30,9 +31,9 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.config import LOOPBACK, BenchConfig, with_server_defaults
-from bench.load import encode_request, make_images, settle
+from bench.load import closed_loop, encode_request, make_images, settle
 from bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
-from bench.servers import free_port, server_settings
+from bench.servers import free_port, scrape_metrics, server_settings
 from service.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
                                     tensor_bytes)
 from service.schemas import IMAGE_INPUT_NAME
@@ -49,7 +50,6 @@ class OipConfig:
     encodings: list[str] = field(default_factory=lambda: list(ENCODINGS))
     concurrency: list[int] = field(default_factory=lambda: [1, 8, 32])  # closed-loop clients
     rounds: int = 3  # every encoding once per round, per client count
-    # the window fields carry BenchConfig's names: bench.run.run_level reads them
     duration_s: float = 3.0
     warmup_s: float = 1.0
     min_completed_per_client: int = 3  # a window stretches (up to max_duration_factor x) until this many per client
@@ -226,8 +226,6 @@ def _compare_logits(encodings: dict[str, dict]) -> None:
 
 def run_rounds(process, payloads: dict[str, list[bytes]], cfg: OipConfig, budget) -> list[dict]:
     """For each client count, every encoding once per round, the order reversed every other round."""
-    from bench.run import run_level
-
     rows = []
     for clients in cfg.concurrency:
         for round_, encoding in alternated(list(payloads), cfg.rounds):
@@ -239,6 +237,31 @@ def run_rounds(process, payloads: dict[str, list[bytes]], cfg: OipConfig, budget
             print(_level_line(rows[-1]), flush=True)
             settle(process.port, payloads[encoding][0], cfg.request_timeout_s)
     return rows
+
+
+_BATCH_METRICS = ("vitserve_batch_size_sum", "vitserve_batch_size_count")
+
+
+def run_level(process, payloads: list[bytes], clients: int, cfg: OipConfig) -> dict:
+    """One closed-loop level, with the CPU used over its window by the server's whole process tree (`vitserve
+    serve` runs HTTP workers and an engine process), this client, and everything else; and the mean batch size
+    from the server's own histogram."""
+    from bench.overload import cpu_snapshot
+
+    edges = {}
+
+    async def on_window(edge: str) -> None:
+        metrics = await asyncio.to_thread(scrape_metrics, process.port, _BATCH_METRICS)
+        edges[edge] = (await asyncio.to_thread(cpu_snapshot, process.pid), metrics)
+
+    result = asyncio.run(closed_loop(LOOPBACK, process.port, payloads, clients, cfg.warmup_s, cfg.duration_s,
+                                     cfg.request_timeout_s, on_window, min_completed=cfg.min_completed_per_client
+                                     * clients, max_duration_s=cfg.max_duration_factor * cfg.duration_s))
+    (cpu0, m0), (cpu1, m1) = edges["start"], edges["end"]
+    total, count = _BATCH_METRICS
+    batches = m1.get(count, 0.0) - m0.get(count, 0.0)
+    return {**result, **cpu0.usage(cpu1),
+            "mean_batch_size": (m1[total] - m0[total]) / batches if batches else float("nan")}
 
 
 def _level_line(r: dict) -> str:
@@ -281,7 +304,8 @@ def render_oip(report: dict) -> str:
              f"## Medians over {s['rounds']} round(s)", "", *_summary_table(report), "",
              "*vs json*: the median over rounds of the encoding's req/s over json's in the same round; *bytes*: "
              "HTTP bodies (request: mean over the images; response: one answer); *cores*: CPU seconds per second "
-             "used by the server process, this load generator, and everything else on the machine.", "",
+             "used by the server's processes (HTTP workers and engine), this load generator, and everything else "
+             "on the machine.", "",
              "## Every round", "", *_rounds_table(report["rounds"]), ""]
     return "\n".join(lines)
 
