@@ -50,7 +50,10 @@ def vitserve_spec(model: Path, source: Path | None = None) -> ServerSpec:
     """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given."""
     port = free_port()
     env = {"VITSERVE_LOG_LEVEL": "warning", **({"PYTHONPATH": str(source.resolve())} if source else {})}
-    return ServerSpec("vitserve", serve_argv(model.resolve(), port), [port], ["/v2/health/ready"], env)
+    argv = serve_argv(model.resolve(), port)
+    if source:  # -P: the working directory (this repository) must not come first on the path and shadow `source`
+        argv.insert(1, "-P")
+    return ServerSpec("vitserve", argv, [port], ["/v2/health/ready"], env)
 
 
 def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
