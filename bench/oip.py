@@ -19,7 +19,6 @@ round.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import urllib.error
@@ -31,9 +30,10 @@ from types import SimpleNamespace
 import numpy as np
 
 from bench.config import LOOPBACK, BenchConfig, with_server_defaults
-from bench.load import closed_loop, encode_request, make_images, settle
+from bench.load import encode_request, make_images, settle
 from bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
-from bench.servers import free_port, scrape_metrics, server_settings
+from bench.run import run_level
+from bench.servers import free_port, server_settings
 from service.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
                                     tensor_bytes)
 from service.schemas import IMAGE_INPUT_NAME
@@ -237,31 +237,6 @@ def run_rounds(process, payloads: dict[str, list[bytes]], cfg: OipConfig, budget
             print(_level_line(rows[-1]), flush=True)
             settle(process.port, payloads[encoding][0], cfg.request_timeout_s)
     return rows
-
-
-_BATCH_METRICS = ("vitserve_batch_size_sum", "vitserve_batch_size_count")
-
-
-def run_level(process, payloads: list[bytes], clients: int, cfg: OipConfig) -> dict:
-    """One closed-loop level, with the CPU used over its window by the server's whole process tree (`vitserve
-    serve` runs HTTP workers and an engine process), this client, and everything else; and the mean batch size
-    from the server's own histogram."""
-    from bench.overload import cpu_snapshot
-
-    edges = {}
-
-    async def on_window(edge: str) -> None:
-        metrics = await asyncio.to_thread(scrape_metrics, process.port, _BATCH_METRICS)
-        edges[edge] = (await asyncio.to_thread(cpu_snapshot, process.pid), metrics)
-
-    result = asyncio.run(closed_loop(LOOPBACK, process.port, payloads, clients, cfg.warmup_s, cfg.duration_s,
-                                     cfg.request_timeout_s, on_window, min_completed=cfg.min_completed_per_client
-                                     * clients, max_duration_s=cfg.max_duration_factor * cfg.duration_s))
-    (cpu0, m0), (cpu1, m1) = edges["start"], edges["end"]
-    total, count = _BATCH_METRICS
-    batches = m1.get(count, 0.0) - m0.get(count, 0.0)
-    return {**result, **cpu0.usage(cpu1),
-            "mean_batch_size": (m1[total] - m0[total]) / batches if batches else float("nan")}
 
 
 def _level_line(r: dict) -> str:

@@ -17,7 +17,6 @@ reported with the CPU each party used.
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -27,9 +26,8 @@ from bench.load import HttpConnection, closed_loop, encode_request, make_images,
 from bench.measure import CpuSnapshot, latency_summary
 from bench.presets import resolve_model
 from bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSampler, alternated, contention, number,
-                               preamble, sample_tree, servers_under_test, table, verdict)
+                               preamble, servers_under_test, table, verdict)
 from bench.servers import free_port
-from vitserve.machine import machine_busy_seconds
 
 TIMEOUT = "timeout"
 CONNECTION_ERROR = "connection error"
@@ -252,11 +250,6 @@ def model_summary(model_path: Path) -> dict:
             "width": info.image_size[1], "channels": info.channels, "patch_size": info.patch_size}
 
 
-def cpu_snapshot(pid: int) -> CpuSnapshot:
-    """CPU so far of the server's whole process tree, this process, and the machine."""
-    return CpuSnapshot(time.perf_counter(), sample_tree(pid).cpu_s, time.process_time(), machine_busy_seconds())
-
-
 # ---------------------------------------------------------------------------------------------------- the mode
 
 
@@ -356,7 +349,7 @@ async def _overload(pid: int, port: int, payloads: list[bytes], rate: float, dea
                     warmup_s=cfg.overload_warmup_s, max_connections=cfg.max_connections)
     edges: dict[str, CpuSnapshot] = {}
     async with TreeSampler(pid, 0.5) as memory:
-        await load.send(on_window=lambda edge: edges.__setitem__(edge, cpu_snapshot(pid)))
+        await load.send(on_window=lambda edge: edges.__setitem__(edge, CpuSnapshot.take(pid)))
         stopped = asyncio.get_running_loop().time()
         probes = asyncio.create_task(one_at_a_time(port, payloads, cfg.probes, timeout_s))
         await load.drain()

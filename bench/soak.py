@@ -28,8 +28,8 @@ from PIL import Image
 
 from bench.config import LOOPBACK
 from bench.load import HttpConnection, encode_request, make_images
-from bench.measure import latency_summary
-from bench.overload import (HUNG_UP, Answer, OpenLoop, Request, Setup, cpu_snapshot, exchange, one_at_a_time,
+from bench.measure import CpuSnapshot, latency_summary
+from bench.overload import (HUNG_UP, Answer, OpenLoop, Request, Setup, exchange, one_at_a_time,
                             outcome_summary, saturation, target_lines)
 from bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSample, TreeSampler, alternated, number,
                                preamble, sample_tree, table)
@@ -193,7 +193,8 @@ async def _head_of_line(pid: int, port: int, small: list[Request], heavy: list[R
     stream, stop = OpenLoop(LOOPBACK, port, small, rate, _STREAM_LIMIT_S, timeout_s), asyncio.Event()
     edges = {}
     async with TreeSampler(pid, 0.1) as memory:
-        sending = asyncio.create_task(stream.send(stop, on_window=lambda e: edges.__setitem__(e, cpu_snapshot(pid))))
+        sending = asyncio.create_task(stream.send(stop, on_window=lambda e: edges.__setitem__(e,
+                                                                                       CpuSnapshot.take(pid))))
         await asyncio.sleep(cfg.hol_phase_s)
         heavy_answers: list[Answer] = []
         for _ in range(cfg.hol_repeats):  # the two together, then the next two
@@ -290,7 +291,7 @@ async def _soak(pid: int, port: int, sequence: list[Request], mix: list[MixItem]
     load = OpenLoop(LOOPBACK, port, sequence, rate, cfg.soak_minutes * 60, deadline_s + cfg.timeout_margin_s)
     edges = {}
     async with TreeSampler(pid, cfg.sample_s) as sampler:
-        await load.send(on_window=lambda e: edges.__setitem__(e, cpu_snapshot(pid)))
+        await load.send(on_window=lambda e: edges.__setitem__(e, CpuSnapshot.take(pid)))
         await load.drain()
     await asyncio.sleep(cfg.settle_s)  # the connections closed, the last requests' buffers freed
     after = await steady_resources(pid)
