@@ -60,8 +60,8 @@ def openapi_document(app: FastAPI) -> dict:
     route declares the errors it really answers, in its protocol's shape)."""
     if app.openapi_schema is None:
         spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-        for operations in spec["paths"].values():
-            for operation in operations.values():
+        for methods in spec["paths"].values():
+            for operation in methods.values():
                 answer = operation["responses"].get("422", {})
                 if "HTTPValidationError" in str(answer):
                     del operation["responses"]["422"]

@@ -213,8 +213,8 @@ async def _read_call(request: Request, state: ServiceState, deadline: Deadline) 
 
 
 async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline) -> dict[str, np.ndarray]:
-    results = await asyncio.gather(*(state.engine.submit(image, deadline.remaining()) for image in pixels))
-    return _stacked(results)
+    """Run every image of the tensor; the first that fails fails the request, named, and the others are dropped."""
+    return _stacked(await _each(list(pixels), lambda image: state.engine.submit(image, deadline.remaining())))
 
 
 async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline) -> dict:
