@@ -26,6 +26,9 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--fp16", action="store_true", help="float16 weights and compute for GPU serving (float32 I/O)")
     p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
     p.add_argument("--no-verify", action="store_true", help="skip ONNX Runtime vs PyTorch verification")
+    p.add_argument("--no-relevance", action="store_true",
+                   help="leave out the class-specific relevance path (a smaller file; the server then offers only "
+                        "the attention rollout)")
     p.set_defaults(func=run_export)
 
 
@@ -34,7 +37,8 @@ def run_export(args) -> int:
     from export.verify import ExportVerificationError
 
     try:
-        report = export_onnx(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=not args.no_verify)
+        report = export_onnx(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=not args.no_verify,
+                             relevance=not args.no_relevance)
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
@@ -50,6 +54,11 @@ def report_summary(report) -> dict:
         summary["verified"] = {"cases": [[c.height, c.width, c.batch] for c in v.cases],
                                "max_logits_abs_diff": v.max_logits_diff, "max_rollout_abs_diff": v.max_rollout_diff,
                                "tolerances": {"logits": v.logits_atol, "rollout": v.rollout_atol}}
+    if report.relevance:
+        r = report.relevance
+        summary["relevance_verified"] = {"cases": [[c.height, c.width, c.batch] for c in r.cases],
+                                         "max_relevance_rel_diff": r.max_relevance_rel_diff,
+                                         "tolerance": {"relevance_relative": r.relevance_rtol}}
     if report.fp16:
         f = report.fp16
         summary["fp16_vs_fp32"] = {"max_logits_abs_diff": f.logits_max_abs_diff, "logits_tolerance": f.logits_tolerance,

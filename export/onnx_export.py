@@ -1,4 +1,5 @@
-"""Checkpoint -> ONNX: dynamic batch, height and width, logits and in-graph attention rollout.
+"""Checkpoint -> ONNX: dynamic batch, height and width, logits and in-graph attention rollout (and, in the same
+file, the class-specific relevance path: export/relevance_graph.py).
 
 `torch.export.export` runs first, with `Dim` dynamic shapes (height and width as multiples of the
 patch), so a violated shape constraint raises here instead of `torch.onnx.export` silently
@@ -17,10 +18,11 @@ from torch import nn
 from torch.export import Dim
 
 from export.rollout import attention_rollout
-from export.verify import ExportVerificationError, Fp16Report, VerificationReport, require_symbolic_input
+from export.verify import (ExportVerificationError, Fp16Report, RelevanceReport, VerificationReport,
+                           require_symbolic_input)
 from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from model.vit import VisionTransformer
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, MAPS, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, ModelInfo
 
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
 
@@ -49,13 +51,18 @@ class ExportReport:
     metadata: dict[str, str]
     verification: VerificationReport | None  # fp32 graph vs PyTorch eager (None with verify=False)
     fp16: Fp16Report | None = None  # fp16 graph vs fp32 (fp16 exports only)
+    relevance: RelevanceReport | None = None  # the relevance path vs PyTorch and NumPy (with the relevance path)
 
 
-def export_program(module: nn.Module, patch_size: int, example: torch.Tensor) -> torch.export.ExportedProgram:
-    """torch.export with batch, height = P * gh and width = P * gw all dynamic; raises if any gets specialised."""
+def export_program(module: nn.Module, patch_size: int, example: torch.Tensor,
+                   target: torch.Tensor | None = None) -> torch.export.ExportedProgram:
+    """torch.export with batch, height = P * gh and width = P * gw all dynamic (and the target's length, the batch,
+    when the module takes one); raises if any gets specialised."""
     batch, gh, gw = Dim("batch", min=1), Dim("grid_height", min=1), Dim("grid_width", min=1)
     shapes = ({0: batch, 2: patch_size * gh, 3: patch_size * gw},)
-    return torch.export.export(module, (example,), dynamic_shapes=shapes, strict=False)
+    args = (example,) if target is None else (example, target)
+    shapes = shapes if target is None else (*shapes, {0: batch})
+    return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
 
 
 def example_input(vit: VisionTransformer, batch: int = 2) -> torch.Tensor:
@@ -65,10 +72,12 @@ def example_input(vit: VisionTransformer, batch: int = 2) -> torch.Tensor:
 
 
 def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_names: tuple[str, ...],
-            opset: int | None = None) -> onnx.ModelProto:
-    """Export `module` (one input, pixels) to an in-memory ONNX model with named symbolic dims."""
-    program = export_program(module, patch_size, example)
-    onnx_program = torch.onnx.export(program, (example,), input_names=[INPUT_NAME], output_names=list(output_names),
+            opset: int | None = None, target: torch.Tensor | None = None) -> onnx.ModelProto:
+    """Export `module` (pixels, and a target class per image if given) to an in-memory ONNX model with named
+    symbolic dims."""
+    program = export_program(module, patch_size, example, target)
+    args, input_names = ((example,), [INPUT_NAME]) if target is None else ((example, target), [INPUT_NAME, TARGET_NAME])
+    onnx_program = torch.onnx.export(program, args, input_names=input_names, output_names=list(output_names),
                                      opset_version=opset, dynamo=True, optimize=True, verbose=False)
     proto = onnx_program.model_proto
     require_symbolic_input(proto)
@@ -77,12 +86,33 @@ def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_na
     return proto
 
 
+def relevance_onnx(vit: VisionTransformer, opset: int | None = None) -> onnx.ModelProto:
+    """The relevance path alone (pixels, target class -> logits, rollout, relevance) as ONNX."""
+    from export.relevance_graph import BRANCH_OUTPUTS, trace_relevance
+
+    example = example_input(vit)
+    target = torch.full((example.shape[0],), TOP1_TARGET, dtype=torch.long)
+    return to_onnx(trace_relevance(vit, tracing_example(vit)), vit.cfg.patch_size, example, BRANCH_OUTPUTS, opset,
+                   target=target)
+
+
+def tracing_example(vit: VisionTransformer) -> torch.Tensor:
+    """Pixels whose token count differs from every other size the trace sees (batch, width): make_fx gives
+    equal input sizes one symbol, and would tie them."""
+    cfg = vit.cfg
+    gh, gw = cfg.grid_size
+    if 1 + gh * (gw + 1) == cfg.embed_dim:
+        gh += 1
+    return torch.randn(2, cfg.in_channels, gh * cfg.patch_size, (gw + 1) * cfg.patch_size,
+                       generator=torch.Generator().manual_seed(0))
+
+
 def name_dims(proto: onnx.ModelProto, patch_size: int) -> None:
     """Rename the exporter's symbols (s12, 4*s34, ...) to the contract's: batch, height, width, height/P, width/P."""
     dims = proto.graph.input[0].type.tensor_type.shape.dim
     names = {dims[0].dim_param: "batch", dims[2].dim_param: "height", dims[3].dim_param: "width"}
     for output in proto.graph.output:
-        if output.name == "rollout":
+        if output.name in ("rollout", RELEVANCE_NAME):
             grid = output.type.tensor_type.shape.dim
             names[grid[1].dim_param] = f"height/{patch_size}"
             names[grid[2].dim_param] = f"width/{patch_size}"
@@ -93,7 +123,7 @@ def name_dims(proto: onnx.ModelProto, patch_size: int) -> None:
                 dim.dim_param = names[dim.dim_param]
 
 
-def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str) -> ModelInfo:
+def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str, maps: tuple[str, ...]) -> ModelInfo:
     """What the file tells a server about the model (written as `vitserve.*` metadata by `ModelInfo.to_metadata`)."""
     from vitserve import __version__
 
@@ -104,7 +134,7 @@ def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str) 
         image_size=tuple(cfg.image_size), channels=cfg.in_channels, mean=list(meta.mean), std=list(meta.std),
         precision=precision, exporter=f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(vit.state_dict()), architecture=cfg.to_dict(),
-        test_accuracy=None if accuracy is None else float(accuracy))
+        test_accuracy=None if accuracy is None else float(accuracy), maps=maps)
 
 
 def strip_debug_metadata(proto: onnx.ModelProto) -> None:
@@ -140,23 +170,29 @@ def save_model(proto: onnx.ModelProto, out_path: Path) -> None:
 
 
 def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool = False, opset: int | None = None,
-                verify: bool = True) -> ExportReport:
+                verify: bool = True, relevance: bool = True) -> ExportReport:
     """Export a checkpoint directory to one ONNX file and (by default) prove it right.
 
-    Raises ExportVerificationError (file left in place for inspection) when verification fails.
+    With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
+    float16 file: its backward pass is where half precision would cost accuracy, and explanations are not the
+    throughput path. Raises ExportVerificationError (file left in place for inspection) when verification fails.
     """
     from export import verify as checks
 
     out_path = Path(out_path)
     started = time.perf_counter()
     vit, meta = load_checkpoint(checkpoint_dir)
-    proto = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
-    fp32_proto = proto
+    fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
+    proto = fast
     if fp16:
         from export.fp16 import convert_to_fp16
 
-        proto = convert_to_fp16(fp32_proto)
-    info = artifact_info(meta, vit, "fp16" if fp16 else "fp32")
+        proto = convert_to_fp16(fast)
+    if relevance:
+        from export.relevance_graph import with_relevance_branch
+
+        proto = with_relevance_branch(proto, relevance_onnx(vit, opset))
+    info = artifact_info(meta, vit, "fp16" if fp16 else "fp32", MAPS if relevance else ("rollout",))
     metadata = info.to_metadata()
     onnx.helper.set_model_props(proto, metadata)
     save_model(proto, out_path)
@@ -166,9 +202,11 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool 
                           export_seconds, metadata, None)
     if verify:
         try:
-            report.verification = checks.verify_against_torch(fp32_proto if fp16 else str(out_path), vit)
+            report.verification = checks.verify_against_torch(fast if fp16 else str(out_path), vit)
             if fp16:
-                report.fp16 = checks.verify_fp16(str(out_path), fp32_proto, vit, meta)
+                report.fp16 = checks.verify_fp16(str(out_path), fast, vit, meta)
+            if relevance:
+                report.relevance = checks.verify_relevance(str(out_path), vit)
             checks.check_artifact(str(out_path), metadata)
         except ExportVerificationError as e:
             rejected = out_path.with_name(out_path.name + ".rejected")

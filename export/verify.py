@@ -1,4 +1,4 @@
-"""Export is verified, not trusted: structure, symbolic dims, ONNX Runtime vs PyTorch, rollout vs NumPy.
+"""Export is verified, not trusted: structure, symbolic dims, ONNX Runtime vs PyTorch, rollout and relevance vs NumPy.
 
 Every check raises ExportVerificationError with the numbers that failed; the reports carry the
 numbers that passed, so the caller can print them.
@@ -11,9 +11,11 @@ import numpy as np
 import onnx
 import torch
 
+from export.relevance import explain
 from export.rollout import attention_rollout
-from export.rollout_reference import numpy_attention_rollout
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ArtifactError, ModelInfo, normalize_pixels
+from export.rollout_reference import numpy_attention_rollout, numpy_relevance
+from vitserve.artifact import (INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo,
+                               normalize_pixels)
 
 # float32 graph vs PyTorch eager (max absolute difference).
 LOGITS_ATOL = 1e-4
@@ -23,6 +25,9 @@ ROLLOUT_ATOL = 1e-5
 # exceeds the logits tolerance (closer calls are ties that fp16 rounding may legitimately flip).
 FP16_LOGITS_RTOL = 1e-2
 FP16_ROLLOUT_ATOL = 2e-3
+# The relevance path vs PyTorch eager and NumPy: its values scale with the logit's gradients, so the tolerance is
+# relative to the case's largest |relevance| (measured differences are about 1e-6 of it).
+RELEVANCE_RTOL = 1e-4
 BATCH_SIZES = (1, 3)
 
 
@@ -56,6 +61,28 @@ class VerificationReport:
 
 
 @dataclass
+class RelevanceCase:
+    height: int
+    width: int
+    batch: int
+    targets: list[int]  # the target_class fed, -1 meaning the top-1
+    logits_max_abs_diff: float  # the relevance path's logits vs PyTorch eager
+    rollout_max_abs_diff: float  # its rollout vs PyTorch eager
+    relevance_max_rel_diff: float  # vs PyTorch eager (export.relevance.explain), relative to max |relevance|
+    reference_relevance_max_rel_diff: float  # vs the NumPy rule on PyTorch's attention and autograd's gradients
+
+
+@dataclass
+class RelevanceReport:
+    cases: list[RelevanceCase]
+    relevance_rtol: float = RELEVANCE_RTOL
+
+    @property
+    def max_relevance_rel_diff(self) -> float:
+        return max(max(c.relevance_max_rel_diff, c.reference_relevance_max_rel_diff) for c in self.cases)
+
+
+@dataclass
 class Fp16Report:
     logits_max_abs_diff: float  # fp16 graph vs fp32 graph, over random inputs and photos at every size
     rollout_max_abs_diff: float
@@ -80,8 +107,9 @@ def verification_sizes(image_size: tuple[int, int], patch: int) -> list[tuple[in
 
 def require_symbolic_input(proto: onnx.ModelProto) -> None:
     """Batch, height and width must be three distinct symbols, never fixed numbers."""
-    if len(proto.graph.input) != 1:
-        raise ExportVerificationError(f"expected one graph input, got {[i.name for i in proto.graph.input]}")
+    names = [i.name for i in proto.graph.input]
+    if names not in ([INPUT_NAME], [INPUT_NAME, TARGET_NAME]):
+        raise ExportVerificationError(f"expected the inputs {INPUT_NAME!r} and optionally {TARGET_NAME!r}, got {names}")
     dims = proto.graph.input[0].type.tensor_type.shape.dim
     if len(dims) != 4:
         raise ExportVerificationError(f"input must be 4-D (batch, channels, height, width), got {len(dims)} dims")
@@ -105,23 +133,28 @@ def check_graph(model: str | onnx.ModelProto) -> onnx.ModelProto:
     if [named[0], named[2], named[3]] != ["batch", "height", "width"]:
         raise ExportVerificationError(f"input dims are {named}, the contract names them batch, height, width")
     inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
-    if inputs != [INPUT_NAME] or outputs != list(OUTPUT_NAMES):
+    contracts = ([[INPUT_NAME], list(OUTPUT_NAMES)], [[INPUT_NAME, TARGET_NAME], [*OUTPUT_NAMES, RELEVANCE_NAME]])
+    if [inputs, outputs] not in contracts:
         raise ExportVerificationError(f"the graph maps {inputs} to {outputs}; the contract says "
-                                      f"[{INPUT_NAME!r}] to {list(OUTPUT_NAMES)}")
+                                      f"{' or '.join(f'{i} to {o}' for i, o in contracts)}")
     return proto
 
 
 def check_artifact(path: str, metadata: dict[str, str]) -> None:
     """The saved file passes the checker, keeps its symbolic dims and carries exactly the metadata written,
-    which a server reads back (`ModelInfo.from_metadata`) to the same values."""
+    which a server reads back (`ModelInfo.from_metadata`) to the same values, and has the graph its maps say."""
     proto = check_graph(path)
     stored = {p.key: p.value for p in proto.metadata_props}
     if stored != metadata:
         raise ExportVerificationError(f"metadata did not round-trip: wrote {sorted(metadata)}, read {sorted(stored)}")
     try:
-        ModelInfo.from_metadata(stored)
+        info = ModelInfo.from_metadata(stored)
     except ArtifactError as e:
         raise ExportVerificationError(f"a server would refuse this file: {e}") from e
+    has_relevance = RELEVANCE_NAME in [o.name for o in proto.graph.output]
+    if info.explains_classes != has_relevance:
+        raise ExportVerificationError(f"the metadata lists the maps {list(info.maps)} but the graph "
+                                      f"{'has' if has_relevance else 'lacks'} the relevance output")
 
 
 def cpu_session(model: str | bytes | onnx.ModelProto, threads: int = 0):
@@ -180,6 +213,60 @@ def verify_against_torch(model: str | bytes | onnx.ModelProto, vit, sizes: list[
     return report
 
 
+def relevance_targets(batch: int, num_classes: int) -> np.ndarray:
+    """Per image: the top-1 (-1), then each class in turn, so a batch mixes both kinds of target."""
+    return (np.arange(batch) % (num_classes + 1) - 1).astype(np.int64)
+
+
+def autograd_relevance(vit, x: np.ndarray, targets: np.ndarray, grid: tuple[int, int]) -> np.ndarray:
+    """The NumPy rule on PyTorch eager's attention and `autograd.grad`'s gradients (not export.relevance's code)."""
+    with torch.enable_grad():
+        logits, attentions = vit.forward_with_attention(torch.from_numpy(x))
+        chosen = [int(logits[i].argmax()) if t < 0 else int(t) for i, t in enumerate(targets)]
+        score = sum(logits[i, c] for i, c in enumerate(chosen))
+        gradients = torch.autograd.grad(score, attentions)
+    return numpy_relevance([a.detach().numpy() for a in attentions], [g.numpy() for g in gradients], grid)
+
+
+def compare_relevance_case(session, vit, x: np.ndarray) -> RelevanceCase:
+    targets = relevance_targets(len(x), vit.cfg.num_classes)
+    names = [*OUTPUT_NAMES, RELEVANCE_NAME]
+    logits, rollout, relevance = session.run(names, {INPUT_NAME: x, TARGET_NAME: targets})
+    ref_logits, ref_rollout, ref_relevance = (t.numpy() for t in explain(vit, torch.from_numpy(x),
+                                                                         torch.from_numpy(targets)))
+    if relevance.shape != ref_relevance.shape or logits.shape != ref_logits.shape:
+        raise ExportVerificationError(f"input {x.shape}: the relevance path gave {logits.shape} {relevance.shape}, "
+                                      f"PyTorch {ref_logits.shape} {ref_relevance.shape}")
+    scale = max(float(np.abs(ref_relevance).max()), 1e-12)
+    numpy_reference = autograd_relevance(vit, x, targets, ref_relevance.shape[1:])
+    return RelevanceCase(x.shape[2], x.shape[3], x.shape[0], targets.tolist(),
+                         float(np.abs(logits - ref_logits).max()), float(np.abs(rollout - ref_rollout).max()),
+                         float(np.abs(relevance - ref_relevance).max()) / scale,
+                         float(np.abs(relevance - numpy_reference).max()) / scale)
+
+
+def verify_relevance(model: str | bytes | onnx.ModelProto, vit, sizes: list[tuple[int, int]] | None = None,
+                     batches: tuple[int, ...] = BATCH_SIZES) -> RelevanceReport:
+    """The relevance path (fed target classes) vs PyTorch eager and the NumPy rule, at several resolutions and
+    batch sizes; and the fast path's relevance output empty."""
+    cfg = vit.cfg
+    sizes = sizes or verification_sizes(cfg.image_size, cfg.patch_size)
+    session = cpu_session(model)
+    cases = [compare_relevance_case(session, vit, random_pixels(b, cfg.in_channels, size, seed=50 + i))
+             for i, (size, b) in enumerate((s, b) for s in sizes for b in batches)]
+    report = RelevanceReport(cases)
+    bad = [c for c in cases if c.logits_max_abs_diff > LOGITS_ATOL or c.rollout_max_abs_diff > ROLLOUT_ATOL
+           or max(c.relevance_max_rel_diff, c.reference_relevance_max_rel_diff) > RELEVANCE_RTOL]
+    if bad:
+        raise ExportVerificationError(f"the relevance path differs from PyTorch beyond logits {LOGITS_ATOL:g} / "
+                                      f"rollout {ROLLOUT_ATOL:g} / relevance {RELEVANCE_RTOL:g} (relative): {bad}")
+    (fast_relevance,) = session.run([RELEVANCE_NAME], {INPUT_NAME: random_pixels(1, cfg.in_channels,
+                                                                                  cfg.image_size, seed=0)})
+    if fast_relevance.size:
+        raise ExportVerificationError(f"the fast path (no target_class) computed relevance {fast_relevance.shape}")
+    return report
+
+
 # skimage.data images that ship with scikit-image (no download): natural photos, colour and grey.
 COLOUR_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 GREY_PHOTOS = ("camera", "moon", "coins", "page", "text", "clock", "grass", "gravel", "brick", "cell")
@@ -216,7 +303,8 @@ def verify_fp16(fp16_model: str | bytes | onnx.ModelProto, fp32_model: str | byt
     for i, size in enumerate(sizes):
         photos = photo_batch(cfg.in_channels, size, meta.mean, meta.std)
         for x, is_photo in ((random_pixels(3, cfg.in_channels, size, seed=100 + i), False), (photos, True)):
-            (l16, r16), (l32, r32) = half.run(None, {INPUT_NAME: x}), full.run(None, {INPUT_NAME: x})
+            feeds = {INPUT_NAME: x}
+            (l16, r16), (l32, r32) = half.run(list(OUTPUT_NAMES), feeds), full.run(list(OUTPUT_NAMES), feeds)
             rollout_diff = max(rollout_diff, float(np.abs(r16 - r32).max()))
             runs.append((l16, l32, is_photo))
     tolerance = FP16_LOGITS_RTOL * max(1.0, max(float(np.abs(l32).max()) for _, l32, _ in runs))

@@ -1,6 +1,9 @@
-"""Dynamic batching: many concurrent `submit(array)` calls become few `run_batch(stacked)` calls.
+"""Dynamic batching: many concurrent `submit(array)` calls become few `run_batch(stacked, targets)` calls.
 
-The batcher knows nothing of HTTP or ONNX. It groups items by array shape, dispatches a group when
+The batcher knows nothing of HTTP or ONNX. It groups items by array shape, and by whether they carry a
+target (an int per item that `run_batch` receives with the batch, as `targets`; the engine uses it for the class
+to explain): targeted items run a different, costlier computation, so they batch apart, up to
+`max_targeted_batch_size`, and their speed is learnt apart for `predicted_wait_s`. It dispatches a group when
 it reaches `max_batch_size` images or `max_batch_cost` input values, or when its oldest item has waited
 `max_queue_delay_s` (or at once when no batch is in flight and `dispatch_when_idle`: an idle model has
 nobody to wait for), and keeps up to `max_batches_in_flight` batches assembled or running (one runs at a
@@ -30,7 +33,8 @@ import numpy as np
 
 from service.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 
-RunBatch = Callable[[np.ndarray], Sequence[Any]]  # (B, ...) -> B per-item outputs (or exceptions)
+# (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
+RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
 
 
 class BatchObserver(Protocol):
@@ -68,25 +72,28 @@ class _Item:
     future: asyncio.Future
     enqueued: float
     deadline: float
+    target: int | None = None
     dispatched: float = field(default=0.0)
 
 
 class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
-                 max_batch_cost: int | None = None, observer: BatchObserver | None = None):
+                 max_batch_cost: int | None = None, observer: BatchObserver | None = None,
+                 max_targeted_batch_size: int | None = None):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
+        self.max_targeted_batch_size = max_targeted_batch_size or max_batch_size
         self.max_batch_cost = max_batch_cost  # input values (array.size summed) per batch; None: no cap
         self.max_queue_delay_s = max_queue_delay_s
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
         self._observer = observer or _NullObserver()
-        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # shape -> items, oldest first
+        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # (shape, targeted) -> items, oldest first
         self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
         self._queued_cost = 0
-        self._seconds_per_cost: float | None = None  # running estimate of run_batch time per input value
+        self._seconds_per_cost: dict[bool, float] = {}  # targeted -> run_batch time per input value (moving average)
         self._active = 0  # batches taken from the queue and not yet answered
         self._slots = asyncio.Semaphore(max_batches_in_flight)
         self._wakeup = asyncio.Event()
@@ -106,28 +113,37 @@ class DynamicBatcher:
 
     @property
     def seconds_per_cost(self) -> float | None:
-        """The measured run time per input value (a moving average); None before the first batch."""
-        return self._seconds_per_cost
+        """The measured run time per input value of the work queued now (untargeted work's when none is queued),
+        so that `queued_cost * seconds_per_cost` is `predicted_wait_s()`; None before the first batch."""
+        if not self._seconds_per_cost:
+            return None
+        if self._queued_cost:
+            return self.predicted_wait_s() / self._queued_cost
+        return self._seconds_per_cost.get(False, next(iter(self._seconds_per_cost.values())))
 
     def predicted_wait_s(self, extra_cost: int = 0) -> float:
-        """How long the work queued now (plus `extra_cost` input values) will take to run, from measured batch
-        times; 0 until a batch has run."""
-        if self._seconds_per_cost is None:
+        """How long the work queued now (plus `extra_cost` input values of untargeted work) will take to run, from
+        measured batch times of each kind; 0 until a batch has run."""
+        rates = self._seconds_per_cost
+        if not rates:
             return 0.0
-        return (self._queued_cost + extra_cost) * self._seconds_per_cost
+        cost = {False: extra_cost, True: 0}
+        for (_, _, targeted), group in self._groups.items():
+            cost[targeted] += sum(item.array.size for item in group)
+        return sum(c * rates.get(targeted, rates.get(not targeted, 0.0)) for targeted, c in cost.items())
 
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
 
-    async def submit(self, array: np.ndarray, timeout_s: float) -> BatchResult:
-        """Queue one item and wait for its result; raises the item's own error."""
+    async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
+        """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         now = time.perf_counter()
-        item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s)
-        self._groups.setdefault((array.shape, array.dtype.str), deque()).append(item)
+        item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s, target)
+        self._groups.setdefault((array.shape, array.dtype.str, target is not None), deque()).append(item)
         self._set_queued(self._queued + 1, self._queued_cost + array.size)
         self._wakeup.set()
         try:
@@ -178,7 +194,7 @@ class DynamicBatcher:
             waits = {shape: group[0].enqueued + self.max_queue_delay_s - now for shape, group in self._groups.items()}
             ready = [shape for shape, group in self._groups.items()
                      if waits[shape] <= 0 or idle or self._closing or self._batch_length(group) < len(group)
-                     or len(group) >= self.max_batch_size]
+                     or len(group) >= self._largest_batch(group)]
             if ready:
                 shape = min(ready, key=lambda s: (self._last_served.get(s, float("-inf")), self._groups[s][0].enqueued))
                 return self._take(shape, self._groups[shape])
@@ -191,10 +207,14 @@ class DynamicBatcher:
     def _batch_length(self, group: deque[_Item]) -> int:
         """How many of the group's oldest items one batch takes: up to max_batch_size, within max_batch_cost
         (always at least one, however large)."""
+        largest = self._largest_batch(group)
         if self.max_batch_cost is None:
-            return min(self.max_batch_size, len(group))
+            return min(largest, len(group))
         per_item = group[0].array.size  # one group, one shape
-        return max(1, min(self.max_batch_size, len(group), self.max_batch_cost // per_item))
+        return max(1, min(largest, len(group), self.max_batch_cost // per_item))
+
+    def _largest_batch(self, group: deque[_Item]) -> int:
+        return self.max_targeted_batch_size if group[0].target is not None else self.max_batch_size
 
     def _drop_finished(self) -> None:
         """Remove items already answered (cancelled, or expired) and expire those past their deadline."""
@@ -238,19 +258,22 @@ class DynamicBatcher:
                 stacked = batch[0].array[None]  # (1, ...)
             else:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
+            targeted = batch[0].target is not None  # one group: all or none
+            targets = np.array([item.target for item in batch], np.int64) if targeted else None
             started = time.perf_counter()
             stack_seconds = started - stacking
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
                 # batch is queueing, not inference.
-                outputs, seconds = await loop.run_in_executor(self._runner, _timed_call, self._run_batch, stacked)
+                outputs, seconds = await loop.run_in_executor(self._runner, _timed_call, self._run_batch, stacked,
+                                                              targets)
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
             self._observer.batch_done(len(batch), seconds, stack_seconds)
-            self._learn_speed(seconds, sum(item.array.size for item in batch))
+            self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
             for item, output in zip(batch, outputs):
                 self._resolve(item, output, seconds, len(batch))
         finally:
@@ -258,11 +281,11 @@ class DynamicBatcher:
             self._slots.release()
             self._wakeup.set()  # an idle model may now take what is queued
 
-    def _learn_speed(self, seconds: float, cost: int) -> None:
-        """An exponential moving average of seconds per input value, for `predicted_wait_s`."""
+    def _learn_speed(self, targeted: bool, seconds: float, cost: int) -> None:
+        """An exponential moving average of seconds per input value, per kind of work, for `predicted_wait_s`."""
         rate = seconds / max(cost, 1)
-        previous = self._seconds_per_cost
-        self._seconds_per_cost = rate if previous is None else 0.8 * previous + 0.2 * rate
+        previous = self._seconds_per_cost.get(targeted)
+        self._seconds_per_cost[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
 
     @staticmethod
     def _resolve(item: _Item, output: Any, seconds: float, size: int) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 
 from service.errors import ModelLoadError
 from service.settings import Settings
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ArtifactError, ModelInfo
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
@@ -26,12 +26,16 @@ _ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExe
 
 
 class InferenceModel(Protocol):
-    """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w))."""
+    """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w));
+    and, for a model whose `info.explains_classes`, the relevance path: pixels and a target class per image (B,)
+    (-1: the top-1) -> (logits, rollout, relevance (B, h, w))."""
 
     info: ModelInfo
     provider: str
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
 
 
 def read_model_file_info(path: Path) -> ModelInfo:
@@ -91,6 +95,10 @@ def session_options(settings: Settings):
     opts.intra_op_num_threads = intra_op_threads(settings)
     opts.inter_op_num_threads = settings.inter_op_threads
     opts.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    # Errors only: ORT's load-time warnings are about choices made on purpose (the optional `target_class` input,
+    # "not treated as constant"; shape nodes placed on the CPU) and reach stderr unformatted. What matters, a
+    # provider that did not start, the service logs itself (`OnnxModel.load`).
+    opts.log_severity_level = 3
     opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if settings.intra_op_spinning else "0")
     return opts
 
@@ -132,21 +140,27 @@ class OnnxModel:
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        if self.io_binding:
-            return self._run_bound(pixel_values)
-        logits, rollout = self.session.run(list(OUTPUT_NAMES), {INPUT_NAME: pixel_values})
+        logits, rollout = self._run(OUTPUT_NAMES, {INPUT_NAME: pixel_values})
         return logits, rollout
 
-    def _run_bound(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """One call through an IOBinding: the input bound from host memory, the outputs left on the device
-        until the one copy back."""
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
+        logits, rollout, relevance = self._run((*OUTPUT_NAMES, RELEVANCE_NAME),
+                                               {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)})
+        return logits, rollout, relevance
+
+    def _run(self, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        if not self.io_binding:
+            return self.session.run(list(outputs), feeds)
+        # One call through an IOBinding: the inputs bound from host memory, the outputs left on the device until
+        # the one copy back.
         binding = self.session.io_binding()
-        binding.bind_cpu_input(INPUT_NAME, np.ascontiguousarray(pixel_values))
-        for name in OUTPUT_NAMES:
+        for name, array in feeds.items():
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        for name in outputs:
             binding.bind_output(name, self._device)
         self.session.run_with_iobinding(binding)
-        logits, rollout = binding.copy_outputs_to_cpu()
-        return logits, rollout
+        return binding.copy_outputs_to_cpu()
 
 
 def _check_signature(session, info: ModelInfo, path: Path) -> None:
@@ -155,9 +169,17 @@ def _check_signature(session, info: ModelInfo, path: Path) -> None:
     if INPUT_NAME not in inputs or not set(OUTPUT_NAMES) <= outputs:
         raise ModelLoadError(f"{path} must take '{INPUT_NAME}' and return {list(OUTPUT_NAMES)}; it takes "
                              f"{sorted(inputs)} and returns {sorted(outputs)}")
+    if info.explains_classes and (RELEVANCE_NAME not in outputs or TARGET_NAME not in _all_inputs(session)):
+        raise ModelLoadError(f"{path}: its metadata lists the relevance map, but the graph lacks the "
+                             f"'{TARGET_NAME}' input or the '{RELEVANCE_NAME}' output")
     shape = inputs[INPUT_NAME].shape
     if len(shape) != 4 or shape[1] not in (info.channels, None, "channels"):
         raise ModelLoadError(f"{path}: input shape {shape} does not match {info.channels} channels")
+
+
+def _all_inputs(session) -> set[str]:
+    """Inputs, including those with a default (ONNX Runtime lists them apart, as overridable initializers)."""
+    return {i.name for i in [*session.get_inputs(), *session.get_overridable_initializers()]}
 
 
 # A model whose batch-1 call at its trained size takes less than this with every core is light: a server of it is

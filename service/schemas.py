@@ -11,7 +11,9 @@ from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 # preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
 IMAGE_INPUT_NAME = "image"
 
-RolloutFormat = Literal["grid", "png", "overlay", "none"]
+RolloutFormat = Literal["grid", "png", "overlay", "none"]  # a map's format, or none
+MapKind = Literal["rollout", "relevance", "none"]
+MapFormat = Literal["grid", "png", "overlay"]
 
 
 class ErrorDetail(BaseModel):
@@ -51,6 +53,25 @@ class RolloutImage(BaseModel):
     data: str = Field(description="base64 PNG")
 
 
+class ExplainedClass(BaseModel):
+    index: int
+    label: str
+    score: float = Field(description="its softmax probability")
+
+
+class RelevanceGrid(RolloutGrid):
+    """The class token's relevance for `target` (gradient-weighted attention rollout) over the patch grid, min-max
+    scaled to [0, 1]."""
+
+    target: ExplainedClass
+
+
+class RelevanceImage(RolloutImage):
+    """The relevance for `target` as a heat-map PNG (`png`), or blended over the input (`overlay`)."""
+
+    target: ExplainedClass
+
+
 class Timing(BaseModel):
     queue: float
     preprocess: float
@@ -61,7 +82,9 @@ class Timing(BaseModel):
 class ClassifyResponse(BaseModel):
     model: ModelRef
     predictions: list[Prediction]
-    rollout: RolloutGrid | RolloutImage | None
+    rollout: RolloutGrid | RolloutImage | None = Field(description="map=rollout (the default): the attention rollout")
+    relevance: RelevanceGrid | RelevanceImage | None = Field(
+        None, description="map=relevance: the relevance of the explained class (`target`)")
     timing_ms: Timing
 
 

@@ -2,7 +2,10 @@
 
 An artifact is one ONNX file. Its graph takes `INPUT_NAME`, float32 `[batch, channels, height, width]` pixels
 already normalised by `normalize_pixels`, and returns `OUTPUT_NAMES`: logits `[batch, classes]` and the attention
-rollout `[batch, height/P, width/P]`. Everything else the server needs travels in the file's `metadata_props`
+rollout `[batch, height/P, width/P]`. A model whose `maps` include "relevance" also takes `TARGET_NAME`, int64
+`[n]`, optional (empty by default): with n = batch it runs the relevance path and returns `RELEVANCE_NAME`
+`[batch, height/P, width/P]`, the relevance of the class named per image (`TOP1_TARGET`: the predicted one); empty,
+it runs the fast path and the relevance output is empty. Everything else the server needs travels in the file's `metadata_props`
 under `vitserve.*` keys, all values strings (JSON for lists and objects): `ModelInfo.to_metadata()` writes
 them and `ModelInfo.from_metadata()` reads them back. docs/architecture.md lists the keys.
 
@@ -18,6 +21,10 @@ import numpy as np
 
 INPUT_NAME = "pixel_values"
 OUTPUT_NAMES = ("logits", "rollout")
+TARGET_NAME = "target_class"
+RELEVANCE_NAME = "relevance"
+TOP1_TARGET = -1
+MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; every model computes rollout
 # Bump when a reader of the old format would misread a new file; readers refuse newer versions.
 FORMAT_VERSION = 1
 METADATA_PREFIX = "vitserve."
@@ -46,11 +53,17 @@ class ModelInfo:
     weights_sha256: str = ""
     test_accuracy: float | None = None
     architecture: dict = field(default_factory=dict)
+    maps: tuple[str, ...] = ("rollout",)
     opset: int | None = None  # read from the graph's opset_import, not from metadata
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def explains_classes(self) -> bool:
+        """Whether the graph has the relevance path (class-specific maps)."""
+        return RELEVANCE_NAME in self.maps
 
     def with_opset(self, opset: int | None) -> "ModelInfo":
         return replace(self, opset=opset)
@@ -63,7 +76,7 @@ class ModelInfo:
             "image_height": str(self.image_size[0]), "image_width": str(self.image_size[1]),
             "channels": str(self.channels), "mean": json.dumps(list(self.mean)), "std": json.dumps(list(self.std)),
             "architecture": json.dumps(self.architecture), "precision": self.precision,
-            "exporter": self.exporter, "weights_sha256": self.weights_sha256,
+            "exporter": self.exporter, "weights_sha256": self.weights_sha256, "maps": json.dumps(list(self.maps)),
         }
         if self.test_accuracy is not None:
             props["test_accuracy"] = str(float(self.test_accuracy))
@@ -83,7 +96,8 @@ class ModelInfo:
             std=[float(x) for x in get("std", json.loads)], precision=get("precision", str, "fp32"),
             format_version=format_version, exporter=get("exporter", str, ""),
             weights_sha256=get("weights_sha256", str, ""), test_accuracy=get("test_accuracy", float, None),
-            architecture=get("architecture", json.loads, {}), opset=opset)
+            architecture=get("architecture", json.loads, {}), opset=opset,
+            maps=tuple(str(m) for m in get("maps", json.loads, ["rollout"])))
         info.check()
         return info
 
@@ -91,11 +105,11 @@ class ModelInfo:
         """The values agree with each other: one mean and std per channel, a patch, labels, a known precision."""
         consistent = (len(self.mean) == len(self.std) == self.channels and self.patch_size >= 1 and self.labels
                       and min(self.image_size) >= self.patch_size and all(s > 0 for s in self.std)
-                      and self.precision in PRECISIONS)
+                      and self.precision in PRECISIONS and "rollout" in self.maps and set(self.maps) <= set(MAPS))
         if not consistent:
             raise ArtifactError(f"model metadata is inconsistent: channels={self.channels}, mean={self.mean}, "
                                 f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "
-                                f"{len(self.labels)} labels, precision={self.precision!r}")
+                                f"{len(self.labels)} labels, precision={self.precision!r}, maps={list(self.maps)}")
 
 
 _REQUIRED = object()

@@ -24,8 +24,10 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float) -> BatchResult:
-        """Run one image (C, H, W) in some batch; its result, or its own ServiceError."""
+    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
+        """Run one image (C, H, W) in some batch; its result, or its own ServiceError. The result's output is
+        (logits, rollout), or with a `target` (the class to explain, -1 the top-1) the relevance path's
+        (logits, rollout, relevance), which runs in batches of its own."""
 
     def predicted_wait_s(self) -> float:
         """How long the work queued now would take to run (admission's estimate)."""

@@ -58,7 +58,7 @@ class LocalEngine:
                                       max_batches_in_flight=s.max_batches_in_flight,
                                       dispatch_when_idle=s.dispatch_when_idle,
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
-                                      observer=self.metrics)
+                                      observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size)
         self.batcher.start()
         self._warmup = asyncio.create_task(self._warm_up())
 
@@ -75,20 +75,24 @@ class LocalEngine:
                  self.model.info.version, self.model.provider, self.settings.warmup_batch_sizes,
                  time.perf_counter() - started)
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float) -> BatchResult:
-        return await self.batcher.submit(pixels, timeout_s)
+    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
+        return await self.batcher.submit(pixels, timeout_s, target)
 
     def predicted_wait_s(self) -> float:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0
 
-    def run_batch(self, pixel_values: np.ndarray) -> list:
-        """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs.
+    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None) -> list:
+        """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
+        `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
-        logits, rollout = self.model.run(pixel_values)
-        if logits.shape[0] != len(pixel_values) or rollout.shape[0] != len(pixel_values):
-            raise InferenceError(f"model returned {logits.shape[0]} results for {len(pixel_values)} images")
-        finite = np.isfinite(logits).all(axis=1) & np.isfinite(rollout).reshape(len(rollout), -1).all(axis=1)
-        return [(logits[i], rollout[i]) if finite[i] else InferenceError("model output is not finite")
+        if targets is None:
+            outputs = self.model.run(pixel_values)
+        else:
+            outputs = self.model.explain(pixel_values, targets)
+        if any(output.shape[0] != len(pixel_values) for output in outputs):
+            raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
+        finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])
+        return [tuple(o[i] for o in outputs) if finite[i] else InferenceError("model output is not finite")
                 for i in range(len(pixel_values))]
 
     async def close(self, timeout_s: float) -> None:

@@ -127,7 +127,7 @@ class EngineServer:
         """One image: read in place, run in some batch, answered with its result or its own error."""
         try:
             pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
-            result = await self.engine.submit(pixels, submit.timeout_s)
+            result = await self.engine.submit(pixels, submit.timeout_s, submit.target)
             reply = Result(submit.id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes())
                                        for o in result.output], result.queue_s, result.inference_s,
                            result.batch_size)

@@ -115,7 +115,7 @@ class RemoteEngine:
         ready = [link.predicted_wait_s() for link in self._links if link.ready]
         return min(ready) if ready else 0.0
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float) -> BatchResult:
+    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
         links = [link for link in self._links if link.ready]
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
@@ -126,7 +126,7 @@ class RemoteEngine:
             raise DeadlineExceeded("no room for the image in this process's shared memory before its deadline") \
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
-        message = Submit(id, self.arena.name, offset, pixels.shape, pixels.dtype.str, timeout_s)
+        message = Submit(id, self.arena.name, offset, pixels.shape, pixels.dtype.str, timeout_s, target)
         if not await self._send(link, self.codec.encode(message), min(timeout_s, RECONNECT_GRACE_S)):
             self.arena.release(offset, pixels.nbytes)
             raise NotReady("the inference engine is not reachable")

@@ -18,7 +18,7 @@ def dims(value):
 
 def run_both(model_path, vit, x):
     """(ONNX Runtime logits, rollout), (PyTorch logits, attentions) for float32 pixels x."""
-    logits, rollout = cpu_session(str(model_path)).run(None, {"pixel_values": x})
+    logits, rollout = cpu_session(str(model_path)).run(["logits", "rollout"], {"pixel_values": x})
     with torch.no_grad():
         ref_logits, attentions = vit.forward_with_attention(torch.from_numpy(x))
     return (logits, rollout), (ref_logits.numpy(), [a.numpy() for a in attentions])
@@ -26,12 +26,25 @@ def run_both(model_path, vit, x):
 
 def test_interface_is_the_contract(tiny_export):
     proto = onnx.load(str(tiny_export.path))
-    assert [i.name for i in proto.graph.input] == ["pixel_values"]
+    assert [i.name for i in proto.graph.input] == ["pixel_values", "target_class"]
     assert dims(proto.graph.input[0]) == ["batch", 3, "height", "width"]
+    assert dims(proto.graph.input[1]) == ["targets"]
+    assert proto.graph.input[1].type.tensor_type.elem_type == onnx.TensorProto.INT64
+    (default,) = [t for t in proto.graph.initializer if t.name == "target_class"]  # optional: empty by default
+    assert list(default.dims) == [0]
     outputs = {o.name: dims(o) for o in proto.graph.output}
-    assert outputs == {"logits": ["batch", 3], "rollout": ["batch", "height/8", "width/8"]}
+    assert outputs == {"logits": ["batch", 3], "rollout": ["batch", "height/8", "width/8"],
+                       "relevance": ["explained", "explained_height", "explained_width"]}
     assert all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
-               for v in [*proto.graph.input, *proto.graph.output])
+               for v in [proto.graph.input[0], *proto.graph.output])
+    assert tiny_export.metadata["vitserve.maps"] == '["rollout", "relevance"]'
+
+
+
+def branch(proto: onnx.ModelProto, name: str) -> onnx.GraphProto:
+    """A branch of the artifact's If: then_branch the relevance path, else_branch the fast path."""
+    (choice,) = [n for n in proto.graph.node if n.op_type == "If"]
+    return next(a.g for a in choice.attribute if a.name == name)
 
 
 def test_single_file_without_external_data(tiny_export):
@@ -54,7 +67,7 @@ def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
         mean=[0.5] * 3, std=[0.25] * 3, precision="fp32",
         exporter=f"vitserve 0.1.0, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(tiny_model.state_dict()), test_accuracy=0.5,
-        architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset)
+        architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset, maps=("rollout", "relevance"))
     assert ModelInfo.from_metadata(props, tiny_export.opset) == info
 
 
@@ -79,7 +92,7 @@ def test_runs_at_other_sizes_like_pytorch(tiny_export, tiny_model, batch, height
 
 def test_rollout_is_a_distribution_share(tiny_export):
     x = np.random.default_rng(0).standard_normal((4, 3, 40, 24)).astype(np.float32)
-    _, rollout = cpu_session(str(tiny_export.path)).run(None, {"pixel_values": x})
+    (rollout,) = cpu_session(str(tiny_export.path)).run(["rollout"], {"pixel_values": x})
     # The class row of a product of row-stochastic matrices sums to 1; the patches get all but the class part.
     assert np.all(rollout > 0) and np.all(rollout.sum(axis=(1, 2)) < 1)
 
@@ -144,13 +157,15 @@ def test_fp16_export(tiny_fp16_export, tiny_export):
     assert report.precision == "fp16" and report.metadata["vitserve.precision"] == "fp16"
     proto = onnx.load(str(report.path))
     assert dims(proto.graph.input[0]) == ["batch", 3, "height", "width"]
-    assert all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for v in [*proto.graph.input, *proto.graph.output])
+    assert all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT for v in [proto.graph.input[0], *proto.graph.output])
     types = {t.data_type for t in proto.graph.initializer if len(t.dims) >= 2}
     assert onnx.TensorProto.FLOAT16 in types
-    # The position embeddings reach the bicubic Resize in float32 (the exporter folds them to (1, D, gh, gw)).
-    producers = {out: n for n in proto.graph.node for out in n.output}
+    # The position embeddings reach the fast path's bicubic Resize in float32 (the exporter folds them to
+    # (1, D, gh, gw)); the relevance path is float32 throughout.
+    fast = branch(proto, "else_branch")
+    producers = {out: n for n in fast.node for out in n.output}
     initializers = {t.name: t for t in proto.graph.initializer}
-    (resize,) = [n for n in proto.graph.node if n.op_type == "Resize"]
+    (resize,) = [n for n in fast.node if n.op_type == "Resize"]
     source = resize.input[0]
     while source in producers and producers[source].op_type == "Cast":
         source = producers[source].input[0]
@@ -158,7 +173,12 @@ def test_fp16_export(tiny_fp16_export, tiny_export):
     assert initializers[source].data_type == onnx.TensorProto.FLOAT
     assert report.fp16.top1_agreement == 1.0 and report.fp16.photos >= 17 * 4
     assert report.fp16.logits_max_abs_diff <= report.fp16.logits_tolerance
-    assert report.size_bytes < tiny_export.size_bytes
+    matmul_weights = {i for n in fast.node if n.op_type in ("MatMul", "Gemm") for i in n.input if i in initializers}
+    assert matmul_weights and {initializers[i].data_type for i in matmul_weights} == {onnx.TensorProto.FLOAT16}
+    relevance = branch(proto, "then_branch")
+    relevance_weights = {i for n in relevance.node for i in n.input if i in initializers}
+    assert {initializers[i].data_type for i in relevance_weights} <= {onnx.TensorProto.FLOAT, onnx.TensorProto.INT64}
+    assert report.relevance.max_relevance_rel_diff <= 1e-4
     assert report.metadata["vitserve.weights_sha256"] == tiny_export.metadata["vitserve.weights_sha256"]
 
 

@@ -176,7 +176,7 @@ async def test_a_burst_of_large_inputs_does_not_starve_a_small_one():
     order: list[int] = []
     gate = threading.Event()
 
-    def run_batch(stacked: np.ndarray):
+    def run_batch(stacked: np.ndarray, targets=None):
         gate.wait(10)
         order.extend(int(x.size) for x in stacked)
         return [x.size for x in stacked]

@@ -25,7 +25,7 @@ class Recorder:
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, stacked: np.ndarray):
+    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None):
         values = [float(x.ravel()[0]) for x in stacked]
         self.started.append(values)
         if not self.gate.wait(PATIENCE_S):

@@ -15,7 +15,7 @@ from vitserve.onnx_header import read_header, read_model_info
 
 INFO = ModelInfo(name="m", version="2", labels=["a", "b"], patch_size=4, image_size=(28, 24), channels=1,
                  mean=[0.286], std=[0.353], precision="fp16", exporter="vitserve 0.1.0", weights_sha256="ab" * 32,
-                 test_accuracy=0.92, architecture={"depth": 6})
+                 test_accuracy=0.92, architecture={"depth": 6}, maps=("rollout", "relevance"))
 
 
 def test_metadata_round_trips():
@@ -31,10 +31,11 @@ def test_metadata_round_trips():
 def test_optional_keys_have_defaults():
     required = {k: v for k, v in INFO.to_metadata().items()
                 if k.split(".", 1)[1] not in ("precision", "exporter", "weights_sha256", "test_accuracy",
-                                              "architecture")}
+                                              "architecture", "maps")}
     info = ModelInfo.from_metadata(required)
     assert (info.precision, info.exporter, info.weights_sha256, info.test_accuracy, info.architecture) == (
         "fp32", "", "", None, {})
+    assert info.maps == ("rollout",) and not info.explains_classes  # a file from before the relevance path
 
 
 @pytest.mark.parametrize("change, message", [
@@ -46,6 +47,9 @@ def test_optional_keys_have_defaults():
     ({"vitserve.precision": "int8"}, "inconsistent"),
     ({"vitserve.labels": "[]"}, "inconsistent"),
     ({"vitserve.format_version": str(FORMAT_VERSION + 1)}, "newer than this reader"),
+    ({"vitserve.maps": '["relevance"]'}, "inconsistent"),  # every model computes the rollout
+    ({"vitserve.maps": '["rollout", "gradcam"]'}, "inconsistent"),
+    ({"vitserve.maps": '"rollout"'}, "inconsistent"),
 ])
 def test_metadata_errors(change, message):
     props = {k: v for k, v in {**INFO.to_metadata(), **change}.items() if v is not None}
