@@ -2,7 +2,9 @@
 
 `parse_infer_request` turns a body (JSON, or JSON followed by binary tensors) into an `InferCall`: the one
 input (`pixel_values` as a float32 array, or `image` as encoded images), the outputs asked for and how
-(JSON or binary, classification), and the request's own parameters. `encode_response` turns the model's
+(JSON or binary, classification), and the request's own parameters. The `relevance` output is sent only when
+named (it runs the model's costlier relevance path); `parameters.target` (a class index or label) chooses the
+class it explains for every image of the request, the top-1 of each by default. `encode_response` turns the model's
 outputs back into a body. Every refusal is an `InvalidParameter` (400 on /v2) or `PayloadTooLarge` (413)
 that names the field; the limits are those of `service.schemas` plus the `ProtocolLimits` given.
 
@@ -25,7 +27,7 @@ from service.binary_tensors import (BinaryFormatError, ElementTooLarge, join_bod
 from service.errors import InvalidParameter, PayloadTooLarge
 from service.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
                              RequestedOutput)
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
 RESIZE_POLICIES = ("fit", "native")
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
@@ -59,7 +61,13 @@ class InferCall:
     images: list[bytes] | None = None  # B encoded images
     resize: str = "fit"
     timeout_s: float | None = None
+    target: int | str | None = None  # parameters.target: the class the relevance output explains
     extra: dict = field(default_factory=dict)  # request parameters the server does not use
+
+    @property
+    def explains(self) -> bool:
+        """Whether the relevance output is asked for (then the images run on the relevance path)."""
+        return any(output.name == RELEVANCE_NAME for output in self.outputs)
 
     @property
     def batch(self) -> int:
@@ -89,6 +97,9 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
         raise InvalidParameter("inputs.0 has no `data` and no parameters.binary_data_size")
     call = InferCall(id=request.id, outputs=requested_outputs(request))
     _read_request_parameters(request.parameters or {}, call)
+    if call.target is not None and not call.explains:
+        raise InvalidParameter("parameters.target names the class the relevance output explains: request the "
+                               "relevance output")
     if tensor.name == IMAGE_INPUT_NAME:
         call.images = _images(tensor, section if size is not None else None, limits)
     else:
@@ -144,7 +155,11 @@ def _read_request_parameters(parameters: dict, call: InferCall) -> None:
         if timeout_us < 0:
             raise InvalidParameter(f"parameters.timeout is in microseconds and must be at least 0, got {timeout_us}")
         call.timeout_s = timeout_us / 1e6 if timeout_us else None
-    known = {"resize", "timeout", "binary_data_output"}
+    target = parameters.get("target")
+    if target is not None and type(target) not in (int, str):
+        raise InvalidParameter(f"parameters.target must be a class index or label, got {target!r:.40}")
+    call.target = target
+    known = {"resize", "timeout", "binary_data_output", "target"}
     call.extra = {k: v for k, v in parameters.items() if k not in known}  # e.g. priority: accepted, not used
 
 

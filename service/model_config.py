@@ -3,13 +3,14 @@ Triton's model configuration (`docs/protocol/extension_model_configuration.md`),
 Triton (perf_analyzer, model-analyzer, tritonclient's `get_model_config`) read vitserve's real settings.
 
 The service adds one input the ONNX graph does not have, `image` (encoded images, decoded by the server);
-a request sends either it or `pixel_values`, so both are optional in the configuration.
+a request sends either it or `pixel_values`, so both are optional in the configuration. A model exported with
+the relevance path lists a third output, `relevance`, sent only to a request that names it.
 """
 from __future__ import annotations
 
 from service.schemas import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
 from service.settings import Settings
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 PLATFORM = "onnxruntime_onnx"
 
@@ -19,8 +20,14 @@ def model_metadata(info: ModelInfo) -> ModelMetadata:
     return ModelMetadata(name=info.name, versions=[info.version], platform=PLATFORM,
                          inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, info.channels, -1, -1]),
                                  TensorMetadata(name=IMAGE_INPUT_NAME, datatype="BYTES", shape=[-1, 1])],
-                         outputs=[TensorMetadata(name=OUTPUT_NAMES[0], datatype="FP32", shape=[-1, info.num_classes]),
-                                  TensorMetadata(name=OUTPUT_NAMES[1], datatype="FP32", shape=[-1, -1, -1])])
+                         outputs=[TensorMetadata(name=name, datatype="FP32", shape=[-1, *dims])
+                                  for name, dims in _output_dims(info)])
+
+
+def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
+    """Each output's dims without the batch dimension."""
+    maps = [OUTPUT_NAMES[1], *([RELEVANCE_NAME] if info.explains_classes else [])]
+    return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps)]
 
 
 def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:
@@ -41,10 +48,7 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:
             {"name": IMAGE_INPUT_NAME, "data_type": "TYPE_STRING", "format": "FORMAT_NONE", "dims": [1],
              "optional": True},
         ],
-        "output": [
-            {"name": OUTPUT_NAMES[0], "data_type": "TYPE_FP32", "dims": [info.num_classes]},
-            {"name": OUTPUT_NAMES[1], "data_type": "TYPE_FP32", "dims": [-1, -1]},
-        ],
+        "output": [{"name": name, "data_type": "TYPE_FP32", "dims": dims} for name, dims in _output_dims(info)],
         "dynamic_batching": {"preferred_batch_size": [settings.max_batch_size],
                              "max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000),
                              "preserve_ordering": False},

@@ -5,7 +5,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
 
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
 # The protocol's second input: encoded images (JPEG, PNG, ...), one BYTES element per batch item, decoded and
 # preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
@@ -136,7 +136,7 @@ MAX_PARAMETERS = 16  # entries per `parameters` object; the protocol's own (prio
 MAX_PARAMETER_KEY_CHARS = 64
 MAX_PARAMETER_STRING_CHARS = 256
 MAX_INPUTS = 1  # one of pixel_values (the model's own input) or image
-MAX_OUTPUTS = len(OUTPUT_NAMES)  # one request per model output; naming one twice adds nothing
+MAX_OUTPUTS = len(OUTPUT_NAMES) + 1  # one request per model output (relevance too); naming one twice adds nothing
 MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width); image is (batch,) or (batch, 1)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
 # Normalised pixels ((x/255 - mean) / std) lie within a few units of zero; a value past this is no image, and near
@@ -192,7 +192,7 @@ class InferInputTensor(_StrictRequest):
 
 
 class RequestedOutput(_StrictRequest):
-    name: Literal[OUTPUT_NAMES]
+    name: Literal[(*OUTPUT_NAMES, RELEVANCE_NAME)]
     parameters: Parameters | None = None
 
 

@@ -20,13 +20,14 @@ from fastapi import APIRouter, Depends, Request, Response
 from service.admission import Deadline
 from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from service.errors import InvalidParameter, ModelNotFound, NotReady, ServiceError, openapi_responses
+from service.explanations import relevance_target
 from service.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
 from service.model_config import model_metadata, triton_config
 from service.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from service.schemas import InferRequest, InferResponse, ModelMetadata
 from service.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
 from service.statistics import triton_statistics
-from vitserve.artifact import OUTPUT_NAMES, ModelInfo
+from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
 
@@ -178,12 +179,14 @@ async def _infer(request: Request, state: ServiceState, name: str, version: str 
     started, info = time.perf_counter(), _model_named(state, name, version)
     deadline = Deadline.after(state.settings.request_timeout_s)
     call, parse_s = await _read_call(request, state, deadline)
+    target = relevance_target(call.target, info) if call.explains else None
     if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
         deadline = Deadline(min(deadline.at, started + call.timeout_s))
     if call.images is not None:
-        tensors = await run_guarded(request, _run_images(state, call, deadline), deadline, state.stopping)
+        tensors = await run_guarded(request, _run_images(state, call, deadline, target), deadline, state.stopping)
     else:
-        tensors = await run_guarded(request, _run_pixels(state, call.pixels, deadline), deadline, state.stopping)
+        tensors = await run_guarded(request, _run_pixels(state, call.pixels, deadline, target), deadline,
+                                    state.stopping)
     encoding = time.perf_counter()
     body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
     encode_s = time.perf_counter() - encoding
@@ -212,12 +215,14 @@ async def _read_call(request: Request, state: ServiceState, deadline: Deadline) 
     return parse_infer_request(body, header_length, limits), time.perf_counter() - started
 
 
-async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline) -> dict[str, np.ndarray]:
-    """Run every image of the tensor; the first that fails fails the request, named, and the others are dropped."""
-    return _stacked(await _each(list(pixels), lambda image: state.engine.submit(image, deadline.remaining())))
+async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline,
+                      target: int | None) -> dict[str, np.ndarray]:
+    """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
+    request, named, and the others are dropped."""
+    return _stacked(await _each(list(pixels), lambda image: state.engine.submit(image, deadline.remaining(), target)))
 
 
-async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline) -> dict:
+async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline, target: int | None) -> dict:
     """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
     the request, named by its index, and the others' work is cancelled."""
     prepared = await _each(call.images, lambda data: state.preprocess(data, call.resize, keep_source=False))
@@ -226,7 +231,7 @@ async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline) 
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: state.engine.submit(pixels, deadline.remaining()))
+                          lambda pixels: state.engine.submit(pixels, deadline.remaining(), target))
     return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
 
 
@@ -256,7 +261,9 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
 
 
 def _stacked(results: list) -> dict[str, np.ndarray]:
-    return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(OUTPUT_NAMES)}
+    """The images' outputs by name: logits, rollout, and from the relevance path relevance."""
+    names = (*OUTPUT_NAMES, RELEVANCE_NAME)
+    return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names[:len(results[0].output)])}
 
 
 def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelInfo:

@@ -82,6 +82,7 @@ class WrappedModel:
         self.fail_next = 0  # this many next calls raise
         self.entered: list[int] = []  # batch size of every call that started, held or not
         self.batch_sizes: list[int] = []  # batch size of every call that got past the gate
+        self.explained: list[list[int]] = []  # targets of every relevance-path call
         self.gate = threading.Event()
         self.gate.set()
 
@@ -94,14 +95,22 @@ class WrappedModel:
         self.gate.set()
 
     def run(self, pixel_values: np.ndarray):
-        self.entered.append(len(pixel_values))
+        return self._gated(lambda: self.inner.run(pixel_values), len(pixel_values))
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray):
+        """The relevance path, gated like `run`; `explained` records each call's targets."""
+        self.explained.append(targets.tolist())
+        return self._gated(lambda: self.inner.explain(pixel_values, targets), len(pixel_values))
+
+    def _gated(self, call, batch: int):
+        self.entered.append(batch)
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never released the gate")
-        self.batch_sizes.append(len(pixel_values))
+        self.batch_sizes.append(batch)
         if self.fail_next:
             self.fail_next -= 1
             raise RuntimeError("injected ONNX Runtime failure")
-        return self.inner.run(pixel_values)
+        return call()
 
 
 async def classify(client, data: bytes, content_type="image/png", **params):

@@ -139,7 +139,7 @@ def test_model_metadata_lists_both_inputs(client, version):
     assert inputs["pixel_values"]["shape"] == [-1, 3, -1, -1]
     assert inputs["image"]["shape"][0] == -1
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
-        ("logits", "FP32", [-1, 3]), ("rollout", "FP32", [-1, -1, -1])]
+        ("logits", "FP32", [-1, 3]), ("rollout", "FP32", [-1, -1, -1]), ("relevance", "FP32", [-1, -1, -1])]
 
 
 @pytest.mark.parametrize("version", ["", VERSION])
@@ -150,7 +150,7 @@ def test_model_config_is_the_servers_own(client, version):
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
         ("pixel_values", "TYPE_FP32", [3, -1, -1]), ("image", "TYPE_STRING", [1])]
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [
-        ("logits", "TYPE_FP32", [3]), ("rollout", "TYPE_FP32", [-1, -1])]
+        ("logits", "TYPE_FP32", [3]), ("rollout", "TYPE_FP32", [-1, -1]), ("relevance", "TYPE_FP32", [-1, -1])]
 
 
 def test_metadata_shapes_are_the_config_dims_with_a_batch_dimension(client):
@@ -215,8 +215,35 @@ def test_infer_matches_onnx_runtime(client, reference, binary_in, binary_out, ba
             assert output["parameters"] == {"binary_data_size": expected[output["name"]].size * 4}
 
 
+@pytest.mark.parametrize("binary", [False, True])
+def test_relevance_output_with_a_target_parameter(client, tiny_onnx, binary):
+    """The relevance output asked for by name, the class to explain as a request parameter (label or index), as
+    tritonclient sends them unmodified; the values are the ONNX file's own relevance path."""
+    array = pixels(3, OTHER, seed=11)
+    session = ort.InferenceSession(str(tiny_onnx), providers=["CPUExecutionProvider"])
+    outputs = [triton.InferRequestedOutput(name, binary_data=binary) for name in ("logits", "relevance")]
+    for target, index in (("dog", 1), (2, 2)):
+        result = client.infer(MODEL, [pixel_input(array, binary)], outputs=outputs, parameters={"target": target})
+        want = session.run(["logits", "relevance"], {"pixel_values": array, "target_class": np.full(3, index)})
+        np.testing.assert_allclose(result.as_numpy("relevance"), want[1], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("logits"), want[0], rtol=0, atol=1e-5)
+    top1 = client.infer(MODEL, [pixel_input(array, binary)], outputs=outputs)  # no target: each image's top-1
+    want = session.run(["relevance"], {"pixel_values": array, "target_class": np.full(3, -1)})[0]
+    np.testing.assert_allclose(top1.as_numpy("relevance"), want, rtol=0, atol=1e-6)
+
+
+def test_a_target_without_the_relevance_output_is_400(client):
+    with pytest.raises(InferenceServerException, match="request the relevance output"):
+        client.infer(MODEL, [pixel_input(pixels(1, TRAINED, seed=1), True)], outputs=requested(True),
+                     parameters={"target": "dog"})
+    with pytest.raises(InferenceServerException, match="neither a class index"):
+        client.infer(MODEL, [pixel_input(pixels(1, TRAINED, seed=1), True)],
+                     outputs=[triton.InferRequestedOutput("relevance")], parameters={"target": "horse"})
+
+
 def test_infer_without_outputs_returns_all_binary(client, reference):
-    """No `outputs`: tritonclient asks for every output with the request's binary_data_output."""
+    """No `outputs`: tritonclient asks for every output with the request's binary_data_output; the relevance
+    output, which costs a backward pass, only when named."""
     array = pixels(2, OTHER, seed=5)
     result = client.infer(MODEL, [pixel_input(array, binary=True)])
     assert [(o["name"], set(o)) for o in result.get_response()["outputs"]] == [
