@@ -68,7 +68,8 @@ def report_summary(report) -> dict:
 
 
 def add_evaluate_parser(subparsers) -> None:
-    p = subparsers.add_parser("evaluate", help="ONNX accuracy on Fashion-MNIST at several resolutions; ORT vs PyTorch speed")
+    p = subparsers.add_parser("evaluate", help="ONNX accuracy on Fashion-MNIST at several resolutions; ORT vs PyTorch speed; how faithful the "
+                                           "explanation maps are")
     commands = p.add_subparsers(dest="evaluate_command", required=True)
     acc = commands.add_parser("accuracy", help="test accuracy of an ONNX model with ONNX Runtime (CPU)",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -87,6 +88,9 @@ def add_evaluate_parser(subparsers) -> None:
     bench.add_argument("--threads", type=int, help="threads for both runtimes (default: torch's)")
     bench.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per case")
     bench.set_defaults(func=run_bench)
+    from export.explanations import add_explanations_command
+
+    add_explanations_command(commands)
 
 
 def run_accuracy(args) -> int:

@@ -40,7 +40,7 @@ RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
 class BatchObserver(Protocol):
     """Where the batcher reports plain numbers (service.metrics implements it)."""
 
-    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None: ...
+    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None: ...
 
     def queue_wait(self, seconds: float) -> None: ...
 
@@ -48,7 +48,7 @@ class BatchObserver(Protocol):
 
 
 class _NullObserver:
-    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:
+    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None:
         pass
 
     def queue_wait(self, seconds: float) -> None:
@@ -272,10 +272,10 @@ class DynamicBatcher:
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
-            self._observer.batch_done(len(batch), seconds, stack_seconds)
-            self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
-            for item, output in zip(batch, outputs):
+            for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
                 self._resolve(item, output, seconds, len(batch))
+            self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
+            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted)
         finally:
             self._active -= 1
             self._slots.release()

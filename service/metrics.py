@@ -37,8 +37,15 @@ class ServiceMetrics:
         self.preprocess = Histogram("vitserve_preprocess_seconds", "Preparing one image's input: decoding, resizing "
                                     "and normalising it, or its share of parsing a tensor request",
                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram("vitserve_inference_seconds", "One ONNX Runtime call (one batch)",
-                                   buckets=LATENCY_BUCKETS, registry=r)
+        self.inference = Histogram("vitserve_inference_seconds", "One ONNX Runtime call (one batch) on the fast "
+                                   "path (logits and rollout)", buckets=LATENCY_BUCKETS, registry=r)
+        # Apart: a relevance call (forward and backward) takes several times a fast one, and mixed in it would
+        # move the fast path's latency quantiles with the share of clients asking for explanations.
+        self.relevance_inference = Histogram("vitserve_relevance_inference_seconds", "One ONNX Runtime call (one "
+                                             "batch) on the relevance path (map=relevance)",
+                                             buckets=LATENCY_BUCKETS, registry=r)
+        self.relevance_images = Counter("vitserve_relevance_images", "Images run through the relevance path",
+                                        registry=r)
         self.postprocess = Histogram("vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
                                      "rollout rendering, or its share of a tensor response",
                                      buckets=LATENCY_BUCKETS, registry=r)
@@ -88,8 +95,13 @@ class ServiceMetrics:
         for _ in range(images):
             self.image_stages(parse_s / images, encode_s / images)
 
-    def batch_done(self, size: int, seconds: float, stack_seconds: float) -> None:  # service.batcher.BatchObserver
-        self.inference.observe(seconds)
+    def batch_done(self, size: int, seconds: float, stack_seconds: float,
+                   targeted: bool = False) -> None:  # service.batcher.BatchObserver
+        if targeted:
+            self.relevance_inference.observe(seconds)
+            self.relevance_images.inc(size)
+        else:
+            self.inference.observe(seconds)
         self.batch_size.observe(size)
         self.images.inc(size)
         self.batches.labels(size).inc()

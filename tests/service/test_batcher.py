@@ -20,6 +20,7 @@ class Recorder:
 
     def __init__(self):
         self.started: list[list[float]] = []  # batches that entered run_batch, held at the gate or not
+        self.targets: list[list[int] | None] = []  # each batch's targets (None: an untargeted batch)
         self.batches: list[list[float]] = []  # batches that ran
         self.fail_when = lambda values: False
         self.gate = threading.Event()
@@ -28,6 +29,7 @@ class Recorder:
     def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None):
         values = [float(x.ravel()[0]) for x in stacked]
         self.started.append(values)
+        self.targets.append(None if targets is None else targets.tolist())
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never opened the gate")
         self.batches.append(values)
@@ -170,8 +172,8 @@ async def test_observer_gets_plain_numbers():
         def __init__(self):
             self.batches, self.depths, self.waits = [], [], []
 
-        def batch_done(self, size, seconds, stack_seconds):
-            self.batches.append(size)
+        def batch_done(self, size, seconds, stack_seconds, targeted):
+            self.batches.append((size, targeted))
 
         def queue_wait(self, seconds):
             self.waits.append(seconds)
@@ -184,6 +186,32 @@ async def test_observer_gets_plain_numbers():
                              dispatch_when_idle=False, observer=observer)
     batcher.start()
     await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(3)))
-    assert observer.batches == [3] and max(observer.depths) == 3 and observer.depths[-1] == 0
+    assert observer.batches == [(3, False)] and max(observer.depths) == 3 and observer.depths[-1] == 0
     assert len(observer.waits) == 3 and all(0.1 < w < 5 for w in observer.waits)
     await batcher.close()
+
+
+async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.5, max_targeted_batch_size=2)
+    plain = [batcher.submit(item(i), 10) for i in range(3)]
+    targeted = [batcher.submit(item(10 + i), 10, target=i - 1) for i in range(3)]
+    results = await asyncio.gather(*plain, *targeted)
+    assert [r.output for r in results] == [0, 10, 20, 100, 110, 120]
+    runs = sorted(zip(recorder.batches, recorder.targets), key=lambda run: run[0])
+    assert runs == [([0.0, 1.0, 2.0], None), ([10.0, 11.0], [-1, 0]), ([12.0], [1])]
+    await batcher.close()
+
+
+async def test_predicted_wait_counts_each_kind_at_its_own_speed():
+    batcher = DynamicBatcher(lambda stacked, targets=None: list(stacked), max_batch_size=4, max_queue_delay_s=10,
+                             max_queue_size=100, dispatch_when_idle=False)
+    batcher._seconds_per_cost = {False: 0.001, True: 0.003}  # learnt from earlier batches
+    batcher.start()
+    waiting = [asyncio.ensure_future(batcher.submit(item(0), 10)),
+               asyncio.ensure_future(batcher.submit(item(1), 10, target=2))]
+    await until(lambda: batcher.queued == 2, "both queued")
+    assert batcher.predicted_wait_s() == pytest.approx(4 * 0.001 + 4 * 0.003)  # a (2, 2) item costs 4 values
+    assert batcher.seconds_per_cost * batcher.queued_cost == pytest.approx(batcher.predicted_wait_s())
+    await batcher.close()
+    await asyncio.gather(*waiting)

@@ -12,7 +12,8 @@ from PIL import Image
 
 from service.postprocess import scale_unit
 from service.preprocess import prepare_image
-from service_fixtures import WrappedModel, assert_error, classify, patterned_png, serving, settings_for, until
+from service_fixtures import (WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
+                              value)
 
 pytestmark = pytest.mark.anyio
 LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny model
@@ -117,7 +118,13 @@ async def test_relevance_requests_batch_apart_within_their_own_limit(tiny_onnx, 
         await until(lambda: client.app.state.service.engine.batcher.queued == 9, "nine images queued")
         wrapped.release()
         answers = await asyncio.gather(first, *pending)
+        metrics = samples((await client.get("/metrics")).text)
     assert all(a.status_code == 200 for a in answers)
+    # The relevance path's calls are timed apart: the fast path's latency metric stays the fast path's.
+    assert value(metrics, "vitserve_relevance_images_total") == 5
+    assert value(metrics, "vitserve_relevance_inference_seconds_count") == 3
+    assert value(metrics, "vitserve_inference_seconds_count") == 2  # the held one, the four (warm-up is not served)
+    assert value(metrics, "vitserve_images_total") == 10
     assert sorted(wrapped.batch_sizes[warm_up:]) == [1, 1, 2, 2, 4]  # the held one; relevance 2+2+1; the fast four together
     assert sorted(t for call in wrapped.explained for t in call) == [0, 0, 1, 1, 2]
     assert all(len(call) <= 2 for call in wrapped.explained)
