@@ -213,7 +213,7 @@ def blurred(pixels, sigma: float):
     return torch.from_numpy(gaussian_filter(pixels.numpy(), sigma=(0, 0, sigma, sigma), mode="reflect"))
 
 
-def faithfulness_curves(score, pixels, orders: dict, grid, patch, baselines: dict) -> dict:
+def faithfulness_curves(score, pixels, orders: dict, grid, patch, baselines: dict, log=None) -> dict:
     """curves[baseline][method][deletion | insertion]: (N, P + 1) for every baseline and patch order."""
     import torch
 
@@ -222,12 +222,15 @@ def faithfulness_curves(score, pixels, orders: dict, grid, patch, baselines: dic
     curves = {}
     for name, baseline in baselines.items():
         base_scores = score(baseline, which)
-        curves[name] = {method: {
-            "deletion": perturbation_curve(score, pixels, baseline, order, grid, patch, insertion=False,
-                                           ends=(image_scores, base_scores)),
-            "insertion": perturbation_curve(score, pixels, baseline, order, grid, patch, insertion=True,
-                                            ends=(base_scores, image_scores)),
-        } for method, order in orders.items()}
+        curves[name] = {}
+        for method, order in orders.items():
+            curves[name][method] = {
+                "deletion": perturbation_curve(score, pixels, baseline, order, grid, patch, insertion=False,
+                                               ends=(image_scores, base_scores)),
+                "insertion": perturbation_curve(score, pixels, baseline, order, grid, patch, insertion=True,
+                                                ends=(base_scores, image_scores))}
+            if log:  # the longest part of a run: say where it is
+                log(f"  curves: {name} baseline, {method}")
     return curves
 
 
@@ -416,10 +419,13 @@ def evaluate_explanations(vit, images, labels, mean, std, settings: ExplanationS
     scores = method_scores(maps, grid, settings.seed)
     t0 = timed(log, "maps", t0)
     classes = torch.from_numpy(predicted)
-    score = lambda x, which: class_probability(vit, x, classes[which], settings.batch_size)  # noqa: E731
+
+    def score(x, which):  # the probability of the class predicted on the untouched image
+        return class_probability(vit, x, classes[which], settings.batch_size)
+
     baselines = {"mean": torch.zeros_like(pixels), "blur": blurred(pixels, settings.blur_sigma)}
     orders = {m: torch.from_numpy(ranking(s)) for m, s in scores.items()}
-    curves = faithfulness_curves(score, pixels, orders, grid, patch, baselines)
+    curves = faithfulness_curves(score, pixels, orders, grid, patch, baselines, log=log)
     t0 = timed(log, "deletion and insertion", t0)
     cascade = randomisation_test(vit, pixels, labels_np, predicted, maps, settings.batch_size, settings.seed)
     t0 = timed(log, "model randomisation", t0)
@@ -659,7 +665,8 @@ def plot_randomisation(stages: list[dict], path: Path) -> None:
         ax.errorbar(x, mean, yerr=err, marker="o", capsize=3, label=f"{name}: Spearman vs trained")
     ax.plot(x, [s["accuracy"] for s in stages], "k--", alpha=0.6, label="accuracy")
     ax.set_xticks(x, [s["label"] for s in stages], rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(-0.2, 1.05)
+    lowest = min(s[name]["low"] for s in stages for name in MAPS)
+    ax.set_ylim(min(-0.2, lowest - 0.05), 1.05)
     ax.axhline(0, color="grey", lw=0.5)
     ax.set_title("Cascading model randomisation (top-down)")
     ax.grid(alpha=0.3)
