@@ -29,7 +29,9 @@ class Prediction:
 class LocalPredictor:
     """The model in this process: service.runtime's session, service.preprocess, service.postprocess."""
 
-    def __init__(self, model_path: Path, top_k: int, resize: str):
+    def __init__(self, model_path: Path, top_k: int, resize: str, map_kind: str = "rollout",
+                 target: str | None = None):
+        from service.explanations import relevance_target
         from service.runtime import OnnxModel
         from service.settings import Settings
 
@@ -37,6 +39,8 @@ class LocalPredictor:
         self.settings = Settings(model_path=model_path)
         self.model = OnnxModel.load(self.settings)
         self.top_k, self.resize = top_k, resize
+        # The class to explain (relevance), checked against the labels before any image is read.
+        self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
         from service.errors import ServiceError
@@ -50,8 +54,13 @@ class LocalPredictor:
                                      keep_source=want_overlay, max_render_side=s.max_rollout_image_side)
         except ServiceError as e:
             return Prediction(image, error=f"{e.code}: {e}")
-        logits, rollout = self.model.run(prepared.pixels[None])  # (1, K), (1, h, w)
-        predictions, heat = encode_result(info.labels, prepared, logits[0], rollout[0], self.top_k,
+        if self.target is None:
+            logits, shown = self.model.run(prepared.pixels[None])  # (1, K), (1, h, w)
+        else:
+            import numpy as np
+
+            logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))
+        predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
                                           "overlay" if want_overlay else "none")
         return Prediction(image, [(p.label, p.score) for p in predictions],
                           base64.b64decode(heat.data) if heat is not None else None)
@@ -63,17 +72,21 @@ class LocalPredictor:
 class RemotePredictor:
     """A running server: one `POST /v1/classify` per image, the image as a multipart `file`."""
 
-    def __init__(self, url: str, top_k: int, resize: str, timeout_s: float):
+    def __init__(self, url: str, top_k: int, resize: str, timeout_s: float, map_kind: str = "rollout",
+                 target: str | None = None):
         import httpx
 
         self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
-        self.top_k, self.resize = top_k, resize
+        self.top_k, self.resize, self.map, self.target = top_k, resize, map_kind, target
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
         import httpx
 
         media_type = mimetypes.guess_type(image.name)[0] or "application/octet-stream"
-        params = {"top_k": self.top_k, "resize": self.resize, "rollout": "overlay" if want_overlay else "none"}
+        params = {"top_k": self.top_k, "resize": self.resize, "map": self.map if want_overlay else "none",
+                  "map_format": "overlay", **({"target": self.target} if self.target is not None else {})}
+        if not want_overlay:
+            params.pop("map_format")
         try:
             r = self.client.post("/v1/classify", params=params, files={"file": (image.name, image.read_bytes(),
                                                                                   media_type)})
@@ -85,8 +98,9 @@ class RemotePredictor:
             return Prediction(image, error=f"{error.get('code', f'http_{r.status_code}')}: "
                                            f"{error.get('message', r.text[:200])}")
         result = Prediction(image, [(p["label"], p["score"]) for p in body["predictions"]])
-        if want_overlay and body.get("rollout"):
-            result.overlay_png = base64.b64decode(body["rollout"]["data"])
+        shown = body.get(self.map) if want_overlay else None
+        if shown:
+            result.overlay_png = base64.b64decode(shown["data"])
         return result
 
     def close(self) -> None:
@@ -101,9 +115,9 @@ def _json_or_none(response) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
-def overlay_path(image: Path, out_dir: Path | None) -> Path:
-    """`photo.jpg` -> `photo.rollout.png`, beside the image or in `out_dir`."""
-    return (out_dir or image.parent) / f"{image.stem}.rollout.png"
+def overlay_path(image: Path, out_dir: Path | None, map_kind: str = "rollout") -> Path:
+    """`photo.jpg` -> `photo.rollout.png` (or `photo.relevance.png`), beside the image or in `out_dir`."""
+    return (out_dir or image.parent) / f"{image.stem}.{map_kind}.png"
 
 
 def format_table(results: list[Prediction]) -> str:
@@ -132,6 +146,9 @@ def add_predict_parser(subparsers) -> None:
     p.add_argument("--resize", choices=("fit", "native"), default="fit")
     p.add_argument("--out-dir", type=Path, help="where overlays go (default: beside each image)")
     p.add_argument("--no-overlay", action="store_true", help="print the table only")
+    p.add_argument("--map", choices=("rollout", "relevance"), default="rollout",
+                   help="the overlay's map: attention rollout, or the relevance of a class (--target)")
+    p.add_argument("--target", help="with --map relevance: the class to explain, index or label (default: top-1)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request (--url)")
     p.set_defaults(func=run_predict)
 
@@ -140,14 +157,16 @@ def run_predict(args) -> int:
     """Exit status 0 when every image was classified (and its overlay written), 1 otherwise."""
     if args.top_k < 1:
         raise SystemExit("vitserve predict: --top-k must be at least 1")
+    if args.target is not None and args.map != "relevance":
+        raise SystemExit("vitserve predict: --target needs --map relevance")
     if args.url:
-        predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout)
+        predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout, args.map, args.target)
     else:
-        from service.errors import ModelLoadError
+        from service.errors import InvalidParameter, ModelLoadError
 
         try:
-            predictor = LocalPredictor(args.model, args.top_k, args.resize)
-        except ModelLoadError as e:
+            predictor = LocalPredictor(args.model, args.top_k, args.resize, args.map, args.target)
+        except (ModelLoadError, InvalidParameter) as e:
             raise SystemExit(f"vitserve predict: {e}") from None
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +176,7 @@ def run_predict(args) -> int:
             result = predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file() else \
                 Prediction(image, error="not_found: no such file")
             if result.overlay_png:
-                written.append(overlay_path(image, args.out_dir))
+                written.append(overlay_path(image, args.out_dir, args.map))
                 written[-1].write_bytes(result.overlay_png)
             results.append(result)
     finally:

@@ -118,6 +118,24 @@ def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, ca
         assert np.abs(remote_px - local_px).max() <= 2
 
 
+def test_predict_relevance_overlays_locally_and_via_a_server(tiny_onnx, images, tmp_path, capsys):
+    explain = ["--map", "relevance", "--target", "dog"]
+    assert main(["predict", str(images[0]), "--model", str(tiny_onnx), *explain, "--out-dir", str(tmp_path / "l")]) == 0
+    with uvicorn_server(tiny_onnx) as (base_url, _):
+        assert main(["predict", str(images[0]), "--url", base_url, *explain, "--out-dir", str(tmp_path / "r")]) == 0
+    assert sorted(p.name for p in (tmp_path / "l").iterdir()) == ["pattern.relevance.png"]
+    local = np.asarray(Image.open(overlay_path(images[0], tmp_path / "l", "relevance")), np.int16)
+    remote = np.asarray(Image.open(overlay_path(images[0], tmp_path / "r", "relevance")), np.int16)
+    rollout = tmp_path / "rollout"
+    assert main(["predict", str(images[0]), "--model", str(tiny_onnx), "--out-dir", str(rollout)]) == 0
+    assert np.abs(local - remote).max() <= 2  # the same relevance map, drawn by the same code
+    assert np.abs(local - np.asarray(Image.open(overlay_path(images[0], rollout)), np.int16)).max() > 2
+    with pytest.raises(SystemExit, match="needs --map relevance"):
+        main(["predict", str(images[0]), "--model", str(tiny_onnx), "--target", "dog"])
+    with pytest.raises(SystemExit, match="neither a class index"):
+        main(["predict", str(images[0]), "--model", str(tiny_onnx), "--map", "relevance", "--target", "horse"])
+
+
 def test_predict_via_url_reports_an_unreachable_server(images, capsys):
     from service_fixtures import free_port
 
