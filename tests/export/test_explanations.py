@@ -269,3 +269,10 @@ def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsy
     assert len(results["targets"]) == 10 and "| target (mean baseline) |" in text
     printed = capsys.readouterr().out
     assert str(out) in printed and printed.count("PASS") + printed.count("FAIL") == 10
+
+
+def test_the_json_is_strict_even_for_undefined_intervals():
+    from export.explanations import strict_json
+
+    assert json.dumps(strict_json({"ci": [float("nan"), float("inf")], "n": [1, 0.5]}), allow_nan=False) == \
+        '{"ci": [null, null], "n": [1, 0.5]}'
