@@ -8,7 +8,8 @@ import torch
 
 from export.relevance import explain, relevance_rollout
 from export.rollout_reference import numpy_relevance
-from export.verify import ExportVerificationError, autograd_relevance, cpu_session, verify_relevance
+from export.verify import (ExportVerificationError, autograd_relevance, cpu_session, verify_against_torch,
+                           verify_relevance)
 
 OUTPUTS = ["logits", "rollout", "relevance"]
 
@@ -92,16 +93,20 @@ def test_weights_are_stored_once(tiny_export):
 
 
 def test_a_wrong_relevance_path_fails_verification(tiny_export, tiny_model, tmp_path):
-    """The relevance branch made to return its rollout as the relevance: verification must refuse it."""
+    """A weight only the relevance branch reads (the backward pass's own copy) changed: verification refuses it,
+    and the fast path, which does not read it, still passes."""
     proto = onnx.load(str(tiny_export.path))
     (choice,) = [n for n in proto.graph.node if n.op_type == "If"]
-    relevance_branch = next(a.g for a in choice.attribute if a.name == "then_branch")
-    rollout, relevance = relevance_branch.output[1], relevance_branch.output[2]
-    relevance.name = rollout.name  # the branch's third output is now its rollout
+    branches = {a.name: a.g for a in choice.attribute}
+    reads = {name: {i for n in g.node for i in n.input} for name, g in branches.items()}
+    (tensor, *_) = [t for t in proto.graph.initializer if t.name in reads["then_branch"] - reads["else_branch"]
+                    and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2]
+    tensor.CopyFrom(onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(tensor) * 1.5, tensor.name))
     path = tmp_path / "wrong.onnx"
     onnx.save(proto, str(path))
     with pytest.raises(ExportVerificationError, match="relevance path differs"):
         verify_relevance(str(path), tiny_model)
+    verify_against_torch(str(path), tiny_model)  # the fast path is untouched
 
 
 def test_export_without_relevance_keeps_the_fast_contract(tiny_checkpoint, tmp_path):

@@ -247,7 +247,7 @@ async def test_open_inference_protocol(settings, tiny_model):
     assert metadata["name"] == "tiny-vit" and metadata["versions"] == ["7"]
     assert metadata["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, -1, -1]},
                                   {"name": "image", "datatype": "BYTES", "shape": [-1, 1]}]
-    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout"]
+    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout", "relevance"]
     assert answer["model_name"] == "tiny-vit" and answer["id"] == "r1"
     out = {o["name"]: o for o in answer["outputs"]}
     assert out["logits"]["shape"] == [2, 3] and out["rollout"]["shape"] == [2, 4, 6]

@@ -97,7 +97,7 @@ BAD_REQUESTS = [
     pytest.param(body(inputs="nope"), ("inputs", "valid array"), id="inputs-not-list"),
     pytest.param(body(outputs=[{"name": "attention"}]), ("outputs.0.name", "logits", "rollout"),
                  id="unknown-output"),
-    pytest.param(body(outputs=[{"name": "logits"}] * 3), ("outputs", "at most 2"), id="too-many-outputs"),
+    pytest.param(body(outputs=[{"name": "logits"}] * 4), ("outputs", "at most 3"), id="too-many-outputs"),
     pytest.param(body(parameters={f"p{i}": i for i in range(MAX_PARAMETERS + 1)}),
                  ("parameters", f"at most {MAX_PARAMETERS}"), id="too-many-parameters"),
     pytest.param(body(parameters={"p": "x" * (MAX_PARAMETER_STRING_CHARS + 1)}),

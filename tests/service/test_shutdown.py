@@ -75,7 +75,11 @@ def test_a_killed_workers_gauges_leave_the_totals_and_the_metrics_dir_goes(tiny_
         victim = _children(process.pid)[0]
         os.kill(victim, signal.SIGKILL)
         results = [f.result() for f in futures]  # the victim's clients lose their connection; others finish
-        assert any(isinstance(r, httpx.Response) and r.status_code == 200 for r in results)
+        # Which worker accepted which connection is the kernel's choice (under load one may take all 16), so the
+        # property held is: no request got an error answer, and the server still answers.
+        assert all(r.status_code == 200 for r in results if isinstance(r, httpx.Response))
+        after = _post(url, data)
+        assert isinstance(after, httpx.Response) and after.status_code == 200, after
         # uvicorn replaces the worker; once the load is over, only the scrape itself is in flight
         _wait_for_metric(url, "vitserve_requests_in_flight", lambda v: v == 1)
         _wait_for_metric(url, "vitserve_queue_depth", lambda v: v == 0)
