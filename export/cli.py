@@ -88,9 +88,11 @@ def add_evaluate_parser(subparsers) -> None:
     bench.add_argument("--threads", type=int, help="threads for both runtimes (default: torch's)")
     bench.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per case")
     bench.set_defaults(func=run_bench)
+    from bench.relevance_cost import add_relevance_cost_command
     from export.explanations import add_explanations_command
 
     add_explanations_command(commands)
+    add_relevance_cost_command(commands)
 
 
 def run_accuracy(args) -> int:
