@@ -20,7 +20,7 @@ from service.explanations import MAX_TARGET_CHARS, relevance_target
 from service.preprocess import PreparedImage, ResizePolicy
 from service.routes.uploads import read_files, run_guarded, upload_within
 from service.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, ExplainedClass, MapFormat, MapKind,
-                             ModelRef, RelevanceGrid, RelevanceImage, RolloutFormat, Timing)
+                             ModelRef, RelevanceGrid, RelevanceImage, RolloutFormat, RolloutGrid, Timing)
 from service.state import ServiceState, get_admitted_state
 from vitserve.artifact import ModelInfo
 
@@ -147,7 +147,7 @@ def _explained(map_body, labels: list[str], logits, target: int) -> RelevanceGri
     """The relevance map with the class it explains (the top-1 when the client named none)."""
     index = int(logits.argmax()) if target < 0 else target  # the graph's own choice for -1: the arg max
     explained = ExplainedClass(index=index, label=labels[index], score=float(postprocess.softmax(logits)[index]))
-    kind = RelevanceGrid if hasattr(map_body, "values") else RelevanceImage
+    kind = RelevanceGrid if isinstance(map_body, RolloutGrid) else RelevanceImage
     return kind(**map_body.model_dump(), target=explained)
 
 
