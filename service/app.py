@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from service.engine import Engine
 from service.errors import ServiceError, error_headers, error_response, status_code
 from service.metrics import ServiceMetrics
-from service.routes import classify, open_inference, operations
+from service.routes import classify, open_inference, operations, web
 from service.runtime import InferenceModel
 from service.settings import Settings
 from service.state import ServiceState
@@ -42,13 +42,15 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     from vitserve import __version__
     settings = settings or Settings()
     metrics = metrics or ServiceMetrics()
-    app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan,
+    # /docs is the web router's, Swagger UI with its files from this install (FastAPI's loads them from a CDN)
+    app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   description="Vision Transformer classification with attention-rollout maps, dynamically batched "
                               "onto ONNX Runtime.")
     app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
     install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    for router in (classify.router, open_inference.router, operations.router):
+    # the web page and the docs last: routing an API request never looks at their routes
+    for router in (classify.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
     app.openapi = partial(openapi_document, app)
     return app

@@ -109,6 +109,8 @@ class ModelCard(BaseModel):
     exporter: str
     weights_sha256: str
     test_accuracy: float | None
+    maps: list[str] = Field(description="the explanation maps the model computes: rollout, and relevance when its "
+                                        "file has the relevance path")
     max_batch_size: int
     max_native_tokens: int
 

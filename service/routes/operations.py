@@ -20,7 +20,7 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)]) -> Mode
                      image_width=info.image_size[1], patch_size=info.patch_size, channels=info.channels,
                      mean=info.mean, std=info.std, precision=info.precision, provider=state.engine.provider,
                      opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
-                     test_accuracy=info.test_accuracy, max_batch_size=s.max_batch_size,
+                     test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
                      max_native_tokens=s.max_native_tokens)
 
 

@@ -1,0 +1,363 @@
+"use strict";
+// The page at /: an image -> POST v1/classify -> the top-k classes as bars, the map drawn over the image on a
+// canvas, what the resize did, the timing split. The model card (v1/model) is read once, at load.
+// Plain DOM and no build step; every URL is relative, so the page also works behind a path prefix.
+
+// service/postprocess.py's colour ramp (dark blue -> cyan -> yellow -> red): the same colours as its PNG overlays.
+const RAMP = [[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],
+  [251, 185, 56], [245, 105, 24], [122, 4, 3]];
+const VIEW_SIDE = 384; // the longest side of the drawn image, in canvas pixels
+const STATUS_TEXT = {
+  400: "The server could not read this image",
+  408: "The upload was too slow",
+  413: "The image is too large for this server",
+  415: "This file is not an image type the server accepts (JPEG, PNG, WebP, BMP, GIF or TIFF)",
+  422: "The server refused these options",
+  429: "The server is busy",
+  500: "The server failed on this image",
+  503: "The model is not ready (warming up or shutting down)",
+  504: "The server took too long",
+};
+const MAP_TEXT = {
+  rollout: "Attention rollout: how attention flows from the class token to each patch (the same map for every class).",
+  relevance: "Relevance: which patches raised the score of",
+  none: "No map requested.",
+};
+
+const $ = (id) => document.getElementById(id);
+const state = {card: null, file: null, image: null, imageUrl: null, size: null, result: null, geometry: null,
+  chosen: 0, request: 0, answers: 0};
+
+// ---- geometry: service/preprocess.py's fit_box and native_size, with Python's round (half to even)
+function roundEven(x) {
+  const r = Math.round(x);
+  return Math.abs(x % 1) === 0.5 && r % 2 !== 0 ? r - 1 : r;
+}
+
+function fitBox(width, height, targetW, targetH) {
+  const scale = Math.max(targetW / width, targetH / height); // cover the target, crop the overflow
+  const cropW = Math.min(width, Math.max(1, roundEven(targetW / scale)));
+  const cropH = Math.min(height, Math.max(1, roundEven(targetH / scale)));
+  const left = Math.floor((width - cropW) / 2), top = Math.floor((height - cropH) / 2);
+  return [left, top, left + cropW, top + cropH];
+}
+
+function nativeSize(width, height, patch, maxTokens) {
+  let cols = Math.max(1, roundEven(width / patch)), rows = Math.max(1, roundEven(height / patch));
+  if (cols * rows > maxTokens) {
+    const shrink = Math.sqrt(maxTokens / (cols * rows));
+    cols = Math.max(1, Math.floor(cols * shrink));
+    rows = Math.max(1, Math.floor(rows * shrink));
+    while (cols * rows > maxTokens) {
+      if (cols >= rows) cols -= 1; else rows -= 1;
+    }
+  }
+  return [cols * patch, rows * patch];
+}
+
+function geometry(resize, [width, height], card) {
+  if (resize === "fit") {
+    return {input: [card.image_width, card.image_height], box: fitBox(width, height, card.image_width,
+      card.image_height)};
+  }
+  return {input: nativeSize(width, height, card.patch_size, card.max_native_tokens), box: [0, 0, width, height]};
+}
+
+function describeGeometry(resize, [width, height], {input, box}, patch) {
+  const [inW, inH] = input, grid = `${inW / patch}×${inH / patch} patches of ${patch} px`;
+  const [left, top, right, bottom] = box;
+  if (resize === "native") {
+    return `native: your ${width}×${height} image → ${inW}×${inH} model input (${grid}), aspect ratio kept, ` +
+      "nothing cropped.";
+  }
+  const cropped = right - left === width && bottom - top === height ? "nothing cropped" :
+    `centre crop ${right - left}×${bottom - top} at (${left}, ${top}), the rest dimmed in the picture`;
+  return `fit: your ${width}×${height} image → ${cropped} → ${inW}×${inH} model input (${grid}).`;
+}
+
+// ---- drawing
+function rampColor(value) {
+  const position = Math.min(Math.max(value, 0), 1) * (RAMP.length - 1);
+  const low = Math.min(Math.floor(position), RAMP.length - 2), frac = position - low;
+  return RAMP[low].map((c, i) => Math.round(c * (1 - frac) + RAMP[low + 1][i] * frac));
+}
+
+function heatCanvas(grid) {
+  const heat = document.createElement("canvas");
+  heat.width = grid.width;
+  heat.height = grid.height;
+  const context = heat.getContext("2d"), pixels = context.createImageData(grid.width, grid.height);
+  grid.values.flat().forEach((value, i) => pixels.data.set([...rampColor(value), 255], 4 * i));
+  context.putImageData(pixels, 0, 0);
+  return heat;
+}
+
+function draw() {
+  const canvas = $("view"), context = canvas.getContext("2d");
+  if (!state.size) {
+    context.clearRect(0, 0, canvas.width, canvas.height);
+    canvas.dataset.drawn = "nothing";
+    canvas.setAttribute("aria-label", "No image");
+    return;
+  }
+  const [width, height] = state.size, scale = VIEW_SIDE / Math.max(width, height);
+  canvas.width = Math.max(1, Math.round(width * scale));
+  canvas.height = Math.max(1, Math.round(height * scale));
+  context.imageSmoothingEnabled = scale < 1; // small images (28×28) are shown as crisp enlarged pixels
+  if (state.image) {
+    context.drawImage(state.image, 0, 0, canvas.width, canvas.height);
+  } else {
+    context.fillStyle = "#777";
+    context.fillRect(0, 0, canvas.width, canvas.height);
+  }
+  const map = state.result && (state.result.rollout || state.result.relevance);
+  const [left, top, right, bottom] = state.geometry ? state.geometry.box.map((v) => v * scale) : [0, 0, 0, 0];
+  if (map) {
+    context.imageSmoothingEnabled = true; // the patch grid, bilinear, over the part of the image the model saw
+    context.globalAlpha = Number($("opacity").value) / 100;
+    context.drawImage(heatCanvas(map), left, top, right - left, bottom - top);
+    context.globalAlpha = 1;
+  }
+  if (state.geometry && (right - left < canvas.width || bottom - top < canvas.height)) {
+    context.fillStyle = "rgba(0, 0, 0, 0.6)"; // what fit cropped away
+    context.fillRect(0, 0, canvas.width, top);
+    context.fillRect(0, bottom, canvas.width, canvas.height - bottom);
+    context.fillRect(0, top, left, bottom - top);
+    context.fillRect(right, top, canvas.width - right, bottom - top);
+  }
+  const kind = map ? (state.result.rollout ? "rollout" : "relevance") : "none";
+  canvas.dataset.drawn = state.result ? kind : "image";
+  canvas.setAttribute("aria-label", state.result && map ? `The image with the ${kind} map at ` +
+    `${$("opacity").value}% opacity` : "The image");
+}
+
+function drawScale() {
+  const canvas = $("scale"), context = canvas.getContext("2d");
+  for (let x = 0; x < canvas.width; x++) {
+    context.fillStyle = `rgb(${rampColor(x / (canvas.width - 1)).join(",")})`;
+    context.fillRect(x, 0, 1, canvas.height);
+  }
+}
+
+// ---- the model card
+async function loadCard() {
+  let response;
+  try {
+    response = await fetch("v1/model");
+  } catch (error) {
+    response = null;
+  }
+  if (!response || !response.ok) {
+    $("status").textContent = "The model card is not available yet; trying again…";
+    setTimeout(loadCard, 2000);
+    return;
+  }
+  state.card = await response.json();
+  showCard(state.card);
+  $("status").textContent = "Choose an image, or one of the samples.";
+}
+
+function showCard(card) {
+  $("model-title").textContent = `· ${card.name} ${card.version}`;
+  const accuracy = card.test_accuracy === null ? "not recorded" : `${(100 * card.test_accuracy).toFixed(2)}%`;
+  const fields = [["Name", card.name], ["Version", card.version], ["Classes", card.labels.length],
+    ["Trained resolution", `${card.image_width}×${card.image_height} px, ${card.channels} channel(s)`],
+    ["Patch size", `${card.patch_size} px`], ["Test accuracy", accuracy], ["Execution provider", card.provider],
+    ["Precision", card.precision], ["Maps", card.maps.join(", ")]];
+  $("card-fields").replaceChildren(...fields.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
+  $("labels-summary").textContent = `Labels (${card.labels.length})`;
+  $("labels").replaceChildren(...card.labels.map((label) => element("li", label)));
+  $("target").append(...card.labels.map((label, index) => new Option(`${index}: ${label}`, String(index))));
+  $("top-k").max = card.labels.length;
+  $("top-k").value = Math.min(5, card.labels.length);
+  if (!card.maps.includes("relevance")) {
+    document.querySelector('input[name="map"][value="relevance"]').disabled = true;
+    $("map-note").textContent = "This model's file has no relevance path: rollout only.";
+    $("map-note").hidden = false;
+  }
+}
+
+function element(tag, text) {
+  const node = document.createElement(tag);
+  node.textContent = text;
+  return node;
+}
+
+// ---- samples
+async function loadSamples() {
+  const response = await fetch("web/samples/samples.json");
+  if (!response.ok) return;
+  const {about, samples} = await response.json();
+  $("samples-about").textContent = about.split(". ")[0] + ".";
+  $("samples").replaceChildren(...samples.map((sample) => {
+    const button = document.createElement("button"), picture = document.createElement("img");
+    picture.src = `web/samples/${sample.file}`;
+    picture.alt = "";
+    button.type = "button";
+    button.append(picture, element("span", sample.label));
+    button.setAttribute("aria-label", `Sample: ${sample.label} (${sample.source})`);
+    button.addEventListener("click", () => chooseSample(sample));
+    const item = document.createElement("li");
+    item.append(button);
+    return item;
+  }));
+}
+
+async function chooseSample(sample) {
+  const response = await fetch(`web/samples/${sample.file}`);
+  const blob = await response.blob();
+  choose(new File([blob], sample.file, {type: blob.type}));
+}
+
+// ---- an image, and its classification
+async function choose(file) {
+  if (!file) return;
+  if (!state.card) {
+    $("status").textContent = "Wait for the model card before choosing an image.";
+    return;
+  }
+  const chosen = ++state.chosen, picture = new Image();
+  if (state.imageUrl) URL.revokeObjectURL(state.imageUrl);
+  state.imageUrl = URL.createObjectURL(file);
+  picture.src = state.imageUrl;
+  const drawable = await picture.decode().then(() => true, () => false); // TIFF, or not an image: the server decides
+  if (chosen !== state.chosen) return; // another image was chosen meanwhile
+  Object.assign(state, {file, result: null, geometry: null, image: drawable ? picture : null,
+    size: drawable ? [picture.naturalWidth, picture.naturalHeight] : null});
+  classify();
+}
+
+function options() {
+  const form = $("options");
+  const map = form.elements.map.value, resize = form.elements.resize.value;
+  const params = new URLSearchParams({top_k: $("top-k").value || "5", map, resize});
+  if (map !== "none") params.set("map_format", "grid");
+  if (map === "relevance" && $("target").value !== "") params.set("target", $("target").value);
+  return {map, resize, params};
+}
+
+async function classify() {
+  if (!state.file) return;
+  const request = ++state.request, {resize, params} = options(), body = new FormData();
+  body.append("file", state.file, state.file.name || "pasted image");
+  $("status").textContent = `Classifying ${state.file.name || "the pasted image"}…`;
+  const started = performance.now();
+  let response, answer;
+  try {
+    response = await fetch(`v1/classify?${params}`, {method: "POST", body});
+    answer = await response.json().catch(() => null);
+  } catch (error) {
+    if (request === state.request) showError(null, null, null);
+    return;
+  }
+  if (request !== state.request) return; // a newer request (options changed) answers instead
+  if (!response.ok) {
+    showError(response.status, answer, response.headers.get("Retry-After"));
+    return;
+  }
+  state.result = answer;
+  showResult(answer, resize, performance.now() - started);
+}
+
+function showError(status, answer, retryAfter) {
+  const error = answer && answer.error ? answer.error : null;
+  let text = status === null ? "Could not reach the server." :
+    `${STATUS_TEXT[status] || "The server refused the request"} (HTTP ${status}` +
+    `${error ? `, ${error.code}` : ""})${error ? `: ${error.message}` : "."}`;
+  if (retryAfter) text += ` Try again in ${retryAfter} s.`;
+  $("error").textContent = text;
+  $("error").hidden = false;
+  $("status").textContent = "The image was not classified.";
+  state.result = null;
+  state.geometry = null;
+  $("predictions").replaceChildren();
+  $("timing").replaceChildren();
+  $("map-caption").textContent = "";
+  $("geometry").textContent = "—";
+  draw();
+  answered();
+}
+
+function answered() { // a count of answers shown, for whoever waits on the page (the browser tests)
+  $("result").dataset.answers = String(++state.answers);
+}
+
+function showResult(answer, resize, roundTripMs) {
+  $("error").hidden = true;
+  const map = answer.rollout || answer.relevance;
+  if (!state.size && map) {
+    state.size = [map.width * state.card.patch_size, map.height * state.card.patch_size]; // the map alone
+  }
+  if (state.size) {
+    state.geometry = geometry(resize, state.size, state.card);
+    if (map) state.geometry.input = [map.width, map.height].map((n) => n * state.card.patch_size); // the server's
+    $("geometry").textContent = describeGeometry(resize, state.size, state.geometry, state.card.patch_size);
+  }
+  showPredictions(answer.predictions);
+  showTiming(answer.timing_ms, roundTripMs);
+  const target = answer.relevance && answer.relevance.target;
+  $("map-caption").textContent = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` :
+    MAP_TEXT[answer.rollout ? "rollout" : "none"];
+  $("status").textContent = `${state.file.name || "The pasted image"}: ${answer.predictions[0].label}, ` +
+    `${percent(answer.predictions[0].score)}.` + (state.image ? "" : " This browser cannot draw this image; the " +
+    "map is drawn alone.");
+  draw();
+  answered();
+}
+
+function showPredictions(predictions) {
+  $("predictions").replaceChildren(...predictions.map(({label, score, index}) => {
+    const item = document.createElement("li"), bar = document.createElement("span");
+    const fill = document.createElement("span");
+    bar.className = "bar";
+    bar.setAttribute("aria-hidden", "true");
+    fill.style.width = `${(100 * score).toFixed(1)}%`;
+    bar.append(fill);
+    item.append(element("span", `${label} (${index})`), bar, element("span", percent(score)));
+    return item;
+  }));
+}
+
+function showTiming(timing, roundTripMs) {
+  const rest = timing.total - timing.queue - timing.preprocess - timing.inference;
+  const rows = [["Queue", timing.queue], ["Preprocess", timing.preprocess], ["Inference", timing.inference],
+    ["Rest (upload, encoding)", Math.max(0, rest)], ["Total on the server", timing.total],
+    ["Round trip, seen by this page", roundTripMs]];
+  $("timing").replaceChildren(...rows.flatMap(([term, ms]) => [element("dt", term), element("dd",
+    `${ms.toFixed(1)} ms`)]));
+}
+
+function percent(score) {
+  return `${(100 * score).toFixed(1)}%`;
+}
+
+// ---- wiring: file input, drop, paste, options
+function wire() {
+  $("file").addEventListener("change", (event) => choose(event.target.files[0]));
+  const zone = $("drop-zone");
+  document.addEventListener("dragover", (event) => event.preventDefault()); // a missed drop must not navigate
+  document.addEventListener("drop", (event) => {
+    event.preventDefault();
+    zone.classList.remove("dragging");
+    choose(event.dataTransfer.files[0]);
+  });
+  zone.addEventListener("dragenter", () => zone.classList.add("dragging"));
+  zone.addEventListener("dragleave", () => zone.classList.remove("dragging"));
+  document.addEventListener("paste", (event) => {
+    const file = [...event.clipboardData.files][0];
+    if (file) choose(file);
+  });
+  $("options").addEventListener("submit", (event) => event.preventDefault());
+  $("options").addEventListener("change", () => {
+    $("target").disabled = options().map !== "relevance";
+    classify();
+  });
+  $("opacity").addEventListener("input", () => {
+    $("opacity-value").textContent = `${$("opacity").value}%`;
+    draw();
+  });
+}
+
+wire();
+drawScale();
+loadCard().then(loadSamples);
