@@ -143,10 +143,15 @@ def page(browser):
     assert problems == []
 
 
+# Every condition waited on is a function: Playwright evaluates an expression string anew at each poll with eval,
+# which the page's Content-Security-Policy refuses (rightly) once the first try is over.
+
+
 def opened(page, url: str):
-    """The page at `url`, once it has its model card."""
+    """The page at `url`, once it shows its model card and its samples."""
     page.goto(url + "/")
-    page.wait_for_function("document.getElementById('card-fields').children.length > 0")
+    page.wait_for_function("() => document.getElementById('card-fields').children.length > 0 "
+                           "&& document.querySelectorAll('#samples button').length > 0")
     return page
 
 
@@ -175,7 +180,7 @@ def set_opacity(page, key: str, shown: str):
     """Move the opacity slider from the keyboard (Home: 0%, End: 100%) and wait for it to be drawn."""
     page.focus("#opacity")
     page.keyboard.press(key)
-    page.wait_for_function(f"document.getElementById('opacity-value').textContent === '{shown}'")
+    page.wait_for_function("shown => document.getElementById('opacity-value').textContent === shown", arg=shown)
 
 
 def assert_map_drawn(pixels: np.ndarray, grid: dict, box: tuple[int, int, int, int], scale: float):
@@ -267,6 +272,26 @@ def test_switching_map_target_and_resize_asks_again(page, server):
     assert f"→ {width}×{height} model input ({width // 8}×{height // 8} patches" in page.inner_text("#geometry")
 
 
+# A file handed to the page the way a drop or a paste hands it: in a DataTransfer on the event.
+_HAND_OVER = """([kind, b64]) => {
+    const bytes = Uint8Array.from(atob(b64), (c) => c.charCodeAt(0)), data = new DataTransfer();
+    data.items.add(new File([bytes], `${kind}.png`, {type: "image/png"}));
+    const event = kind === "dropped" ? new DragEvent("drop", {dataTransfer: data, bubbles: true, cancelable: true})
+        : new ClipboardEvent("paste", {clipboardData: data, bubbles: true, cancelable: true});
+    (kind === "dropped" ? document.getElementById("drop-zone") : document.body).dispatchEvent(event);
+}"""
+
+
+@needs_browser
+def test_a_dropped_or_pasted_image_is_classified(page, server):
+    opened(page, server)
+    data = base64.b64encode(patterned_png((40, 40))).decode()
+    for kind in ("dropped", "pasted"):
+        result = answered(page, lambda: page.evaluate(_HAND_OVER, [kind, data]))
+        assert result["status"] == 200 and page.inner_text("#status").startswith(f"{kind}.png: ")
+        assert page.get_attribute("#view", "data-drawn") == "rollout"
+
+
 @needs_browser
 def test_server_errors_are_shown_as_readable_messages(page, server):
     opened(page, server)
@@ -300,7 +325,7 @@ def test_docs_render_every_operation_with_other_hosts_blocked(page, server):
     spec = httpx.get(f"{server}/openapi.json").json()
     operations = sum(len(methods) for methods in spec["paths"].values())
     page.goto(f"{server}/docs")
-    page.wait_for_function(f"document.querySelectorAll('.opblock').length === {operations}")
+    page.wait_for_function("n => document.querySelectorAll('.opblock').length === n", arg=operations)
     assert page.locator(".opblock-summary-path", has_text=re.compile(r"^/v1/classify$")).count() == 1
     assert page.locator("link[rel~='icon']").get_attribute("href") == "/web/favicon.svg"
     page.screenshot(path=SCREENSHOTS / "docs.png")
