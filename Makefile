@@ -4,10 +4,13 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/python -m pip
-HOST ?= 127.0.0.1
-PORT ?= 8000
+# `make serve` honours the server's own environment variables (VITSERVE_HOST, VITSERVE_PORT, VITSERVE_MODEL_PATH)
+# as well as `make serve PORT=8080`.
+HOST ?= $(or $(VITSERVE_HOST),127.0.0.1)
+PORT ?= $(or $(VITSERVE_PORT),8000)
 MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
+SERVE_MODEL ?= $(or $(VITSERVE_MODEL_PATH),$(DEFAULT_MODEL))
 TRAIN_RUN := runs/vit-fmnist
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
@@ -35,7 +38,7 @@ setup-serve: $(VENV)/.serve-installed
 setup-dev: $(VENV)/.dev-installed
 
 serve: $(VENV)/.serve-installed
-	$(BIN)/vitserve serve --model $(DEFAULT_MODEL) --host $(HOST) --port $(PORT)
+	$(BIN)/vitserve serve --model $(SERVE_MODEL) --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)

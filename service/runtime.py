@@ -47,13 +47,18 @@ def read_model_file_info(path: Path) -> ModelInfo:
 
 
 def provider_chain(settings: Settings, available: list[str]) -> list[tuple[str, dict]]:
-    """The configured providers that this onnxruntime build has, each with its options; CPU always last."""
+    """The configured providers that this onnxruntime build has, each with its options; CPU always last.
+
+    The default list (cuda, cpu) means "the best this build has": on a CPU-only build CUDA is left out without a
+    word. Providers the user named (VITSERVE_PROVIDERS, --providers) and this build lacks get a warning."""
+    named = "providers" in settings.model_fields_set
     chain = []
     for name in settings.providers:
         ort_name = _ORT_PROVIDER_NAMES[name]
         if ort_name not in available:
-            log.warning("execution provider %s requested but not in this onnxruntime build (%s); skipped",
-                        ort_name, ", ".join(available))
+            if named:
+                log.warning("execution provider %s requested but not in this onnxruntime build (%s); skipped",
+                            ort_name, ", ".join(available))
             continue
         chain.append((ort_name, _provider_options(name, settings)))
     if all(name != "CPUExecutionProvider" for name, _ in chain):
@@ -132,11 +137,7 @@ class OnnxModel:
         model = cls(session, info)
         log.info("loaded %s %s (%s, opset %s) from %s on %s", info.name, info.version, info.precision,
                  info.opset, path, model.provider)
-        preferred = settings.providers[0]
-        if model.provider != _ORT_PROVIDER_NAMES[preferred]:
-            # ORT falls back silently when a provider cannot start (no GPU visible, no driver, missing CUDA libraries).
-            log.warning("%s was requested first but the model runs on %s (no GPU visible, or its driver or "
-                        "CUDA/cuDNN libraries are missing)", preferred, model.provider)
+        warn_on_fallback(model, chain)
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,6 +162,15 @@ class OnnxModel:
             binding.bind_output(name, self._device)
         self.session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()
+
+
+def warn_on_fallback(model: OnnxModel, chain: list[tuple[str, dict]]) -> None:
+    """ORT falls back silently when a provider of its build cannot start (no GPU visible, no driver, missing
+    CUDA libraries): say so when the model does not run on the first provider of the chain."""
+    preferred = chain[0][0]
+    if model.provider != preferred:
+        log.warning("%s is in this onnxruntime build but the model runs on %s (no GPU visible, or its driver or "
+                    "CUDA/cuDNN libraries are missing)", preferred, model.provider)
 
 
 def _check_signature(session, info: ModelInfo, path: Path) -> None:

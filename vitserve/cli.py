@@ -18,9 +18,15 @@ _COMMANDS = [
 ]
 
 
+# Modules that only the training and export install brings (`make serve`'s environment has none of them).
+_TRAINING_TOOLS = {"torch", "onnx", "onnxscript", "onnx_ir", "safetensors", "tqdm", "matplotlib", "scipy", "skimage"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vitserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the full traceback of an error (anywhere on the command line)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for module_name, adders in _COMMANDS:
         try:
@@ -38,8 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    """Run a command. An error is one line on stderr (exit 1) unless --debug asks for the traceback."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    args = build_parser().parse_args([a for a in argv if a != "--debug"])
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        print(f"vitserve {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as e:
+        if debug:
+            raise
+        print(f"vitserve {args.command}: {error_line(e)}", file=sys.stderr)
+        return 1
+
+
+def error_line(error: Exception) -> str:
+    """One line for an error a user can act on: what went wrong and, where there is one, the fix."""
+    if isinstance(error, ModuleNotFoundError) and (error.name or "").split(".")[0] in _TRAINING_TOOLS:
+        return (f"needs {error.name}, part of the training and export tools, which this environment lacks: "
+                f"`make setup-dev`, or `pip install -e '.[train,export]' -c constraints.txt`")
+    message = " ".join(str(error).split()) or type(error).__name__
+    return f"{message} (--debug shows the traceback)"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,11 @@ class ModelFileHeader:
 def read_header(path: str | Path) -> ModelFileHeader:
     """The file's default-domain opset and metadata; anything that is not a well-formed ModelProto is an ArtifactError."""
     path = Path(path)
+    if path.is_dir():
+        inside = sorted(p.name for p in path.glob("*.onnx"))
+        hint = f"; it holds {', '.join(inside[:5])}: give the file, e.g. {path / inside[0]}" if inside else \
+            "; give the .onnx file that `vitserve export` wrote"
+        raise ArtifactError(f"{path} is a directory, not a model file{hint}")
     if not path.is_file():
         raise ArtifactError(f"model file not found: {path}")
     size = path.stat().st_size

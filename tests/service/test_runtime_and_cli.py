@@ -127,15 +127,31 @@ def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
-def test_fallback_from_the_preferred_provider_is_logged(tiny_onnx, caplog):
+def test_a_provider_named_but_not_in_this_build_is_a_warning_the_default_is_not(tiny_onnx, caplog):
+    """The default providers mean the best this build has: a CPU-only build starts without a word about CUDA."""
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
         model = OnnxModel.load(Settings(model_path=tiny_onnx, providers="cuda,cpu"))
     assert model.provider == "CPUExecutionProvider"  # this build has no CUDA provider
-    assert "cuda was requested first but the model runs on CPUExecutionProvider" in caplog.text
+    assert "CUDAExecutionProvider requested but not in this onnxruntime build" in caplog.text
     caplog.clear()
+    with caplog.at_level("INFO", logger="vitserve.runtime"):
+        model = OnnxModel.load(Settings(model_path=tiny_onnx))
+    assert model.provider == "CPUExecutionProvider"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert "on CPUExecutionProvider" in caplog.text  # the one line that says where it runs
+
+
+def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, caplog):
+    class Session:  # what ORT does when CUDA is in the build but cannot start: falls back to the CPU
+        def get_providers(self):
+            return ["CPUExecutionProvider"]
+
+    from service import runtime
+    chain = [("CUDAExecutionProvider", {}), ("CPUExecutionProvider", {})]
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
-        OnnxModel.load(Settings(model_path=tiny_onnx, providers="cpu"))
-    assert "requested first" not in caplog.text
+        runtime.warn_on_fallback(runtime.OnnxModel(Session(), None), chain)
+    assert "CUDAExecutionProvider is in this onnxruntime build but the model runs on CPUExecutionProvider" in \
+        caplog.text
 
 
 def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_core(tiny_onnx, monkeypatch):

@@ -112,3 +112,11 @@ def test_the_contract_needs_neither_torch_nor_onnxruntime():
             "print(sorted(m for m in ('torch', 'onnxruntime', 'onnx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_directory_is_named_as_such_with_the_models_inside(tmp_path):
+    with pytest.raises(ArtifactError, match=r"is a directory, not a model file; give the .onnx file"):
+        read_header(tmp_path)
+    _tiny_onnx(tmp_path / "model.onnx", INFO.to_metadata())
+    with pytest.raises(ArtifactError, match=rf"it holds model.onnx: give the file, e.g. {tmp_path}/model.onnx"):
+        read_header(tmp_path)

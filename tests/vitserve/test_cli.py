@@ -1,0 +1,46 @@
+"""The `vitserve` command's error contract: one line on stderr and exit 1, the traceback only with --debug."""
+from __future__ import annotations
+
+import pytest
+
+from vitserve.cli import main
+
+
+def test_an_error_is_one_line_and_exit_1(tmp_path, capsys):
+    assert main(["export", str(tmp_path / "absent"), "--out", str(tmp_path / "m.onnx")]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"vitserve export: {tmp_path / 'absent'}/config.json not found")
+    assert err.rstrip().endswith("(--debug shows the traceback)")
+
+
+def test_debug_anywhere_shows_the_traceback(tmp_path):
+    from model.checkpoint import CheckpointError
+
+    for argv in (["--debug", "export", str(tmp_path), "--out", "m.onnx"],
+                 ["export", str(tmp_path), "--out", "m.onnx", "--debug"]):
+        with pytest.raises(CheckpointError):
+            main(argv)
+
+
+def test_a_missing_training_tool_names_the_install(monkeypatch, capsys):
+    import export.cli
+
+    def needs_torch(args):
+        raise ModuleNotFoundError("No module named 'torch'", name="torch")
+
+    monkeypatch.setattr(export.cli, "run_export", needs_torch)
+    assert main(["export", "ckpt", "--out", "m.onnx"]) == 1
+    err = capsys.readouterr().err
+    assert "needs torch, part of the training and export tools" in err and "make setup-dev" in err
+
+
+def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
+    import export.cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(export.cli, "run_export", interrupted)
+    assert main(["export", "ckpt", "--out", "m.onnx"]) == 130
+    assert capsys.readouterr().err == "vitserve export: interrupted\n"
