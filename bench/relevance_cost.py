@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench.reliability import number, table, write_report
+from vitserve.help_format import DefaultsHelpFormatter
 
 CASES = ("fast_only", "fast_path", "relevance_path")
 CASE_LABELS = {"fast_only": "(a) fast-only artifact", "fast_path": "(b) new artifact, fast path",
@@ -306,7 +307,7 @@ def add_relevance_cost_command(commands) -> None:
     """`vitserve evaluate relevance-cost`, onto the subparsers of `vitserve evaluate`."""
     p = commands.add_parser("relevance-cost", help="the relevance path's latency against the fast path's, and the "
                                                    "fast path's against a fast-only artifact's, side by side",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                            formatter_class=DefaultsHelpFormatter)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", default="models/vit-fmnist/checkpoint", help="checkpoint directory")
     source.add_argument("--variant", help="instead: random weights of a named variant (e.g. 'small' for ViT-S/16 "

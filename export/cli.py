@@ -4,6 +4,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from vitserve.help_format import DefaultsHelpFormatter
+
 
 def _sizes(text: str) -> list[tuple[int, int]]:
     """'28,24,36x20' -> [(28, 28), (24, 24), (36, 20)]"""
@@ -20,7 +22,7 @@ def _ints(text: str) -> list[int]:
 
 def add_export_parser(subparsers) -> None:
     p = subparsers.add_parser("export", help="export a checkpoint to one verified ONNX file",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultsHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint directory (config.json + model.safetensors)")
     p.add_argument("--out", required=True, help="ONNX file to write")
     p.add_argument("--fp16", action="store_true", help="float16 weights and compute for GPU serving (float32 I/O)")
@@ -72,7 +74,7 @@ def add_evaluate_parser(subparsers) -> None:
                                            "explanation maps are")
     commands = p.add_subparsers(dest="evaluate_command", required=True)
     acc = commands.add_parser("accuracy", help="test accuracy of an ONNX model with ONNX Runtime (CPU)",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=DefaultsHelpFormatter)
     acc.add_argument("model", help="ONNX file from `vitserve export` (1-channel, Fashion-MNIST classes)")
     acc.add_argument("--sizes", type=_sizes, default=_sizes("28,24,36,56"), help="resolutions H[xW], comma-separated")
     acc.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
@@ -80,7 +82,7 @@ def add_evaluate_parser(subparsers) -> None:
     acc.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
     acc.set_defaults(func=run_accuracy)
     bench = commands.add_parser("bench", help="images/s: ONNX Runtime vs PyTorch eager, with and without rollout",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=DefaultsHelpFormatter)
     source = bench.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint", help="checkpoint directory")
     source.add_argument("--variant", help="random weights of a named variant, e.g. 'small' for ViT-S/16 at 224")

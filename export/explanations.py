@@ -27,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from vitserve.help_format import DefaultsHelpFormatter
+
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 DEFAULT_OUT = "build/explanations/explanations.md"  # docs/ only when asked: the committed report is written on purpose
 MAPS = ("rollout", "relevance")  # what the model serves
@@ -735,7 +737,7 @@ def strict_json(value):
 def add_explanations_command(commands) -> None:
     """Adds `explanations` to the `vitserve evaluate` subcommands."""
     p = commands.add_parser(
-        "explanations", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        "explanations", formatter_class=DefaultsHelpFormatter,
         help="faithfulness of the rollout and relevance maps: deletion/insertion AUCs with CIs, model "
              "randomisation, resolution consistency; writes a markdown report, its JSON and plots",
         description="Measures the served explanation maps on Fashion-MNIST test images (PyTorch, CPU). Writes OUT, "

@@ -13,6 +13,8 @@ import mimetypes
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from vitserve.help_format import DefaultsHelpFormatter
+
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 
 
@@ -138,12 +140,13 @@ def add_predict_parser(subparsers) -> None:
         "predict", help="classify images: top-k table and rollout overlay PNGs",
         description="Prints the top-k classes of each image and writes its attention-rollout overlay as "
                     "IMAGE.rollout.png. With --url, asks a running server; otherwise runs the ONNX model here.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=DefaultsHelpFormatter)
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: run the model locally)")
     p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="the ONNX artifact, when running locally")
-    p.add_argument("--top-k", type=int, default=5)
-    p.add_argument("--resize", choices=("fit", "native"), default="fit")
+    p.add_argument("--top-k", type=int, default=5, help="classes to show per image")
+    p.add_argument("--resize", choices=("fit", "native"), default="fit",
+                   help="fit: scale and centre-crop to the trained size; native: keep the aspect ratio")
     p.add_argument("--out-dir", type=Path, help="where overlays go (default: beside each image)")
     p.add_argument("--no-overlay", action="store_true", help="print the table only")
     p.add_argument("--map", choices=("rollout", "relevance"), default="rollout",
