@@ -13,7 +13,8 @@ providers=["cpu"]))`, its session options (sequential, no spinning, every graph 
 `model.session.run(outputs, feeds)`. This machine's speed drifts, so for each thread setting and batch size the
 three cases take turns for `rounds` rounds (the order reversed every other round), each running for `seconds` per
 round. Per case: the median and p90 of every call's latency and images/s; per pair, the ratio of the medians and,
-as its spread, the smallest and largest ratio of the per-round medians.
+beside it the per-round ratios (one case's median over the other's in the same round, paired against drift):
+their median, smallest and largest.
 
 The targets (the issue's): relevance_path / fast_path <= 3.0 at every batch size; fast_path / fast_only unchanged,
 which this report grants only when the per-round ratios span 1.0, or all lie within 1.00 +- 0.03.
@@ -23,7 +24,6 @@ numpy, onnxruntime and torch load when it runs.
 """
 from __future__ import annotations
 
-import argparse
 import shlex
 import statistics
 import sys
@@ -189,8 +189,8 @@ def summarise(per_round: dict[str, list[list[float]]], batch: int, threads: int,
     ratios = {}
     for name, (top, bottom) in RATIOS.items():
         per = [a / b for a, b in zip(cases[top]["round_p50_ms"], cases[bottom]["round_p50_ms"])]
-        ratios[name] = {"ratio": cases[top]["p50_ms"] / cases[bottom]["p50_ms"], "round_min": min(per),
-                        "round_max": max(per), "rounds": per}
+        ratios[name] = {"ratio": cases[top]["p50_ms"] / cases[bottom]["p50_ms"], "round_median": statistics.median(per),
+                        "round_min": min(per), "round_max": max(per), "rounds": per}
     return {"threads": threads, "batch_size": batch, "cases": cases, "ratios": ratios, "other_cores": other_cores}
 
 
@@ -250,8 +250,8 @@ def _preamble(report: dict) -> list[str]:
         "= -1 for every image (explain the top-1), logits and relevance. Per thread setting and batch size, one "
         f"warm-up call each, then {s['rounds']} rounds in which every case runs for {s['seconds_per_case']} s (at "
         f"least {s['min_calls']} calls), the order reversed every other round. p50/p90 are over every timed call; "
-        "a ratio is one case's p50 over the other's, and its range is the smallest and largest ratio of the "
-        "per-round medians.", "",
+        "a ratio is one case's p50 over the other's; beside it, the per-round ratios (the two cases' medians in the "
+        "same round, paired against drift): their median and, in brackets, their smallest and largest.", "",
         f"Targets: (c)/(b) <= {RELEVANCE_TARGET:.1f}x; (b)/(a) unchanged, granted only when the per-round ratios "
         f"span 1.0 or all lie within 1.00 +- {UNCHANGED_BAND:.2f}.", ""]
 
@@ -262,7 +262,8 @@ def threads_label(threads: int) -> str:
 
 
 def _ratio_text(ratio: dict, fmt: str) -> tuple[str, str]:
-    return format(ratio["ratio"], fmt) + "x", f"{ratio['round_min']:{fmt}}-{ratio['round_max']:{fmt}}"
+    spread = f"{ratio['round_median']:{fmt}} [{ratio['round_min']:{fmt}}, {ratio['round_max']:{fmt}}]"
+    return format(ratio["ratio"], fmt) + "x", spread
 
 
 def targets_table(rows: list[dict]) -> list[str]:
@@ -273,7 +274,8 @@ def targets_table(rows: list[dict]) -> list[str]:
         body.append([str(row["threads"] or "default"), str(row["batch_size"]), *_ratio_text(relevance, ".2f"),
                      f"<= {RELEVANCE_TARGET:.1f}x", "**met**" if met else "**missed**", *_ratio_text(fast, ".3f"),
                      "unchanged", "**unchanged**" if unchanged(fast) else "**changed**"])
-    return table(["threads", "batch", "(c)/(b)", "per round", "target", "", "(b)/(a)", "per round", "target", ""],
+    return table(["threads", "batch", "(c)/(b)", "per round: median [min, max]", "target", "", "(b)/(a)",
+                  "per round: median [min, max]", "target", ""],
                  body, text_columns=2)
 
 
@@ -287,7 +289,8 @@ def cases_table(row: dict) -> list[str]:
         figures = _ratio_text(ratio, fmt) if ratio else ("", "")
         body.append([CASE_LABELS[case], str(c[case]["calls"]), number(c[case]["p50_ms"], ".3f"),
                      number(c[case]["p90_ms"], ".3f"), number(c[case]["images_per_s"]), label, *figures])
-    lines = table(["case", "calls", "p50 ms", "p90 ms", "images/s", "ratio", "of p50s", "per round"], body)
+    lines = table(["case", "calls", "p50 ms", "p90 ms", "images/s", "ratio", "of p50s",
+                           "per round: median [min, max]"], body)
     return lines + ["", f"Other processes: {row['other_cores']:.2f} cores on average during these rounds."]
 
 

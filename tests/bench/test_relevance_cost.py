@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import statistics
 import sys
 
 import pytest
@@ -59,6 +60,7 @@ def test_report_has_every_case_and_ratios_from_the_medians(cli_run):
             per_round = [a / b for a, b in zip(row["cases"][top]["round_p50_ms"], row["cases"][bottom]["round_p50_ms"])]
             assert ratio["rounds"] == per_round
             assert (ratio["round_min"], ratio["round_max"]) == (min(per_round), max(per_round))
+            assert ratio["round_median"] == statistics.median(per_round)
 
 
 def test_report_artifacts_and_checks(cli_run):
@@ -81,7 +83,8 @@ def test_markdown_written_beside_the_json(cli_run):
     assert "## 1 thread, batch 1" in text and "## 1 thread, batch 2" in text
     row = report["rows"][0]
     ratio = row["ratios"]["relevance_path/fast_path"]
-    assert f"| (c)/(b) | {ratio['ratio']:.2f}x | {ratio['round_min']:.2f}-{ratio['round_max']:.2f} |" in text
+    assert (f"| (c)/(b) | {ratio['ratio']:.2f}x | {ratio['round_median']:.2f} [{ratio['round_min']:.2f}, "
+            f"{ratio['round_max']:.2f}] |") in text
     assert f"| (a) fast-only artifact | {row['cases']['fast_only']['calls']} | " in text
     assert f"({report['artifacts']['with_relevance']['size_bytes']} bytes" in text
 
@@ -100,14 +103,15 @@ def test_summarise_arithmetic():
     assert row["cases"]["fast_only"]["images_per_s"] == pytest.approx(4 * 6 / 0.018)
     ratio = row["ratios"]["fast_path/fast_only"]
     assert ratio["ratio"] == pytest.approx(3.2 / 3.0)
-    assert (ratio["round_min"], ratio["round_max"]) == pytest.approx((1.0, 1.1))
+    assert (ratio["round_min"], ratio["round_median"], ratio["round_max"]) == pytest.approx((1.0, 1.05, 1.1))
     assert row["ratios"]["relevance_path/fast_path"]["ratio"] == pytest.approx(7.5 / 3.2)
 
 
 @pytest.mark.parametrize("low, high, expected", [(0.9, 1.2, True), (1.0, 1.0, True), (1.01, 1.03, True),
                                                   (0.97, 0.99, True), (1.01, 1.031, False), (0.96, 0.99, False)])
 def test_unchanged_criterion(low, high, expected):
-    assert unchanged({"ratio": (low + high) / 2, "round_min": low, "round_max": high}) is expected
+    assert unchanged({"ratio": (low + high) / 2, "round_median": (low + high) / 2, "round_min": low,
+                      "round_max": high}) is expected
 
 
 def test_markdown_verdicts(cli_run):
@@ -115,6 +119,7 @@ def test_markdown_verdicts(cli_run):
     rows = [_row([2.0, 2.0], [2.2, 2.2], [6.0, 7.0]) | {"batch_size": 1},  # 10% slower, relevance 2.9x
             _row([2.0, 2.0], [1.98, 2.02], [8.0, 8.0]) | {"batch_size": 32}]  # unchanged, relevance 4x
     text = render_markdown({**report, "rows": rows})
-    assert "| 1 | 1 | 2.95x | 2.73-3.18 | <= 3.0x | **met** | 1.100x | 1.100-1.100 | unchanged | **changed** |" in text
-    assert "| 1 | 32 | 4.00x | 3.96-4.04 | <= 3.0x | **missed** | 1.000x | 0.990-1.010 | unchanged | **unchanged** |" \
-        in text
+    assert ("| 1 | 1 | 2.95x | 2.95 [2.73, 3.18] | <= 3.0x | **met** | 1.100x | 1.100 [1.100, 1.100] | unchanged | "
+            "**changed** |") in text
+    assert ("| 1 | 32 | 4.00x | 4.00 [3.96, 4.04] | <= 3.0x | **missed** | 1.000x | 1.000 [0.990, 1.010] | unchanged "
+            "| **unchanged** |") in text
