@@ -219,7 +219,7 @@ def _load_average() -> str:
 def render_markdown(report: dict) -> str:
     """The report as Markdown: setting and method, the targets per thread setting and batch size, then each one's
     three cases."""
-    lines = _preamble(report) + ["## Targets", ""] + targets_table(report["rows"]) + [""]
+    lines = _preamble(report) + ["## Targets", ""] + targets_table(report["rows"]) + [""] + unresolved(report["rows"])
     for row in report["rows"]:
         lines += [f"## {threads_label(row['threads'])}, batch {row['batch_size']}", ""] + cases_table(row) + [""]
     lines += ["## Checks", "", "That each case runs the path it is named for (two images, each thread setting):", ""]
@@ -277,6 +277,20 @@ def targets_table(rows: list[dict]) -> list[str]:
     return table(["threads", "batch", "(c)/(b)", "per round: median [min, max]", "target", "", "(b)/(a)",
                   "per round: median [min, max]", "target", ""],
                  body, text_columns=2)
+
+
+def unresolved(rows: list[dict]) -> list[str]:
+    """A caution for each (b)/(a) called unchanged only because its per-round ratios span 1.0 while the ratio of the
+    medians lies outside 1 +- 3%: the rounds were too noisy to tell a change of that size."""
+    lines = []
+    for row in rows:
+        ratio = row["ratios"]["fast_path/fast_only"]
+        if unchanged(ratio) and abs(ratio["ratio"] - 1) > UNCHANGED_BAND:
+            lines.append(f"- {threads_label(row['threads'])}, batch {row['batch_size']}: (b)/(a) is "
+                         f"{ratio['ratio']:.3f}x (per-round median {ratio['round_median']:.3f}), outside 1.00 +- "
+                         f"{UNCHANGED_BAND:.2f}; \"unchanged\" only because the per-round ratios "
+                         f"[{ratio['round_min']:.3f}, {ratio['round_max']:.3f}] span 1.0: not resolved at this noise.")
+    return ["Caution:", "", *lines, ""] if lines else []
 
 
 def cases_table(row: dict) -> list[str]:

@@ -114,6 +114,18 @@ def test_unchanged_criterion(low, high, expected):
                       "round_max": high}) is expected
 
 
+def test_markdown_cautions_an_unchanged_that_rests_on_noise(cli_run):
+    _, report, _ = cli_run
+    rows = [_row([2.0, 2.0, 2.0], [1.9, 2.2, 2.2], [6.0, 6.0, 6.0]) | {"batch_size": 1},  # 1.1x, rounds span 1.0
+            _row([2.0, 2.0], [2.02, 2.04], [6.0, 6.0]) | {"batch_size": 32}]  # 1.015x, within the band
+    text = render_markdown({**report, "rows": rows})
+    assert text.count("**unchanged**") == 2
+    assert ("- 1 thread, batch 1: (b)/(a) is 1.100x (per-round median 1.100), outside 1.00 +- 0.03; \"unchanged\" "
+            "only because the per-round ratios [0.950, 1.100] span 1.0: not resolved at this noise.") in text
+    assert "batch 32: (b)/(a)" not in text
+    assert "Caution:" not in render_markdown({**report, "rows": rows[1:]})
+
+
 def test_markdown_verdicts(cli_run):
     _, report, _ = cli_run
     rows = [_row([2.0, 2.0], [2.2, 2.2], [6.0, 7.0]) | {"batch_size": 1},  # 10% slower, relevance 2.9x
