@@ -24,7 +24,8 @@ def relevance_target(text: str | int | None, info: ModelInfo) -> int:
     if isinstance(text, int) or (isinstance(text, str) and text.isdecimal() and text not in info.labels):
         index = int(text)
         if not 0 <= index < info.num_classes:
-            raise InvalidParameter(f"target {index} is not a class index of this model (0 to {info.num_classes - 1})")
+            shown = str(text) if len(str(text)) <= 20 else f"{str(text)[:20]}..."  # never echo a long number whole
+            raise InvalidParameter(f"target {shown} is not a class index of this model (0 to {info.num_classes - 1})")
         return index
     if text in info.labels:
         return info.labels.index(text)
