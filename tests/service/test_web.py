@@ -74,6 +74,17 @@ async def test_page_files_headers_and_allow_list(tiny_onnx, tiny_model):
     assert [a.status_code for a in assets] == [200] * len(DOCS_ASSETS) and len(assets[0].content) > 100_000
 
 
+def test_the_api_is_routed_before_the_page(tiny_onnx):
+    """Routing tries an app's routes in order: the page's and the docs' come last, so an API request never looks
+    at them (and they bring no middleware: create_app adds none for them)."""
+    from service.app import create_app
+    from service.routes import web
+
+    routes = create_app(settings_for(tiny_onnx)).routes
+    assert getattr(routes[-1], "original_router", None) is web.router
+    assert all(getattr(r, "original_router", None) is not web.router for r in routes[:-1])
+
+
 def test_every_web_file_is_package_data():
     """The serving image installs a wheel: each file the page needs must match pyproject's package-data."""
     patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["service"]
