@@ -26,7 +26,7 @@ MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; cha
                ".css": "text/css; charset=utf-8", ".svg": "image/svg+xml", ".png": "image/png",
                ".json": "application/json", "": "text/plain; charset=utf-8"}
 # The page runs only its own script and style; images may also be the visitor's own (blob:) files.
-PAGE_POLICY = ("default-src 'self'; img-src 'self' blob: data:; object-src 'none'; base-uri 'none'; "
+PAGE_POLICY = ("default-src 'self'; img-src 'self' blob:; object-src 'none'; base-uri 'none'; "
                "form-action 'none'; frame-ancestors 'none'")
 # Swagger UI's page starts it with an inline script: still nothing from another host.
 DOCS_POLICY = ("default-src 'self'; script-src 'self' 'unsafe-inline'; style-src 'self' 'unsafe-inline'; "
