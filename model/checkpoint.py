@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,12 +70,29 @@ def weights_sha256(state_dict: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def strict_json(value):
+    """value with every NaN or infinite float made None, so that json.dumps(..., allow_nan=False) writes JSON
+    that strict readers accept (Python's json writes a bare NaN, which is not JSON)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def save_checkpoint(directory: str | Path, model: VisionTransformer, meta: CheckpointMeta) -> Path:
+    """Writes both files beside their final names, then renames them: an interrupted save leaves the last
+    complete files (both from one save but for the instant between the two renames)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(directory / WEIGHTS_FILE))
-    (directory / CONFIG_FILE).write_text(json.dumps(meta.to_dict(), indent=2) + "\n")
+    weights, config = directory / (WEIGHTS_FILE + ".tmp"), directory / (CONFIG_FILE + ".tmp")
+    save_file(state, str(weights))
+    config.write_text(json.dumps(strict_json(meta.to_dict()), indent=2, allow_nan=False) + "\n")
+    weights.replace(directory / WEIGHTS_FILE)
+    config.replace(directory / CONFIG_FILE)
     return directory
 
 

@@ -10,6 +10,12 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"  # where Debian's dataset-fashion-mnist puts the IDX files
+# `vitserve train --quick`: the fields it sets unless given, a run of a minute or two on two CPU cores.
+QUICK_RUN = {"epochs": 1, "max_steps_per_epoch": 100}
+
+
+class TrainingInputError(ValueError):
+    """A flag value or a dataset no training run can use: the user's to fix, said in one line."""
 
 
 @dataclass(frozen=True)
@@ -46,7 +52,9 @@ class TrainConfig:
     model_overrides: dict = field(default_factory=dict, metadata={
         "help": "ViTConfig fields that replace the variant's; only the flags given are set",
         "flags": {
-            "image_size": (tuple[int, int], "training resolution H[xW], e.g. 28 or 32x40 (default: the data's own)"),
+            "image_size": (tuple[int, int], "training resolution H[xW], e.g. 28 or 32x40 (default: Fashion-MNIST's "
+                                            "28; an image folder's is the variant's: fmnist 28, others 224, "
+                                            "--init-from the checkpoint's)"),
             "patch_size": (int, "patch side in pixels (default: the variant's)"),
             "embed_dim": (int, "token width (default: the variant's)"),
             "depth": (int, "transformer blocks (default: the variant's)"),
@@ -57,27 +65,55 @@ class TrainConfig:
             "representation_size": (int | None, "hidden size of the pre-training MLP head (default: the variant's)"),
         }})
     channels: Literal[1, 3] = field(default=3, metadata={"help": "for image folders; Fashion-MNIST is 1"})
-    epochs: int = field(default=40, metadata={"help": "passes over the training set"})
+    epochs: int = field(default=40, metadata={
+        "help": "passes over the training set (the default model: about 3 min each on two idle CPU cores)"})
     batch_size: int = field(default=128, metadata={"help": "global batch, split across processes"})
     lr: float = field(default=1e-3, metadata={"help": "peak AdamW learning rate, reached after the warm-up"})
     min_lr: float = field(default=1e-5, metadata={"help": "learning rate at the end of the cosine decay"})
     weight_decay: float = field(default=0.05, metadata={
         "help": "AdamW weight decay (none on biases, norms, position embeddings, class token)"})
-    warmup_epochs: float = field(default=3.0, metadata={"help": "epochs of linear learning-rate warm-up"})
+    warmup_epochs: float = field(default=3.0, metadata={
+        "help": "epochs of linear learning-rate warm-up, at most half the run's steps"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the cross-entropy"})
     grad_clip: float = field(default=1.0, metadata={"help": "clip the gradient norm to this; 0: no clipping"})
     seed: int = field(default=0, metadata={"help": "seeds weights, batch order, augmentation, validation split"})
     augment: AugmentConfig = field(default_factory=AugmentConfig, metadata={
         "help": "augmentation of training batches"})
     out_dir: str = field(default="runs/train", metadata={
-        "flag": "out", "help": "output directory (checkpoint/, log.csv, curves.png)"})
-    resume: bool = field(default=False, metadata={"help": "continue from the last epoch saved in --out"})
+        "flag": "out", "metavar": "DIR",
+        "help": "output directory: checkpoint/, log.csv (per epoch), steps.csv (per step), curves.png, train_state.pt "
+                "(for --resume)"})
+    resume: bool = field(default=False, metadata={
+        "help": "continue the run in --out from its last save (an epoch's end, a periodic save or Ctrl-C)"})
     init_from: str | None = field(default=None, metadata={
-        "help": "fine-tune from this checkpoint (position embeddings resampled)"})
-    val_fraction: float = field(default=0.1, metadata={"help": "share of an image folder held out for validation"})
+        "metavar": "CHECKPOINT", "help": "fine-tune from this checkpoint (position embeddings resampled)"})
+    val_fraction: float = field(default=0.1, metadata={
+        "help": "share of an image folder held out for validation, at least one image of each class"})
     max_steps_per_epoch: int | None = field(default=None, metadata={
-        "help": "end each epoch after this many steps: a quick run, for smoke tests"})
+        "help": "end each epoch after this many optimiser steps (a shorter run: the schedule fits the steps made)"})
+    time_limit: float | None = field(default=None, metadata={
+        "metavar": "MINUTES", "help": "stop after this many minutes of training steps, then evaluate and save as at "
+                                      "an epoch's end; --resume continues"})
+    save_every: float = field(default=10.0, metadata={
+        "metavar": "MINUTES", "help": "also save the checkpoint and training state this often within an epoch "
+                                      "(Ctrl-C saves too); 0: at epoch ends only"})
     name: str = field(default="vit", metadata={"help": "model name recorded in the checkpoint"})
     version: str = field(default="1", metadata={"help": "model version recorded in the checkpoint"})
     threads: int | None = field(default=None, metadata={"help": "CPU threads for torch; none: torch's choice"})
     progress: bool = field(default=True, metadata={"help": "progress bar on stderr"})
+
+    def check(self) -> None:
+        """Raises TrainingInputError naming the first flag whose value no run can use."""
+        limits = [("epochs", self.epochs >= 1, "at least 1"), ("batch-size", self.batch_size >= 1, "at least 1"),
+                  ("lr", self.lr > 0, "above 0"), ("min-lr", self.min_lr >= 0, "0 or more"),
+                  ("warmup-epochs", self.warmup_epochs >= 0, "0 or more"),
+                  ("val-fraction", 0 < self.val_fraction < 1, "between 0 and 1"),
+                  ("max-steps-per-epoch", self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
+                   "at least 1"),
+                  ("time-limit", self.time_limit is None or self.time_limit > 0, "above 0"),
+                  ("save-every", self.save_every >= 0, "0 or more"),
+                  ("threads", self.threads is None or self.threads >= 1, "at least 1")]
+        for flag, ok, expected in limits:
+            if not ok:
+                value = getattr(self, flag.replace("-", "_"))
+                raise TrainingInputError(f"--{flag} {value}: must be {expected}")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from model.config import FASHION_MNIST_DIR
+from model.config import FASHION_MNIST_DIR, TrainingInputError
 
 FASHION_MNIST_LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]
@@ -94,20 +94,24 @@ def load_image(path: str | Path, size: tuple[int, int], channels: int) -> np.nda
 def load_image_folder(root: str | Path, size: tuple[int, int], channels: int = 3,
                       val_fraction: float = 0.1, seed: int = 0,
                       mean: list[float] | None = None, std: list[float] | None = None) -> DataSplits:
-    """root/<class>/<image>; classes sorted by folder name, a seeded stratified validation split."""
-    root = Path(root)
-    classes = sorted(p.name for p in root.iterdir() if p.is_dir())
-    if not classes:
-        raise FileNotFoundError(f"{root} has no class sub-folders")
+    """root/<class>/<image>; classes sorted by folder name, a seeded stratified validation split.
+
+    With val_fraction > 0 every class holds out round(n * val_fraction) images, at least one and at most n - 1,
+    so a class needs two images; TrainingInputError says which classes have fewer, or that root is no folder.
+    """
+    files = class_files(Path(root))
+    classes = sorted(files)
+    if val_fraction > 0 and (short := [f"{name!r} ({len(files[name])})" for name in classes if len(files[name]) < 2]):
+        raise TrainingInputError(f"{root}: every class needs at least 2 images, one to train on and one to hold out "
+                                 f"for validation; too few in {', '.join(short)}")
     rng = np.random.default_rng(seed)
     parts = {"train": ([], []), "val": ([], [])}
     for index, name in enumerate(classes):
-        files = sorted(p for p in (root / name).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
-        order = rng.permutation(len(files))
-        n_val = int(round(len(files) * val_fraction)) if len(files) > 1 else 0
+        order = rng.permutation(len(files[name]))
+        n_val = min(len(order) - 1, max(1, round(len(order) * val_fraction))) if val_fraction > 0 else 0
         for rank, i in enumerate(order):
             images, labels = parts["val" if rank < n_val else "train"]
-            images.append(load_image(files[i], size, channels))
+            images.append(_decode(files[name][i], size, channels))
             labels.append(index)
 
     def dataset(key: str) -> ImageDataset:
@@ -117,6 +121,28 @@ def load_image_folder(root: str | Path, size: tuple[int, int], channels: int = 3
 
     default_mean, default_std = (IMAGENET_MEAN, IMAGENET_STD) if channels == 3 else ([0.5], [0.5])
     return DataSplits(dataset("train"), dataset("val"), mean or default_mean, std or default_std)
+
+
+def class_files(root: Path) -> dict[str, list[Path]]:
+    """{class folder name: its image files, sorted}; hidden folders (.git, .ipynb_checkpoints) are not classes."""
+    if not root.is_dir():
+        raise TrainingInputError(f"{root}: no such directory (an image folder has one sub-folder of images per class)")
+    folders = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    if not folders:
+        raise TrainingInputError(f"{root} has no class sub-folders (one folder of images per class)")
+    files = {f.name: sorted(p for p in f.rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES and p.is_file())
+             for f in folders}
+    if empty := [name for name, paths in files.items() if not paths]:
+        raise TrainingInputError(f"{root}: no images ({', '.join(sorted(IMAGE_SUFFIXES))}) in the class folder(s) "
+                                 f"{', '.join(map(repr, empty))}")
+    return files
+
+
+def _decode(path: Path, size: tuple[int, int], channels: int) -> np.ndarray:
+    try:
+        return load_image(path, size, channels)
+    except OSError as e:  # PIL's UnidentifiedImageError and truncated files are OSErrors
+        raise TrainingInputError(f"{path}: not a readable image ({e})") from e
 
 
 def resize_batch(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:

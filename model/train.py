@@ -1,19 +1,22 @@
 """Training loop: AdamW, linear warm-up then cosine decay, label smoothing, gradient clipping.
 
-Reads top to bottom: set up (processes, seeds, data, model, optimiser) -> for each epoch,
-train then evaluate -> log, plot, checkpoint. Runs as one process or under torchrun
-(DistributedDataParallel: gloo on CPU, nccl on GPU); rank 0 alone writes files.
+Reads top to bottom: set up (processes, seeds, data, model, optimiser) and say what will happen -> for each
+epoch, train then evaluate -> log, plot, checkpoint. Saves come also every few minutes and on Ctrl-C, each
+with the position inside the epoch, so `--resume` continues at the next batch. Runs as one process or under
+torchrun (DistributedDataParallel: gloo on CPU, nccl on GPU); rank 0 alone writes files and prints.
 """
 from __future__ import annotations
 
 import csv
-import json
 import math
 import os
 import platform
+import signal
 import sys
+import threading
 import time
-from dataclasses import asdict, dataclass, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -22,12 +25,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from model.augment import augment_batch, normalize
-from model.checkpoint import CheckpointMeta, load_checkpoint, save_checkpoint
+from model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
 from model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
+from model.config import TrainingInputError
 from model.data import DataSplits, load_fashion_mnist, load_image_folder, resize_batch
 from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
 
 TRAIN_STATE_FILE = "train_state.pt"
+MIN_EPOCH_POINTS = 5  # fewer evaluations than this and curves.png is drawn against steps
 
 
 @dataclass
@@ -64,7 +69,15 @@ def load_data(cfg: TrainConfig, image_size: tuple[int, int] | None) -> DataSplit
             splits.train.images = resize_batch(splits.train.images, image_size)
             splits.test.images = resize_batch(splits.test.images, image_size)
         return splits
-    return load_image_folder(cfg.data, image_size or (224, 224), cfg.channels, cfg.val_fraction, cfg.seed)
+    return load_image_folder(cfg.data, image_size or folder_image_size(cfg), cfg.channels, cfg.val_fraction, cfg.seed)
+
+
+def folder_image_size(cfg: TrainConfig) -> tuple[int, int]:
+    """An image folder's resolution without --image-size: the --init-from checkpoint's, else the variant's
+    (fmnist 28x28, the paper's variants 224x224); a 224 image in fmnist's 4x4 patches would be 3,136 tokens."""
+    if cfg.init_from:
+        return load_meta(cfg.init_from).config.image_size
+    return vit_config(cfg.model).image_size
 
 
 def build_model(cfg: TrainConfig, splits: DataSplits) -> tuple[VisionTransformer, CheckpointMeta]:
@@ -132,39 +145,40 @@ def autocast(rt: Runtime):
 
 
 class TrainLog:
-    """CSV of per-epoch metrics and a PNG of the curves, rewritten after every epoch."""
+    """log.csv (a row per evaluation), steps.csv (a row per optimiser step) and curves.png, written at every save.
+
+    On resume the rows after the saved step are dropped: they belong to steps the run will make again.
+    """
 
     FIELDS = ["epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
               "images_per_s", "elapsed_s"]
+    STEP_FIELDS = ["step", "epoch", "lr", "train_loss", "train_acc"]  # the training values of one batch
 
-    def __init__(self, out_dir: Path, keep_rows: bool):
-        self.csv_path, self.png_path = out_dir / "log.csv", out_dir / "curves.png"
-        self.rows: list[dict] = []
-        if keep_rows and self.csv_path.is_file():
-            with self.csv_path.open() as f:
-                self.rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    def __init__(self, out_dir: Path, resume_step: int | None = None):
+        self.csv_path, self.steps_path = out_dir / "log.csv", out_dir / "steps.csv"
+        self.png_path = out_dir / "curves.png"
+        self.rows = _read_rows(self.csv_path, resume_step)
+        self.steps = _read_rows(self.steps_path, resume_step)
 
-    def append(self, row: dict) -> None:
-        self.rows.append(row)
-        with self.csv_path.open("w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=self.FIELDS)
-            writer.writeheader()
-            writer.writerows(self.rows)
+    def write(self) -> None:
+        for path, fields, rows in [(self.csv_path, self.FIELDS, self.rows),
+                                   (self.steps_path, self.STEP_FIELDS, self.steps)]:
+            with path.open("w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields)
+                writer.writeheader()
+                writer.writerows(rows)
         self.plot()
 
     def plot(self) -> None:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-        epochs = [r["epoch"] for r in self.rows]
-        fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-        ax_loss.plot(epochs, [r["train_loss"] for r in self.rows], label="train")
-        ax_loss.plot(epochs, [r["test_loss"] for r in self.rows], label="test")
-        ax_loss.set(xlabel="epoch", ylabel="cross-entropy", title="loss")
-        ax_acc.plot(epochs, [100 * r["train_acc"] for r in self.rows], label="train (augmented)")
-        ax_acc.plot(epochs, [100 * r["test_acc"] for r in self.rows], label="test")
-        ax_acc.set(xlabel="epoch", ylabel="accuracy (%)", title="accuracy")
-        for ax in (ax_loss, ax_acc):
+        x_name, panels = curve_series(self.rows, self.steps)
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        for ax, (title, series), y_label in zip(axes, panels.items(), ["cross-entropy", "accuracy (%)"]):
+            for label, (xs, ys) in series.items():
+                ax.plot(xs, ys, label=label, **({"marker": "o"} if label == "test" else {}))
+            ax.set(xlabel=x_name, ylabel=y_label, title=title)
             ax.grid(alpha=0.3)
             ax.legend()
         fig.tight_layout()
@@ -172,9 +186,46 @@ class TrainLog:
         plt.close(fig)
 
 
-def progress_bar(total: int, desc: str, enabled: bool):
+def _read_rows(path: Path, until_step: int | None) -> list[dict]:
+    if until_step is None or not path.is_file():
+        return []
+    with path.open() as f:
+        rows = [{k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in row.items()}
+                for row in csv.DictReader(f)]
+    return [row for row in rows if row["step"] <= until_step]
+
+
+def curve_series(rows: list[dict], steps: list[dict]) -> tuple[str, dict[str, dict[str, tuple[list, list]]]]:
+    """What curves.png draws: (x axis, {"loss" and "accuracy": {legend: (x values, y values)}}). With fewer than
+    MIN_EPOCH_POINTS evaluations the x axis is the step and training is drawn per step (a mean over a few
+    batches), so that a one-epoch run is a curve, not a single point; otherwise a point per evaluation."""
+    x_name, train = ("step", steps) if len(rows) < MIN_EPOCH_POINTS and steps else ("epoch", rows)
+    window = max(1, len(train) // 25) if train is steps else 1
+    mean = f", mean of {window} steps" if window > 1 else ""
+    xs = [r[x_name] for r in train]
+    panels = {}
+    for title, key, scale, train_label in [("loss", "loss", 1, f"train{mean}"),
+                                           ("accuracy", "acc", 100, f"train (augmented{mean})")]:
+        panels[title] = {
+            train_label: (xs, trailing_mean([scale * r[f"train_{key}"] for r in train], window)),
+            "test": ([r[x_name] for r in rows], [scale * r[f"test_{key}"] for r in rows])}
+    return x_name, panels
+
+
+def trailing_mean(values: list[float], window: int) -> list[float]:
+    """Each value averaged with up to window - 1 values before it."""
+    if window == 1:
+        return list(values)
+    sums = [0.0]
+    for v in values:
+        sums.append(sums[-1] + v)
+    return [(sums[i + 1] - sums[max(0, i + 1 - window)]) / min(window, i + 1) for i in range(len(values))]
+
+
+def progress_bar(total: int, desc: str, enabled: bool, initial: int = 0):
     from tqdm import tqdm
-    return tqdm(total=total, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False, file=sys.stderr)
+    return tqdm(total=total, initial=initial, desc=desc, disable=not enabled, dynamic_ncols=True, leave=False,
+                file=sys.stderr)
 
 
 def steps_per_epoch(n_train: int, cfg: TrainConfig, world: int) -> int:
@@ -185,46 +236,304 @@ def steps_per_epoch(n_train: int, cfg: TrainConfig, world: int) -> int:
     """
     per_rank = cfg.batch_size // world
     if per_rank < 1 or n_train // world < per_rank:
-        raise ValueError(f"{n_train} training images cannot fill one batch of {cfg.batch_size} on {world} process(es)")
+        raise TrainingInputError(f"{n_train} training images cannot fill one batch of {cfg.batch_size} on "
+                                 f"{world} process(es)")
     steps = n_train // world // per_rank
     return steps if cfg.max_steps_per_epoch is None else min(steps, cfg.max_steps_per_epoch)
 
 
-def train_one_epoch(model, optimizer, splits: DataSplits, cfg: TrainConfig, rt: Runtime, epoch: int,
-                    step: int, total_steps: int, warmup_steps: int, generator: torch.Generator) -> tuple[dict, int]:
-    images, labels = splits.train.images, splits.train.labels
+def fit_batch_size(cfg: TrainConfig, n_train: int, rt: Runtime) -> TrainConfig:
+    """The batch cut to the training set when that is smaller (a small image folder), said in one line."""
+    if n_train >= cfg.batch_size or n_train < rt.world:  # too few images for the processes: steps_per_epoch says so
+        return cfg
+    fitted = n_train // rt.world * rt.world
+    if rt.is_main:
+        print(f"batch size {fitted}: --batch-size {cfg.batch_size} is more than the {n_train} training images",
+              file=sys.stderr)
+    return replace(cfg, batch_size=fitted)
+
+
+@dataclass
+class Position:
+    """How far a run has come; saved with the optimiser, so that a run stopped mid-epoch resumes at its next batch."""
+
+    epoch: int = 0  # the epoch under way
+    batch: int = 0  # batches done in it
+    step: int = 0  # optimiser steps done in all
+    # This epoch's training loss sum, correct predictions and images seen, on this rank.
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(3, dtype=torch.float64))
+    elapsed_s: float = 0.0  # the run's wall time at the last save, earlier sessions included
+
+    def epochs_done(self, epoch_steps: int) -> int | float:
+        done = self.epoch + self.batch / epoch_steps
+        return int(done) if done.is_integer() else round(done, 4)
+
+
+@dataclass
+class Run:
+    """What a training run works with; rank 0 alone keeps the log."""
+
+    cfg: TrainConfig
+    rt: Runtime
+    splits: DataSplits
+    model: VisionTransformer
+    meta: CheckpointMeta
+    optimizer: torch.optim.Optimizer
+    generator: torch.Generator  # augmentation
+    ddp_model: nn.Module  # the model itself on one process
+    epoch_steps: int
+    log: TrainLog | None
+
+    @property
+    def out_dir(self) -> Path:
+        return Path(self.cfg.out_dir)
+
+    @property
+    def total_steps(self) -> int:
+        return self.epoch_steps * self.cfg.epochs
+
+    @property
+    def warmup_steps(self) -> int:
+        # Capped at half the run: a 3-epoch warm-up in a one-epoch run would end before the peak learning rate.
+        return max(1, min(int(self.epoch_steps * self.cfg.warmup_epochs), self.total_steps // 2))
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped the run after the step under way, and the checkpoint and training state were saved."""
+
+    def __init__(self, out_dir: Path, epochs_done: float, step: int, total_steps: int):
+        super().__init__(f"stopped at step {step} of {total_steps}; saved in {out_dir}")
+        self.out_dir, self.epochs_done, self.step, self.total_steps = out_dir, epochs_done, step, total_steps
+
+
+class Clock:
+    """The run's wall time (earlier sessions included), and whether this session should save or stop."""
+
+    def __init__(self, cfg: TrainConfig, elapsed_before: float):
+        self.session_start = self.last_save = time.monotonic()
+        self.elapsed_before = elapsed_before
+        self.save_every_s = cfg.save_every * 60
+        self.limit_s = None if cfg.time_limit is None else cfg.time_limit * 60
+
+    def elapsed(self) -> float:
+        return self.elapsed_before + time.monotonic() - self.session_start
+
+    def save_due(self) -> bool:
+        return self.save_every_s > 0 and time.monotonic() - self.last_save >= self.save_every_s
+
+    def out_of_time(self) -> bool:
+        return self.limit_s is not None and time.monotonic() - self.session_start >= self.limit_s
+
+
+@contextmanager
+def deferred_sigint(announce: bool):
+    """Ctrl-C sets the event that the loop reads after each step instead of raising inside one (a half-made
+    optimiser step must not be saved); a second Ctrl-C raises at once. Only the main thread takes signals."""
+    pressed = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield pressed
+        return
+
+    def on_sigint(signum, frame):
+        if pressed.is_set():
+            raise KeyboardInterrupt
+        pressed.set()
+        if announce:
+            print("\nCtrl-C: stopping after this step to save (Ctrl-C again: stop now, unsaved)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield pressed
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Trains, evaluating and saving at every epoch's end; returns the last evaluation's row ({} when a resumed
+    run had nothing left to do).
+
+    It also saves every cfg.save_every minutes, and on Ctrl-C, which stops after the step under way and raises
+    TrainingInterrupted; cfg.time_limit ends the run early, evaluated and saved as at an epoch's end.
+    """
+    cfg.check()
+    run, pos = start_run(cfg)
+    clock, row = Clock(run.cfg, pos.elapsed_s), {}
+    try:
+        with deferred_sigint(run.rt.is_main) as pressed:
+            while pos.epoch < cfg.epochs:
+                stop, images_per_s = train_epoch(run, pos, clock, pressed)
+                if stop == "interrupt":
+                    if run.rt.is_main:
+                        save_progress(run, pos, clock)
+                    raise TrainingInterrupted(run.out_dir, pos.epochs_done(run.epoch_steps), pos.step, run.total_steps)
+                row = evaluate_and_save(run, pos, clock, images_per_s)
+                stop = stop or (stop_reason(run, clock, pressed) if pos.epoch < cfg.epochs else None)
+                if stop == "interrupt":  # pressed during the evaluation, which has just been saved
+                    raise TrainingInterrupted(run.out_dir, pos.epochs_done(run.epoch_steps), pos.step, run.total_steps)
+                if stop == "time":
+                    break
+    finally:
+        if run.rt.world > 1:
+            dist.destroy_process_group()
+    return row
+
+
+def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
+    """Processes, data, model and optimiser, restored from --out's training state with --resume; says what will
+    happen."""
+    if cfg.init_from:
+        load_meta(cfg.init_from)  # a wrong path fails before the data are read
+    rt = setup_runtime(cfg)
+    out_dir = Path(cfg.out_dir)
+    splits = load_data(cfg, tuple(cfg.model_overrides["image_size"]) if "image_size" in cfg.model_overrides else None)
+    cfg = fit_batch_size(cfg, len(splits.train), rt)
+    model, meta = build_model(cfg, splits)
+    model.to(rt.device).train()
+    optimizer = make_optimizer(model, cfg)
+    generator = torch.Generator().manual_seed(cfg.seed * 1000 + rt.rank)
+    resuming = cfg.resume and (out_dir / TRAIN_STATE_FILE).is_file()
+    pos = restore_state(out_dir, model, optimizer, generator, rt) if resuming else Position()
+    ddp_model = nn.parallel.DistributedDataParallel(model) if rt.world > 1 else model
+    epoch_steps = steps_per_epoch(len(splits.train), cfg, rt.world)
+    log = None
+    if rt.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        log = TrainLog(out_dir, pos.step if resuming else None)
+    run = Run(cfg, rt, splits, model, meta, optimizer, generator, ddp_model, epoch_steps, log)
+    if rt.is_main:
+        announce(run, pos, resuming)
+    return run, pos
+
+
+def announce(run: Run, pos: Position, resuming: bool) -> None:
+    """Says, before any step, what the run will do and where its files go."""
+    cfg, c, splits = run.cfg, run.model.cfg, run.splits
+    source = f"Fashion-MNIST ({cfg.data_dir})" if cfg.data == "fashion-mnist" else f"image folder {cfg.data}"
+    held_out = "test" if cfg.data == "fashion-mnist" else "validation"
+    full = len(splits.train) // cfg.batch_size
+    capped = f" (--max-steps-per-epoch; a full pass is {full:,})" if run.epoch_steps < full else ""
+    lines = [
+        f"data: {source}: {len(splits.train):,} training and {len(splits.test):,} {held_out} images, "
+        f"{len(run.meta.labels)} classes, {c.in_channels}x{c.image_size[0]}x{c.image_size[1]}",
+        f"model: {cfg.model}{', from ' + cfg.init_from if cfg.init_from else ''}, "
+        f"{count_parameters(run.model):,} parameters ({c.depth} blocks, width {c.embed_dim}, {c.num_heads} heads, "
+        f"{c.patch_size}x{c.patch_size} patches: a {c.grid_size[0]}x{c.grid_size[1]} grid)",
+        f"plan: {cfg.epochs} epoch(s) of {run.epoch_steps:,} steps{capped} = {run.total_steps:,} steps of "
+        f"{cfg.batch_size} images; lr warm-up {run.warmup_steps:,} steps to {cfg.lr:g}, cosine to {cfg.min_lr:g}; "
+        f"on {machine_description(run.rt)}",
+        f"files: {run.out_dir}/ checkpoint/ (at each epoch's end, every {cfg.save_every:g} min and on Ctrl-C), "
+        f"log.csv, steps.csv, curves.png, {TRAIN_STATE_FILE} (for --resume)",
+    ]
+    if resuming and pos.epoch >= cfg.epochs:
+        lines.append(f"resuming: all {cfg.epochs} epochs are done (step {pos.step:,}); nothing left to do")
+    elif resuming:
+        lines.append(f"resuming at epoch {pos.epoch + 1}, batch {pos.batch} (step {pos.step:,} of {run.total_steps:,})")
+    elif cfg.resume:
+        lines.append(f"--resume: no {TRAIN_STATE_FILE} in {run.out_dir}; starting from the beginning")
+    elif (run.out_dir / TRAIN_STATE_FILE).is_file():
+        lines.append(f"note: this run starts over and replaces the one in {run.out_dir} (--resume would continue it)")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event) -> tuple[str | None, float]:
+    """Trains from pos to the end of its epoch, or until a stop; returns ("interrupt", "time" or None, training
+    images per second)."""
+    cfg, rt = run.cfg, run.rt
     per_rank = cfg.batch_size // rt.world
-    order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+    order = torch.randperm(len(run.splits.train), generator=torch.Generator().manual_seed(cfg.seed * 1000 + pos.epoch))
     order = order[rt.rank::rt.world]
-    steps = steps_per_epoch(len(labels), cfg, rt.world)
-    sums = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, seen
-    start = time.perf_counter()
-    bar = progress_bar(steps, f"epoch {epoch + 1}/{cfg.epochs}", cfg.progress and rt.is_main)
-    for i in range(steps):
-        idx = order[i * per_rank:(i + 1) * per_rank]
-        x = augment_batch(images[idx], cfg.augment, splits.mean, splits.std, generator).to(rt.device)
-        y = labels[idx].to(rt.device)
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, total_steps, warmup_steps, cfg)
-        with autocast(rt):
-            logits = model(x)
-            loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if cfg.grad_clip:
-            nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        step += 1
-        sums += torch.tensor([loss.item() * len(y), (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
-        rate = sums[2].item() * rt.world / (time.perf_counter() - start)
-        bar.set_postfix(loss=f"{sums[0] / sums[2]:.4f}", acc=f"{sums[1] / sums[2]:.4f}", img_s=f"{rate:.0f}")
+    bar = progress_bar(run.epoch_steps, f"epoch {pos.epoch + 1}/{cfg.epochs}", cfg.progress and rt.is_main, pos.batch)
+    seen, start, stop = 0, time.perf_counter(), None
+    while pos.batch < run.epoch_steps and stop is None:
+        idx = order[pos.batch * per_rank:(pos.batch + 1) * per_rank]
+        lr = lr_at(pos.step, run.total_steps, run.warmup_steps, cfg)
+        loss, correct = train_step(run, idx, lr)
+        pos.batch, pos.step, seen = pos.batch + 1, pos.step + 1, seen + len(idx)
+        pos.sums += torch.tensor([loss * len(idx), correct, len(idx)], dtype=torch.float64)
+        if run.log:
+            run.log.steps.append({"step": pos.step, "epoch": pos.epochs_done(run.epoch_steps), "lr": lr,
+                                  "train_loss": loss, "train_acc": correct / len(idx)})
+        bar.set_postfix(loss=f"{pos.sums[0] / pos.sums[2]:.4f}", acc=f"{pos.sums[1] / pos.sums[2]:.4f}",
+                        img_s=f"{seen * rt.world / (time.perf_counter() - start):.0f}")
         bar.update()
+        stop = stop_reason(run, clock, pressed)
+        if stop is None and pos.batch < run.epoch_steps and rt.is_main and clock.save_due():
+            save_progress(run, pos, clock)
     bar.close()
+    return stop, seen * rt.world / max(time.perf_counter() - start, 1e-9)
+
+
+def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int]:
+    """One optimiser step on the training images at idx; returns (mean loss, correct predictions)."""
+    cfg, rt, data = run.cfg, run.rt, run.splits
+    x = augment_batch(data.train.images[idx], cfg.augment, data.mean, data.std, run.generator).to(rt.device)
+    y = data.train.labels[idx].to(rt.device)
+    for group in run.optimizer.param_groups:
+        group["lr"] = lr
+    with autocast(rt):
+        logits = run.ddp_model(x)
+        loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+    run.optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if cfg.grad_clip:
+        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+    run.optimizer.step()
+    return loss.item(), (logits.argmax(1) == y).sum().item()
+
+
+def stop_reason(run: Run, clock: Clock, pressed: threading.Event) -> str | None:
+    """"interrupt" (Ctrl-C), "time" (--time-limit) or None; with several processes all ranks stop at one step."""
+    flags = torch.tensor([pressed.is_set(), clock.out_of_time()], dtype=torch.int32, device=run.rt.device)
+    if run.rt.world > 1:
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    interrupt, out_of_time = flags.tolist()
+    return "interrupt" if interrupt else "time" if out_of_time else None
+
+
+def evaluate_and_save(run: Run, pos: Position, clock: Clock, images_per_s: float) -> dict:
+    """Evaluates the weights as they stand, logs the row and saves; at an epoch's end pos moves to the next one."""
+    rt, splits = run.rt, run.splits
+    test_loss, test_acc = evaluate(run.model, splits.test.images, splits.test.labels, splits.mean, splits.std, rt)
+    sums = pos.sums.clone()
     if rt.world > 1:
         dist.all_reduce(sums)
-    elapsed = time.perf_counter() - start
-    return {"train_loss": (sums[0] / sums[2]).item(), "train_acc": (sums[1] / sums[2]).item(),
-            "images_per_s": sums[2].item() / elapsed, "lr": optimizer.param_groups[0]["lr"]}, step
+    row = {"epoch": pos.epochs_done(run.epoch_steps), "step": pos.step, "lr": run.optimizer.param_groups[0]["lr"],
+           "train_loss": (sums[0] / sums[2]).item(), "train_acc": (sums[1] / sums[2]).item(),
+           "test_loss": test_loss, "test_acc": test_acc, "images_per_s": images_per_s, "elapsed_s": clock.elapsed()}
+    if pos.batch == run.epoch_steps:
+        pos.epoch, pos.batch, pos.sums = pos.epoch + 1, 0, torch.zeros(3, dtype=torch.float64)
+    if rt.is_main:
+        print(f"epoch {row['epoch']}/{run.cfg.epochs}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
+              f"test loss {test_loss:.4f} acc {test_acc:.4f} | {images_per_s:.0f} img/s | {row['elapsed_s']:.0f}s",
+              file=sys.stderr)
+        run.log.rows.append(row)
+        save_progress(run, pos, clock, row)
+    if rt.world > 1:
+        dist.barrier()
+    return row
+
+
+def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None = None) -> None:
+    """Writes the log, the checkpoint and the training state (rank 0). `evaluated` is the row of the evaluation
+    these weights have just had; without one (a periodic save, Ctrl-C) the checkpoint records no accuracy."""
+    pos.elapsed_s = clock.elapsed()
+    epochs_done = pos.epochs_done(run.epoch_steps)
+    if evaluated:
+        run.meta.metrics = {"test_accuracy": evaluated["test_acc"], "test_loss": evaluated["test_loss"],
+                            "epoch": evaluated["epoch"]}
+    else:
+        run.meta.metrics = {"epoch": epochs_done, "step": pos.step}
+    record = {**run.meta.training, **asdict(run.cfg)}  # keeps the last evaluation's images/s through later saves
+    record.update(epochs_done=epochs_done, wall_time_s=round(pos.elapsed_s, 1), train_images=len(run.splits.train),
+                  parameters=count_parameters(run.model), machine=machine_description(run.rt), torch=torch.__version__,
+                  command=" ".join(sys.argv))
+    if evaluated:
+        record["last_epoch_images_per_s"] = round(evaluated["images_per_s"], 1)
+    run.meta.training = record
+    run.log.write()
+    save_checkpoint(run.out_dir / "checkpoint", run.model, run.meta)
+    save_state(run.out_dir, run.optimizer, run.generator, pos)
+    clock.last_save = time.monotonic()
 
 
 def machine_description(rt: Runtime) -> str:
@@ -233,75 +542,25 @@ def machine_description(rt: Runtime) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, {rt.world} process(es)"
 
 
-def train(cfg: TrainConfig) -> dict:
-    """Trains, evaluating and checkpointing every epoch; returns the final metrics."""
-    rt = setup_runtime(cfg)
-    out_dir = Path(cfg.out_dir)
-    splits = load_data(cfg, tuple(cfg.model_overrides["image_size"]) if "image_size" in cfg.model_overrides else None)
-    model, meta = build_model(cfg, splits)
-    model.to(rt.device).train()
-    optimizer = make_optimizer(model, cfg)
-    generator = torch.Generator().manual_seed(cfg.seed * 1000 + rt.rank)
-    first_epoch, step, elapsed_before = 0, 0, 0.0
-    if cfg.resume and (out_dir / TRAIN_STATE_FILE).is_file():
-        first_epoch, step, elapsed_before = restore_state(out_dir, model, optimizer, generator, rt)
-    ddp_model = nn.parallel.DistributedDataParallel(model) if rt.world > 1 else model
-    epoch_steps = steps_per_epoch(len(splits.train.labels), cfg, rt.world)
-    total_steps, warmup_steps = epoch_steps * cfg.epochs, max(1, int(epoch_steps * cfg.warmup_epochs))
-    log = None
-    if rt.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        log = TrainLog(out_dir, keep_rows=cfg.resume)
-        print(f"model {cfg.model}: {count_parameters(model):,} parameters, {json.dumps(model.cfg.to_dict())}", file=sys.stderr)
-        print(f"data: {len(splits.train)} train / {len(splits.test)} test images, {len(meta.labels)} classes; "
-              f"{machine_description(rt)}", file=sys.stderr)
-    started = time.perf_counter() - elapsed_before
-    row: dict = {}
-    for epoch in range(first_epoch, cfg.epochs):
-        stats, step = train_one_epoch(ddp_model, optimizer, splits, cfg, rt, epoch, step, total_steps,
-                                      warmup_steps, generator)
-        test_loss, test_acc = evaluate(model, splits.test.images, splits.test.labels, splits.mean, splits.std, rt)
-        row = {"epoch": epoch + 1, "step": step, **stats, "test_loss": test_loss, "test_acc": test_acc,
-               "elapsed_s": time.perf_counter() - started}
-        if rt.is_main:
-            print(f"epoch {epoch + 1}/{cfg.epochs}: train loss {stats['train_loss']:.4f} acc {stats['train_acc']:.4f} | "
-                  f"test loss {test_loss:.4f} acc {test_acc:.4f} | {stats['images_per_s']:.0f} img/s | "
-                  f"{row['elapsed_s']:.0f}s", file=sys.stderr)
-            log.append(row)
-            meta.metrics = {"test_accuracy": test_acc, "test_loss": test_loss, "epoch": epoch + 1}
-            meta.training = training_record(cfg, rt, row, len(splits.train), count_parameters(model))
-            save_checkpoint(out_dir / "checkpoint", model, meta)
-            save_state(out_dir, model, optimizer, generator, epoch + 1, step, row["elapsed_s"])
-        if rt.world > 1:
-            dist.barrier()
-    if rt.world > 1:
-        dist.destroy_process_group()
-    return row
-
-
-def training_record(cfg: TrainConfig, rt: Runtime, row: dict, n_train: int, n_params: int) -> dict:
-    record = asdict(cfg)
-    record.update(epochs_done=row["epoch"], wall_time_s=round(row["elapsed_s"], 1), train_images=n_train,
-                  parameters=n_params, machine=machine_description(rt), torch=torch.__version__,
-                  last_epoch_images_per_s=round(row["images_per_s"], 1), command=" ".join(sys.argv))
-    return record
-
-
-def save_state(out_dir: Path, model, optimizer, generator, epoch: int, step: int, elapsed: float) -> None:
-    state = {"epoch": epoch, "step": step, "elapsed_s": elapsed, "optimizer": optimizer.state_dict(),
-             "generator": generator.get_state(), "torch_rng": torch.get_rng_state()}
+def save_state(out_dir: Path, optimizer, generator, pos: Position) -> None:
+    state = {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "sums": pos.sums, "elapsed_s": pos.elapsed_s,
+             "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
+             "torch_rng": torch.get_rng_state()}
     tmp = out_dir / (TRAIN_STATE_FILE + ".tmp")
     torch.save(state, tmp)
     tmp.replace(out_dir / TRAIN_STATE_FILE)  # a crash mid-write never leaves a torn state behind
 
 
-def restore_state(out_dir: Path, model, optimizer, generator, rt: Runtime) -> tuple[int, int, float]:
+def restore_state(out_dir: Path, model, optimizer, generator, rt: Runtime) -> Position:
     saved, _ = load_checkpoint(out_dir / "checkpoint")
     model.load_state_dict(saved.state_dict())
     state = torch.load(out_dir / TRAIN_STATE_FILE, map_location=rt.device, weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])
-    if rt.is_main:
-        print(f"resuming after epoch {state['epoch']} (step {state['step']})", file=sys.stderr)
-    return state["epoch"], state["step"], state["elapsed_s"]
+    # States from before mid-epoch saves hold epoch ends only. The epoch's sums are rank 0's alone (saving them
+    # from every rank would need a collective at each save), so other ranks restart theirs: with several
+    # processes a resumed epoch's training loss and accuracy leave out the other ranks' batches before the stop.
+    sums = state.get("sums") if rt.is_main else None
+    return Position(state["epoch"], state.get("batch", 0), state["step"],
+                    torch.zeros(3, dtype=torch.float64) if sums is None else sums.cpu(), state["elapsed_s"])

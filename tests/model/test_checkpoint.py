@@ -9,8 +9,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from model.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, load_meta, save_checkpoint,
-                              weights_sha256)
+                              strict_json, weights_sha256)
 from model.vit import VisionTransformer, vit_config
+from training_fixtures import read_strict_json
 
 TINY_LABELS = ["cat", "dog", "bird"]  # as in tests/conftest.py's tiny_checkpoint
 
@@ -142,3 +143,17 @@ def test_invalid_architecture_or_json(tiny_checkpoint, tmp_path):
     (directory / "config.json").write_text("{not json")
     with pytest.raises(CheckpointError, match="config.json"):
         load_checkpoint(directory)
+
+
+def test_config_json_is_strict_json(tiny_checkpoint, tmp_path):
+    """A NaN or an infinity (an accuracy over an empty split) is written as null: Python's bare NaN is not JSON."""
+    model, meta = load_checkpoint(tiny_checkpoint)
+    meta.metrics = {"test_accuracy": float("nan"), "test_loss": float("inf"), "epoch": 1}
+    meta.training = {"losses": [1.5, float("-inf")], "nested": {"x": (float("nan"), 2)}}
+    save_checkpoint(tmp_path / "ckpt", model, meta)
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["config.json", "model.safetensors"]
+    saved = read_strict_json(tmp_path / "ckpt" / "config.json")
+    assert saved["metrics"] == {"test_accuracy": None, "test_loss": None, "epoch": 1}
+    assert saved["training"] == {"losses": [1.5, None], "nested": {"x": [None, 2]}}
+    assert load_meta(tmp_path / "ckpt").metrics["test_accuracy"] is None
+    assert strict_json({"a": [float("nan"), 0.5, "NaN", 3]}) == {"a": [None, 0.5, "NaN", 3]}

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from model.config import TrainingInputError
 from model.data import (FASHION_MNIST_LABELS, IMAGENET_MEAN, IMAGENET_STD, load_fashion_mnist, load_image,
                         load_image_folder, read_idx, resize_batch)
 
@@ -96,25 +97,27 @@ def save_png(path, array: np.ndarray) -> None:
 
 @pytest.fixture
 def image_folder(tmp_path):
-    """Classes 'cat' (10 images), 'ant' (5, one in a sub-folder), 'bee' (1): solid grey levels 10, 20, 30."""
+    """Classes 'cat' (10 images), 'ant' (5, one in a sub-folder), 'bee' (2): solid grey levels 10, 20, 30."""
     root = tmp_path / "folder"
-    for name, count, level in [("cat", 10, 30), ("ant", 5, 10), ("bee", 1, 20)]:
+    for name, count, level in [("cat", 10, 30), ("ant", 5, 10), ("bee", 2, 20)]:
         for i in range(count):
             sub = root / name / ("nested" if name == "ant" and i == 0 else "")
             save_png(sub / f"{i}.png", np.full((30 + i, 40, 3), level, dtype=np.uint8))
     (root / "cat" / "notes.txt").write_text("not an image")
     (root / "README").write_text("a file beside the class folders is ignored")
+    (root / ".ipynb_checkpoints").mkdir()  # a hidden folder is not a class
     return root
 
 
 def test_load_image_folder(image_folder):
     splits = load_image_folder(image_folder, (16, 24), channels=3, val_fraction=0.2, seed=0)
     assert splits.train.classes == ["ant", "bee", "cat"] == splits.test.classes
-    # val: round(5 * 0.2) = 1 ant, none of the single bee, round(10 * 0.2) = 2 cats
-    assert splits.train.images.shape == (13, 3, 16, 24) and splits.test.images.shape == (3, 3, 16, 24)
+    # val: round(5 * 0.2) = 1 ant, round(2 * 0.2) = 0 bees raised to 1 (every class holds one out),
+    # round(10 * 0.2) = 2 cats
+    assert splits.train.images.shape == (13, 3, 16, 24) and splits.test.images.shape == (4, 3, 16, 24)
     assert splits.train.images.dtype == torch.uint8 and splits.train.labels.dtype == torch.int64
     assert torch.bincount(splits.train.labels, minlength=3).tolist() == [4, 1, 8]
-    assert torch.bincount(splits.test.labels, minlength=3).tolist() == [1, 0, 2]
+    assert torch.bincount(splits.test.labels, minlength=3).tolist() == [1, 1, 2]
     for split in (splits.train, splits.test):
         for label, level in enumerate([10, 20, 30]):
             images = split.images[split.labels == label]
@@ -126,9 +129,9 @@ def test_load_image_folder_grey_and_repeatable(image_folder):
     a = load_image_folder(image_folder, (8, 8), channels=1, val_fraction=0.5, seed=0)
     b = load_image_folder(image_folder, (8, 8), channels=1, val_fraction=0.5, seed=0)
     assert torch.equal(a.train.images, b.train.images) and torch.equal(a.test.labels, b.test.labels)
-    # val: round(2.5) = 2 ants (round half to even), no bee, 5 cats
-    assert a.train.images.shape == (9, 1, 8, 8) and a.test.images.shape == (7, 1, 8, 8)
-    assert torch.bincount(a.test.labels, minlength=3).tolist() == [2, 0, 5]
+    # val: round(2.5) = 2 ants (round half to even), 1 bee, 5 cats
+    assert a.train.images.shape == (9, 1, 8, 8) and a.test.images.shape == (8, 1, 8, 8)
+    assert torch.bincount(a.test.labels, minlength=3).tolist() == [2, 1, 5]
     assert (a.mean, a.std) == ([0.5], [0.5])
 
 
@@ -144,12 +147,37 @@ def test_load_image_folder_split_depends_on_seed(tmp_path):
 
 def test_load_image_folder_options(image_folder, tmp_path):
     splits = load_image_folder(image_folder, (8, 8), channels=1, val_fraction=0.0, mean=[0.1], std=[0.2])
-    assert len(splits.train) == 16 and len(splits.test) == 0
+    assert len(splits.train) == 17 and len(splits.test) == 0
     assert splits.test.images.shape == (0, 1, 8, 8) and splits.test.images.dtype == torch.uint8
     assert (splits.mean, splits.std) == ([0.1], [0.2])
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="has no class sub-folders"):
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    with pytest.raises(TrainingInputError, match="has no class sub-folders"):
         load_image_folder(tmp_path / "empty", (8, 8))
+    with pytest.raises(TrainingInputError, match="no such directory"):
+        load_image_folder(tmp_path / "missing", (8, 8))
+
+
+@pytest.mark.parametrize("count, held_out", [(2, 1), (3, 1), (4, 1), (9, 1), (15, 2), (16, 2)])
+def test_every_class_holds_out_one_image_at_least_and_keeps_one(tmp_path, count, held_out):
+    for name in ("a", "b"):
+        for i in range(count):
+            save_png(tmp_path / name / f"{i}.png", np.full((4, 4), i, dtype=np.uint8))
+    splits = load_image_folder(tmp_path, (4, 4), 1, val_fraction=0.1)
+    assert torch.bincount(splits.test.labels, minlength=2).tolist() == [held_out, held_out]
+    assert torch.bincount(splits.train.labels, minlength=2).tolist() == [count - held_out] * 2
+    nearly_all = load_image_folder(tmp_path, (4, 4), 1, val_fraction=0.99)
+    assert torch.bincount(nearly_all.train.labels, minlength=2).tolist() == [1, 1]
+
+
+def test_a_class_of_one_image_or_none_is_named(image_folder):
+    (image_folder / "bee" / "1.png").unlink()
+    with pytest.raises(TrainingInputError, match=r"every class needs at least 2 images, one to train on and one to "
+                                                 r"hold out for validation; too few in 'bee' \(1\)$"):
+        load_image_folder(image_folder, (8, 8), val_fraction=0.1)
+    assert len(load_image_folder(image_folder, (8, 8), val_fraction=0.0).train) == 16  # nothing held out: it trains
+    (image_folder / "bee" / "0.png").unlink()
+    with pytest.raises(TrainingInputError, match=r"no images \(.*\) in the class folder\(s\) 'bee'$"):
+        load_image_folder(image_folder, (8, 8), val_fraction=0.1)
 
 
 def test_load_image_resizes_short_side_and_centre_crops(tmp_path):

@@ -85,4 +85,4 @@ def test_two_process_ddp_training(tmp_path):
         assert [int(float(r["step"])) for r in csv.DictReader(f)] == [2, 4]
     assert json.loads((out / "checkpoint" / "config.json").read_text())["training"]["epochs_done"] == 2
     assert not (out / "rank1").exists() and sorted(p.name for p in out.iterdir()) == [
-        "checkpoint", "curves.png", "log.csv", "rank0.pt", "rank1.pt", "train_state.pt"]
+        "checkpoint", "curves.png", "log.csv", "rank0.pt", "rank1.pt", "steps.csv", "train_state.pt"]
