@@ -92,7 +92,7 @@ def _add_timing_and_paths(p: argparse.ArgumentParser, d: BenchConfig) -> None:
     p.add_argument("--time-limit", dest="time_limit_s", **seconds, help=f"the whole run; later levels skip (default "
                                                                         f"{d.time_limit_s:g})")
     p.add_argument("--quick", action="store_true",
-                   help=f"a smoke run: raw batch sizes {_csv(QUICK['batch_sizes'])}; "
+                   help=f"a smoke run: raw batch sizes {_csv(QUICK['batch_sizes'])} and the server's max batch size; "
                         f"{' and '.join(map(str, QUICK['concurrency']))} clients; {QUICK['duration_s']:g} s levels "
                         f"(flags given still win)")
     p.add_argument("--cache-dir", type=Path, metavar="DIR", help=f"where preset models are exported (default "
