@@ -8,7 +8,10 @@ the ONNX input dims are checked to be symbolic before anything is written.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,15 +78,31 @@ def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_na
             opset: int | None = None, target: torch.Tensor | None = None) -> onnx.ModelProto:
     """Export `module` (pixels, and a target class per image if given) to an in-memory ONNX model with named
     symbolic dims."""
-    program = export_program(module, patch_size, example, target)
     args, input_names = ((example,), [INPUT_NAME]) if target is None else ((example, target), [INPUT_NAME, TARGET_NAME])
-    onnx_program = torch.onnx.export(program, args, input_names=input_names, output_names=list(output_names),
-                                     opset_version=opset, dynamo=True, optimize=True, verbose=False)
+    with _quiet_exporter():
+        program = export_program(module, patch_size, example, target)
+        onnx_program = torch.onnx.export(program, args, input_names=input_names, output_names=list(output_names),
+                                         opset_version=opset, dynamo=True, optimize=True, verbose=False)
     proto = onnx_program.model_proto
     require_symbolic_input(proto)
     name_dims(proto, patch_size)
     strip_debug_metadata(proto)
     return proto
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """Without the exporter's notes that say nothing about this model: "torchvision is not installed. Skipping
+    torchvision::nms" (four of them) and torch's own FutureWarning about its pytree internals."""
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r".*treespec, LeafSpec", category=FutureWarning)
+            yield
+    finally:
+        registration.setLevel(level)
 
 
 def relevance_onnx(vit: VisionTransformer, opset: int | None = None) -> onnx.ModelProto:
