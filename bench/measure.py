@@ -18,6 +18,17 @@ def latency_summary(latencies_s: list[float] | np.ndarray) -> dict[str, float]:
     return {"p50_ms": float(p50), "p90_ms": float(p90), "p99_ms": float(p99), "mean_ms": float(ms.mean())}
 
 
+def timed_calls(run, seconds: float, min_calls: int = 3, max_calls: int | None = None) -> list[float]:
+    """Seconds per call of `run()`, called for `seconds` and at least `min_calls` (at most `max_calls`) times."""
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while (max_calls is None or len(times) < max_calls) and (len(times) < min_calls or time.perf_counter() < end):
+        started = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - started)
+    return times
+
+
 @dataclass
 class CpuSnapshot:
     """CPU seconds used so far by the server (its process and their children: HTTP workers, engines), this

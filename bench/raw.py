@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.config import BenchConfig
-from bench.measure import CpuSnapshot, latency_summary
+from bench.measure import CpuSnapshot, latency_summary, timed_calls
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 
@@ -27,12 +27,7 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
     for bs in batch_sizes:
         batch = np.ascontiguousarray(samples[np.arange(bs) % len(samples)])  # (bs, C, H, W)
         run_batch(batch)
-        times: list[float] = []
-        end = time.perf_counter() + duration_s
-        while len(times) < max_calls and (len(times) < min_calls or time.perf_counter() < end):
-            t = time.perf_counter()
-            run_batch(batch)
-            times.append(time.perf_counter() - t)
+        times = timed_calls(lambda: run_batch(batch), duration_s, min_calls, max_calls)
         results.append({"batch_size": bs, "calls": len(times), "images_per_s": bs * len(times) / sum(times),
                         **latency_summary(times)})
     return results

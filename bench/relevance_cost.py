@@ -27,9 +27,9 @@ from __future__ import annotations
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 
+from bench.measure import timed_calls
 from bench.reliability import number, table, write_report
 from vitserve.help_format import DefaultsHelpFormatter
 
@@ -147,17 +147,6 @@ def check_cases(models: dict, pixels) -> dict:
             "fast_path_relevance_shape": list(relevance_fast.shape), "relevance_shape": list(relevance.shape)}
 
 
-def timed_calls(run, seconds: float, min_calls: int = MIN_CALLS) -> list[float]:
-    """Seconds per call of `run()`, calling it for `seconds` and at least `min_calls` times."""
-    times: list[float] = []
-    end = time.perf_counter() + seconds
-    while len(times) < min_calls or time.perf_counter() < end:
-        started = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - started)
-    return times
-
-
 def measure_batch(models: dict, pixels, threads: int, rounds: int, seconds: float) -> dict:
     """The three cases at one batch size, alternating round by round; one warm-up call each first."""
     from bench.measure import CpuSnapshot
@@ -169,7 +158,7 @@ def measure_batch(models: dict, pixels, threads: int, rounds: int, seconds: floa
     before = CpuSnapshot.take(None)
     for r in range(rounds):
         for case in (CASES if r % 2 == 0 else CASES[::-1]):
-            per_round[case].append(timed_calls(calls[case], seconds))
+            per_round[case].append(timed_calls(calls[case], seconds, MIN_CALLS))
     other = before.usage(CpuSnapshot.take(None))["other_cores"]
     return summarise(per_round, len(pixels), threads, other)
 
