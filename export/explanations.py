@@ -20,7 +20,6 @@ plots. Only the standard library is imported at the top, so that building `vitse
 """
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -715,19 +714,10 @@ def write_report(results: dict, examples: dict, labels: list[str], out: Path) ->
     plot_overlays(examples, labels, figures["overlays"])
     relative = {name: f"{figure_dir.name}/{p.name}" for name, p in figures.items()}
     md_path.write_text(markdown_report(results, relative))
+    from model.checkpoint import strict_json  # NaN (an interval of one image) as null: strict readers refuse NaN
+
     json_path.write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
     return [md_path, json_path, *figures.values()]
-
-
-def strict_json(value):
-    """NaN and infinities (a confidence interval of one image) as null: strict JSON readers refuse the bare tokens."""
-    if isinstance(value, float):
-        return value if value == value and abs(value) != float("inf") else None
-    if isinstance(value, dict):
-        return {k: strict_json(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [strict_json(v) for v in value]
-    return value
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -272,7 +272,7 @@ def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsy
 
 
 def test_the_json_is_strict_even_for_undefined_intervals():
-    from export.explanations import strict_json
+    from model.checkpoint import strict_json  # what write_report writes its JSON through
 
     assert json.dumps(strict_json({"ci": [float("nan"), float("inf")], "n": [1, 0.5]}), allow_nan=False) == \
         '{"ci": [null, null], "n": [1, 0.5]}'
