@@ -1,7 +1,6 @@
 """`vitserve export` (and `evaluate`): argument parsing only; torch and onnx load when a command runs."""
 from __future__ import annotations
 
-import argparse
 import json
 
 from vitserve.help_format import DefaultsHelpFormatter

@@ -6,7 +6,6 @@ answers are the server's. Either way one image's failure is reported on its row 
 """
 from __future__ import annotations
 
-import argparse
 import base64
 import logging
 import mimetypes
