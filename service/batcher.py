@@ -75,6 +75,10 @@ class _Item:
     target: int | None = None
     dispatched: float = field(default=0.0)
 
+    @property
+    def targeted(self) -> bool:
+        return self.target is not None
+
 
 class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
@@ -92,7 +96,7 @@ class DynamicBatcher:
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # (shape, targeted) -> items, oldest first
         self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
-        self._queued_cost = 0
+        self._queued_costs = {False: 0, True: 0}  # targeted -> input values queued
         self._seconds_per_cost: dict[bool, float] = {}  # targeted -> run_batch time per input value (moving average)
         self._active = 0  # batches taken from the queue and not yet answered
         self._slots = asyncio.Semaphore(max_batches_in_flight)
@@ -109,7 +113,7 @@ class DynamicBatcher:
     @property
     def queued_cost(self) -> int:
         """Input values of the images queued."""
-        return self._queued_cost
+        return self._queued_costs[False] + self._queued_costs[True]
 
     @property
     def seconds_per_cost(self) -> float | None:
@@ -117,8 +121,8 @@ class DynamicBatcher:
         so that `queued_cost * seconds_per_cost` is `predicted_wait_s()`; None before the first batch."""
         if not self._seconds_per_cost:
             return None
-        if self._queued_cost:
-            return self.predicted_wait_s() / self._queued_cost
+        if self.queued_cost:
+            return self.predicted_wait_s() / self.queued_cost
         return self._seconds_per_cost.get(False, next(iter(self._seconds_per_cost.values())))
 
     def predicted_wait_s(self, extra_cost: int = 0) -> float:
@@ -127,9 +131,7 @@ class DynamicBatcher:
         rates = self._seconds_per_cost
         if not rates:
             return 0.0
-        cost = {False: extra_cost, True: 0}
-        for (_, _, targeted), group in self._groups.items():
-            cost[targeted] += sum(item.array.size for item in group)
+        cost = {False: self._queued_costs[False] + extra_cost, True: self._queued_costs[True]}
         return sum(c * rates.get(targeted, rates.get(not targeted, 0.0)) for targeted, c in cost.items())
 
     def start(self) -> None:
@@ -143,8 +145,9 @@ class DynamicBatcher:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         now = time.perf_counter()
         item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s, target)
-        self._groups.setdefault((array.shape, array.dtype.str, target is not None), deque()).append(item)
-        self._set_queued(self._queued + 1, self._queued_cost + array.size)
+        self._groups.setdefault((array.shape, array.dtype.str, item.targeted), deque()).append(item)
+        self._set_queued(self._queued + 1, {**self._queued_costs,
+                                            item.targeted: self._queued_costs[item.targeted] + array.size})
         self._wakeup.set()
         try:
             done, _ = await asyncio.wait({item.future}, timeout=timeout_s)
@@ -164,8 +167,8 @@ class DynamicBatcher:
             item.future.set_exception(DeadlineExceeded(f"waited {waited_ms:.0f} ms in the queue; "
                                                        f"the deadline is {limit_ms:.0f} ms"))
 
-    def _set_queued(self, depth: int, cost: int) -> None:
-        self._queued, self._queued_cost = depth, cost
+    def _set_queued(self, depth: int, costs: dict[bool, int]) -> None:
+        self._queued, self._queued_costs = depth, costs
         self._observer.queue_depth(depth)
 
     async def _dispatch_loop(self) -> None:
@@ -214,7 +217,7 @@ class DynamicBatcher:
         return max(1, min(largest, len(group), self.max_batch_cost // per_item))
 
     def _largest_batch(self, group: deque[_Item]) -> int:
-        return self.max_targeted_batch_size if group[0].target is not None else self.max_batch_size
+        return self.max_targeted_batch_size if group[0].targeted else self.max_batch_size
 
     def _drop_finished(self) -> None:
         """Remove items already answered (cancelled, or expired) and expire those past their deadline."""
@@ -230,8 +233,10 @@ class DynamicBatcher:
                 self._groups[shape] = kept
             else:
                 del self._groups[shape]
-        self._set_queued(sum(len(g) for g in self._groups.values()),
-                         sum(item.array.size for g in self._groups.values() for item in g))
+        costs = {False: 0, True: 0}
+        for (_, _, targeted), group in self._groups.items():
+            costs[targeted] += sum(item.array.size for item in group)
+        self._set_queued(sum(len(g) for g in self._groups.values()), costs)
 
     def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
         now = time.perf_counter()
@@ -244,7 +249,9 @@ class DynamicBatcher:
         for item in batch:
             item.dispatched = now
             self._observer.queue_wait(now - item.enqueued)
-        self._set_queued(self._queued - len(batch), self._queued_cost - sum(item.array.size for item in batch))
+        targeted = batch[0].targeted  # one group: all or none
+        costs = {**self._queued_costs, targeted: self._queued_costs[targeted] - sum(i.array.size for i in batch)}
+        self._set_queued(self._queued - len(batch), costs)
         self._active += 1
         return batch
 
@@ -258,7 +265,7 @@ class DynamicBatcher:
                 stacked = batch[0].array[None]  # (1, ...)
             else:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
-            targeted = batch[0].target is not None  # one group: all or none
+            targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
             started = time.perf_counter()
             stack_seconds = started - stacking
