@@ -28,6 +28,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         description="Serve a vitserve ONNX model. Each flag also reads from its VITSERVE_* environment variable.")
     parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx",
                         help="the exported model (VITSERVE_MODEL_PATH)")
+    parser.add_argument("--ray", action="store_true", default=None,
+                        help="serve on Ray Serve: Ray's HTTP proxy in front of --ray-replicas replicas, each one "
+                             "session and batcher (needs `pip install \"vitserve[ray]\"`; docs/ray.md)")
     for name, field in Settings.model_fields.items():
         if name == "model_path" or field.description == INTERNAL:
             continue
@@ -59,7 +62,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from vitserve.onnx_header import read_model_info
 
     for name, value in vars(args).items():
-        if name not in ("command", "func") and value is not None:
+        if name not in ("command", "func", "ray") and value is not None:
             os.environ[ENV_PREFIX + name.upper()] = str(value)
     try:
         settings = Settings()
@@ -70,6 +73,8 @@ def run_serve(args: argparse.Namespace) -> int:
     except ArtifactError as e:
         print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
         return 2
+    if getattr(args, "ray", None):
+        return _serve_on_ray(settings)
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
         from service.metrics_files import prepare_multiprocess_dir
@@ -89,6 +94,17 @@ def run_serve(args: argparse.Namespace) -> int:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _serve_on_ray(settings: Settings) -> int:
+    try:
+        from service.ray_serve import run_on_ray
+    except ImportError as e:
+        print(f"vitserve serve --ray: Ray Serve is not installed ({e}): pip install \"vitserve[ray]\"",
+              file=sys.stderr)
+        return 2
+    configure_logging(settings.log_level)
+    return run_on_ray(settings)
 
 
 @contextlib.contextmanager

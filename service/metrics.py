@@ -9,7 +9,10 @@ processes that inherit it before they import anything.
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
@@ -25,54 +28,60 @@ BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 class ServiceMetrics:
     """The service's metrics in their own registry (so several apps can live in one test process)."""
 
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, mirror: MetricMirror | None = None):
         disable_created_metrics()  # the *_created series double a scrape's size and nobody queries them
         self.registry = registry or CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self.request_duration = Histogram(
-            "vitserve_request_duration_seconds", "HTTP request duration, end to end", ["endpoint", "status"],
-            buckets=LATENCY_BUCKETS, registry=r)
-        self.queue_wait_seconds = Histogram("vitserve_queue_wait_seconds", "Time an image waited in the batch queue",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.preprocess = Histogram("vitserve_preprocess_seconds", "Preparing one image's input: decoding, resizing "
-                                    "and normalising it, or its share of parsing a tensor request",
-                                    buckets=LATENCY_BUCKETS, registry=r)
-        self.inference = Histogram("vitserve_inference_seconds", "One ONNX Runtime call (one batch) on the fast "
-                                   "path (logits and rollout)", buckets=LATENCY_BUCKETS, registry=r)
+        self._mirror = mirror
+        metric = self._metric
+        self.request_duration = metric(Histogram, "vitserve_request_duration_seconds", "HTTP request duration, end to "
+                                       "end", ["endpoint", "status"], buckets=LATENCY_BUCKETS)
+        self.queue_wait_seconds = metric(Histogram, "vitserve_queue_wait_seconds", "Time an image waited in the batch "
+                                         "queue", buckets=LATENCY_BUCKETS)
+        self.preprocess = metric(Histogram, "vitserve_preprocess_seconds", "Preparing one image's input: decoding, "
+                                 "resizing and normalising it, or its share of parsing a tensor request",
+                                 buckets=LATENCY_BUCKETS)
+        self.inference = metric(Histogram, "vitserve_inference_seconds", "One ONNX Runtime call (one batch) on the "
+                                "fast path (logits and rollout)", buckets=LATENCY_BUCKETS)
         # Apart: a relevance call (forward and backward) takes several times a fast one, and mixed in it would
         # move the fast path's latency quantiles with the share of clients asking for explanations.
-        self.relevance_inference = Histogram("vitserve_relevance_inference_seconds", "One ONNX Runtime call (one "
-                                             "batch) on the relevance path (map=relevance)",
-                                             buckets=LATENCY_BUCKETS, registry=r)
-        self.relevance_images = Counter("vitserve_relevance_images", "Images run through the relevance path",
-                                        registry=r)
-        self.postprocess = Histogram("vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
-                                     "rollout rendering, or its share of a tensor response",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.batch_size = Histogram("vitserve_batch_size", "Images per ONNX Runtime call",
-                                    buckets=BATCH_SIZE_BUCKETS, registry=r)
-        self.images = Counter("vitserve_images", "Images run through the model", registry=r)
+        self.relevance_inference = metric(Histogram, "vitserve_relevance_inference_seconds", "One ONNX Runtime call "
+                                          "(one batch) on the relevance path (map=relevance)", buckets=LATENCY_BUCKETS)
+        self.relevance_images = metric(Counter, "vitserve_relevance_images", "Images run through the relevance path")
+        self.postprocess = metric(Histogram, "vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
+                                  "rollout rendering, or its share of a tensor response", buckets=LATENCY_BUCKETS)
+        self.batch_size = metric(Histogram, "vitserve_batch_size", "Images per ONNX Runtime call",
+                                 buckets=BATCH_SIZE_BUCKETS)
+        self.images = metric(Counter, "vitserve_images", "Images run through the model")
         # By batch size, for the Open Inference Protocol's statistics extension (service/statistics.py); the
         # label has at most max_batch_size values.
-        self.batches = Counter("vitserve_batches", "ONNX Runtime calls, by batch size", ["batch_size"], registry=r)
-        self.batch_seconds = Counter("vitserve_batch_seconds", "Time in ONNX Runtime calls, by batch size",
-                                     ["batch_size"], registry=r)
-        self.batch_stack_seconds = Counter("vitserve_batch_stack_seconds", "Time stacking batches' inputs, by "
-                                           "batch size", ["batch_size"], registry=r)
-        self.last_inference = Gauge("vitserve_last_inference_timestamp_seconds", "When the last batch ran (Unix "
-                                    "time)", multiprocess_mode="max", registry=r)
-        self.rejected = Counter("vitserve_requests_rejected", "Requests (or files of a batch request) answered "
-                                "with an error, by error code", ["reason"], registry=r)
-        self.queue_depth_gauge = Gauge("vitserve_queue_depth", "Images waiting in the batch queue",
-                                       multiprocess_mode="livesum", registry=r)
-        self.in_flight = Gauge("vitserve_requests_in_flight", "HTTP requests being handled",
-                               multiprocess_mode="livesum", registry=r)
-        self.ready = Gauge("vitserve_ready", "1 when the model is loaded and warmed up (min over workers)",
-                           multiprocess_mode="livemin", registry=r)
+        self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size", ["batch_size"])
+        self.batch_seconds = metric(Counter, "vitserve_batch_seconds", "Time in ONNX Runtime calls, by batch size",
+                                    ["batch_size"])
+        self.batch_stack_seconds = metric(Counter, "vitserve_batch_stack_seconds", "Time stacking batches' inputs, by "
+                                          "batch size", ["batch_size"])
+        self.last_inference = metric(Gauge, "vitserve_last_inference_timestamp_seconds", "When the last batch ran "
+                                     "(Unix time)", multiprocess_mode="max")
+        self.rejected = metric(Counter, "vitserve_requests_rejected", "Requests (or files of a batch request) answered "
+                               "with an error, by error code", ["reason"])
+        self.queue_depth_gauge = metric(Gauge, "vitserve_queue_depth", "Images waiting in the batch queue",
+                                        multiprocess_mode="livesum")
+        self.in_flight = metric(Gauge, "vitserve_requests_in_flight", "HTTP requests being handled",
+                                multiprocess_mode="livesum")
+        self.ready = metric(Gauge, "vitserve_ready", "1 when the model is loaded and warmed up (min over workers)",
+                            multiprocess_mode="livemin")
         # An Info metric has no multiprocess support; a constant-1 gauge with labels is the same series.
-        self.model_info = Gauge("vitserve_model_info", "The served model", ["name", "version", "provider", "opset"],
-                                multiprocess_mode="livemax", registry=r)
+        self.model_info = metric(Gauge, "vitserve_model_info", "The served model",
+                                 ["name", "version", "provider", "opset"], multiprocess_mode="livemax")
         self.ready.set(0)
+
+    def _metric(self, kind: type, name: str, documentation: str, labelnames=(), **options):
+        """A prometheus-client metric in this registry; with a mirror, one whose every update also reaches it."""
+        made = kind(name, documentation, labelnames, registry=self.registry, **options)
+        if self._mirror is None:
+            return made
+        record = self._mirror.recorder(METRIC_KINDS[kind], name, documentation, tuple(labelnames),
+                                       options.get("buckets"))
+        return MirroredMetric(made, METRIC_KINDS[kind], record, tuple(labelnames))
 
     # --- what the rest of the service reports (plain numbers) ---
     def request_started(self) -> None:
@@ -157,3 +166,64 @@ def mark_process_dead(pid: int) -> None:
     """Drop a stopped worker's live gauges from the aggregate (multiprocess mode only)."""
     if multiprocess_dir():
         multiprocess.mark_process_dead(pid)
+
+
+METRIC_KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
+Recorder = Callable[[float, dict], None]  # one update: (amount or value, {label: value})
+
+
+class MetricMirror(Protocol):
+    """A second home for every metric, under the same name, labels and buckets: Ray's metrics under Ray Serve
+    (service/ray_serve.py), whose agent on each node exports every replica's series."""
+
+    def recorder(self, kind: str, name: str, documentation: str, labelnames: tuple[str, ...],
+                 buckets: tuple[float, ...] | None) -> Recorder:
+        """The function that records one update of this metric: a counter's increment, a gauge's new value, or
+        a histogram's observation."""
+
+
+class MirroredMetric:
+    """A prometheus-client metric (or one labelled child of it) whose updates also go to a mirror's recorder.
+
+    It offers just what ServiceMetrics calls. Gauges hand the mirror their value, not the change: a recorder
+    sets, it cannot add.
+    """
+
+    def __init__(self, metric, kind: str, record: Recorder, labelnames: tuple[str, ...], tags: dict | None = None):
+        self._metric, self._kind, self._record, self._labelnames = metric, kind, record, labelnames
+        self._tags = tags or {}
+        self._value = 0.0  # a gauge's value, as the mirror has it
+        self._children: dict[tuple, MirroredMetric] = {}
+
+    def labels(self, *values) -> "MirroredMetric":
+        key = tuple(str(v) for v in values)
+        if key not in self._children:
+            self._children[key] = MirroredMetric(self._metric.labels(*key), self._kind, self._record, (),
+                                                 dict(zip(self._labelnames, key)))
+        return self._children[key]
+
+    def inc(self, amount: float = 1) -> None:
+        self._metric.inc(amount)
+        if self._kind == "gauge":
+            self._set_mirror(self._value + amount)
+        elif amount > 0:  # a counter's recorder refuses zero (a batch may stack in no measurable time)
+            self._record(amount, self._tags)
+
+    def dec(self, amount: float = 1) -> None:
+        self._metric.dec(amount)
+        self._set_mirror(self._value - amount)
+
+    def set(self, value: float) -> None:
+        self._metric.set(value)
+        self._set_mirror(value)
+
+    def set_to_current_time(self) -> None:
+        self.set(time.time())
+
+    def observe(self, value: float) -> None:
+        self._metric.observe(value)
+        self._record(value, self._tags)
+
+    def _set_mirror(self, value: float) -> None:
+        self._value = value
+        self._record(value, self._tags)

@@ -119,6 +119,27 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(10.0, gt=0, description="longest pause between two pieces of a request body; "
                                                           "a slower client gets 408")
 
+    # Ray Serve (`vitserve serve --ray`, service/ray_serve.py): Ray's proxy serves HTTP at host:port, replicas
+    # each hold one session and batcher; the settings above apply in every replica
+    ray_address: str | None = Field(None, description="with --ray: the Ray cluster to join ('auto': the one this "
+                                                      "node belongs to); unset: start a local one")
+    ray_replicas: int = Field(1, ge=1, description="with --ray: replicas, each one ONNX Runtime session and "
+                                                   "batcher (the minimum when ray_max_replicas is set)")
+    ray_max_replicas: int | None = Field(None, ge=1, description="with --ray: autoscale between ray_replicas and "
+                                                                 "this many on Ray's ongoing requests per replica")
+    ray_target_ongoing_requests: float = Field(16.0, gt=0, description="with --ray and ray_max_replicas: the "
+                                                                       "ongoing requests per replica Ray's "
+                                                                       "autoscaler aims at")
+    ray_replica_cpus: float = Field(1.0, gt=0, description="with --ray: CPUs Ray reserves for each replica (its "
+                                                           "ONNX Runtime threads too, unless intra_op_threads)")
+    ray_replica_gpus: float = Field(0.0, ge=0, description="with --ray: GPUs Ray reserves for each replica")
+    ray_metrics_export_port: int | None = Field(None, ge=1, le=65535, description="with --ray and no ray_address: "
+                                                "the port where the local cluster's metrics agent exports every "
+                                                "replica's metrics for Prometheus; unset: a free one")
+    ray_max_queued_requests: int = Field(256, ge=1, description="with --ray: requests Ray's router holds while "
+                                                                "every replica has max_requests_in_flight; more "
+                                                                "get 429")
+
     @field_validator("providers", "warmup_batch_sizes", mode="before")
     @classmethod
     def _split_commas(cls, value):
@@ -146,6 +167,8 @@ class Settings(BaseSettings):
             self.warmup_batch_sizes = sorted({1, self.max_batch_size})
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes {self.warmup_batch_sizes} must lie in 1..max_batch_size")
+        if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
+            raise ValueError(f"ray_max_replicas {self.ray_max_replicas} is below ray_replicas {self.ray_replicas}")
         return self
 
     @property

@@ -1,0 +1,171 @@
+"""vitserve on Ray Serve: the same FastAPI app in every replica, behind Ray's HTTP proxy.
+
+    vitserve serve --ray --model MODEL.onnx --ray-replicas 2              # a local Ray cluster, or
+    vitserve serve --ray --ray-address auto ...                           # the cluster this node is in
+    serve run service.ray_serve:build_app model_path=/abs/MODEL.onnx ray_replicas=2    # Ray's own CLI
+    serve deploy deploy/ray/serve-config.yaml                             # a cluster, or KubeRay's RayService
+
+Each replica is one Ray actor holding one ONNX Runtime session and its dynamic batcher (engine=inline). Ray's
+proxy routes requests to replicas, its controller starts, replaces and autoscales them; admission, limits,
+deadlines and errors stay the app's own, per replica. Ray's router holds at most `ray_max_queued_requests`
+requests when every replica has `max_requests_in_flight`, and answers 429 beyond that.
+
+Metrics: every series of `ServiceMetrics` is also recorded into Ray's metrics under the same name, labels and
+buckets (`RayMetrics`), with Ray's application/deployment/replica tags added; each node's metrics agent exports
+them with a `ray_` prefix (docs/ray.md: the scrape config that takes it off, so the rules and the dashboard
+work unchanged). `/metrics` through the proxy is the view of whichever replica answered.
+
+Ray is imported only by this module (`pip install "vitserve[ray]"`); `service.app` knows nothing of it.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+import threading
+
+from fastapi import FastAPI
+from ray import serve
+from ray.serve.metrics import Counter, Gauge, Histogram
+
+from service.app import create_app
+from service.metrics import Recorder, ServiceMetrics
+from service.settings import Settings
+
+log = logging.getLogger("vitserve.ray")
+
+APP_NAME = "vitserve"
+REPLICA_HEADER = "x-vitserve-replica"
+# Ray gives a replica this long after the drain before it kills it (the drain's 503s must get out first)
+SHUTDOWN_MARGIN_S = 2.0
+
+
+class RayMetrics:
+    """`service.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
+
+    def recorder(self, kind: str, name: str, documentation: str, labelnames: tuple[str, ...],
+                 buckets: tuple[float, ...] | None) -> Recorder:
+        tag_keys = labelnames or None
+        if kind == "counter":
+            return Counter(name, documentation, tag_keys=tag_keys).inc
+        if kind == "gauge":
+            return Gauge(name, documentation, tag_keys=tag_keys).set
+        return Histogram(name, documentation, boundaries=list(buckets), tag_keys=tag_keys).observe
+
+
+class ReplicaHeader:
+    """Pure ASGI middleware: every response says which replica answered (what an operator asks first when one
+    replica misbehaves; the tests read it to see requests spread)."""
+
+    def __init__(self, app, replica: str):
+        self.app, self.header = app, (REPLICA_HEADER.encode(), replica.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_with_header(message):
+            if message["type"] == "http.response.start":
+                message.setdefault("headers", [])
+                message["headers"] = [*message["headers"], self.header]
+            await send(message)
+
+        await self.app(scope, receive, send_with_header)
+
+
+@serve.deployment(name=APP_NAME)
+@serve.ingress()
+class VitServeReplica:
+    """One replica: `service.app.create_app` with the model and batcher in this actor."""
+
+    def __init__(self, settings: dict):
+        self.settings = Settings(**settings)
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        replica = serve.get_replica_context().replica_id.unique_id
+        app = create_app(self.settings, metrics=ServiceMetrics(mirror=RayMetrics()))
+        app.add_middleware(ReplicaHeader, replica=replica)
+        return app  # Ray's wrapper keeps it as `self.app`
+
+    def check_health(self) -> None:
+        """Ray's health check (every `health_check_period_s`): a replica whose engine stopped is replaced."""
+        state = self.app.state.service
+        if not state.engine.ready and not state.draining:
+            raise RuntimeError("the model engine is not ready")
+
+
+def replica_settings(settings: Settings) -> Settings:
+    """The settings each replica runs with: the model and batcher in the replica's own process, one HTTP
+    worker (Ray's proxy is the HTTP server), ONNX Runtime threads to match the CPUs Ray reserves for it (inside
+    an actor, 0 = one per core would count every core of the node), and an absolute model path."""
+    threads = settings.intra_op_threads or max(1, math.floor(settings.ray_replica_cpus))
+    return settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads,
+                                       "model_path": settings.model_path.expanduser().absolute()})
+
+
+def deployment_options(settings: Settings) -> dict:
+    """Ray Serve's deployment options from the service's settings."""
+    s = settings
+    options = {
+        # Ray routes at most this many requests to a replica at once: the app's own admission limit, so
+        # the app decides about each admitted request (its 429s, deadlines and limits).
+        "max_ongoing_requests": s.max_requests_in_flight,
+        "max_queued_requests": s.ray_max_queued_requests,
+        "backpressure_config": {"status_code": 429, "retry_after_s": s.retry_after_s},
+        "ray_actor_options": {"num_cpus": s.ray_replica_cpus, "num_gpus": s.ray_replica_gpus},
+        "graceful_shutdown_timeout_s": s.drain_timeout_s + SHUTDOWN_MARGIN_S,
+        "health_check_period_s": 5.0,
+        "health_check_timeout_s": 10.0,
+    }
+    if s.ray_max_replicas:
+        options["autoscaling_config"] = {"min_replicas": s.ray_replicas, "max_replicas": s.ray_max_replicas,
+                                         "target_ongoing_requests": s.ray_target_ongoing_requests}
+    else:
+        options["num_replicas"] = s.ray_replicas
+    return options
+
+
+def build_app(args: dict | None = None):
+    """Ray Serve's application builder (`serve run service.ray_serve:build_app key=value ...`, or a Serve
+    config's `import_path`): any `Settings` field as a key, over the `VITSERVE_*` environment."""
+    settings = replica_settings(Settings(**(args or {})))
+    # only what was set: a replica's defaults stay defaults (the providers' "best available", say)
+    chosen = settings.model_dump(mode="json", exclude_unset=True)
+    return VitServeReplica.options(**deployment_options(settings)).bind(chosen)
+
+
+def run_on_ray(settings: Settings) -> int:
+    """`vitserve serve --ray`: deploy on Ray (a local cluster, or `ray_address`'s), serve until SIGTERM or
+    SIGINT, then take the application down (and the local cluster with it)."""
+    import ray
+    started_here = settings.ray_address is None and not os.environ.get("RAY_ADDRESS")
+    local = {"_metrics_export_port": settings.ray_metrics_export_port} if started_here else {}
+    ray.init(address=settings.ray_address, include_dashboard=False, logging_level=logging.WARNING, **local)
+    stop = threading.Event()
+    previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        # Ray's end-to-end timeout only as a backstop: each replica answers its own deadlines first.
+        serve.start(http_options={"host": settings.host, "port": settings.port,
+                                  "request_timeout_s": settings.request_timeout_s + settings.drain_timeout_s})
+        serve.run(build_app(settings.model_dump(mode="json", exclude_unset=True)), name=APP_NAME, route_prefix="/")
+        log.info("serving on Ray Serve at http://%s:%d: %s", settings.host, settings.port,
+                 _replicas_text(settings))
+        while not stop.wait(1.0):
+            pass
+        log.info("shutting down: draining the replicas")
+        serve.delete(APP_NAME)
+        return 0
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, handler)
+        if started_here:
+            serve.shutdown()
+        ray.shutdown()
+
+
+def _replicas_text(settings: Settings) -> str:
+    if settings.ray_max_replicas:
+        return (f"{settings.ray_replicas} to {settings.ray_max_replicas} replicas, autoscaled at "
+                f"{settings.ray_target_ongoing_requests:g} ongoing requests each")
+    return f"{settings.ray_replicas} replica(s)"

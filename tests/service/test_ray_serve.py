@@ -1,0 +1,262 @@
+"""vitserve on Ray Serve, for real: `vitserve serve --ray` starts a local Ray cluster (the same engine as a large
+one) with two replicas behind Ray's HTTP proxy. Concurrent requests get the same answers as the model run
+directly, spread over both replicas; errors are the app's own; every replica's metrics reach Ray's metrics
+export under our names; a replica killed under load is replaced and no request hangs; SIGTERM takes it all down.
+The deployment's options from the settings are checked without Ray running."""
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from service_fixtures import REPO, free_port, image_bytes, patterned_png, samples, settings_for, wait_until
+
+pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
+
+from service.ray_serve import REPLICA_HEADER, deployment_options, replica_settings  # noqa: E402
+from service.settings import Settings  # noqa: E402
+
+REPLICAS = 2
+RAY_PATIENCE_S = 120.0  # a Ray cluster and two warmed-up replicas, on a loaded 2-core machine
+
+
+# --- the deployment from the settings (no cluster) ---
+
+def test_replicas_run_the_model_in_process_with_the_cpus_ray_reserves(tmp_path):
+    settings = replica_settings(Settings(model_path=Path("m.onnx"), ray_replica_cpus=2.5, workers=4))
+    assert (settings.engine, settings.workers, settings.intra_op_threads) == ("inline", 1, 2)
+    assert settings.model_path == Path.cwd() / "m.onnx"
+    # what was not set stays unset, so a replica applies its own defaults (the providers' best available)
+    assert "providers" not in settings.model_fields_set
+    named = replica_settings(Settings(model_path=tmp_path / "m.onnx", intra_op_threads=3))
+    assert named.intra_op_threads == 3
+
+
+def test_deployment_options_carry_the_admission_limit_and_the_drain():
+    fixed = deployment_options(Settings(ray_replicas=3, max_requests_in_flight=40, drain_timeout_s=20,
+                                        ray_max_queued_requests=100, retry_after_s=2, ray_replica_gpus=0.5))
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["max_ongoing_requests"] == 40 and fixed["max_queued_requests"] == 100
+    assert fixed["backpressure_config"] == {"status_code": 429, "retry_after_s": 2}
+    assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 0.5}
+    assert fixed["graceful_shutdown_timeout_s"] == 22.0
+    scaled = deployment_options(Settings(ray_replicas=1, ray_max_replicas=4, ray_target_ongoing_requests=8))
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0}
+
+
+def test_max_replicas_below_replicas_is_refused():
+    with pytest.raises(ValueError, match="ray_max_replicas 1 is below ray_replicas 2"):
+        Settings(ray_replicas=2, ray_max_replicas=1)
+
+
+# --- a real local cluster ---
+
+@contextmanager
+def ray_server(model_path: Path, log_path: Path, *flags: str):
+    """`vitserve serve --ray` in a process of its own; yields (base_url, metrics_url, process) once ready."""
+    port, metrics_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "vitserve.cli", "serve", "--ray", "--model", str(model_path), "--port", str(port),
+            "--ray-replicas", str(REPLICAS), "--ray-metrics-export-port", str(metrics_port), "--providers", "cpu",
+            "--warmup-batch-sizes", "1", "--log-level", "warning", "--max-loop-lag-ms", "60000", *flags]
+    # Ray's own report interval (10 s) stays: its agent forgets a gauge not re-sent within two of them, so
+    # shortening it in some processes only would lose the gauges.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    with open(log_path, "wb") as log:  # Ray logs every request: a pipe nobody reads would fill and stall it
+        process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base_url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            return httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    try:
+        wait_until(ready, "vitserve on Ray Serve ready", RAY_PATIENCE_S)
+        yield base_url, f"http://127.0.0.1:{metrics_port}/metrics", process
+    finally:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(60)
+            except subprocess.TimeoutExpired:
+                for pid in [*descendants(process.pid), process.pid]:
+                    _kill(pid)
+                process.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tiny_onnx, tmp_path_factory):
+    log_path = tmp_path_factory.mktemp("ray") / "server.log"
+    with ray_server(tiny_onnx, log_path) as server:
+        yield server
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Ray's GCS, raylet, agents and workers under the server), from /proc."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def replica_pids(server_pid: int) -> list[int]:
+    pids = []
+    for pid in descendants(server_pid):
+        try:
+            title = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if title.startswith(b"ray::ServeReplica:vitserve"):
+            pids.append(pid)
+    return pids
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def classify(url: str, data: bytes, client: httpx.Client | None = None, **params) -> httpx.Response:
+    post = client.post if client else httpx.post
+    return post(f"{url}/v1/classify", params=params, files={"file": ("a.png", data, "image/png")}, timeout=60)
+
+
+def test_two_replicas_answer_concurrent_requests_like_the_model_itself(ray_cluster, tiny_model):
+    url, _, _ = ray_cluster
+    images = [patterned_png((40 + 8 * i, 36)) for i in range(6)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        responses = list(pool.map(lambda i: classify(url, images[i % 6], top_k=3), range(96)))
+    assert [r.status_code for r in responses] == [200] * 96
+    by_replica = Counter(r.headers[REPLICA_HEADER] for r in responses)
+    assert len(by_replica) == REPLICAS, by_replica  # both replicas served
+    assert min(by_replica.values()) >= 5, by_replica
+    # the same answers as the model run here directly, whichever replica gave them
+    from service.preprocess import prepare_image
+    for i, response in enumerate(responses[:6]):
+        prepared = prepare_image(images[i], tiny_model.info, resize="fit", max_bytes=10**7, max_pixels=10**7,
+                                 max_tokens=4096, keep_source=False, max_render_side=1024)
+        logits = tiny_model.run(prepared.pixels[None])[0][0]
+        expected = np.argsort(-logits)[:3].tolist()
+        assert [p["index"] for p in response.json()["predictions"]] == expected
+
+
+def test_the_same_errors_and_protocols_as_the_plain_server(ray_cluster):
+    url, _, _ = ray_cluster
+    not_an_image = httpx.post(f"{url}/v1/classify", files={"file": ("a.txt", b"hello", "text/plain")}, timeout=30)
+    assert not_an_image.status_code == 415 and not_an_image.json()["error"]["code"] == "unsupported_media_type"
+    bad_parameter = classify(url, image_bytes("PNG"), top_k=0)
+    assert bad_parameter.status_code == 422 and bad_parameter.json()["error"]["code"] == "invalid_parameter"
+    huge = httpx.post(f"{url}/v1/classify", content=b"\0" * (21 * 2**20), headers={"content-type": "image/png"},
+                      timeout=60)
+    assert huge.status_code == 413 and huge.json()["error"]["code"] == "payload_too_large"
+    unknown_model = httpx.post(f"{url}/v2/models/nope/infer", json={"inputs": []}, timeout=30)
+    assert unknown_model.status_code == 404 and "error" in unknown_model.json()
+    # Triton's own client, unmodified, through Ray's proxy
+    import tritonclient.http as triton
+    client = triton.InferenceServerClient(url.removeprefix("http://"))
+    assert client.is_server_ready() and client.is_model_ready("tiny-vit")
+    pixels = np.zeros((2, 3, 32, 32), np.float32)
+    tensor = triton.InferInput("pixel_values", list(pixels.shape), "FP32")
+    tensor.set_data_from_numpy(pixels, binary_data=True)
+    result = client.infer("tiny-vit", [tensor], outputs=[triton.InferRequestedOutput("logits", binary_data=True)])
+    assert result.as_numpy("logits").shape[0] == 2
+
+
+def test_every_replicas_metrics_reach_rays_export_under_our_names(ray_cluster):
+    url, metrics_url, _ = ray_cluster
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answered = list(pool.map(lambda _: classify(url, image_bytes("PNG")), range(48)))
+    replicas = {r.headers[REPLICA_HEADER] for r in answered}
+    found: dict = {}
+
+    def exported() -> bool:
+        found.clear()
+        found.update(samples(httpx.get(metrics_url, timeout=10).text))
+        per_replica = {dict(labels).get("replica") for (name, labels) in found if name == "ray_vitserve_images_total"}
+        return replicas <= per_replica
+
+    wait_until(exported, "both replicas' vitserve_images_total in Ray's metrics export", 60)
+    names = {name for name, _ in found}
+    for ours in ("ray_vitserve_request_duration_seconds_bucket", "ray_vitserve_inference_seconds_count",
+                 "ray_vitserve_queue_wait_seconds_sum", "ray_vitserve_requests_rejected_total",
+                 "ray_vitserve_ready", "ray_vitserve_model_info", "ray_vitserve_batches_total"):
+        assert ours in names, ours
+    ready = {dict(labels)["replica"]: v for (name, labels), v in found.items() if name == "ray_vitserve_ready"}
+    assert set(ready.values()) == {1.0} and len(ready) >= REPLICAS
+    # the labels are ours, with Ray's deployment and replica tags beside them
+    endpoints = {dict(labels).get("endpoint") for (name, labels) in found
+                 if name == "ray_vitserve_request_duration_seconds_count"}
+    assert "/v1/classify" in endpoints
+    assert all(dict(labels).get("deployment") == "vitserve" for (name, labels) in found
+               if name == "ray_vitserve_images_total")
+
+
+def test_a_replica_killed_under_load_is_replaced_and_no_request_hangs(ray_cluster):
+    url, _, process = ray_cluster
+    victims = replica_pids(process.pid)
+    assert len(victims) == REPLICAS
+    image = image_bytes("PNG")
+    stop_at = time.monotonic() + 8.0
+    outcomes: list[tuple[int | str, str | None]] = []
+
+    def load() -> None:
+        with httpx.Client(timeout=30) as client:  # a hung request would raise ReadTimeout here
+            while time.monotonic() < stop_at:
+                response = classify(url, image, client)
+                outcomes.append((response.status_code, response.headers.get(REPLICA_HEADER)))
+
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        senders = [pool.submit(load) for _ in range(6)]
+        time.sleep(3.0)
+        _kill(victims[0])  # as the kernel's OOM killer would
+        for sender in senders:
+            sender.result()  # re-raises a client timeout: a request that hung
+    statuses = Counter(status for status, _ in outcomes)
+    assert statuses[200] > 0 and set(statuses) <= {200, 500, 503}, statuses
+    # Ray starts a new replica in its place; both serve again
+    wait_until(lambda: len(set(replica_pids(process.pid)) - {victims[0]}) == REPLICAS,
+               "a new replica in the killed one's place", RAY_PATIENCE_S)
+    wait_until(lambda: httpx.get(f"{url}/v2/health/ready", timeout=10).status_code == 200, "ready again", 60)
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        after = list(pool.map(lambda _: classify(url, image), range(64)))
+    assert [r.status_code for r in after] == [200] * 64
+    assert len({r.headers[REPLICA_HEADER] for r in after}) == REPLICAS
+
+
+def test_sigterm_takes_the_application_and_the_local_cluster_down(ray_cluster):
+    _, _, process = ray_cluster
+    below = descendants(process.pid)
+    assert len(below) >= 4  # GCS, raylet, the agents, the controller, the proxy, the replicas
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 0
+
+    def all_gone() -> bool:
+        return not [pid for pid in below if Path(f"/proc/{pid}").exists()
+                    and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
+
+    wait_until(all_gone, "every Ray process of the server gone", 30)
