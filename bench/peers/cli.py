@@ -11,7 +11,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from bench.peers.config import QUICK, SERVERS, PeersConfig
+from bench.peers.config import KNOWN_SERVERS, QUICK, SERVERS, PeersConfig
 
 
 def _ints(text: str) -> list[int]:
@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
         "per-image work, same bodies, Debian's wrk, alternating rounds. Writes Markdown and JSON."))
     p.add_argument("--models", type=_names, metavar="M,M", help=f"ONNX artifacts or presets (default "
                                                                 f"{','.join(d.models)})")
-    p.add_argument("--servers", type=_names, metavar="S,S", help=f"some of {','.join(SERVERS)} (default: all)")
+    p.add_argument("--servers", type=_names, metavar="S,S", help=f"some of {','.join(KNOWN_SERVERS)} (default: "
+                                                                f"{','.join(SERVERS)})")
     p.add_argument("--out", type=Path, metavar="REPORT.md", help=f"default {d.out}; `make bench-peers` writes docs/")
     p.add_argument("--rounds", type=int, metavar="N", help=f"default {d.rounds}")
     p.add_argument("--concurrency", type=_ints, metavar="N,N", help=f"wrk connections (default "
@@ -57,9 +58,9 @@ def config_from(given: dict, quick: bool) -> PeersConfig:
     names = {f.name for f in fields(PeersConfig)}
     cfg = PeersConfig(**{**(copy.deepcopy(QUICK) if quick else {}),
                          **{k: v for k, v in given.items() if k in names and v is not None}})
-    unknown = set(cfg.servers) - set(SERVERS)
+    unknown = set(cfg.servers) - set(KNOWN_SERVERS)
     if unknown or not cfg.servers:
-        raise SystemExit(f"bench peers: unknown servers {sorted(unknown)}; use some of {', '.join(SERVERS)}")
+        raise SystemExit(f"bench peers: unknown servers {sorted(unknown)}; use some of {', '.join(KNOWN_SERVERS)}")
     return cfg
 
 

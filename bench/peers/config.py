@@ -5,10 +5,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SERVERS = ("vitserve", "triton", "litserve")
+# vitserve on Ray Serve (`vitserve serve --ray`) with one and two replicas: on request only (`--servers`)
+RAY_SERVERS = {"vitserve-ray1": 1, "vitserve-ray2": 2}
+KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS)
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")
-SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",)}
+SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), **{s: PATHS for s in RAY_SERVERS}}
+
+
+def family(server: str) -> str:
+    """The server whose requests and answers `server` has: vitserve's on Ray are vitserve's."""
+    return "vitserve" if server in RAY_SERVERS else server
 
 
 @dataclass

@@ -20,7 +20,7 @@ import numpy as np
 from bench.load import make_images
 from bench.peers.answers import check, post
 from bench.peers.bodies import PeerRequest, peer_request
-from bench.peers.config import PATHS, SERVED_PATHS, PeersConfig
+from bench.peers.config import PATHS, RAY_SERVERS, SERVED_PATHS, PeersConfig, family
 from bench.peers.report import summarise
 from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
@@ -51,7 +51,7 @@ class ModelUnderTest:
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
-    pythons = {p: ensure_venv(cfg.work_dir, p, cfg.venv_python) for p in cfg.servers if p != "vitserve"}
+    pythons = {p: ensure_venv(cfg.work_dir, p, cfg.venv_python) for p in cfg.servers if family(p) != "vitserve"}
     source = None
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
@@ -190,18 +190,20 @@ def model_summary_of(model_path: Path) -> dict:
 def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | None) -> ServerSpec:
     if server == "vitserve":
         return vitserve_spec(model_path, source)
+    if server in RAY_SERVERS:
+        return vitserve_spec(model_path, source, ray_replicas=RAY_SERVERS[server])
     if server == "triton":
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]))
     return litserve_spec(model_path, pythons["litserve"])
 
 
 def request_for(server: str, path: str, running: RunningServer, m: ModelUnderTest) -> PeerRequest:
-    name = _get_json(running.url + "/v1/model")["name"] if server == "vitserve" and path != "image" else ""
-    return peer_request(server, path, m.png, m.pixels, name)
+    name = _get_json(running.url + "/v1/model")["name"] if family(server) == "vitserve" and path != "image" else ""
+    return peer_request(family(server), path, m.png, m.pixels, name)
 
 
 def request_for_size(server: str, path: str, m: ModelUnderTest) -> bytes:
-    return peer_request(server, path, m.png, m.pixels, "model").body
+    return peer_request(family(server), path, m.png, m.pixels, "model").body
 
 
 def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
@@ -209,7 +211,7 @@ def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
     facts = {"argv": spec.argv, "env": spec.env}
     if server == "triton":
         facts["server_metadata"] = _get_json(running.url + "/v2")
-    if server == "vitserve":
+    if family(server) == "vitserve":
         facts["model"] = _get_json(running.url + "/v1/model")
     return facts
 

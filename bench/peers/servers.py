@@ -46,14 +46,20 @@ class ServerSpec:
         return self.ports[0]
 
 
-def vitserve_spec(model: Path, source: Path | None = None) -> ServerSpec:
-    """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given."""
+def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | None = None) -> ServerSpec:
+    """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given; with `ray_replicas`,
+    `vitserve serve --ray` with that many replicas (a local Ray cluster of its own)."""
     port = free_port()
     env = {"VITSERVE_LOG_LEVEL": "warning", **({"PYTHONPATH": str(source.resolve())} if source else {})}
     argv = serve_argv(model.resolve(), port)
+    name = "vitserve"
+    if ray_replicas:
+        argv += ["--ray", "--ray-replicas", str(ray_replicas)]
+        env["RAY_USAGE_STATS_ENABLED"] = "0"
+        name = f"vitserve-ray{ray_replicas}"
     if source:  # -P: the working directory (this repository) must not come first on the path and shadow `source`
         argv.insert(1, "-P")
-    return ServerSpec("vitserve", argv, [port], ["/v2/health/ready"], env)
+    return ServerSpec(name, argv, [port], ["/v2/health/ready"], env)
 
 
 def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
