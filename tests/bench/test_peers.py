@@ -415,3 +415,23 @@ def test_render_writes_the_markdown_again_from_a_runs_json(tmp_path):
     assert main(["--render", str(data), "--out", str(out)]) == 0
     assert out.read_text() == render(json.loads(data.read_text()))
     assert "| image | 8 | 400 (2.5 / 5.0) |" in out.read_text()
+
+
+def test_vitserve_on_ray_is_a_server_on_request_with_vitserves_requests(tmp_path, png, pixels):
+    from bench.peers.config import family
+    from bench.peers.run import request_for_size
+    from bench.peers.servers import vitserve_spec
+    spec = vitserve_spec(tmp_path / "m.onnx", ray_replicas=2)
+    assert spec.name == "vitserve-ray2" and spec.argv[-3:] == ["--ray", "--ray-replicas", "2"]
+    assert vitserve_spec(tmp_path / "m.onnx").name == "vitserve" and "--ray" not in vitserve_spec(tmp_path).argv
+    assert config_from({"servers": ["vitserve-ray1", "vitserve-ray2"]}, False).servers == ["vitserve-ray1",
+                                                                                        "vitserve-ray2"]
+    assert PeersConfig().servers == ["vitserve", "triton", "litserve"]  # Ray only when asked for
+    assert family("vitserve-ray1") == "vitserve" and family("triton") == "triton"
+    assert SERVED_PATHS["vitserve-ray2"] == SERVED_PATHS["vitserve"]
+
+    class Model:
+        pass
+    m = Model()
+    m.png, m.pixels = png, pixels
+    assert request_for_size("vitserve-ray1", "image", m) == request_for_size("vitserve", "image", m)
