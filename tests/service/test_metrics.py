@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.metrics import LATENCY_BUCKETS, ServiceMetrics
+from service.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, ServiceMetrics
 from service_fixtures import (WrappedModel, image_bytes, patterned_png, samples, scrape, serving, settings_for,
                               uvicorn_server, value, wait_until)
 
@@ -109,3 +109,45 @@ def _classify_counts(url: str) -> tuple[float, float]:
     m, count = scrape(url), "vitserve_request_duration_seconds_count"
     return (value(m, count, endpoint="/v1/classify", status="200"),
             value(m, count, endpoint="/v1/classify", status="400"))
+
+
+class RecordingMirror:
+    """A MetricMirror that keeps every update: (kind, name, value, tags)."""
+
+    def __init__(self):
+        self.updates: list[tuple] = []
+        self.declared: dict[str, tuple] = {}
+
+    def recorder(self, kind, name, documentation, labelnames, buckets):
+        self.declared[name] = (kind, labelnames, buckets)
+        return lambda value, tags: self.updates.append((kind, name, value, dict(tags)))
+
+
+def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update():
+    mirror = RecordingMirror()
+    metrics = ServiceMetrics(mirror=mirror)
+    plain = ServiceMetrics()
+    assert set(mirror.declared) == {f.name for f in plain.registry.collect()}  # every one, by its base name
+    assert mirror.declared["vitserve_request_duration_seconds"] == ("histogram", ("endpoint", "status"),
+                                                                    LATENCY_BUCKETS)
+    assert mirror.declared["vitserve_batch_size"] == ("histogram", (), BATCH_SIZE_BUCKETS)
+    assert mirror.declared["vitserve_images"] == ("counter", (), None)
+    mirror.updates.clear()
+    metrics.request_started()
+    metrics.request_started()
+    metrics.request_done("/v1/classify", 200, 0.25)
+    metrics.batch_done(3, 0.02, 0.0)  # stacking took no measurable time: a zero increment is not sent
+    metrics.rejected_request("overloaded")
+    assert mirror.updates == [
+        ("gauge", "vitserve_requests_in_flight", 1.0, {}), ("gauge", "vitserve_requests_in_flight", 2.0, {}),
+        ("gauge", "vitserve_requests_in_flight", 1.0, {}),  # a gauge hands over its value, not the change
+        ("histogram", "vitserve_request_duration_seconds", 0.25, {"endpoint": "/v1/classify", "status": "200"}),
+        ("histogram", "vitserve_inference_seconds", 0.02, {}), ("histogram", "vitserve_batch_size", 3, {}),
+        ("counter", "vitserve_images", 3, {}), ("counter", "vitserve_batches", 1, {"batch_size": "3"}),
+        ("counter", "vitserve_batch_seconds", 0.02, {"batch_size": "3"}),
+        ("gauge", "vitserve_last_inference_timestamp_seconds", mirror.updates[9][2], {}),
+        ("counter", "vitserve_requests_rejected", 1, {"reason": "overloaded"})]
+    # the registry itself is unchanged by mirroring: the same exposition as an unmirrored one
+    text = metrics.render()[0].decode()
+    assert "vitserve_requests_in_flight 1.0" in text and "vitserve_images_total 3.0" in text
+    assert 'vitserve_requests_rejected_total{reason="overloaded"} 1.0' in text
