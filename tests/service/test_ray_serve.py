@@ -18,8 +18,10 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+import yaml
 
-from service_fixtures import REPO, free_port, image_bytes, patterned_png, samples, settings_for, wait_until
+from service_fixtures import REPO, free_port, image_bytes, patterned_png, samples, wait_until
+from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_prometheus
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
 
@@ -58,6 +60,19 @@ def test_deployment_options_carry_the_admission_limit_and_the_drain():
 def test_max_replicas_below_replicas_is_refused():
     with pytest.raises(ValueError, match="ray_max_replicas 1 is below ray_replicas 2"):
         Settings(ray_replicas=2, ray_max_replicas=1)
+
+
+def test_the_shipped_serve_config_is_valid_for_ray_and_the_rayservice_carries_it():
+    from ray.serve.schema import ServeDeploySchema
+    config = yaml.safe_load((REPO / "deploy/ray/serve-config.yaml").read_text())
+    ServeDeploySchema.model_validate(config)  # Ray's own schema: what `serve deploy` checks
+    (application,) = config["applications"]
+    assert application["import_path"] == "service.ray_serve:build_app"
+    settings = Settings(**application["args"])  # every key a vitserve setting
+    assert (settings.ray_replicas, settings.ray_max_replicas) == (2, 8)
+    assert deployment_options(settings)["autoscaling_config"]["max_replicas"] == 8
+    rayservice = yaml.safe_load((REPO / "deploy/ray/rayservice.yaml").read_text())
+    assert yaml.safe_load(rayservice["spec"]["serveConfigV2"]) == config
 
 
 # --- a real local cluster ---
@@ -214,6 +229,30 @@ def test_every_replicas_metrics_reach_rays_export_under_our_names(ray_cluster):
     assert "/v1/classify" in endpoints
     assert all(dict(labels).get("deployment") == "vitserve" for (name, labels) in found
                if name == "ray_vitserve_images_total")
+
+
+@needs_promtool
+def test_prometheus_scrapes_rays_export_into_our_names_with_the_shipped_job(ray_cluster, tmp_path):
+    """deploy/ray/prometheus.yml's job, its service discovery swapped for this cluster's agent: a real Prometheus
+    sees vitserve_* per replica, and the shipped recording rules evaluate on them."""
+    url, metrics_url, _ = ray_cluster
+    job = yaml.safe_load((REPO / "deploy/ray/prometheus.yml").read_text())["scrape_configs"][0]
+    del job["file_sd_configs"]
+    job.update(scrape_interval="1s", static_configs=[{"targets": [metrics_url.split("/")[2]]}])
+    config = {"global": {"evaluation_interval": "1s"}, "scrape_configs": [job],
+              "rule_files": [str(p) for p in RULE_FILES]}
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: classify(url, image_bytes("PNG")), range(32)))
+    with running_prometheus(config, tmp_path) as prometheus:
+        def scraped(promql: str) -> list[dict]:
+            return api_get(prometheus, "/api/v1/query", query=promql)["data"]["result"]
+
+        wait_until(lambda: len(scraped("vitserve_images_total")) >= REPLICAS, "vitserve_images_total per replica "
+                   "in Prometheus", 60)
+        assert not scraped("{__name__=~'ray_vitserve_.*'}")  # every one renamed
+        assert {r["metric"]["replica"] for r in scraped("vitserve_ready == 1")} >= set(
+            r["metric"]["replica"] for r in scraped("vitserve_images_total"))
+        wait_until(lambda: bool(scraped("vitserve:images:rate5m")), "the recording rule over Ray's series", 60)
 
 
 def test_a_replica_killed_under_load_is_replaced_and_no_request_hangs(ray_cluster):
