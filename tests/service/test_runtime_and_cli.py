@@ -127,6 +127,30 @@ def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
+def test_serve_ray_without_ray_installed_says_how_to_get_it(tiny_onnx, private_environ, capsys, monkeypatch):
+    import sys
+
+    from vitserve.cli import main
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it raises ImportError
+    monkeypatch.delitem(sys.modules, "service.ray_serve", raising=False)
+    assert main(["serve", "--ray", "--model", str(tiny_onnx)]) == 2
+    assert "Ray Serve is not installed" in capsys.readouterr().err
+
+
+def test_serve_ray_hands_the_settings_to_ray_and_refuses_bad_replica_counts(tiny_onnx, private_environ, capsys,
+                                                                           monkeypatch):
+    pytest.importorskip("ray.serve")
+    import service.ray_serve
+    from vitserve.cli import main
+    handed = []
+    monkeypatch.setattr(service.ray_serve, "run_on_ray", lambda settings: handed.append(settings) or 0)
+    assert main(["serve", "--ray", "--model", str(tiny_onnx), "--ray-replicas", "3", "--ray-max-replicas", "5"]) == 0
+    assert (handed[0].ray_replicas, handed[0].ray_max_replicas, handed[0].model_path) == (3, 5, tiny_onnx)
+    assert "VITSERVE_RAY" not in os.environ  # --ray chooses the command; it is not a setting
+    assert main(["serve", "--ray", "--model", str(tiny_onnx), "--ray-replicas", "3", "--ray-max-replicas", "2"]) == 2
+    assert "ray_max_replicas 2 is below ray_replicas 3" in capsys.readouterr().err
+
+
 def test_a_provider_named_but_not_in_this_build_is_a_warning_the_default_is_not(tiny_onnx, caplog):
     """The default providers mean the best this build has: a CPU-only build starts without a word about CUDA."""
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
