@@ -142,6 +142,10 @@ def run_on_ray(settings: Settings) -> int:
     started_here = settings.ray_address is None and not os.environ.get("RAY_ADDRESS")
     local = {"_metrics_export_port": settings.ray_metrics_export_port} if started_here else {}
     ray.init(address=settings.ray_address, include_dashboard=False, logging_level=logging.WARNING, **local)
+    if started_here and (shortfall := local_shortfall(settings, ray.cluster_resources())):
+        log.error("cannot deploy: %s", shortfall)
+        ray.shutdown()
+        return 2
     stop = threading.Event()
     previous = {number: signal.signal(number, lambda *_: stop.set()) for number in (signal.SIGTERM, signal.SIGINT)}
     try:
@@ -162,6 +166,17 @@ def run_on_ray(settings: Settings) -> int:
         if started_here:
             serve.shutdown()
         ray.shutdown()
+
+
+def local_shortfall(settings: Settings, resources: dict) -> str | None:
+    """What this machine lacks for the minimum replicas, or None. (A cluster of several nodes may be waiting for
+    nodes to join, or for its autoscaler: there Ray waits for the resources rather than failing.)"""
+    for kind, per_replica in (("CPU", settings.ray_replica_cpus), ("GPU", settings.ray_replica_gpus)):
+        needed, have = settings.ray_replicas * per_replica, resources.get(kind, 0)
+        if needed > have:
+            return (f"{settings.ray_replicas} replica(s) of {per_replica:g} {kind}(s) need {needed:g}; this machine "
+                    f"has {have:g}: lower --ray-replicas or --ray-replica-{kind.lower()}s")
+    return None
 
 
 def _replicas_text(settings: Settings) -> str:

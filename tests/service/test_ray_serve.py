@@ -25,7 +25,7 @@ from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
 
-from service.ray_serve import REPLICA_HEADER, deployment_options, replica_settings  # noqa: E402
+from service.ray_serve import REPLICA_HEADER, deployment_options, local_shortfall, replica_settings  # noqa: E402
 from service.settings import Settings  # noqa: E402
 
 REPLICAS = 2
@@ -55,6 +55,14 @@ def test_deployment_options_carry_the_admission_limit_and_the_drain():
     scaled = deployment_options(Settings(ray_replicas=1, ray_max_replicas=4, ray_target_ongoing_requests=8))
     assert "num_replicas" not in scaled
     assert scaled["autoscaling_config"] == {"min_replicas": 1, "max_replicas": 4, "target_ongoing_requests": 8.0}
+
+
+def test_a_local_cluster_too_small_for_the_replicas_is_refused_before_deploying():
+    assert local_shortfall(Settings(ray_replicas=2), {"CPU": 2.0}) is None
+    assert local_shortfall(Settings(ray_replicas=3), {"CPU": 2.0}) == (
+        "3 replica(s) of 1 CPU(s) need 3; this machine has 2: lower --ray-replicas or --ray-replica-cpus")
+    assert local_shortfall(Settings(ray_replicas=1, ray_replica_gpus=1), {"CPU": 8.0}) == (
+        "1 replica(s) of 1 GPU(s) need 1; this machine has 0: lower --ray-replicas or --ray-replica-gpus")
 
 
 def test_max_replicas_below_replicas_is_refused():
