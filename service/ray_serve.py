@@ -24,6 +24,7 @@ import math
 import os
 import signal
 import threading
+from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from ray import serve
@@ -86,13 +87,28 @@ class VitServeReplica:
         replica = serve.get_replica_context().replica_id.unique_id
         app = create_app(self.settings, metrics=ServiceMetrics(mirror=RayMetrics()))
         app.add_middleware(ReplicaHeader, replica=replica)
+        app.router.lifespan_context = warmed_up_first(app.router.lifespan_context)
         return app  # Ray's wrapper keeps it as `self.app`
 
     def check_health(self) -> None:
-        """Ray's health check (every `health_check_period_s`): a replica whose engine stopped is replaced."""
+        """Ray's health check (every `health_check_period_s`, once the replica has started): a replica whose
+        engine stopped is replaced."""
         state = self.app.state.service
         if not state.engine.ready and not state.draining:
             raise RuntimeError("the model engine is not ready")
+
+
+def warmed_up_first(lifespan):
+    """The app's lifespan, its startup ending only once the engine has warmed up: Ray routes requests to a
+    replica as soon as its startup ends (a `vitserve serve` process instead answers 503 on readiness until
+    then), and a warm-up that fails fails the replica's start, which Ray reports."""
+    @asynccontextmanager
+    async def warmed_up(app: FastAPI):
+        async with lifespan(app) as state:
+            if not await app.state.service.engine.warmed_up():
+                raise RuntimeError("the model's warm-up failed (the replica's log has why)")
+            yield state
+    return warmed_up
 
 
 def replica_settings(settings: Settings) -> Settings:

@@ -75,6 +75,13 @@ class LocalEngine:
                  self.model.info.version, self.model.provider, self.settings.warmup_batch_sizes,
                  time.perf_counter() - started)
 
+    async def warmed_up(self) -> bool:
+        """Wait for the warm-up that `start` began; whether the engine is ready. (A Ray Serve replica waits for
+        it before Ray routes requests to it: service/ray_serve.py.)"""
+        if self._warmup is not None:
+            await asyncio.shield(self._warmup)
+        return self.ready
+
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
         return await self.batcher.submit(pixels, timeout_s, target)
 
