@@ -1,0 +1,264 @@
+"""The Kubernetes manifests (deploy/kubernetes, deploy/ray/rayservice.yaml), checked without a cluster.
+
+Built-in kinds against the Kubernetes API's own schemas for a pinned version (kubernetes-validate ships them),
+strict: a field the API does not know fails. Custom resources (the Prometheus Operator's PodMonitor, KServe's
+ServingRuntime and InferenceService, KubeRay's RayService) against the openAPIV3Schema of their published
+CRDs carried in deploy/kubernetes/schemas, made strict the way kubeconform does it. The overlays are rendered
+by `kubectl kustomize` where kubectl is installed; the files the overlays are made of are checked either way.
+Then what schemas cannot see: probes on routes the app has, ports that agree, a grace period that fits the
+drain, the HPA asking for metrics the adapter serves and the service defines, selectors that select.
+"""
+from __future__ import annotations
+
+import copy
+import gzip
+import re
+import shutil
+import subprocess
+from functools import cache
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+KUBE = REPO / "deploy" / "kubernetes"
+SCHEMAS = KUBE / "schemas"
+# The oldest Kubernetes still supported upstream when this was written; every field used here is GA in it.
+KUBERNETES_VERSION = "1.33.0"
+CRD_FILES = {"monitoring.coreos.com": ["monitoring.coreos.com_podmonitors.yaml"],
+             "serving.kserve.io": ["serving.kserve.io_servingruntimes.yaml.gz",
+                                   "serving.kserve.io_inferenceservices.yaml.gz"],
+             "ray.io": ["ray.io_rayservices.yaml.gz"]}
+RENDERED = ["overlays/cpu", "overlays/gpu", "kserve"]
+# Every file a user applies, alone or through an overlay (patches are partial: rendered only)
+PLAIN_FILES = [*sorted((KUBE / "base").glob("[!k]*.yaml")), KUBE / "kserve" / "servingruntime.yaml",
+               KUBE / "kserve" / "inferenceservice.yaml", REPO / "deploy" / "ray" / "rayservice.yaml"]
+needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
+                                   reason="rendering the overlays needs kubectl (its built-in kustomize)")
+
+
+def render(directory: str) -> list[dict]:
+    out = subprocess.run(["kubectl", "kustomize", str(KUBE / directory)], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    return [doc for doc in yaml.safe_load_all(out) if doc]
+
+
+def load(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc]
+
+
+@cache
+def crd_schemas() -> dict[tuple[str, str], dict]:
+    """(apiVersion, kind) -> the strict JSON schema of that served version, from the carried CRDs."""
+    schemas = {}
+    for group, files in CRD_FILES.items():
+        for name in files:
+            path = SCHEMAS / name
+            text = gzip.decompress(path.read_bytes()).decode() if name.endswith(".gz") else path.read_text()
+            crd = yaml.safe_load(text)
+            assert crd["spec"]["group"] == group
+            for version in crd["spec"]["versions"]:
+                if version.get("served"):
+                    key = (f"{group}/{version['name']}", crd["spec"]["names"]["kind"])
+                    schemas[key] = strict(version["schema"]["openAPIV3Schema"])
+    return schemas
+
+
+def strict(schema):
+    """The schema with unknown fields refused wherever it lists the known ones (kubeconform's --strict): an
+    object with `properties` and neither `additionalProperties` nor x-kubernetes-preserve-unknown-fields."""
+    if isinstance(schema, list):
+        return [strict(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: strict(v) for k, v in schema.items()}
+    if "properties" in out and "additionalProperties" not in out \
+            and not out.get("x-kubernetes-preserve-unknown-fields"):
+        out["additionalProperties"] = False
+    return out
+
+
+def validate(doc: dict) -> None:
+    """Raises when the document is not valid for its kind: the API's schema, or its CRD's."""
+    key = (doc["apiVersion"], doc["kind"])
+    if key[0].split("/")[0] in CRD_FILES:
+        assert key in crd_schemas(), f"{key} is not a served version of the carried CRDs"
+        body = {k: v for k, v in doc.items() if k not in ("apiVersion", "kind", "metadata")}
+        jsonschema.validate(body, crd_schemas()[key])
+        kubernetes_validate.validate({"apiVersion": "v1", "kind": "ConfigMap", "metadata": doc["metadata"]},
+                                     KUBERNETES_VERSION, strict=True)  # the metadata, as the API checks it
+    else:
+        kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+
+
+def by_kind(docs: list[dict]) -> dict[str, dict]:
+    kinds = {}
+    for doc in docs:
+        assert doc["kind"] not in kinds, f"two {doc['kind']}s"
+        kinds[doc["kind"]] = doc
+    return kinds
+
+
+# --- schemas ---
+
+@pytest.mark.parametrize("path", PLAIN_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_file_a_user_applies_is_valid_for_its_kind(path):
+    docs = load(path)
+    assert docs
+    for doc in docs:
+        validate(doc)
+
+
+@needs_kubectl
+@pytest.mark.parametrize("directory", RENDERED)
+def test_each_rendered_overlay_is_valid_for_the_pinned_kubernetes(directory):
+    docs = render(directory)
+    expected = {"overlays/cpu": {"Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+                                 "PodMonitor"},
+                "kserve": {"ServingRuntime", "InferenceService"}}
+    assert {d["kind"] for d in docs} == expected.get(directory, expected["overlays/cpu"])
+    for doc in docs:
+        validate(doc)
+
+
+def test_the_validators_refuse_a_misspelt_field():
+    deployment = by_kind(load(KUBE / "base" / "deployment.yaml"))["Deployment"]
+    broken = copy.deepcopy(deployment)
+    broken["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        validate(broken)
+    service = by_kind(load(KUBE / "kserve" / "inferenceservice.yaml"))["InferenceService"]
+    broken = copy.deepcopy(service)
+    broken["spec"]["predictor"]["model"]["protocolVersions"] = ["v2"]  # the ServingRuntime's spelling
+    with pytest.raises(jsonschema.ValidationError, match="protocolVersions"):
+        validate(broken)
+    rayservice = load(REPO / "deploy" / "ray" / "rayservice.yaml")[0]
+    broken = copy.deepcopy(rayservice)
+    broken["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]["imag"] = "x"
+    with pytest.raises(jsonschema.ValidationError, match="imag"):
+        validate(broken)
+    podmonitor = by_kind(load(KUBE / "base" / "podmonitor.yaml"))["PodMonitor"]
+    broken = copy.deepcopy(podmonitor)
+    broken["apiVersion"] = "monitoring.coreos.com/v2"
+    with pytest.raises(AssertionError, match="not a served version"):
+        validate(broken)
+
+
+# --- what schemas cannot see ---
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, dict]:
+    return {doc["kind"]: doc for path in PLAIN_FILES[:5] for doc in load(path)}
+
+
+def container(deployment: dict) -> dict:
+    (only,) = deployment["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def env(deployment: dict) -> dict[str, str]:
+    return {e["name"]: e["value"] for e in container(deployment)["env"]}
+
+
+def test_probes_ask_routes_the_app_really_has(base):
+    from service.app import create_app
+    from service.settings import Settings
+    app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only: no lifespan
+    routes = set(app.openapi()["paths"])
+    c = container(base["Deployment"])
+    assert c["readinessProbe"]["httpGet"]["path"] == c["startupProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert c["livenessProbe"]["httpGet"]["path"] == "/v2/health/live"
+    assert {"/v2/health/ready", "/v2/health/live", "/metrics"} <= routes
+    assert base["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["path"] == "/metrics"
+
+
+def test_ports_agree_from_the_service_to_the_process(base):
+    c = container(base["Deployment"])
+    (port,) = c["ports"]
+    assert (port["name"], port["containerPort"]) == ("http", 8000) and env(base["Deployment"])["VITSERVE_PORT"] == "8000"
+    assert base["Service"]["spec"]["ports"][0]["targetPort"] == "http"
+    assert {c[p]["httpGet"]["port"] for p in ("startupProbe", "readinessProbe", "livenessProbe")} == {"http"}
+    assert base["PodMonitor"]["spec"]["podMetricsEndpoints"][0]["port"] == "http"
+
+
+def test_the_grace_period_fits_the_pause_and_the_drain(base):
+    from service.cli import DRAIN_MARGIN_S
+    pod = base["Deployment"]["spec"]["template"]["spec"]
+    pause = int(container(base["Deployment"])["lifecycle"]["preStop"]["exec"]["command"][1])
+    drain = float(env(base["Deployment"])["VITSERVE_DRAIN_TIMEOUT_S"])
+    # preStop, then SIGTERM: the drain, uvicorn's own timeout a margin later, and time to exit
+    assert pause + drain + DRAIN_MARGIN_S + 5 <= pod["terminationGracePeriodSeconds"] == 45
+    assert (pause, drain) == (5, 30.0)
+
+
+def test_the_selectors_select_the_pods(base):
+    deployment = base["Deployment"]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    selectors = [deployment["spec"]["selector"]["matchLabels"], base["Service"]["spec"]["selector"],
+                 base["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+                 base["PodMonitor"]["spec"]["selector"]["matchLabels"]]
+    for selector in selectors:
+        assert selector.items() <= pod_labels.items()
+    assert base["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1", "kind": "Deployment", "name": deployment["metadata"]["name"]}
+
+
+def test_the_hpa_asks_for_what_the_adapter_serves_from_series_the_service_defines(base):
+    from service.metrics import ServiceMetrics
+    defined = {sample.name for family in ServiceMetrics().registry.collect() for sample in family.samples}
+    rules = yaml.safe_load((KUBE / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
+    served = {}
+    for rule in rules:
+        series = re.match(r"(\w+)\{", rule["seriesQuery"]).group(1)
+        assert series in defined, series
+        assert re.fullmatch(rule["name"]["matches"], series)
+        served[rule["name"]["as"]] = series
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}  # what the PodMonitor's scrape adds
+    asked = {m["pods"]["metric"]["name"] for m in base["HorizontalPodAutoscaler"]["spec"]["metrics"]}
+    assert asked == set(served) == {"vitserve_requests_in_flight", "vitserve_queue_depth"}
+
+
+def test_the_pods_run_as_the_images_user_without_privileges(base):
+    user = re.search(r"^USER (\d+):(\d+)$", (REPO / "docker" / "Dockerfile.cpu").read_text(), re.M)
+    assert re.search(r"^USER (\d+):(\d+)$", (REPO / "docker" / "Dockerfile.gpu").read_text(), re.M).groups() \
+        == user.groups()
+    pod = base["Deployment"]["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert (str(pod["securityContext"]["runAsUser"]), str(pod["securityContext"]["runAsGroup"])) == user.groups()
+    context = container(base["Deployment"])["securityContext"]
+    assert context == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                       "capabilities": {"drop": ["ALL"]}}
+    mounts = {m["mountPath"] for m in container(base["Deployment"])["volumeMounts"]}
+    assert mounts == {"/tmp", "/dev/shm"}  # the only places a read-only server writes
+
+
+@needs_kubectl
+@pytest.mark.parametrize("overlay, image, gpus, providers", [("overlays/cpu", "vitserve:cpu", None, "cpu"),
+                                                             ("overlays/gpu", "vitserve:gpu", "1", "cuda,cpu")])
+def test_each_overlay_sizes_the_server_to_its_cpu_limit(overlay, image, gpus, providers):
+    deployment = by_kind(render(overlay))["Deployment"]
+    c = container(deployment)
+    assert c["image"] == image
+    limits, requests = c["resources"]["limits"], c["resources"]["requests"]
+    assert limits.get("nvidia.com/gpu") == requests.get("nvidia.com/gpu") == gpus
+    variables = env(deployment)
+    # one HTTP worker and one ORT thread per core of the limit: the server would otherwise count the node's
+    assert variables["VITSERVE_WORKERS"] == variables["VITSERVE_INTRA_OP_THREADS"] == limits["cpu"]
+    assert variables["VITSERVE_PROVIDERS"] == providers
+    assert len(c["env"]) == len(variables)  # the overlay replaced the base's values, did not add twins
+
+
+def test_kserve_runs_the_vitserve_image_over_the_v2_protocol():
+    runtime = load(KUBE / "kserve" / "servingruntime.yaml")[0]
+    service = load(KUBE / "kserve" / "inferenceservice.yaml")[0]
+    model = service["spec"]["predictor"]["model"]
+    assert (model["runtime"], model["protocolVersion"]) == (runtime["metadata"]["name"], "v2")
+    assert model["modelFormat"]["name"] in {f["name"] for f in runtime["spec"]["supportedModelFormats"]}
+    assert runtime["spec"]["protocolVersions"] == ["v2"]
+    (c,) = runtime["spec"]["containers"]
+    assert c["name"] == "kserve-container" and c["image"].startswith("vitserve:")
+    assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
+    assert service["metadata"]["name"] == "vit-fmnist"  # the artifact's name: /v2/models/vit-fmnist/infer
