@@ -68,8 +68,7 @@ class ReplicaHeader:
 
         async def send_with_header(message):
             if message["type"] == "http.response.start":
-                message.setdefault("headers", [])
-                message["headers"] = [*message["headers"], self.header]
+                message["headers"] = [*message.get("headers", []), self.header]
             await send(message)
 
         await self.app(scope, receive, send_with_header)
