@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 from service.engine import Engine
 from service.errors import ServiceError, error_headers, error_response, status_code
 from service.metrics import ServiceMetrics
-from service.routes import classify, open_inference, operations, web
+from service.routes import classify, open_inference, operations, repository, web
 from service.runtime import InferenceModel
 from service.settings import Settings
 from service.state import ServiceState
@@ -38,7 +38,8 @@ async def lifespan(app: FastAPI):
 
 def create_app(settings: Settings | None = None, *, model: InferenceModel | None = None,
                metrics: ServiceMetrics | None = None) -> FastAPI:
-    """The app; `model` replaces loading `settings.model_path` (tests wrap the real model with it)."""
+    """The app; `model` replaces loading `settings.model_path` (tests wrap the real model with it): a repository
+    of that one model."""
     from vitserve import __version__
     settings = settings or Settings()
     metrics = metrics or ServiceMetrics()
@@ -50,7 +51,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     # the web page and the docs last: routing an API request never looks at their routes
-    for router in (classify.router, open_inference.router, operations.router, web.router):
+    for router in (classify.router, repository.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
     app.openapi = partial(openapi_document, app)
     return app
@@ -75,12 +76,13 @@ def openapi_document(app: FastAPI) -> dict:
 
 def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None) -> Engine:
     """The engine process at `settings.engine_addresses` (a frontend started by `vitserve serve`), or the model
-    and batcher in this process."""
+    registry in this process."""
     if settings.engine_addresses and model is None:
         from service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
         return RemoteEngine(settings, metrics)
     from service.engine.local import LocalEngine
-    return LocalEngine(settings, metrics, model)
+    from service.repository.registry import ModelRegistry, model_source
+    return LocalEngine(settings, metrics, ModelRegistry(model_source(settings, model), settings, metrics))
 
 
 def app_from_env() -> FastAPI:
@@ -102,7 +104,8 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
         status = status_code(exc)
-        headers = error_headers(status, request.app.state.service.retry_after_s())
+        model = getattr(request.state, "model_name", None)  # set on admission: Retry-After is its model's
+        headers = error_headers(status, request.app.state.service.retry_after_s(model))
         return respond(request, status, exc.code, str(exc), headers)
 
     @app.exception_handler(RequestValidationError)
@@ -144,4 +147,6 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            self.metrics.request_done(endpoint, status, time.perf_counter() - started)
+            # the model version the request was routed to (service/inference.py `route`), if any
+            model, version = scope.get("state", {}).get("served", ("", ""))
+            self.metrics.request_done(endpoint, status, time.perf_counter() - started, model, version)

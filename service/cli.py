@@ -22,25 +22,39 @@ ENV_PREFIX = "VITSERVE_"
 
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from service.settings import INTERNAL, Settings
+    from service.settings import SETTING_GROUPS, Settings
     parser = subparsers.add_parser(
-        "serve", help="serve an exported model over HTTP (FastAPI + uvicorn, dynamic batching)",
-        description="Serve a vitserve ONNX model. Each flag also reads from its VITSERVE_* environment variable.")
-    parser.add_argument("--model", dest="model_path", metavar="MODEL.onnx",
-                        help="the exported model (VITSERVE_MODEL_PATH)")
-    parser.add_argument("--ray", action="store_true", default=None,
-                        help="serve on Ray Serve: Ray's HTTP proxy in front of --ray-replicas replicas, each one "
-                             "session and batcher (needs `pip install \"vitserve[ray]\"`; docs/ray.md)")
-    for name, field in Settings.model_fields.items():
-        if name == "model_path" or field.description == INTERNAL:
-            continue
-        default = field.default if field.default_factory is None else "(derived)"
-        described = f"{field.description}; " if field.description else ""
-        help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}"
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, metavar=_metavar(field.annotation),
-                            help=help_text.replace("%", "%%"))
+        "serve", help="serve exported models over HTTP (FastAPI + uvicorn, dynamic batching)",
+        description="Serve one vitserve ONNX model (--model) or a repository of models and versions "
+                    "(--model-repository, laid out as Triton's: NAME/VERSION/model.onnx). Each flag also reads from "
+                    "its VITSERVE_* environment variable.")
+    for title, names in SETTING_GROUPS.items():
+        group = parser.add_argument_group(f"{title} options")
+        for name in names:
+            _add_setting(group, name, Settings.model_fields[name])
+            if name == "model_repository":
+                group.add_argument("--ray", action="store_true", default=None,
+                                   help="serve on Ray Serve: Ray's HTTP proxy in front of --ray-replicas replicas, "
+                                        "each one session and batcher (`pip install \"vitserve[ray]\"`; docs/ray.md)")
     parser.set_defaults(func=run_serve)
     return parser
+
+
+# Flags spelt otherwise than their field: --model for model_path, and --load-model repeated (Triton's spelling)
+_FLAG_NAMES = {"model_path": "--model", "load_models": "--load-model"}
+
+
+def _add_setting(group, name: str, field) -> None:
+    default = field.default if field.default_factory is None else "(derived)"
+    described = f"{field.description}; " if field.description else ""
+    help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}"
+    if name == "load_models":
+        group.add_argument("--load-model", dest=name, action="append", metavar="NAME",
+                           help=f"{described}repeat it for several; env {ENV_PREFIX}LOAD_MODELS=A,B")
+        return
+    metavar = "MODEL.onnx" if name == "model_path" else _metavar(field.annotation)
+    group.add_argument(_FLAG_NAMES.get(name, "--" + name.replace("_", "-")), dest=name, metavar=metavar,
+                       help=help_text.replace("%", "%%"))
 
 
 def _metavar(annotation) -> str:
@@ -56,22 +70,22 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.errors import ModelLoadError
+    from service.errors import ModelLoadError, ServiceError
     from service.settings import Settings
     from vitserve.artifact import ArtifactError
-    from vitserve.onnx_header import read_model_info
 
     for name, value in vars(args).items():
         if name not in ("command", "func", "ray") and value is not None:
-            os.environ[ENV_PREFIX + name.upper()] = str(value)
+            os.environ[ENV_PREFIX + name.upper()] = ",".join(value) if isinstance(value, list) else str(value)
     try:
         settings = Settings()
-        info = read_model_info(settings.model_path)  # cheap: no session yet
+        what = _what_is_served(settings)  # cheap: no session yet
     except ValidationError as e:
         print(f"vitserve serve: invalid settings:\n{e}", file=sys.stderr)
         return 2
-    except ArtifactError as e:
-        print(f"vitserve serve: cannot serve {settings.model_path}: {e}", file=sys.stderr)
+    except (ArtifactError, ServiceError, OSError) as e:
+        print(f"vitserve serve: cannot serve {settings.model_repository or settings.model_path}: {e}",
+              file=sys.stderr)
         return 2
     if getattr(args, "ray", None):
         return _serve_on_ray(settings)
@@ -81,9 +95,8 @@ def run_serve(args: argparse.Namespace) -> int:
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
-    logging.getLogger("vitserve.cli").info(
-        "serving %s %s from %s on http://%s:%d: %d HTTP worker(s), engine %s", info.name, info.version,
-        settings.model_path, settings.host, settings.port, settings.http_workers, settings.engine)
+    logging.getLogger("vitserve.cli").info("serving %s on http://%s:%d: %d HTTP worker(s), engine %s", what,
+                                           settings.host, settings.port, settings.http_workers, settings.engine)
     try:
         with _engines(settings) as settings:
             serve_with_uvicorn("service.app:app_from_env", settings)
@@ -94,6 +107,33 @@ def run_serve(args: argparse.Namespace) -> int:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def _what_is_served(settings: Settings) -> str:
+    """What the server will serve, said in a log line; a single file that is no vitserve model, a repository that
+    is not a folder, or a repository API open to the network without a key is refused here, before any
+    process starts."""
+    from service.errors import ServiceError
+    if settings.model_control_mode != "none" and settings.admin_key is None and not _loopback(settings.host):
+        raise ServiceError(f"--model-control-mode {settings.model_control_mode} on {settings.host} lets anyone who "
+                           f"reaches the port change what is served: set --admin-key (or VITSERVE_ADMIN_KEY), or "
+                           f"listen on 127.0.0.1")
+    if settings.model_repository is None:
+        from vitserve.onnx_header import read_model_info
+        info = read_model_info(settings.model_path)
+        return f"{info.name} {info.version} from {settings.model_path}"
+    from service.repository.layout import ModelRepository
+    names = ModelRepository(settings.model_repository).names()
+    return (f"the repository {settings.model_repository} ({len(names)} model(s): {', '.join(names[:10])}; control "
+            f"mode {settings.model_control_mode})")
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _serve_on_ray(settings: Settings) -> int:

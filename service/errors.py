@@ -46,6 +46,50 @@ class ModelNotFound(ServiceError):
     code = "model_not_found"
 
 
+class InvalidModelName(ServiceError):
+    """A model name or version that cannot name anything in a repository ('..', '/', ...): refused before it
+    touches a path."""
+
+    code = "invalid_model_name"
+
+
+class ModelUnavailable(ServiceError):
+    """The model exists but no version of it is ready (loading, unloading, or its load failed)."""
+
+    code = "model_unavailable"
+
+
+class VersionRetired(ServiceError):
+    """The version a request was routed to was unloaded before the request reached it; it never ran (an
+    unpinned request is routed again)."""
+
+    code = "version_retired"
+
+
+class RepositoryError(ServiceError):
+    """The repository or a model's config.json is not usable (its text says why)."""
+
+    code = "repository_error"
+
+
+class RepositoryControlDisabled(ServiceError):
+    """The repository API is off in this control mode."""
+
+    code = "repository_control_disabled"
+
+
+class Unauthorized(ServiceError):
+    """No credentials where a key is required."""
+
+    code = "unauthorized"
+
+
+class Forbidden(ServiceError):
+    """Credentials that do not match the key."""
+
+    code = "forbidden"
+
+
 class QueueFullError(ServiceError):
     """Too much work waiting; the client should come back after `Retry-After` (the error layer adds it)."""
 
@@ -106,6 +150,12 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     ImageDecodeError: 400,
     MalformedRequest: 400,
     ModelNotFound: 404,
+    InvalidModelName: 400,
+    ModelLoadError: 400,  # a load asked for through the repository API failed (Triton answers 400 too)
+    RepositoryError: 400,
+    RepositoryControlDisabled: 403,
+    Unauthorized: 401,
+    Forbidden: 403,
     PayloadTooLarge: 413,
     ImageTooLarge: 413,
     UnsupportedMediaType: 415,
@@ -117,16 +167,19 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     Overloaded: 429,
     ClientDisconnected: 499,  # nginx's convention; only ever seen in logs and metrics
     InferenceError: 500,
-    ModelLoadError: 500,
     ServiceError: 500,
     NotReady: 503,
+    ModelUnavailable: 503,
+    VersionRetired: 503,
     DeadlineExceeded: 504,
 }
 
 # For OpenAPI: what each status means, shared by every route's `responses`.
 STATUS_DESCRIPTIONS = {
-    400: "Undecodable or corrupt image",
-    404: "No model with that name",
+    400: "Undecodable or corrupt image, an invalid model name, or a model load that failed",
+    401: "No credentials where the server requires a key (Authorization: Bearer KEY)",
+    403: "Wrong key, or the repository API is off in this control mode",
+    404: "No model (or version) with that name",
     413: "Too many bytes, pixels or files",
     408: "The request was sent too slowly",
     414: "Request line too long",
@@ -135,7 +188,7 @@ STATUS_DESCRIPTIONS = {
     431: "Too many or too large headers",
     429: "Overloaded or queue full; retry after the Retry-After header's seconds",
     500: "Inference failed",
-    503: "Not ready (warming up or shutting down)",
+    503: "Not ready (warming up, loading or shutting down)",
     504: "Deadline exceeded (decoding, queueing, inference and rendering together)",
 }
 
@@ -173,6 +226,9 @@ CLOSE_CONNECTION_STATUSES = frozenset({408, 500})
 
 def error_headers(status: int, retry_after_s: int) -> dict[str, str]:
     headers = {"Retry-After": str(retry_after_s)} if status in RETRY_LATER_STATUSES else {}
+    if status == 401:  # RFC 9110, section 11.6.1: a 401 says which scheme it wants
+        headers["WWW-Authenticate"] = 'Bearer realm="vitserve"'
+
     if status in CLOSE_CONNECTION_STATUSES:
         headers["Connection"] = "close"
     return headers

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
@@ -33,45 +34,58 @@ class ServiceMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self._mirror = mirror
         metric = self._metric
+        # model and version on every inference metric: one series per version loaded, dropped when it is unloaded
+        # (`retire`, and the scrape's filter in multiprocess mode), so the count of series stays bounded.
+        per_model = ["model", "version"]
         self.request_duration = metric(Histogram, "vitserve_request_duration_seconds", "HTTP request duration, end to "
-                                       "end", ["endpoint", "status"], buckets=LATENCY_BUCKETS)
+                                       "end (model and version empty on routes that run no model)",
+                                       ["endpoint", "status", *per_model], buckets=LATENCY_BUCKETS)
         self.queue_wait_seconds = metric(Histogram, "vitserve_queue_wait_seconds", "Time an image waited in the batch "
-                                         "queue", buckets=LATENCY_BUCKETS)
+                                         "queue", per_model, buckets=LATENCY_BUCKETS)
         self.preprocess = metric(Histogram, "vitserve_preprocess_seconds", "Preparing one image's input: decoding, "
                                  "resizing and normalising it, or its share of parsing a tensor request",
-                                 buckets=LATENCY_BUCKETS)
+                                 per_model, buckets=LATENCY_BUCKETS)
         self.inference = metric(Histogram, "vitserve_inference_seconds", "One ONNX Runtime call (one batch) on the "
-                                "fast path (logits and rollout)", buckets=LATENCY_BUCKETS)
+                                "fast path (logits and rollout)", per_model, buckets=LATENCY_BUCKETS)
         # Apart: a relevance call (forward and backward) takes several times a fast one, and mixed in it would
         # move the fast path's latency quantiles with the share of clients asking for explanations.
         self.relevance_inference = metric(Histogram, "vitserve_relevance_inference_seconds", "One ONNX Runtime call "
-                                          "(one batch) on the relevance path (map=relevance)", buckets=LATENCY_BUCKETS)
-        self.relevance_images = metric(Counter, "vitserve_relevance_images", "Images run through the relevance path")
+                                          "(one batch) on the relevance path (map=relevance)", per_model,
+                                          buckets=LATENCY_BUCKETS)
+        self.relevance_images = metric(Counter, "vitserve_relevance_images", "Images run through the relevance path",
+                                       per_model)
         self.postprocess = metric(Histogram, "vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
-                                  "rollout rendering, or its share of a tensor response", buckets=LATENCY_BUCKETS)
-        self.batch_size = metric(Histogram, "vitserve_batch_size", "Images per ONNX Runtime call",
+                                  "rollout rendering, or its share of a tensor response", per_model,
+                                  buckets=LATENCY_BUCKETS)
+        self.batch_size = metric(Histogram, "vitserve_batch_size", "Images per ONNX Runtime call", per_model,
                                  buckets=BATCH_SIZE_BUCKETS)
-        self.images = metric(Counter, "vitserve_images", "Images run through the model")
+        self.images = metric(Counter, "vitserve_images", "Images run through the model", per_model)
         # By batch size, for the Open Inference Protocol's statistics extension (service/statistics.py); the
         # label has at most max_batch_size values.
-        self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size", ["batch_size"])
+        self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size",
+                              [*per_model, "batch_size"])
         self.batch_seconds = metric(Counter, "vitserve_batch_seconds", "Time in ONNX Runtime calls, by batch size",
-                                    ["batch_size"])
+                                    [*per_model, "batch_size"])
         self.batch_stack_seconds = metric(Counter, "vitserve_batch_stack_seconds", "Time stacking batches' inputs, by "
-                                          "batch size", ["batch_size"])
+                                          "batch size", [*per_model, "batch_size"])
         self.last_inference = metric(Gauge, "vitserve_last_inference_timestamp_seconds", "When the last batch ran "
-                                     "(Unix time)", multiprocess_mode="max")
+                                     "(Unix time)", per_model, multiprocess_mode="max")
         self.rejected = metric(Counter, "vitserve_requests_rejected", "Requests (or files of a batch request) answered "
                                "with an error, by error code", ["reason"])
         self.queue_depth_gauge = metric(Gauge, "vitserve_queue_depth", "Images waiting in the batch queue",
-                                        multiprocess_mode="livesum")
+                                        per_model, multiprocess_mode="livesum")
         self.in_flight = metric(Gauge, "vitserve_requests_in_flight", "HTTP requests being handled",
                                 multiprocess_mode="livesum")
-        self.ready = metric(Gauge, "vitserve_ready", "1 when the model is loaded and warmed up (min over workers)",
-                            multiprocess_mode="livemin")
+        self.ready = metric(Gauge, "vitserve_ready", "1 when the server is ready: its engine reachable and the models "
+                            "it starts with loaded and warmed up (min over workers)", multiprocess_mode="livemin")
+        self.model_ready = metric(Gauge, "vitserve_model_ready", "1 while a model version is loaded, warmed up and "
+                                  "routed to", per_model, multiprocess_mode="livemax")
         # An Info metric has no multiprocess support; a constant-1 gauge with labels is the same series.
-        self.model_info = metric(Gauge, "vitserve_model_info", "The served model",
+        self.model_info = metric(Gauge, "vitserve_model_info", "A served model version",
                                  ["name", "version", "provider", "opset"], multiprocess_mode="livemax")
+        # (model, version) -> every (metric, label values) recorded for it, so `retire` can remove them through
+        # prometheus-client's public `remove`
+        self._children: dict[tuple[str, str], set[tuple]] = defaultdict(set)
         self.ready.set(0)
 
     def _metric(self, kind: type, name: str, documentation: str, labelnames=(), **options):
@@ -87,17 +101,102 @@ class ServiceMetrics:
     def request_started(self) -> None:
         self.in_flight.inc()
 
-    def request_done(self, endpoint: str, status: int, seconds: float) -> None:
+    def request_done(self, endpoint: str, status: int, seconds: float, model: str = "", version: str = "") -> None:
         self.in_flight.dec()
-        self.request_duration.labels(endpoint, str(status)).observe(seconds)
+        values = (endpoint, str(status), model, version)
+        if model:
+            self._children[model, version].add((self.request_duration, values))
+        self.request_duration.labels(*values).observe(seconds)
 
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
+    def for_model(self, model: str, version: str) -> "ModelMetrics":
+        """What one model version reports: its batches, queue and images, under its labels."""
+        return ModelMetrics(self, model, version)
+
+    def set_ready(self, ready: bool) -> None:
+        self.ready.set(1 if ready else 0)
+
+    def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
+        values = (name, version, provider, str(opset if opset is not None else ""))
+        self.labelled(name, version, self.model_info, values).set(1)
+
+    def labelled(self, model: str, version: str, metric, values: tuple):
+        """`metric.labels(*values)`, remembered as one of the (model, version)'s series."""
+        self._children[model, version].add((metric, values))
+        return metric.labels(*values)
+
+    def retire(self, model: str, version: str) -> None:
+        """A version was unloaded: its series stop exporting (this process's; a multiprocess scrape filters the
+        other processes' by `render(live=...)`)."""
+        for metric, values in self._children.pop((model, version), ()):
+            try:
+                metric.remove(*values)
+            except KeyError:
+                pass
+
+    # --- the scrape ---
+    def render(self, live: set[tuple[str, str]] | None = None) -> tuple[bytes, str]:
+        """The exposition text: this registry, or every process's files in multiprocess mode; with `live`, only
+        the per-model series of those (model, version) pairs."""
+        return generate_latest(self._scraped(live)), CONTENT_TYPE_LATEST
+
+    def families(self, live: set[tuple[str, str]] | None = None) -> list:
+        """The metric families as a scrape sees them (every process's, in multiprocess mode)."""
+        return list(self._scraped(live).collect())
+
+    def _scraped(self, live: set[tuple[str, str]] | None):
+        if multiprocess_dir():
+            forget_dead_workers(multiprocess_dir())
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+        else:
+            registry = self.registry
+        return registry if live is None else _LiveVersionsOnly(registry, live)
+
+
+class _LiveVersionsOnly:
+    """A registry's families without the samples of unloaded versions: in multiprocess mode their values stay in
+    the files of the processes that recorded them, and a scrape must not export them forever."""
+
+    def __init__(self, registry, live: set[tuple[str, str]]):
+        self._registry, self._live = registry, live
+
+    def collect(self):
+        for family in self._registry.collect():
+            family.samples = [s for s in family.samples if _is_live(s.labels, self._live)]
+            yield family
+
+
+def _is_live(labels: dict, live: set[tuple[str, str]]) -> bool:
+    model = labels.get("model", labels.get("name") if "provider" in labels else None)
+    if not model:  # not a per-model series, or a request that ran no model
+        return True
+    return (model, labels.get("version", "")) in live
+
+
+class ModelMetrics:
+    """One model version's metrics, labels bound: the batcher's observer (service.batcher.BatchObserver) and the
+    stages of its images."""
+
+    def __init__(self, metrics: ServiceMetrics, model: str, version: str):
+        self.service, self.model, self.version = metrics, model, version
+        m, labels = metrics, (model, version)
+
+        def child(metric):
+            return m.labelled(model, version, metric, labels)
+        self._queue_wait, self._preprocess = child(m.queue_wait_seconds), child(m.preprocess)
+        self._postprocess, self._inference = child(m.postprocess), child(m.inference)
+        self._relevance, self._relevance_images = child(m.relevance_inference), child(m.relevance_images)
+        self._batch_size, self._images = child(m.batch_size), child(m.images)
+        self._last, self._depth = child(m.last_inference), child(m.queue_depth_gauge)
+        self._ready = child(m.model_ready)
+
     def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
         """One image's input prepared, and its result encoded."""
-        self.preprocess.observe(preprocess_s)
-        self.postprocess.observe(postprocess_s)
+        self._preprocess.observe(preprocess_s)
+        self._postprocess.observe(postprocess_s)
 
     def tensor_stages(self, images: int, parse_s: float, encode_s: float) -> None:
         """A request of `images` pixel tensors parsed and its outputs encoded: each image's share."""
@@ -107,45 +206,26 @@ class ServiceMetrics:
     def batch_done(self, size: int, seconds: float, stack_seconds: float,
                    targeted: bool = False) -> None:  # service.batcher.BatchObserver
         if targeted:
-            self.relevance_inference.observe(seconds)
-            self.relevance_images.inc(size)
+            self._relevance.observe(seconds)
+            self._relevance_images.inc(size)
         else:
-            self.inference.observe(seconds)
-        self.batch_size.observe(size)
-        self.images.inc(size)
-        self.batches.labels(size).inc()
-        self.batch_seconds.labels(size).inc(seconds)
-        self.batch_stack_seconds.labels(size).inc(stack_seconds)
-        self.last_inference.set_to_current_time()
+            self._inference.observe(seconds)
+        self._batch_size.observe(size)
+        self._images.inc(size)
+        m, labels = self.service, (self.model, self.version, str(size))
+        m.labelled(self.model, self.version, m.batches, labels).inc()
+        m.labelled(self.model, self.version, m.batch_seconds, labels).inc(seconds)
+        m.labelled(self.model, self.version, m.batch_stack_seconds, labels).inc(stack_seconds)
+        self._last.set_to_current_time()
 
     def queue_wait(self, seconds: float) -> None:  # service.batcher.BatchObserver
-        self.queue_wait_seconds.observe(seconds)
+        self._queue_wait.observe(seconds)
 
     def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
-        self.queue_depth_gauge.set(depth)
+        self._depth.set(depth)
 
     def set_ready(self, ready: bool) -> None:
-        self.ready.set(1 if ready else 0)
-
-    def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
-        self.model_info.labels(name, version, provider, str(opset if opset is not None else "")).set(1)
-
-    # --- the scrape ---
-    def render(self) -> tuple[bytes, str]:
-        """The exposition text: this registry, or every process's files in multiprocess mode."""
-        return generate_latest(self._scraped()), CONTENT_TYPE_LATEST
-
-    def families(self) -> list:
-        """The metric families as a scrape sees them (every process's, in multiprocess mode)."""
-        return list(self._scraped().collect())
-
-    def _scraped(self) -> CollectorRegistry:
-        if multiprocess_dir():
-            forget_dead_workers(multiprocess_dir())
-            registry = CollectorRegistry()
-            multiprocess.MultiProcessCollector(registry)
-            return registry
-        return self.registry
+        self._ready.set(1 if ready else 0)
 
 
 def forget_dead_workers(directory: str) -> None:
@@ -194,6 +274,11 @@ class MirroredMetric:
         self._tags = tags or {}
         self._value = 0.0  # a gauge's value, as the mirror has it
         self._children: dict[tuple, MirroredMetric] = {}
+
+    def remove(self, *values) -> None:
+        """Forget a child here; the mirror keeps its last value (Ray's metrics have no removal)."""
+        self._metric.remove(*values)
+        self._children.pop(tuple(str(v) for v in values), None)
 
     def labels(self, *values) -> "MirroredMetric":
         key = tuple(str(v) for v in values)

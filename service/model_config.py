@@ -15,9 +15,10 @@ from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInf
 PLATFORM = "onnxruntime_onnx"
 
 
-def model_metadata(info: ModelInfo) -> ModelMetadata:
-    """The protocol's metadata: shapes with the batch dimension, -1 where a request chooses."""
-    return ModelMetadata(name=info.name, versions=[info.version], platform=PLATFORM,
+def model_metadata(info: ModelInfo, versions: list[str] | None = None) -> ModelMetadata:
+    """The protocol's metadata (`versions`: the model's ready versions; default: this one): shapes with the batch
+    dimension, -1 where a request chooses."""
+    return ModelMetadata(name=info.name, versions=versions or [info.version], platform=PLATFORM,
                          inputs=[TensorMetadata(name=INPUT_NAME, datatype="FP32", shape=[-1, info.channels, -1, -1]),
                                  TensorMetadata(name=IMAGE_INPUT_NAME, datatype="BYTES", shape=[-1, 1])],
                          outputs=[TensorMetadata(name=name, datatype="FP32", shape=[-1, *dims])

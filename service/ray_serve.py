@@ -115,8 +115,10 @@ def replica_settings(settings: Settings) -> Settings:
     worker (Ray's proxy is the HTTP server), ONNX Runtime threads to match the CPUs Ray reserves for it (inside
     an actor, 0 = one per core would count every core of the node), and an absolute model path."""
     threads = settings.intra_op_threads or max(1, math.floor(settings.ray_replica_cpus))
-    return settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads,
-                                       "model_path": settings.model_path.expanduser().absolute()})
+    paths = {"model_path": settings.model_path.expanduser().absolute()}
+    if settings.model_repository is not None:
+        paths["model_repository"] = settings.model_repository.expanduser().absolute()
+    return settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads, **paths})
 
 
 def deployment_options(settings: Settings) -> dict:

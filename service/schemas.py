@@ -93,6 +93,17 @@ class BatchResponse(BaseModel):
     results: list[ClassifyResponse | ErrorResponse] = Field(description="one per `file` field, in order")
 
 
+class ModelVersionState(BaseModel):
+    name: str
+    version: str = Field(description="empty: in the repository, not loaded")
+    state: str = Field(description="READY, LOADING, UNLOADING or UNAVAILABLE")
+    reason: str = ""
+
+
+class ModelList(BaseModel):
+    models: list[ModelVersionState]
+
+
 class ModelCard(BaseModel):
     name: str
     version: str

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Provider = Literal["tensorrt", "cuda", "cpu"]
@@ -20,7 +20,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VITSERVE_", extra="ignore")
 
     # the model and where to serve it
-    model_path: Path = Path("models/vit-fmnist/model.onnx")
+    model_path: Path = Field(Path("models/vit-fmnist/model.onnx"), description="one model file to serve (a "
+                             "repository of one); ignored with model_repository")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     engine: Literal["process", "inline"] = Field(
@@ -37,6 +38,23 @@ class Settings(BaseSettings):
     engine_addresses: Annotated[list[str], NoDecode] = Field(default_factory=list, description=INTERNAL)
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
+
+    # the model repository (service/repository/): several models and versions, loaded and unloaded live
+    model_repository: Path | None = Field(None, description="a folder of models laid out as Triton's: "
+                                                            "NAME/VERSION/model.onnx (and NAME/config.json)")
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none", description="none: load every model at start, no repository API; explicit: load load_models at "
+                            "start, then the repository API loads and unloads; poll: follow the repository's "
+                            "changes every repository_poll_secs")
+    load_models: Annotated[list[str], NoDecode] = Field(default_factory=list, description="with explicit: the "
+                                                        "models to load at start ('*': all)")
+    repository_poll_secs: float = Field(15.0, ge=0.1, le=86_400, description="with poll: seconds between looks at "
+                                        "the repository (a new file is loaded once unchanged for one interval)")
+    admin_key: SecretStr | None = Field(None, description="the key the repository API requires (Authorization: "
+                                                          "Bearer KEY); needed with explicit or poll unless the "
+                                                          "server listens on loopback only")
+    api_key: SecretStr | None = Field(None, description="if set, the inference and model routes require it too "
+                                                        "(health, metrics and the web page's files stay open)")
 
     # ONNX Runtime: execution providers in order of preference; CPU is always the last resort
     providers: Annotated[list[Provider], NoDecode] = ["cuda", "cpu"]
@@ -140,6 +158,13 @@ class Settings(BaseSettings):
                                                                 "every replica has max_requests_in_flight; more "
                                                                 "get 429")
 
+    @field_validator("load_models", mode="before")
+    @classmethod
+    def _split_names(cls, value):
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        return value
+
     @field_validator("providers", "warmup_batch_sizes", mode="before")
     @classmethod
     def _split_commas(cls, value):
@@ -167,6 +192,10 @@ class Settings(BaseSettings):
             self.warmup_batch_sizes = sorted({1, self.max_batch_size})
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ValueError(f"warmup_batch_sizes {self.warmup_batch_sizes} must lie in 1..max_batch_size")
+        if self.model_control_mode != "none" and self.model_repository is None:
+            raise ValueError(f"model_control_mode {self.model_control_mode} needs a model_repository")
+        if self.load_models and self.model_control_mode != "explicit":
+            raise ValueError("load_models is for model_control_mode explicit (the other modes load every model)")
         if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
             raise ValueError(f"ray_max_replicas {self.ray_max_replicas} is below ray_replicas {self.ray_replicas}")
         return self
@@ -177,6 +206,13 @@ class Settings(BaseSettings):
         if self.workers:
             return self.workers
         return len(os.sched_getaffinity(0)) if self.engine == "process" else 1
+
+    @property
+    def startup_models(self) -> list[str] | None:
+        """The models loaded at start: None for every model of the repository (or the single file)."""
+        if self.model_control_mode != "explicit" or "*" in self.load_models:
+            return None
+        return list(self.load_models)
 
     @property
     def max_queue_delay_s(self) -> float:
@@ -191,3 +227,29 @@ class Settings(BaseSettings):
         """The longest predicted wait in the batch queue admission accepts."""
         limit = self.request_timeout_s
         return min(limit, self.max_queue_wait_ms / 1000) if self.max_queue_wait_ms else limit
+
+
+# `vitserve serve --help` in this order: what a first user needs, then each concern apart. Every field but the
+# internal ones is in exactly one group (tests/service/test_runtime_and_cli.py holds it).
+SETTING_GROUPS: dict[str, tuple[str, ...]] = {
+    "common": ("model_path", "model_repository", "host", "port", "model_control_mode", "load_models", "admin_key",
+               "api_key", "providers", "workers", "max_batch_size", "max_queue_delay_ms", "request_timeout_ms",
+               "log_level"),
+    "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
+               "header_timeout_s", "body_timeout_s"),
+    "repository": ("repository_poll_secs",),
+    "engine and ONNX Runtime": ("engine_arena_bytes", "engine_timeout_s", "cuda_device_id", "cuda_device_ids",
+                                "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "tensorrt_fp16",
+                                "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads", "intra_op_spinning",
+                                "graph_optimization", "warmup_batch_sizes"),
+    "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
+                 "max_batch_cost"),
+    "admission and limits": ("max_requests_in_flight", "max_queue_wait_ms", "max_loop_lag_ms",
+                             "max_pixels_in_flight", "large_image_pixels", "max_upload_bytes", "max_image_pixels",
+                             "max_batch_files", "max_native_tokens", "preprocess_threads", "max_rollout_image_side",
+                             "max_json_body_bytes", "max_binary_body_bytes", "max_json_values"),
+    "Ray Serve (--ray)": ("ray_address", "ray_replicas", "ray_max_replicas", "ray_target_ongoing_requests",
+                          "ray_replica_cpus", "ray_replica_gpus", "ray_metrics_export_port",
+                          "ray_max_queued_requests"),
+}
+

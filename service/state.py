@@ -54,10 +54,6 @@ class ServiceState:
         """Serving: the engine is ready (loaded, warmed up, reachable) and this process is not shutting down."""
         return self.engine.ready and not self.draining
 
-    @property
-    def info(self) -> ModelInfo:
-        return self.engine.info
-
     async def start(self) -> None:
         s = self.settings
         self.engine.on_ready = lambda ready: self.metrics.set_ready(ready and not self.draining)
@@ -107,16 +103,18 @@ class ServiceState:
                 pool.shutdown(wait=False, cancel_futures=True)
         mark_process_dead(os.getpid())
 
-    async def preprocess(self, data: bytes, resize: ResizePolicy, keep_source: bool) -> tuple[PreparedImage, float]:
-        """Decode and prepare one image in a pool, holding its share of the pixel budget while it does; returns
-        it and the seconds it took. The header is read first: the limits, and the size to reserve."""
+    async def preprocess(self, data: bytes, info: ModelInfo, resize: ResizePolicy,
+                         keep_source: bool) -> tuple[PreparedImage, float]:
+        """Decode and prepare one image for the model `info` describes, in a pool, holding its share of the pixel
+        budget while it does; returns it and the seconds it took. The header is read first: the limits, and the
+        size to reserve."""
         s, loop = self.settings, asyncio.get_running_loop()
         # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
         pixels = await loop.run_in_executor(self.pool, partial(peek_pixels, data, max_bytes=s.max_upload_bytes,
                                                                max_pixels=s.max_image_pixels))
         reserved = await self.pixels.acquire(pixels)
         pool = self.large_pool if pixels > s.large_image_pixels else self.pool
-        job = pool.submit(_timed, prepare_image, data, self.info, resize=resize, max_bytes=s.max_upload_bytes,
+        job = pool.submit(_timed, prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side)
         # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
@@ -132,18 +130,19 @@ class ServiceState:
         route = inference_route(method, path)
         if route is None or not self.ready:
             return None
-        predicted = self.engine.predicted_wait_s()
-        refused = self.admission.refusal(predicted, self.settings.queue_wait_limit_s)
+        refused = self.admission.refusal(self.engine.predicted_wait_s(_model_in(path)),
+                                         self.settings.queue_wait_limit_s)
         if refused is None:
             return None
         self.metrics.rejected_request(refused.code)
         self.metrics.request_started()
         self.metrics.request_done(route, 429, 0.0)
-        return refused, self.retry_after_s()
+        return refused, self.retry_after_s(_model_in(path))
 
-    def retry_after_s(self) -> int:
-        """Seconds a refused client should wait: the time the queued work needs to run (at least the setting)."""
-        return max(self.settings.retry_after_s, math.ceil(self.engine.predicted_wait_s()))
+    def retry_after_s(self, model: str | None = None) -> int:
+        """Seconds a refused client should wait: the time the model's queued work needs to run (at least the
+        setting)."""
+        return max(self.settings.retry_after_s, math.ceil(self.engine.predicted_wait_s(model)))
 
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))
@@ -184,11 +183,27 @@ def get_ready_state(request: Request) -> ServiceState:
     return state
 
 
+def _model_in(path: str) -> str | None:
+    """The model an inference path names (/v2/models/NAME/...), or None (/v1: a query parameter, or the only
+    model)."""
+    if path.startswith("/v2/models/"):
+        return path.split("/", 4)[3] or None
+    return None
+
+
+def requested_model(request: Request) -> str | None:
+    """The model a request names, in its path or its `model` query parameter."""
+    return request.path_params.get("name") or request.query_params.get("model")
+
+
 async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
     """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
-    otherwise, before its body is read); it counts as in flight until its route returns."""
+    otherwise, before its body is read); it counts as in flight until its route returns. The queued work it is
+    measured against is its own model's: an overloaded big model does not refuse a small one's requests."""
     state = get_ready_state(request)
-    state.admission.enter(state.engine.predicted_wait_s(), state.settings.queue_wait_limit_s)
+    model = requested_model(request)
+    request.state.model_name = model  # for Retry-After, should the request be refused later on
+    state.admission.enter(state.engine.predicted_wait_s(model), state.settings.queue_wait_limit_s)
     try:
         yield state
     finally:

@@ -25,6 +25,8 @@ def triton_statistics(families, name: str, version: str, inference_endpoints: fr
     for family in families:
         for sample in family.samples:
             labels = sample.labels
+            if "model" in labels and (labels["model"], labels.get("version")) != (name, version):
+                continue  # another model's, or a request that ran none
             if sample.name.startswith("vitserve_request_duration_seconds_"):
                 if labels.get("endpoint") in inference_endpoints and sample.name.endswith(("_count", "_sum")):
                     requests[labels["status"] == "200"][sample.name.endswith("_sum")] += sample.value

@@ -1,23 +1,22 @@
-"""`LocalEngine`: the model's session and the dynamic batcher in this process.
+"""`LocalEngine`: the model registry (every served version's session and batcher) in this process.
 
 It is the whole engine of a single-process server (`--engine inline`, and the tests), and the inside of an
 engine process (`service/engine/process.py`), which feeds it what every HTTP frontend submits.
-`start` loads the model (a bad model stops startup), starts the batcher, then warms up in the background;
-`ready` turns true only after the warm-up.
+`start` loads the models the server starts with (a bad single model file stops startup); `ready` turns true
+once they are loaded and warmed up.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from typing import Callable
 
 import numpy as np
 
-from service.batcher import BatchResult, DynamicBatcher
-from service.errors import InferenceError, ModelLoadError
+from service.engine import IndexEntry, InferenceResult, ModelHandle, same_geometry
+from service.errors import VersionRetired
 from service.metrics import ServiceMetrics
-from service.runtime import InferenceModel, OnnxModel, warm_up
+from service.repository.registry import ModelRegistry
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 
@@ -25,87 +24,90 @@ log = logging.getLogger("vitserve.engine")
 
 
 class LocalEngine:
-    def __init__(self, settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None = None,
-                 loader: Callable[[Settings], InferenceModel] = OnnxModel.load):
-        self.settings, self.metrics = settings, metrics
-        self.model = model  # given (tests) or loaded from settings.model_path at start, by `loader`
-        self._loader = loader
-        self.batcher: DynamicBatcher | None = None
+    def __init__(self, settings: Settings, metrics: ServiceMetrics, registry: ModelRegistry):
+        self.settings, self.metrics, self.registry = settings, metrics, registry
         self.ready = False
         self.on_ready: Callable[[bool], None] = lambda ready: None
-        self._warmup: asyncio.Task | None = None
-
-    @property
-    def info(self) -> ModelInfo:
-        return self.model.info
+        self._warming: asyncio.Task | None = None
 
     @property
     def provider(self) -> str:
-        return self.model.provider
+        providers = [r.served.provider for r in self.registry.records.values() if r.served and r.served.model]
+        return providers[0] if providers else "unknown"
 
     async def start(self) -> None:
-        if self.model is None:
-            try:
-                self.model = await asyncio.to_thread(self._loader, self.settings)
-            except ModelLoadError as e:
-                log.error("cannot start: %s", e)
-                raise
-        s, info = self.settings, self.model.info
-        self.metrics.set_model(info.name, info.version, self.model.provider, info.opset)
-        trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
-        self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
-                                      max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
-                                      max_batches_in_flight=s.max_batches_in_flight,
-                                      dispatch_when_idle=s.dispatch_when_idle,
-                                      max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
-                                      observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size)
-        self.batcher.start()
-        self._warmup = asyncio.create_task(self._warm_up())
+        """Load the models the server starts with (a bad single file raises ModelLoadError), then warm them up in
+        the background: ready once every one that loaded is warmed up."""
+        single = self.settings.model_repository is None
+        await self.registry.start(self.settings.startup_models, required=single)
+        self._warming = asyncio.create_task(self._warm_up(single))
 
-    async def _warm_up(self) -> None:
-        started = time.perf_counter()
-        try:
-            await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
-        except Exception:  # stay not-ready: the readiness probe fails and the orchestrator restarts us
-            log.exception("warm-up failed; the service stays not ready")
-            return
+    async def _warm_up(self, single: bool) -> None:
+        if not await self.registry.warm_up_loading() and single:
+            return  # stay not ready: the readiness probe fails and the orchestrator restarts us
         self.ready = True
         self.on_ready(True)
-        log.info("ready: %s %s on %s, warmed up at batch sizes %s in %.2f s", self.model.info.name,
-                 self.model.info.version, self.model.provider, self.settings.warmup_batch_sizes,
-                 time.perf_counter() - started)
 
-    async def warmed_up(self) -> bool:
-        """Wait for the warm-up that `start` began; whether the engine is ready. (A Ray Serve replica waits for
-        it before Ray routes requests to it: service/ray_serve.py.)"""
-        if self._warmup is not None:
-            await asyncio.shield(self._warmup)
-        return self.ready
+    def route(self, name: str | None, version: str | None = None) -> ModelHandle:
+        return self.registry.route(name, version)
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
-        return await self.batcher.submit(pixels, timeout_s, target)
+    def info(self, name: str, version: str) -> ModelInfo:
+        return self.registry.serving(name, version).info
 
-    def predicted_wait_s(self) -> float:
-        return self.batcher.predicted_wait_s() if self.batcher else 0.0
+    async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
+                     target: int | None = None) -> InferenceResult:
+        try:
+            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target)
+        except VersionRetired:
+            rerouted = self._rerouted(handle)
+            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target)
 
-    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None) -> list:
-        """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
-        `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
-        An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
-        if targets is None:
-            outputs = self.model.run(pixel_values)
-        else:
-            outputs = self.model.explain(pixel_values, targets)
-        if any(output.shape[0] != len(pixel_values) for output in outputs):
-            raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
-        finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])
-        return [tuple(o[i] for o in outputs) if finite[i] else InferenceError("model output is not finite")
-                for i in range(len(pixel_values))]
+    async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
+                     target: int | None) -> InferenceResult:
+        """Run one image on exactly this version (an engine process serves its frontends' submits with it)."""
+        served = self.registry.serving(name, version)
+        async with served.admitted():
+            result = await served.submit(pixels, timeout_s, target)
+        result.version = version
+        return result
+
+    def _rerouted(self, handle: ModelHandle) -> ModelHandle:
+        """An unpinned request whose version was retired before it ran: the newest ready version, if the image
+        prepared for the old one fits it."""
+        if handle.pinned:
+            raise VersionRetired(f"model {handle.name!r} version {handle.version} was unloaded before this request "
+                                 f"ran")
+        now = self.registry.route(handle.name)
+        if not same_geometry(now.info, handle.info):
+            raise VersionRetired(f"model {handle.name!r} changed version ({handle.version} -> {now.version}) with a "
+                                 f"different input geometry while this request was prepared: send it again")
+        return now
+
+    def predicted_wait_s(self, name: str | None = None) -> float:
+        return self.registry.predicted_wait_s(name)
+
+    async def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        return self.registry.index(ready_only)
+
+    def live_versions(self) -> set[tuple[str, str]]:
+        return self.registry.live_versions()
+
+    async def load(self, name: str) -> None:
+        await self.registry.load(name)
+
+    async def unload(self, name: str) -> None:
+        await self.registry.unload(name)
 
     async def close(self, timeout_s: float) -> None:
-        """Stop the warm-up; run what is queued (up to `timeout_s`), then stop the batcher."""
+        """Run what is queued (up to `timeout_s`), then stop every version."""
         self.ready = False
-        if self._warmup and not self._warmup.done():
-            self._warmup.cancel()
-        if self.batcher:
-            await self.batcher.close(timeout_s)
+        if self._warming is not None and not self._warming.done():
+            self._warming.cancel()
+        await self.registry.close(timeout_s)
+
+    async def warmed_up(self) -> bool:
+        """Wait for the warm-up that `start` began; whether the engine is ready. (A Ray Serve replica waits for it
+        before Ray routes requests to it: service/ray_serve.py.)"""
+        if self._warming is not None:
+            await asyncio.shield(self._warming)
+        return self.ready

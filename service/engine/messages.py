@@ -1,10 +1,15 @@
 """The one contract between HTTP frontends and an engine process: the messages, as msgspec structs over ZeroMQ.
 
-A frontend (DEALER socket) sends `Submit` for each image: the pixels themselves are in the frontend's
-shared-memory arena (`service/engine/shm.py`); the message says where. It may send `Cancel` for an image
-whose client went away. The engine (ROUTER socket) answers every `Submit` exactly once, with `Result` or
-`Failure`, and publishes `EngineStatus` on a PUB socket several times a second: readiness, which engine
-incarnation is running (a restarted engine has a new one), and its queue, for the frontends' admission.
+A frontend (DEALER socket) sends `Submit` for each image, naming the model version it was routed to: the pixels
+themselves are in the frontend's shared-memory arena (`service/engine/shm.py`); the message says where. It may
+send `Cancel` for an image whose client went away. The engine (ROUTER socket) answers every `Submit` exactly
+once, with `Result` or `Failure`, and publishes `EngineStatus` on a PUB socket several times a second:
+readiness, which engine incarnation is running (a restarted engine has a new one), the repository's generation
+(it changes whenever a version's state does) and each version's queue, for the frontends' admission.
+
+`Control` asks the engine for its repository index, or to load or unload a model; it gets one `ControlReply`
+with the outcome and the index after it (every version's state, and the metadata of those loaded, which the
+frontend routes and preprocesses with).
 
 Both sides import this module; tests/service/test_engine_messages.py holds the round trip.
 """
@@ -17,6 +22,8 @@ from service.errors import STATUS_CODES, ServiceError
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
     id: int  # unique per frontend connection
+    model: str
+    version: str  # the version the frontend routed it to: it runs there or fails (VersionRetired)
     arena: str  # the shared-memory segment's name
     offset: int  # of the array's first byte in it
     shape: tuple[int, ...]
@@ -27,6 +34,41 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
     id: int
+
+
+class Control(msgspec.Struct, tag="control", array_like=True):
+    id: int
+    op: str  # "index", "load" or "unload"
+    model: str = ""
+
+
+class IndexRow(msgspec.Struct, array_like=True):
+    model: str
+    version: str
+    state: str
+    reason: str
+
+
+class LoadedVersion(msgspec.Struct, array_like=True):
+    model: str
+    version: str
+    metadata: dict[str, str]  # ModelInfo.to_metadata() of the version as served (its name and version)
+    opset: int | None
+    batching: dict[str, int | float]  # its own batching limits (config.json)
+
+
+class RepositoryIndex(msgspec.Struct, array_like=True):
+    generation: int
+    rows: list[IndexRow]  # every model and version known, as the repository index lists them
+    loaded: list[LoadedVersion]
+    problems: dict[str, str]  # model -> why it cannot load at all
+
+
+class ControlReply(msgspec.Struct, tag="control_reply", array_like=True):
+    id: int
+    index: RepositoryIndex
+    code: str = ""  # empty: it worked; else a ServiceError's code
+    message: str = ""
 
 
 class Tensor(msgspec.Struct, array_like=True):
@@ -48,13 +90,20 @@ class Failure(msgspec.Struct, tag="failure", array_like=True):
     message: str
 
 
-class EngineStatus(msgspec.Struct, tag="status", array_like=True):
-    incarnation: str  # new each time an engine process starts
-    ready: bool  # loaded and warmed up, not shutting down
-    provider: str  # the ONNX Runtime execution provider in use
+class VersionQueue(msgspec.Struct, array_like=True):
+    model: str
+    version: str
     queued: int  # images waiting in its batch queue
     queued_cost: int  # their input values
     seconds_per_cost: float | None  # measured batch time per input value; None before the first batch
+
+
+class EngineStatus(msgspec.Struct, tag="status", array_like=True):
+    incarnation: str  # new each time an engine process starts
+    ready: bool  # its startup models loaded and warmed up, not shutting down
+    provider: str  # the ONNX Runtime execution provider in use
+    generation: int  # the repository's: a frontend with an older index asks for the new one
+    queues: list[VersionQueue]  # each ready version's
     sent_at: float  # time.time() when published
 
 
@@ -63,8 +112,8 @@ def status_address(address: str) -> str:
     return address + ".status"
 
 
-ToEngine = Submit | Cancel
-FromEngine = Result | Failure
+ToEngine = Submit | Cancel | Control
+FromEngine = Result | Failure | ControlReply
 
 _ERRORS: dict[str, type[ServiceError]] = {cls.code: cls for cls in STATUS_CODES}
 

@@ -1,10 +1,11 @@
-"""An engine process: one `LocalEngine` (the session and the batcher) fed by every HTTP frontend.
+"""An engine process: one `LocalEngine` (the model registry: every version's session and batcher) fed by every
+HTTP frontend.
 
 `run_engine_process` is the process's entry point (started by `service/engine/supervisor.py`). It binds a
-ZeroMQ ROUTER socket at its address for `Submit` and `Cancel` (service/engine/messages.py) and a PUB socket
-beside it for `EngineStatus`. Each submitted image is read in place from its frontend's shared-memory arena
-and joins the one batch queue, so batches fill across frontends as in one process; every `Submit` gets exactly
-one `Result` or `Failure`. It stops when the supervisor sets `stop` (running what is queued first), or when its
+ZeroMQ ROUTER socket at its address for `Submit`, `Cancel` and `Control` (service/engine/messages.py) and a PUB
+socket beside it for `EngineStatus`. Each submitted image is read in place from its frontend's shared-memory
+arena and joins its version's batch queue, so batches fill across frontends as in one process; every `Submit`
+gets exactly one `Result` or `Failure`, every `Control` one `ControlReply`. It stops when the supervisor sets `stop` (running what is queued first), or when its
 parent is gone. Ctrl-C reaches every process of the terminal's group: the engine leaves it to the supervisor.
 """
 from __future__ import annotations
@@ -22,11 +23,13 @@ import zmq
 import zmq.asyncio
 
 from service.engine.local import LocalEngine
-from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Result, Submit, Tensor, failure_for,
-                                     status_address)
+from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
+                                     LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
+                                     failure_for, status_address)
 from service.engine.shm import ArenaReader
-from service.errors import ClientDisconnected, ModelLoadError, ServiceError
+from service.errors import ClientDisconnected, ServiceError
 from service.metrics import ServiceMetrics, mark_process_dead
+from service.repository.registry import ModelRegistry, model_source
 from service.runtime import load_engine_model
 from service.settings import Settings
 
@@ -34,6 +37,9 @@ log = logging.getLogger("vitserve.engine")
 
 PROCESS_NAME = "vitserve-engine"  # at most 15 characters: the kernel's limit for a process's name
 STATUS_INTERVAL_S = 0.02  # how often frontends hear the queue state (their admission's estimate) and liveness
+# A retiring version still runs what frontends routed to it before they heard of the change (a status interval,
+# then an index request): many intervals, so a busy frontend's loop has time too.
+RETIRE_GRACE_S = 0.5
 
 
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
@@ -51,10 +57,13 @@ def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, 
         uvloop.install()
     except ImportError:
         pass
-    server = EngineServer(LocalEngine(settings, ServiceMetrics(), loader=load_engine_model), address)
     try:
+        metrics = ServiceMetrics()
+        registry = ModelRegistry(model_source(settings), settings, metrics, loader=load_engine_model,
+                                 retire_grace_s=RETIRE_GRACE_S)
+        server = EngineServer(LocalEngine(settings, metrics, registry), address)
         asyncio.run(server.run(stop, parent_pid, started))
-    except ModelLoadError as e:
+    except ServiceError as e:  # a bad single model file, an unreadable repository
         _report(started, str(e))
         raise SystemExit(1) from None
 
@@ -83,7 +92,8 @@ class EngineServer:
         router.bind(self.address)
         publisher.bind(status_address(self.address))
         self.engine.on_ready = self.engine.metrics.set_ready
-        await self.engine.start()  # loads the model: a ModelLoadError ends the process
+        self.engine.registry.on_change = lambda: self._status_soon(publisher)
+        await self.engine.start()  # loads the models: with a single file, a ModelLoadError ends the process
         _report(started, None)
         log.info("engine %s (pid %d) listening at %s", self.incarnation, os.getpid(), self.address)
         workers = [asyncio.create_task(self._receive(router)), asyncio.create_task(self._publish(publisher))]
@@ -119,7 +129,8 @@ class EngineServer:
                 if task is not None:
                     task.cancel()
                 continue
-            task = asyncio.create_task(self._run(router, frontend, message))
+            work = self._control if isinstance(message, Control) else self._run
+            task = asyncio.create_task(work(router, frontend, message))
             self.running[key] = task
             task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
 
@@ -127,7 +138,7 @@ class EngineServer:
         """One image: read in place, run in some batch, answered with its result or its own error."""
         try:
             pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
-            result = await self.engine.submit(pixels, submit.timeout_s, submit.target)
+            result = await self.engine.run_on(submit.model, submit.version, pixels, submit.timeout_s, submit.target)
             reply = Result(submit.id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes())
                                        for o in result.output], result.queue_s, result.inference_s,
                            result.batch_size)
@@ -140,13 +151,44 @@ class EngineServer:
             reply = Failure(submit.id, "inference_failed", f"engine error: {type(e).__name__}")
         await router.send_multipart([frontend, self.codec.encode(reply)])
 
+    async def _control(self, router, frontend: bytes, control: Control) -> None:
+        """A repository request: its outcome and the index after it."""
+        code = message = ""
+        try:
+            if control.op == "load":
+                await self.engine.load(control.model)
+            elif control.op == "unload":
+                await self.engine.unload(control.model)
+        except ServiceError as e:
+            code, message = e.code, str(e)
+        except Exception as e:  # a bug here must not hang the frontend's request
+            log.exception("unexpected error on a repository request")
+            code, message = "internal_error", f"engine error: {type(e).__name__}"
+        reply = ControlReply(control.id, self.repository_index(), code, message)
+        await router.send_multipart([frontend, self.codec.encode(reply)])
+
+    def repository_index(self) -> RepositoryIndex:
+        registry = self.engine.registry
+        rows = [IndexRow(e.name, e.version, e.state, e.reason) for e in registry.index()]
+        loaded = [LoadedVersion(n, v, view.info.to_metadata(), view.info.opset, view.batching)
+                  for (n, v), view in registry.table.versions.items() if view.info is not None]
+        return RepositoryIndex(registry.generation, rows, loaded, dict(registry.model_problems))
+
     async def _publish(self, publisher) -> None:
         while True:
             await self._send_status(publisher)
             await asyncio.sleep(STATUS_INTERVAL_S)
 
+    def _status_soon(self, publisher) -> None:
+        """A version changed state: tell the frontends now, not at the next interval."""
+        task = asyncio.ensure_future(self._send_status(publisher))
+        task.add_done_callback(lambda done: done.cancelled() or done.exception())
+
     async def _send_status(self, publisher) -> None:
-        batcher, engine = self.engine.batcher, self.engine
+        engine, registry = self.engine, self.engine.registry
+        queues = [VersionQueue(n, v, r.served.batcher.queued, r.served.batcher.queued_cost,
+                               r.served.batcher.seconds_per_cost)
+                  for (n, v), r in registry.records.items() if r.served is not None and r.served.batcher]
         status = EngineStatus(self.incarnation, engine.ready and not self.stopping, engine.provider,
-                              batcher.queued, batcher.queued_cost, batcher.seconds_per_cost, time.time())
+                              registry.generation, queues, time.time())
         await publisher.send(self.codec.encode(status))

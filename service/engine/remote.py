@@ -1,6 +1,10 @@
 """`RemoteEngine`: an HTTP frontend's handle on the engine processes (one per device) that `vitserve serve`
 started: the same interface as `LocalEngine`, over ZeroMQ (service/engine/messages.py) and shared memory.
 
+It routes with a `RoutingTable` over the repository index its engine sends (every version's state and the
+metadata of those loaded), fetched again whenever the engine's status shows a new generation. Repository
+changes (load, unload) are sent to every engine and answered once each has done it.
+
 Each image is written into this process's `TensorArena` and sent as a `Submit` to the ready engine with the
 shortest predicted wait; its region is freed when the engine's answer arrives. What the engines publish keeps
 the frontend's view: readiness (the frontend is ready when an engine is), the queue (admission's estimate),
@@ -20,18 +24,20 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from service.batcher import BatchResult
-from service.engine.messages import Cancel, Codec, EngineStatus, Result, Submit, error_of, status_address
+from service.engine import IndexEntry, InferenceResult, ModelHandle, same_geometry
+from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, RepositoryIndex,
+                                     Result, Submit, error_of, status_address)
+from service.engine.routing import RoutingTable, VersionView
 from service.engine.shm import ArenaFull, TensorArena
-from service.errors import DeadlineExceeded, NotReady
+from service.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
 from service.metrics import ServiceMetrics
-from service.runtime import read_model_file_info
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.frontend")
 
 RECONNECT_GRACE_S = 1.0  # how long a request waits for the connection to an engine said to be ready
+CONTROL_TIMEOUT_S = 600.0  # a load can build a TensorRT engine for minutes
 
 
 @dataclass(eq=False)
@@ -52,21 +58,32 @@ class _Link:
     seen_at: float = 0.0  # time.monotonic() of its last status
     sent_cost: int = 0  # input values sent since that status (its queue as this frontend knows it)
     pending: dict[int, _Pending] = field(default_factory=dict)
+    controls: dict[int, asyncio.Future] = field(default_factory=dict)
 
     @property
     def ready(self) -> bool:
         return self.status is not None and self.status.ready
 
-    def predicted_wait_s(self) -> float:
-        if self.status is None or self.status.seconds_per_cost is None:
+    def predicted_wait_s(self, model: str | None = None) -> float:
+        """The queued work of `model`'s versions (None: of the least loaded model), as this frontend knows it."""
+        if self.status is None:
             return 0.0
-        return (self.status.queued_cost + self.sent_cost) * self.status.seconds_per_cost
+        waits: dict[str, float] = {}
+        for queue in self.status.queues:
+            if queue.seconds_per_cost is not None and model in (None, queue.model):
+                waits[queue.model] = waits.get(queue.model, 0.0) + queue.queued_cost * queue.seconds_per_cost
+        if not waits:
+            return 0.0
+        rate = max(q.seconds_per_cost or 0.0 for q in self.status.queues)
+        return (min(waits.values()) if model is None else waits[model]) + self.sent_cost * rate
 
 
 class RemoteEngine:
     def __init__(self, settings: Settings, metrics: ServiceMetrics):
         self.settings, self.metrics = settings, metrics
-        self._info = read_model_file_info(settings.model_path)  # the labels and geometry, from the file alone
+        self.table = RoutingTable()
+        self._index: RepositoryIndex | None = None
+        self._refreshing: asyncio.Task | None = None
         self.ready = False
         self.on_ready = lambda ready: None
         self.codec = Codec()
@@ -75,10 +92,6 @@ class RemoteEngine:
         self._links: list[_Link] = []
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._info
 
     @property
     def provider(self) -> str:
@@ -108,36 +121,130 @@ class RemoteEngine:
         heard = time.monotonic() + self.settings.engine_timeout_s
         while any(link.status is None for link in self._links) and time.monotonic() < heard:
             await asyncio.sleep(0.005)
+        if any(link.status is not None for link in self._links):
+            await self._refresh_index()
         log.info("frontend connected to %d engine(s), %s; arena %s of %d bytes", len(self._links),
                  "ready" if self.ready else "not ready yet", self.arena.name, self.arena.size)
 
-    def predicted_wait_s(self) -> float:
-        ready = [link.predicted_wait_s() for link in self._links if link.ready]
+    def route(self, name: str | None, version: str | None = None) -> ModelHandle:
+        return self.table.route(name, version)
+
+    def info(self, name: str, version: str) -> ModelInfo:
+        return self.table.info(name, version)
+
+    def predicted_wait_s(self, name: str | None = None) -> float:
+        ready = [link.predicted_wait_s(name) for link in self._links if link.ready]
         return min(ready) if ready else 0.0
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
+    def live_versions(self) -> set[tuple[str, str]]:
+        return self.table.live()
+
+    async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
+                     target: int | None = None) -> InferenceResult:
+        try:
+            return await self._submit(handle, pixels, timeout_s, target)
+        except VersionRetired:
+            if handle.pinned:
+                raise
+            await self._refresh_index()  # the engine has a newer index than this frontend routed with
+            now = self.table.route(handle.name)
+            if not same_geometry(now.info, handle.info):
+                raise VersionRetired(f"model {handle.name!r} changed version ({handle.version} -> {now.version}) "
+                                     f"with a different input geometry while this request was prepared: send it "
+                                     f"again") from None
+            return await self._submit(now, pixels, timeout_s, target)
+
+    async def _submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
+                      target: int | None) -> InferenceResult:
         links = [link for link in self._links if link.ready]
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
-        link = min(links, key=_Link.predicted_wait_s)
+        link = min(links, key=lambda each: each.predicted_wait_s(handle.name))
         try:
             offset = await self.arena.put_when_free(pixels, timeout_s)
         except (asyncio.TimeoutError, ArenaFull):
             raise DeadlineExceeded("no room for the image in this process's shared memory before its deadline") \
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
-        message = Submit(id, self.arena.name, offset, pixels.shape, pixels.dtype.str, timeout_s, target)
+        message = Submit(id, handle.name, handle.version, self.arena.name, offset, pixels.shape, pixels.dtype.str,
+                         timeout_s, target)
         if not await self._send(link, self.codec.encode(message), min(timeout_s, RECONNECT_GRACE_S)):
             self.arena.release(offset, pixels.nbytes)
             raise NotReady("the inference engine is not reachable")
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
         try:
-            return await future
+            result = await future
         except asyncio.CancelledError:
             if id in link.pending:  # the engine drops it (or its result) and still answers, freeing the region
                 self._send_quietly(link, Cancel(id))
             raise
+        result.version = handle.version
+        return result
+
+    # --- the repository ---
+    async def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        await self._refresh_index()
+        rows = self._index.rows if self._index else []
+        return [IndexEntry(r.model, r.version, r.state, r.reason) for r in rows
+                if not ready_only or r.state == "READY"]
+
+    async def load(self, name: str) -> None:
+        await self._control_all("load", name)
+
+    async def unload(self, name: str) -> None:
+        await self._control_all("unload", name)
+
+    async def _control_all(self, op: str, name: str) -> None:
+        """Ask every engine; the first failure is raised (as the engine's error), after all have answered."""
+        links = [link for link in self._links if link.status is not None]
+        if not links:
+            raise NotReady("no inference engine is reachable")
+        replies = await asyncio.gather(*(self._control(link, op, name) for link in links))
+        self._apply_index(replies[0].index)
+        for reply in replies:
+            if reply.code:
+                raise error_of(Failure(reply.id, reply.code, reply.message))
+
+    async def _control(self, link: _Link, op: str, name: str = "") -> ControlReply:
+        id, future = next(self._ids), asyncio.get_running_loop().create_future()
+        link.controls[id] = future
+        try:
+            if not await self._send(link, self.codec.encode(Control(id, op, name)), RECONNECT_GRACE_S):
+                raise NotReady("the inference engine is not reachable")
+            return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise NotReady(f"the inference engine did not answer a repository {op} in {CONTROL_TIMEOUT_S:.0f} s") \
+                from None
+        finally:
+            link.controls.pop(id, None)
+
+    async def _refresh_index(self) -> None:
+        """Fetch the engine's index (one fetch at a time: callers meanwhile wait for the one under way)."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._fetch_index())
+        try:
+            await asyncio.shield(self._refreshing)
+        except ServiceError as e:
+            log.warning("cannot fetch the repository index: %s", e)
+
+    async def _fetch_index(self) -> None:
+        links = [link for link in self._links if link.status is not None]
+        if links:
+            self._apply_index((await self._control(links[0], "index")).index)
+
+    def _apply_index(self, index: RepositoryIndex) -> None:
+        if self._index is not None and index.generation < self._index.generation:
+            return  # an older answer that arrived late
+        loaded = {(v.model, v.version): v for v in index.loaded}
+        views = {}
+        for row in index.rows:
+            if row.version:
+                version = loaded.get((row.model, row.version))
+                info = ModelInfo.from_metadata(version.metadata, version.opset) if version else None
+                views[row.model, row.version] = VersionView(row.state, row.reason, info,
+                                                            version.batching if version else {})
+        self._index, self.table = index, RoutingTable(views, dict(index.problems))
 
     @staticmethod
     async def _send(link: _Link, payload: bytes, grace_s: float) -> bool:
@@ -161,6 +268,11 @@ class RemoteEngine:
     async def _answers(self, link: _Link) -> None:
         while True:
             answer = self.codec.from_engine.decode(await link.requests.recv())
+            if isinstance(answer, ControlReply):
+                control = link.controls.get(answer.id)
+                if control is not None and not control.done():
+                    control.set_result(answer)
+                continue
             pending = link.pending.pop(answer.id, None)
             if pending is None:  # its engine was given up on, and the region freed already
                 continue
@@ -169,7 +281,8 @@ class RemoteEngine:
                 continue
             if isinstance(answer, Result):
                 outputs = tuple(np.frombuffer(t.data, "<f4").reshape(t.shape) for t in answer.outputs)
-                pending.future.set_result(BatchResult(outputs, answer.queue_s, answer.inference_s, answer.batch_size))
+                pending.future.set_result(InferenceResult(outputs, answer.queue_s, answer.inference_s,
+                                                          answer.batch_size))
             else:
                 pending.future.set_exception(error_of(answer))
 
@@ -180,7 +293,12 @@ class RemoteEngine:
                 log.error("the engine at %s restarted (%s -> %s): %d request(s) it held are lost", link.address,
                           link.status.incarnation, status.incarnation, len(link.pending))
                 self._fail_pending(link, "the inference engine restarted; this request was lost: retry it")
+                self._index = None  # the new engine's generations count from the start again
             link.status, link.seen_at, link.sent_cost = status, time.monotonic(), 0
+            if self._index is None or status.generation != self._index.generation:
+                if self._refreshing is None or self._refreshing.done():
+                    self._refreshing = asyncio.create_task(self._fetch_index())
+                    self._refreshing.add_done_callback(lambda done: done.cancelled() or done.exception())
             self._update_ready()
 
     async def _watch(self) -> None:
@@ -198,6 +316,9 @@ class RemoteEngine:
             self._update_ready()
 
     def _fail_pending(self, link: _Link, message: str) -> None:
+        for control in link.controls.values():
+            if not control.done():
+                control.set_exception(NotReady(message))
         for pending in link.pending.values():
             self.arena.release(pending.offset, pending.nbytes)
             if not pending.future.done():

@@ -14,12 +14,14 @@ import asyncio
 import time
 from typing import Annotated
 
-import numpy as np
 from fastapi import APIRouter, Depends, Request, Response
 
+from service import inference
+from service.access import require_api_key
 from service.admission import Deadline
 from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
-from service.errors import InvalidParameter, ModelNotFound, NotReady, ServiceError, openapi_responses
+from service.engine import ModelHandle
+from service.errors import NotReady, openapi_responses
 from service.explanations import relevance_target
 from service.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
 from service.model_config import model_metadata, triton_config
@@ -27,11 +29,10 @@ from service.routes.uploads import decode_content, read_raw_body, run_guarded, u
 from service.schemas import InferRequest, InferResponse, ModelMetadata
 from service.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
 from service.statistics import triton_statistics
-from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
-router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"])
+router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "statistics"]
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
 MODEL = "/models/{name}"
 VERSIONED = "/models/{name}/versions/{version}"
 
@@ -89,21 +90,25 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 # Before `/models/{name}`, which would take "stats" for a model's name.
 @router.get("/models/stats", responses=_errors(503))
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    """Triton's statistics extension for every served model (there is one)."""
-    return await _statistics(state, state.info.name, None)
+    """Triton's statistics extension for every ready model version."""
+    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
+    served = sorted({(e.name, e.version) for e in await state.engine.index(ready_only=True)})
+    return {"model_stats": [triton_statistics(families, n, v, INFERENCE_ENDPOINTS) for n, v in served]}
 
 
 # Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
 # declares each path's own parameters) over one function.
 @router.get(MODEL, response_model=ModelMetadata, responses=_errors(404, 503))
 async def metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    return model_metadata(_model_named(state, name))
+    handle = _model_named(state, name)
+    versions = [e.version for e in await state.engine.index(ready_only=True) if e.name == handle.name]
+    return model_metadata(handle.info, versions)
 
 
 @router.get(VERSIONED, response_model=ModelMetadata, responses=_errors(404, 503))
 async def versioned_metadata(name: str, version: str,
                              state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    return model_metadata(_model_named(state, name, version))
+    return model_metadata(_model_named(state, name, version).info)
 
 
 @router.get(MODEL + "/ready", responses=_errors(404, 503))
@@ -164,41 +169,50 @@ async def versioned_infer(name: str, version: str, request: Request,
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
-    info = _model_named(state, name, version)
-    return triton_config(info, state.settings, state.engine.provider)
+    handle = _model_named(state, name, version)
+    settings = state.settings.model_copy(update=handle.batching)  # the model's own limits (its config.json)
+    return triton_config(handle.info, settings, state.engine.provider)
 
 
 async def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
-    info = _model_named(state, name, version)
+    """One version's statistics; without a version, every ready version's (as Triton lists them)."""
+    handle = _model_named(state, name, version)
+    versions = [handle.version] if version is not None else \
+        [e.version for e in await state.engine.index(ready_only=True) if e.name == handle.name]
     families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    return {"model_stats": [triton_statistics(families, info.name, info.version, INFERENCE_ENDPOINTS)]}
+    return {"model_stats": [triton_statistics(families, handle.name, v, INFERENCE_ENDPOINTS) for v in versions]}
 
 
 async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
-    """A request's life: read and parse its body, run its images through the batcher, encode the outputs."""
-    started, info = time.perf_counter(), _model_named(state, name, version)
+    """A request's life: route it, read and parse its body, run its images through the version's batcher,
+    encode the outputs."""
+    started, handle = time.perf_counter(), inference.route(state, name, version, request)
     deadline = Deadline.after(state.settings.request_timeout_s)
-    call, parse_s = await _read_call(request, state, deadline)
-    target = relevance_target(call.target, info) if call.explains else None
+    call, parse_s = await _read_call(request, state, handle, deadline)
+    target = relevance_target(call.target, handle.info) if call.explains else None
     if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
         deadline = Deadline(min(deadline.at, started + call.timeout_s))
     if call.images is not None:
-        tensors = await run_guarded(request, _run_images(state, call, deadline, target), deadline, state.stopping)
+        work = inference.run_encoded_images(state, handle, call.images, call.resize, deadline, target)
     else:
-        tensors = await run_guarded(request, _run_pixels(state, call.pixels, deadline, target), deadline,
-                                    state.stopping)
+        work = inference.run_pixel_tensors(state, handle, call.pixels, deadline, target)
+    tensors = await run_guarded(request, work, deadline, state.stopping)
+    answered = tensors["versions"][0]  # one request is routed once: its images ran on one version
+    info = handle.info if answered == handle.version else state.engine.info(handle.name, answered)
     encoding = time.perf_counter()
     body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
     encode_s = time.perf_counter() - encoding
+    stages = state.metrics.for_model(info.name, info.version)
     if call.images is None:
-        state.metrics.tensor_stages(call.batch, parse_s, encode_s)
+        stages.tensor_stages(call.batch, parse_s, encode_s)
     else:
         for prepare_s in tensors["prepare_s"]:
-            state.metrics.image_stages(prepare_s, encode_s / call.batch)
+            stages.image_stages(prepare_s, encode_s / call.batch)
     return Response(body, headers=headers)
 
 
-async def _read_call(request: Request, state: ServiceState, deadline: Deadline) -> tuple[InferCall, float]:
+async def _read_call(request: Request, state: ServiceState, handle: ModelHandle,
+                     deadline: Deadline) -> tuple[InferCall, float]:
     """The request's body, read within its limit and deadline, decompressed and parsed; and the parse's seconds."""
     s = state.settings
     header_length = request.headers.get(HEADER_LENGTH)
@@ -208,69 +222,12 @@ async def _read_call(request: Request, state: ServiceState, deadline: Deadline) 
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    info = state.info
+    info = handle.info
     limits = ProtocolLimits(max_json_bytes=s.max_json_body_bytes, max_json_values=s.max_json_values,
                             max_batch=s.max_batch_files, max_image_bytes=s.max_upload_bytes, channels=info.channels,
                             patch_size=info.patch_size, max_tokens=s.max_native_tokens)
     return parse_infer_request(body, header_length, limits), time.perf_counter() - started
 
 
-async def _run_pixels(state: ServiceState, pixels: np.ndarray, deadline: Deadline,
-                      target: int | None) -> dict[str, np.ndarray]:
-    """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
-    request, named, and the others are dropped."""
-    return _stacked(await _each(list(pixels), lambda image: state.engine.submit(image, deadline.remaining(), target)))
-
-
-async def _run_images(state: ServiceState, call: InferCall, deadline: Deadline, target: int | None) -> dict:
-    """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
-    the request, named by its index, and the others' work is cancelled."""
-    prepared = await _each(call.images, lambda data: state.preprocess(data, call.resize, keep_source=False))
-    shapes = {p.pixels.shape for p, _ in prepared}
-    if len(shapes) > 1:
-        raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
-                               f"tensor must be rectangular: send them in separate requests, or resize=fit")
-    results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: state.engine.submit(pixels, deadline.remaining(), target))
-    return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
-
-
-async def _each(items: list, work) -> list:
-    """`work(item)` for every item at once; the first ServiceError (with the item's index) cancels the rest."""
-    async def one(index: int, item):
-        try:
-            return await work(item)
-        except ServiceError as e:
-            raise type(e)(f"inputs.0 item {index}: {e}") from e
-
-    try:
-        async with asyncio.TaskGroup() as group:
-            tasks = [group.create_task(one(i, item)) for i, item in enumerate(items)]
-    except BaseExceptionGroup as failed:
-        raise _first_error(failed) from None
-    return [task.result() for task in tasks]
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException:
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):
-            error = _first_error(error)
-        if isinstance(error, ServiceError):
-            return error
-    return group.exceptions[0]
-
-
-def _stacked(results: list) -> dict[str, np.ndarray]:
-    """The images' outputs by name: logits, rollout, and from the relevance path relevance."""
-    names = (*OUTPUT_NAMES, RELEVANCE_NAME)
-    return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names[:len(results[0].output)])}
-
-
-def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelInfo:
-    info = state.info
-    if name != info.name:
-        raise ModelNotFound(f"no model named {name[:64]!r}; this server serves {info.name!r}")
-    if version is not None and version != info.version:
-        raise ModelNotFound(f"model {info.name!r} has no version {version[:32]!r}; it serves version {info.version!r}")
-    return info
-
+def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelHandle:
+    return state.engine.route(name, version)

@@ -1,21 +1,37 @@
-"""GET /v1/model (what is served, and on which execution provider) and GET /metrics."""
+"""GET /v1/models (what is served), /v1/model (one version's card, and its execution provider), /metrics."""
 from __future__ import annotations
 
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Response
+from fastapi import APIRouter, Depends, Query, Response
 
+from service.access import require_api_key
 from service.errors import openapi_responses
-from service.schemas import ModelCard
+from service.schemas import ModelCard, ModelList, ModelVersionState
 from service.state import ServiceState, get_state
 
 router = APIRouter(tags=["operations"])
 
 
-@router.get("/v1/model", response_model=ModelCard, responses=openapi_responses(503))
-async def model_card(state: Annotated[ServiceState, Depends(get_state)]) -> ModelCard:
-    info, s = state.info, state.settings
+@router.get("/v1/models", response_model=ModelList, dependencies=[Depends(require_api_key)],
+            responses=openapi_responses(401, 403, 503))
+async def models(state: Annotated[ServiceState, Depends(get_state)]) -> ModelList:
+    """Every model and version this server knows, with its state; the ready ones first under each model."""
+    entries = await state.engine.index()
+    return ModelList(models=[ModelVersionState(name=e.name, version=e.version, state=e.state or "UNAVAILABLE",
+                                               reason=e.reason or ("not loaded" if not e.version else ""))
+                             for e in entries])
+
+
+@router.get("/v1/model", response_model=ModelCard, dependencies=[Depends(require_api_key)],
+            responses=openapi_responses(400, 401, 403, 404, 503))
+async def model_card(state: Annotated[ServiceState, Depends(get_state)],
+                     model: Annotated[str | None, Query(max_length=64)] = None,
+                     version: Annotated[str | None, Query(max_length=20)] = None) -> ModelCard:
+    """A model version's card (default: the only model, its newest ready version)."""
+    handle = state.engine.route(model, version)
+    info, s = handle.info, state.settings.model_copy(update=handle.batching)
     return ModelCard(name=info.name, version=info.version, labels=info.labels, image_height=info.image_size[0],
                      image_width=info.image_size[1], patch_size=info.patch_size, channels=info.channels,
                      mean=info.mean, std=info.std, precision=info.precision, provider=state.engine.provider,
@@ -27,5 +43,6 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)]) -> Mode
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition format"}})
 async def metrics(state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    body, content_type = await asyncio.to_thread(state.metrics.render)  # file reads in multiprocess mode
+    live = state.engine.live_versions()  # an unloaded version's series are not exported
+    body, content_type = await asyncio.to_thread(state.metrics.render, live)  # file reads in multiprocess mode
     return Response(body, media_type=content_type)

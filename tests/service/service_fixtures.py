@@ -73,6 +73,13 @@ async def serving(settings: Settings, model=None, *, wait_ready: bool = True, me
             yield client
 
 
+def only_batcher(app):
+    """The batcher of the one model version an in-process app serves."""
+    records = [r for r in app.state.service.engine.registry.records.values() if r.served is not None]
+    assert len(records) == 1, records
+    return records[0].served.batcher
+
+
 class WrappedModel:
     """The real model behind the InferenceModel contract, with knobs the test controls: make the next call
     fail, or hold calls at a gate until the test releases them (a slow model without sleeping)."""
@@ -168,7 +175,10 @@ def samples(text: str) -> dict[tuple, float]:
 
 
 def value(parsed: dict, name: str, **labels) -> float:
-    return parsed.get((name, tuple(sorted(labels.items()))), 0.0)
+    """The sum of `name`'s series that have these labels (whatever their others: model and version, say), as
+    PromQL's sum() would."""
+    wanted = set(labels.items())
+    return sum(v for (sample, sample_labels), v in parsed.items() if sample == name and wanted <= set(sample_labels))
 
 
 def scrape(base_url: str) -> dict[tuple, float]:

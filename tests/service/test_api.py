@@ -13,7 +13,7 @@ from PIL import Image
 from service.errors import ClientDisconnected
 from service.admission import Deadline
 from service.routes.uploads import run_guarded
-from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
+from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
                               png_declaring, serving, settings_for, until)
 
 pytestmark = pytest.mark.anyio
@@ -141,7 +141,7 @@ async def test_concurrent_requests_are_batched_within_the_maximum(tiny_onnx, tin
         model.batch_sizes.clear()
         model.hold()  # the first batch (whatever arrived within the delay) waits in the model...
         requests = [asyncio.ensure_future(classify(client, image_bytes("PNG"))) for _ in range(10)]
-        queue = client.app.state.service.engine.batcher
+        queue = only_batcher(client.app)
         await until(lambda: len(model.entered) == 1 and model.entered[0] + queue.queued == 10,
                     "the first batch running and the other requests queued")
         model.release()  # ...so at least four are queued behind it, however slowly they were decoded
@@ -156,7 +156,7 @@ async def test_queue_full_is_429_with_retry_after(tiny_onnx, tiny_model):
     settings = settings_for(tiny_onnx, max_batch_size=1, max_queue_size=1, max_batches_in_flight=1,
                             max_queue_delay_ms=0, retry_after_s=2, request_timeout_ms=PATIENCE_S * 1000)
     async with serving(settings, model) as client:
-        batcher = client.app.state.service.engine.batcher
+        batcher = only_batcher(client.app)
         model.hold()
         running = asyncio.ensure_future(classify(client, image_bytes("PNG")))
         await until(lambda: model.entered == [1], "one request in the model")

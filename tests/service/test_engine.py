@@ -12,7 +12,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from service.engine.messages import (Cancel, Codec, EngineStatus, Failure, Result, Submit, Tensor, error_of,
+from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
+                                     LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue, error_of,
                                      failure_for)
 from service.engine.remote import RemoteEngine
 from service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
@@ -26,20 +27,23 @@ from service_fixtures import PATIENCE_S, settings_for, until
 
 
 @pytest.mark.parametrize("message", [
-    Submit(7, "vitserve-1-ab", 128, (3, 16, 24), "<f4", 9.5), Cancel(7),
+    Submit(7, "tiny-vit", "7", "vitserve-1-ab", 128, (3, 16, 24), "<f4", 9.5), Cancel(7), Control(8, "load", "m"),
     Result(7, [Tensor((3,), b"\0" * 12), Tensor((2, 2), b"\1" * 16)], 0.001, 0.002, 4),
     Failure(7, "queue_full", "queue full (3 images waiting)"),
+    ControlReply(8, RepositoryIndex(3, [IndexRow("m", "2", "READY", "")], [LoadedVersion("m", "2", {"k": "v"}, 17,
+                                                                                           {"max_batch_size": 4})],
+                                    {"n": "config.json: bad"}), "model_load_failed", "no version"),
 ])
 def test_every_message_round_trips(message):
     codec = Codec()
     decoder = codec.status if isinstance(message, EngineStatus) else (
-        codec.to_engine if isinstance(message, (Submit, Cancel)) else codec.from_engine)
+        codec.to_engine if isinstance(message, (Submit, Cancel, Control)) else codec.from_engine)
     assert decoder.decode(codec.encode(message)) == message
 
 
 def test_status_round_trips_and_a_message_for_the_other_side_is_refused():
     codec = Codec()
-    status = EngineStatus("abc", True, "CPUExecutionProvider", 3, 768, None, 1.5)
+    status = EngineStatus("abc", True, "CPUExecutionProvider", 4, [VersionQueue("m", "1", 3, 768, None)], 1.5)
     assert codec.status.decode(codec.encode(status)) == status
     with pytest.raises(msgspec.ValidationError):
         codec.to_engine.decode(codec.encode(Failure(1, "x", "y")))
@@ -157,7 +161,7 @@ def test_images_from_two_frontends_share_batches_and_get_their_own_results(engin
 
     async def scenario():
         a, b = await frontends(engine_settings, supervisor, 2)
-        results = await asyncio.gather(*(engine.submit(image, PATIENCE_S)
+        results = await asyncio.gather(*(engine.submit(engine.route(None), image, PATIENCE_S)
                                          for engine, image in zip([a, b] * 3, pixels)))
         await asyncio.gather(a.close(1), b.close(1))
         return results
@@ -175,12 +179,12 @@ def test_engine_errors_reach_their_caller_and_cancelled_images_free_their_memory
         (frontend,) = await frontends(engine_settings, supervisor, 1)
         image = np.zeros((3, 16, 16), np.float32)
         with pytest.raises(DeadlineExceeded):  # queued for 200 ms (no company) with 50 ms left
-            await frontend.submit(image, 0.05)
-        waiting = asyncio.create_task(frontend.submit(image, PATIENCE_S))
+            await frontend.submit(frontend.route(None), image, 0.05)
+        waiting = asyncio.create_task(frontend.submit(frontend.route(None), image, PATIENCE_S))
         await asyncio.sleep(0.05)
         waiting.cancel()
         await until(lambda: frontend.arena.free_bytes == frontend.arena.size, "the cancelled image's region freed")
-        assert (await frontend.submit(image, PATIENCE_S)).output[0].shape == (3,)
+        assert (await frontend.submit(frontend.route(None), image, PATIENCE_S)).output[0].shape == (3,)
         await frontend.close(1)
 
     asyncio.run(scenario())
@@ -190,13 +194,13 @@ def test_a_killed_engine_fails_its_requests_at_once_and_its_restart_serves_again
     async def scenario():
         (frontend,) = await frontends(engine_settings, supervisor, 1)
         image = np.zeros((3, 16, 16), np.float32)
-        held = asyncio.create_task(frontend.submit(image, PATIENCE_S))  # queued for 200 ms
+        held = asyncio.create_task(frontend.submit(frontend.route(None), image, PATIENCE_S))  # queued for 200 ms
         await asyncio.sleep(0.05)
         os.kill(supervisor._engines[0].process.pid, signal.SIGKILL)
         with pytest.raises(NotReady, match="restarted|stopped responding"):
             await held
         await until(lambda: frontend.ready, "the restarted engine ready")
-        assert (await frontend.submit(image, PATIENCE_S)).output[0].shape == (3,)
+        assert (await frontend.submit(frontend.route(None), image, PATIENCE_S)).output[0].shape == (3,)
         assert supervisor._engines[0].restarts == 1
         await frontend.close(1)
 

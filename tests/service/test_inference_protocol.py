@@ -261,17 +261,21 @@ def shape_of(document):
 def test_statistics_count_requests_images_and_batches_in_triton_s_shape():
     """The numbers the service reports to its metrics, read back as Triton's statistics."""
     metrics = ServiceMetrics()
+    model, other = metrics.for_model("m", "1"), metrics.for_model("m", "2")
     metrics.request_started()
-    metrics.request_done("/v2/models/{name}/infer", 200, 0.010)
+    metrics.request_done("/v2/models/{name}/infer", 200, 0.010, "m", "1")
     metrics.request_started()
-    metrics.request_done("/v1/classify", 415, 0.002)
+    metrics.request_done("/v1/classify", 415, 0.002, "m", "1")
     metrics.request_started()
     metrics.request_done("/v1/model", 200, 0.5)  # not an inference request
+    metrics.request_started()
+    metrics.request_done("/v1/classify", 200, 0.7, "m", "2")  # another version's
     for _ in range(3):
-        metrics.queue_wait(0.001)
-        metrics.image_stages(0.0005, 0.0002)
-    metrics.batch_done(2, 0.004, 0.0001)
-    metrics.batch_done(1, 0.003, 0.0)
+        model.queue_wait(0.001)
+        model.image_stages(0.0005, 0.0002)
+    model.batch_done(2, 0.004, 0.0001)
+    model.batch_done(1, 0.003, 0.0)
+    other.batch_done(4, 0.1, 0.0)
     ours = triton_statistics(metrics.families(), "m", "1", INFERENCE_ENDPOINTS)
     s = ours["inference_stats"]
     assert (s["success"], s["fail"]) == ({"count": 1, "ns": 10_000_000}, {"count": 1, "ns": 2_000_000})

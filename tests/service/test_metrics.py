@@ -128,26 +128,33 @@ def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update
     metrics = ServiceMetrics(mirror=mirror)
     plain = ServiceMetrics()
     assert set(mirror.declared) == {f.name for f in plain.registry.collect()}  # every one, by its base name
-    assert mirror.declared["vitserve_request_duration_seconds"] == ("histogram", ("endpoint", "status"),
-                                                                    LATENCY_BUCKETS)
-    assert mirror.declared["vitserve_batch_size"] == ("histogram", (), BATCH_SIZE_BUCKETS)
-    assert mirror.declared["vitserve_images"] == ("counter", (), None)
+    assert mirror.declared["vitserve_request_duration_seconds"] == (
+        "histogram", ("endpoint", "status", "model", "version"), LATENCY_BUCKETS)
+    assert mirror.declared["vitserve_batch_size"] == ("histogram", ("model", "version"), BATCH_SIZE_BUCKETS)
+    assert mirror.declared["vitserve_images"] == ("counter", ("model", "version"), None)
+    model = metrics.for_model("m", "1")
     mirror.updates.clear()
     metrics.request_started()
     metrics.request_started()
-    metrics.request_done("/v1/classify", 200, 0.25)
-    metrics.batch_done(3, 0.02, 0.0)  # stacking took no measurable time: a zero increment is not sent
+    metrics.request_done("/v1/classify", 200, 0.25, "m", "1")
+    model.batch_done(3, 0.02, 0.0)  # stacking took no measurable time: a zero increment is not sent
     metrics.rejected_request("overloaded")
+    m1 = {"model": "m", "version": "1"}
     assert mirror.updates == [
         ("gauge", "vitserve_requests_in_flight", 1.0, {}), ("gauge", "vitserve_requests_in_flight", 2.0, {}),
         ("gauge", "vitserve_requests_in_flight", 1.0, {}),  # a gauge hands over its value, not the change
-        ("histogram", "vitserve_request_duration_seconds", 0.25, {"endpoint": "/v1/classify", "status": "200"}),
-        ("histogram", "vitserve_inference_seconds", 0.02, {}), ("histogram", "vitserve_batch_size", 3, {}),
-        ("counter", "vitserve_images", 3, {}), ("counter", "vitserve_batches", 1, {"batch_size": "3"}),
-        ("counter", "vitserve_batch_seconds", 0.02, {"batch_size": "3"}),
-        ("gauge", "vitserve_last_inference_timestamp_seconds", mirror.updates[9][2], {}),
+        ("histogram", "vitserve_request_duration_seconds", 0.25, {"endpoint": "/v1/classify", "status": "200",
+                                                                  **m1}),
+        ("histogram", "vitserve_inference_seconds", 0.02, m1), ("histogram", "vitserve_batch_size", 3, m1),
+        ("counter", "vitserve_images", 3, m1), ("counter", "vitserve_batches", 1, {**m1, "batch_size": "3"}),
+        ("counter", "vitserve_batch_seconds", 0.02, {**m1, "batch_size": "3"}),
+        ("gauge", "vitserve_last_inference_timestamp_seconds", mirror.updates[9][2], m1),
         ("counter", "vitserve_requests_rejected", 1, {"reason": "overloaded"})]
     # the registry itself is unchanged by mirroring: the same exposition as an unmirrored one
     text = metrics.render()[0].decode()
-    assert "vitserve_requests_in_flight 1.0" in text and "vitserve_images_total 3.0" in text
+    assert "vitserve_requests_in_flight 1.0" in text
+    assert 'vitserve_images_total{model="m",version="1"} 3.0' in text
+    # a retired version's series leave the registry (the mirror, Ray's, keeps its last values)
+    metrics.retire("m", "1")
+    assert 'version="1"' not in metrics.render()[0].decode()
     assert 'vitserve_requests_rejected_total{reason="overloaded"} 1.0' in text

@@ -12,7 +12,7 @@ from PIL import Image
 
 from service.postprocess import scale_unit
 from service.preprocess import prepare_image
-from service_fixtures import (WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
+from service_fixtures import (only_batcher, WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
                               value)
 
 pytestmark = pytest.mark.anyio
@@ -115,7 +115,7 @@ async def test_relevance_requests_batch_apart_within_their_own_limit(tiny_onnx, 
         requests = [classify(client, data, map="relevance", target=LABELS[i % 3]) for i in range(5)]
         requests += [classify(client, data) for _ in range(4)]
         pending = [asyncio.ensure_future(r) for r in requests]
-        await until(lambda: client.app.state.service.engine.batcher.queued == 9, "nine images queued")
+        await until(lambda: only_batcher(client.app).queued == 9, "nine images queued")
         wrapped.release()
         answers = await asyncio.gather(first, *pending)
         metrics = samples((await client.get("/metrics")).text)

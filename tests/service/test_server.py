@@ -40,9 +40,10 @@ def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
     assert card["provider"] == "CPUExecutionProvider" and live == {"live": True}
     assert sentinel.status_code == 200
     assert "vitserve_ready 1.0" in text
-    assert "vitserve_images_total 2.0" in text  # the first request and the sentinel; never the abandoned one
+    served = '{model="tiny-vit",version="7"}'
+    assert f"vitserve_images_total{served} 2.0" in text  # the first request and the sentinel; never the abandoned one
     assert 'vitserve_requests_rejected_total{reason="client_disconnected"} 1.0' in text
-    assert "vitserve_queue_depth 0.0" in text
+    assert f"vitserve_queue_depth{served} 0.0" in text
 
 
 def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):

@@ -1,0 +1,81 @@
+"""`RoutingTable`: which version a request for a model goes to, from the versions' states. The registry keeps
+one over what it holds; a frontend in another process keeps one over the index its engine sends, so both
+route by the same rules:
+
+- a named version: that version if it is ready (404 if unknown, 503 with its state and reason if not ready);
+- no version: the newest ready one;
+- no model: the only model, when the server has one (a request to a server of several must name one).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from service.engine import READY, UNAVAILABLE, ModelHandle, newest_first
+from service.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable
+from service.repository.layout import check_model_name, check_version
+from vitserve.artifact import ModelInfo
+
+
+@dataclass(frozen=True)
+class VersionView:
+    state: str
+    reason: str = ""
+    info: ModelInfo | None = None  # while loaded
+    batching: dict = field(default_factory=dict)  # its own batching limits (from its config.json)
+
+
+@dataclass
+class RoutingTable:
+    versions: dict[tuple[str, str], VersionView] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)  # model -> why it cannot load at all
+
+    def route(self, name: str | None, version: str | None = None) -> ModelHandle:
+        """The handle to run on; a name or version that cannot exist is a 404 like one that does not."""
+        try:
+            return self._route(name, version)
+        except InvalidModelName as e:
+            raise ModelNotFound(str(e)) from None
+
+    def _route(self, name: str | None, version: str | None) -> ModelHandle:
+        name = self.only_model() if name is None else check_model_name(name)
+        versions = self._versions_of(name)
+        if version is None:
+            ready = [v for v in newest_first(versions) if versions[v].state == READY]
+            if not ready:
+                states = ", ".join(f"{v} {versions[v].state.lower()}" for v in newest_first(versions))
+                raise ModelUnavailable(f"model {name!r} has no ready version ({states})")
+            return ModelHandle(name, ready[0], versions[ready[0]].info, batching=versions[ready[0]].batching)
+        view = versions.get(version)
+        if view is None:
+            check_version(version)
+            raise ModelNotFound(f"model {name!r} has no version {version!r}; it has "
+                                f"{', '.join(newest_first(versions))}")
+        if view.state != READY:
+            raise ModelUnavailable(f"model {name!r} version {version} is {view.state.lower()}"
+                                   + (f": {view.reason}" if view.reason else ""))
+        return ModelHandle(name, version, view.info, pinned=True, batching=view.batching)
+
+    def _versions_of(self, name: str) -> dict[str, VersionView]:
+        versions = {v: view for (n, v), view in self.versions.items() if n == name}
+        if not versions:
+            raise ModelNotFound(f"no model named {name!r} is loaded" +
+                                (f" ({self.problems[name]})" if name in self.problems else ""))
+        return versions
+
+    def only_model(self) -> str:
+        names = sorted({n for (n, _), view in self.versions.items() if view.state != UNAVAILABLE})
+        if len(names) == 1:
+            return names[0]
+        if not names:
+            raise ModelUnavailable("no model is loaded")
+        raise InvalidParameter(f"this server serves {len(names)} models ({', '.join(names[:20])}): name one "
+                               f"(the `model` parameter)")
+
+    def info(self, name: str, version: str) -> ModelInfo:
+        view = self.versions.get((name, version))
+        if view is None or view.info is None:
+            raise ModelNotFound(f"model {name!r} version {version} is not loaded")
+        return view.info
+
+    def live(self) -> set[tuple[str, str]]:
+        return {key for key, view in self.versions.items() if view.state != UNAVAILABLE}

@@ -1,0 +1,139 @@
+"""`ServedModel`: one model version being served: its ONNX Runtime session, its own dynamic batcher (shape groups,
+queue limit, learnt speed) and its warm-up. The registry (service/repository/registry.py) loads, routes to and
+unloads these; nothing here knows of other versions.
+
+Its life: `load` (the session, in a thread; a bad file is a ModelLoadError) -> `warm_up` (every warm-up batch
+size at the trained resolution; only then `ready`, and only then does the registry route to it) -> requests
+(`submit`, each inside `admitted()`) -> `close` (stop being routed to, let the admitted requests finish, run what
+is queued, then drop the session).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Callable
+
+import numpy as np
+
+from service.batcher import DynamicBatcher
+from service.engine import InferenceResult
+from service.errors import InferenceError, VersionRetired
+from service.metrics import ModelMetrics
+from service.runtime import InferenceModel, OnnxModel, warm_up
+from service.settings import Settings
+from vitserve.artifact import ModelInfo
+
+log = logging.getLogger("vitserve.engine")
+
+Loader = Callable[[Settings], InferenceModel]
+BATCHING_LIMITS = ("max_batch_size", "max_queue_delay_ms", "max_queue_size")
+
+
+class ServedModel:
+    def __init__(self, name: str, version: str, settings: Settings, metrics: ModelMetrics,
+                 model: InferenceModel | None = None, loader: Loader = OnnxModel.load, maps: list[str] | None = None):
+        self.name, self.version = name, version
+        self.settings, self.metrics = settings, metrics  # settings: the server's with this model's file and limits
+        self.model = model  # given (tests) or loaded from settings.model_path by `loader`
+        self._loader = loader
+        self._maps = maps  # the maps this model offers (its config), None: all its file computes
+        self._info: ModelInfo | None = None
+        self.batcher: DynamicBatcher | None = None
+        self.ready = False
+        self.closing = False
+        self.in_flight = 0  # requests admitted to this version and not yet answered
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @property
+    def info(self) -> ModelInfo:
+        """The file's metadata, under the name and version it is served as."""
+        return self._info
+
+    @property
+    def batching(self) -> dict:
+        """Its batching limits where they differ from the server's (its model's config.json)."""
+        return {k: getattr(self.settings, k) for k in BATCHING_LIMITS if k in self.settings.model_fields_set}
+
+    @property
+    def provider(self) -> str:
+        return self.model.provider
+
+    async def load(self) -> None:
+        """The session (unless given) and the batcher; ModelLoadError if the file cannot be served."""
+        if self.model is None:
+            self.model = await asyncio.to_thread(self._loader, self.settings)
+        info = self.model.info
+        maps = tuple(m for m in info.maps if self._maps is None or m in self._maps) or ("rollout",)
+        self._info = replace(info, name=self.name, version=self.version, maps=maps)
+        s = self.settings
+        trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
+        self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
+                                      max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
+                                      max_batches_in_flight=s.max_batches_in_flight,
+                                      dispatch_when_idle=s.dispatch_when_idle,
+                                      max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
+                                      observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size)
+        self.batcher.start()
+
+    async def warm_up(self) -> None:
+        """Run the warm-up batches; ready afterwards. An exception here means the version must not be served."""
+        started = time.perf_counter()
+        await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
+        self.ready = True
+        self.metrics.set_ready(True)
+        self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset)
+        log.info("ready: %s version %s on %s, warmed up at batch sizes %s in %.2f s", self.name, self.version,
+                 self.provider, self.settings.warmup_batch_sizes, time.perf_counter() - started)
+
+    @asynccontextmanager
+    async def admitted(self):
+        """A request's hold on this version from routing to answer: `close` waits for every hold to end."""
+        if self.closing:
+            raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield self
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> InferenceResult:
+        result = await self.batcher.submit(pixels, timeout_s, target)
+        return InferenceResult(result.output, result.queue_s, result.inference_s, result.batch_size)
+
+    def predicted_wait_s(self) -> float:
+        return self.batcher.predicted_wait_s() if self.batcher else 0.0
+
+    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None) -> list:
+        """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
+        `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
+        An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
+        if targets is None:
+            outputs = self.model.run(pixel_values)
+        else:
+            outputs = self.model.explain(pixel_values, targets)
+        if any(output.shape[0] != len(pixel_values) for output in outputs):
+            raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
+        finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])
+        return [tuple(o[i] for o in outputs) if finite[i] else InferenceError("model output is not finite")
+                for i in range(len(pixel_values))]
+
+    async def close(self, timeout_s: float) -> None:
+        """Stop taking requests; wait (up to `timeout_s`) for the admitted ones, run what is queued, stop the
+        batcher and drop the session, so its memory goes back."""
+        self.closing, self.ready = True, False
+        self.metrics.set_ready(False)
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("%s version %s: %d request(s) still in flight after %.0f s; closing it anyway", self.name,
+                        self.version, self.in_flight, timeout_s)
+        if self.batcher:
+            await self.batcher.close(timeout_s)
+        self.model = None

@@ -1,0 +1,151 @@
+"""The inference core: a request's life, whatever transport brought it. The /v1 and /v2 routes (and a gRPC
+front end next) only translate their transport into these calls and the results back.
+
+    route(state, name, version)                  -> the model version to run (404 / 503 when there is none)
+    classify_image(state, handle, data, ...)     -> decode -> submit to that version's batcher -> top-k and map
+    run_pixel_tensors(state, handle, pixels, ...) -> each image submitted -> the outputs stacked by name
+    run_encoded_images(state, handle, images, ...) -> decode each, then as above
+
+Admission (before the body is read) is the dependency `service.state.get_admitted_state`; the deadline is the
+request's own (`service.admission.Deadline`). An image runs on the version it was routed to, or (unpinned) on
+the newest ready one if its version was unloaded meanwhile: the answer names the version that ran it.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+
+import numpy as np
+
+from service import postprocess
+from service.admission import Deadline
+from service.engine import InferenceResult, ModelHandle
+from service.errors import InvalidParameter, ServiceError
+from service.preprocess import PreparedImage, ResizePolicy
+from service.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
+                             Timing)
+from service.state import ServiceState
+from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+
+
+def route(state: ServiceState, name: str | None, version: str | None = None, request=None) -> ModelHandle:
+    """The version a request for model `name` (None: the only model) runs on; with the transport's request, it is
+    remembered there for the request's metrics."""
+    handle = state.engine.route(name, version)
+    if request is not None:
+        request.state.served = (handle.name, handle.version)
+    return handle
+
+
+def model_ref(name: str, version: str) -> ModelRef:
+    return ModelRef(name=name, version=version)
+
+
+async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, options, started: float,
+                         deadline: Deadline) -> ClassifyResponse:
+    """One encoded image -> its top classes and its map. `options` has top_k, map, map_format, resize and the
+    resolved target_index (service.routes.classify.ClassifyParams)."""
+    target = options.target_index
+    prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize, options.map_format == "overlay")
+    result = await state.engine.submit(handle, prepared.pixels, deadline.remaining(), target)
+    info = _answering(state, handle, result)
+    logits, rollout, *relevance = result.output  # the relevance path adds the relevance map
+    shown = relevance[0] if options.map == "relevance" else rollout
+    (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
+    state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, postprocess_s)
+    timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
+                    total=_ms(time.perf_counter() - started))
+    ref = model_ref(info.name, info.version)
+    if options.map == "relevance":
+        body = _explained(map_body, info.labels, logits, target)
+        return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, timing_ms=timing)
+    return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, timing_ms=timing)
+
+
+def _answering(state: ServiceState, handle: ModelHandle, result: InferenceResult) -> ModelInfo:
+    """The metadata of the version that ran the image (the routed one, unless it was retired meanwhile)."""
+    if not result.version or result.version == handle.version:
+        return handle.info
+    return state.engine.info(handle.name, result.version)
+
+
+def _explained(map_body, labels: list[str], logits, target: int) -> RelevanceGrid | RelevanceImage:
+    """The relevance map with the class it explains (the top-1 when the client named none)."""
+    index = int(logits.argmax()) if target < 0 else target  # the graph's own choice for -1: the arg max
+    explained = ExplainedClass(index=index, label=labels[index], score=float(postprocess.softmax(logits)[index]))
+    kind = RelevanceGrid if isinstance(map_body, RolloutGrid) else RelevanceImage
+    return kind(**map_body.model_dump(), target=explained)
+
+
+async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage, logits, map_values, options):
+    args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format)
+    if options.map_format in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
+        return await state.in_pool(postprocess.encode_result, *args)
+    started = time.perf_counter()
+    return postprocess.encode_result(*args), time.perf_counter() - started
+
+
+async def run_pixel_tensors(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
+                            target: int | None) -> dict[str, np.ndarray]:
+    """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
+    request, named, and the others are dropped."""
+    results = await _each(list(pixels), lambda image: state.engine.submit(handle, image, deadline.remaining(),
+                                                                          target))
+    return _stacked(results)
+
+
+async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: list[bytes], resize: ResizePolicy,
+                             deadline: Deadline, target: int | None) -> dict:
+    """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
+    the request, named by its index, and the others' work is cancelled."""
+    prepared = await _each(images, lambda data: state.preprocess(data, handle.info, resize, keep_source=False))
+    shapes = {p.pixels.shape for p, _ in prepared}
+    if len(shapes) > 1:
+        raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
+                               f"tensor must be rectangular: send them in separate requests, or resize=fit")
+    results = await _each([p.pixels for p, _ in prepared],
+                          lambda pixels: state.engine.submit(handle, pixels, deadline.remaining(), target))
+    return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
+
+
+def answered_by(results: dict) -> str:
+    """The version that ran a tensor request's images (all of them, as one request is routed once)."""
+    return results["versions"][0]
+
+
+async def _each(items: list, work) -> list:
+    """`work(item)` for every item at once; the first ServiceError (with the item's index) cancels the rest."""
+    async def one(index: int, item):
+        try:
+            return await work(item)
+        except ServiceError as e:
+            raise type(e)(f"inputs.0 item {index}: {e}") from e
+
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [group.create_task(one(i, item)) for i, item in enumerate(items)]
+    except BaseExceptionGroup as failed:
+        raise _first_error(failed) from None
+    return [task.result() for task in tasks]
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException:
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):
+            error = _first_error(error)
+        if isinstance(error, ServiceError):
+            return error
+    return group.exceptions[0]
+
+
+def _stacked(results: list[InferenceResult]) -> dict:
+    """The images' outputs by name: logits, rollout, and from the relevance path relevance; and the versions
+    that ran them."""
+    names = (*OUTPUT_NAMES, RELEVANCE_NAME)
+    stacked = {name: np.stack([r.output[i] for r in results])
+               for i, name in enumerate(names[:len(results[0].output)])}
+    return {**stacked, "versions": [r.version for r in results]}
+
+
+def _ms(seconds: float) -> float:
+    return round(seconds * 1000, 3)

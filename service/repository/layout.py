@@ -1,0 +1,215 @@
+"""A model repository on disk, laid out as Triton's: `ROOT/<model name>/<version number>/model.onnx`.
+
+The folder names the model and the version (as in Triton); everything else the server needs (labels, resolution,
+patch size, normalisation) still comes from each file's own metadata. An optional `ROOT/<model>/config.json`
+says what the file cannot: the version policy (Triton's `version_policy` in its JSON form), batching limits, and
+which maps to offer. `--model FILE` is a repository of one (`single_file_source`).
+
+Nothing here reads outside the root: names are checked against `MODEL_NAME` before they touch a path, and
+every path is resolved and must stay under the resolved root (a symbolic link pointing out is refused, with a
+reason the index shows). Scanning reads directory entries and `stat`s only; a file's header is read at load time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from service.errors import InvalidModelName, ModelNotFound, RepositoryError
+
+MODEL_FILENAME = "model.onnx"
+CONFIG_FILENAME = "config.json"
+MAX_CONFIG_BYTES = 64 * 1024
+MAX_MODELS = 1000  # folders read per scan: a repository is a handful of models, not a file system to walk
+MAX_VERSIONS = 1000
+# Triton's names are free-form; ours must be safe as one path component and in a URL, a metric label and a log
+# line: letters, digits, '_', '-', '.', starting with a letter or digit (so never '.' or '..'), 64 at most.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+VERSION_NAME = re.compile(r"[1-9][0-9]{0,17}")
+
+
+def check_model_name(name: str) -> str:
+    if not MODEL_NAME.fullmatch(name) or ".." in name:
+        raise InvalidModelName(f"{name[:80]!r} is not a model name: 1-64 letters, digits, '_', '-' or '.', "
+                               f"starting with a letter or digit")
+    return name
+
+
+def check_version(version: str) -> str:
+    if not VERSION_NAME.fullmatch(version):
+        raise InvalidModelName(f"{version[:40]!r} is not a version: a positive whole number")
+    return version
+
+
+class LatestPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    num_versions: int = Field(1, ge=1, le=MAX_VERSIONS)
+
+
+class SpecificPolicy(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    versions: list[int] = Field(min_length=1, max_length=MAX_VERSIONS)
+
+
+class VersionPolicy(BaseModel):
+    """Triton's version policy: exactly one of `latest` (the N highest, default 1), `all`, `specific`."""
+
+    model_config = ConfigDict(extra="forbid")
+    latest: LatestPolicy | None = None
+    all: dict | None = None
+    specific: SpecificPolicy | None = None
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> "VersionPolicy":
+        kinds = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"a version policy is one of latest, all or specific, not {' and '.join(kinds)}")
+        if not kinds:
+            self.latest = LatestPolicy()
+        return self
+
+    def choose(self, versions: list[str]) -> list[str]:
+        """The versions this policy serves out of those available, highest first."""
+        ordered = sorted(versions, key=int, reverse=True)
+        if self.all is not None:
+            return ordered
+        if self.specific is not None:
+            wanted = {str(v) for v in self.specific.versions}
+            return [v for v in ordered if v in wanted]
+        return ordered[:self.latest.num_versions]
+
+
+class ModelConfig(BaseModel):
+    """`ROOT/<model>/config.json`: what a model's file cannot say. Unset fields take the server's settings."""
+
+    model_config = ConfigDict(extra="forbid")
+    version_policy: VersionPolicy = Field(default_factory=VersionPolicy)
+    max_batch_size: int | None = Field(None, ge=1, le=1024)
+    max_queue_delay_ms: float | None = Field(None, ge=0, le=10_000)
+    max_queue_size: int | None = Field(None, ge=1, le=1_000_000)
+    maps: list[Literal["rollout", "relevance"]] | None = Field(None, description="maps offered (default: all the "
+                                                                                "file computes)")
+
+
+@dataclass(frozen=True)
+class VersionFile:
+    """One version's model file as the scan found it; `size` and `mtime_ns` tell a changed or growing file."""
+
+    version: str
+    path: Path
+    size: int
+    mtime_ns: int
+
+
+@dataclass
+class ModelEntry:
+    """One model folder: its config, its usable versions, and why the others are not usable."""
+
+    name: str
+    config: ModelConfig = field(default_factory=ModelConfig)
+    versions: dict[str, VersionFile] = field(default_factory=dict)
+    problems: dict[str, str] = field(default_factory=dict)  # version ("" for the model) -> reason
+    fixed: bool = False  # a single file: its version comes from its metadata, no policy applies
+
+    def wanted(self) -> list[str]:
+        """The versions to serve, highest first."""
+        if self.fixed:
+            return list(self.versions)
+        return self.config.version_policy.choose(list(self.versions))
+
+
+class ModelRepository:
+    """Reads `root`: every model folder (`scan`) or one (`entry`)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+        if not self.root.is_dir():
+            raise RepositoryError(f"the model repository {root} is not a directory")
+
+    def names(self) -> list[str]:
+        """The model folders' names, sorted; entries that are not valid names or not folders are skipped."""
+        found = []
+        with os.scandir(self.root) as entries:
+            for entry in entries:
+                if len(found) >= MAX_MODELS:
+                    break
+                if MODEL_NAME.fullmatch(entry.name) and ".." not in entry.name and entry.is_dir():
+                    found.append(entry.name)
+        return sorted(found)
+
+    def scan(self) -> dict[str, ModelEntry]:
+        return {name: self.entry(name) for name in self.names()}
+
+    def entry(self, name: str) -> ModelEntry:
+        """The model folder `name`, read now; ModelNotFound if there is none."""
+        folder = self._inside(self.root / check_model_name(name))
+        if folder is None or not folder.is_dir():
+            raise ModelNotFound(f"no model named {name!r} in the repository")
+        model = ModelEntry(name)
+        try:
+            model.config = read_config(folder / CONFIG_FILENAME)
+        except RepositoryError as e:
+            model.problems[""] = str(e)
+            return model
+        with os.scandir(folder) as entries:
+            versions = [e.name for e in entries if VERSION_NAME.fullmatch(e.name)][:MAX_VERSIONS]
+        for version in versions:
+            found = self._version_file(folder, version)
+            if isinstance(found, VersionFile):
+                model.versions[version] = found
+            else:
+                model.problems[version] = found
+        return model
+
+    def _version_file(self, folder: Path, version: str) -> VersionFile | str:
+        """The version's model file, or why there is none."""
+        directory = self._inside(folder / version)
+        if directory is None:
+            return f"version {version} points outside the repository"
+        if not directory.is_dir():
+            return f"version {version} is not a folder"
+        path = self._inside(directory / MODEL_FILENAME)
+        if path is None:
+            return f"version {version}: {MODEL_FILENAME} points outside the repository"
+        if not path.exists():
+            present = sorted(os.listdir(directory))[:5]
+            return (f"version {version} has no {MODEL_FILENAME}" +
+                    (f" (it holds {', '.join(present)})" if present else " (the folder is empty)"))
+        if not path.is_file():
+            return f"version {version}: {MODEL_FILENAME} is not a file"
+        stat = path.stat()
+        return VersionFile(version, path, stat.st_size, stat.st_mtime_ns)
+
+    def _inside(self, path: Path) -> Path | None:
+        """`path` resolved (links followed), or None when that lands outside the repository."""
+        resolved = path.resolve()
+        return resolved if resolved.is_relative_to(self.root) else None
+
+
+def read_config(path: Path) -> ModelConfig:
+    """A model's config.json, or the defaults when there is none; RepositoryError says what is wrong with it."""
+    if not path.exists():
+        return ModelConfig()
+    try:
+        if path.stat().st_size > MAX_CONFIG_BYTES:
+            raise RepositoryError(f"{CONFIG_FILENAME} is over {MAX_CONFIG_BYTES} bytes")
+        return ModelConfig.model_validate(json.loads(path.read_bytes()))
+    except (OSError, ValueError, ValidationError) as e:  # JSONDecodeError is a ValueError
+        raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(e)}") from None
+
+
+def single_file_source(path: Path, name: str, version: str) -> ModelEntry:
+    """`--model FILE`: a repository of one model with one version, named as the file's metadata says."""
+    path = Path(path)
+    stat = path.stat()
+    return ModelEntry(name, versions={version: VersionFile(version, path, stat.st_size, stat.st_mtime_ns)},
+                      fixed=True)
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())[:500]

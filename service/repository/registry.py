@@ -1,0 +1,362 @@
+"""`ModelRegistry`: the model versions an engine serves, keyed by (name, version), and the operations that change
+them: load, unload, poll. The engine (in the HTTP process or an engine process) holds one.
+
+Triton's model management, in its order:
+- a load brings every version the policy names up completely (session, batcher, warm-up) before routing to
+  it; then the versions the policy no longer names are retired. A load that fails leaves what was serving
+  serving, and the index says why (state and reason per version).
+- retiring a version stops routing to it, lets the requests admitted to it finish (up to the drain timeout),
+  runs what is queued, then drops its session and its metrics' series.
+- poll mode reads the repository every `repository_poll_secs`: a version is loaded once its file has stayed the
+  same size and age for a whole interval (not while it is still being copied), a failure is reported and tried
+  again only once the file changes, and a model folder that disappears is unloaded.
+One load or unload per model at a time (a lock per model), and one load at a time overall (two big models coming
+up at once must not double the peak memory).
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Protocol
+
+from service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
+from service.engine.routing import RoutingTable, VersionView
+from service.engine.served_model import Loader, ServedModel
+from service.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
+from service.metrics import ServiceMetrics
+from service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
+from service.runtime import InferenceModel, OnnxModel, read_model_file_info
+from service.settings import Settings
+
+log = logging.getLogger("vitserve.repository")
+
+
+class ModelSource(Protocol):
+    """Where models come from: a repository folder (service/repository/layout.py) or a single file."""
+
+    def names(self) -> list[str]: ...
+
+    def entry(self, name: str) -> ModelEntry: ...
+
+
+class SingleModel:
+    """`--model FILE` (or a model object a test hands over): a repository of one model and one version, named as
+    the file's metadata says."""
+
+    def __init__(self, path: Path, model: InferenceModel | None = None):
+        self.path, self.model = Path(path), model
+        self._info = model.info if model is not None else None
+
+    @property
+    def name(self) -> str:
+        return self._read().name
+
+    @property
+    def version(self) -> str:
+        return self._read().version
+
+    def _read(self):
+        """The file's metadata, read when first needed (ModelLoadError on a bad file)."""
+        if self._info is None:
+            self._info = read_model_file_info(self.path)
+        return self._info
+
+    def names(self) -> list[str]:
+        return [self.name]
+
+    def entry(self, name: str) -> ModelEntry:
+        if name != self.name:
+            raise ModelNotFound(f"no model named {name!r}; this server serves {self.name!r}")
+        if self.model is not None:
+            return ModelEntry(name, versions={self.version: VersionFile(self.version, self.path, 0, 0)}, fixed=True)
+        return single_file_source(self.path, self.name, self.version)
+
+
+@dataclass(eq=False)
+class VersionRecord:
+    name: str
+    version: str
+    state: str
+    reason: str = ""
+    served: ServedModel | None = None
+    file: VersionFile | None = None
+
+
+@dataclass
+class _PollMemory:
+    seen: dict[tuple[str, str], VersionFile] = field(default_factory=dict)  # each version's file at the last poll
+    failed: dict[str, tuple] = field(default_factory=dict)  # model -> the files whose load failed
+
+
+class ModelRegistry:
+    def __init__(self, source: ModelSource, settings: Settings, metrics: ServiceMetrics,
+                 loader: Loader = OnnxModel.load, retire_grace_s: float = 0.0):
+        self.source, self.settings, self.metrics = source, settings, metrics
+        self._loader = loader
+        # How long a retiring version still takes requests already routed to it: frontends in other processes
+        # learn of a new version a status interval after it is ready.
+        self.retire_grace_s = retire_grace_s
+        self.records: dict[tuple[str, str], VersionRecord] = {}
+        self.model_problems: dict[str, str] = {}  # model -> why it cannot load at all (its config.json)
+        self.generation = 0  # bumped on every change of state: remote frontends refetch the index
+        self.on_change: Callable[[], None] = lambda: None
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._one_load = asyncio.Semaphore(1)
+        self._poller: asyncio.Task | None = None
+        self._poll_memory = _PollMemory()
+        self._background: set[asyncio.Task] = set()
+        self._table: RoutingTable | None = None
+
+    # --- routing ---
+    def route(self, name: str | None, version: str | None = None) -> ModelHandle:
+        return self.table.route(name, version)
+
+    @property
+    def table(self) -> RoutingTable:
+        """The versions' states and metadata as routing sees them (rebuilt after every change)."""
+        if self._table is None:
+            self._table = RoutingTable({key: VersionView(r.state, r.reason, r.served.info if r.served else None,
+                                                         r.served.batching if r.served else {})
+                                        for key, r in self.records.items()}, dict(self.model_problems))
+        return self._table
+
+    def serving(self, name: str, version: str) -> ServedModel:
+        """The version a request was routed to, while it still takes requests (ready, or retiring and in its
+        grace); VersionRetired otherwise."""
+        record = self.records.get((name, version))
+        if record is None or record.served is None or record.served.closing or record.state not in (READY,
+                                                                                                   UNLOADING):
+            raise VersionRetired(f"model {name!r} version {version} is no longer served")
+        return record.served
+
+    def predicted_wait_s(self, name: str | None = None) -> float:
+        waits = [r.served.predicted_wait_s() for (n, _), r in self.records.items()
+                 if r.state == READY and (name is None or n == name)]
+        return min(waits) if name is None and waits else max(waits, default=0.0)
+
+    def index(self, ready_only: bool = False) -> list[IndexEntry]:
+        """Every model in the source and every version known, as Triton's repository index lists them."""
+        entries = [IndexEntry(n, v, r.state, r.reason) for (n, v), r in self.records.items()
+                   if not ready_only or r.state == READY]
+        if not ready_only:
+            known = {n for n, _ in self.records}
+            try:
+                names = self.source.names()
+            except (OSError, ServiceError) as e:
+                log.error("cannot read the model repository: %s", e)
+                names = []
+            entries += [IndexEntry(n, "", UNAVAILABLE, self.model_problems[n]) if n in self.model_problems
+                        else IndexEntry(n) for n in names if n not in known]
+        return sorted(entries, key=lambda e: (e.name, -int(e.version) if e.version.isdigit() else 0, e.version))
+
+    def live_versions(self) -> set[tuple[str, str]]:
+        return self.table.live()
+
+    # --- changes ---
+    async def load(self, name: str, *, warm: bool = True) -> None:
+        async with self._lock(name):
+            entry = self.source.entry(check_model_name(name))  # ModelNotFound when the folder is gone
+            if "" in entry.problems:
+                self.model_problems[name] = entry.problems[""]
+                raise ModelLoadError(f"model {name!r}: {entry.problems['']}")
+            self.model_problems.pop(name, None)
+            wanted = entry.wanted()
+            if not wanted:
+                why = "; ".join(entry.problems.values()) or "no version folders"
+                raise ModelLoadError(f"model {name!r} has no version to serve: {why}")
+            failures = [await self._load_version(entry, v, warm) for v in wanted]
+            failures = [f for f in failures if f]
+            if failures:
+                raise ModelLoadError(f"model {name!r}: " + "; ".join(failures) + " (what was serving still is)")
+            for (n, v), record in list(self.records.items()):
+                if n == name and v not in wanted and record.state in (READY, LOADING):
+                    await self._retire(record, f"version {v} is no longer in the version policy")
+
+    async def _load_version(self, entry: ModelEntry, version: str, warm: bool = True) -> str | None:
+        """Bring `version` up and route to it once warmed up; the reason it failed, or None. Without `warm`
+        (startup), it is left LOADING with its session: `warm_up_loading` finishes the job."""
+        key, file = (entry.name, version), entry.versions[version]
+        current = self.records.get(key)
+        if current is not None and current.state == READY and current.file == file:
+            return None  # unchanged: nothing to do
+        if current is None or current.state != READY:
+            self.records[key] = VersionRecord(entry.name, version, LOADING, file=file)
+            self._changed()
+        try:
+            served = await self._bring_up(entry, version, file, warm)
+        except Exception as e:  # ModelLoadError, ORT's own errors, MemoryError, a failed warm-up
+            reason = _reason(e)
+            log.error("model %s version %s failed to load: %s", entry.name, version, reason)
+            if current is not None and current.state == READY:
+                current.reason = f"reload failed: {reason}"  # the old file goes on serving
+            else:
+                self.records[key] = VersionRecord(entry.name, version, UNAVAILABLE, reason, file=file)
+            self._changed()
+            return f"version {version}: {reason}"
+        self.records[key] = VersionRecord(entry.name, version, READY if warm else LOADING, served=served, file=file)
+        self._changed()
+        if current is not None and current.served is not None:  # a changed file replaced in place
+            self._in_background(self._close(current.served))
+        return None
+
+    async def _bring_up(self, entry: ModelEntry, version: str, file: VersionFile, warm: bool) -> ServedModel:
+        given = getattr(self.source, "model", None)
+        settings = self._settings_for(entry, file.path)
+        served = ServedModel(entry.name, version, settings, self.metrics.for_model(entry.name, version),
+                             model=given, loader=self._loader, maps=entry.config.maps)
+        async with self._one_load:
+            try:
+                await served.load()
+                if warm:
+                    await served.warm_up()
+            except BaseException:
+                await self._close(served)
+                raise
+        return served
+
+    def _settings_for(self, entry: ModelEntry, path: Path) -> Settings:
+        """The server's settings with this version's file and its model's own batching limits."""
+        config = entry.config
+        overrides = {"model_path": path, **{k: v for k, v in (("max_batch_size", config.max_batch_size),
+                                                               ("max_queue_delay_ms", config.max_queue_delay_ms),
+                                                               ("max_queue_size", config.max_queue_size))
+                                              if v is not None}}
+        if "max_batch_size" in overrides:  # warm up at the model's own sizes
+            overrides["warmup_batch_sizes"] = sorted({1, overrides["max_batch_size"]})
+            overrides["max_relevance_batch_size"] = min(self.settings.max_relevance_batch_size,
+                                                        overrides["max_batch_size"])
+        return self.settings.model_copy(update=overrides)
+
+    async def unload(self, name: str) -> None:
+        async with self._lock(check_model_name(name)):
+            records = [r for (n, _), r in self.records.items() if n == name]
+            if not records and name not in self.source.names():
+                raise ModelNotFound(f"no model named {name!r}")
+            for record in records:
+                if record.state in (READY, LOADING):
+                    await self._retire(record, "unloaded")
+
+    async def _retire(self, record: VersionRecord, reason: str) -> None:
+        record.state, record.reason = UNLOADING, ""
+        self._changed()  # no new request is routed to it from here on
+        if self.retire_grace_s:
+            await asyncio.sleep(self.retire_grace_s)
+        if record.served is not None:
+            await self._close(record.served)
+        record.state, record.reason, record.served = UNAVAILABLE, reason, None
+        self.metrics.retire(record.name, record.version)
+        self._changed()
+        log.info("model %s version %s unloaded (%s)", record.name, record.version, reason)
+
+    async def _close(self, served: ServedModel) -> None:
+        await served.close(self.settings.drain_timeout_s)
+        del served
+        gc.collect()  # the session's last references may sit in cycles: free its memory now, not some day
+
+    # --- start, poll, stop ---
+    async def start(self, names: list[str] | None = None, *, required: bool = False) -> None:
+        """Load the sessions of `names` (None: every model of the source); `warm_up_loading` then warms them up
+        and routes to them, so health probes are answered (not ready) meanwhile. `required`: a failure stops
+        startup (a single file)."""
+        for name in self.source.names() if names is None else names:
+            try:
+                await self.load(name, warm=False)
+            except ServiceError as e:
+                if required:
+                    raise
+                log.error("at startup: %s", e)
+        if self.settings.model_control_mode == "poll":
+            self._poll_memory.seen = {(n, v): r.file for (n, v), r in self.records.items() if r.file}
+            self._poller = asyncio.create_task(self._poll(), name="repository-poll")
+
+    async def warm_up_loading(self) -> bool:
+        """Warm up every version loaded by `start` and route to it; whether all of them made it."""
+        all_ready = True
+        for record in [r for r in self.records.values() if r.state == LOADING and r.served is not None]:
+            try:
+                async with self._one_load:
+                    await record.served.warm_up()
+            except Exception as e:  # not served: the index says why; the readiness probe tells the orchestrator
+                log.exception("warm-up of %s version %s failed", record.name, record.version)
+                record.state, record.reason, all_ready = UNAVAILABLE, f"warm-up failed: {_reason(e)}", False
+                await self._close(record.served)
+                record.served = None
+            else:
+                record.state = READY
+            self._changed()
+        return all_ready
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_secs)
+            try:
+                await self.poll_once()
+            except Exception:  # a poll that broke must not end polling
+                log.exception("polling the model repository failed")
+
+    async def poll_once(self) -> None:
+        """One look at the repository: load what is new or changed and stable, unload what is gone."""
+        memory, entries = self._poll_memory, await asyncio.to_thread(self._scan)
+        for name in {n for n, _ in self.records} - set(entries):
+            if any(r.state in (READY, LOADING) for (n, _), r in self.records.items() if n == name):
+                log.info("model %s left the repository: unloading it", name)
+                await self.unload(name)
+        for name, entry in entries.items():
+            files = {v: entry.versions[v] for v in entry.wanted()}
+            stable = all(memory.seen.get((name, v)) == f for v, f in files.items())
+            memory.seen.update({(name, v): f for v, f in entry.versions.items()})
+            signature = tuple(sorted(files.items()))
+            if not files or not stable or memory.failed.get(name) == signature or self._serves(name, files):
+                continue
+            try:
+                await self.load(name)
+                memory.failed.pop(name, None)
+            except ServiceError as e:
+                memory.failed[name] = signature  # reported in the index; tried again once a file changes
+                log.error("poll: %s", e)
+
+    def _scan(self) -> dict[str, ModelEntry]:
+        return {name: self.source.entry(name) for name in self.source.names()}
+
+    def _serves(self, name: str, files: dict[str, VersionFile]) -> bool:
+        """Whether exactly these files are what serves `name` now."""
+        serving = {v: r.file for (n, v), r in self.records.items() if n == name and r.state == READY}
+        return serving == files
+
+    async def close(self, timeout_s: float) -> None:
+        if self._poller:
+            self._poller.cancel()
+        served = [r.served for r in self.records.values() if r.served is not None]
+        for record in self.records.values():
+            record.state = UNLOADING if record.served else record.state
+        await asyncio.gather(*(s.close(timeout_s) for s in served), return_exceptions=True)
+
+    # --- helpers ---
+    def _lock(self, name: str) -> asyncio.Lock:
+        return self._locks.setdefault(name, asyncio.Lock())
+
+    def _changed(self) -> None:
+        self.generation += 1
+        self._table = None
+        self.on_change()
+
+    def _in_background(self, work) -> None:
+        task = asyncio.create_task(work)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+
+def _reason(error: BaseException) -> str:
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text[:1000]
+
+
+def model_source(settings: Settings, model: InferenceModel | None = None) -> ModelSource:
+    """The repository folder, or the single file (or a test's model object) as a repository of one."""
+    if settings.model_repository is not None:
+        from service.repository.layout import ModelRepository
+        return ModelRepository(settings.model_repository)
+    return SingleModel(settings.model_path, model)

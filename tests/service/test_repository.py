@@ -1,0 +1,324 @@
+"""The model repository: the layout on disk and what it refuses, version policies, the registry's load / swap /
+unload in an in-process app (routing, keys, a corrupt version, metrics of unloaded versions, poll mode), and a
+real `vitserve serve --model-repository` driven by tritonclient, unmodified, with a swap under load."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from service.errors import InvalidModelName, ModelNotFound, RepositoryError
+from service.repository.layout import ModelRepository, VersionPolicy, check_model_name
+from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, scrape, serving, settings_for,
+                              uvicorn_server, wait_until)
+
+pytestmark = pytest.mark.anyio
+ADMIN = "s3cret-admin-key"
+AUTH = {"Authorization": f"Bearer {ADMIN}"}
+
+
+def make_repository(root: Path, model_file: Path, layout: dict[str, list[int]]) -> Path:
+    """`root/<name>/<version>/model.onnx` for each name and version (copies of `model_file`)."""
+    for name, versions in layout.items():
+        for version in versions:
+            folder = root / name / str(version)
+            folder.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(model_file, folder / "model.onnx")
+    return root
+
+
+@pytest.fixture
+def repository(tmp_path, tiny_onnx) -> Path:
+    return make_repository(tmp_path / "repo", tiny_onnx, {"small": [1, 2], "large": [3]})
+
+
+# --- the layout ---
+
+
+def test_the_layout_lists_models_and_versions_and_says_why_a_version_is_not_usable(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"a": [1, 2]})
+    (root / "a" / "3").mkdir()  # empty
+    (root / "a" / "4").mkdir()
+    (root / "a" / "4" / "weights.bin").write_bytes(b"\0" * 10)  # no model.onnx
+    outside = tmp_path / "outside"
+    make_repository(outside, tiny_onnx, {"x": [1]})
+    os.symlink(outside / "x" / "1", root / "a" / "5")  # a version pointing out of the repository
+    (root / "a" / "notes").mkdir()  # not a version: ignored, as Triton does
+    os.symlink(outside / "x", root / "escape")  # a model pointing out of the repository
+    (root / ".hidden").mkdir()
+    repository = ModelRepository(root)
+    assert repository.names() == ["a", "escape"]
+    entry = repository.entry("a")
+    assert sorted(entry.versions) == ["1", "2"] and entry.wanted() == ["2"]
+    assert entry.problems == {"3": "version 3 has no model.onnx (the folder is empty)",
+                              "4": "version 4 has no model.onnx (it holds weights.bin)",
+                              "5": "version 5 points outside the repository"}
+    with pytest.raises(ModelNotFound):
+        repository.entry("escape")  # never read
+    for bad in ("..", "../repo", "a/1", "", ".hidden", "a" * 65, "é"):
+        with pytest.raises(InvalidModelName):
+            repository.entry(bad)
+
+
+def test_version_policies_choose_as_triton_does():
+    versions = ["1", "2", "10", "3"]
+    assert VersionPolicy().choose(versions) == ["10"]
+    assert VersionPolicy.model_validate({"latest": {"num_versions": 2}}).choose(versions) == ["10", "3"]
+    assert VersionPolicy.model_validate({"all": {}}).choose(versions) == ["10", "3", "2", "1"]
+    assert VersionPolicy.model_validate({"specific": {"versions": [1, 3, 7]}}).choose(versions) == ["3", "1"]
+    with pytest.raises(ValueError, match="one of latest, all or specific"):
+        VersionPolicy.model_validate({"all": {}, "latest": {"num_versions": 1}})
+
+
+def test_a_bad_config_is_the_models_problem_and_names_what_is_wrong(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"a": [1], "b": [1]})
+    (root / "a" / "config.json").write_text('{"max_batch_size": 0}')
+    (root / "b" / "config.json").write_text('{"version_policy": {"newest": {}}}')
+    assert "max_batch_size" in ModelRepository(root).entry("a").problems[""]
+    assert "newest" in ModelRepository(root).entry("b").problems[""]
+    with pytest.raises(RepositoryError):
+        ModelRepository(root / "a" / "1" / "model.onnx")  # a file is no repository
+    assert check_model_name("vit-b16_v2.onnx") == "vit-b16_v2.onnx"
+
+
+# --- an in-process server of a repository ---
+
+
+def repo_settings(root: Path, **overrides):
+    return settings_for(root / "unused.onnx", model_repository=root, **overrides)
+
+
+async def test_several_models_and_versions_are_routed_by_name_and_version(repository):
+    async with serving(repo_settings(repository)) as client:
+        listed = (await client.get("/v1/models")).json()["models"]
+        assert [(m["name"], m["version"], m["state"]) for m in listed] == [
+            ("large", "3", "READY"), ("small", "2", "READY")]  # latest 1 of small
+        for model, version in (("small", "2"), ("large", "3")):
+            answer = await classify(client, image_bytes("PNG"), model=model)
+            assert answer.status_code == 200 and answer.json()["model"] == {"name": model, "version": version}
+        assert_error(await classify(client, image_bytes("PNG")), 422, "invalid_parameter")  # two models: name one
+        assert_error(await classify(client, image_bytes("PNG"), model="nope"), 404, "model_not_found")
+        assert_error(await classify(client, image_bytes("PNG"), model="small", version="1"), 404, "model_not_found")
+        assert_error(await classify(client, image_bytes("PNG"), model="../small"), 404, "model_not_found")
+        body = {"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [1, 3, 32, 32],
+                            "data": [0.0] * 3072}]}
+        answer = await client.post("/v2/models/large/versions/3/infer", json=body)
+        assert answer.status_code == 200 and answer.json()["model_name"] == "large"
+        assert (await client.get("/v2/models/small")).json()["versions"] == ["2"]
+        assert_error(await client.get("/v2/models/small/versions/9"), 404, "model_not_found")
+        assert_error(await client.get("/v2/models/small/versions/x"), 404, "model_not_found")
+        assert (await client.get("/v1/model", params={"model": "large"})).json()["name"] == "large"
+        # the repository API is off in the default control mode
+        assert_error(await client.post("/v2/repository/index", headers=AUTH), 403, "repository_control_disabled")
+
+
+async def test_the_repository_api_needs_the_admin_key(repository):
+    settings = repo_settings(repository, model_control_mode="explicit", admin_key=ADMIN)
+    async with serving(settings) as client:
+        assert (await client.get("/v1/models")).json()["models"] == [
+            {"name": "large", "version": "", "state": "UNAVAILABLE", "reason": "not loaded"},
+            {"name": "small", "version": "", "state": "UNAVAILABLE", "reason": "not loaded"}]
+        missing = await client.post("/v2/repository/models/small/load")
+        assert_error(missing, 401, "unauthorized")
+        assert missing.headers["www-authenticate"].startswith("Bearer")
+        assert_error(await client.post("/v2/repository/models/small/load",
+                                       headers={"Authorization": "Bearer wrong"}), 403, "forbidden")
+        assert_error(await client.post("/v2/repository/models/small/load",
+                                       headers={"Authorization": f"Basic {ADMIN}"}), 401, "unauthorized")
+        assert (await client.post("/v2/repository/models/small/load", headers=AUTH)).status_code == 200
+        index = (await client.post("/v2/repository/index", headers=AUTH)).json()
+        assert index == [{"name": "large"}, {"name": "small", "version": "2", "state": "READY", "reason": ""}]
+        assert (await classify(client, image_bytes("PNG"))).json()["model"]["version"] == "2"  # the only model
+        assert_error(await client.post("/v2/repository/models/nope/load", headers=AUTH), 404, "model_not_found")
+        assert_error(await client.post("/v2/repository/models/a..b/load", headers=AUTH), 400, "invalid_model_name")
+        assert_error(await client.post("/v2/repository/models/small/load", headers=AUTH,
+                                       json={"parameters": {"config": "{}"}}), 400, "invalid_parameter")
+        assert_error(await client.post("/v2/repository/index", headers=AUTH, content=b"[1"), 400,
+                     "invalid_parameter")
+        assert (await client.post("/v2/repository/models/small/unload", headers=AUTH)).status_code == 200
+        assert_error(await classify(client, image_bytes("PNG"), model="small"), 503, "model_unavailable")
+        ready = (await client.post("/v2/repository/index", headers=AUTH, json={"ready": True})).json()
+        assert ready == []
+
+
+async def test_a_corrupt_new_version_fails_its_load_and_the_old_one_keeps_serving(repository):
+    settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
+    async with serving(settings) as client:
+        (repository / "small" / "5").mkdir()
+        (repository / "small" / "5" / "model.onnx").write_bytes(b"this is not ONNX" * 100)
+        failed = await client.post("/v2/repository/models/small/load", headers=AUTH)
+        assert_error(failed, 400, "model_load_failed")
+        assert "version 5" in failed.json()["error"] and "what was serving still is" in failed.json()["error"]
+        index = (await client.post("/v2/repository/index", headers=AUTH)).json()
+        assert {(e["version"], e["state"]) for e in index if e["name"] == "small"} == {("5", "UNAVAILABLE"),
+                                                                                   ("2", "READY")}
+        assert next(e for e in index if e.get("version") == "5")["reason"]
+        answer = await classify(client, image_bytes("PNG"), model="small")
+        assert answer.status_code == 200 and answer.json()["model"]["version"] == "2"
+
+
+async def test_a_new_version_takes_over_and_the_old_ones_series_stop(repository, tiny_onnx):
+    settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
+    async with serving(settings) as client:
+        assert (await classify(client, image_bytes("PNG"), model="small")).status_code == 200
+        series = scrape_app(await client.get("/metrics"))
+        assert any('version="2"' in line for line in series)
+        make_repository(repository, tiny_onnx, {"small": [4]})
+        assert (await client.post("/v2/repository/models/small/load", headers=AUTH)).status_code == 200
+        assert (await classify(client, image_bytes("PNG"), model="small")).json()["model"]["version"] == "4"
+        series = scrape_app(await client.get("/metrics"))
+        assert not any('model="small",version="2"' in line or 'name="small",version="2"' in line for line in series)
+        assert any('model="small",version="4"' in line for line in series)
+        stats = (await client.get("/v2/models/small/stats")).json()["model_stats"]
+        assert [(s["name"], s["version"], s["inference_count"]) for s in stats] == [("small", "4", 1)]
+
+
+def scrape_app(response) -> list[str]:
+    return [line for line in response.text.splitlines() if line and not line.startswith("#")]
+
+
+async def test_an_unpinned_request_in_flight_on_a_retired_version_finishes_on_a_ready_one(repository, tiny_onnx):
+    """Unload of the routed version races a request: the request still gets a ready version's answer."""
+    settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
+    async with serving(settings) as client:
+        engine = client.app.state.service.engine
+        handle = engine.route("small")
+        make_repository(repository, tiny_onnx, {"small": [4]})
+        await engine.load("small")  # version 2 retired, 4 ready
+        pixels = np.zeros((3, 32, 32), np.float32)
+        result = await engine.submit(handle, pixels, PATIENCE_S)  # routed to 2 before the swap
+        assert result.version == "4"
+        pinned = engine.route("small", "4")
+        await engine.unload("small")
+        with pytest.raises(Exception, match="unloaded|no longer served"):
+            await engine.submit(pinned, pixels, PATIENCE_S)
+
+
+async def test_poll_mode_loads_a_version_once_its_file_is_complete_and_reports_a_bad_one_once(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
+    settings = repo_settings(root, model_control_mode="poll", admin_key=ADMIN, repository_poll_secs=3600)
+    async with serving(settings) as client:
+        registry = client.app.state.service.engine.registry
+        data = tiny_onnx.read_bytes()
+        (root / "m" / "2").mkdir()
+        partial = root / "m" / "2" / "model.onnx"
+        partial.write_bytes(data[:len(data) // 2])  # still being copied
+        await registry.poll_once()
+        await registry.poll_once()  # unchanged for an interval, but broken: reported
+        index = {e.version: e for e in registry.index()}
+        assert index["2"].state == "UNAVAILABLE" and index["2"].reason and index["1"].state == "READY"
+        generation = registry.generation
+        await registry.poll_once()  # not tried again while the file is the same: nothing changes
+        assert registry.generation == generation
+        partial.write_bytes(data)  # the copy completes
+        os.utime(partial, ns=(1, 1))  # a different age: changed
+        await registry.poll_once()  # seen once: not loaded yet (it may still be growing)
+        assert {e.version: e.state for e in registry.index()}["2"] == "UNAVAILABLE"
+        await registry.poll_once()  # the same for a whole interval: loaded, and version 1 retired
+        states = {e.version: e.state for e in registry.index()}
+        assert states == {"2": "READY", "1": "UNAVAILABLE"}
+        shutil.rmtree(root / "m")
+        await registry.poll_once()
+        assert all(e.state == "UNAVAILABLE" for e in registry.index())
+        assert_error(await client.post("/v2/repository/models/m/load", headers=AUTH), 403,
+                     "repository_control_disabled")  # poll mode: the files decide
+
+
+async def test_an_api_key_guards_inference_but_not_health_or_metrics(tiny_onnx):
+    async with serving(settings_for(tiny_onnx, api_key="k1")) as client:
+        assert_error(await classify(client, image_bytes("PNG")), 401, "unauthorized")
+        assert_error(await client.get("/v2/models/tiny-vit"), 401, "unauthorized")
+        assert_error(await client.get("/v1/models"), 401, "unauthorized")
+        answer = await client.post("/v1/classify", content=image_bytes("PNG"),
+                                   headers={"content-type": "image/png", "Authorization": "Bearer k1"})
+        assert answer.status_code == 200
+        for path in ("/v2/health/ready", "/v2/health/live", "/v2", "/metrics"):
+            assert (await client.get(path)).status_code == 200, path
+
+
+# --- a real server, tritonclient unmodified ---
+
+
+@pytest.fixture(scope="module")
+def explicit_server(tmp_path_factory, tiny_onnx):
+    root = make_repository(tmp_path_factory.mktemp("served") / "repo", tiny_onnx, {"small": [1], "large": [1]})
+    (root / "small" / "config.json").write_text(json.dumps({"version_policy": {"all": {}}, "max_batch_size": 4}))
+    with uvicorn_server(tiny_onnx, "--model-repository", str(root), "--model-control-mode", "explicit",
+                        "--load-model", "small", "--admin-key", ADMIN, "--engine", "process", workers=2) as (url, _):
+        yield url, root
+
+
+def test_tritonclient_drives_the_repository(explicit_server, tiny_onnx):
+    import tritonclient.http as triton
+    from tritonclient.utils import InferenceServerException
+    url, root = explicit_server
+    client = triton.InferenceServerClient(url.removeprefix("http://"), network_timeout=PATIENCE_S)
+    try:
+        index = client.get_model_repository_index(headers=AUTH)
+        assert {(m["name"], m.get("version"), m.get("state")) for m in index} == {
+            ("large", None, None), ("small", "1", "READY")}
+        client.load_model("large", headers=AUTH)
+        make_repository(root, tiny_onnx, {"small": [2]})
+        client.load_model("small", headers=AUTH)  # policy all: 1 and 2
+        for model, version in (("small", "1"), ("small", "2"), ("large", "1")):
+            assert client.is_model_ready(model, version)
+            pixels = triton.InferInput("pixel_values", [2, 3, 32, 32], "FP32")
+            pixels.set_data_from_numpy(np.zeros((2, 3, 32, 32), np.float32), binary_data=True)
+            result = client.infer(model, [pixels], model_version=version)
+            assert result.get_response()["model_version"] == version and result.as_numpy("logits").shape == (2, 3)
+        assert client.get_model_config("small")["max_batch_size"] == 4
+        assert not client.is_model_ready("small", "9")
+        with pytest.raises(InferenceServerException, match="no model named 'nope'"):
+            client.infer("nope", [pixels])
+        with pytest.raises(InferenceServerException):
+            client.load_model("small")  # no key
+        client.unload_model("large", headers=AUTH)
+        assert not client.is_model_ready("large")
+        with pytest.raises(InferenceServerException, match="no ready version"):
+            client.infer("large", [pixels])
+    finally:
+        client.close()
+
+
+def test_a_swap_under_load_loses_no_request(explicit_server, tiny_onnx):
+    """Clients hammer `small` while version 3 is loaded and the older ones retired (policy: all, then latest 1),
+    twice: every answer is 200, from a version that was ready."""
+    url, root = explicit_server
+    answers: list[tuple[int, str]] = []
+    stop = threading.Event()
+
+    def client_loop():
+        with httpx.Client(base_url=url, timeout=PATIENCE_S) as client:
+            while not stop.is_set():
+                reply = client.post("/v1/classify", params={"model": "small", "map": "none"},
+                                    content=image_bytes("PNG"), headers={"content-type": "image/png"})
+                answers.append((reply.status_code, reply.json().get("model", {}).get("version", reply.text)))
+
+    threads = [threading.Thread(target=client_loop) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    try:
+        wait_until(lambda: len(answers) > 20, "requests answered before the swap")
+        for version in (3, 4):
+            make_repository(root, tiny_onnx, {"small": [version]})
+            (root / "small" / "config.json").write_text(json.dumps({"version_policy": {"latest": {"num_versions": 1}}}))
+            before = len(answers)
+            reply = httpx.post(f"{url}/v2/repository/models/small/load", headers=AUTH, timeout=PATIENCE_S)
+            assert reply.status_code == 200, reply.text
+            wait_until(lambda: len(answers) > before + 20, "requests answered after the swap")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(PATIENCE_S)
+    statuses = {status for status, _ in answers}
+    assert statuses == {200}, [a for a in answers if a[0] != 200][:5]
+    assert {v for _, v in answers} <= {"1", "2", "3", "4"} and answers[-1][1] == "4"
+    metrics = scrape(url)
+    assert not [k for k in metrics if ("model", "small") in k[1] and ("version", "2") in k[1]]
