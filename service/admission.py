@@ -102,6 +102,16 @@ def return_large_frees_to_the_os() -> bool:
         return False
 
 
+def give_freed_memory_back() -> bool:
+    """Return the heap's free pages to the OS (glibc's malloc_trim; no-op elsewhere): after a model version is
+    unloaded its freed weights sit in the heap's arenas, and a process that loads and unloads versions all day
+    would hold its peak forever. True when it was done."""
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):  # not glibc
+        return False
+
+
 class PixelBudget:
     """A budget of decoded pixels held by requests at once, so a few huge images cannot take the memory: a
     request waits (within its deadline) until its pixels fit. Event-loop thread only."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
+from service.admission import give_freed_memory_back
 from service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from service.engine.routing import RoutingTable, VersionView
 from service.engine.served_model import Loader, ServedModel
@@ -255,6 +256,7 @@ class ModelRegistry:
         await served.close(self.settings.drain_timeout_s)
         del served
         gc.collect()  # the session's last references may sit in cycles: free its memory now, not some day
+        give_freed_memory_back()
 
     # --- start, poll, stop ---
     async def start(self, names: list[str] | None = None, *, required: bool = False) -> None:

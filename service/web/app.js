@@ -1,6 +1,7 @@
 "use strict";
 // The page at /: an image -> POST v1/classify -> the top-k classes as bars, the map drawn over the image on a
-// canvas, what the resize did, the timing split. The model card (v1/model) is read once, at load.
+// canvas, what the resize did, the timing split. The models ready (v1/models) fill the model picker; the card
+// (v1/model) follows the model chosen.
 // Plain DOM and no build step; every URL is relative, so the page also works behind a path prefix.
 
 // service/postprocess.py's colour ramp (dark blue -> cyan -> yellow -> red): the same colours as its PNG overlays.
@@ -139,21 +140,51 @@ function drawScale() {
   }
 }
 
-// ---- the model card
-async function loadCard() {
-  let response;
+// ---- the models and the chosen one's card
+async function fetchJson(url) {
   try {
-    response = await fetch("v1/model");
+    const response = await fetch(url);
+    return response.ok ? await response.json() : null;
   } catch (error) {
-    response = null;
+    return null;
   }
-  if (!response || !response.ok) {
+}
+
+async function loadModels() {
+  const listed = await fetchJson("v1/models");
+  const ready = listed ? listed.models.filter((m) => m.state === "READY") : [];
+  if (!ready.length) {
+    $("status").textContent = "No model is ready yet; trying again…";
+    setTimeout(loadModels, 2000);
+    return;
+  }
+  // One entry per model (its newest ready version), then each version of a model that has several.
+  const names = [...new Set(ready.map((m) => m.name))];
+  const choices = names.flatMap((name) => {
+    const versions = ready.filter((m) => m.name === name).map((m) => m.version);
+    const newest = new Option(`${name} (newest: ${versions[0]})`, JSON.stringify({model: name}));
+    const pinned = versions.length > 1 ?
+      versions.map((v) => new Option(`${name} version ${v}`, JSON.stringify({model: name, version: v}))) : [];
+    return [newest, ...pinned];
+  });
+  $("model").replaceChildren(...choices);
+  $("model-row").hidden = choices.length < 2;
+  await loadCard();
+}
+
+function chosenModel() {
+  return $("model").value ? JSON.parse($("model").value) : {};
+}
+
+async function loadCard() {
+  const card = await fetchJson(`v1/model?${new URLSearchParams(chosenModel())}`);
+  if (!card) {
     $("status").textContent = "The model card is not available yet; trying again…";
     setTimeout(loadCard, 2000);
     return;
   }
-  state.card = await response.json();
-  showCard(state.card);
+  state.card = card;
+  showCard(card);
   $("status").textContent = "Choose an image, or one of the samples.";
 }
 
@@ -167,14 +198,15 @@ function showCard(card) {
   $("card-fields").replaceChildren(...fields.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
   $("labels-summary").textContent = `Labels (${card.labels.length})`;
   $("labels").replaceChildren(...card.labels.map((label) => element("li", label)));
-  $("target").append(...card.labels.map((label, index) => new Option(`${index}: ${label}`, String(index))));
+  $("target").replaceChildren(new Option("the top-1", ""),
+    ...card.labels.map((label, index) => new Option(`${index}: ${label}`, String(index))));
   $("top-k").max = card.labels.length;
   $("top-k").value = Math.min(5, card.labels.length);
-  if (!card.maps.includes("relevance")) {
-    document.querySelector('input[name="map"][value="relevance"]').disabled = true;
-    $("map-note").textContent = "This model's file has no relevance path: rollout only.";
-    $("map-note").hidden = false;
-  }
+  const relevance = card.maps.includes("relevance"), choice = document.querySelector('input[name="map"][value="relevance"]');
+  choice.disabled = !relevance;
+  if (!relevance && choice.checked) document.querySelector('input[name="map"][value="rollout"]').checked = true;
+  $("map-note").textContent = relevance ? "" : "This model's file has no relevance path: rollout only.";
+  $("map-note").hidden = relevance;
 }
 
 function element(tag, text) {
@@ -230,7 +262,7 @@ async function choose(file) {
 function options() {
   const form = $("options");
   const map = form.elements.map.value, resize = form.elements.resize.value;
-  const params = new URLSearchParams({top_k: $("top-k").value || "5", map, resize});
+  const params = new URLSearchParams({...chosenModel(), top_k: $("top-k").value || "5", map, resize});
   if (map !== "none") params.set("map_format", "grid");
   if (map === "relevance" && $("target").value !== "") params.set("target", $("target").value);
   return {map, resize, params};
@@ -348,7 +380,8 @@ function wire() {
     if (file) choose(file);
   });
   $("options").addEventListener("submit", (event) => event.preventDefault());
-  $("options").addEventListener("change", () => {
+  $("options").addEventListener("change", async (event) => {
+    if (event.target === $("model")) await loadCard(); // a new card: its labels, maps and resolution
     $("target").disabled = options().map !== "relevance";
     classify();
   });
@@ -360,4 +393,4 @@ function wire() {
 
 wire();
 drawScale();
-loadCard().then(loadSamples);
+loadModels().then(loadSamples);

@@ -215,7 +215,9 @@ def test_page_classifies_an_upload_and_draws_the_map_over_it(page, server):
     assert page.locator("#samples button").count() == 10
     source = np.asarray(Image.open(io.BytesIO(patterned_png(PATTERN_SIZE)))).astype(int)
     result = answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
-    assert result["query"] == {"top_k": "3", "map": "rollout", "map_format": "grid", "resize": "fit"}
+    assert result["query"] == {"model": "tiny-vit", "top_k": "3", "map": "rollout", "map_format": "grid",
+                               "resize": "fit"}
+    assert page.locator("#model-row").is_hidden()  # one model: no picker
     body = result["body"]
     labels = [item.inner_text() for item in page.locator("#predictions li").all()]
     assert len(labels) == 3 and [f"{p['label']} ({p['index']})" in text for p, text in
@@ -356,3 +358,34 @@ def test_the_default_model_from_a_sample_by_keyboard(page):
         answered(page, lambda: page.check("input[name=map][value=relevance]"))
         assert "of Ankle boot (" in page.inner_text("#map-caption")
         page.screenshot(path=SCREENSHOTS / "web-page.png", full_page=True)
+
+
+@pytest.fixture(scope="module")
+def repository_server(tiny_onnx, tmp_path_factory):
+    """Two models, one of them in two versions (policy all): the page's model picker."""
+    if _browser_missing():
+        pytest.skip(_browser_missing())
+    root = tmp_path_factory.mktemp("web-repo")
+    for name, version in (("shoes", 1), ("shoes", 2), ("shirts", 1)):
+        (root / name / str(version)).mkdir(parents=True)
+        shutil.copyfile(tiny_onnx, root / name / str(version) / "model.onnx")
+    (root / "shoes" / "config.json").write_text(json.dumps({"version_policy": {"all": {}}, "maps": ["rollout"]}))
+    with uvicorn_server(tiny_onnx, "--model-repository", str(root)) as (url, _):
+        yield url
+
+
+@needs_browser
+def test_the_model_picker_chooses_the_model_and_its_card_follows(page, repository_server):
+    opened(page, repository_server)
+    choices = page.locator("#model option").all_inner_texts()
+    assert choices == ["shirts (newest: 1)", "shoes (newest: 2)", "shoes version 2", "shoes version 1"]
+    assert page.locator("#model-row").is_visible()
+    assert "shirts" in page.inner_text("#model-title")
+    assert page.locator('input[name="map"][value="relevance"]').is_enabled()  # shirts offers both maps
+    page.select_option("#model", label="shoes version 1")
+    page.wait_for_function("() => document.getElementById('model-title').textContent.includes('shoes 1')")
+    assert page.locator('input[name="map"][value="relevance"]').is_disabled()  # shoes' config: rollout only
+    result = answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
+    assert (result["query"]["model"], result["query"]["version"]) == ("shoes", "1")
+    assert result["body"]["model"] == {"name": "shoes", "version": "1"}
+
