@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from bench.config import INPUT_KINDS, QUICK, BenchConfig
+from bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
 from bench.presets import PRESETS
 from bench.reliability import MODES, ReliabilityConfig
 
@@ -147,9 +147,6 @@ def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
                                                                 f"(default {d.sample_s:g})")
 
 
-_THROUGHPUT_ONLY = ("batch_sizes", "concurrency", "inputs", "max_batch_size", "max_queue_delay_ms", "pairs", "bare",
-                    "duration_s", "warmup_s", "raw_duration_s", "time_limit_s")
-_OIP_ONLY = ("encodings",)
 _SHARED = ("model", "out", "cache_dir", "log_dir")
 
 
@@ -159,7 +156,7 @@ def _given(args: argparse.Namespace, names) -> list[str]:
 
 def reliability_config_from_args(args: argparse.Namespace) -> ReliabilityConfig:
     """ReliabilityConfig's defaults, then the flags given; flags of the throughput mode are refused."""
-    stray = _given(args, _THROUGHPUT_ONLY + _OIP_ONLY) + (["quick"] if args.quick else [])
+    stray = _given(args, THROUGHPUT_ONLY + OIP_ONLY) + (["quick"] if args.quick else [])
     if stray:
         raise SystemExit(f"vitserve bench: --mode {args.mode} does not use {', '.join(stray)}")
     given = {f.name: getattr(args, f.name) for f in fields(ReliabilityConfig)
@@ -173,7 +170,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     stray = _given(args, [f.name for f in fields(ReliabilityConfig) if f.name not in _SHARED + ("mode",)])
     if stray:
         raise SystemExit(f"vitserve bench: {', '.join(stray)} belong to --mode overload, hol or soak")
-    if _given(args, _OIP_ONLY):
+    if _given(args, OIP_ONLY):
         raise SystemExit("vitserve bench: encodings belong to --mode oip")
     cfg = BenchConfig(**{**(copy.deepcopy(QUICK) if args.quick else {}), **given})
     bad = set(cfg.inputs) - set(INPUT_KINDS)
@@ -187,7 +184,7 @@ def oip_config_from_args(args: argparse.Namespace):
     from bench.oip import ENCODINGS, OIP_QUICK, OipConfig
 
     names = {f.name for f in fields(OipConfig)}
-    others = [*_THROUGHPUT_ONLY, *(f.name for f in fields(ReliabilityConfig) if f.name != "mode")]
+    others = [*THROUGHPUT_ONLY, *(f.name for f in fields(ReliabilityConfig) if f.name != "mode")]
     stray = _given(args, [n for n in others if n not in names])
     if stray:
         raise SystemExit(f"vitserve bench: --mode oip does not use {', '.join(stray)}")

@@ -48,3 +48,8 @@ def with_server_defaults(cfg: BenchConfig) -> BenchConfig:
     unset = {name: getattr(server, name) for name in ("max_batch_size", "max_queue_delay_ms")
              if getattr(cfg, name) is None}
     return replace(cfg, **unset)
+
+# `vitserve bench` flags that only one mode reads (bench/cli.py and bench/peers/cli.py refuse them elsewhere)
+THROUGHPUT_ONLY = ("batch_sizes", "concurrency", "inputs", "max_batch_size", "max_queue_delay_ms", "pairs", "bare",
+                   "duration_s", "warmup_s", "raw_duration_s", "time_limit_s")
+OIP_ONLY = ("encodings",)

@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 
 from bench.load import make_images
-from service.binary_tensors import pack_bytes
-from service.preprocess import prepare_image
-from service.runtime import read_model_file_info
+from service.protocols.binary_tensors import pack_bytes
+from service.core.preprocess import prepare_image
+from service.engine.runtime import read_model_file_info
 from service.settings import Settings
-from service.schemas import IMAGE_INPUT_NAME
+from service.protocols.schemas import IMAGE_INPUT_NAME
 from vitserve.artifact import INPUT_NAME
 
 

@@ -34,8 +34,8 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
 
 
 def load_raw_model(model_path: Path, server_env: dict[str, str]):
-    """The server's own session: `service.runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
-    from service.runtime import OnnxModel
+    """The server's own session: `service.engine.runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
+    from service.engine.runtime import OnnxModel
     from service.settings import Settings
 
     values = {k.removeprefix("VITSERVE_").lower(): v for k, v in server_env.items()}
@@ -51,7 +51,7 @@ def model_summary(model, path: Path) -> dict:
 
 def preprocessed(model, images: list[bytes]) -> np.ndarray:
     """The server's own preprocessing of `images` (default settings, resize=fit): (n, C, H, W)."""
-    from service.preprocess import prepare_image
+    from service.core.preprocess import prepare_image
     from service.settings import Settings
 
     s = Settings()

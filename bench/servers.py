@@ -114,17 +114,19 @@ class ServerProcess:
 
 
 def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
-    """Current values of unlabelled Prometheus samples (e.g. `vitserve_batch_size_sum`); absent ones are left out."""
+    """Current values of Prometheus samples (e.g. `vitserve_batch_size_sum`), summed over their labels (every
+    model version's); absent ones are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
     try:
         with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
         return {}
-    values = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name in names:
-            values[name] = float(value)
+    values: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in names:
+                values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 

@@ -1,12 +1,10 @@
 """What the artifact buys, measured: ONNX Runtime accuracy on Fashion-MNIST at several resolutions.
 
-`python -m export.evaluate accuracy MODEL.onnx --sizes 28,24,36,56` (also `vitserve evaluate accuracy`).
+`vitserve evaluate accuracy MODEL.onnx --sizes 28,24,36,56` (its command line is export/cli.py's).
 The speed comparison with PyTorch (`vitserve evaluate bench`) lives with the other benchmarks, in bench/raw.py.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -46,16 +44,3 @@ def onnx_accuracy(model_path: str | Path, sizes: list[tuple[int, int]], *, data_
     test = load_fashion_mnist(data_dir).test
     images, labels = test.images[:limit], test.labels[:limit]
     return accuracy_at_sizes(model_path, images, labels, sizes, threads=threads)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from export.cli import add_evaluate_parser
-
-    parser = argparse.ArgumentParser(prog="python -m export.evaluate")
-    add_evaluate_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["evaluate", *(sys.argv[1:] if argv is None else argv)])
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

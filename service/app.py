@@ -1,5 +1,5 @@
 """`create_app(settings)` builds the FastAPI app and nothing else: heavy state (the ONNX session, the
-batcher, the thread pool) is made in the lifespan and reached through `service.state` dependencies.
+batcher, the thread pool) is made in the lifespan and reached through `service.core.state` dependencies.
 """
 from __future__ import annotations
 
@@ -15,12 +15,12 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from service.engine import Engine
-from service.errors import ServiceError, error_headers, error_response, status_code
-from service.metrics import ServiceMetrics
-from service.routes import classify, open_inference, operations, repository, web
-from service.runtime import InferenceModel
+from service.core.errors import ServiceError, error_headers, error_response, status_code
+from service.core.metrics import ServiceMetrics
+from service.http.routes import classify, open_inference, operations, repository, web
+from service.engine.runtime import InferenceModel
 from service.settings import Settings
-from service.state import ServiceState
+from service.core.state import ServiceState
 
 log = logging.getLogger("vitserve.app")
 
@@ -87,14 +87,14 @@ def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceMode
 
 def app_from_env() -> FastAPI:
     """uvicorn's factory for worker processes: settings from the `VITSERVE_*` environment."""
-    from service.cli import configure_logging
+    from service.logs import configure_logging
     settings = Settings()
     configure_logging(settings.log_level)
     return create_app(settings)
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
-    """Every error response in its protocol's shape (`service.errors.error_response`); `STATUS_CODES` decides
+    """Every error response in its protocol's shape (`service.core.errors.error_response`); `STATUS_CODES` decides
     the status."""
     def respond(request: Request, status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
         metrics.rejected_request(code)
@@ -147,6 +147,6 @@ class RequestMetricsMiddleware:
         finally:
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
-            # the model version the request was routed to (service/inference.py `route`), if any
+            # the model version the request was routed to (service/core/inference.py `route`), if any
             model, version = scope.get("state", {}).get("served", ("", ""))
             self.metrics.request_done(endpoint, status, time.perf_counter() - started, model, version)

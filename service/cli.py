@@ -21,40 +21,65 @@ if typing.TYPE_CHECKING:
 ENV_PREFIX = "VITSERVE_"
 
 
+_SERVE_TEXT = dict(usage="vitserve serve [--model MODEL.onnx | --model-repository DIR] [options]",
+                   description="Serve one vitserve ONNX model (--model) or a repository of models and versions "
+                               "(--model-repository, laid out as Triton's: NAME/VERSION/model.onnx). Each flag also "
+                               "reads from its VITSERVE_* environment variable.")
+
+
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
-    from service.settings import SETTING_GROUPS, Settings
+    """`vitserve serve`: every setting a flag; `--help` shows the common ones, `--help-all` every group."""
+    from service.settings import SETTING_GROUPS
+    more = sum(map(len, SETTING_GROUPS.values())) - len(SETTING_GROUPS["common"])
     parser = subparsers.add_parser(
-        "serve", help="serve exported models over HTTP (FastAPI + uvicorn, dynamic batching)",
-        description="Serve one vitserve ONNX model (--model) or a repository of models and versions "
-                    "(--model-repository, laid out as Triton's: NAME/VERSION/model.onnx). Each flag also reads from "
-                    "its VITSERVE_* environment variable.")
+        "serve", help="serve exported models over HTTP (FastAPI + uvicorn, dynamic batching)", **_SERVE_TEXT,
+        epilog=f"{more} more options ({', '.join(list(SETTING_GROUPS)[1:])}): --help-all")
+    parser.add_argument("--help-all", action=_HelpAll, nargs=0, help="show every option, grouped, and exit")
+    _add_settings(parser, everything=False)
+    parser.set_defaults(func=run_serve)
+    return parser
+
+
+class _HelpAll(argparse.Action):
+    """Print the help of a parser that shows every group (the real one hides all but the common options)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        full = argparse.ArgumentParser(prog=parser.prog, **_SERVE_TEXT)
+        _add_settings(full, everything=True)
+        full.print_help()
+        parser.exit()
+
+
+def _add_settings(parser: argparse.ArgumentParser, everything: bool) -> None:
+    from service.settings import SETTING_GROUPS, Settings
     for title, names in SETTING_GROUPS.items():
-        group = parser.add_argument_group(f"{title} options")
+        shown = everything or title == "common"
+        group = parser.add_argument_group(f"{title} options") if shown else parser
         for name in names:
-            _add_setting(group, name, Settings.model_fields[name])
+            _add_setting(group, name, Settings.model_fields[name], shown)
             if name == "model_repository":
                 group.add_argument("--ray", action="store_true", default=None,
                                    help="serve on Ray Serve: Ray's HTTP proxy in front of --ray-replicas replicas, "
                                         "each one session and batcher (`pip install \"vitserve[ray]\"`; docs/ray.md)")
-    parser.set_defaults(func=run_serve)
-    return parser
 
 
 # Flags spelt otherwise than their field: --model for model_path, and --load-model repeated (Triton's spelling)
 _FLAG_NAMES = {"model_path": "--model", "load_models": "--load-model"}
 
 
-def _add_setting(group, name: str, field) -> None:
+def _add_setting(group, name: str, field, shown: bool) -> None:
     default = field.default if field.default_factory is None else "(derived)"
     described = f"{field.description}; " if field.description else ""
-    help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}"
+    help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}".replace("%", "%%")
     if name == "load_models":
-        group.add_argument("--load-model", dest=name, action="append", metavar="NAME",
-                           help=f"{described}repeat it for several; env {ENV_PREFIX}LOAD_MODELS=A,B")
+        help_text = f"{described}repeat it for several; env {ENV_PREFIX}LOAD_MODELS=A,B"
+    help_text = help_text if shown else argparse.SUPPRESS
+    if name == "load_models":
+        group.add_argument("--load-model", dest=name, action="append", metavar="NAME", help=help_text)
         return
     metavar = "MODEL.onnx" if name == "model_path" else _metavar(field.annotation)
     group.add_argument(_FLAG_NAMES.get(name, "--" + name.replace("_", "-")), dest=name, metavar=metavar,
-                       help=help_text.replace("%", "%%"))
+                       help=help_text)
 
 
 def _metavar(annotation) -> str:
@@ -70,7 +95,8 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.errors import ModelLoadError, ServiceError
+    from service.core.errors import ModelLoadError, ServiceError
+    from service.logs import configure_logging
     from service.settings import Settings
     from vitserve.artifact import ArtifactError
 
@@ -91,7 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return _serve_on_ray(settings)
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
-        from service.metrics_files import prepare_multiprocess_dir
+        from service.core.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
@@ -113,7 +139,7 @@ def _what_is_served(settings: Settings) -> str:
     """What the server will serve, said in a log line; a single file that is no vitserve model, a repository that
     is not a folder, or a repository API open to the network without a key is refused here, before any
     process starts."""
-    from service.errors import ServiceError
+    from service.core.errors import ServiceError
     if settings.model_control_mode != "none" and settings.admin_key is None and not _loopback(settings.host):
         raise ServiceError(f"--model-control-mode {settings.model_control_mode} on {settings.host} lets anyone who "
                            f"reaches the port change what is served: set --admin-key (or VITSERVE_ADMIN_KEY), or "
@@ -143,6 +169,7 @@ def _serve_on_ray(settings: Settings) -> int:
         print(f"vitserve serve --ray: Ray Serve is not installed ({e}): pip install \"vitserve[ray]\"",
               file=sys.stderr)
         return 2
+    from service.logs import configure_logging
     configure_logging(settings.log_level)
     return run_on_ray(settings)
 
@@ -160,14 +187,14 @@ def _engines(settings: Settings):
         yield settings.model_copy(update={"engine_addresses": supervisor.addresses})
 
 
-# uvicorn's own graceful timeout comes this long after the service's drain (service/state.py), so requests
+# uvicorn's own graceful timeout comes this long after the service's drain (service/core/state.py), so requests
 # still waiting at the end of the drain get the service's JSON 503, never uvicorn's cancellation.
 DRAIN_MARGIN_S = 1.0
 
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
-    from service.http_protocol import uvicorn_http_options  # imports uvicorn and httptools: only when serving
+    from service.http.connection import uvicorn_http_options  # imports uvicorn and httptools: only when serving
     return {"host": settings.host, "port": settings.port, "workers": settings.http_workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
             "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,
@@ -193,8 +220,3 @@ def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:
 
 def _exit_cleanly(number, frame) -> None:
     raise SystemExit(0)
-
-
-def configure_logging(level: str) -> None:
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -28,12 +28,12 @@ class Prediction:
 
 
 class LocalPredictor:
-    """The model in this process: service.runtime's session, service.preprocess, service.postprocess."""
+    """The model in this process: service.engine.runtime's session, service.core.preprocess, service.core.postprocess."""
 
     def __init__(self, model_path: Path, top_k: int, resize: str, map_kind: str = "rollout",
                  target: str | None = None):
-        from service.explanations import relevance_target
-        from service.runtime import OnnxModel
+        from service.core.explanations import relevance_target
+        from service.engine.runtime import OnnxModel
         from service.settings import Settings
 
         logging.getLogger("vitserve.runtime").setLevel(logging.ERROR)  # not "CUDA skipped" on every CPU run
@@ -44,9 +44,9 @@ class LocalPredictor:
         self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
-        from service.errors import ServiceError
-        from service.preprocess import prepare_image
-        from service.postprocess import encode_result  # the server's own encoding: same answers
+        from service.core.errors import ServiceError
+        from service.core.preprocess import prepare_image
+        from service.core.postprocess import encode_result  # the server's own encoding: same answers
 
         s, info = self.settings, self.model.info
         try:
@@ -164,7 +164,7 @@ def run_predict(args) -> int:
     if args.url:
         predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout, args.map, args.target)
     else:
-        from service.errors import InvalidParameter, ModelLoadError
+        from service.core.errors import InvalidParameter, ModelLoadError
 
         try:
             predictor = LocalPredictor(args.model, args.top_k, args.resize, args.map, args.target)

@@ -31,7 +31,7 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from service.app import create_app
-from service.metrics import Recorder, ServiceMetrics
+from service.core.metrics import Recorder, ServiceMetrics
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.ray")
@@ -43,7 +43,7 @@ SHUTDOWN_MARGIN_S = 2.0
 
 
 class RayMetrics:
-    """`service.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
+    """`service.core.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
 
     def recorder(self, kind: str, name: str, documentation: str, labelnames: tuple[str, ...],
                  buckets: tuple[float, ...] | None) -> Recorder:

@@ -51,7 +51,7 @@ class Settings(BaseSettings):
     repository_poll_secs: float = Field(15.0, ge=0.1, le=86_400, description="with poll: seconds between looks at "
                                         "the repository (a new file is loaded once unchanged for one interval)")
     admin_key: SecretStr | None = Field(None, description="the key the repository API requires (Authorization: "
-                                                          "Bearer KEY); needed with explicit or poll unless the "
+                                                          "Bearer KEY; prefer the variable: a flag shows in ps); needed with explicit or poll unless the "
                                                           "server listens on loopback only")
     api_key: SecretStr | None = Field(None, description="if set, the inference and model routes require it too "
                                                         "(health, metrics and the web page's files stay open)")

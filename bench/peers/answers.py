@@ -13,7 +13,7 @@ import numpy as np
 from bench.oip import decode_outputs
 from bench.peers.bodies import PeerRequest
 from bench.peers.image_classifier import softmax
-from service.binary_tensors import HEADER_LENGTH
+from service.protocols.binary_tensors import HEADER_LENGTH
 
 TOLERANCE = 1e-4
 

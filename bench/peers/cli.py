@@ -70,10 +70,10 @@ _BENCH_SHARED = ("out", "concurrency", "duration_s", "warmup_s", "rounds", "time
 def config_from_bench_args(args: argparse.Namespace) -> PeersConfig:
     """`vitserve bench --mode peers`: the shared flags; `--duration`/`--warmup` in whole seconds; other modes'
     flags are refused."""
-    from bench.cli import _OIP_ONLY, _THROUGHPUT_ONLY
+    from bench.config import OIP_ONLY, THROUGHPUT_ONLY
     from bench.reliability import ReliabilityConfig
 
-    others = {*_THROUGHPUT_ONLY, *_OIP_ONLY, *(f.name for f in fields(ReliabilityConfig))} - {*_BENCH_SHARED, "mode",
+    others = {*THROUGHPUT_ONLY, *OIP_ONLY, *(f.name for f in fields(ReliabilityConfig))} - {*_BENCH_SHARED, "mode",
                                                                                               "model"}
     stray = sorted(n for n in others if getattr(args, n, None) is not None)
     if stray or getattr(args, "settings", None):

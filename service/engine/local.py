@@ -14,8 +14,8 @@ from typing import Callable
 import numpy as np
 
 from service.engine import IndexEntry, InferenceResult, ModelHandle, same_geometry
-from service.errors import VersionRetired
-from service.metrics import ServiceMetrics
+from service.core.errors import VersionRetired
+from service.core.metrics import ServiceMetrics
 from service.repository.registry import ModelRegistry
 from service.settings import Settings
 from vitserve.artifact import ModelInfo

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import msgspec
 
-from service.errors import STATUS_CODES, ServiceError
+from service.core.errors import STATUS_CODES, ServiceError
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):

@@ -27,10 +27,10 @@ from service.engine.messages import (Cancel, Codec, Control, ControlReply, Engin
                                      LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
                                      failure_for, status_address)
 from service.engine.shm import ArenaReader
-from service.errors import ClientDisconnected, ServiceError
-from service.metrics import ServiceMetrics, mark_process_dead
+from service.core.errors import ClientDisconnected, ServiceError
+from service.core.metrics import ServiceMetrics, mark_process_dead
 from service.repository.registry import ModelRegistry, model_source
-from service.runtime import load_engine_model
+from service.engine.runtime import load_engine_model
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.engine")
@@ -45,7 +45,7 @@ RETIRE_GRACE_S = 0.5
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
     """Entry point of a spawned engine process. `started` (a pipe's end) gets one message once the model is
     loaded: None, or the ModelLoadError's text (then the process exits 1)."""
-    from service.cli import configure_logging
+    from service.logs import configure_logging
     configure_logging(settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:  # its name in ps and top (and how tests tell it from the HTTP workers)

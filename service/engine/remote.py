@@ -29,8 +29,8 @@ from service.engine.messages import (Cancel, Codec, Control, ControlReply, Engin
                                      Result, Submit, error_of, status_address)
 from service.engine.routing import RoutingTable, VersionView
 from service.engine.shm import ArenaFull, TensorArena
-from service.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
-from service.metrics import ServiceMetrics
+from service.core.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
+from service.core.metrics import ServiceMetrics
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from service.engine import READY, UNAVAILABLE, ModelHandle, newest_first
-from service.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable
+from service.core.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable
 from service.repository.layout import check_model_name, check_version
 from vitserve.artifact import ModelInfo
 

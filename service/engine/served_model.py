@@ -18,11 +18,11 @@ from typing import Callable
 
 import numpy as np
 
-from service.batcher import DynamicBatcher
+from service.engine.batcher import DynamicBatcher
 from service.engine import InferenceResult
-from service.errors import InferenceError, VersionRetired
-from service.metrics import ModelMetrics
-from service.runtime import InferenceModel, OnnxModel, warm_up
+from service.core.errors import InferenceError, VersionRetired
+from service.core.metrics import ModelMetrics
+from service.engine.runtime import InferenceModel, OnnxModel, warm_up
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 
 from service.engine.shm import remove_orphaned_segments
-from service.errors import ModelLoadError
+from service.core.errors import ModelLoadError
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.supervisor")

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from service.admission import give_freed_memory_back
+from service.core.admission import give_freed_memory_back
 from service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from service.engine.routing import RoutingTable, VersionView
 from service.engine.served_model import Loader, ServedModel
-from service.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
-from service.metrics import ServiceMetrics
+from service.core.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
+from service.core.metrics import ServiceMetrics
 from service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
-from service.runtime import InferenceModel, OnnxModel, read_model_file_info
+from service.engine.runtime import InferenceModel, OnnxModel, read_model_file_info
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.repository")

@@ -20,7 +20,7 @@ def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, 
     import uvicorn
 
     from service.cli import DRAIN_MARGIN_S, uvicorn_options
-    from service.http_protocol import HttpLimits, LimitedHttpToolsFactory
+    from service.http.connection import HttpLimits, LimitedHttpToolsFactory
     from service.settings import Settings
     from vitserve.cli import main
 

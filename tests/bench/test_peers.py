@@ -23,7 +23,7 @@ from bench.peers.report import render, summarise
 from bench.peers.venvs import REQUIREMENTS
 from bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
 from bench.reliability import alternated
-from service.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
+from service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
 
 # `wrk -t2 -c8 -d3s --timeout 30s --latency -s multipart.lua http://127.0.0.1:18200/predict` against LitServe
 WRK_OK = """Running 3s test @ http://127.0.0.1:18200/predict
@@ -271,7 +271,7 @@ def test_answer_values_reads_each_servers_answer():
 
 
 def test_limits_and_session_options_are_vitserves_defaults():
-    from service.runtime import session_options as vitserve_options
+    from service.engine.runtime import session_options as vitserve_options
     from service.settings import Settings
 
     s = Settings()
@@ -286,8 +286,8 @@ def test_limits_and_session_options_are_vitserves_defaults():
 
 def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx):
     from bench.raw import preprocessed
-    from service.postprocess import encode_result
-    from service.runtime import OnnxModel
+    from service.core.postprocess import encode_result
+    from service.engine.runtime import OnnxModel
     from service.settings import Settings
 
     vitserve = OnnxModel.load(Settings(model_path=tiny_onnx))

@@ -10,8 +10,8 @@ import numpy as np
 from PIL import Image
 
 from bench.perf_analyzer_inputs import main
-from service.binary_tensors import unpack_bytes
-from service.runtime import read_model_file_info
+from service.protocols.binary_tensors import unpack_bytes
+from service.engine.runtime import read_model_file_info
 
 
 def test_the_files_hold_the_models_tensor_and_serialised_images(tiny_onnx, tmp_path):

@@ -24,8 +24,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.app import create_app
-from service.errors import is_protocol_path
-from service.metrics import ServiceMetrics
+from service.core.errors import is_protocol_path
+from service.core.metrics import ServiceMetrics
 from service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]

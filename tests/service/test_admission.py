@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.admission import Admission, Deadline, PixelBudget, return_large_frees_to_the_os
-from service.batcher import DynamicBatcher
-from service.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
-from service.routes.uploads import read_raw_body, run_guarded
+from service.core.admission import Admission, Deadline, PixelBudget, return_large_frees_to_the_os
+from service.engine.batcher import DynamicBatcher
+from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
+from service.http.routes.uploads import read_raw_body, run_guarded
 from service.settings import Settings
 from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
                               until)

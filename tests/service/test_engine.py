@@ -19,8 +19,8 @@ from service.engine.remote import RemoteEngine
 from service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
                                  remove_orphaned_segments)
 from service.engine.supervisor import EngineSupervisor, engine_devices
-from service.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
-from service.metrics import ServiceMetrics
+from service.core.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
+from service.core.metrics import ServiceMetrics
 from service_fixtures import PATIENCE_S, settings_for, until
 
 # --- the messages ---

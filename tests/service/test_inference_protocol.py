@@ -14,16 +14,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
+from service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
                                     take_sections, tensor_bytes, unpack_bytes)
-from service.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
-from service.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
-from service.model_config import model_metadata, triton_config
-from service.routes.uploads import decode_content
+from service.core.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
+from service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
+from service.protocols.model_config import model_metadata, triton_config
+from service.http.routes.uploads import decode_content
 from service.settings import Settings
-from service.metrics import ServiceMetrics
-from service.state import INFERENCE_ENDPOINTS
-from service.statistics import triton_statistics
+from service.core.metrics import ServiceMetrics
+from service.core.state import INFERENCE_ENDPOINTS
+from service.protocols.statistics import triton_statistics
 from vitserve.artifact import ModelInfo
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())

@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
-from service.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
+from service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
                              MAX_PARAMETERS)
 from service.settings import Settings
 from service_fixtures import serving, settings_for

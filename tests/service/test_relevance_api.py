@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.postprocess import scale_unit
-from service.preprocess import prepare_image
+from service.core.postprocess import scale_unit
+from service.core.preprocess import prepare_image
 from service_fixtures import (only_batcher, WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
                               value)
 
@@ -133,7 +133,7 @@ async def test_relevance_requests_batch_apart_within_their_own_limit(tiny_onnx, 
 
 
 async def test_a_model_without_the_relevance_path(fast_only_onnx):
-    from service.runtime import OnnxModel
+    from service.engine.runtime import OnnxModel
 
     settings = settings_for(fast_only_onnx)
     async with serving(settings, OnnxModel.load(settings)) as client:

@@ -3,7 +3,6 @@ unload in an in-process app (routing, keys, a corrupt version, metrics of unload
 real `vitserve serve --model-repository` driven by tritonclient, unmodified, with a swap under load."""
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import shutil
@@ -14,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from service.errors import InvalidModelName, ModelNotFound, RepositoryError
+from service.core.errors import InvalidModelName, ModelNotFound, RepositoryError
 from service.repository.layout import ModelRepository, VersionPolicy, check_model_name
 from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, scrape, serving, settings_for,
                               uvicorn_server, wait_until)

@@ -8,8 +8,8 @@ import onnx
 import pytest
 
 from service.cli import DRAIN_MARGIN_S
-from service.errors import ModelLoadError
-from service.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
+from service.core.errors import ModelLoadError
+from service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
                              warm_up)
 from service.settings import INTERNAL, Settings
 from service_fixtures import settings_for
@@ -121,6 +121,47 @@ def test_serve_rejects_missing_or_garbage_model_before_starting(tmp_path, privat
     assert message in capsys.readouterr().err
 
 
+def test_settings_are_grouped_and_help_leads_with_the_common_ones(capsys):
+    from service.settings import SETTING_GROUPS
+    from vitserve.cli import main
+    grouped = [name for names in SETTING_GROUPS.values() for name in names]
+    internal = {name for name, field in Settings.model_fields.items() if field.description == INTERNAL}
+    assert sorted(grouped) == sorted(set(Settings.model_fields) - internal)  # each in exactly one group
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    short = capsys.readouterr().out
+    assert "--model-repository" in short and "--max-json-values" not in short and "--help-all" in short
+    assert len(short.splitlines()) < 70
+    with pytest.raises(SystemExit):
+        main(["serve", "--help-all"])
+    full = capsys.readouterr().out
+    assert all(f"{title} options:" in full for title in SETTING_GROUPS) and "--max-json-values" in full
+
+
+def test_the_repository_flags_reach_the_settings_and_an_open_repository_api_is_refused(tiny_onnx, tmp_path,
+                                                                                        private_environ, capsys):
+    from vitserve.cli import main
+    (tmp_path / "m" / "1").mkdir(parents=True)
+    (tmp_path / "m" / "1" / "model.onnx").write_bytes(tiny_onnx.read_bytes())
+    def refused(*flags: str) -> str:
+        for name in [k for k in os.environ if k.startswith("VITSERVE_")]:  # `serve` writes its flags there
+            del os.environ[name]
+        assert main(["serve", *flags]) == 2
+        return capsys.readouterr().err
+
+    assert "set --admin-key" in refused("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                                        "--host", "0.0.0.0")
+    assert "not a directory" in refused("--model-repository", str(tmp_path / "nope"))
+    assert "needs a model_repository" in refused("--model", str(tiny_onnx), "--model-control-mode", "poll")
+    assert "load_models is for model_control_mode explicit" in refused("--model-repository", str(tmp_path),
+                                                                       "--load-model", "m")
+    for name in [k for k in os.environ if k.startswith("VITSERVE_")]:
+        del os.environ[name]
+    settings = Settings(model_repository=tmp_path, model_control_mode="explicit", load_models="a, b")
+    assert settings.load_models == ["a", "b"] and settings.startup_models == ["a", "b"]
+    assert Settings(model_repository=tmp_path, model_control_mode="explicit", load_models="*").startup_models is None
+
+
 def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
     from vitserve.cli import main
     assert main(["serve", "--model", str(tiny_onnx), "--max-batch-size", "0"]) == 2
@@ -170,7 +211,7 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
         def get_providers(self):
             return ["CPUExecutionProvider"]
 
-    from service import runtime
+    from service.engine import runtime
     chain = [("CUDAExecutionProvider", {}), ("CPUExecutionProvider", {})]
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
         runtime.warn_on_fallback(runtime.OnnxModel(Session(), None), chain)
@@ -179,7 +220,7 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
 
 
 def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_core(tiny_onnx, monkeypatch):
-    import service.runtime as runtime
+    import service.engine.runtime as runtime
     light = load_engine_model(Settings(model_path=tiny_onnx, providers=["cpu"]))
     assert light.session.get_session_options().intra_op_num_threads == 1  # the tiny model is light
     monkeypatch.setattr(runtime, "LIGHT_MODEL_MS", 0.0)  # every model heavy

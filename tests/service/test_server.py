@@ -118,6 +118,6 @@ def test_service_imports_without_torch():
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"service.app", "service.batcher", "service.runtime", "service.cli", "service.routes.classify"} <= set(
+    assert {"service.app", "service.engine.batcher", "service.engine.runtime", "service.cli", "service.http.routes.classify"} <= set(
         report["modules"])
     assert report["torch"] is False and report["onnx"] is False

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.postprocess import ramp_colors
-from service.preprocess import fit_box, native_size
-from service.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
+from service.core.postprocess import ramp_colors
+from service.core.preprocess import fit_box, native_size
+from service.http.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
 from service_fixtures import REPO, patterned_png, serving, settings_for, uvicorn_server
 
 SCREENSHOTS = REPO / "build" / "screenshots"
@@ -78,7 +78,7 @@ def test_the_api_is_routed_before_the_page(tiny_onnx):
     """Routing tries an app's routes in order: the page's and the docs' come last, so an API request never looks
     at them (and they bring no middleware: create_app adds none for them)."""
     from service.app import create_app
-    from service.routes import web
+    from service.http.routes import web
 
     routes = create_app(settings_for(tiny_onnx)).routes
     assert getattr(routes[-1], "original_router", None) is web.router

@@ -6,10 +6,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Response
 
-from service.access import require_api_key
-from service.errors import openapi_responses
-from service.schemas import ModelCard, ModelList, ModelVersionState
-from service.state import ServiceState, get_state
+from service.http.access import require_api_key
+from service.core.errors import openapi_responses
+from service.protocols.schemas import ModelCard, ModelList, ModelVersionState
+from service.core.state import ServiceState, get_state
 
 router = APIRouter(tags=["operations"])
 

@@ -10,7 +10,7 @@ import hmac
 from fastapi import Request
 from pydantic import SecretStr
 
-from service.errors import Forbidden, RepositoryControlDisabled, Unauthorized
+from service.core.errors import Forbidden, RepositoryControlDisabled, Unauthorized
 
 MAX_KEY_CHARS = 512  # a longer Authorization header is wrong, and is not compared
 OPEN_PROTOCOL_PATHS = frozenset({"/v2", "/v2/health/live", "/v2/health/ready"})

@@ -30,7 +30,7 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong,
+from service.core.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong,
                             error_response, status_code)
 from service.settings import Settings
 

@@ -1,6 +1,6 @@
 """The Open Inference Protocol's model repository extension, as Triton serves it
 (docs/protocol/extension_model_repository.md): the index of every model and version with its state and reason,
-and load / unload by name. Restricted: service/access.py.
+and load / unload by name. Restricted: service/http/access.py.
 """
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from service.access import require_admin_key, require_explicit_control
-from service.errors import InvalidParameter, openapi_responses
+from service.http.access import require_admin_key, require_explicit_control
+from service.core.errors import InvalidParameter, openapi_responses
 from service.repository.layout import check_model_name
-from service.state import ServiceState, get_ready_state
+from service.core.state import ServiceState, get_ready_state
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository (v2)"], dependencies=[Depends(require_admin_key)])
 

@@ -23,11 +23,11 @@ from functools import partial
 
 from fastapi import Request
 
-from service.admission import Admission, PixelBudget, return_large_frees_to_the_os
+from service.core.admission import Admission, PixelBudget, return_large_frees_to_the_os
 from service.engine import Engine
-from service.errors import NotReady, ServiceError
-from service.metrics import ServiceMetrics, mark_process_dead
-from service.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
+from service.core.errors import NotReady, ServiceError
+from service.core.metrics import ServiceMetrics, mark_process_dead
+from service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 
@@ -123,7 +123,7 @@ class ServiceState:
         return await asyncio.wrap_future(job)
 
     def early_refusal(self, method: bytes, path: str) -> tuple[ServiceError, int] | None:
-        """For the connection (service/http_protocol.py), from the request line alone: the error and Retry-After
+        """For the connection (service/http/connection.py), from the request line alone: the error and Retry-After
         seconds of an inference request that admission would refuse now, or None. Under overload a refusal
         must cost far less than an answer, so it skips the app (routing, dependencies, middleware) entirely;
         it is counted here as the app would count it."""

@@ -1,7 +1,7 @@
 """Every Prometheus metric of the service, defined once; the rest of the code reports plain numbers.
 
 With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve` calls
-`service.metrics_files.prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
+`service.core.metrics_files.prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
 prometheus-client's `MultiProcessCollector`; gauges say how they combine across processes. prometheus-client
 reads the variable when it is first imported: the parent sets it, and uvicorn's workers are new (spawned)
 processes that inherit it before they import anything.
@@ -18,7 +18,7 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
 
-from service.metrics_files import multiprocess_dir
+from service.core.metrics_files import multiprocess_dir
 
 # 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
@@ -60,7 +60,7 @@ class ServiceMetrics:
         self.batch_size = metric(Histogram, "vitserve_batch_size", "Images per ONNX Runtime call", per_model,
                                  buckets=BATCH_SIZE_BUCKETS)
         self.images = metric(Counter, "vitserve_images", "Images run through the model", per_model)
-        # By batch size, for the Open Inference Protocol's statistics extension (service/statistics.py); the
+        # By batch size, for the Open Inference Protocol's statistics extension (service/protocols/statistics.py); the
         # label has at most max_batch_size values.
         self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size",
                               [*per_model, "batch_size"])
@@ -177,7 +177,7 @@ def _is_live(labels: dict, live: set[tuple[str, str]]) -> bool:
 
 
 class ModelMetrics:
-    """One model version's metrics, labels bound: the batcher's observer (service.batcher.BatchObserver) and the
+    """One model version's metrics, labels bound: the batcher's observer (service.engine.batcher.BatchObserver) and the
     stages of its images."""
 
     def __init__(self, metrics: ServiceMetrics, model: str, version: str):
@@ -204,7 +204,7 @@ class ModelMetrics:
             self.image_stages(parse_s / images, encode_s / images)
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float,
-                   targeted: bool = False) -> None:  # service.batcher.BatchObserver
+                   targeted: bool = False) -> None:  # service.engine.batcher.BatchObserver
         if targeted:
             self._relevance.observe(seconds)
             self._relevance_images.inc(size)
@@ -218,10 +218,10 @@ class ModelMetrics:
         m.labelled(self.model, self.version, m.batch_stack_seconds, labels).inc(stack_seconds)
         self._last.set_to_current_time()
 
-    def queue_wait(self, seconds: float) -> None:  # service.batcher.BatchObserver
+    def queue_wait(self, seconds: float) -> None:  # service.engine.batcher.BatchObserver
         self._queue_wait.observe(seconds)
 
-    def queue_depth(self, depth: int) -> None:  # service.batcher.BatchObserver
+    def queue_depth(self, depth: int) -> None:  # service.engine.batcher.BatchObserver
         self._depth.set(depth)
 
     def set_ready(self, ready: bool) -> None:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException
 
 router = APIRouter(include_in_schema=False)
 
-WEB_DIR = Path(__file__).resolve().parents[1] / "web"
+WEB_DIR = Path(__file__).resolve().parents[2] / "web"  # service/web
 DOCS_ASSETS_DIR = Path(str(files("fastapi_offline") / "static"))
 DOCS_ASSETS = ("swagger-ui-bundle.js", "swagger-ui.css")
 MEDIA_TYPES = {".html": "text/html; charset=utf-8", ".js": "text/javascript; charset=utf-8",

@@ -10,7 +10,7 @@ import ctypes
 import time
 from dataclasses import dataclass
 
-from service.errors import Overloaded
+from service.core.errors import Overloaded
 
 
 @dataclass(frozen=True)

@@ -16,19 +16,19 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from service import inference
-from service.access import require_api_key
-from service.admission import Deadline
-from service.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from service.core import inference
+from service.http.access import require_api_key
+from service.core.admission import Deadline
+from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from service.engine import ModelHandle
-from service.errors import NotReady, openapi_responses
-from service.explanations import relevance_target
-from service.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
-from service.model_config import model_metadata, triton_config
-from service.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
-from service.schemas import InferRequest, InferResponse, ModelMetadata
-from service.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
-from service.statistics import triton_statistics
+from service.core.errors import NotReady, openapi_responses
+from service.core.explanations import relevance_target
+from service.protocols.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
+from service.protocols.model_config import model_metadata, triton_config
+from service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
+from service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
+from service.core.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
+from service.protocols.statistics import triton_statistics
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
@@ -139,7 +139,7 @@ async def versioned_config(name: str, version: str, state: Annotated[ServiceStat
 
 @router.get(MODEL + "/stats", responses=_errors(404, 503))
 async def statistics(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    """Triton's statistics extension: this process's counts and durations (see service/statistics.py)."""
+    """Triton's statistics extension: this process's counts and durations (see service/protocols/statistics.py)."""
     return await _statistics(state, name, None)
 
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from service.errors import ModelLoadError
+from service.core.errors import ModelLoadError
 from service.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info

@@ -6,8 +6,8 @@ front end next) only translate their transport into these calls and the results 
     run_pixel_tensors(state, handle, pixels, ...) -> each image submitted -> the outputs stacked by name
     run_encoded_images(state, handle, images, ...) -> decode each, then as above
 
-Admission (before the body is read) is the dependency `service.state.get_admitted_state`; the deadline is the
-request's own (`service.admission.Deadline`). An image runs on the version it was routed to, or (unpinned) on
+Admission (before the body is read) is the dependency `service.core.state.get_admitted_state`; the deadline is the
+request's own (`service.core.admission.Deadline`). An image runs on the version it was routed to, or (unpinned) on
 the newest ready one if its version was unloaded meanwhile: the answer names the version that ran it.
 """
 from __future__ import annotations
@@ -17,14 +17,14 @@ import time
 
 import numpy as np
 
-from service import postprocess
-from service.admission import Deadline
+from service.core import postprocess
+from service.core.admission import Deadline
 from service.engine import InferenceResult, ModelHandle
-from service.errors import InvalidParameter, ServiceError
-from service.preprocess import PreparedImage, ResizePolicy
-from service.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
+from service.core.errors import InvalidParameter, ServiceError
+from service.core.preprocess import PreparedImage, ResizePolicy
+from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
                              Timing)
-from service.state import ServiceState
+from service.core.state import ServiceState
 from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 
@@ -44,7 +44,7 @@ def model_ref(name: str, version: str) -> ModelRef:
 async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, options, started: float,
                          deadline: Deadline) -> ClassifyResponse:
     """One encoded image -> its top classes and its map. `options` has top_k, map, map_format, resize and the
-    resolved target_index (service.routes.classify.ClassifyParams)."""
+    resolved target_index (service.http.routes.classify.ClassifyParams)."""
     target = options.target_index
     prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize, options.map_format == "overlay")
     result = await state.engine.submit(handle, prepared.pixels, deadline.remaining(), target)

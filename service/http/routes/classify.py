@@ -1,6 +1,6 @@
 """POST /v1/classify and /v1/classify/batch: image -> top-k classes and an explanation map; GET /v1/models.
 
-The routes translate HTTP (query parameters, the upload) into the inference core's calls (service/inference.py:
+The routes translate HTTP (query parameters, the upload) into the inference core's calls (service/core/inference.py:
 route to a model version, then decode -> submit -> encode per image) and the results back.
 """
 from __future__ import annotations
@@ -12,15 +12,15 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request
 
-from service import inference
-from service.access import require_api_key
-from service.admission import Deadline
-from service.errors import InvalidParameter, ServiceError, error_body, openapi_responses
-from service.explanations import MAX_TARGET_CHARS, relevance_target
-from service.preprocess import ResizePolicy
-from service.routes.uploads import read_files, run_guarded, upload_within
-from service.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
-from service.state import ServiceState, get_admitted_state
+from service.core import inference
+from service.http.access import require_api_key
+from service.core.admission import Deadline
+from service.core.errors import InvalidParameter, ServiceError, error_body, openapi_responses
+from service.core.explanations import MAX_TARGET_CHARS, relevance_target
+from service.core.preprocess import ResizePolicy
+from service.http.routes.uploads import read_files, run_guarded, upload_within
+from service.protocols.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
+from service.core.state import ServiceState, get_admitted_state
 from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])

@@ -15,10 +15,10 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from service.admission import Deadline
-from service.errors import (ClientDisconnected, DeadlineExceeded, InvalidParameter, NotReady, PayloadTooLarge,
+from service.core.admission import Deadline
+from service.core.errors import (ClientDisconnected, DeadlineExceeded, InvalidParameter, NotReady, PayloadTooLarge,
                             RequestTimeout, ServiceError, UnsupportedMediaType)
-from service.preprocess import IMAGE_MEDIA_TYPES
+from service.core.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
 _PART_TYPES = IMAGE_MEDIA_TYPES | {"application/octet-stream", ""}

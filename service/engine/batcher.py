@@ -31,14 +31,14 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from service.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
 RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
 
 
 class BatchObserver(Protocol):
-    """Where the batcher reports plain numbers (service.metrics implements it)."""
+    """Where the batcher reports plain numbers (service.core.metrics implements it)."""
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None: ...
 

@@ -6,7 +6,7 @@ input (`pixel_values` as a float32 array, or `image` as encoded images), the out
 named (it runs the model's costlier relevance path); `parameters.target` (a class index or label) chooses the
 class it explains for every image of the request, the top-1 of each by default. `encode_response` turns the model's
 outputs back into a body. Every refusal is an `InvalidParameter` (400 on /v2) or `PayloadTooLarge` (413)
-that names the field; the limits are those of `service.schemas` plus the `ProtocolLimits` given.
+that names the field; the limits are those of `service.protocols.schemas` plus the `ProtocolLimits` given.
 
 Extensions: binary tensors (`binary_data_size` on inputs, `binary_data` on outputs, `binary_data_output` on
 the request), classification (`classification` on an output: BYTES `"value:index:label"`, best first, as
@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import ValidationError
 
-from service.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
+from service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
                                     unpack_bytes)
-from service.errors import InvalidParameter, PayloadTooLarge
-from service.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
+from service.core.errors import InvalidParameter, PayloadTooLarge
+from service.protocols.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
                              RequestedOutput)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
@@ -110,7 +110,7 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
 
 
 def parse_header(header: bytes, max_values: int) -> InferRequest:
-    """The JSON header as an `InferRequest` (every field within the limits in `service.schemas`), or
+    """The JSON header as an `InferRequest` (every field within the limits in `service.protocols.schemas`), or
     InvalidParameter naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
 
     The values are counted by their separating commas first: the parse costs about 80 bytes and 0.25 us per
