@@ -114,6 +114,12 @@ def run_serve(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     if getattr(args, "ray", None):
+        if settings.model_control_mode == "explicit":
+            # Ray's proxy hands a load or unload to one replica: the others would go on serving what they had
+            print("vitserve serve --ray: --model-control-mode explicit would load and unload in one replica only "
+                  "(Ray's proxy picks one); use none or poll, in which every replica reads the repository itself",
+                  file=sys.stderr)
+            return 2
         return _serve_on_ray(settings)
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":

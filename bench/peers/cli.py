@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"the whole run; later levels are skipped (default {d.time_limit_s:g})")
     p.add_argument("--vitserve-commit", metavar="REV", help="serve vitserve from this commit, exported with git "
                                                             "archive (default: this working tree)")
+    p.add_argument("--baseline-commit", metavar="REV", help="what the server vitserve-base serves (--servers "
+                                                            "vitserve,vitserve-base,...): a change's before, "
+                                                            "alternated with its after in one run")
     p.add_argument("--venv-python", metavar="PYTHON", help="interpreter the peers' venvs are made from (default: "
                                                            "this Python's base interpreter)")
     p.add_argument("--quick", action="store_true", help="a smoke run: the default model, 1 round, 1 and 8 "

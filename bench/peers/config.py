@@ -7,16 +7,19 @@ from pathlib import Path
 SERVERS = ("vitserve", "triton", "litserve")
 # vitserve on Ray Serve (`vitserve serve --ray`) with one and two replicas: on request only (`--servers`)
 RAY_SERVERS = {"vitserve-ray1": 1, "vitserve-ray2": 2}
-KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS)
+# vitserve from `baseline_commit`, beside the working tree's in the same run: a change's before and after
+BASELINE = "vitserve-base"
+KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, BASELINE)
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")
-SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), **{s: PATHS for s in RAY_SERVERS}}
+SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), BASELINE: PATHS,
+                **{s: PATHS for s in RAY_SERVERS}}
 
 
 def family(server: str) -> str:
     """The server whose requests and answers `server` has: vitserve's on Ray are vitserve's."""
-    return "vitserve" if server in RAY_SERVERS else server
+    return "vitserve" if server in RAY_SERVERS or server == BASELINE else server
 
 
 @dataclass
@@ -44,6 +47,7 @@ class PeersConfig:
     seed: int = 0
     # serve vitserve from this commit (exported with `git archive` under work_dir), not from the working tree
     vitserve_commit: str | None = None
+    baseline_commit: str | None = None  # what `vitserve-base` serves (required when it is among the servers)
     venv_python: str | None = None  # the interpreter the peers' venvs are made from; None: this Python's base
     work_dir: Path = Path("build/peers")  # the venvs, request bodies and wrk scripts
     cache_dir: Path = Path("build/bench-models")  # preset models, exported on first use

@@ -12,7 +12,7 @@ import platform
 import subprocess
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +20,7 @@ import numpy as np
 from bench.load import make_images
 from bench.peers.answers import check, post
 from bench.peers.bodies import PeerRequest, peer_request
-from bench.peers.config import PATHS, RAY_SERVERS, SERVED_PATHS, PeersConfig, family
+from bench.peers.config import BASELINE, PATHS, RAY_SERVERS, SERVED_PATHS, PeersConfig, family
 from bench.peers.report import summarise
 from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
@@ -56,6 +56,11 @@ def run_peers(cfg: PeersConfig, command: str) -> dict:
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
         source, env["vitserve_commit"] = export_commit(cfg.vitserve_commit, cfg.work_dir)
+    if BASELINE in cfg.servers:
+        if not cfg.baseline_commit:
+            raise SystemExit(f"bench peers: {BASELINE} serves --baseline-commit REV: name the commit")
+        baseline, env["baseline_commit"] = export_commit(cfg.baseline_commit, cfg.work_dir)
+        source = {"vitserve": source, BASELINE: baseline}
     env["loadavg_start"], env["waited_for_quiet_s"] = wait_for_quiet(cfg.quiet_load, cfg.quiet_wait_s)
     budget = Budget(cfg.time_limit_s)
     models = [measure_model(cfg, name, wrk, pythons, source, budget) for name in cfg.models]
@@ -187,7 +192,12 @@ def model_summary_of(model_path: Path) -> dict:
             "size_mb": round(model_path.stat().st_size / 2**20, 1)}
 
 
-def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | None) -> ServerSpec:
+def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | dict | None) -> ServerSpec:
+    """How `server` starts; `source`: the vitserve code to serve (a dict when a baseline is served beside it)."""
+    if isinstance(source, dict):
+        if server == BASELINE:
+            return replace(vitserve_spec(model_path, source[BASELINE]), name=BASELINE)
+        source = source["vitserve"]
     if server == "vitserve":
         return vitserve_spec(model_path, source)
     if server in RAY_SERVERS:

@@ -155,6 +155,8 @@ def test_the_repository_flags_reach_the_settings_and_an_open_repository_api_is_r
     assert "needs a model_repository" in refused("--model", str(tiny_onnx), "--model-control-mode", "poll")
     assert "load_models is for model_control_mode explicit" in refused("--model-repository", str(tmp_path),
                                                                        "--load-model", "m")
+    assert "one replica only" in refused("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
+                                         "--ray")
     for name in [k for k in os.environ if k.startswith("VITSERVE_")]:
         del os.environ[name]
     settings = Settings(model_repository=tmp_path, model_control_mode="explicit", load_models="a, b")
