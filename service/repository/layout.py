@@ -132,13 +132,15 @@ class ModelRepository:
             raise RepositoryError(f"the model repository {root} is not a directory")
 
     def names(self) -> list[str]:
-        """The model folders' names, sorted; entries that are not valid names or not folders are skipped."""
+        """The model folders' names, sorted; entries that are not valid names, not folders, or folders outside
+        the repository (a link pointing out) are skipped."""
         found = []
         with os.scandir(self.root) as entries:
             for entry in entries:
                 if len(found) >= MAX_MODELS:
                     break
-                if MODEL_NAME.fullmatch(entry.name) and ".." not in entry.name and entry.is_dir():
+                if MODEL_NAME.fullmatch(entry.name) and ".." not in entry.name and entry.is_dir() and \
+                        self._inside(Path(entry.path)) is not None:
                     found.append(entry.name)
         return sorted(found)
 

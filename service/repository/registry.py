@@ -321,7 +321,14 @@ class ModelRegistry:
                 log.error("poll: %s", e)
 
     def _scan(self) -> dict[str, ModelEntry]:
-        return {name: self.source.entry(name) for name in self.source.names()}
+        """Every model folder now; one that vanished between the listing and its reading is left out."""
+        entries = {}
+        for name in self.source.names():
+            try:
+                entries[name] = self.source.entry(name)
+            except ServiceError as e:
+                log.warning("poll: %s", e)
+        return entries
 
     def _serves(self, name: str, files: dict[str, VersionFile]) -> bool:
         """Whether exactly these files are what serves `name` now."""
