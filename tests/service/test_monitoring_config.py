@@ -2,7 +2,9 @@
 
 promtool validates the Prometheus files and runs the rule unit tests. A throwaway Prometheus on loopback
 (no scrape targets) loads the shipped rules and parses every dashboard query; each query and each rule
-may name only the metrics listed in docs/architecture.md, the series the rules record, and `up`.
+may name only the metrics the service defines (service/core/metrics.py), the series the rules record, and `up`.
+The dashboard shows every metric docs/architecture.md lists. The rules judge each model apart: their unit
+tests must have a case of several models where only one model's alert fires.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
@@ -37,7 +40,11 @@ needs_promtool = pytest.mark.skipif(
 
 HISTOGRAM_SUFFIXES = ("", "_bucket", "_sum", "_count")
 # Grafana's variables, replaced by something Prometheus accepts before a query is sent to it.
-GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "$endpoint": ".*"}
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$__interval": "15s", "$__range": "1h", "$endpoint": ".*",
+                     "$model": ".*"}
+# The alerts that judge each model on its own (label `model`), and the one about a model version.
+PER_MODEL_ALERTS = ("VitserveLatencyObjectiveBreached", "VitserveHighErrorRatio", "VitserveQueueSaturated")
+MODEL_VERSION_ALERT = "VitserveModelVersionNotReady"
 
 
 def documented_metrics() -> set[str]:
@@ -47,6 +54,14 @@ def documented_metrics() -> set[str]:
     assert section, "docs/architecture.md lost its metric list"
     bases = {"vitserve_" + m for m in re.findall(r"`([a-z_]+)(?:\{[^}`]*\})?`", section.group(1))}
     return {base + suffix for base in bases for suffix in HISTOGRAM_SUFFIXES}
+
+
+def defined_metrics() -> set[str]:
+    """Every name the service exposes: its metric families (defined once, in service/core/metrics.py) with the
+    suffixes of their samples."""
+    from service.core.metrics import ServiceMetrics
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": HISTOGRAM_SUFFIXES}
+    return {family.name + suffix for family in ServiceMetrics().registry.collect() for suffix in suffixes[family.type]}
 
 
 _STRINGS = re.compile(r'"(?:\\.|[^"\\])*"|\'(?:\\.|[^\'\\])*\'|`[^`]*`')
@@ -185,13 +200,54 @@ def test_rule_unit_tests_pass():
 def test_rule_unit_tests_cover_every_alert(loaded_rules):
     """Each alert has a case where it fires (exp_alerts with labels) in the rule unit tests."""
     alerts = {r["name"] for r in loaded_rules if r["type"] == "alerting"}
-    assert alerts == {"VitserveLatencyObjectiveBreached", "VitserveHighErrorRatio", "VitserveQueueSaturated",
-                      "VitserveTargetDown", "VitserveNotReady"}
+    assert alerts == {*PER_MODEL_ALERTS, "VitserveTargetDown", "VitserveNotReady", MODEL_VERSION_ALERT}
     tests_text = "\n".join(p.read_text() for p in RULE_TESTS)
     for alert in alerts:
         fired = re.search(rf"alertname: {alert}\n\s+exp_alerts:\n\s+- exp_labels:", tests_text)
         silent = re.search(rf"alertname: {alert}\n\s+exp_alerts: \[\]", tests_text)
         assert fired and silent, f"{alert}: needs a test where it fires and one where it stays silent"
+
+
+@needs_promtool
+def test_rules_record_per_model_series_beside_the_all_model_ones(loaded_rules):
+    """The series from before models were labelled keep their names; per-model ones sit beside them; only
+    readiness keeps `version`, so the count of recorded series follows models, not versions."""
+    recorded = {r["name"]: r["query"] for r in loaded_rules if r["type"] == "recording"}
+    all_models = {"vitserve:request_duration_seconds_bucket:rate5m", "vitserve:request_duration_seconds:p50_5m",
+                  "vitserve:request_duration_seconds:p90_5m", "vitserve:request_duration_seconds:p99_5m",
+                  "vitserve:requests:rate5m", "vitserve:images:rate5m", "vitserve:requests_rejected:rate5m",
+                  "vitserve:request_errors:ratio_rate5m", "vitserve:requests_throttled:ratio_rate5m"}
+    per_model = {"vitserve:model_request_duration_seconds:p50_5m", "vitserve:model_request_duration_seconds:p90_5m",
+                 "vitserve:model_request_duration_seconds:p99_5m", "vitserve:model_images:rate5m",
+                 "vitserve:model_request_errors:ratio_rate5m", "vitserve:model_queue_depth:sum",
+                 "vitserve:model_ready:min", "vitserve:endpoint_model_request_duration_seconds:p99_5m",
+                 "vitserve:endpoint_model_request_errors:ratio_rate5m",
+                 "vitserve:endpoint_model_requests_throttled:ratio_rate5m"}
+    assert all_models | per_model <= set(recorded)
+    for name, query in recorded.items():
+        groupings = re.findall(r"\b(by|without)\s*\(([^)]*)\)", query)
+        assert all(kind == "by" for kind, _ in groupings), f"{name}: `without` would keep labels added later"
+        kept = {label.strip() for _, labels in groupings for label in labels.split(",")}
+        assert ("version" in kept) == (name == "vitserve:model_ready:min"), name
+        if name.startswith(("vitserve:model_", "vitserve:endpoint_model_")) and groupings:
+            assert "model" in kept, name
+    alerts = {r["name"]: r["query"] for r in loaded_rules if r["type"] == "alerting"}
+    for alert in PER_MODEL_ALERTS:
+        assert "vitserve:endpoint_model_" in alerts[alert], alert
+
+
+def test_rule_unit_tests_fire_for_one_model_of_several():
+    """For each alert about models, a unit test with several models where it fires for some of them only."""
+    cases = [case for path in RULE_TESTS for case in yaml.safe_load(path.read_text())["tests"]]
+    for alert in (*PER_MODEL_ALERTS, MODEL_VERSION_ALERT):
+        fired_for_some = False
+        for case in cases:
+            models = {m for series in case["input_series"] for m in re.findall(r'\bmodel="([^"]+)"', series["series"])}
+            for check in case.get("alert_rule_test", []):
+                if check["alertname"] == alert:
+                    fired = {a["exp_labels"].get("model") for a in check.get("exp_alerts") or []} - {None}
+                    fired_for_some |= bool(fired) and len(fired) < len(models)
+        assert fired_for_some, f"{alert}: no unit test where it fires for some of several models only"
 
 
 # --- what the rules and the dashboard may name ----------------------------------------------------------
@@ -202,27 +258,32 @@ def test_series_names_finds_metrics_and_ignores_functions_labels_and_keywords():
     assert series_names(expr) == {"a_bucket", "ns:objective", "up", "c_count"}
 
 
+def test_every_documented_metric_is_defined_by_the_service():
+    documented_bases = {n for n in documented_metrics() if not n.endswith(HISTOGRAM_SUFFIXES[1:])}
+    assert documented_bases - defined_metrics() == set()
+
+
 @needs_promtool
-def test_rules_name_only_documented_metrics(loaded_rules):
+def test_rules_name_only_defined_metrics(loaded_rules):
     recorded = {r["name"] for r in loaded_rules if r["type"] == "recording"}
-    allowed = documented_metrics() | recorded | {"up"}
+    allowed = defined_metrics() | recorded | {"up"}
     for rule in loaded_rules:
         assert rule["health"] != "err", rule
         unknown = series_names(rule["query"]) - allowed
-        assert not unknown, f"rule {rule['name']} names {unknown}, not in docs/architecture.md nor recorded"
+        assert not unknown, f"rule {rule['name']} names {unknown}, not defined in service/core/metrics.py nor recorded"
 
 
 @needs_promtool
-def test_dashboard_queries_parse_and_name_only_documented_metrics(prometheus, loaded_rules):
+def test_dashboard_queries_parse_and_name_only_defined_metrics(prometheus, loaded_rules):
     recorded = {r["name"] for r in loaded_rules if r["type"] == "recording"}
-    allowed = documented_metrics() | recorded | {"up"}
+    allowed = defined_metrics() | recorded | {"up"}
     queries = dashboard_queries()
     assert len(queries) >= 30
     for title, expr in queries:
         answer = api_get(prometheus, "/api/v1/query", query=to_promql(expr))
         assert answer.get("status") == "success", f"panel {title!r}: {expr}\n{answer}"
         unknown = series_names(expr) - allowed
-        assert not unknown, f"panel {title!r} names {unknown}, not in docs/architecture.md nor recorded"
+        assert not unknown, f"panel {title!r} names {unknown}, not defined in service/core/metrics.py nor recorded"
 
 
 def test_dashboard_shows_every_documented_metric_and_three_latency_quantiles():
@@ -255,6 +316,29 @@ def test_dashboard_panels_use_the_provisioned_datasource_and_do_not_overlap():
     for p in dashboard_panels():
         assert p["targets"], p["title"]
         assert {p["datasource"]["uid"]} | {t["datasource"]["uid"] for t in p["targets"]} == {uid}, p["title"]
+
+
+def test_dashboard_filters_by_model_and_shows_each_version_readiness():
+    dashboard = json.loads(DASHBOARD.read_text())
+    variable = next(v for v in dashboard["templating"]["list"] if v["name"] == "model")
+    assert variable["query"]["query"] == 'label_values(vitserve_model_ready{job="vitserve"}, model)'
+    assert variable["multi"] is True and variable["includeAll"] is True
+    # Every query of a per-model metric or recorded series follows the variable.
+    per_model = re.compile(r"vitserve_(queue_wait|preprocess|inference|postprocess)_seconds|vitserve_batch_size|"
+                           r"vitserve_images_total|vitserve_queue_depth|vitserve_model_ready|"
+                           r"vitserve:(endpoint_)?model_")
+    for title, expr in dashboard_queries():
+        if per_model.search(expr) and not title.startswith("variable"):
+            assert 'model=~"$model"' in expr, f"panel {title!r}: {expr}"
+    # The latency, throughput and queue panels draw one line per model.
+    legends = {p["title"]: [t["legendFormat"] for t in p["targets"]] for p in dashboard_panels()}
+    for title in ("Request latency p50 / p90 / p99 by model (2xx)", "Images and ONNX Runtime calls / s by model",
+                  "Mean batch size by model", "Requests / s by model, endpoint and status"):
+        assert all("{{model}}" in legend for legend in legends[title]), title
+    assert "{{model}}" in legends["Queue depth by model, and requests in flight"][0]
+    ready = next(p for p in dashboard_panels() if p["title"] == "Model versions ready")
+    assert re.fullmatch(r"min by \(model, version\) \(max by \(instance, model, version\) "
+                        r'\(vitserve_model_ready\{job="vitserve", model=~"\$model"\}\)\)', ready["targets"][0]["expr"])
 
 
 def test_dashboard_provider_points_at_the_dashboards_mount():

@@ -3,7 +3,8 @@
 A known number of requests to /v1/classify (failures included) must come back exactly from Prometheus's
 HTTP API, and the p99 of `histogram_quantile` must lie in the buckets that the scraped samples and the
 latencies measured by the client put it in. Prometheus also loads the shipped rules: the recorded series
-must exist and no alert may fire on a healthy service. Run with `-s` to see the query results.
+must exist, the per-model ones labelled with the served model (its version summed away but in readiness), and
+no alert may fire on a healthy service. Run with `-s` to see the query results.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from test_monitoring_config import (RULE_FILES, api_get, dashboard_queries, need
 
 pytestmark = needs_promtool
 ENDPOINT = "/v1/classify"
+MODEL, VERSION = "tiny-vit", "7"  # the tiny model's own name and version (tests/conftest.py)
 PNG = image_bytes("PNG")
 # kind -> (expected status, expected error code, request arguments)
 KINDS = {
@@ -171,12 +173,21 @@ def check_counts(prometheus: str, sent: dict[str, int], at: float) -> None:
         KINDS[k][1]: float(n) for k, n in sent.items() if KINDS[k][1]}
     ok = sent["ok"]
     assert scalar(prometheus, "sum(vitserve_images_total)", at) == ok
+    served = query(prometheus, f'sum by (model, version) (vitserve_request_duration_seconds_count'
+                               f'{{endpoint="{ENDPOINT}", status="200"}})', at)
+    assert [(s["metric"]["model"], s["metric"]["version"], float(s["value"][1])) for s in served] == [
+        (MODEL, VERSION, ok)]
+    images = query(prometheus, "sum by (model, version) (vitserve_images_total)", at)
+    assert [(i["metric"]["model"], i["metric"]["version"], float(i["value"][1])) for i in images] == [
+        (MODEL, VERSION, ok)]
     assert scalar(prometheus, "sum(vitserve_batch_size_sum)", at) == ok
     for stage in ("queue_wait", "preprocess", "postprocess"):
         assert scalar(prometheus, f"sum(vitserve_{stage}_seconds_count)", at) == ok
     batches = scalar(prometheus, "sum(vitserve_inference_seconds_count)", at)
     assert scalar(prometheus, "sum(vitserve_batch_size_count)", at) == batches <= ok
     assert scalar(prometheus, "min(vitserve_ready)", at) == 1
+    ready = query(prometheus, "vitserve_model_ready", at)
+    assert [(r["metric"]["model"], r["metric"]["version"], r["value"][1]) for r in ready] == [(MODEL, VERSION, "1")]
     info = query(prometheus, "vitserve_model_info", at)
     assert [(i["metric"]["name"], i["metric"]["version"]) for i in info] == [("tiny-vit", "7")]
 
@@ -207,6 +218,7 @@ def check_rules_on_real_data(prometheus: str, client_bound: float) -> list[dict]
     assert "/metrics" not in recorded_p99
     assert by_label(query(prometheus, "vitserve:request_errors:ratio_rate5m"), "endpoint")[ENDPOINT] == 0
     assert by_label(query(prometheus, "vitserve:requests_throttled:ratio_rate5m"), "endpoint")[ENDPOINT] == 0
+    check_per_model_rules(prometheus, client_bound)
     rules = [r for g in api_get(prometheus, "/api/v1/rules")["data"]["groups"] for r in g["rules"]]
     assert [r["name"] for r in rules if r["health"] != "ok"] == []
     alerts = api_get(prometheus, "/api/v1/alerts")["data"]["alerts"]
@@ -214,6 +226,26 @@ def check_rules_on_real_data(prometheus: str, client_bound: float) -> list[dict]
     assert [a["labels"]["alertname"] for a in alerts if a["state"] == "firing"] == []
     assert {a["labels"]["alertname"] for a in alerts} <= {"VitserveLatencyObjectiveBreached"}
     return rules
+
+
+def check_per_model_rules(prometheus: str, client_bound: float) -> None:
+    """The per-model recorded series carry the served model and no version (readiness keeps it)."""
+    for quantile in ("p50", "p90", "p99"):
+        recorded = by_label(query(prometheus, f"vitserve:model_request_duration_seconds:{quantile}_5m"), "model")
+        assert set(recorded) == {MODEL} and 0 < recorded[MODEL] <= client_bound
+    alerted = query(prometheus, f'vitserve:endpoint_model_request_duration_seconds:p99_5m{{endpoint="{ENDPOINT}"}}')
+    assert [(a["metric"]["model"], 0 < float(a["value"][1]) <= client_bound) for a in alerted] == [(MODEL, True)]
+    assert "version" not in alerted[0]["metric"]
+    assert by_label(query(prometheus, "vitserve:model_request_errors:ratio_rate5m"), "model") == {MODEL: 0}
+    # no 5xx, for the model's requests nor for those refused before reaching it (the group without a model)
+    per_endpoint = f'vitserve:endpoint_model_request_errors:ratio_rate5m{{endpoint="{ENDPOINT}"}}'
+    errors = by_label(query(prometheus, per_endpoint), "model")
+    assert MODEL in errors and set(errors.values()) == {0}
+    images = by_label(query(prometheus, "vitserve:model_images:rate5m"), "model")
+    assert set(images) == {MODEL} and images[MODEL] > 0
+    assert set(by_label(query(prometheus, "vitserve:model_queue_depth:sum"), "model")) == {MODEL}
+    ready = query(prometheus, "vitserve:model_ready:min")
+    assert [(r["metric"]["model"], r["metric"]["version"], r["value"][1]) for r in ready] == [(MODEL, VERSION, "1")]
 
 
 def check_named_metrics_are_exposed(prometheus: str, rules: list[dict]) -> None:
