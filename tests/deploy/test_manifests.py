@@ -1,4 +1,5 @@
-"""The Kubernetes manifests (deploy/kubernetes, deploy/ray/rayservice.yaml), checked without a cluster.
+"""The Kubernetes manifests (deploy/kubernetes, deploy/ray/rayservice.yaml) and docker-compose.yml, checked
+without a cluster or a container.
 
 Built-in kinds against the Kubernetes API's own schemas for a pinned version (kubernetes-validate ships them),
 strict: a field the API does not know fails. Custom resources (the Prometheus Operator's PodMonitor, KServe's
@@ -6,7 +7,8 @@ ServingRuntime and InferenceService, KubeRay's RayService) against the openAPIV3
 CRDs carried in deploy/kubernetes/schemas, made strict the way kubeconform does it. The overlays are rendered
 by `kubectl kustomize` where kubectl is installed; the files the overlays are made of are checked either way.
 Then what schemas cannot see: probes on routes the app has, ports that agree, a grace period that fits the
-drain, the HPA asking for metrics the adapter serves and the service defines, selectors that select.
+drain, the HPA asking for metrics the adapter serves and the service defines, selectors that select, every
+VITSERVE_* variable a setting the server has, the model repository mounted read-only with its key from a Secret.
 """
 from __future__ import annotations
 
@@ -32,10 +34,12 @@ CRD_FILES = {"monitoring.coreos.com": ["monitoring.coreos.com_podmonitors.yaml"]
              "serving.kserve.io": ["serving.kserve.io_servingruntimes.yaml.gz",
                                    "serving.kserve.io_inferenceservices.yaml.gz"],
              "ray.io": ["ray.io_rayservices.yaml.gz"]}
-RENDERED = ["overlays/cpu", "overlays/gpu", "kserve"]
+RENDERED = ["overlays/cpu", "overlays/gpu", "overlays/repository", "kserve"]
+REPOSITORY = KUBE / "components" / "repository"
 # Every file a user applies, alone or through an overlay (patches are partial: rendered only)
 PLAIN_FILES = [*sorted((KUBE / "base").glob("[!k]*.yaml")), KUBE / "kserve" / "servingruntime.yaml",
-               KUBE / "kserve" / "inferenceservice.yaml", REPO / "deploy" / "ray" / "rayservice.yaml"]
+               KUBE / "kserve" / "inferenceservice.yaml", REPO / "deploy" / "ray" / "rayservice.yaml",
+               REPOSITORY / "persistentvolumeclaim.yaml", REPOSITORY / "admin-key.example.yaml"]
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
                                    reason="rendering the overlays needs kubectl (its built-in kustomize)")
 
@@ -159,8 +163,9 @@ def container(deployment: dict) -> dict:
     return only
 
 
-def env(deployment: dict) -> dict[str, str]:
-    return {e["name"]: e["value"] for e in container(deployment)["env"]}
+def env(deployment: dict) -> dict[str, str | dict]:
+    """Each variable's value, or where it comes from (its valueFrom) when it has none."""
+    return {e["name"]: e["value"] if "value" in e else e["valueFrom"] for e in container(deployment)["env"]}
 
 
 def test_probes_ask_routes_the_app_really_has(base):
@@ -207,8 +212,11 @@ def test_the_selectors_select_the_pods(base):
 
 
 def test_the_hpa_asks_for_what_the_adapter_serves_from_series_the_service_defines(base):
-    from service.metrics import ServiceMetrics
-    defined = {sample.name for family in ServiceMetrics().registry.collect() for sample in family.samples}
+    from service.core.metrics import ServiceMetrics
+    # from the families, not their samples: a metric with model and version labels has none until a model runs
+    suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
+    defined = {family.name + suffix for family in ServiceMetrics().registry.collect()
+               for suffix in suffixes.get(family.type, [""])}
     rules = yaml.safe_load((KUBE / "prometheus-adapter" / "values.yaml").read_text())["rules"]["custom"]
     served = {}
     for rule in rules:
@@ -262,3 +270,111 @@ def test_kserve_runs_the_vitserve_image_over_the_v2_protocol():
     assert c["name"] == "kserve-container" and c["image"].startswith("vitserve:")
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert service["metadata"]["name"] == "vit-fmnist"  # the artifact's name: /v2/models/vit-fmnist/infer
+
+
+# --- the model repository ---
+
+def setting_names() -> set[str]:
+    from service.settings import Settings
+    return {f"VITSERVE_{name.upper()}" for name in Settings.model_fields}
+
+
+@needs_kubectl
+@pytest.mark.parametrize("directory", ["overlays/cpu", "overlays/gpu", "overlays/repository"])
+def test_every_variable_the_pods_get_is_a_setting_of_the_server(directory):
+    # the settings ignore variables they do not know: a misspelt name would be dropped without a word
+    assert set(env(by_kind(render(directory))["Deployment"])) <= setting_names()
+
+
+@needs_kubectl
+def test_the_repository_overlay_serves_a_read_only_volume_with_the_admin_key_of_a_secret():
+    deployment = by_kind(render("overlays/repository"))["Deployment"]
+    c, pod = container(deployment), deployment["spec"]["template"]["spec"]
+    variables = env(deployment)
+    (mount,) = [m for m in c["volumeMounts"] if m["name"] == "models"]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "models"]
+    assert mount == {"name": "models", "mountPath": "/models", "readOnly": True}
+    assert variables["VITSERVE_MODEL_REPOSITORY"] == mount["mountPath"]
+    assert (variables["VITSERVE_MODEL_CONTROL_MODE"], variables["VITSERVE_REPOSITORY_POLL_SECS"]) == ("poll", "15")
+    assert {m["mountPath"] for m in c["volumeMounts"] if not m.get("readOnly")} == {"/tmp", "/dev/shm"}
+
+    claim = load(REPOSITORY / "persistentvolumeclaim.yaml")[0]
+    assert volume["persistentVolumeClaim"] == {"claimName": claim["metadata"]["name"], "readOnly": True}
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]  # pods on any node read while a writer adds versions
+
+    secret = load(REPOSITORY / "admin-key.example.yaml")[0]
+    (key,) = secret["stringData"]
+    assert variables["VITSERVE_ADMIN_KEY"] == {"secretKeyRef": {"name": secret["metadata"]["name"], "key": key}}
+    assert "REPLACE-ME" in secret["stringData"][key]  # an example, never a key someone could leave in place
+
+
+@needs_kubectl
+def test_the_repository_component_changes_nothing_else():
+    added = {"VITSERVE_MODEL_REPOSITORY", "VITSERVE_MODEL_CONTROL_MODE", "VITSERVE_REPOSITORY_POLL_SECS",
+             "VITSERVE_ADMIN_KEY"}
+    with_repository = by_kind(render("overlays/repository"))
+    without = by_kind(render("overlays/cpu"))
+    assert with_repository.keys() == without.keys()  # neither the claim nor the Secret: they outlive the overlay
+    deployment = copy.deepcopy(with_repository["Deployment"])
+    c, pod = container(deployment), deployment["spec"]["template"]["spec"]
+    c["env"] = [e for e in c["env"] if e["name"] not in added]
+    c["volumeMounts"] = [m for m in c["volumeMounts"] if m["name"] != "models"]
+    pod["volumes"] = [v for v in pod["volumes"] if v["name"] != "models"]
+    assert deployment == without["Deployment"]
+    assert {k: v for k, v in with_repository.items() if k != "Deployment"} == \
+        {k: v for k, v in without.items() if k != "Deployment"}
+
+
+def test_the_deployment_docs_call_routes_the_app_has():
+    from service.app import create_app
+    from service.settings import Settings
+    app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only
+    routes = set(app.openapi()["paths"])
+    text = (REPO / "docs" / "deployment-repository.md").read_text()
+    called = {re.sub(r"/models/[^/]+/", "/models/{name}/", path)
+              for path in re.findall(r"/v2/repository/(?:index|models/[\w.$-]+/(?:load|unload))", text)}
+    assert called == {"/v2/repository/index", "/v2/repository/models/{name}/load",
+                      "/v2/repository/models/{name}/unload"}
+    assert called <= routes
+
+
+# --- docker compose ---
+
+class ComposeLoader(yaml.SafeLoader):
+    """YAML with compose's merge tags (`!reset`, `!override`), read as their plain values."""
+
+
+def untagged(loader: yaml.SafeLoader, node: yaml.Node):
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node, deep=True)
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node, deep=True)
+    return loader.construct_scalar(node)
+
+
+for tag in ("!reset", "!override"):
+    ComposeLoader.add_constructor(tag, untagged)
+
+
+def compose_server(name: str) -> dict:
+    return yaml.load((REPO / name).read_text(), ComposeLoader)["services"]["vitserve"]
+
+
+def test_compose_passes_only_settings_the_server_has():
+    for name in ("docker-compose.yml", "docker-compose.cpu.yml"):
+        assert set(compose_server(name)["environment"]) <= setting_names(), name
+
+
+def test_compose_serves_the_bundled_model_unless_a_repository_is_asked_for():
+    server = compose_server("docker-compose.yml")
+    variables = server["environment"]
+    image_model = re.search(r"^\s+VITSERVE_MODEL_PATH=(\S+)", (REPO / "docker" / "Dockerfile.cpu").read_text(),
+                            re.M).group(1)
+    assert variables["VITSERVE_MODEL_PATH"] == f"${{VITSERVE_MODEL_PATH:-{image_model}}}"
+    # Without a value compose passes a variable from the environment or leaves it unset; a default of "" would
+    # be a repository at the working directory, or an empty admin key.
+    for name in ("VITSERVE_MODEL_REPOSITORY", "VITSERVE_MODEL_CONTROL_MODE", "VITSERVE_LOAD_MODELS",
+                 "VITSERVE_ADMIN_KEY", "VITSERVE_API_KEY"):
+        assert variables[name] is None, name
+    assert variables["VITSERVE_REPOSITORY_POLL_SECS"] == "${VITSERVE_REPOSITORY_POLL_SECS:-15}"
+    assert "${VITSERVE_MODELS_DIR:-./models}:/models:ro" in server["volumes"]
