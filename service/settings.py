@@ -17,7 +17,8 @@ INTERNAL = "internal"  # the description of fields `vitserve serve` sets for its
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="VITSERVE_", extra="ignore")
+    # env_ignore_empty: `VITSERVE_MODEL_REPOSITORY=` (compose passes unset variables so) means unset, not "."
+    model_config = SettingsConfigDict(env_prefix="VITSERVE_", extra="ignore", env_ignore_empty=True)
 
     # the model and where to serve it
     model_path: Path = Field(Path("models/vit-fmnist/model.onnx"), description="one model file to serve (a "

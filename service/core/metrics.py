@@ -80,6 +80,9 @@ class ServiceMetrics:
                             "it starts with loaded and warmed up (min over workers)", multiprocess_mode="livemin")
         self.model_ready = metric(Gauge, "vitserve_model_ready", "1 while a model version is loaded, warmed up and "
                                   "routed to", per_model, multiprocess_mode="livemax")
+        # By model only: a failed version is not loaded, so it has no series of its own to carry a 0
+        self.model_load_failures = metric(Counter, "vitserve_model_load_failures", "Model versions whose load or "
+                                          "warm-up failed (the repository index says why)", ["model"])
         # An Info metric has no multiprocess support; a constant-1 gauge with labels is the same series.
         self.model_info = metric(Gauge, "vitserve_model_info", "A served model version",
                                  ["name", "version", "provider", "opset"], multiprocess_mode="livemax")
@@ -121,6 +124,9 @@ class ServiceMetrics:
     def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
         values = (name, version, provider, str(opset if opset is not None else ""))
         self.labelled(name, version, self.model_info, values).set(1)
+
+    def load_failed(self, model: str) -> None:
+        self.model_load_failures.labels(model).inc()
 
     def labelled(self, model: str, version: str, metric, values: tuple):
         """`metric.labels(*values)`, remembered as one of the (model, version)'s series."""
@@ -171,7 +177,7 @@ class _LiveVersionsOnly:
 
 def _is_live(labels: dict, live: set[tuple[str, str]]) -> bool:
     model = labels.get("model", labels.get("name") if "provider" in labels else None)
-    if not model:  # not a per-model series, or a request that ran no model
+    if not model or "version" not in labels:  # not a per-version series, or a request that ran no model
         return True
     return (model, labels.get("version", "")) in live
 

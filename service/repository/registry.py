@@ -191,6 +191,7 @@ class ModelRegistry:
         except Exception as e:  # ModelLoadError, ORT's own errors, MemoryError, a failed warm-up
             reason = _reason(e)
             log.error("model %s version %s failed to load: %s", entry.name, version, reason)
+            self.metrics.load_failed(entry.name)
             if current is not None and current.state == READY:
                 current.reason = f"reload failed: {reason}"  # the old file goes on serving
             else:
@@ -283,6 +284,7 @@ class ModelRegistry:
                     await record.served.warm_up()
             except Exception as e:  # not served: the index says why; the readiness probe tells the orchestrator
                 log.exception("warm-up of %s version %s failed", record.name, record.version)
+                self.metrics.load_failed(record.name)
                 record.state, record.reason, all_ready = UNAVAILABLE, f"warm-up failed: {_reason(e)}", False
                 await self._close(record.served)
                 record.served = None

@@ -159,6 +159,7 @@ async def test_a_corrupt_new_version_fails_its_load_and_the_old_one_keeps_servin
         assert {(e["version"], e["state"]) for e in index if e["name"] == "small"} == {("5", "UNAVAILABLE"),
                                                                                    ("2", "READY")}
         assert next(e for e in index if e.get("version") == "5")["reason"]
+        assert 'vitserve_model_load_failures_total{model="small"} 1.0' in (await client.get("/metrics")).text
         answer = await classify(client, image_bytes("PNG"), model="small")
         assert answer.status_code == 200 and answer.json()["model"]["version"] == "2"
 
