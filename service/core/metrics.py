@@ -89,6 +89,7 @@ class ServiceMetrics:
         # (model, version) -> every (metric, label values) recorded for it, so `retire` can remove them through
         # prometheus-client's public `remove`
         self._children: dict[tuple[str, str], set[tuple]] = defaultdict(set)
+        self._reporters: dict[tuple[str, str], ModelMetrics] = {}
         self.ready.set(0)
 
     def _metric(self, kind: type, name: str, documentation: str, labelnames=(), **options):
@@ -108,15 +109,20 @@ class ServiceMetrics:
         self.in_flight.dec()
         values = (endpoint, str(status), model, version)
         if model:
-            self._children[model, version].add((self.request_duration, values))
-        self.request_duration.labels(*values).observe(seconds)
+            self.labelled(model, version, self.request_duration, values).observe(seconds)
+        else:
+            self.request_duration.labels(*values).observe(seconds)
 
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
     def for_model(self, model: str, version: str) -> "ModelMetrics":
-        """What one model version reports: its batches, queue and images, under its labels."""
-        return ModelMetrics(self, model, version)
+        """What one model version reports: its batches, queue and images, under its labels (made once: every
+        request reports through it)."""
+        reporter = self._reporters.get((model, version))
+        if reporter is None:
+            reporter = self._reporters[model, version] = ModelMetrics(self, model, version)
+        return reporter
 
     def set_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
@@ -136,6 +142,7 @@ class ServiceMetrics:
     def retire(self, model: str, version: str) -> None:
         """A version was unloaded: its series stop exporting (this process's; a multiprocess scrape filters the
         other processes' by `render(live=...)`)."""
+        self._reporters.pop((model, version), None)
         for metric, values in self._children.pop((model, version), ()):
             try:
                 metric.remove(*values)

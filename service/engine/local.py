@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from service.engine import IndexEntry, InferenceResult, ModelHandle, same_geometry
+from service.engine import IndexEntry, InferenceResult, ModelHandle
 from service.core.errors import VersionRetired
 from service.core.metrics import ServiceMetrics
 from service.repository.registry import ModelRegistry
@@ -59,7 +59,7 @@ class LocalEngine:
         try:
             return await self.run_on(handle.name, handle.version, pixels, timeout_s, target)
         except VersionRetired:
-            rerouted = self._rerouted(handle)
+            rerouted = self.registry.table.reroute(handle)
             return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target)
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
@@ -70,18 +70,6 @@ class LocalEngine:
             result = await served.submit(pixels, timeout_s, target)
         result.version = version
         return result
-
-    def _rerouted(self, handle: ModelHandle) -> ModelHandle:
-        """An unpinned request whose version was retired before it ran: the newest ready version, if the image
-        prepared for the old one fits it."""
-        if handle.pinned:
-            raise VersionRetired(f"model {handle.name!r} version {handle.version} was unloaded before this request "
-                                 f"ran")
-        now = self.registry.route(handle.name)
-        if not same_geometry(now.info, handle.info):
-            raise VersionRetired(f"model {handle.name!r} changed version ({handle.version} -> {now.version}) with a "
-                                 f"different input geometry while this request was prepared: send it again")
-        return now
 
     def predicted_wait_s(self, name: str | None = None) -> float:
         return self.registry.predicted_wait_s(name)

@@ -24,7 +24,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from service.engine import IndexEntry, InferenceResult, ModelHandle, same_geometry
+from service.engine import IndexEntry, InferenceResult, ModelHandle
 from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, RepositoryIndex,
                                      Result, Submit, error_of, status_address)
 from service.engine.routing import RoutingTable, VersionView
@@ -147,12 +147,7 @@ class RemoteEngine:
             if handle.pinned:
                 raise
             await self._refresh_index()  # the engine has a newer index than this frontend routed with
-            now = self.table.route(handle.name)
-            if not same_geometry(now.info, handle.info):
-                raise VersionRetired(f"model {handle.name!r} changed version ({handle.version} -> {now.version}) "
-                                     f"with a different input geometry while this request was prepared: send it "
-                                     f"again") from None
-            return await self._submit(now, pixels, timeout_s, target)
+            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target)
 
     async def _submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
                       target: int | None) -> InferenceResult:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.engine import READY, UNAVAILABLE, ModelHandle, newest_first
-from service.core.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable
+from service.core.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable, VersionRetired
+from service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
 from service.repository.layout import check_model_name, check_version
 from vitserve.artifact import ModelInfo
 
@@ -54,6 +54,18 @@ class RoutingTable:
             raise ModelUnavailable(f"model {name!r} version {version} is {view.state.lower()}"
                                    + (f": {view.reason}" if view.reason else ""))
         return ModelHandle(name, version, view.info, pinned=True, batching=view.batching)
+
+    def reroute(self, handle: ModelHandle) -> ModelHandle:
+        """Where a request goes whose version was retired before it ran: unpinned, the newest ready version, if
+        the image prepared for the old one fits it; VersionRetired otherwise (it never ran: the client may retry)."""
+        if handle.pinned:
+            raise VersionRetired(f"model {handle.name!r} version {handle.version} was unloaded before this request "
+                                 f"ran")
+        now = self.route(handle.name)
+        if not same_geometry(now.info, handle.info):
+            raise VersionRetired(f"model {handle.name!r} changed version ({handle.version} -> {now.version}) with a "
+                                 f"different input geometry while this request was prepared: send it again")
+        return now
 
     def _versions_of(self, name: str) -> dict[str, VersionView]:
         versions = {v: view for (n, v), view in self.versions.items() if n == name}

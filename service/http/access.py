@@ -32,14 +32,16 @@ def check_bearer(request: Request, key: SecretStr | None, what: str) -> None:
         raise Forbidden(f"the key sent does not open {what}")
 
 
-def require_api_key(request: Request) -> None:
+# The dependencies are coroutines: FastAPI runs a plain function dependency in its thread pool, a thread hop on
+# every request for a dictionary lookup.
+async def require_api_key(request: Request) -> None:
     """Dependency of the inference and model routes (health and the server's metadata excepted)."""
     if request.url.path in OPEN_PROTOCOL_PATHS:
         return
     check_bearer(request, request.app.state.service.settings.api_key, "this route")
 
 
-def require_admin_key(request: Request) -> None:
+async def require_admin_key(request: Request) -> None:
     """Dependency of the repository API: on only with model_control_mode explicit (or poll, read-only), and then
     the admin key."""
     settings = request.app.state.service.settings
@@ -49,7 +51,7 @@ def require_admin_key(request: Request) -> None:
     check_bearer(request, settings.admin_key, "the repository API")
 
 
-def require_explicit_control(request: Request) -> None:
+async def require_explicit_control(request: Request) -> None:
     """Load and unload: only in explicit mode (in poll mode the repository's files decide, as in Triton)."""
     if request.app.state.service.settings.model_control_mode != "explicit":
         raise RepositoryControlDisabled("load and unload need --model-control-mode explicit (in poll mode the "

@@ -162,8 +162,10 @@ class ModelRegistry:
             entry = self.source.entry(check_model_name(name))  # ModelNotFound when the folder is gone
             if "" in entry.problems:
                 self.model_problems[name] = entry.problems[""]
+                self._changed()
                 raise ModelLoadError(f"model {name!r}: {entry.problems['']}")
-            self.model_problems.pop(name, None)
+            if self.model_problems.pop(name, None) is not None:
+                self._changed()
             wanted = entry.wanted()
             if not wanted:
                 why = "; ".join(entry.problems.values()) or "no version folders"

@@ -322,3 +322,23 @@ def test_a_swap_under_load_loses_no_request(explicit_server, tiny_onnx):
     assert {v for _, v in answers} <= {"1", "2", "3", "4"} and answers[-1][1] == "4"
     metrics = scrape(url)
     assert not [k for k in metrics if ("model", "small") in k[1] and ("version", "2") in k[1]]
+
+
+def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its_image_fits():
+    from dataclasses import replace
+
+    from service.core.errors import ModelUnavailable, VersionRetired
+    from service.engine import ModelHandle
+    from service.engine.routing import RoutingTable, VersionView
+    from vitserve.artifact import ModelInfo
+    info = ModelInfo(name="m", version="1", labels=["a", "b"], patch_size=4, image_size=(8, 8), channels=1,
+                     mean=[0.5], std=[0.25])
+    table = RoutingTable({("m", "1"): VersionView("UNLOADING"), ("m", "2"): VersionView("READY", info=info)})
+    old = ModelHandle("m", "1", info)
+    assert table.reroute(old).version == "2"
+    with pytest.raises(VersionRetired, match="was unloaded"):
+        table.reroute(replace(old, pinned=True))
+    with pytest.raises(VersionRetired, match="different input geometry"):
+        table.reroute(replace(old, info=replace(info, image_size=(16, 16))))
+    with pytest.raises(ModelUnavailable, match="no ready version"):
+        RoutingTable({("m", "1"): VersionView("UNLOADING")}).reroute(old)

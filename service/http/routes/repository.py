@@ -24,9 +24,8 @@ def _errors(*codes: int) -> dict:
 
 
 async def _json_body(request: Request) -> dict:
-    """The optional JSON body of a repository request ({} when empty); a bad one is a 400."""
-    if int(request.headers.get("content-length") or 0) > MAX_BODY_BYTES:
-        raise InvalidParameter(f"a repository request's body is at most {MAX_BODY_BYTES} bytes")
+    """The optional JSON body of a repository request ({} when empty); a bad one is a 400. Counted as it streams
+    in: more than MAX_BODY_BYTES is refused before the rest is read."""
     body = b""
     async for chunk in request.stream():
         body += chunk
