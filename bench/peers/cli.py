@@ -96,6 +96,9 @@ def run(cfg: PeersConfig, command: str) -> int:
     from bench.reliability import write_report
 
     report = run_peers(cfg, command)
+    # the measurements first: a report that fails to render must not lose the run (--render writes it again)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.with_suffix(".json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     for path in write_report(report, render(report), cfg.out):
         print(f"wrote {path}")
     return 0

@@ -6,7 +6,8 @@ import statistics
 from bench.reliability import number, table
 
 LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
-          "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)"}
+          "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)",
+          "vitserve-base": "vitserve (baseline commit)"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 
@@ -26,9 +27,11 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
                                      "rounds": len(mine), "non_2xx": sum(r["non_2xx"] for r in mine),
                                      "socket_errors": sum(sum(r["socket_errors"].values()) for r in mine)}
             if len(entry) > 2:
-                mine, theirs = entry.get("vitserve"), entry.get("triton")
-                entry["vitserve_over_triton"] = (mine["ok_per_s"] / theirs["ok_per_s"]
-                                                 if mine and theirs and theirs["ok_per_s"] else None)
+                mine = entry.get("vitserve")
+                for other in ("triton", "vitserve-base"):
+                    theirs = entry.get(other)
+                    entry[f"vitserve_over_{other.replace('-', '_')}"] = (
+                        mine["ok_per_s"] / theirs["ok_per_s"] if mine and theirs and theirs["ok_per_s"] else None)
                 out.append(entry)
     return out
 
@@ -211,9 +214,14 @@ def _cell(value: dict | None) -> str:
 
 
 def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:
+    """Each server's medians; the ratio to Triton, and to the baseline commit when it ran."""
+    ratios = [(key, title) for key, title, server in (("vitserve_over_triton", "vitserve / Triton", "triton"),
+                                                      ("vitserve_over_vitserve_base", "vitserve / baseline",
+                                                       "vitserve-base"))
+              if server in servers] or [("vitserve_over_triton", "vitserve / Triton")]
     rows = [[PATH_LABELS[e["path"]], str(e["connections"]), *(_cell(e.get(s)) for s in servers),
-             number(e.get("vitserve_over_triton"), ".2f")] for e in summary]
-    header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers), "vitserve / Triton"]
+             *(number(e.get(key), ".2f") for key, _ in ratios)] for e in summary]
+    header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers), *(t for _, t in ratios)]
     return table(header, rows, text_columns=1)
 
 

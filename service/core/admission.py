@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import time
 from dataclasses import dataclass
 
@@ -106,10 +107,17 @@ def give_freed_memory_back() -> bool:
     """Return the heap's free pages to the OS (glibc's malloc_trim; no-op elsewhere): after a model version is
     unloaded its freed weights sit in the heap's arenas, and a process that loads and unloads versions all day
     would hold its peak forever. True when it was done."""
+    libc = _libc()
+    return bool(libc.malloc_trim(0)) if libc is not None and hasattr(libc, "malloc_trim") else False
+
+
+@functools.cache
+def _libc():
+    """glibc, loaded once (each CDLL is a new handle); None elsewhere."""
     try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):  # not glibc
-        return False
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 class PixelBudget:

@@ -140,8 +140,14 @@ class ServiceMetrics:
         return metric.labels(*values)
 
     def retire(self, model: str, version: str) -> None:
-        """A version was unloaded: its series stop exporting (this process's; a multiprocess scrape filters the
-        other processes' by `render(live=...)`)."""
+        """A version was unloaded: its series stop exporting. In one process they are removed. In multiprocess mode
+        a scrape leaves them out instead (`render(live=...)`) and the children stay: prometheus-client keeps every
+        value it ever made for a process in a module-level list, so removing and re-making the same children at
+        each reload would leak them (measured: 0.1 MiB per load/unload cycle of one version)."""
+        if multiprocess_dir():
+            if (model, version) in self._reporters:
+                self._reporters[model, version].set_ready(False)
+            return
         self._reporters.pop((model, version), None)
         for metric, values in self._children.pop((model, version), ()):
             try:
