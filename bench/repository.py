@@ -44,6 +44,7 @@ class RepositoryBenchConfig:
     rounds: int = 3
     seconds: float = 8.0
     flood: int = 64
+    big_threads: int = 0  # the big model's intra_op_threads in its config.json; 0: the server's default
     out: Path = Path("build/bench/repository.md")
     cache_dir: Path = Path("build/bench/models")
 
@@ -267,6 +268,8 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
         root = Path(directory)
         place(root, "small", 1, small)
         place(root, "big", 1, big)
+        if cfg.big_threads:
+            (root / "big" / "config.json").write_text(json.dumps({"intra_op_threads": cfg.big_threads}))
         if "swap" in parts:
             report.swap = await swap_under_load(cfg, small, root, body)
             shutil.rmtree(root / "small")

@@ -94,6 +94,10 @@ class ModelConfig(BaseModel):
     max_queue_size: int | None = Field(None, ge=1, le=1_000_000)
     maps: list[Literal["rollout", "relevance"]] | None = Field(None, description="maps offered (default: all the "
                                                                                 "file computes)")
+    # Models share the cores: a heavy one with a thread per core takes them all while its batch runs, and a light
+    # one beside it waits (docs/bench-repository.md). Fewer threads for the heavy one bound that.
+    intra_op_threads: int | None = Field(None, ge=1, le=256, description="ONNX Runtime threads of one call of "
+                                                                         "this model (default: the server's)")
 
 
 @dataclass(frozen=True)

@@ -226,7 +226,8 @@ class ModelRegistry:
         config = entry.config
         overrides = {"model_path": path, **{k: v for k, v in (("max_batch_size", config.max_batch_size),
                                                                ("max_queue_delay_ms", config.max_queue_delay_ms),
-                                                               ("max_queue_size", config.max_queue_size))
+                                                               ("max_queue_size", config.max_queue_size),
+                                                               ("intra_op_threads", config.intra_op_threads))
                                               if v is not None}}
         if "max_batch_size" in overrides:  # warm up at the model's own sizes
             overrides["warmup_batch_sizes"] = sorted({1, overrides["max_batch_size"]})
