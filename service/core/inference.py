@@ -108,11 +108,6 @@ async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: l
     return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
 
 
-def answered_by(results: dict) -> str:
-    """The version that ran a tensor request's images (all of them, as one request is routed once)."""
-    return results["versions"][0]
-
-
 async def _each(items: list, work) -> list:
     """`work(item)` for every item at once; the first ServiceError (with the item's index) cancels the rest."""
     async def one(index: int, item):

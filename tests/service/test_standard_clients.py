@@ -127,7 +127,8 @@ def test_health_and_readiness(client):
 def test_server_metadata_lists_the_extensions(client):
     metadata = client.get_server_metadata()
     assert metadata["name"] == "vitserve" and isinstance(metadata["version"], str) and metadata["version"]
-    assert {"binary_tensor_data", "classification", "model_configuration", "statistics"} <= set(metadata["extensions"])
+    assert set(metadata["extensions"]) == {"binary_tensor_data", "classification", "model_configuration",
+                                           "model_repository", "statistics"}
 
 
 @pytest.mark.parametrize("version", ["", VERSION])
