@@ -134,6 +134,24 @@ async def closed_loop(url: str, model: str, clients: int, seconds: float, body: 
     return answers
 
 
+async def _throughput(url: str, cfg: RepositoryBenchConfig, body: bytes, root: Path) -> float:
+    """`small`'s answered 200s per second under `cfg.clients` closed-loop clients, after a 1 s settling run."""
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        await closed_loop(url, "small", cfg.clients, 1.0, body)
+        answers = await closed_loop(url, "small", cfg.clients, cfg.seconds, body)
+        return sum(1 for s, _, _ in answers if s == 200) / cfg.seconds
+    from bench.peers.bodies import PeerRequest
+    from bench.peers.wrk import run_wrk, write_script, wrk_argv
+    script = write_script(root.parent / "wrk", "small", PeerRequest("/v1/classify", body, {"Content-Type":
+                                                                                          "image/png"}))
+    target = f"{url}/v1/classify?model=small&map=none"
+    await asyncio.to_thread(run_wrk, wrk_argv(wrk, target, cfg.clients, 1, 30, script), 60)
+    result = await asyncio.to_thread(run_wrk, wrk_argv(wrk, target, cfg.clients, round(cfg.seconds), 30, script),
+                                     cfg.seconds + 60)
+    return result["ok_per_s"]
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -189,16 +207,15 @@ def memory_cycles(cfg: RepositoryBenchConfig, root: Path) -> dict:
 
 
 async def idle_second_model(cfg: RepositoryBenchConfig, root: Path, body: bytes) -> dict:
-    """`small`'s throughput alone and beside an idle `big`, alternating rounds in one server."""
+    """`small`'s throughput alone and beside an idle `big`, alternating rounds in one server. The load is wrk (C,
+    little CPU of its own on a machine the server shares), else these Python clients."""
     server = Server(root, ["small"])
     rates = {"alone": [], "beside_idle_big": []}
     try:
         for _ in range(cfg.rounds):
             for case in ("alone", "beside_idle_big"):
                 await asyncio.to_thread(server.control, "load" if case != "alone" else "unload", "big")
-                await closed_loop(server.url, "small", cfg.clients, 1.0, body)  # settle
-                answers = await closed_loop(server.url, "small", cfg.clients, cfg.seconds, body)
-                rates[case].append(sum(1 for s, _, _ in answers if s == 200) / cfg.seconds)
+                rates[case].append(await _throughput(server.url, cfg, body, root))
     finally:
         server.stop()
     alone, beside = statistics.median(rates["alone"]), statistics.median(rates["beside_idle_big"])
@@ -265,7 +282,7 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
     small, big = resolve_model(cfg.small, cfg.cache_dir), resolve_model(cfg.big, cfg.cache_dir)
     body, report = sample_png(), Report({k: str(v) for k, v in asdict(cfg).items()})
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-repo-") as directory:
-        root = Path(directory)
+        root = Path(directory) / "repository"  # beside it, wrk's scripts (bench/repository.py `_throughput`)
         place(root, "small", 1, small)
         place(root, "big", 1, big)
         if cfg.big_threads:
