@@ -48,7 +48,7 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
     target = options.target_index
     prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize, options.map_format == "overlay")
     result = await state.engine.submit(handle, prepared.pixels, deadline.remaining(), target)
-    info = _answering(state, handle, result)
+    info = answering_info(state, handle, result.version)
     logits, rollout, *relevance = result.output  # the relevance path adds the relevance map
     shown = relevance[0] if options.map == "relevance" else rollout
     (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
@@ -62,11 +62,12 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, timing_ms=timing)
 
 
-def _answering(state: ServiceState, handle: ModelHandle, result: InferenceResult) -> ModelInfo:
-    """The metadata of the version that ran the image (the routed one, unless it was retired meanwhile)."""
-    if not result.version or result.version == handle.version:
+def answering_info(state: ServiceState, handle: ModelHandle, version: str) -> ModelInfo:
+    """The metadata of `version`, the one that ran a request's images: the routed one, unless it was retired
+    meanwhile."""
+    if not version or version == handle.version:
         return handle.info
-    return state.engine.info(handle.name, result.version)
+    return state.engine.info(handle.name, version)
 
 
 def _explained(map_body, labels: list[str], logits, target: int) -> RelevanceGrid | RelevanceImage:

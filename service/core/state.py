@@ -130,14 +130,14 @@ class ServiceState:
         route = inference_route(method, path)
         if route is None or not self.ready:
             return None
-        refused = self.admission.refusal(self.engine.predicted_wait_s(_model_in(path)),
-                                         self.settings.queue_wait_limit_s)
+        model = _model_in(path)
+        refused = self.admission.refusal(self.engine.predicted_wait_s(model), self.settings.queue_wait_limit_s)
         if refused is None:
             return None
         self.metrics.rejected_request(refused.code)
         self.metrics.request_started()
         self.metrics.request_done(route, 429, 0.0)
-        return refused, self.retry_after_s(_model_in(path))
+        return refused, self.retry_after_s(model)
 
     def retry_after_s(self, model: str | None = None) -> int:
         """Seconds a refused client should wait: the time the model's queued work needs to run (at least the

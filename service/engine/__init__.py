@@ -92,6 +92,10 @@ class Engine(Protocol):
         """How long the work queued now for model `name` (its newest ready version; None: the least loaded of
         all) would take to run: admission's estimate."""
 
+    def ready_versions(self, name: str | None = None) -> list[tuple[str, str]]:
+        """The (model, version) pairs routed to now (of model `name`), newest version first: what routing knows,
+        with no call to the engine."""
+
     async def index(self, ready_only: bool = False) -> list[IndexEntry]: ...
 
     def live_versions(self) -> set[tuple[str, str]]:

@@ -74,6 +74,9 @@ class LocalEngine:
     def predicted_wait_s(self, name: str | None = None) -> float:
         return self.registry.predicted_wait_s(name)
 
+    def ready_versions(self, name: str | None = None) -> list[tuple[str, str]]:
+        return self.registry.table.ready_versions(name)
+
     async def index(self, ready_only: bool = False) -> list[IndexEntry]:
         return self.registry.index(ready_only)
 

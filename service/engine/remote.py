@@ -139,6 +139,9 @@ class RemoteEngine:
     def live_versions(self) -> set[tuple[str, str]]:
         return self.table.live()
 
+    def ready_versions(self, name: str | None = None) -> list[tuple[str, str]]:
+        return self.table.ready_versions(name)
+
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
                      target: int | None = None) -> InferenceResult:
         try:
@@ -216,12 +219,17 @@ class RemoteEngine:
 
     async def _refresh_index(self) -> None:
         """Fetch the engine's index (one fetch at a time: callers meanwhile wait for the one under way)."""
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.create_task(self._fetch_index())
         try:
-            await asyncio.shield(self._refreshing)
+            await asyncio.shield(self._refresh_started())
         except ServiceError as e:
             log.warning("cannot fetch the repository index: %s", e)
+
+    def _refresh_started(self) -> asyncio.Task:
+        """The index fetch under way, or a new one: one at a time, whoever asks."""
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.create_task(self._fetch_index())
+            self._refreshing.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return self._refreshing
 
     async def _fetch_index(self) -> None:
         links = [link for link in self._links if link.status is not None]
@@ -291,9 +299,7 @@ class RemoteEngine:
                 self._index = None  # the new engine's generations count from the start again
             link.status, link.seen_at, link.sent_cost = status, time.monotonic(), 0
             if self._index is None or status.generation != self._index.generation:
-                if self._refreshing is None or self._refreshing.done():
-                    self._refreshing = asyncio.create_task(self._fetch_index())
-                    self._refreshing.add_done_callback(lambda done: done.cancelled() or done.exception())
+                self._refresh_started()
             self._update_ready()
 
     async def _watch(self) -> None:

@@ -89,5 +89,11 @@ class RoutingTable:
             raise ModelNotFound(f"model {name!r} version {version} is not loaded")
         return view.info
 
+    def ready_versions(self, name: str | None = None) -> list[tuple[str, str]]:
+        """The (model, version) pairs routed to now, of model `name` (None: every model), newest version first."""
+        ready = [key for key, view in self.versions.items() if view.state == READY and name in (None, key[0])]
+        models = sorted({model for model, _ in ready})
+        return [(model, v) for model in models for v in newest_first([v for m, v in ready if m == model])]
+
     def live(self) -> set[tuple[str, str]]:
         return {key for key, view in self.versions.items() if view.state != UNAVAILABLE}

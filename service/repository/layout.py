@@ -128,7 +128,7 @@ class ModelEntry:
 
 
 class ModelRepository:
-    """Reads `root`: every model folder (`scan`) or one (`entry`)."""
+    """Reads `root`: the model folders' names (`names`) and one folder (`entry`)."""
 
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
@@ -147,9 +147,6 @@ class ModelRepository:
                         self._inside(Path(entry.path)) is not None:
                     found.append(entry.name)
         return sorted(found)
-
-    def scan(self) -> dict[str, ModelEntry]:
-        return {name: self.entry(name) for name in self.names()}
 
     def entry(self, name: str) -> ModelEntry:
         """The model folder `name`, read now; ModelNotFound if there is none."""

@@ -257,8 +257,7 @@ class ModelRegistry:
         log.info("model %s version %s unloaded (%s)", record.name, record.version, reason)
 
     async def _close(self, served: ServedModel) -> None:
-        await served.close(self.settings.drain_timeout_s)
-        del served
+        await served.close(self.settings.drain_timeout_s)  # drops its session
         gc.collect()  # the session's last references may sit in cycles: free its memory now, not some day
         give_freed_memory_back()
 
@@ -343,10 +342,10 @@ class ModelRegistry:
     async def close(self, timeout_s: float) -> None:
         if self._poller:
             self._poller.cancel()
-        served = [r.served for r in self.records.values() if r.served is not None]
-        for record in self.records.values():
-            record.state = UNLOADING if record.served else record.state
-        await asyncio.gather(*(s.close(timeout_s) for s in served), return_exceptions=True)
+        serving = [r for r in self.records.values() if r.served is not None]
+        for record in serving:
+            record.state = UNLOADING
+        await asyncio.gather(*(r.served.close(timeout_s) for r in serving), return_exceptions=True)
 
     # --- helpers ---
     def _lock(self, name: str) -> asyncio.Lock:

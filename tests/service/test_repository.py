@@ -342,6 +342,10 @@ def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its
         table.reroute(replace(old, info=replace(info, image_size=(16, 16))))
     with pytest.raises(ModelUnavailable, match="no ready version"):
         RoutingTable({("m", "1"): VersionView("UNLOADING")}).reroute(old)
+    several = RoutingTable({("m", "2"): VersionView("READY", info=info), ("m", "10"): VersionView("READY", info=info),
+                            ("a", "1"): VersionView("READY", info=info), ("m", "3"): VersionView("LOADING")})
+    assert several.ready_versions() == [("a", "1"), ("m", "10"), ("m", "2")]
+    assert several.ready_versions("m") == [("m", "10"), ("m", "2")] and several.ready_versions("x") == []
 
 
 def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):

@@ -92,7 +92,7 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension for every ready model version."""
     families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    served = sorted({(e.name, e.version) for e in await state.engine.index(ready_only=True)})
+    served = sorted(state.engine.ready_versions())
     return {"model_stats": [triton_statistics(families, n, v, INFERENCE_ENDPOINTS) for n, v in served]}
 
 
@@ -101,8 +101,7 @@ async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> 
 @router.get(MODEL, response_model=ModelMetadata, responses=_errors(404, 503))
 async def metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
     handle = _model_named(state, name)
-    versions = [e.version for e in await state.engine.index(ready_only=True) if e.name == handle.name]
-    return model_metadata(handle.info, versions)
+    return model_metadata(handle.info, [v for _, v in state.engine.ready_versions(handle.name)])
 
 
 @router.get(VERSIONED, response_model=ModelMetadata, responses=_errors(404, 503))
@@ -178,7 +177,7 @@ async def _statistics(state: ServiceState, name: str, version: str | None) -> di
     """One version's statistics; without a version, every ready version's (as Triton lists them)."""
     handle = _model_named(state, name, version)
     versions = [handle.version] if version is not None else \
-        [e.version for e in await state.engine.index(ready_only=True) if e.name == handle.name]
+        [v for _, v in state.engine.ready_versions(handle.name)]
     families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
     return {"model_stats": [triton_statistics(families, handle.name, v, INFERENCE_ENDPOINTS) for v in versions]}
 
@@ -197,8 +196,8 @@ async def _infer(request: Request, state: ServiceState, name: str, version: str 
     else:
         work = inference.run_pixel_tensors(state, handle, call.pixels, deadline, target)
     tensors = await run_guarded(request, work, deadline, state.stopping)
-    answered = tensors["versions"][0]  # one request is routed once: its images ran on one version
-    info = handle.info if answered == handle.version else state.engine.info(handle.name, answered)
+    # one request is routed once: its images ran on one version
+    info = inference.answering_info(state, handle, tensors["versions"][0])
     encoding = time.perf_counter()
     body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
     encode_s = time.perf_counter() - encoding
