@@ -101,13 +101,20 @@ def run_serve(args: argparse.Namespace) -> int:
     from vitserve.artifact import ArtifactError
 
     for name, value in vars(args).items():
-        if name not in ("command", "func", "ray") and value is not None:
-            os.environ[ENV_PREFIX + name.upper()] = ",".join(value) if isinstance(value, list) else str(value)
+        if name in ("command", "func", "ray") or value is None:
+            continue
+        text = ",".join(value) if isinstance(value, list) else str(value)
+        if not text.strip():  # an empty variable means unset (compose passes unset ones so): a flag may not be
+            flag = _FLAG_NAMES.get(name, "--" + name.replace("_", "-"))
+            print(f"vitserve serve: {flag} is empty: give it a value, or leave it out",
+                  file=sys.stderr)
+            return 2
+        os.environ[ENV_PREFIX + name.upper()] = text
     try:
         settings = Settings()
         what = _what_is_served(settings)  # cheap: no session yet
     except ValidationError as e:
-        print(f"vitserve serve: invalid settings:\n{e}", file=sys.stderr)
+        print(f"vitserve serve: invalid settings: {settings_problems(e)}", file=sys.stderr)
         return 2
     except (ArtifactError, ServiceError, OSError) as e:
         print(f"vitserve serve: cannot serve {settings.model_repository or settings.model_path}: {e}",
@@ -139,6 +146,17 @@ def run_serve(args: argparse.Namespace) -> int:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def settings_problems(error) -> str:
+    """A pydantic ValidationError of the settings in one line: each field, what is wrong, and what was given."""
+    def one(problem: dict) -> str:
+        where = ".".join(map(str, problem["loc"]))
+        message = problem["msg"].removeprefix("Value error, ")
+        given = problem.get("input")
+        shown = f" (got {given!r})" if where and not isinstance(given, dict) else ""
+        return f"{where + ': ' if where else ''}{message}{shown}"
+    return "; ".join(one(p) for p in error.errors(include_url=False))
 
 
 def _what_is_served(settings: Settings) -> str:

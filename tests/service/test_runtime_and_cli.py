@@ -157,6 +157,14 @@ def test_the_repository_flags_reach_the_settings_and_an_open_repository_api_is_r
                                                                        "--load-model", "m")
     assert "one replica only" in refused("--model-repository", str(tmp_path), "--model-control-mode", "explicit",
                                          "--ray")
+    # each new flag with a wrong type, a value out of range, or nothing: one line saying which and why
+    for flags, said in ((("--repository-poll-secs", "abc"), "repository_poll_secs: Input should be a valid number"),
+                        (("--repository-poll-secs", "0"), "greater than or equal to 0.1 (got '0')"),
+                        (("--model-control-mode", "sometimes"), "'none', 'explicit' or 'poll' (got 'sometimes')"),
+                        (("--api-key", ""), "--api-key is empty"), (("--admin-key", " "), "--admin-key is empty"),
+                        (("--load-model", ""), "--load-model is empty")):
+        error = refused("--model-repository", str(tmp_path), *flags)
+        assert said in error and error.count("\n") == 1, error
     for name in [k for k in os.environ if k.startswith("VITSERVE_")]:
         del os.environ[name]
     settings = Settings(model_repository=tmp_path, model_control_mode="explicit", load_models="a, b")
