@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -32,6 +33,8 @@ from bench.servers import free_port
 ADMIN_KEY = "bench-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
 ENGINE_NAME = "vitserve-engine"  # service/engine/process.py's PROCESS_NAME
+BURNER = ("import os, numpy as np\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
+          "x = np.ones((1024, 1024), np.float32)\nwhile True:\n    x @ x")
 
 
 @dataclass
@@ -45,6 +48,7 @@ class RepositoryBenchConfig:
     seconds: float = 8.0
     flood: int = 64
     big_threads: int = 0  # the big model's intra_op_threads in its config.json; 0: the server's default
+    big_priority: str = "normal"  # the big model's cpu_priority in its config.json
     out: Path = Path("build/bench/repository.md")
     cache_dir: Path = Path("build/bench/models")
 
@@ -223,16 +227,27 @@ async def idle_second_model(cfg: RepositoryBenchConfig, root: Path, body: bytes)
 
 
 async def isolation(cfg: RepositoryBenchConfig, root: Path, body: bytes, big_body: bytes) -> dict:
-    """`small` at one client: with `big` idle, then with `big` flooded (its 429s are expected, `small`'s not)."""
+    """`small` at one client: with `big` idle, then with `big` flooded (its 429s are expected, `small`'s not).
+    The flood is wrk, a process of its own as a remote load would be, where it is installed (else these Python
+    clients, whose work shares this process's event loop with the one measuring `small`)."""
     server = Server(root, ["small", "big"])
     try:
         idle = await closed_loop(server.url, "small", 1, cfg.seconds, body)
-        stop = asyncio.Event()
-        flood = asyncio.create_task(closed_loop(server.url, "big", cfg.flood, 10_000, big_body, stop=stop))
+        flood = asyncio.create_task(_flood(server.url, cfg, big_body, root))
         await asyncio.sleep(2)
         loaded = await closed_loop(server.url, "small", 1, cfg.seconds, body)
-        stop.set()
-        flooded = await flood
+        big_statuses, flooded_by = await flood
+        # The floor no server can go under: compute that shares nothing with the server but the machine (a
+        # process per core, at the lowest priority the kernel has) still costs `small` its caches and cores.
+        one_thread = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        burners = [subprocess.Popen([sys.executable, "-c", BURNER], env=one_thread) for _ in range(os.cpu_count() or 1)]
+        try:
+            await asyncio.sleep(1)
+            beside_burners = await closed_loop(server.url, "small", 1, cfg.seconds, body)
+        finally:
+            for burner in burners:
+                burner.kill()
+                burner.wait()
     finally:
         server.stop()
 
@@ -240,10 +255,31 @@ async def isolation(cfg: RepositoryBenchConfig, root: Path, body: bytes, big_bod
         times = [t for s, _, t in answers if s == 200]
         return {"answers": len(answers), "non_200": sum(1 for s, _, _ in answers if s != 200),
                 "p50_ms": 1000 * percentile(times, 0.5), "p99_ms": 1000 * percentile(times, 0.99)}
-    big_statuses: dict[str, int] = {}
-    for status, _, _ in flooded:
-        big_statuses[str(status)] = big_statuses.get(str(status), 0) + 1
-    return {"small_big_idle": summary(idle), "small_big_flooded": summary(loaded), "big_statuses": big_statuses}
+    return {"small_big_idle": summary(idle), "small_big_flooded": summary(loaded), "big_statuses": big_statuses,
+            "flooded_by": flooded_by, "small_beside_idle_burners": summary(beside_burners)}
+
+
+async def _flood(url: str, cfg: RepositoryBenchConfig, body: bytes, root: Path) -> tuple[dict[str, int], str]:
+    """`cfg.flood` closed-loop clients on `big` for the 2 s before and the `cfg.seconds` of the measurement:
+    (answers per status, what sent them)."""
+    seconds = cfg.seconds + 3
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+        answers = await closed_loop(url, "big", cfg.flood, 10_000, body, stop=stop)
+        statuses: dict[str, int] = {}
+        for status, _, _ in answers:
+            statuses[str(status)] = statuses.get(str(status), 0) + 1
+        return statuses, "httpx in the bench process"
+    from bench.peers.bodies import PeerRequest
+    from bench.peers.wrk import parse_statuses, run_wrk, write_script, wrk_argv
+    script = write_script(root.parent / "wrk", "big", PeerRequest("/v1/classify", body, {"Content-Type":
+                                                                                        "image/png"}))
+    argv = wrk_argv(wrk, f"{url}/v1/classify?model=big&map=none", cfg.flood, round(seconds), 30,
+                    script.with_suffix(".status.lua"))
+    result = await asyncio.to_thread(run_wrk, argv, seconds + 60)
+    return parse_statuses(result["wrk_output"]), "wrk"
 
 
 def render(report: Report) -> str:
@@ -273,8 +309,12 @@ def render(report: Report) -> str:
         lines += ["## Overload of one model, latency of the other", "",
                   f"`small` at one client, `big` idle: p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms "
                   f"({a['non_200']} of {a['answers']} not 200). With `big` flooded by {report.config['flood']} "
-                  f"clients (its answers: {o['big_statuses']}): p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} "
+                  f"clients ({o.get('flooded_by', 'httpx')}; its answers: {o['big_statuses']}): p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} "
                   f"ms ({b['non_200']} of {b['answers']} not 200).", ""]
+        if "small_beside_idle_burners" in o:
+            c = o["small_beside_idle_burners"]
+            lines += [f"The machine's floor: `small` beside a matrix-multiplying process per core at SCHED_IDLE, "
+                      f"sharing nothing with the server: p50 {c['p50_ms']:.1f} ms, p99 {c['p99_ms']:.1f} ms.", ""]
     return "\n".join(lines)
 
 
@@ -285,8 +325,9 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
         root = Path(directory) / "repository"  # beside it, wrk's scripts (bench/repository.py `_throughput`)
         place(root, "small", 1, small)
         place(root, "big", 1, big)
-        if cfg.big_threads:
-            (root / "big" / "config.json").write_text(json.dumps({"intra_op_threads": cfg.big_threads}))
+        big_config = {k: v for k, v in (("intra_op_threads", cfg.big_threads), ("cpu_priority", cfg.big_priority)) if v and v != "normal"}
+        if big_config:
+            (root / "big" / "config.json").write_text(json.dumps(big_config))
         if "swap" in parts:
             report.swap = await swap_under_load(cfg, small, root, body)
             shutil.rmtree(root / "small")

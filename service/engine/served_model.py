@@ -23,6 +23,7 @@ from service.engine import InferenceResult
 from service.core.errors import InferenceError, VersionRetired
 from service.core.metrics import ModelMetrics
 from service.engine.runtime import InferenceModel, OnnxModel, warm_up
+from service.engine.threads import CpuPriority, run_on_new_thread
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
 
@@ -34,12 +35,14 @@ BATCHING_LIMITS = ("max_batch_size", "max_queue_delay_ms", "max_queue_size")
 
 class ServedModel:
     def __init__(self, name: str, version: str, settings: Settings, metrics: ModelMetrics,
-                 model: InferenceModel | None = None, loader: Loader = OnnxModel.load, maps: list[str] | None = None):
+                 model: InferenceModel | None = None, loader: Loader = OnnxModel.load, maps: list[str] | None = None,
+                 cpu_priority: CpuPriority = "normal"):
         self.name, self.version = name, version
         self.settings, self.metrics = settings, metrics  # settings: the server's with this model's file and limits
         self.model = model  # given (tests) or loaded from settings.model_path by `loader`
         self._loader = loader
         self._maps = maps  # the maps this model offers (its config), None: all its file computes
+        self.cpu_priority = cpu_priority  # of the threads that load and run it (service/engine/threads.py)
         self._info: ModelInfo | None = None
         self.batcher: DynamicBatcher | None = None
         self.ready = False
@@ -65,7 +68,9 @@ class ServedModel:
     async def load(self) -> None:
         """The session (unless given) and the batcher; ModelLoadError if the file cannot be served."""
         if self.model is None:
-            self.model = await asyncio.to_thread(self._loader, self.settings)
+            # ONNX Runtime starts a session's intra-op threads when it creates the session, and a Linux thread
+            # starts with its creator's priority: a session created on a lowered thread computes lowered.
+            self.model = await run_on_new_thread(lambda: self._loader(self.settings), self.cpu_priority)
         info = self.model.info
         maps = tuple(m for m in info.maps if self._maps is None or m in self._maps) or ("rollout",)
         self._info = replace(info, name=self.name, version=self.version, maps=maps)
@@ -76,7 +81,8 @@ class ServedModel:
                                       max_batches_in_flight=s.max_batches_in_flight,
                                       dispatch_when_idle=s.dispatch_when_idle,
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
-                                      observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size)
+                                      observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
+                                      runner_priority=self.cpu_priority)
         self.batcher.start()
 
     async def warm_up(self) -> None:

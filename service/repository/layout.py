@@ -98,6 +98,12 @@ class ModelConfig(BaseModel):
     # one beside it waits (docs/bench-repository.md). Fewer threads for the heavy one bound that.
     intra_op_threads: int | None = Field(None, ge=1, le=256, description="ONNX Runtime threads of one call of "
                                                                          "this model (default: the server's)")
+    # Fewer threads still leave the heavy model a share of every core it runs on. A lower priority gives the cores
+    # to the other models whenever they have work, and to this one whenever they have none: a batch or background
+    # model beside a latency-sensitive one (docs/repository.md has the measurements).
+    cpu_priority: Literal["normal", "low", "idle"] = Field("normal", description="this model's compute threads: "
+                                                           "normal (as the server), low (nice +10), idle (only "
+                                                           "the cycles nothing else wants)")
 
 
 @dataclass(frozen=True)

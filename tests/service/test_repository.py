@@ -80,7 +80,10 @@ def test_a_bad_config_is_the_models_problem_and_names_what_is_wrong(tmp_path, ti
     root = make_repository(tmp_path / "repo", tiny_onnx, {"a": [1], "b": [1]})
     (root / "a" / "config.json").write_text('{"max_batch_size": 0}')
     (root / "b" / "config.json").write_text('{"version_policy": {"newest": {}}}')
+    (root / "c").mkdir()
+    (root / "c" / "config.json").write_text('{"cpu_priority": "realtime"}')  # raising priority is not offered
     assert "max_batch_size" in ModelRepository(root).entry("a").problems[""]
+    assert "cpu_priority" in ModelRepository(root).entry("c").problems[""]
     assert "newest" in ModelRepository(root).entry("b").problems[""]
     with pytest.raises(RepositoryError):
         ModelRepository(root / "a" / "1" / "model.onnx")  # a file is no repository
@@ -361,3 +364,45 @@ def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
     assert (own.max_batch_size, own.intra_op_threads, own.max_queue_delay_ms) == (3, 2, 1.5)
     assert own.warmup_batch_sizes == [1, 3] and own.model_path == entry.versions["1"].path
     assert settings.max_batch_size == 4  # the server's own are untouched
+
+
+def _threads() -> dict[int, tuple[int, int]]:
+    """This process's threads: id -> (nice, scheduling policy), from /proc (stat fields 19 and 41)."""
+    threads = {}
+    for stat in Path("/proc/self/task").glob("*/stat"):
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        threads[int(stat.parent.name)] = (int(fields[16]), int(fields[38]))
+    return threads
+
+
+@pytest.mark.parametrize("priority", ["low", "idle"])
+async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing_else_is_lowered(
+        tmp_path, tiny_onnx, priority):
+    from service.core.metrics import ServiceMetrics
+    from service.engine.runtime import OnnxModel
+    from service.engine.served_model import ServedModel
+    from service.engine.threads import LOW_NICE
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    lowered = (min(19, base + LOW_NICE), 0) if priority == "low" else (base, os.SCHED_IDLE)
+    seen = {}
+
+    class Recording(OnnxModel):
+        def run(self, pixel_values):
+            seen["run"] = _threads()[threading.get_native_id()]
+            return super().run(pixel_values)
+
+    def loader(settings):
+        seen["load"] = _threads()[threading.get_native_id()]
+        model = OnnxModel.load(settings)
+        return Recording(model.session, model.info)
+
+    before = _threads()
+    served = ServedModel("m", "1", settings_for(tiny_onnx, intra_op_threads=2), ServiceMetrics().for_model("m", "1"),
+                         loader=loader, cpu_priority=priority)
+    await served.load()
+    started = {t: state for t, state in _threads().items() if t not in before}
+    await served.submit(np.zeros((served.info.channels, *served.info.image_size), np.float32), timeout_s=PATIENCE_S)
+    await served.close(timeout_s=PATIENCE_S)
+    assert seen["load"] == lowered and seen["run"] == lowered
+    assert started and set(started.values()) == {lowered}  # ORT's intra-op thread was started lowered
+    assert _threads()[threading.get_native_id()] == (base, 0)  # the event loop's thread is untouched
