@@ -19,19 +19,25 @@ Ray is imported only by this module (`pip install "vitserve[ray]"`); `service.ap
 """
 from __future__ import annotations
 
+import asyncio
+import json
 import logging
 import math
 import os
+import re
 import signal
 import threading
 from contextlib import asynccontextmanager
+from urllib.parse import parse_qsl
 
 from fastapi import FastAPI
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from service.app import create_app
+from service.core.errors import ServiceError
 from service.core.metrics import Recorder, ServiceMetrics
+from service.repository.layout import ModelRepository, check_model_name
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.ray")
@@ -74,6 +80,94 @@ class ReplicaHeader:
         await self.app(scope, receive, send_with_header)
 
 
+class MultiplexedModels:
+    """Pure ASGI middleware of a replica with `ray_models_per_replica` (Ray's model multiplexing): before a request
+    that names a model reaches the app, `hold(name)` makes sure this replica has it loaded (Ray's LRU of at most N
+    per replica, `serve.multiplexed`), and holds it until the answer is sent, so an eviction waits for it. The
+    repository's load and unload API is refused: Ray decides what each replica holds."""
+
+    def __init__(self, app, hold, only_model: str | None):
+        self.app, self.hold, self.only_model = app, hold, only_model
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if scope["method"] == "POST" and _REPOSITORY_CONTROL.match(scope["path"]):
+            return await _refuse(send, 403, "this server's models are loaded on demand by Ray's model "
+                                            "multiplexing (ray_models_per_replica); the repository API cannot "
+                                            "load or unload them")
+        name = requested_model(scope) or self.only_model
+        held = None
+        if name is not None:
+            try:
+                held = await self.hold(check_model_name(name))
+            except ServiceError:  # an unknown or unloadable model: the app answers it in its protocol's shape
+                held = None
+        if held is None:
+            return await self.app(scope, receive, send)
+        async with held.in_use():
+            await self.app(scope, receive, send)
+
+
+class HeldModel:
+    """A model one replica holds for Ray's multiplexing; Ray calls `__del__` (an instance attribute, so that
+    garbage collection never calls it) when it evicts the model: the requests using it finish, then it unloads."""
+
+    def __init__(self, engine, name: str, drain_timeout_s: float):
+        self.engine, self.name, self.drain_timeout_s = engine, name, drain_timeout_s
+        self.users = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self.__del__ = self._unload
+
+    @asynccontextmanager
+    async def in_use(self):
+        self.users += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.users -= 1
+            if not self.users:
+                self._idle.set()
+
+    async def _unload(self) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("evicting %s with %d request(s) still using it", self.name, self.users)
+        await self.engine.unload(self.name)
+
+
+_REPOSITORY_CONTROL = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
+_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)")
+MULTIPLEX_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy routes by it
+
+
+def requested_model(scope) -> str | None:
+    """The model a request names: in its path (/v2/models/NAME/...), its `model` query parameter (/v1), or Ray's
+    multiplexing header; None if none."""
+    if match := _MODEL_PATH.match(scope["path"]):
+        return match.group(1)
+    try:
+        for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), max_num_fields=32):
+            if key == "model":
+                return value
+    except ValueError:  # too many fields: the app refuses the request itself
+        return None
+    for key, value in scope.get("headers", []):
+        if key == MULTIPLEX_HEADER:
+            return value.decode("latin-1")
+    return None
+
+
+async def _refuse(send, status: int, message: str) -> None:
+    body = json.dumps({"error": message}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send({"type": "http.response.body", "body": body})
+
+
 @serve.deployment(name=APP_NAME)
 @serve.ingress()
 class VitServeReplica:
@@ -85,9 +179,21 @@ class VitServeReplica:
     def __serve_build_asgi_app__(self) -> FastAPI:
         replica = serve.get_replica_context().replica_id.unique_id
         app = create_app(self.settings, metrics=ServiceMetrics(mirror=RayMetrics()))
+        if self.settings.ray_models_per_replica:
+            app.add_middleware(MultiplexedModels, hold=self._multiplexed_holder(app),
+                               only_model=_only_model(self.settings.model_repository))
         app.add_middleware(ReplicaHeader, replica=replica)
         app.router.lifespan_context = warmed_up_first(app.router.lifespan_context)
         return app  # Ray's wrapper keeps it as `self.app`
+
+    def _multiplexed_holder(self, app: FastAPI):
+        """Ray's `serve.multiplexed` LRU over this replica's registry: loading a model it lacks (the engine's
+        explicit load: the versions its policy names, warmed up), evicting the least recently used beyond N."""
+        async def hold(name: str) -> HeldModel:
+            engine = app.state.service.engine
+            await engine.load(name)
+            return HeldModel(engine, name, self.settings.drain_timeout_s)
+        return serve.multiplexed(max_num_models_per_replica=self.settings.ray_models_per_replica)(hold)
 
     def check_health(self) -> None:
         """Ray's health check (every `health_check_period_s`, once the replica has started): a replica whose
@@ -118,7 +224,10 @@ def replica_settings(settings: Settings) -> Settings:
     paths = {"model_path": settings.model_path.expanduser().absolute()}
     if settings.model_repository is not None:
         paths["model_repository"] = settings.model_repository.expanduser().absolute()
-    return settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads, **paths})
+    # Multiplexed: a replica starts with no model and loads what its requests name (MultiplexedModels)
+    control = {"model_control_mode": "explicit", "load_models": []} if settings.ray_models_per_replica else {}
+    return settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads, **paths,
+                                       **control})
 
 
 def deployment_options(settings: Settings) -> dict:
@@ -183,6 +292,12 @@ def run_on_ray(settings: Settings) -> int:
         if started_here:
             serve.shutdown()
         ray.shutdown()
+
+
+def _only_model(repository) -> str | None:
+    """The repository's model when it holds exactly one (a request naming none means it), else None."""
+    names = ModelRepository(repository).names()
+    return names[0] if len(names) == 1 else None
 
 
 def local_shortfall(settings: Settings, resources: dict) -> str | None:

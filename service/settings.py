@@ -158,6 +158,11 @@ class Settings(BaseSettings):
     ray_max_queued_requests: int = Field(256, ge=1, description="with --ray: requests Ray's router holds while "
                                                                 "every replica has max_requests_in_flight; more "
                                                                 "get 429")
+    ray_models_per_replica: int = Field(0, ge=0, le=1024, description="with --ray and model_repository: 0, every "
+                                        "replica loads every model; N, Ray's model multiplexing: a replica loads a "
+                                        "model when a request names it, holds at most N (least recently used "
+                                        "unloaded first), and Ray routes a request with the "
+                                        "serve_multiplexed_model_id header to a replica that holds its model")
 
     @field_validator("load_models", mode="before")
     @classmethod
@@ -197,6 +202,11 @@ class Settings(BaseSettings):
             raise ValueError(f"model_control_mode {self.model_control_mode} needs a model_repository")
         if self.load_models and self.model_control_mode != "explicit":
             raise ValueError("load_models is for model_control_mode explicit (the other modes load every model)")
+        # (each replica runs it in explicit mode with nothing loaded at start: service/ray_serve.py)
+        if self.ray_models_per_replica and (self.model_repository is None or self.model_control_mode == "poll"
+                                            or self.load_models):
+            raise ValueError("ray_models_per_replica loads a repository's models on demand: it needs a "
+                             "model_repository, and no poll mode or load_models")
         if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
             raise ValueError(f"ray_max_replicas {self.ray_max_replicas} is below ray_replicas {self.ray_replicas}")
         return self
@@ -251,6 +261,6 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                              "max_json_body_bytes", "max_binary_body_bytes", "max_json_values"),
     "Ray Serve (--ray)": ("ray_address", "ray_replicas", "ray_max_replicas", "ray_target_ongoing_requests",
                           "ray_replica_cpus", "ray_replica_gpus", "ray_metrics_export_port",
-                          "ray_max_queued_requests"),
+                          "ray_max_queued_requests", "ray_models_per_replica"),
 }
 

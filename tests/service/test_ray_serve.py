@@ -87,9 +87,11 @@ def test_the_shipped_serve_config_is_valid_for_ray_and_the_rayservice_carries_it
 
 @contextmanager
 def ray_server(model_path: Path, log_path: Path, *flags: str):
-    """`vitserve serve --ray` in a process of its own; yields (base_url, metrics_url, process) once ready."""
+    """`vitserve serve --ray` in a process of its own (`model_path` a file or a repository); yields (base_url,
+    metrics_url, process) once ready."""
     port, metrics_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "vitserve.cli", "serve", "--ray", "--model", str(model_path), "--port", str(port),
+    model = ["--model-repository" if model_path.is_dir() else "--model", str(model_path)]
+    argv = [sys.executable, "-m", "vitserve.cli", "serve", "--ray", *model, "--port", str(port),
             "--ray-replicas", str(REPLICAS), "--ray-metrics-export-port", str(metrics_port), "--providers", "cpu",
             "--warmup-batch-sizes", "1", "--log-level", "warning", "--max-loop-lag-ms", "60000", *flags]
     # Ray's own report interval (10 s) stays: its agent forgets a gauge not re-sent within two of them, so
@@ -307,3 +309,32 @@ def test_sigterm_takes_the_application_and_the_local_cluster_down(ray_cluster):
                     and "zombie" not in Path(f"/proc/{pid}/status").read_text()]
 
     wait_until(all_gone, "every Ray process of the server gone", 30)
+
+
+def test_multiplexed_replicas_load_the_model_a_request_names_and_hold_at_most_n(tiny_onnx, tmp_path):
+    """Ray's model multiplexing (--ray-models-per-replica 1) over a repository of three models: each request's
+    model is loaded by the replica it reaches, a replica holds one at a time (the least recently used unloaded),
+    the answers name the model asked for, and the repository's load API is refused."""
+    import shutil
+    root = tmp_path / "repo"
+    for name in ("a", "b", "c"):
+        (root / name / "1").mkdir(parents=True)
+        shutil.copyfile(tiny_onnx, root / name / "1" / "model.onnx")
+    with ray_server(root, tmp_path / "server.log", "--ray-models-per-replica", "1") as (url, _, _):
+        png = image_bytes("PNG")
+        for name in ("a", "b", "c", "a", "c"):
+            header = {"serve_multiplexed_model_id": name}
+            reply = httpx.post(f"{url}/v1/classify", params={"model": name}, headers=header,
+                               files={"file": ("a.png", png, "image/png")}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["model"]["name"] == name
+            index = httpx.post(f"{url}/v2/repository/index", headers=header, timeout=30).json()
+            ready = {entry["name"] for entry in index if entry.get("state") == "READY"}
+            assert ready == {name}, index  # the replica that answered holds this model and no other
+        refused = httpx.post(f"{url}/v2/repository/models/a/load", timeout=30)
+        assert refused.status_code == 403 and "multiplexing" in refused.json()["error"]
+        unknown = httpx.post(f"{url}/v2/models/nope/infer", json={"inputs": []}, timeout=30)
+        assert unknown.status_code == 404 and "nope" in unknown.json()["error"]
+        hostile = httpx.post(f"{url}/v1/classify", params={"model": "../a"}, files={"file": ("a.png", png)},
+                             timeout=30)
+        assert hostile.status_code in (400, 404, 422) and "error" in hostile.json()
