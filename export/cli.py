@@ -15,6 +15,13 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(text)
+    return value
+
+
 def _ints(text: str) -> list[int]:
     return [int(p) for p in text.split(",")]
 
@@ -24,7 +31,18 @@ def add_export_parser(subparsers) -> None:
                               formatter_class=DefaultsHelpFormatter)
     p.add_argument("checkpoint", help="checkpoint directory (config.json + model.safetensors)")
     p.add_argument("--out", required=True, help="ONNX file to write")
-    p.add_argument("--fp16", action="store_true", help="float16 weights and compute for GPU serving (float32 I/O)")
+    p.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32",
+                   help="fp16: float16 weights and compute, for GPUs; int8: int8 Linear weights (dynamic "
+                        "quantization), for CPUs, verified by an accuracy gate against fp32 (docs/int8.md)")
+    p.add_argument("--fp16", action="store_true", help="the same as --precision fp16")
+    p.add_argument("--eval", dest="eval_dir", metavar="DIR",
+                   help="int8: a labelled set for the gate: Fashion-MNIST's folder (its idx files) or DIR/<label>/"
+                        "<image>; without it the gate compares top-1 on photos only")
+    p.add_argument("--eval-limit", type=int, metavar="N", help="int8: at most N images of --eval")
+    p.add_argument("--min-top1-agreement", type=_fraction, default=0.99, metavar="F",
+                   help="int8: the gate's least top-1 agreement with fp32 (0-1)")
+    p.add_argument("--max-accuracy-drop", type=float, default=0.3, metavar="POINTS",
+                   help="int8: the gate's largest accuracy loss on --eval, in percentage points")
     p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
     p.add_argument("--no-verify", action="store_true", help="skip ONNX Runtime vs PyTorch verification")
     p.add_argument("--no-relevance", action="store_true",
@@ -38,8 +56,10 @@ def run_export(args) -> int:
     from export.verify import ExportVerificationError
 
     try:
-        report = export_onnx(args.checkpoint, args.out, fp16=args.fp16, opset=args.opset, verify=not args.no_verify,
-                             relevance=not args.no_relevance)
+        report = export_onnx(args.checkpoint, args.out, precision="fp16" if args.fp16 else args.precision,
+                             opset=args.opset, verify=not args.no_verify, relevance=not args.no_relevance,
+                             eval_dir=args.eval_dir, eval_limit=args.eval_limit,
+                             min_agreement=args.min_top1_agreement, max_accuracy_drop=args.max_accuracy_drop / 100)
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
@@ -65,6 +85,16 @@ def report_summary(report) -> dict:
         summary["fp16_vs_fp32"] = {"max_logits_abs_diff": f.logits_max_abs_diff, "logits_tolerance": f.logits_tolerance,
                                    "max_rollout_abs_diff": f.rollout_max_abs_diff, "photos": f.photos,
                                    "near_ties": f.ties, "top1_agreement": f.top1_agreement}
+    if report.int8:
+        q = report.int8
+        summary["int8_vs_fp32"] = {"measured_on": q.source, "images": q.images, "top1_agreement": q.top1_agreement,
+                                   "fp32_accuracy": q.fp32_accuracy, "int8_accuracy": q.int8_accuracy,
+                                   "photo_top1_agreement": q.photo_agreement, "photos": q.photos,
+                                   "photo_near_ties": q.photo_ties,
+                                   "rollout_spearman": {"mean": q.rollout_spearman_mean, "min": q.rollout_spearman_min},
+                                   "relevance_spearman": None if q.relevance_spearman_mean is None else
+                                   {"mean": q.relevance_spearman_mean, "min": q.relevance_spearman_min},
+                                   "gate": q.gate}
     return summary
 
 

@@ -14,6 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 import torch
@@ -25,7 +26,11 @@ from export.verify import (ExportVerificationError, Fp16Report, RelevanceReport,
                            require_symbolic_input)
 from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from model.vit import VisionTransformer
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, MAPS, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, ModelInfo
+from vitserve.artifact import (INPUT_NAME, OUTPUT_NAMES, MAPS, PRECISIONS, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET,
+                               ModelInfo)
+
+if TYPE_CHECKING:
+    from export.accuracy_gate import Int8Report
 
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
 
@@ -47,13 +52,14 @@ class ViTWithRollout(nn.Module):
 @dataclass
 class ExportReport:
     path: Path
-    precision: str  # "fp32" or "fp16"
+    precision: str  # "fp32", "fp16" or "int8"
     opset: int
     size_bytes: int
     export_seconds: float
     metadata: dict[str, str]
     verification: VerificationReport | None  # fp32 graph vs PyTorch eager (None with verify=False)
     fp16: Fp16Report | None = None  # fp16 graph vs fp32 (fp16 exports only)
+    int8: "Int8Report | None" = None  # the int8 file's accuracy gate against fp32 (int8 exports only)
     relevance: RelevanceReport | None = None  # the relevance path vs PyTorch and NumPy (with the relevance path)
 
 
@@ -188,30 +194,46 @@ def save_model(proto: onnx.ModelProto, out_path: Path) -> None:
                         location=out_path.name + ".data")
 
 
-def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool = False, opset: int | None = None,
-                verify: bool = True, relevance: bool = True) -> ExportReport:
+def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: str = "fp32", fp16: bool = False,
+                opset: int | None = None, verify: bool = True, relevance: bool = True,
+                eval_dir: str | Path | None = None, eval_limit: int | None = None,
+                min_agreement: float | None = None, max_accuracy_drop: float | None = None) -> ExportReport:
     """Export a checkpoint directory to one ONNX file and (by default) prove it right.
 
+    `precision`: fp32; fp16 (for GPUs: export/fp16.py); int8 (for CPUs: export/int8.py), verified by an accuracy
+    gate against the float32 graph (export/accuracy_gate.py) on `eval_dir`'s labelled images and on photos.
+    `fp16=True` is the older spelling of precision="fp16".
+
     With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
-    float16 file: its backward pass is where half precision would cost accuracy, and explanations are not the
-    throughput path. Raises ExportVerificationError (file left in place for inspection) when verification fails.
+    float16 or int8 file: its backward pass is where lower precision would cost accuracy, and explanations are not
+    the throughput path. Raises ExportVerificationError (file left in place for inspection) when verification fails.
     """
     from export import verify as checks
 
+    precision = "fp16" if fp16 else precision
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     out_path = Path(out_path)
     started = time.perf_counter()
     vit, meta = load_checkpoint(checkpoint_dir)
     fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
-    proto = fast
-    if fp16:
+    proto, explained = fast, None
+    if precision == "fp16":
         from export.fp16 import convert_to_fp16
 
         proto = convert_to_fp16(fast)
+    elif precision == "int8":
+        from export.int8 import quantize_int8
+
+        proto = quantize_int8(fast)
     if relevance:
         from export.relevance_graph import with_relevance_branch
 
-        proto = with_relevance_branch(proto, relevance_onnx(vit, opset))
-    info = artifact_info(meta, vit, "fp16" if fp16 else "fp32", MAPS if relevance else ("rollout",))
+        relevance_graph = relevance_onnx(vit, opset)
+        proto = with_relevance_branch(proto, relevance_graph)
+        if precision == "int8" and verify:
+            explained = with_relevance_branch(fast, relevance_graph)  # the float32 artifact the gate compares to
+    info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
     metadata = info.to_metadata()
     onnx.helper.set_model_props(proto, metadata)
     save_model(proto, out_path)
@@ -221,9 +243,12 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool 
                           export_seconds, metadata, None)
     if verify:
         try:
-            report.verification = checks.verify_against_torch(fast if fp16 else str(out_path), vit)
-            if fp16:
+            report.verification = checks.verify_against_torch(str(out_path) if precision == "fp32" else fast, vit)
+            if precision == "fp16":
                 report.fp16 = checks.verify_fp16(str(out_path), fast, vit, meta)
+            if precision == "int8":
+                report.int8 = _verify_int8(out_path, explained or fast, vit, meta, eval_dir, eval_limit,
+                                           min_agreement, max_accuracy_drop)
             if relevance:
                 report.relevance = checks.verify_relevance(str(out_path), vit)
             checks.check_artifact(str(out_path), metadata)
@@ -232,3 +257,16 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, fp16: bool 
             out_path.replace(rejected)  # never leave an unverified model where a server would load it
             raise ExportVerificationError(f"{e} (the rejected model was moved to {rejected})") from e
     return report
+
+
+def _verify_int8(out_path: Path, fp32: onnx.ModelProto, vit: VisionTransformer, meta: CheckpointMeta,
+                 eval_dir, eval_limit, min_agreement, max_accuracy_drop):
+    from export import accuracy_gate as gate
+
+    cfg = vit.cfg
+    labelled = None if eval_dir is None else gate.load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels,
+                                                                    tuple(cfg.image_size), eval_limit)
+    limits = {k: v for k, v in (("min_agreement", min_agreement), ("max_accuracy_drop", max_accuracy_drop))
+              if v is not None}
+    return gate.verify_int8(str(out_path), fp32, mean=list(meta.mean), std=list(meta.std), channels=cfg.in_channels,
+                            image_size=tuple(cfg.image_size), patch=cfg.patch_size, labelled=labelled, **limits)

@@ -65,13 +65,14 @@ def random_checkpoint(spec: RandomModel, out_dir: str | Path, seed: int = 0) -> 
     return save_checkpoint(Path(out_dir), vit.eval(), meta)
 
 
-def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool = False, seed: int = 0):
+def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool = False, seed: int = 0,
+                        precision: str = "fp32"):
     """`spec` with random weights, exported to `out_path`; returns the ExportReport."""
     from export.onnx_export import export_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = random_checkpoint(spec, Path(tmp) / "checkpoint", seed)
-        return export_onnx(checkpoint, out_path, verify=verify)
+        return export_onnx(checkpoint, out_path, verify=verify, precision=precision)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("name", choices=sorted(PRESETS))
     parser.add_argument("out", type=Path, help="the ONNX file to write")
     parser.add_argument("--verify", action="store_true", help="verify against PyTorch, as `vitserve export` does")
+    parser.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32")
     args = parser.parse_args(argv)
-    report = export_random_model(PRESETS[args.name], args.out, verify=args.verify)
+    report = export_random_model(PRESETS[args.name], args.out, verify=args.verify, precision=args.precision)
     print(report.path)
     return 0
 

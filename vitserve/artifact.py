@@ -28,7 +28,7 @@ MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; eve
 # Bump when a reader of the old format would misread a new file; readers refuse newer versions.
 FORMAT_VERSION = 1
 METADATA_PREFIX = "vitserve."
-PRECISIONS = ("fp32", "fp16")
+PRECISIONS = ("fp32", "fp16", "int8")
 
 
 class ArtifactError(ValueError):

@@ -1,0 +1,132 @@
+"""`vitserve export --precision int8`: dynamic int8 Linear weights, refused unless it passes an accuracy gate against
+the float32 graph; the maps' agreement reported; a server loads the file with no flag."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from PIL import Image
+
+TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
+from export.accuracy_gate import load_labelled_set, spearman
+from export.verify import ExportVerificationError, cpu_session
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
+
+
+@pytest.fixture(scope="module")
+def labelled_folder(tmp_path_factory):
+    """DIR/<label>/<image> for the tiny model's labels, 4 images each, of different sizes."""
+    root = tmp_path_factory.mktemp("eval")
+    rng = np.random.default_rng(0)
+    for label in TINY_LABELS:
+        (root / label).mkdir()
+        for i in range(4):
+            Image.fromarray(rng.integers(0, 256, (20 + 4 * i, 30, 3), np.uint8)).save(root / label / f"{i}.png")
+    (root / TINY_LABELS[0] / "notes.txt").write_text("not an image: skipped")
+    return root
+
+
+@pytest.fixture(scope="module")
+def tiny_int8_export(tiny_checkpoint, labelled_folder, tmp_path_factory):
+    from export.onnx_export import export_onnx
+
+    return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny-int8.onnx", precision="int8",
+                       eval_dir=labelled_folder)
+
+
+def test_the_int8_file_has_int8_linear_weights_and_passes_its_gate(tiny_int8_export, tiny_export):
+    report = tiny_int8_export
+    assert report.precision == "int8" and report.metadata["vitserve.precision"] == "int8"
+    proto = onnx.load(str(report.path))
+    ops = {n.op_type for n in proto.graph.node}
+    branch_ops = {n.op_type for n in proto.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
+                  for n in a.g.node}
+    assert "MatMulInteger" in ops | branch_ops or "DynamicQuantizeMatMul" in ops | branch_ops
+    gate = report.int8
+    assert gate.images == 4 * len(TINY_LABELS) and gate.top1_agreement >= 0.99 and gate.photos >= 17 * 4
+    assert gate.fp32_accuracy is not None and gate.fp32_accuracy - gate.int8_accuracy <= 0.003
+    assert 0.9 <= gate.rollout_spearman_mean <= 1.0 and gate.rollout_spearman_min <= gate.rollout_spearman_mean
+    assert gate.relevance_spearman_mean == pytest.approx(1.0)  # the relevance path stays float32
+    # it computes what the fp32 file computes, nearly: the same classes on the gate's images
+    x = np.random.default_rng(3).standard_normal((4, 3, 32, 32)).astype(np.float32)
+    q = cpu_session(str(report.path)).run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+    f = cpu_session(str(tiny_export.path)).run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+    assert q[1].shape == f[1].shape and np.abs(q[0] - f[0]).max() < 0.1 * max(1.0, np.abs(f[0]).max())
+    info = ModelInfo.from_metadata({p.key: p.value for p in proto.metadata_props})
+    assert info.precision == "int8" and info.explains_classes
+
+
+def test_an_int8_file_that_misses_the_gate_is_refused_and_moved_aside(tiny_checkpoint, labelled_folder, tmp_path,
+                                                                       monkeypatch):
+    """Quantization that wrecks the weights (scrambled, as bad scales would) changes the decisions: the
+    export fails like a failed verification and no file is left where a server would load it."""
+    import export.int8 as int8
+    from export.onnx_export import export_onnx
+
+    real = int8.quantize_int8
+
+    def wrecked(proto, keep_float=()):
+        proto = real(proto, keep_float)
+        rng = np.random.default_rng(0)
+        for weights in [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8]:
+            values = onnx.numpy_helper.to_array(weights)
+            weights.CopyFrom(onnx.numpy_helper.from_array(rng.permutation(values.ravel()).reshape(values.shape),
+                                                          weights.name))
+        return proto
+
+    monkeypatch.setattr(int8, "quantize_int8", wrecked)
+    out = tmp_path / "bad.onnx"
+    with pytest.raises(ExportVerificationError, match="misses the accuracy gate: top-1 agreement"):
+        export_onnx(tiny_checkpoint, out, precision="int8", eval_dir=labelled_folder, relevance=False)
+    assert not out.exists() and (tmp_path / "bad.onnx.rejected").exists()
+
+
+def test_the_labelled_set_reads_label_folders_and_refuses_what_it_cannot_use(labelled_folder, tmp_path):
+    dataset = load_labelled_set(labelled_folder, list(TINY_LABELS), 3, (32, 32))
+    assert dataset.images.shape == (4 * len(TINY_LABELS), 3, 32, 32) and dataset.images.dtype == np.uint8
+    assert sorted(set(dataset.labels.tolist())) == list(range(len(TINY_LABELS)))
+    assert len(load_labelled_set(labelled_folder, list(TINY_LABELS), 1, (16, 16), limit=5).labels) == 5
+    (tmp_path / "zebra").mkdir()
+    with pytest.raises(ExportVerificationError, match="unknown: \\['zebra'\\]"):
+        load_labelled_set(tmp_path, list(TINY_LABELS), 3, (32, 32))
+    with pytest.raises(ExportVerificationError, match="not a directory"):
+        load_labelled_set(tmp_path / "missing", list(TINY_LABELS), 3, (32, 32))
+    (tmp_path / "zebra").rmdir()
+    (tmp_path / TINY_LABELS[0]).mkdir()
+    with pytest.raises(ExportVerificationError, match="no images"):
+        load_labelled_set(tmp_path, list(TINY_LABELS), 3, (32, 32))
+
+
+def test_spearman_ranks_maps_alike_and_a_constant_map_counts_as_agreeing():
+    a = np.arange(16, dtype=np.float32).reshape(1, 4, 4)
+    assert spearman(a, a * 3 + 1)[0] == pytest.approx(1.0) and spearman(a, -a)[0] == pytest.approx(-1.0)
+    assert spearman(np.ones((1, 2, 2)), np.ones((1, 2, 2)))[0] == 1.0
+
+
+def test_the_cli_takes_precision_int8_and_keeps_fp16_as_its_older_spelling():
+    import argparse
+
+    from export.cli import add_export_parser
+    parser = argparse.ArgumentParser()
+    add_export_parser(parser.add_subparsers())
+    args = parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--precision", "int8", "--eval", "d",
+                              "--max-accuracy-drop", "0.5"])
+    assert (args.precision, args.eval_dir, args.max_accuracy_drop) == ("int8", "d", 0.5)
+    assert parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--fp16"]).fp16
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--precision", "int4"])
+    with pytest.raises(SystemExit):
+        parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--min-top1-agreement", "1.5"])
+
+
+def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
+    from service.engine.runtime import OnnxModel
+    from service.settings import Settings
+
+    model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"]))
+    assert model.info.precision == "int8"
+    pixels = np.zeros((2, 3, 48, 32), np.float32)  # another resolution than the trained one
+    logits, rollout = model.run(pixels)
+    assert logits.shape == (2, len(TINY_LABELS)) and rollout.shape == (2, 6, 4)
+    _, _, relevance = model.explain(pixels, np.array([-1, 1]))
+    assert relevance.shape == (2, 6, 4) and np.isfinite(relevance).all()
