@@ -1,0 +1,106 @@
+"""`python -m export.int8_choice CHECKPOINT --eval DIR`: which int8 quantization to ship, measured.
+
+Three candidates from the same float32 graph (the fast path: logits and rollout), against it, on a labelled set:
+- `dynamic`: export/int8.py's (every Linear layer's weights int8 per channel, activations quantized per call);
+- `dynamic, head float`: the same with the classifier head kept in float32;
+- `static QDQ`: ONNX Runtime's quantize_static, weights and activations int8 per channel, activations calibrated
+  on `--calibration-images` images of the set (the first ones; the accuracy is measured on all of them).
+For each: accuracy, top-1 agreement with float32, the rollout's Spearman correlation with float32's (mean and
+min over 200 images), and ms per call at batch 1 and 8 (alternating rounds, the median).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from export.accuracy_gate import load_labelled_set, spearman
+from export.int8 import linear_nodes, quantize_int8
+from export.verify import cpu_session
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
+
+
+def static_qdq(fp32: onnx.ModelProto, calibration: np.ndarray) -> onnx.ModelProto:
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.batches = iter([{INPUT_NAME: calibration[i:i + 32]} for i in range(0, len(calibration), 32)])
+
+        def get_next(self):
+            return next(self.batches, None)
+
+    with tempfile.TemporaryDirectory() as directory:
+        source, out = Path(directory) / "fp32.onnx", Path(directory) / "static.onnx"
+        onnx.save(fp32, str(source))
+        quantize_static(str(source), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
+                        nodes_to_quantize=linear_nodes(fp32), per_channel=True, activation_type=QuantType.QInt8,
+                        weight_type=QuantType.QInt8, extra_options={"MatMulConstBOnly": True})
+        return onnx.load(str(out))
+
+
+def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int) -> dict:
+    from export.onnx_export import ViTWithRollout, example_input, to_onnx
+    from model.checkpoint import load_checkpoint
+
+    vit, meta = load_checkpoint(checkpoint)
+    cfg = vit.cfg
+    labelled = load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels, tuple(cfg.image_size))
+    pixels = normalize_pixels(labelled.images, meta.mean, meta.std, channel_axis=1)
+    fp32 = to_onnx(ViTWithRollout(vit), cfg.patch_size, example_input(vit), OUTPUT_NAMES)
+    candidates = {"fp32": fp32, "dynamic": quantize_int8(fp32),
+                  "dynamic, head float": quantize_int8(fp32, [linear_nodes(fp32)[-1]]),
+                  "static QDQ": static_qdq(fp32, pixels[:calibration_images])}
+    sessions = {name: cpu_session(proto) for name, proto in candidates.items()}
+    outputs = {}
+    for name, session in sessions.items():
+        runs = [session.run(list(OUTPUT_NAMES), {INPUT_NAME: pixels[i:i + 500]}) for i in range(0, len(pixels), 500)]
+        outputs[name] = tuple(np.concatenate([r[k] for r in runs]) for k in (0, 1))
+    ref_logits, ref_rollout = outputs["fp32"]
+    sample = slice(0, len(pixels), max(1, len(pixels) // 200))
+    results = {}
+    for name, (logits, rollout) in outputs.items():
+        rho = spearman(rollout[sample], ref_rollout[sample])
+        results[name] = {"accuracy": float((logits.argmax(1) == labelled.labels).mean()),
+                         "top1_agreement": float((logits.argmax(1) == ref_logits.argmax(1)).mean()),
+                         "rollout_spearman_mean": float(rho.mean()), "rollout_spearman_min": float(rho.min())}
+    for batch in (1, 8):
+        x, times = pixels[:batch], {name: [] for name in sessions}
+        for round_ in range(rounds):
+            for name, session in (sessions.items() if round_ % 2 == 0 else reversed(sessions.items())):
+                calls, started = 0, time.perf_counter()
+                while calls < 3 or time.perf_counter() - started < 0.5:
+                    session.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+                    calls += 1
+                times[name].append((time.perf_counter() - started) / calls * 1000)
+        for name in sessions:
+            results[name][f"batch{batch}_ms"] = float(np.median(times[name]))
+    return {"checkpoint": checkpoint, "eval": labelled.source, "images": len(pixels),
+            "calibration_images": calibration_images, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m export.int8_choice", description=__doc__.split("\n\n")[0])
+    p.add_argument("checkpoint")
+    p.add_argument("--eval", required=True, dest="eval_dir")
+    p.add_argument("--calibration-images", type=int, default=512)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    report = compare(args.checkpoint, args.eval_dir, args.calibration_images, args.rounds)
+    print("| quantization | accuracy | top-1 agreement | rollout Spearman mean (min) | batch 1 ms | batch 8 ms |")
+    print("|---|---|---|---|---|---|")
+    for name, r in report["results"].items():
+        print(f"| {name} | {100 * r['accuracy']:.2f}% | {100 * r['top1_agreement']:.2f}% | "
+              f"{r['rollout_spearman_mean']:.4f} ({r['rollout_spearman_min']:.4f}) | {r['batch1_ms']:.2f} | "
+              f"{r['batch8_ms']:.2f} |")
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
