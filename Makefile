@@ -70,6 +70,13 @@ clean:
 # vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; rewrites the committed
 # docs/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
 # when absent. PEERS_ARGS adds flags, e.g. PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
+# The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, raw vs served images/s at
+# batch 1-64, CUDA graphs, TensorRT; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the
+# build lacks CUDA. Without a GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags.
+.PHONY: bench-gpu
+bench-gpu: $(VENV)/.dev-installed
+	$(BIN)/python -m bench.gpu $(GPU_ARGS)
+
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-installed
 	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }

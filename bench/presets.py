@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PRESETS = ("vit-s16", "vit-fmnist-random")
+PRESETS = ("vit-s16", "vit-b16", "vit-fmnist-random")
 PRECISION_SUFFIXES = ("-int8", "-fp16")  # "vit-s16-int8": the preset exported at that precision
 
 

@@ -35,6 +35,8 @@ class RandomModel:
 PRESETS = {
     "vit-s16": RandomModel("S/16", {"image_size": (224, 224), "num_classes": 1000}, name="vit-s16",
                            mean=IMAGENET_MEAN, std=IMAGENET_STD),
+    "vit-b16": RandomModel("B/16", {"image_size": (224, 224), "num_classes": 1000}, name="vit-b16",
+                           mean=IMAGENET_MEAN, std=IMAGENET_STD),
     "vit-fmnist-random": RandomModel("fmnist", name="vit-fmnist-random", mean=[0.5], std=[0.5]),
     # the Docker test's stand-in for models/vit-fmnist/model.onnx: its interface, a fraction of its size
     "vit-fmnist-stand-in": RandomModel("fmnist", {"embed_dim": 32, "depth": 2, "num_heads": 2, "mlp_dim": 64},

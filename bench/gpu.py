@@ -1,0 +1,292 @@
+"""`make bench-gpu` (`python -m bench.gpu`): the GPU kit, in one command. It runs every step this machine allows
+and says which it skipped and why, so it runs (and CI keeps it working) on a machine without a GPU too.
+
+1. environment: onnxruntime's version and providers, `nvidia-smi -L`, whether torch (the exporter) is there;
+2. install: without the CUDA provider, `pip install onnxruntime-gpu` into build/gpu/venv (with this environment's
+   packages visible) and the kit again from there (`--no-install`: not);
+3. export: each model (the default model from its checkpoint, and the random-weight presets ViT-S/16 and ViT-B/16
+   at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m export.presets` in child processes;
+4. verify on the provider: each file on CUDA (else the CPU) against the fp32 file on ONNX Runtime's CPU provider,
+   on random images at the trained size and at a larger one: the largest logit difference relative to the
+   largest |logit|, top-1 agreement, the largest rollout difference;
+5. raw and served: `vitserve bench` for each file with the provider (raw session with IOBinding on a GPU at batch
+   1-64, then a real `vitserve serve` at 1-64 clients);
+6. CUDA graphs: ONNX Runtime captures a graph only when every node runs on CUDA with static shapes; the kit asks
+   for it on each file and reports what ORT says;
+7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it.
+
+Writes docs/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
+measured (at batch 1 and 8, a few seconds), as a check that the kit works, not as a result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+DEFAULT_CHECKPOINT = Path("models/vit-fmnist/checkpoint")
+CUDA, TENSORRT, CPU = "CUDAExecutionProvider", "TensorrtExecutionProvider", "CPUExecutionProvider"
+VENV = Path("build/gpu/venv")
+
+
+@dataclass
+class GpuKitConfig:
+    models: str = "default,vit-s16,vit-b16"  # "default": `checkpoint` exported
+    checkpoint: Path = DEFAULT_CHECKPOINT
+    precisions: str = "fp32,fp16"
+    batch_sizes: str = "1,2,4,8,16,32,64"
+    concurrency: str = "1,8,32,64"
+    duration_s: float = 5.0
+    install: bool = True
+    work: Path = Path("build/gpu")
+    out: Path = Path("docs/bench-gpu.md")
+
+
+@dataclass
+class Step:
+    name: str
+    status: str  # "ran", "skipped", "failed"
+    detail: str = ""
+    result: dict = field(default_factory=dict)
+
+
+class Kit:
+    def __init__(self, cfg: GpuKitConfig):
+        self.cfg, self.steps = cfg, []
+
+    def step(self, name: str, call, *args) -> Step:
+        """Run one step; an exception is recorded as a failed step, and the kit goes on."""
+        started = time.monotonic()
+        try:
+            outcome = call(*args)
+        except Exception as e:  # noqa: BLE001 - a kit that stops at the first failure tells less
+            step = Step(name, "failed", f"{type(e).__name__}: {e}", {"traceback": traceback.format_exc()[-3000:]})
+        else:
+            step = outcome if isinstance(outcome, Step) else Step(name, "ran", result=outcome or {})
+            step.name = name
+        step.result["seconds"] = round(time.monotonic() - started, 1)
+        self.steps.append(step)
+        print(f"[{step.status}] {name}{': ' + step.detail if step.detail else ''}", flush=True)
+        return step
+
+
+def environment() -> dict:
+    import onnxruntime as ort
+
+    smi = shutil.which("nvidia-smi")
+    gpus = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30).stdout.strip() if smi else ""
+    try:
+        import torch  # noqa: F401 - only whether the exporter can run here
+        has_torch = True
+    except ImportError:
+        has_torch = False
+    return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "gpus": gpus,
+            "python": sys.version.split()[0], "torch": has_torch, "date": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                      time.gmtime())}
+
+
+def install_and_rerun(cfg: GpuKitConfig, argv: list[str]) -> int | None:
+    """Without the CUDA provider: onnxruntime-gpu in build/gpu/venv, and the kit again from there. None when the
+    install failed (the kit goes on here, on what this build has)."""
+    python = VENV / "bin" / "python"
+    if not python.exists():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
+    pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "onnxruntime-gpu"], capture_output=True,
+                         text=True, timeout=1800)
+    if pip.returncode != 0:
+        print(f"[skipped] install onnxruntime-gpu: {pip.stderr.strip()[-500:]}", flush=True)
+        return None
+    return subprocess.run([str(python), "-m", "bench.gpu", *argv, "--no-install"]).returncode
+
+
+def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAULT_CHECKPOINT) -> Path:
+    """The model at `precision` as an ONNX file in `work` (made once)."""
+    out = work / f"{model}-{precision}.onnx"
+    if out.exists():
+        return out
+    work.mkdir(parents=True, exist_ok=True)
+    partial = out.with_suffix(".partial.onnx")
+    if model == "default":
+        argv = [sys.executable, "-m", "vitserve.cli", "export", str(checkpoint), "--out", str(partial),
+                "--precision", precision]
+    else:
+        argv = [sys.executable, "-m", "export.presets", model, str(partial), "--precision", precision]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
+    partial.replace(out)
+    return out
+
+
+def session(path: Path, provider: str, options: dict | None = None):
+    import onnxruntime as ort
+
+    providers = [(provider, options or {})] + ([] if provider == CPU else [(CPU, {})])  # type: ignore[list-item]
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 3
+    return ort.InferenceSession(str(path), opts, providers=providers)
+
+
+def verify_on(path: Path, reference: Path, provider: str) -> dict:
+    """`path` on `provider` against `reference` (fp32) on the CPU: random images, trained size and 1.5x."""
+    from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+    from vitserve.onnx_header import read_model_info
+
+    info = read_model_info(path)
+    tested, ref = session(path, provider), session(reference, CPU)
+    height, width = info.image_size
+    worst_logits, worst_rollout, agree, total = 0.0, 0.0, 0, 0
+    for scale in (1.0, 1.5):
+        size = (int(height * scale) // info.patch_size * info.patch_size,
+                int(width * scale) // info.patch_size * info.patch_size)
+        x = np.random.default_rng(0).standard_normal((8, info.channels, *size)).astype(np.float32)
+        (l1, r1), (l0, r0) = tested.run(list(OUTPUT_NAMES), {INPUT_NAME: x}), ref.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+        worst_logits = max(worst_logits, float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
+        worst_rollout = max(worst_rollout, float(np.abs(r1 - r0).max()))
+        agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + len(x)
+    return {"provider": tested.get_providers()[0], "max_logits_diff_relative": worst_logits,
+            "max_rollout_diff": worst_rollout, "top1_agreement": agree / total}
+
+
+def cuda_graph_attempt(path: Path) -> Step:
+    """Ask ORT for CUDA graphs on `path`; what it answers is the result (a file with the relevance `If` or dynamic
+    shapes is expected to be refused)."""
+    from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+    from vitserve.onnx_header import read_model_info
+
+    info = read_model_info(path)
+    try:
+        s = session(path, CUDA, {"enable_cuda_graph": "1"})
+        x = np.zeros((1, info.channels, *info.image_size), np.float32)
+        s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+        s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+    except Exception as e:  # noqa: BLE001 - ORT's refusal is the finding
+        return Step("", "ran", f"ORT refused: {str(e).splitlines()[0][:300]}", {"captured": False})
+    return Step("", "ran", "captured and replayed at batch 1", {"captured": True})
+
+
+def bench_served(path: Path, provider: str, cfg: GpuKitConfig, batch_sizes: list[int], concurrency: list[int],
+                 duration_s: float) -> dict:
+    """`vitserve bench` on `path` with `provider` first: raw at each batch size, then served."""
+    from bench.config import BenchConfig
+    from bench.run import run_bench
+
+    name = {CUDA: "cuda", TENSORRT: "tensorrt", CPU: "cpu"}[provider]
+    overrides = {"providers": name if provider == CPU else f"{name},cpu"}
+    if provider == TENSORRT:
+        overrides["tensorrt_cache_dir"] = str((cfg.work / "trt").absolute())
+    bench_cfg = BenchConfig(model=str(path), batch_sizes=batch_sizes, concurrency=concurrency, inputs=["png"],
+                            duration_s=duration_s, raw_duration_s=duration_s / 2, pairs=10, bare="off",
+                            max_batch_size=max(batch_sizes), time_limit_s=900, log_dir=cfg.work / "logs",
+                            out=cfg.work / f"{path.stem}-{name}.md")
+    report = run_bench(bench_cfg, overrides, command="python -m bench.gpu")
+    return {"provider": report["model"]["provider"],
+            "raw": [{k: r[k] for k in ("batch_size", "images_per_s", "p50_ms")} for r in report["raw"]],
+            "served": [{k: r.get(k) for k in ("batching", "concurrency", "requests_per_s", "p50_ms", "p99_ms")}
+                       for r in report["served"] if "skipped" not in r and r.get("batching") == "on"]}
+
+
+def run(cfg: GpuKitConfig) -> Kit:
+    kit = Kit(cfg)
+    env = kit.step("environment", environment).result
+    on_gpu = CUDA in env.get("providers", [])
+    provider = CUDA if on_gpu else CPU
+    models = cfg.models.split(",") if on_gpu else ["default"]
+    precisions = cfg.precisions.split(",")
+    batch_sizes = [int(b) for b in cfg.batch_sizes.split(",")] if on_gpu else [1, 8]
+    concurrency = [int(c) for c in cfg.concurrency.split(",")] if on_gpu else [1, 8]
+    duration = cfg.duration_s if on_gpu else 1.0
+    if not on_gpu:
+        for skipped in sorted(set(cfg.models.split(",")) - {"default"}):
+            kit.steps.append(Step(f"{skipped}: every step", "skipped", "no CUDA provider: the CPU run is a check "
+                                                                       "of the kit, on the default model only"))
+    for model in models:
+        files = {}
+        for precision in precisions:
+            if not env.get("torch"):
+                kit.steps.append(Step(f"{model} {precision}: export", "skipped", "torch is not installed here"))
+                continue
+            made = kit.step(f"{model} {precision}: export", lambda m=model, p=precision: {"path": str(
+                export_file(m, p, cfg.work, cfg.checkpoint))})
+            if made.status == "ran":
+                files[precision] = Path(made.result["path"])
+        reference = files.get("fp32")
+        for precision, path in files.items():
+            if reference is not None:
+                kit.step(f"{model} {precision}: verify on {provider}", verify_on, path, reference, provider)
+            if on_gpu:
+                kit.step(f"{model} {precision}: CUDA graphs", cuda_graph_attempt, path)
+            elif precision == "fp16":
+                kit.steps.append(Step(f"{model} fp16: raw and served", "skipped", "float16 is for GPUs: on the CPU "
+                                                                                    "it measures nothing of use"))
+                continue
+            kit.step(f"{model} {precision}: raw and served on {provider}", bench_served, path, provider, cfg,
+                     batch_sizes, concurrency, duration)
+            if TENSORRT in env.get("providers", []):
+                kit.step(f"{model} {precision}: raw and served on TensorRT", bench_served, path, TENSORRT, cfg,
+                         batch_sizes, concurrency, duration)
+            else:
+                kit.steps.append(Step(f"{model} {precision}: TensorRT", "skipped",
+                                      "no TensorrtExecutionProvider in this onnxruntime build"))
+    return kit
+
+
+def render(kit: Kit, cfg: GpuKitConfig) -> str:
+    env = kit.steps[0].result if kit.steps and kit.steps[0].status == "ran" else {}
+    lines = ["# The GPU kit", "",
+             "What `make bench-gpu` did on the machine below. Without a GPU it is a check that the kit works, not a "
+             "result: the GPU figures come from a run on a GPU.", "", f"`python -m bench.gpu` ({json.dumps({k: str(v) for k, v in asdict(cfg).items()})})",
+             "", f"Machine: {env.get('gpus') or 'no GPU (nvidia-smi absent or silent)'}; onnxruntime "
+                 f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}; Python {env.get('python')}; "
+                 f"{env.get('date')}.", "", "| step | status | detail |", "|---|---|---|"]
+    for s in kit.steps[1:]:
+        detail = s.detail or ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in s.result.items() if k not in ("raw", "served", "traceback"))
+        lines.append(f"| {s.name} | {s.status} | {detail.replace('|', '/')} |")
+    for s in kit.steps:
+        if "raw" in s.result:
+            lines += ["", f"## {s.name} ({s.result['provider']})", "", "| batch | raw images/s | raw p50 ms |",
+                      "|---|---|---|"]
+            lines += [f"| {r['batch_size']} | {r['images_per_s']:.1f} | {r['p50_ms']:.2f} |" for r in s.result["raw"]]
+            lines += ["", "| clients | served req/s | p50 ms | p99 ms |", "|---|---|---|---|"]
+            lines += [f"| {r['concurrency']} | {r['requests_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |"
+                      for r in s.result["served"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    d = GpuKitConfig()
+    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    for name, default in asdict(d).items():
+        if isinstance(default, bool):
+            p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false")
+        else:
+            p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    cfg = GpuKitConfig(**vars(p.parse_args(argv)))
+    import onnxruntime as ort
+    if cfg.install and CUDA not in ort.get_available_providers() and shutil.which("nvidia-smi"):
+        rerun = install_and_rerun(cfg, [a for a in argv if a != "--no-install"])
+        if rerun is not None:
+            return rerun
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    kit = run(cfg)
+    cfg.out.parent.mkdir(parents=True, exist_ok=True)
+    cfg.out.write_text(render(kit, cfg))
+    cfg.out.with_suffix(".json").write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()},
+                                                        "steps": [asdict(s) for s in kit.steps]}, indent=1) + "\n")
+    print(f"wrote {cfg.out}", flush=True)
+    return 1 if any(s.status == "failed" for s in kit.steps) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

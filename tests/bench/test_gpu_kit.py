@@ -1,0 +1,32 @@
+"""The GPU kit (bench/gpu.py) on a machine without a GPU: it exports, verifies and measures what it can, says what it
+skipped and why, and writes its report; on a GPU the same code runs the CUDA steps."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench.gpu import CPU, CUDA, main
+
+pytest.importorskip("onnxruntime")
+
+
+def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_checkpoint, tmp_path):
+    import onnxruntime as ort
+    if CUDA in ort.get_available_providers():
+        pytest.skip("this machine has the CUDA provider: the kit's real run is `make bench-gpu`")
+    out = tmp_path / "gpu.md"
+    code = main(["--checkpoint", str(tiny_checkpoint), "--work", str(tmp_path / "work"), "--out", str(out),
+                 "--duration-s", "0.3", "--no-install"])
+    steps = {s["name"]: s for s in json.loads(out.with_suffix(".json").read_text())["steps"]}
+    assert code == 0, {n: s["detail"] for n, s in steps.items() if s["status"] == "failed"}
+    assert steps["vit-s16: every step"]["status"] == "skipped" and steps["vit-b16: every step"]["status"] == "skipped"
+    for precision in ("fp32", "fp16"):
+        assert steps[f"default {precision}: export"]["status"] == "ran"
+        verified = steps[f"default {precision}: verify on {CPU}"]["result"]
+        assert verified["top1_agreement"] == 1.0 and verified["max_rollout_diff"] < 1e-2
+    measured = steps[f"default fp32: raw and served on {CPU}"]["result"]
+    assert [r["batch_size"] for r in measured["raw"]] == [1, 8] and all(r["images_per_s"] > 0 for r in measured["raw"])
+    assert {r["concurrency"] for r in measured["served"]} == {1, 8}
+    assert steps["default fp32: TensorRT"]["status"] == "skipped"
+    assert "skipped" in out.read_text() and "no GPU" in out.read_text()
