@@ -154,7 +154,9 @@ def _timed(function, *args, **kwargs):
     return result, time.perf_counter() - started
 
 
-def get_state(request: Request) -> ServiceState:
+# The dependencies are coroutines, though they wait for nothing: FastAPI runs a plain function dependency in its
+# thread pool, a thread hop per request (docs/tail-latency.md).
+async def get_state(request: Request) -> ServiceState:
     """Dependency: the serving state, whether or not it is ready (health and metadata routes)."""
     return request.app.state.service
 
@@ -175,8 +177,13 @@ def inference_route(method: bytes, path: str) -> str | None:
     return None
 
 
-def get_ready_state(request: Request) -> ServiceState:
+async def get_ready_state(request: Request) -> ServiceState:
     """Dependency: the serving state once warmed up; 503 before that and while shutting down."""
+    return ready_state(request)
+
+
+def ready_state(request: Request) -> ServiceState:
+    """The serving state once warmed up; NotReady (503) before that and while shutting down."""
     state: ServiceState = request.app.state.service
     if not state.ready:
         raise NotReady("the model is not ready (warming up or shutting down)")
@@ -200,7 +207,7 @@ async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
     """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
     otherwise, before its body is read); it counts as in flight until its route returns. The queued work it is
     measured against is its own model's: an overloaded big model does not refuse a small one's requests."""
-    state = get_ready_state(request)
+    state = ready_state(request)
     model = requested_model(request)
     request.state.model_name = model  # for Retry-After, should the request be refused later on
     state.admission.enter(state.engine.predicted_wait_s(model), state.settings.queue_wait_limit_s)

@@ -51,14 +51,24 @@ _VERSION = Query(max_length=20, description="the model's version; default: its n
 _NAMES = ("top_k", "map", "map_format", "target", "rollout", "resize", "model", "version")
 
 
+async def classify_params(request: Request, top_k: Annotated[int, _TOP_K] = 5,
+                          map_kind: Annotated[MapKind | None, _MAP] = None,
+                          map_format: Annotated[MapFormat | None, _MAP_FORMAT] = None,
+                          target: Annotated[str | None, _TARGET] = None,
+                          rollout: Annotated[RolloutFormat | None, _ROLLOUT] = None,
+                          resize: Annotated[ResizePolicy, _RESIZE] = "fit",
+                          model: Annotated[str | None, _MODEL] = None,
+                          version: Annotated[str | None, _VERSION] = None) -> "ClassifyParams":
+    """The query parameters as a dependency. A coroutine, so that FastAPI checks them on the event loop: a class
+    (or any plain function) as a dependency runs in its thread pool, a thread hop per request that the profile
+    under overload showed (docs/tail-latency.md)."""
+    return ClassifyParams(request, top_k, map_kind, map_format, target, rollout, resize, model, version)
+
+
 class ClassifyParams:
-    def __init__(self, request: Request, top_k: Annotated[int, _TOP_K] = 5,
-                 map_kind: Annotated[MapKind | None, _MAP] = None,
-                 map_format: Annotated[MapFormat | None, _MAP_FORMAT] = None,
-                 target: Annotated[str | None, _TARGET] = None,
-                 rollout: Annotated[RolloutFormat | None, _ROLLOUT] = None,
-                 resize: Annotated[ResizePolicy, _RESIZE] = "fit",
-                 model: Annotated[str | None, _MODEL] = None, version: Annotated[str | None, _VERSION] = None):
+    def __init__(self, request: Request, top_k: int, map_kind: MapKind | None, map_format: MapFormat | None,
+                 target: str | None, rollout: RolloutFormat | None, resize: ResizePolicy, model: str | None,
+                 version: str | None):
         # A parameter given twice would be read from its last copy, an invalid first one silently ignored.
         repeated = sorted(name for name in _NAMES if len(request.query_params.getlist(name)) > 1)
         if repeated:
@@ -83,7 +93,7 @@ class ClassifyParams:
 
 @router.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504))
-async def classify(request: Request, params: Annotated[ClassifyParams, Depends()],
+async def classify(request: Request, params: Annotated[ClassifyParams, Depends(classify_params)],
                    state: Annotated[ServiceState, Depends(get_admitted_state)]) -> ClassifyResponse:
     """Classify one image sent as the raw body (image content type) or as multipart field `file`."""
     started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
@@ -98,7 +108,7 @@ async def classify(request: Request, params: Annotated[ClassifyParams, Depends()
 
 @router.post("/v1/classify/batch", response_model=BatchResponse, openapi_extra=_BATCH_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 503, 504))
-async def classify_batch(request: Request, params: Annotated[ClassifyParams, Depends()],
+async def classify_batch(request: Request, params: Annotated[ClassifyParams, Depends(classify_params)],
                          state: Annotated[ServiceState, Depends(get_admitted_state)]) -> BatchResponse:
     """Classify several `file` fields; one result or one error per file, in order."""
     started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
