@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import sys
 
 from vitserve.help_format import DefaultsHelpFormatter
+from vitserve.machine import has_int8_dot_product
 
 
 def _sizes(text: str) -> list[tuple[int, int]]:
@@ -64,6 +66,10 @@ def run_export(args) -> int:
         print(f"export failed verification: {e}")
         return 1
     print(json.dumps(report_summary(report)))
+    if report.precision == "fp32" and has_int8_dot_product():
+        print(f"this CPU multiplies int8 natively (VNNI): `vitserve export {args.checkpoint} --out ... --precision "
+              f"int8 --eval DIR` makes a file that serves about twice as fast here, if it passes its accuracy gate "
+              f"(docs/int8.md)", file=sys.stderr)
     return 0
 
 

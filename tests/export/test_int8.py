@@ -130,3 +130,14 @@ def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_i
     assert logits.shape == (2, len(TINY_LABELS)) and rollout.shape == (2, 6, 4)
     _, _, relevance = model.explain(pixels, np.array([-1, 1]))
     assert relevance.shape == (2, 6, 4) and np.isfinite(relevance).all()
+
+
+def test_the_cpu_check_reads_vnni_from_cpuinfo_flags(tmp_path):
+    from vitserve.machine import has_int8_dot_product
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n")
+    assert has_int8_dot_product(cpuinfo)
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
+    assert not has_int8_dot_product(cpuinfo)
+    assert not has_int8_dot_product(tmp_path / "missing")

@@ -44,7 +44,7 @@ def test_optional_keys_have_defaults():
     ({"vitserve.labels": "not json"}, "'vitserve.labels' = 'not json' is malformed"),
     ({"vitserve.mean": "[0.1, 0.2]"}, "inconsistent"),
     ({"vitserve.std": "[0.0]"}, "inconsistent"),
-    ({"vitserve.precision": "int8"}, "inconsistent"),
+    ({"vitserve.precision": "int4"}, "inconsistent"),
     ({"vitserve.labels": "[]"}, "inconsistent"),
     ({"vitserve.format_version": str(FORMAT_VERSION + 1)}, "newer than this reader"),
     ({"vitserve.maps": '["relevance"]'}, "inconsistent"),  # every model computes the rollout
