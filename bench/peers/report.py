@@ -150,7 +150,8 @@ def _raw_table(models: list[dict]) -> list[str]:
 
 
 def _model_name(model: dict) -> str:
-    return f"{model['name']} ({model['height']}x{model['width']})"
+    precision = model.get("precision", "fp32")  # reports made before it was recorded: float32 files
+    return f"{model['name']} ({model['height']}x{model['width']}{'' if precision == 'fp32' else ', ' + precision})"
 
 
 def _model_section(entry: dict, settings: dict) -> list[str]:

@@ -189,7 +189,7 @@ def model_summary_of(model_path: Path) -> dict:
     info = read_model_file_info(model_path)
     return {"name": info.name, "version": info.version, "path": str(model_path), "height": info.image_size[0],
             "width": info.image_size[1], "channels": info.channels, "patch_size": info.patch_size,
-            "size_mb": round(model_path.stat().st_size / 2**20, 1)}
+            "precision": info.precision, "size_mb": round(model_path.stat().st_size / 2**20, 1)}
 
 
 def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | dict | None) -> ServerSpec:
