@@ -149,7 +149,7 @@ def verify_on(path: Path, reference: Path, provider: str) -> dict:
         size = (int(height * scale) // info.patch_size * info.patch_size,
                 int(width * scale) // info.patch_size * info.patch_size)
         x = np.random.default_rng(0).standard_normal((8, info.channels, *size)).astype(np.float32)
-        (l1, r1), (l0, r0) = tested.run(list(OUTPUT_NAMES), {INPUT_NAME: x}), ref.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+        (l1, r1), (l0, r0) = (s.run(list(OUTPUT_NAMES), {INPUT_NAME: x}) for s in (tested, ref))
         worst_logits = max(worst_logits, float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
         worst_rollout = max(worst_rollout, float(np.abs(r1 - r0).max()))
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + len(x)
@@ -244,7 +244,8 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
     env = kit.steps[0].result if kit.steps and kit.steps[0].status == "ran" else {}
     lines = ["# The GPU kit", "",
              "What `make bench-gpu` did on the machine below. Without a GPU it is a check that the kit works, not a "
-             "result: the GPU figures come from a run on a GPU.", "", f"`python -m bench.gpu` ({json.dumps({k: str(v) for k, v in asdict(cfg).items()})})",
+             "result: the GPU figures come from a run on a GPU.", "",
+             f"`python -m bench.gpu` ({json.dumps({k: str(v) for k, v in asdict(cfg).items()})})",
              "", f"Machine: {env.get('gpus') or 'no GPU (nvidia-smi absent or silent)'}; onnxruntime "
                  f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}; Python {env.get('python')}; "
                  f"{env.get('date')}.", "", "| step | status | detail |", "|---|---|---|"]

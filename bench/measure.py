@@ -29,6 +29,18 @@ def timed_calls(run, seconds: float, min_calls: int = 3, max_calls: int | None =
     return times
 
 
+def alternating_rounds_ms(calls: dict, rounds: int, seconds: float) -> dict[str, list[float]]:
+    """ms per call of each of `calls` (name -> a no-argument callable) in each of `rounds` rounds, each run for
+    `seconds` (at least 3 calls) per round, the order reversed every other round: this machine's speed drifts, so
+    only figures of the same round compare."""
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds):
+        order = list(calls.items())
+        for name, call in order if round_ % 2 == 0 else reversed(order):
+            times[name].append(1000 * float(np.mean(timed_calls(call, seconds))))
+    return times
+
+
 @dataclass
 class CpuSnapshot:
     """CPU seconds used so far by the server (its process and their children: HTTP workers, engines), this

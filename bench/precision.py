@@ -13,11 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
 import numpy as np
 
+from bench.measure import alternating_rounds_ms
 from bench.presets import resolve_model
 from service.engine.runtime import OnnxModel
 from service.settings import Settings
@@ -27,26 +27,14 @@ def load(path: Path, threads: int) -> OnnxModel:
     return OnnxModel.load(Settings(model_path=path, providers=["cpu"], intra_op_threads=threads))
 
 
-def timed_ms(model: OnnxModel, pixels: np.ndarray, seconds: float) -> float:
-    calls, started = 0, time.perf_counter()
-    while calls < 3 or time.perf_counter() - started < seconds:
-        model.run(pixels)
-        calls += 1
-    return (time.perf_counter() - started) / calls * 1000
-
-
 def compare(fp32: OnnxModel, int8: OnnxModel, batches: list[int], rounds: int, seconds: float) -> list[dict]:
     height, width = fp32.info.image_size
     rows = []
     for batch in batches:
         pixels = np.random.default_rng(0).standard_normal((batch, fp32.info.channels, height, width), np.float32)
-        for model in (fp32, int8):
-            timed_ms(model, pixels, 0.2)  # warm-up
-        times = {"fp32": [], "int8": []}
-        for round_ in range(rounds):
-            order = (("fp32", fp32), ("int8", int8))
-            for name, model in order if round_ % 2 == 0 else reversed(order):
-                times[name].append(timed_ms(model, pixels, seconds))
+        calls = {"fp32": lambda: fp32.run(pixels), "int8": lambda: int8.run(pixels)}
+        alternating_rounds_ms(calls, 1, 0.2)  # warm-up
+        times = alternating_rounds_ms(calls, rounds, seconds)
         ratios = [a / b for a, b in zip(times["fp32"], times["int8"])]
         rows.append({"batch": batch, "fp32_ms": statistics.median(times["fp32"]),
                      "int8_ms": statistics.median(times["int8"]), "speedup": statistics.median(ratios),

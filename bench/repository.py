@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -156,6 +157,11 @@ async def _throughput(url: str, cfg: RepositoryBenchConfig, body: bytes, root: P
     return result["ok_per_s"]
 
 
+def count_statuses(answers: list[tuple[int, str, float]]) -> dict[str, int]:
+    """Answers per status code, as {"200": n, ...}."""
+    return dict(Counter(str(status) for status, _, _ in answers))
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
@@ -186,9 +192,7 @@ async def swap_under_load(cfg: RepositoryBenchConfig, small: Path, root: Path, b
         answers = await load
     finally:
         server.stop()
-    statuses: dict[str, int] = {}
-    for status, _, _ in answers:
-        statuses[str(status)] = statuses.get(str(status), 0) + 1
+    statuses = count_statuses(answers)
     versions = {v for s, v, _ in answers if s == 200}
     return {"answers": len(answers), "statuses": statuses, "versions_seen": sorted(versions, key=int),
             "all_from_ready_versions": versions <= ready_versions, "swaps": cfg.swaps,
@@ -268,10 +272,7 @@ async def _flood(url: str, cfg: RepositoryBenchConfig, body: bytes, root: Path) 
         stop = asyncio.Event()
         asyncio.get_running_loop().call_later(seconds, stop.set)
         answers = await closed_loop(url, "big", cfg.flood, 10_000, body, stop=stop)
-        statuses: dict[str, int] = {}
-        for status, _, _ in answers:
-            statuses[str(status)] = statuses.get(str(status), 0) + 1
-        return statuses, "httpx in the bench process"
+        return count_statuses(answers), "httpx in the bench process"
     from bench.peers.bodies import PeerRequest
     from bench.peers.wrk import parse_statuses, run_wrk, write_script, wrk_argv
     script = write_script(root.parent / "wrk", "big", PeerRequest("/v1/classify", body, {"Content-Type":
@@ -309,7 +310,8 @@ def render(report: Report) -> str:
         lines += ["## Overload of one model, latency of the other", "",
                   f"`small` at one client, `big` idle: p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms "
                   f"({a['non_200']} of {a['answers']} not 200). With `big` flooded by {report.config['flood']} "
-                  f"clients ({o.get('flooded_by', 'httpx')}; its answers: {o['big_statuses']}): p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} "
+                  f"clients ({o.get('flooded_by', 'httpx')}; its answers: {o['big_statuses']}): "
+                  f"p50 {b['p50_ms']:.1f} ms, p99 {b['p99_ms']:.1f} "
                   f"ms ({b['non_200']} of {b['answers']} not 200).", ""]
         if "small_beside_idle_burners" in o:
             c = o["small_beside_idle_burners"]
@@ -325,7 +327,8 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
         root = Path(directory) / "repository"  # beside it, wrk's scripts (bench/repository.py `_throughput`)
         place(root, "small", 1, small)
         place(root, "big", 1, big)
-        big_config = {k: v for k, v in (("intra_op_threads", cfg.big_threads), ("cpu_priority", cfg.big_priority)) if v and v != "normal"}
+        big_config = {k: v for k, v in (("intra_op_threads", cfg.big_threads), ("cpu_priority", cfg.big_priority))
+                      if v and v != "normal"}
         if big_config:
             (root / "big" / "config.json").write_text(json.dumps(big_config))
         if "swap" in parts:

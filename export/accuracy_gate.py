@@ -122,24 +122,21 @@ def verify_int8(int8_model: str | onnx.ModelProto, fp32_model: str | onnx.ModelP
     photo_agreement = float((q.argmax(1) == f.argmax(1))[clear].mean()) if clear.any() else 1.0
 
     if labelled is not None:
-        source, pixels_of = labelled.source, labelled.images
+        source = labelled.source
+        batches = (normalize_pixels(labelled.images[start:start + BATCH], mean, std, channel_axis=1)
+                   for start in range(0, len(labelled.images), BATCH))
     else:  # no labelled set: the photos at the trained size are all there is
-        source, pixels_of = "scikit-image photos (no --eval set)", None
-    q_logits, f_logits, q_maps, f_maps = [], [], [], []
-    if pixels_of is not None:
-        for start in range(0, len(pixels_of), BATCH):
-            x = normalize_pixels(pixels_of[start:start + BATCH], mean, std, channel_axis=1)
-            (ql, qr), (fl, fr) = _run(int8, x), _run(fp32, x)
-            q_logits.append(ql)
-            f_logits.append(fl)
-            if sum(len(m) for m in q_maps) < MAP_SAMPLE:
-                q_maps.append(qr)
-                f_maps.append(fr)
-        map_pixels = normalize_pixels(pixels_of[:MAP_SAMPLE], mean, std, channel_axis=1)
-    else:
-        map_pixels = photo_batch(channels, image_size, mean, std)
-        (ql, qr), (fl, fr) = _run(int8, map_pixels), _run(fp32, map_pixels)
-        q_logits, f_logits, q_maps, f_maps = [ql], [fl], [qr], [fr]
+        source, batches = "scikit-image photos (no --eval set)", [photo_batch(channels, image_size, mean, std)]
+    q_logits, f_logits, q_maps, f_maps, map_pixels = [], [], [], [], []
+    for x in batches:
+        (ql, qr), (fl, fr) = _run(int8, x), _run(fp32, x)
+        q_logits.append(ql)
+        f_logits.append(fl)
+        if sum(len(m) for m in q_maps) < MAP_SAMPLE:  # the maps of the first images are compared
+            q_maps.append(qr)
+            f_maps.append(fr)
+            map_pixels.append(x)
+    map_pixels = np.concatenate(map_pixels)[:MAP_SAMPLE]
     ql, fl = np.concatenate(q_logits), np.concatenate(f_logits)
     rollout_rho = spearman(np.concatenate(q_maps)[:MAP_SAMPLE], np.concatenate(f_maps)[:MAP_SAMPLE])
     report = Int8Report(source, len(ql), float((ql.argmax(1) == fl.argmax(1)).mean()), None, None,

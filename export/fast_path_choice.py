@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 from torch import nn
 
+from bench.measure import alternating_rounds_ms
 from export.int8 import quantize_int8
 from export.onnx_export import ViTWithRollout, example_input, to_onnx
 from export.verify import cpu_session
@@ -64,15 +64,8 @@ def compare(vit, batches=(1, 8), rounds: int = 7, seconds: float = 0.7) -> dict:
             logits = session.run(["logits"], {INPUT_NAME: x})[0]
             if "int8" not in name and np.abs(logits - reference).max() > 1e-3 * max(1.0, np.abs(reference).max()):
                 raise AssertionError(f"{name} computes other logits than the artifact's fast path")
-        times = {name: [] for name in sessions}
-        for round_ in range(rounds):
-            order = list(sessions.items())
-            for name, (session, outputs) in order if round_ % 2 == 0 else reversed(order):
-                calls, started = 0, time.perf_counter()
-                while calls < 3 or time.perf_counter() - started < seconds:
-                    session.run(outputs, {INPUT_NAME: x})
-                    calls += 1
-                times[name].append((time.perf_counter() - started) / calls * 1000)
+        times = alternating_rounds_ms({name: lambda s=session, o=outputs: s.run(o, {INPUT_NAME: x})
+                                       for name, (session, outputs) in sessions.items()}, rounds, seconds)
         base = float(np.median(times["rollout (today)"]))
         results[batch] = {name: {"ms": float(np.median(t)), "speedup": base / float(np.median(t))}
                           for name, t in times.items()}

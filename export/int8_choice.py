@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from bench.measure import alternating_rounds_ms
 from export.accuracy_gate import load_labelled_set, spearman
 from export.int8 import linear_nodes, quantize_int8
 from export.verify import cpu_session
@@ -70,14 +70,9 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
                          "top1_agreement": float((logits.argmax(1) == ref_logits.argmax(1)).mean()),
                          "rollout_spearman_mean": float(rho.mean()), "rollout_spearman_min": float(rho.min())}
     for batch in (1, 8):
-        x, times = pixels[:batch], {name: [] for name in sessions}
-        for round_ in range(rounds):
-            for name, session in (sessions.items() if round_ % 2 == 0 else reversed(sessions.items())):
-                calls, started = 0, time.perf_counter()
-                while calls < 3 or time.perf_counter() - started < 0.5:
-                    session.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
-                    calls += 1
-                times[name].append((time.perf_counter() - started) / calls * 1000)
+        x = pixels[:batch]
+        times = alternating_rounds_ms({name: lambda s=session: s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+                                       for name, session in sessions.items()}, rounds, 0.5)
         for name in sessions:
             results[name][f"batch{batch}_ms"] = float(np.median(times[name]))
     return {"checkpoint": checkpoint, "eval": labelled.source, "images": len(pixels),

@@ -19,7 +19,6 @@ Ray is imported only by this module (`pip install "vitserve[ray]"`); `service.ap
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import math
@@ -35,8 +34,10 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from service.app import create_app
+from service.core.admission import InUse
 from service.core.errors import ServiceError
 from service.core.metrics import Recorder, ServiceMetrics
+from service.core.state import model_in_path
 from service.repository.layout import ModelRepository, check_model_name
 from service.settings import Settings
 
@@ -105,7 +106,7 @@ class MultiplexedModels:
                 held = None
         if held is None:
             return await self.app(scope, receive, send)
-        async with held.in_use():
+        async with held.requests.held():
             await self.app(scope, receive, send)
 
 
@@ -115,40 +116,24 @@ class HeldModel:
 
     def __init__(self, engine, name: str, drain_timeout_s: float):
         self.engine, self.name, self.drain_timeout_s = engine, name, drain_timeout_s
-        self.users = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.requests = InUse()
         self.__del__ = self._unload
 
-    @asynccontextmanager
-    async def in_use(self):
-        self.users += 1
-        self._idle.clear()
-        try:
-            yield
-        finally:
-            self.users -= 1
-            if not self.users:
-                self._idle.set()
-
     async def _unload(self) -> None:
-        try:
-            await asyncio.wait_for(self._idle.wait(), self.drain_timeout_s)
-        except asyncio.TimeoutError:
-            log.warning("evicting %s with %d request(s) still using it", self.name, self.users)
+        if not await self.requests.released(self.drain_timeout_s):
+            log.warning("evicting %s with %d request(s) still using it", self.name, self.requests.count)
         await self.engine.unload(self.name)
 
 
 _REPOSITORY_CONTROL = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
-_MODEL_PATH = re.compile(r"^/v2/models/([^/]+)")
 MULTIPLEX_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy routes by it
 
 
 def requested_model(scope) -> str | None:
     """The model a request names: in its path (/v2/models/NAME/...), its `model` query parameter (/v1), or Ray's
     multiplexing header; None if none."""
-    if match := _MODEL_PATH.match(scope["path"]):
-        return match.group(1)
+    if name := model_in_path(scope["path"]):
+        return name
     try:
         for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), max_num_fields=32):
             if key == "model":

@@ -6,6 +6,7 @@ Plain asyncio, no HTTP: the routes turn `Overloaded` into 429 through the error 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import time
@@ -118,6 +119,36 @@ def _libc():
         return ctypes.CDLL("libc.so.6")
     except OSError:
         return None
+
+
+class InUse:
+    """How many hold something now, and a wait until none does: a model version's admitted requests before it
+    closes (service/engine/served_model.py), a multiplexed model's requests before Ray evicts it
+    (service/ray_serve.py)."""
+
+    def __init__(self):
+        self.count = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    @contextlib.asynccontextmanager
+    async def held(self):
+        self.count += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.count -= 1
+            if self.count == 0:
+                self._idle.set()
+
+    async def released(self, timeout_s: float) -> bool:
+        """Wait (up to `timeout_s`) until no one holds it; whether that happened."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
 
 class PixelBudget:

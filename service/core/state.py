@@ -130,7 +130,7 @@ class ServiceState:
         route = inference_route(method, path)
         if route is None or not self.ready:
             return None
-        model = _model_in(path)
+        model = model_in_path(path)
         refused = self.admission.refusal(self.engine.predicted_wait_s(model), self.settings.queue_wait_limit_s)
         if refused is None:
             return None
@@ -190,7 +190,7 @@ def ready_state(request: Request) -> ServiceState:
     return state
 
 
-def _model_in(path: str) -> str | None:
+def model_in_path(path: str) -> str | None:
     """The model an inference path names (/v2/models/NAME/...), or None (/v1: a query parameter, or the only
     model)."""
     if path.startswith("/v2/models/"):

@@ -32,7 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
-from service.engine.threads import lower_thread_priority
+from service.engine.threads import CpuPriority, lower_thread_priority
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
 RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
@@ -85,7 +85,7 @@ class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
-                 max_targeted_batch_size: int | None = None, runner_priority: str = "normal"):
+                 max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal"):
         self._run_batch = run_batch
         self.max_batch_size = max_batch_size
         self.max_targeted_batch_size = max_targeted_batch_size or max_batch_size

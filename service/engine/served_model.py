@@ -20,6 +20,7 @@ import numpy as np
 
 from service.engine.batcher import DynamicBatcher
 from service.engine import InferenceResult
+from service.core.admission import InUse
 from service.core.errors import InferenceError, VersionRetired
 from service.core.metrics import ModelMetrics
 from service.engine.runtime import InferenceModel, OnnxModel, warm_up
@@ -47,9 +48,7 @@ class ServedModel:
         self.batcher: DynamicBatcher | None = None
         self.ready = False
         self.closing = False
-        self.in_flight = 0  # requests admitted to this version and not yet answered
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.requests = InUse()  # requests admitted to this version and not yet answered
 
     @property
     def info(self) -> ModelInfo:
@@ -100,14 +99,8 @@ class ServedModel:
         """A request's hold on this version from routing to answer: `close` waits for every hold to end."""
         if self.closing:
             raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
-        self.in_flight += 1
-        self._idle.clear()
-        try:
+        async with self.requests.held():
             yield self
-        finally:
-            self.in_flight -= 1
-            if self.in_flight == 0:
-                self._idle.set()
 
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> InferenceResult:
         result = await self.batcher.submit(pixels, timeout_s, target)
@@ -135,11 +128,9 @@ class ServedModel:
         batcher and drop the session, so its memory goes back."""
         self.closing, self.ready = True, False
         self.metrics.set_ready(False)
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        if not await self.requests.released(timeout_s):
             log.warning("%s version %s: %d request(s) still in flight after %.0f s; closing it anyway", self.name,
-                        self.version, self.in_flight, timeout_s)
+                        self.version, self.requests.count, timeout_s)
         if self.batcher:
             await self.batcher.close(timeout_s)
         self.model = None

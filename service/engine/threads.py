@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Literal, TypeVar
 
 T = TypeVar("T")
@@ -37,29 +38,13 @@ def lower_thread_priority(priority: CpuPriority) -> None:
 
 
 async def run_on_new_thread(call: Callable[[], T], priority: CpuPriority = "normal") -> T:
-    """`call()` on a thread of its own at `priority` (on asyncio's shared pool when "normal"), awaited."""
+    """`call()` on a thread of its own at `priority` (on asyncio's shared pool when "normal"), awaited. The thread
+    is lowered as the batch runner's is: by its executor's initializer."""
     if priority == "normal":
         return await asyncio.to_thread(call)
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future = loop.create_future()
-
-    def body() -> None:
-        lower_thread_priority(priority)
-        try:
-            result = call()
-        except BaseException as e:  # handed to the awaiting coroutine, raised there
-            loop.call_soon_threadsafe(_settle, done, None, e)
-        else:
-            loop.call_soon_threadsafe(_settle, done, result, None)
-
-    threading.Thread(target=body, name=f"{priority}-priority-loader", daemon=True).start()
-    return await done
-
-
-def _settle(future: asyncio.Future, result, error: BaseException | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{priority}-priority-loader",
+                              initializer=lower_thread_priority, initargs=(priority,))
+    try:
+        return await asyncio.get_running_loop().run_in_executor(pool, call)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends once `call` returns; nothing here waits for it

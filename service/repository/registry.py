@@ -210,7 +210,8 @@ class ModelRegistry:
         given = getattr(self.source, "model", None)
         settings = self._settings_for(entry, file.path)
         served = ServedModel(entry.name, version, settings, self.metrics.for_model(entry.name, version),
-                             model=given, loader=self._loader, maps=entry.config.maps, cpu_priority=entry.config.cpu_priority)
+                             model=given, loader=self._loader, maps=entry.config.maps,
+                             cpu_priority=entry.config.cpu_priority)
         async with self._one_load:
             try:
                 await served.load()
