@@ -366,13 +366,24 @@ def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
     assert settings.max_batch_size == 4  # the server's own are untouched
 
 
-def _threads() -> dict[int, tuple[int, int]]:
-    """This process's threads: id -> (nice, scheduling policy), from /proc (stat fields 19 and 41)."""
+def _threads() -> dict[tuple[int, int], tuple[int, int]]:
+    """This process's threads: (id, start time) -> (nice, scheduling policy), from /proc (stat fields 1, 22, 19
+    and 41). The start time tells a new thread from an earlier one that had its id: ids wrap at pid_max (32768
+    here), and the suite starts many processes."""
     threads = {}
     for stat in Path("/proc/self/task").glob("*/stat"):
-        fields = stat.read_text().rsplit(")", 1)[1].split()
-        threads[int(stat.parent.name)] = (int(fields[16]), int(fields[38]))
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except FileNotFoundError:  # the thread ended while we looked
+            continue
+        threads[int(stat.parent.name), int(fields[19])] = (int(fields[16]), int(fields[38]))
     return threads
+
+
+def _this_thread() -> tuple[int, int]:
+    """The calling thread's (nice, scheduling policy)."""
+    me = threading.get_native_id()
+    return next(state for (tid, _), state in _threads().items() if tid == me)
 
 
 @pytest.mark.parametrize("priority", ["low", "idle"])
@@ -388,21 +399,22 @@ async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing
 
     class Recording(OnnxModel):
         def run(self, pixel_values):
-            seen["run"] = _threads()[threading.get_native_id()]
+            seen["run"] = _this_thread()
             return super().run(pixel_values)
 
     def loader(settings):
-        seen["load"] = _threads()[threading.get_native_id()]
+        seen["load"] = _this_thread()
+        before = _threads()
         model = OnnxModel.load(settings)
+        seen["started"] = {t: state for t, state in _threads().items() if t not in before}  # by the session
         return Recording(model.session, model.info)
 
-    before = _threads()
     served = ServedModel("m", "1", settings_for(tiny_onnx, intra_op_threads=2), ServiceMetrics().for_model("m", "1"),
                          loader=loader, cpu_priority=priority)
     await served.load()
-    started = {t: state for t, state in _threads().items() if t not in before}
     await served.submit(np.zeros((served.info.channels, *served.info.image_size), np.float32), timeout_s=PATIENCE_S)
     await served.close(timeout_s=PATIENCE_S)
     assert seen["load"] == lowered and seen["run"] == lowered
+    started = seen["started"]
     assert started and set(started.values()) == {lowered}  # ORT's intra-op thread was started lowered
-    assert _threads()[threading.get_native_id()] == (base, 0)  # the event loop's thread is untouched
+    assert _this_thread() == (base, 0)  # the event loop's thread is untouched
