@@ -63,6 +63,8 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
     root = Path(directory)
     if not root.is_dir():
         raise ExportVerificationError(f"--eval {directory}: not a directory")
+    if limit is not None and limit < 1:
+        raise ExportVerificationError(f"--eval-limit {limit}: give a positive count")
     limit = min(limit or MAX_EVAL_IMAGES, MAX_EVAL_IMAGES)
     if any(root.glob("t10k-images-idx3-ubyte*")):
         test = load_fashion_mnist(root).test

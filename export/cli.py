@@ -17,11 +17,20 @@ def _sizes(text: str) -> list[tuple[int, int]]:
     return sizes
 
 
-def _fraction(text: str) -> float:
-    value = float(text)
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(text)
-    return value
+def _bounded(kind, low, high, name: str):
+    """An argparse type: `kind(text)` within [low, high] (argparse names `name` in its one-line error)."""
+    def parse(text: str):
+        value = kind(text)
+        if not low <= value <= high:
+            raise ValueError(text)
+        return value
+    parse.__name__ = name
+    return parse
+
+
+fraction = _bounded(float, 0.0, 1.0, "fraction (0-1)")
+percentage_points = _bounded(float, 0.0, 100.0, "percentage points (0-100)")
+positive_count = _bounded(int, 1, 10**9, "positive integer")
 
 
 def _ints(text: str) -> list[int]:
@@ -40,10 +49,10 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--eval", dest="eval_dir", metavar="DIR",
                    help="int8: a labelled set for the gate: Fashion-MNIST's folder (its idx files) or DIR/<label>/"
                         "<image>; without it the gate compares top-1 on photos only")
-    p.add_argument("--eval-limit", type=int, metavar="N", help="int8: at most N images of --eval")
-    p.add_argument("--min-top1-agreement", type=_fraction, default=0.99, metavar="F",
+    p.add_argument("--eval-limit", type=positive_count, metavar="N", help="int8: at most N images of --eval")
+    p.add_argument("--min-top1-agreement", type=fraction, default=0.99, metavar="F",
                    help="int8: the gate's least top-1 agreement with fp32 (0-1)")
-    p.add_argument("--max-accuracy-drop", type=float, default=0.3, metavar="POINTS",
+    p.add_argument("--max-accuracy-drop", type=percentage_points, default=0.3, metavar="POINTS",
                    help="int8: the gate's largest accuracy loss on --eval, in percentage points")
     p.add_argument("--opset", type=int, help="ONNX opset (default: the exporter's)")
     p.add_argument("--no-verify", action="store_true", help="skip ONNX Runtime vs PyTorch verification")
@@ -54,11 +63,22 @@ def add_export_parser(subparsers) -> None:
 
 
 def run_export(args) -> int:
+    from pathlib import Path
+
     from export.onnx_export import export_onnx
     from export.verify import ExportVerificationError
 
+    precision = "fp16" if args.fp16 else args.precision
+    if args.eval_dir is not None and precision != "int8":  # checked now, not after a minute of export
+        print("vitserve export: --eval is the int8 accuracy gate's labelled set: give --precision int8 with it",
+              file=sys.stderr)
+        return 2
+    if args.eval_dir is not None and not Path(args.eval_dir).is_dir():
+        print(f"vitserve export: --eval {args.eval_dir}: not a directory", file=sys.stderr)
+        return 2
+
     try:
-        report = export_onnx(args.checkpoint, args.out, precision="fp16" if args.fp16 else args.precision,
+        report = export_onnx(args.checkpoint, args.out, precision=precision,
                              opset=args.opset, verify=not args.no_verify, relevance=not args.no_relevance,
                              eval_dir=args.eval_dir, eval_limit=args.eval_limit,
                              min_agreement=args.min_top1_agreement, max_accuracy_drop=args.max_accuracy_drop / 100)

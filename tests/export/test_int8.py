@@ -117,6 +117,26 @@ def test_the_cli_takes_precision_int8_and_keeps_fp16_as_its_older_spelling():
         parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--precision", "int4"])
     with pytest.raises(SystemExit):
         parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--min-top1-agreement", "1.5"])
+    for flag, bad in (("--eval-limit", "0"), ("--eval-limit", "x"), ("--max-accuracy-drop", "-1"),
+                      ("--max-accuracy-drop", "101")):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--precision", "int8", flag, bad])
+
+
+def test_a_labelled_set_the_export_cannot_use_is_refused_before_exporting(tmp_path, capsys):
+    """--eval without int8, or not a folder: a one-line error at once, not after the export's minute."""
+    import argparse
+
+    from export.cli import add_export_parser
+    parser = argparse.ArgumentParser()
+    add_export_parser(parser.add_subparsers())
+    for extra, message in ((["--eval", str(tmp_path)], "give --precision int8"),
+                           (["--precision", "int8", "--eval", str(tmp_path / "none")], "not a directory")):
+        args = parser.parse_args(["export", "no-such-checkpoint", "--out", str(tmp_path / "m.onnx"), *extra])
+        assert args.func(args) == 2
+        error = capsys.readouterr().err.strip()
+        assert message in error and "\n" not in error
+    assert not (tmp_path / "m.onnx").exists()
 
 
 def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
