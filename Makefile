@@ -15,7 +15,7 @@ TRAIN_RUN := runs/vit-fmnist
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
 
-.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean
+.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean grpc-stubs
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -81,3 +81,15 @@ bench-gpu: $(VENV)/.dev-installed
 bench-peers: $(VENV)/.dev-installed
 	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }
 	$(BIN)/python -m bench.peers --out docs/bench-peers.md $(PEERS_ARGS)
+
+# Triton's gRPC protocol (service/grpc/generated/*.proto, copied unchanged from triton-inference-server/common
+# at 83adf7c) compiled into the checked-in Python stubs; the serving image needs no compiler. protoc writes
+# top-level imports (`import model_config_pb2`): they are made package imports, as tritonclient does.
+GRPC_GENERATED := service/grpc/generated
+grpc-stubs: $(VENV)/.dev-installed
+	$(BIN)/python -m grpc_tools.protoc -I $(GRPC_GENERATED) --python_out=$(GRPC_GENERATED) \
+		--pyi_out=$(GRPC_GENERATED) --grpc_python_out=$(GRPC_GENERATED) \
+		$(GRPC_GENERATED)/grpc_service.proto $(GRPC_GENERATED)/model_config.proto
+	sed -i -E 's/^import (model_config_pb2|grpc_service_pb2) as/from service.grpc.generated import \1 as/' \
+		$(GRPC_GENERATED)/*_pb2*.py $(GRPC_GENERATED)/*.pyi
+	rm -f $(GRPC_GENERATED)/model_config_pb2_grpc.py

@@ -29,17 +29,25 @@ log = logging.getLogger("vitserve.app")
 async def lifespan(app: FastAPI):
     state: ServiceState = app.state.service
     await state.start()
+    grpc_front_end = None
     try:
+        if app.state.serve_grpc and state.settings.grpc_port:
+            from service.grpc.server import GrpcFrontEnd  # grpcio: only where gRPC is served
+            grpc_front_end = GrpcFrontEnd(state)
+            await grpc_front_end.start()
         # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
         yield {"early_refusal": state.early_refusal}
     finally:
+        if grpc_front_end is not None:
+            await grpc_front_end.stop()
         await state.stop()
 
 
 def create_app(settings: Settings | None = None, *, model: InferenceModel | None = None,
-               metrics: ServiceMetrics | None = None) -> FastAPI:
+               metrics: ServiceMetrics | None = None, serve_grpc: bool = False) -> FastAPI:
     """The app; `model` replaces loading `settings.model_path` (tests wrap the real model with it): a repository
-    of that one model."""
+    of that one model. With `serve_grpc` (what `vitserve serve` runs), its lifespan also serves gRPC on
+    settings.grpc_port (service/grpc/): an app embedded elsewhere opens no port of its own."""
     from vitserve import __version__
     settings = settings or Settings()
     metrics = metrics or ServiceMetrics()
@@ -48,6 +56,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
                   description="Vision Transformer classification with attention-rollout maps, dynamically batched "
                               "onto ONNX Runtime.")
     app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
+    app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     # the web page and the docs last: routing an API request never looks at their routes
@@ -90,7 +99,7 @@ def app_from_env() -> FastAPI:
     from service.logs import configure_logging
     settings = Settings()
     configure_logging(settings.log_level)
-    return create_app(settings)
+    return create_app(settings, serve_grpc=True)
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:

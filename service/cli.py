@@ -128,14 +128,23 @@ def run_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return _serve_on_ray(settings)
+    if settings.grpc_port:
+        # (before anything imports prometheus_client: it picks its multiprocess mode on import)
+        if not port_is_free(settings.host, settings.grpc_port):
+            print(f"vitserve serve: the gRPC port {settings.host}:{settings.grpc_port} is in use: stop what holds it, "
+                  f"or choose another with --grpc-port (0: no gRPC)", file=sys.stderr)
+            return 2
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
         from service.core.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
-    logging.getLogger("vitserve.cli").info("serving %s on http://%s:%d: %d HTTP worker(s), engine %s", what,
-                                           settings.host, settings.port, settings.http_workers, settings.engine)
+    scheme = "https" if settings.ssl_certfile else "http"
+    grpc_note = f", gRPC on port {settings.grpc_port}" if settings.grpc_port else ""
+    logging.getLogger("vitserve.cli").info("serving %s on %s://%s:%d%s: %d HTTP worker(s), engine %s", what, scheme,
+                                           settings.host, settings.port, grpc_note, settings.http_workers,
+                                           settings.engine)
     try:
         with _engines(settings) as settings:
             serve_with_uvicorn("service.app:app_from_env", settings)
@@ -146,6 +155,20 @@ def run_serve(args: argparse.Namespace) -> int:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def port_is_free(host: str, port: int) -> bool:
+    """Whether nothing is bound to host:port (a plain bind, without SO_REUSEPORT, succeeds). The gRPC server's
+    workers share its port with SO_REUSEPORT, which would otherwise share it silently with another server of
+    the same user (service/grpc/server.py)."""
+    import socket
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def settings_problems(error) -> str:
@@ -222,7 +245,18 @@ def uvicorn_options(settings: Settings) -> dict:
     return {"host": settings.host, "port": settings.port, "workers": settings.http_workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
             "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,
-            **uvicorn_http_options(settings)}
+            **uvicorn_http_options(settings), **tls_options(settings)}
+
+
+def tls_options(settings: Settings) -> dict:
+    """uvicorn's TLS options: HTTPS with the certificate and key, and with ssl_ca_certs, client certificates
+    required (mutual TLS)."""
+    if settings.ssl_certfile is None:
+        return {}
+    import ssl
+    mutual = {"ssl_ca_certs": str(settings.ssl_ca_certs), "ssl_cert_reqs": ssl.CERT_REQUIRED} \
+        if settings.ssl_ca_certs else {}
+    return {"ssl_certfile": str(settings.ssl_certfile), "ssl_keyfile": str(settings.ssl_keyfile), **mutual}
 
 
 def serve_with_uvicorn(app_factory_path: str, settings: Settings) -> None:

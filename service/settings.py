@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 Provider = Literal["tensorrt", "cuda", "cpu"]
@@ -37,6 +37,13 @@ class Settings(BaseSettings):
                                                            "requests fail with 503 (it is restarted)")
     # Set by `vitserve serve` for its HTTP workers: where the engine processes listen (one per device).
     engine_addresses: Annotated[list[str], NoDecode] = Field(default_factory=list, description=INTERNAL)
+    grpc_port: int = Field(8001, ge=0, le=65535, description="the Open Inference Protocol over gRPC (Triton's "
+                           "GRPCInferenceService) on this port, in every HTTP worker; 0: no gRPC")
+    ssl_certfile: FilePath | None = Field(None, description="serve HTTPS and gRPC over TLS with this certificate chain "
+                                                        "(PEM); with ssl_keyfile")
+    ssl_keyfile: FilePath | None = Field(None, description="the certificate's private key (PEM)")
+    ssl_ca_certs: FilePath | None = Field(None, description="mutual TLS: clients must present a certificate signed by "
+                                                        "these CAs (PEM), on HTTP and gRPC")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
 
@@ -130,6 +137,12 @@ class Settings(BaseSettings):
                                                           "(the parse costs per value); twice the default "
                                                           "model's largest request, 32x1x128x128")
 
+    # the gRPC connection (grpcio): what one client may hold open
+    grpc_max_concurrent_streams: int = Field(100, ge=1, le=10_000, description="calls open at once on one gRPC "
+                                             "connection (HTTP/2 streams); more wait for a free one")
+    grpc_max_metadata_bytes: int = Field(16 * 1024, ge=1024, le=2**20, description="request metadata (gRPC's "
+                                         "headers) per call; more is refused")
+
     # the HTTP connection (uvicorn): what a client may send before the app sees a request
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="request line and headers together; more gets 431")
     max_headers: int = Field(100, ge=1, description="header fields per request; more gets 431")
@@ -207,6 +220,12 @@ class Settings(BaseSettings):
                                             or self.load_models):
             raise ValueError("ray_models_per_replica loads a repository's models on demand: it needs a "
                              "model_repository, and no poll mode or load_models")
+        if (self.ssl_certfile is None) != (self.ssl_keyfile is None):
+            raise ValueError("ssl_certfile and ssl_keyfile go together: set both for TLS, or neither")
+        if self.ssl_ca_certs is not None and self.ssl_certfile is None:
+            raise ValueError("ssl_ca_certs (mutual TLS) needs the server's own ssl_certfile and ssl_keyfile")
+        if self.grpc_port and self.grpc_port == self.port:
+            raise ValueError(f"grpc_port {self.grpc_port} is the HTTP port: give gRPC its own (0: no gRPC)")
         if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
             raise ValueError(f"ray_max_replicas {self.ray_max_replicas} is below ray_replicas {self.ray_replicas}")
         return self
@@ -243,11 +262,12 @@ class Settings(BaseSettings):
 # `vitserve serve --help` in this order: what a first user needs, then each concern apart. Every field but the
 # internal ones is in exactly one group (tests/service/test_runtime_and_cli.py holds it).
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {
-    "common": ("model_path", "model_repository", "host", "port", "model_control_mode", "load_models", "admin_key",
+    "common": ("model_path", "model_repository", "host", "port", "grpc_port", "model_control_mode", "load_models", "admin_key",
                "api_key", "providers", "workers", "max_batch_size", "max_queue_delay_ms", "request_timeout_ms",
                "log_level"),
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
-               "header_timeout_s", "body_timeout_s"),
+               "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes"),
+    "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
     "repository": ("repository_poll_secs",),
     "engine and ONNX Runtime": ("engine_arena_bytes", "engine_timeout_s", "cuda_device_id", "cuda_device_ids",
                                 "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "tensorrt_fp16",

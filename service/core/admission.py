@@ -12,7 +12,7 @@ import functools
 import time
 from dataclasses import dataclass
 
-from service.core.errors import Overloaded
+from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, ServiceError
 
 
 @dataclass(frozen=True)
@@ -27,6 +27,41 @@ class Deadline:
 
     def remaining(self) -> float:
         return max(0.0, self.at - time.perf_counter())
+
+
+async def run_within(awaitable, deadline: Deadline, stop: asyncio.Event, *, disconnected=None,
+                     on_timeout: ServiceError | None = None):
+    """Await `awaitable`, cancelling it (which drops its queued work) when the deadline passes (DeadlineExceeded,
+    or `on_timeout`), the `disconnected` awaitable completes (ClientDisconnected) or the server's drain runs out
+    (`stop` set: NotReady)."""
+    work = asyncio.ensure_future(awaitable)
+    watchers = {asyncio.ensure_future(stop.wait())}
+    if disconnected is not None:
+        watchers.add(asyncio.ensure_future(disconnected))
+    try:
+        done, _ = await asyncio.wait({work, *watchers}, timeout=deadline.remaining(),
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+    if work in done:
+        return work.result()
+    work.cancel()
+    work.add_done_callback(_retrieve)
+    if stop.is_set():
+        raise NotReady("the server shut down before this request finished")
+    if done:
+        raise ClientDisconnected("client disconnected before its answer was ready")
+    raise on_timeout or DeadlineExceeded("the request's deadline passed before its answer was ready")
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    """A cancelled request's work may still end in an error; it is nobody's to report."""
+    if not task.cancelled():
+        task.exception()
 
 
 class LoopLag:

@@ -37,9 +37,11 @@ class ServiceMetrics:
         # model and version on every inference metric: one series per version loaded, dropped when it is unloaded
         # (`retire`, and the scrape's filter in multiprocess mode), so the count of series stays bounded.
         per_model = ["model", "version"]
-        self.request_duration = metric(Histogram, "vitserve_request_duration_seconds", "HTTP request duration, end to "
-                                       "end (model and version empty on routes that run no model)",
-                                       ["endpoint", "status", *per_model], buckets=LATENCY_BUCKETS)
+        # protocol http: endpoint is the route's template and status the HTTP status; protocol grpc: endpoint is
+        # the RPC's full name and status its gRPC status code (OK, INVALID_ARGUMENT, ...)
+        self.request_duration = metric(Histogram, "vitserve_request_duration_seconds", "Request duration, end to end "
+                                       "(model and version empty on routes that run no model)",
+                                       ["endpoint", "status", *per_model, "protocol"], buckets=LATENCY_BUCKETS)
         self.queue_wait_seconds = metric(Histogram, "vitserve_queue_wait_seconds", "Time an image waited in the batch "
                                          "queue", per_model, buckets=LATENCY_BUCKETS)
         self.preprocess = metric(Histogram, "vitserve_preprocess_seconds", "Preparing one image's input: decoding, "
@@ -74,7 +76,7 @@ class ServiceMetrics:
                                "with an error, by error code", ["reason"])
         self.queue_depth_gauge = metric(Gauge, "vitserve_queue_depth", "Images waiting in the batch queue",
                                         per_model, multiprocess_mode="livesum")
-        self.in_flight = metric(Gauge, "vitserve_requests_in_flight", "HTTP requests being handled",
+        self.in_flight = metric(Gauge, "vitserve_requests_in_flight", "Requests being handled (HTTP and gRPC)",
                                 multiprocess_mode="livesum")
         self.ready = metric(Gauge, "vitserve_ready", "1 when the server is ready: its engine reachable and the models "
                             "it starts with loaded and warmed up (min over workers)", multiprocess_mode="livemin")
@@ -105,9 +107,10 @@ class ServiceMetrics:
     def request_started(self) -> None:
         self.in_flight.inc()
 
-    def request_done(self, endpoint: str, status: int, seconds: float, model: str = "", version: str = "") -> None:
+    def request_done(self, endpoint: str, status: int | str, seconds: float, model: str = "", version: str = "",
+                     protocol: str = "http") -> None:
         self.in_flight.dec()
-        values = (endpoint, str(status), model, version)
+        values = (endpoint, str(status), model, version, protocol)
         if model:
             self.labelled(model, version, self.request_duration, values).observe(seconds)
         else:

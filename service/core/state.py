@@ -46,6 +46,7 @@ class ServiceState:
     admission: Admission | None = None
     pixels: PixelBudget | None = None
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the drain ran out: answer 503 now
+    drain_begun: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM: stop taking new calls (gRPC)
     draining: bool = False
     _previous_handlers: dict = field(default_factory=dict, repr=False)
 
@@ -87,6 +88,7 @@ class ServiceState:
         if self.draining:
             return
         self.draining = True
+        self.drain_begun.set()
         self.metrics.set_ready(False)
         asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self.stopping.set)
 
@@ -162,8 +164,9 @@ async def get_state(request: Request) -> ServiceState:
 
 
 # The inference routes (the ones admission guards), by their templates.
+GRPC_INFER_ENDPOINT = "/inference.GRPCInferenceService/ModelInfer"
 INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v2/models/{name}/infer",
-                                 "/v2/models/{name}/versions/{version}/infer"})
+                                 "/v2/models/{name}/versions/{version}/infer", GRPC_INFER_ENDPOINT})
 
 
 def inference_route(method: bytes, path: str) -> str | None:

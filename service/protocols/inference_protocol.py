@@ -23,7 +23,7 @@ import numpy as np
 from pydantic import ValidationError
 
 from service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
-                                    unpack_bytes)
+                                              tensor_bytes, unpack_bytes)
 from service.core.errors import InvalidParameter, PayloadTooLarge
 from service.protocols.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
                              RequestedOutput)
@@ -42,6 +42,14 @@ class ProtocolLimits:
     channels: int  # pixel_values: the model's channels,
     patch_size: int  # its height and width multiples of the patch size,
     max_tokens: int  # and at most this many patches
+
+
+def limits_for(settings, info) -> ProtocolLimits:
+    """The limits of a request to the model `info` describes, under the server's `settings`
+    (service.settings.Settings)."""
+    return ProtocolLimits(max_json_bytes=settings.max_json_body_bytes, max_json_values=settings.max_json_values,
+                          max_batch=settings.max_batch_files, max_image_bytes=settings.max_upload_bytes,
+                          channels=info.channels, patch_size=info.patch_size, max_tokens=settings.max_native_tokens)
 
 
 @dataclass(frozen=True)
@@ -82,7 +90,12 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
         raise InvalidParameter(str(e)) from None
     if len(header) > limits.max_json_bytes:
         raise PayloadTooLarge(f"the JSON inference header is {len(header)} bytes; the limit is {limits.max_json_bytes}")
-    request = parse_header(header, limits.max_json_values)
+    return call_from_request(parse_header(header, limits.max_json_values), binary, limits)
+
+
+def call_from_request(request: InferRequest, binary: memoryview | bytes, limits: ProtocolLimits) -> InferCall:
+    """A validated request and the bytes of its binary sections (b"" when none) -> the call it makes. The gRPC
+    front end comes in here too, its raw input as the one binary section (service/grpc/messages.py)."""
     tensor = request.inputs[0]
     size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
     if size is not None and size < 0:
@@ -124,7 +137,7 @@ def parse_header(header: bytes, max_values: int) -> InferRequest:
     try:
         return InferRequest.model_validate_json(header)
     except ValidationError as e:
-        raise InvalidParameter(_problems(e)) from None
+        raise InvalidParameter(validation_problems(e)) from None
 
 
 def requested_outputs(request: InferRequest) -> list[OutputRequest]:
@@ -289,19 +302,32 @@ def classify(values: np.ndarray, count: int, labels: list[str] | None) -> np.nda
                     dtype=object).reshape(len(values), k)
 
 
-def encode_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
-                    labels: list[str]) -> tuple[bytes, dict[str, str]]:
-    """The response body and its framing headers: the requested outputs, each as JSON `data` or as binary bytes
-    after the JSON (with `binary_data_size`); `id` only when the request had one."""
-    outputs, sections = [], []
+def output_arrays(call: InferCall, tensors: dict[str, np.ndarray], labels: list[str]):
+    """(requested output, array, datatype) for each output the call asked for, in its order: the model's FP32
+    tensor, or its classification strings (BYTES)."""
     for wanted in call.outputs:
         array, datatype = tensors[wanted.name], "FP32"
         if wanted.class_count:
             named = labels if wanted.name == LABELLED_OUTPUT else None
             array, datatype = classify(array, wanted.class_count, named), "BYTES"
+        yield wanted, array, datatype
+
+
+def raw_bytes(array: np.ndarray, datatype: str) -> bytes:
+    """A tensor's bytes as the binary extension and gRPC's raw contents carry them: little-endian FP32, or BYTES
+    elements each after its 4-byte length."""
+    return pack_bytes(array.ravel()) if datatype == "BYTES" else tensor_bytes(array, datatype)
+
+
+def encode_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
+                    labels: list[str]) -> tuple[bytes, dict[str, str]]:
+    """The response body and its framing headers: the requested outputs, each as JSON `data` or as binary bytes
+    after the JSON (with `binary_data_size`); `id` only when the request had one."""
+    outputs, sections = [], []
+    for wanted, array, datatype in output_arrays(call, tensors, labels):
         entry = {"name": wanted.name, "datatype": datatype, "shape": list(array.shape)}
         if wanted.binary:
-            data = pack_bytes(array.ravel()) if datatype == "BYTES" else np.ascontiguousarray(array, "<f4").tobytes()
+            data = raw_bytes(array, datatype)
             entry["parameters"] = {"binary_data_size": len(data)}
             sections.append(data)
         else:
@@ -312,7 +338,7 @@ def encode_response(call: InferCall, model_name: str, model_version: str, tensor
     return join_body(header, sections)
 
 
-def _problems(error: ValidationError, shown: int = 3) -> str:
+def validation_problems(error: ValidationError, shown: int = 3) -> str:
     """The first few problems as `where: what` (`body` for the document itself). A tensor's `data` is one of
     several list depths, and each depth that does not fit reports an error: only the one that got furthest into
     the data is kept (the others fail at its first element)."""

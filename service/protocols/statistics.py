@@ -3,7 +3,7 @@ metrics: the numbers are those every process already reports (service/core/metri
 workers and an engine process the answer is one view across all of them, like a scrape of /metrics.
 
 The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our units of work:
-- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer) answered 200 / with an
+- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer, gRPC ModelInfer) answered 200 / with an
   error, and their whole duration;
 - `queue`, `compute_input`, `compute_infer`, `compute_output`: per image: its wait in the batch queue, its
   preparation (decoding and preprocessing an image, or its share of parsing a tensor request), the model call
@@ -15,6 +15,9 @@ The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our u
 from __future__ import annotations
 
 from collections import defaultdict
+
+
+SUCCESS_STATUSES = ("200", "OK")  # HTTP's, gRPC's
 
 
 def triton_statistics(families, name: str, version: str, inference_endpoints: frozenset[str]) -> dict:
@@ -29,7 +32,7 @@ def triton_statistics(families, name: str, version: str, inference_endpoints: fr
                 continue  # another model's, or a request that ran none
             if sample.name.startswith("vitserve_request_duration_seconds_"):
                 if labels.get("endpoint") in inference_endpoints and sample.name.endswith(("_count", "_sum")):
-                    requests[labels["status"] == "200"][sample.name.endswith("_sum")] += sample.value
+                    requests[labels["status"] in SUCCESS_STATUSES][sample.name.endswith("_sum")] += sample.value
             elif "batch_size" in labels and sample.name.startswith("vitserve_batch"):
                 batches[int(labels["batch_size"])][sample.name] += sample.value
             else:

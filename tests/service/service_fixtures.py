@@ -195,7 +195,8 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
     port = free_port()
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
-            "1", "--log-level", "warning", "--workers", str(workers), "--max-loop-lag-ms", "60000", *flags]
+            "1", "--log-level", "warning", "--workers", str(workers), "--max-loop-lag-ms", "60000", "--grpc-port", "0",
+            *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

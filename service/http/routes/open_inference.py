@@ -23,7 +23,7 @@ from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from service.engine import ModelHandle
 from service.core.errors import NotReady, openapi_responses
 from service.core.explanations import relevance_target
-from service.protocols.inference_protocol import InferCall, ProtocolLimits, encode_response, parse_infer_request
+from service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from service.protocols.model_config import model_metadata, triton_config
 from service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
@@ -221,11 +221,7 @@ async def _read_call(request: Request, state: ServiceState, handle: ModelHandle,
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    info = handle.info
-    limits = ProtocolLimits(max_json_bytes=s.max_json_body_bytes, max_json_values=s.max_json_values,
-                            max_batch=s.max_batch_files, max_image_bytes=s.max_upload_bytes, channels=info.channels,
-                            patch_size=info.patch_size, max_tokens=s.max_native_tokens)
-    return parse_infer_request(body, header_length, limits), time.perf_counter() - started
+    return parse_infer_request(body, header_length, limits_for(s, handle.info)), time.perf_counter() - started
 
 
 def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelHandle:

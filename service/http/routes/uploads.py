@@ -15,9 +15,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from service.core.admission import Deadline
-from service.core.errors import (ClientDisconnected, DeadlineExceeded, InvalidParameter, NotReady, PayloadTooLarge,
-                            RequestTimeout, ServiceError, UnsupportedMediaType)
+from service.core.admission import Deadline, run_within
+from service.core.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError,
+                                 UnsupportedMediaType)
 from service.core.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
@@ -140,37 +140,10 @@ async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
 
 async def run_guarded(request: Request, awaitable, deadline: Deadline, stop: asyncio.Event, *,
                       watch_disconnect: bool = True, on_timeout: ServiceError | None = None):
-    """Await `awaitable`, cancelling it (which drops its queued work) when the deadline passes (DeadlineExceeded,
-    or `on_timeout`), the client disconnects (ClientDisconnected; watched only once the body has been read) or
-    the server's drain runs out (`stop` set: NotReady)."""
-    work = asyncio.ensure_future(awaitable)
-    watchers = {asyncio.ensure_future(stop.wait())}
-    if watch_disconnect:
-        watchers.add(asyncio.ensure_future(_disconnected(request)))
-    try:
-        done, _ = await asyncio.wait({work, *watchers}, timeout=deadline.remaining(),
-                                     return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        work.cancel()
-        raise
-    finally:
-        for watcher in watchers:
-            watcher.cancel()
-    if work in done:
-        return work.result()
-    work.cancel()
-    work.add_done_callback(_retrieve)
-    if stop.is_set():
-        raise NotReady("the server shut down before this request finished")
-    if done:
-        raise ClientDisconnected("client disconnected before its answer was ready")
-    raise on_timeout or DeadlineExceeded("the request's deadline passed before its answer was ready")
-
-
-def _retrieve(task: asyncio.Future) -> None:
-    """A cancelled request's work may still end in an error; it is nobody's to report."""
-    if not task.cancelled():
-        task.exception()
+    """`service.core.admission.run_within`, also cancelled when the client disconnects (ClientDisconnected;
+    watched only once the body has been read)."""
+    disconnected = _disconnected(request) if watch_disconnect else None
+    return await run_within(awaitable, deadline, stop, disconnected=disconnected, on_timeout=on_timeout)
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,0 +1,41 @@
+"""Keys, whatever the transport: `--api-key` opens the inference and model calls, `--admin-key` the repository
+API, each sent as `Authorization: Bearer KEY` (an HTTP header, or gRPC request metadata) and compared in constant
+time. This is a shared secret, not identity: put TLS and OIDC in front (docs/repository.md).
+"""
+from __future__ import annotations
+
+import hmac
+
+from pydantic import SecretStr
+
+from service.core.errors import Forbidden, RepositoryControlDisabled, Unauthorized
+from service.settings import Settings
+
+MAX_KEY_CHARS = 512  # a longer Authorization value is wrong, and is not compared
+
+
+def check_authorization(value: str | None, key: SecretStr | None, what: str) -> None:
+    """Nothing when `key` is unset or the Authorization `value` carries it; Unauthorized (401) without
+    credentials, Forbidden (403) with others."""
+    if key is None:
+        return
+    if not value:
+        raise Unauthorized(f"{what} needs a key: send Authorization: Bearer KEY")
+    scheme, _, token = value.strip().partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token or len(token) > MAX_KEY_CHARS:
+        raise Unauthorized(f"{what} needs a key: send Authorization: Bearer KEY")
+    if not hmac.compare_digest(token.encode(), key.get_secret_value().encode()):
+        raise Forbidden(f"the key sent does not open {what}")
+
+
+def check_repository_access(settings: Settings, authorization: str | None, *, changes: bool) -> None:
+    """The repository API: on only with model_control_mode explicit (or poll, read-only: `changes` False), and
+    then the admin key."""
+    if settings.model_control_mode == "none":
+        raise RepositoryControlDisabled("the repository API is off: start the server with --model-repository DIR "
+                                        "--model-control-mode explicit (or poll)")
+    check_authorization(authorization, settings.admin_key, "the repository API")
+    if changes and settings.model_control_mode != "explicit":
+        raise RepositoryControlDisabled("load and unload need --model-control-mode explicit (in poll mode the "
+                                        "repository's files decide what is served)")

@@ -1,0 +1,96 @@
+"""Triton's gRPC messages (package `inference`) to and from the plain data the HTTP protocol already speaks:
+a `ModelInferRequest` becomes the same `InferRequest` and binary section that a /v2 body with binary tensors
+parses into, so one parser (service/protocols/inference_protocol.py) holds every rule and limit for both; the
+answers are the same dictionaries and models the /v2 routes send, written as messages. No grpc here: protobuf
+messages only.
+"""
+from __future__ import annotations
+
+import numpy as np
+from google.protobuf import json_format
+from pydantic import ValidationError
+
+from service.core.errors import InvalidParameter
+from service.grpc.generated import grpc_service_pb2 as pb
+from service.grpc.generated import model_config_pb2
+from service.protocols.binary_tensors import pack_bytes
+from service.protocols.inference_protocol import (InferCall, ProtocolLimits, call_from_request, output_arrays,
+                                                  raw_bytes, validation_problems)
+from service.protocols.schemas import InferRequest, ModelMetadata
+
+# The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
+CONTENTS_FIELDS = {"FP32": "fp32_contents", "BYTES": "bytes_contents"}
+
+
+def parameter_values(parameters) -> dict:
+    """A protobuf map of InferParameter as plain values (bool, int, float, str)."""
+    values = {}
+    for key, parameter in parameters.items():
+        choice = parameter.WhichOneof("parameter_choice")
+        values[key] = getattr(parameter, choice) if choice else None
+    return values
+
+
+def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCall:
+    """The call a ModelInferRequest makes: its one input from `raw_input_contents` (as Triton's clients send it)
+    or from the typed `contents`, validated as /v2 validates a request with binary tensors."""
+    if len(request.inputs) != 1:
+        raise InvalidParameter(f"inputs: send exactly one input (pixel_values or image), got {len(request.inputs)}")
+    tensor = request.inputs[0]
+    if request.raw_input_contents and len(request.raw_input_contents) != 1:
+        raise InvalidParameter(f"raw_input_contents has {len(request.raw_input_contents)} entries for 1 input")
+    typed = [field.name for field, _ in tensor.contents.ListFields()]
+    if request.raw_input_contents and typed:
+        raise InvalidParameter("inputs.0 has both contents and raw_input_contents; send one")
+    if request.raw_input_contents:
+        section = request.raw_input_contents[0]
+    elif typed:
+        section = _typed_section(tensor, typed)
+    else:
+        raise InvalidParameter("inputs.0 has no contents and there is no raw_input_contents")
+    document = {
+        **({"id": request.id} if request.id else {}),
+        **({"parameters": parameter_values(request.parameters)} if request.parameters else {}),
+        "inputs": [{"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
+                    "parameters": {**parameter_values(tensor.parameters), "binary_data_size": len(section)}}],
+        **({"outputs": [{"name": o.name, **({"parameters": parameter_values(o.parameters)} if o.parameters else {})}
+                        for o in request.outputs]} if request.outputs else {}),
+    }
+    try:
+        parsed = InferRequest.model_validate(document)
+    except ValidationError as e:
+        raise InvalidParameter(validation_problems(e)) from None
+    return call_from_request(parsed, memoryview(section), limits)
+
+
+def _typed_section(tensor, typed: list[str]) -> bytes:
+    """Typed contents as the binary section the raw form would have carried."""
+    wanted = CONTENTS_FIELDS.get(tensor.datatype)
+    if typed != [wanted]:
+        raise InvalidParameter(f"inputs.0 ({tensor.datatype}) must carry its values in contents.{wanted}, "
+                               f"got contents.{', contents.'.join(typed)}")
+    if tensor.datatype == "BYTES":
+        return pack_bytes(tensor.contents.bytes_contents)
+    return np.asarray(tensor.contents.fp32_contents, dtype="<f4").tobytes()
+
+
+def infer_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
+                   labels: list[str]) -> pb.ModelInferResponse:
+    """The outputs asked for, each as raw bytes (Triton's server sends every output so)."""
+    response = pb.ModelInferResponse(model_name=model_name, model_version=model_version, id=call.id or "")
+    for wanted, array, datatype in output_arrays(call, tensors, labels):
+        response.outputs.add(name=wanted.name, datatype=datatype, shape=array.shape)
+        response.raw_output_contents.append(raw_bytes(array, datatype))
+    return response
+
+
+def metadata_response(metadata: ModelMetadata) -> pb.ModelMetadataResponse:
+    return json_format.ParseDict(metadata.model_dump(), pb.ModelMetadataResponse())
+
+
+def config_response(config: dict) -> pb.ModelConfigResponse:
+    return pb.ModelConfigResponse(config=json_format.ParseDict(config, model_config_pb2.ModelConfig()))
+
+
+def statistics_response(model_stats: list[dict]) -> pb.ModelStatisticsResponse:
+    return json_format.ParseDict({"model_stats": model_stats}, pb.ModelStatisticsResponse())

@@ -1,0 +1,240 @@
+"""Triton's `GRPCInferenceService` over the same inference core as /v2: every RPC translates its message into the
+calls the HTTP routes make (service/core/inference.py) and the answer back, so limits, deadlines, admission,
+keys and metrics are the same on both transports.
+
+Errors: every `ServiceError` becomes the gRPC status Triton would send for it (`GRPC_CODES`, by the HTTP status
+the error table gives it), its message the details; a refusal for overload is RESOURCE_EXHAUSTED with
+`retry-after` (seconds) in the trailing metadata. Keys travel as the `authorization` metadata
+(`Bearer KEY`); ServerLive, ServerReady and ServerMetadata stay open, like /v2's health routes.
+The RPCs Triton has and vitserve does not (shared memory, trace and log settings) answer UNIMPLEMENTED.
+"""
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+
+import grpc
+
+from service.core import inference
+from service.core.admission import Deadline, run_within
+from service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
+from service.core.explanations import relevance_target
+from service.core.keys import check_authorization, check_repository_access
+from service.core.state import INFERENCE_ENDPOINTS, ServiceState
+from service.grpc import messages
+from service.grpc.generated import grpc_service_pb2 as pb
+from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from service.protocols.inference_protocol import limits_for
+from service.protocols.model_config import model_metadata, triton_config
+from service.protocols.statistics import triton_statistics
+from service.repository.layout import check_model_name
+
+log = logging.getLogger("vitserve.grpc")
+
+SERVICE_NAME = "inference.GRPCInferenceService"
+StatusCode = grpc.StatusCode
+# The HTTP status of an error (service.core.errors.STATUS_CODES) -> its gRPC status, as Triton maps its errors
+# (INVALID_ARG -> INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...). A request over a content limit (pixels, images)
+# is INVALID_ARGUMENT: sending it again cannot help, while RESOURCE_EXHAUSTED says "later".
+GRPC_CODES = {400: StatusCode.INVALID_ARGUMENT, 401: StatusCode.UNAUTHENTICATED, 403: StatusCode.PERMISSION_DENIED,
+              404: StatusCode.NOT_FOUND, 408: StatusCode.DEADLINE_EXCEEDED, 413: StatusCode.INVALID_ARGUMENT,
+              415: StatusCode.INVALID_ARGUMENT, 422: StatusCode.INVALID_ARGUMENT, 429: StatusCode.RESOURCE_EXHAUSTED,
+              499: StatusCode.CANCELLED, 500: StatusCode.INTERNAL, 503: StatusCode.UNAVAILABLE,
+              504: StatusCode.DEADLINE_EXCEEDED}
+RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: seconds, as HTTP's Retry-After
+
+
+def grpc_code(error: ServiceError) -> grpc.StatusCode:
+    return GRPC_CODES.get(status_code(error), StatusCode.INTERNAL)
+
+
+def authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else None
+    return None
+
+
+def rpc(*, open_: bool = False):
+    """An RPC's frame: the api key (unless `open_`), its error as a gRPC status, and its duration in
+    vitserve_request_duration_seconds{protocol="grpc"} under the RPC's full name and status code."""
+    def wrap(method):
+        endpoint = f"/{SERVICE_NAME}/{method.__name__}"
+
+        @functools.wraps(method)
+        async def handler(self: "InferenceServicer", request, context: grpc.aio.ServicerContext):
+            state, started, served = self.state, time.perf_counter(), {}
+            state.metrics.request_started()
+            code, error = StatusCode.OK, None
+            try:
+                if not open_:
+                    check_authorization(authorization(context), state.settings.api_key, "this call")
+                return await method(self, request, context, served)
+            except ServiceError as e:
+                code, error = grpc_code(e), e
+                state.metrics.rejected_request(e.code)
+            except asyncio.CancelledError:  # the client cancelled, or its deadline passed
+                code = StatusCode.CANCELLED
+                raise
+            except Exception:
+                log.exception("unhandled error in %s", endpoint)
+                code, error = StatusCode.INTERNAL, ServiceError("internal server error")
+            finally:
+                state.metrics.request_done(endpoint, code.name, time.perf_counter() - started,
+                                           served.get("name", ""), served.get("version", ""), protocol="grpc")
+            trailing = ()
+            if code is StatusCode.RESOURCE_EXHAUSTED:
+                trailing = ((RETRY_AFTER_KEY, str(state.retry_after_s(served.get("requested")))),)
+            await context.abort(code, str(error), trailing_metadata=trailing)
+        handler.endpoint = endpoint
+        return handler
+    return wrap
+
+
+class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
+    def __init__(self, state: ServiceState):
+        self.state = state
+
+    # --- health and metadata ---
+    @rpc(open_=True)
+    async def ServerLive(self, request, context, served) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    @rpc(open_=True)
+    async def ServerReady(self, request, context, served) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=self.state.ready)
+
+    @rpc(open_=True)
+    async def ServerMetadata(self, request, context, served) -> pb.ServerMetadataResponse:
+        from service.http.routes.open_inference import EXTENSIONS
+        from vitserve import __version__
+        return pb.ServerMetadataResponse(name="vitserve", version=__version__, extensions=EXTENSIONS)
+
+    @rpc()
+    async def ModelReady(self, request, context, served) -> pb.ModelReadyResponse:
+        """Ready: the version (or, unnamed, a version of the model) is routed to; false while it loads, and for a
+        name the server does not serve (as Triton answers)."""
+        _check_names(request.name, request.version)
+        try:
+            self.state.engine.route(request.name, request.version or None)
+        except ServiceError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=self.state.ready)
+
+    @rpc()
+    async def ModelMetadata(self, request, context, served) -> pb.ModelMetadataResponse:
+        handle = self._route(request.name, request.version)
+        versions = None if request.version else [v for _, v in self.state.engine.ready_versions(handle.name)]
+        return messages.metadata_response(model_metadata(handle.info, versions))
+
+    @rpc()
+    async def ModelConfig(self, request, context, served) -> pb.ModelConfigResponse:
+        handle = self._route(request.name, request.version)
+        settings = self.state.settings.model_copy(update=handle.batching)  # the model's own limits
+        return messages.config_response(triton_config(handle.info, settings, self.state.engine.provider))
+
+    @rpc()
+    async def ModelStatistics(self, request, context, served) -> pb.ModelStatisticsResponse:
+        """One model's statistics (every ready version, or the one named); no name: every ready model's."""
+        engine = self.state.engine
+        if request.name:
+            handle = self._route(request.name, request.version)
+            pairs = [(handle.name, handle.version)] if request.version else engine.ready_versions(handle.name)
+        else:
+            pairs = sorted(engine.ready_versions())
+        families = await asyncio.to_thread(self.state.metrics.families)  # file reads with several processes
+        return messages.statistics_response([triton_statistics(families, n, v, INFERENCE_ENDPOINTS)
+                                             for n, v in pairs])
+
+    # --- inference ---
+    @rpc()
+    async def ModelInfer(self, request: pb.ModelInferRequest, context, served) -> pb.ModelInferResponse:
+        """As POST /v2/models/{name}/infer: admitted first (RESOURCE_EXHAUSTED at once when full), then parsed,
+        run through the model version's batcher within the deadline (the server's, shortened by the call's gRPC
+        deadline and its `timeout` parameter), and encoded."""
+        state, started = self.state, time.perf_counter()
+        if not state.ready:
+            raise NotReady("the model is not ready (warming up or shutting down)")
+        _check_names(request.model_name, request.model_version)
+        served["requested"] = request.model_name
+        state.admission.enter(state.engine.predicted_wait_s(request.model_name), state.settings.queue_wait_limit_s)
+        try:
+            handle = self._route(request.model_name, request.model_version)
+            served.update(name=handle.name, version=handle.version)
+            deadline = Deadline.after(state.settings.request_timeout_s)
+            left = context.time_remaining()
+            if left is not None:  # the client's deadline can only make the server's earlier
+                deadline = Deadline(min(deadline.at, started + left))
+            call = messages.infer_call(request, limits_for(state.settings, handle.info))
+            parse_s = time.perf_counter() - started
+            target = relevance_target(call.target, handle.info) if call.explains else None
+            if call.timeout_s is not None:
+                deadline = Deadline(min(deadline.at, started + call.timeout_s))
+            if call.images is not None:
+                work = inference.run_encoded_images(state, handle, call.images, call.resize, deadline, target)
+            else:
+                work = inference.run_pixel_tensors(state, handle, call.pixels, deadline, target)
+            tensors = await run_within(work, deadline, state.stopping)
+        finally:
+            state.admission.leave()
+        info = inference.answering_info(state, handle, tensors["versions"][0])
+        served.update(name=info.name, version=info.version)
+        encoding = time.perf_counter()
+        response = messages.infer_response(call, info.name, info.version, tensors, info.labels)
+        encode_s = time.perf_counter() - encoding
+        stages = state.metrics.for_model(info.name, info.version)
+        if call.images is None:
+            stages.tensor_stages(call.batch, parse_s, encode_s)
+        else:
+            for prepare_s in tensors["prepare_s"]:
+                stages.image_stages(prepare_s, encode_s / call.batch)
+        return response
+
+    # --- the model repository extension (the admin key; explicit mode for load and unload) ---
+    @rpc(open_=True)
+    async def RepositoryIndex(self, request, context, served) -> pb.RepositoryIndexResponse:
+        self._repository_call(request.repository_name, context, changes=False)
+        entries = await self.state.engine.index(ready_only=request.ready)
+        return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
+            name=e.name, version=e.version or "", state=e.state or "", reason=e.reason or "") for e in entries])
+
+    @rpc(open_=True)
+    async def RepositoryModelLoad(self, request, context, served) -> pb.RepositoryModelLoadResponse:
+        self._repository_call(request.repository_name, context, changes=True)
+        if request.parameters:
+            raise InvalidParameter("load parameters (a config override, model files) are not supported: the "
+                                   "repository's files and config.json say what is loaded")
+        await self.state.engine.load(check_model_name(request.model_name))
+        return pb.RepositoryModelLoadResponse()
+
+    @rpc(open_=True)
+    async def RepositoryModelUnload(self, request, context, served) -> pb.RepositoryModelUnloadResponse:
+        self._repository_call(request.repository_name, context, changes=True)
+        await self.state.engine.unload(check_model_name(request.model_name))
+        return pb.RepositoryModelUnloadResponse()
+
+    # --- helpers ---
+    def _route(self, name: str, version: str):
+        _check_names(name, version)
+        return self.state.engine.route(name, version or None)
+
+    def _repository_call(self, repository_name: str, context, *, changes: bool) -> None:
+        check_repository_access(self.state.settings, authorization(context), changes=changes)
+        if not self.state.ready:
+            raise NotReady("the server is not ready (warming up or shutting down)")
+        if repository_name:
+            raise InvalidParameter("repository_name: this server has one repository; leave it empty")
+
+
+MAX_NAME_CHARS = 256
+
+
+def _check_names(name: str, version: str) -> None:
+    """A model must be named (gRPC has no path that could name the only one); name and version are bounded before
+    they reach routing."""
+    if not name:
+        raise InvalidModelName("name the model (model_name / name): this call has none")
+    if len(name) > MAX_NAME_CHARS or len(version) > MAX_NAME_CHARS:
+        raise InvalidModelName(f"model names and versions are at most {MAX_NAME_CHARS} characters")
