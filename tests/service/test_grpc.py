@@ -450,3 +450,137 @@ def test_repository_rpcs(tiny_onnx, tmp_path):
             assert error.status() == "StatusCode.INVALID_ARGUMENT"
             error = refused(client.load_model, "tiny", headers=key, config='{"max_batch_size": 2}')
             assert error.status() == "StatusCode.INVALID_ARGUMENT" and "not supported" in error.message()
+
+
+# --- TLS, drain, the stubs, the command line ------------------------------------------------------------------------
+
+def _openssl(*args: str) -> None:
+    import subprocess
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def certificates(tmp_path_factory):
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, both signed by the CA (openssl)."""
+    import shutil
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (.ci/run installs it)")
+    d = tmp_path_factory.mktemp("tls")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=test-ca",
+             "-keyout", str(d / "ca.key"), "-out", str(d / "ca.pem"))
+    for name, extension in (("server", "subjectAltName=IP:127.0.0.1"), ("client", "extendedKeyUsage=clientAuth")):
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN={name}", "-keyout", str(d / f"{name}.key"),
+                 "-out", str(d / f"{name}.csr"))
+        (d / f"{name}.ext").write_text(extension + "\n")
+        _openssl("x509", "-req", "-in", str(d / f"{name}.csr"), "-CA", str(d / "ca.pem"), "-CAkey", str(d / "ca.key"),
+                 "-CAcreateserial", "-days", "2", "-extfile", str(d / f"{name}.ext"), "-out", str(d / f"{name}.pem"))
+    return d
+
+
+def test_tls_on_http_and_grpc_and_mutual_tls(tiny_onnx, certificates):
+    d = certificates
+    grpc_port = free_port()
+    flags = ["--grpc-port", str(grpc_port), "--ssl-certfile", str(d / "server.pem"), "--ssl-keyfile",
+             str(d / "server.key"), "--ssl-ca-certs", str(d / "ca.pem")]
+    # the fixture waits for readiness over plain HTTP: a TLS server is waited for here
+    import subprocess, sys
+    from service_fixtures import REPO, wait_until
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "vitserve.cli", "serve", "--model", str(tiny_onnx), "--port",
+                                str(port), "--providers", "cpu", "--workers", "1", "--log-level", "warning", *flags],
+                               cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    ca, cert = str(d / "ca.pem"), (str(d / "client.pem"), str(d / "client.key"))
+    try:
+        def https_ready() -> bool:
+            assert process.poll() is None, process.stdout.read().decode()
+            try:
+                import ssl
+                context = ssl.create_default_context(cafile=ca)
+                context.load_cert_chain(*cert)
+                return httpx.get(f"https://127.0.0.1:{port}/v2/health/ready", verify=context, timeout=5).is_success
+            except httpx.TransportError:
+                return False
+        wait_until(https_ready, "the TLS server ready")
+        with pytest.raises(httpx.TransportError):  # no client certificate: the handshake fails
+            import ssl
+            httpx.get(f"https://127.0.0.1:{port}/v2/health/ready", verify=ssl.create_default_context(cafile=ca),
+                      timeout=5)
+        with pytest.raises(httpx.TransportError):  # plain text to a TLS port
+            httpx.get(f"http://127.0.0.1:{port}/v2/health/ready", timeout=5)
+        root, chain, key = (open(p, "rb").read() for p in (ca, *cert))
+        with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}", ssl=True, root_certificates=ca,
+                                               private_key=cert[1], certificate_chain=cert[0]) as client:
+            assert client.is_server_ready()
+            assert client.infer(MODEL, [pixel_input(pixels(1, TRAINED))]).as_numpy("logits").shape == (1, 3)
+        credentials = grpc.ssl_channel_credentials(root_certificates=root)  # TLS, but no client certificate
+        with grpc.secure_channel(f"127.0.0.1:{grpc_port}", credentials) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(),
+                                                                              timeout=10)
+            assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:  # plain text to the TLS port
+            with pytest.raises(grpc.RpcError):
+                service_pb2_grpc.GRPCInferenceServiceStub(channel).ServerLive(service_pb2.ServerLiveRequest(),
+                                                                              timeout=10)
+        assert key  # the key file was readable (the server read it too)
+    finally:
+        process.terminate()
+        process.wait(30)
+
+
+def test_sigterm_drains_grpc_then_exits_cleanly(tiny_onnx):
+    """SIGTERM: the server finishes, new gRPC calls are refused (UNAVAILABLE), and the process exits 0."""
+    import signal
+    grpc_port = free_port()
+    with uvicorn_server(tiny_onnx, "--grpc-port", str(grpc_port), "--drain-timeout-s", "2") as (_, process):
+        with triton_grpc.InferenceServerClient(f"127.0.0.1:{grpc_port}") as client:
+            assert client.infer(MODEL, [pixel_input(pixels(1, TRAINED))]).as_numpy("logits").shape == (1, 3)
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(PATIENCE_S) == 0
+            error = refused(client.is_server_live, client_timeout=5)
+            assert error.status() in ("StatusCode.UNAVAILABLE", "StatusCode.DEADLINE_EXCEEDED")
+
+
+def test_the_checked_in_stubs_are_what_make_grpc_stubs_makes(tmp_path):
+    """The generated files match the .proto files and the pinned grpcio-tools (pyproject's dev extra)."""
+    pytest.importorskip("grpc_tools")
+    import filecmp
+    import shutil
+    import subprocess
+    import sys
+    from service_fixtures import REPO
+    generated = REPO / "service" / "grpc" / "generated"
+    for name in ("grpc_service.proto", "model_config.proto", "__init__.py"):
+        shutil.copy(generated / name, tmp_path / name)
+    shutil.copy(REPO / "Makefile", tmp_path / "Makefile")
+    # the recipe's own commands, on a copy (GRPC_GENERATED pointed at it; the venv's python)
+    subprocess.run(["make", "-s", "-o", ".venv/.dev-installed", "grpc-stubs", f"GRPC_GENERATED={tmp_path}",
+                    f"BIN={os.path.dirname(sys.executable)}"], cwd=tmp_path, check=True, capture_output=True)
+    made = sorted(p.name for p in tmp_path.glob("*_pb2*"))
+    assert made == sorted(p.name for p in generated.glob("*_pb2*")), made
+    for name in made:
+        assert filecmp.cmp(tmp_path / name, generated / name, shallow=False), f"{name}: run make grpc-stubs"
+
+
+def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, capsys):
+    from vitserve.cli import main
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_onnx), "--grpc-port", str(port)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and f"127.0.0.1:{port} is in use" in error and "--grpc-port" in error
+
+
+def test_serve_refuses_grpc_on_the_http_port_and_half_a_tls_pair(tiny_onnx, tmp_path, capsys):
+    from vitserve.cli import main
+    assert main(["serve", "--model", str(tiny_onnx), "--port", "9555", "--grpc-port", "9555"]) == 2
+    assert "is the HTTP port" in capsys.readouterr().err
+    cert = tmp_path / "cert.pem"
+    cert.write_text("x")
+    assert main(["serve", "--model", str(tiny_onnx), "--ssl-certfile", str(cert), "--grpc-port", "0"]) == 2
+    assert "go together" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_onnx), "--ssl-certfile", str(tmp_path / "missing.pem"),
+                 "--ssl-keyfile", str(cert), "--grpc-port", "0"]) == 2
+    assert "ssl_certfile" in capsys.readouterr().err
