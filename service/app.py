@@ -14,13 +14,14 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from service import tracing
 from service.engine import Engine
 from service.core.errors import ServiceError, error_headers, error_response, status_code
 from service.core.metrics import ServiceMetrics
 from service.http.routes import classify, open_inference, operations, repository, web
 from service.engine.runtime import InferenceModel
 from service.settings import Settings
-from service.core.state import ServiceState
+from service.core.state import ServiceState, inference_route
 
 log = logging.getLogger("vitserve.app")
 
@@ -41,6 +42,8 @@ async def lifespan(app: FastAPI):
         if grpc_front_end is not None:
             await grpc_front_end.stop()
         await state.stop()
+        if app.state.serve_grpc:  # the server's own process ends here: flush its last spans
+            tracing.shutdown()
 
 
 def create_app(settings: Settings | None = None, *, model: InferenceModel | None = None,
@@ -59,6 +62,8 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
+    if tracing.enabled():  # installed only when on: off, tracing costs nothing per request
+        app.add_middleware(TracingMiddleware)
     # the web page and the docs last: routing an API request never looks at their routes
     for router in (classify.router, repository.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
@@ -99,6 +104,7 @@ def app_from_env() -> FastAPI:
     from service.logs import configure_logging
     settings = Settings()
     configure_logging(settings.log_level)
+    tracing.configure(settings)
     return create_app(settings, serve_grpc=True)
 
 
@@ -131,6 +137,38 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return respond(request, 500, "internal_error", "internal server error", error_headers(500, 0))
+
+
+class TracingMiddleware:
+    """Pure ASGI middleware, installed only with tracing on: a SERVER span for each inference request (never
+    health, metrics or the web page), the child of the caller's W3C `traceparent` header when it sent one."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        route = inference_route(scope["method"].encode(), scope["path"]) if scope["type"] == "http" else None
+        if route is None:
+            return await self.app(scope, receive, send)
+        carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]
+                   if key in (b"traceparent", b"tracestate")}
+        attributes = {"http.request.method": scope["method"], "http.route": route, "url.path": scope["path"][:256]}
+        status = 500
+
+        async def send_with_status(message):
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        with tracing.server_span(f"{scope['method']} {route}", carrier, attributes) as span:
+            try:
+                await self.app(scope, receive, send_with_status)
+            finally:
+                model, version = scope.get("state", {}).get("served", ("", ""))  # set by routing, if it ran
+                span.set_attributes({"http.response.status_code": status, "vitserve.model": model,
+                                     "vitserve.version": version})
+                tracing.set_status_code(span, status, status >= 500)
 
 
 class RequestMetricsMiddleware:

@@ -45,6 +45,11 @@ class Settings(BaseSettings):
     ssl_ca_certs: FilePath | None = Field(None, description="mutual TLS: clients must present a certificate signed by "
                                                         "these CAs (PEM), on HTTP and gRPC")
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    otlp_endpoint: str | None = Field(None, max_length=2048, description="send OpenTelemetry traces to this "
+                                      "OTLP/HTTP collector (http://HOST:4318); unset: tracing is on only if "
+                                      "OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/tracing.md)")
+    trace_sample_ratio: float | None = Field(None, ge=0, le=1, description="share of requests traced (a sampled "
+                                             "caller's always are); unset: OTEL_TRACES_SAMPLER, else all")
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
 
     # the model repository (service/repository/): several models and versions, loaded and unloaded live
@@ -268,6 +273,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
                "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
+    "tracing": ("otlp_endpoint", "trace_sample_ratio"),
     "repository": ("repository_poll_secs",),
     "engine and ONNX Runtime": ("engine_arena_bytes", "engine_timeout_s", "cuda_device_id", "cuda_device_ids",
                                 "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "tensorrt_fp16",

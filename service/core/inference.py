@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from service import tracing
 from service.core import postprocess
 from service.core.admission import Deadline
 from service.engine import InferenceResult, ModelHandle
@@ -46,12 +47,15 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
     """One encoded image -> its top classes and its map. `options` has top_k, map, map_format, resize and the
     resolved target_index (service.http.routes.classify.ClassifyParams)."""
     target = options.target_index
-    prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize, options.map_format == "overlay")
-    result = await state.engine.submit(handle, prepared.pixels, deadline.remaining(), target)
+    with tracing.stage("decode"):
+        prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize,
+                                                        options.map_format == "overlay")
+    result = await submit(state, handle, prepared.pixels, deadline, target)
     info = answering_info(state, handle, result.version)
     logits, rollout, *relevance = result.output  # the relevance path adds the relevance map
     shown = relevance[0] if options.map == "relevance" else rollout
-    (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
+    with tracing.stage("encode"):
+        (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, postprocess_s)
     timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
                     total=_ms(time.perf_counter() - started))
@@ -90,8 +94,7 @@ async def run_pixel_tensors(state: ServiceState, handle: ModelHandle, pixels: np
                             target: int | None) -> dict[str, np.ndarray]:
     """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
     request, named, and the others are dropped."""
-    results = await _each(list(pixels), lambda image: state.engine.submit(handle, image, deadline.remaining(),
-                                                                          target))
+    results = await _each(list(pixels), lambda image: submit(state, handle, image, deadline, target))
     return _stacked(results)
 
 
@@ -99,14 +102,28 @@ async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: l
                              deadline: Deadline, target: int | None) -> dict:
     """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
     the request, named by its index, and the others' work is cancelled."""
-    prepared = await _each(images, lambda data: state.preprocess(data, handle.info, resize, keep_source=False))
+    prepared = await _each(images, lambda data: _decode(state, data, handle.info, resize))
     shapes = {p.pixels.shape for p, _ in prepared}
     if len(shapes) > 1:
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: state.engine.submit(handle, pixels, deadline.remaining(), target))
+                          lambda pixels: submit(state, handle, pixels, deadline, target))
     return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
+
+
+async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
+                 target: int | None) -> InferenceResult:
+    """One image through the engine; traced, its queue and inference spans."""
+    submitted_ns = tracing.now_ns()
+    result = await state.engine.submit(handle, pixels, deadline.remaining(), target)
+    tracing.engine_spans(submitted_ns, result)
+    return result
+
+
+async def _decode(state: ServiceState, data: bytes, info: ModelInfo, resize: ResizePolicy):
+    with tracing.stage("decode"):
+        return await state.preprocess(data, info, resize, keep_source=False)
 
 
 async def _each(items: list, work) -> list:

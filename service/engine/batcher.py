@@ -32,6 +32,7 @@ from typing import Any, Callable, Protocol, Sequence
 import numpy as np
 
 from service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from service import tracing
 from service.engine.threads import CpuPriority, lower_thread_priority
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
@@ -65,6 +66,7 @@ class BatchResult:
     queue_s: float  # submitted -> its batch dispatched
     inference_s: float  # the run_batch call of its batch
     batch_size: int
+    batch_span: str = ""  # the traced batch ("traceid-spanid", service/tracing.py), or ""
 
 
 @dataclass(eq=False)
@@ -85,8 +87,10 @@ class DynamicBatcher:
     def __init__(self, run_batch: RunBatch, *, max_batch_size: int, max_queue_delay_s: float,
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
-                 max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal"):
+                 max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
+                 trace_attributes: dict | None = None):
         self._run_batch = run_batch
+        self._trace_attributes = trace_attributes or {}  # on each batch's span, when tracing is on
         self.max_batch_size = max_batch_size
         self.max_targeted_batch_size = max_targeted_batch_size or max_batch_size
         self.max_batch_cost = max_batch_cost  # input values (array.size summed) per batch; None: no cap
@@ -269,7 +273,7 @@ class DynamicBatcher:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
-            started = time.perf_counter()
+            started, started_ns = time.perf_counter(), tracing.now_ns()
             stack_seconds = started - stacking
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
@@ -281,8 +285,10 @@ class DynamicBatcher:
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
+            span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), {
+                **self._trace_attributes, "vitserve.batch_size": len(batch), "vitserve.relevance": targeted})
             for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
-                self._resolve(item, output, seconds, len(batch))
+                self._resolve(item, output, seconds, len(batch), span)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
             self._observer.batch_done(len(batch), seconds, stack_seconds, targeted)
         finally:
@@ -297,13 +303,13 @@ class DynamicBatcher:
         self._seconds_per_cost[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
 
     @staticmethod
-    def _resolve(item: _Item, output: Any, seconds: float, size: int) -> None:
+    def _resolve(item: _Item, output: Any, seconds: float, size: int, span: str) -> None:
         if item.future.done():  # its client left while it ran
             return
         if isinstance(output, BaseException):
             item.future.set_exception(output)
         else:
-            item.future.set_result(BatchResult(output, item.dispatched - item.enqueued, seconds, size))
+            item.future.set_result(BatchResult(output, item.dispatched - item.enqueued, seconds, size, span))
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, run everything already queued, wait for running batches, then stop."""

@@ -82,6 +82,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     queue_s: float
     inference_s: float
     batch_size: int
+    batch_span: str = ""  # the traced batch, for the request's span to link to (service/tracing.py)
 
 
 class Failure(msgspec.Struct, tag="failure", array_like=True):

@@ -22,6 +22,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from service import tracing
 from service.engine.local import LocalEngine
 from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
                                      LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
@@ -62,10 +63,13 @@ def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, 
         registry = ModelRegistry(model_source(settings), settings, metrics, loader=load_engine_model,
                                  retire_grace_s=RETIRE_GRACE_S)
         server = EngineServer(LocalEngine(settings, metrics, registry), address)
+        tracing.configure(settings)  # the batches' spans: each ORT run is one
         asyncio.run(server.run(stop, parent_pid, started))
     except ServiceError as e:  # a bad single model file, an unreadable repository
         _report(started, str(e))
         raise SystemExit(1) from None
+    finally:
+        tracing.shutdown()
 
 
 def _report(started, outcome: str | None) -> None:
@@ -141,7 +145,7 @@ class EngineServer:
             result = await self.engine.run_on(submit.model, submit.version, pixels, submit.timeout_s, submit.target)
             reply = Result(submit.id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes())
                                        for o in result.output], result.queue_s, result.inference_s,
-                           result.batch_size)
+                           result.batch_size, result.batch_span)
         except ServiceError as e:
             reply = failure_for(submit.id, e)
         except asyncio.CancelledError:  # the frontend's client went away; the frontend still waits for the slot

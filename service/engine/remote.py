@@ -285,7 +285,7 @@ class RemoteEngine:
             if isinstance(answer, Result):
                 outputs = tuple(np.frombuffer(t.data, "<f4").reshape(t.shape) for t in answer.outputs)
                 pending.future.set_result(InferenceResult(outputs, answer.queue_s, answer.inference_s,
-                                                          answer.batch_size))
+                                                          answer.batch_size, batch_span=answer.batch_span))
             else:
                 pending.future.set_exception(error_of(answer))
 

@@ -81,7 +81,8 @@ class ServedModel:
                                       dispatch_when_idle=s.dispatch_when_idle,
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
-                                      runner_priority=self.cpu_priority)
+                                      runner_priority=self.cpu_priority,
+                                      trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
     async def warm_up(self) -> None:
@@ -104,7 +105,8 @@ class ServedModel:
 
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> InferenceResult:
         result = await self.batcher.submit(pixels, timeout_s, target)
-        return InferenceResult(result.output, result.queue_s, result.inference_s, result.batch_size)
+        return InferenceResult(result.output, result.queue_s, result.inference_s, result.batch_size,
+                               batch_span=result.batch_span)
 
     def predicted_wait_s(self) -> float:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0

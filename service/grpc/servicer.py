@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from service import tracing
 from service.core import inference
 from service.core.admission import Deadline, run_within
 from service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
@@ -43,6 +44,7 @@ GRPC_CODES = {400: StatusCode.INVALID_ARGUMENT, 401: StatusCode.UNAUTHENTICATED,
               415: StatusCode.INVALID_ARGUMENT, 422: StatusCode.INVALID_ARGUMENT, 429: StatusCode.RESOURCE_EXHAUSTED,
               499: StatusCode.CANCELLED, 500: StatusCode.INTERNAL, 503: StatusCode.UNAVAILABLE,
               504: StatusCode.DEADLINE_EXCEEDED}
+SERVER_FAULTS = frozenset({StatusCode.INTERNAL, StatusCode.UNKNOWN, StatusCode.DATA_LOSS})
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: seconds, as HTTP's Retry-After
 
 
@@ -57,14 +59,24 @@ def authorization(context: grpc.aio.ServicerContext) -> str | None:
     return None
 
 
-def rpc(*, open_: bool = False):
-    """An RPC's frame: the api key (unless `open_`), its error as a gRPC status, and its duration in
-    vitserve_request_duration_seconds{protocol="grpc"} under the RPC's full name and status code."""
+def rpc(*, open_: bool = False, traced: bool = False):
+    """An RPC's frame: the api key (unless `open_`), its error as a gRPC status, its duration in
+    vitserve_request_duration_seconds{protocol="grpc"} under the RPC's full name and status code, and (`traced`,
+    with tracing on) its server span, the child of the `traceparent` metadata when the caller sent one."""
     def wrap(method):
         endpoint = f"/{SERVICE_NAME}/{method.__name__}"
 
         @functools.wraps(method)
         async def handler(self: "InferenceServicer", request, context: grpc.aio.ServicerContext):
+            if traced and tracing.enabled():
+                carrier = {key: value for key, value in context.invocation_metadata() or ()
+                           if key in ("traceparent", "tracestate") and isinstance(value, str)}
+                attributes = {"rpc.system": "grpc", "rpc.service": SERVICE_NAME, "rpc.method": method.__name__}
+                with tracing.server_span(f"{SERVICE_NAME}/{method.__name__}", carrier, attributes) as span:
+                    return await framed(self, request, context, span)
+            return await framed(self, request, context, None)
+
+        async def framed(self: "InferenceServicer", request, context: grpc.aio.ServicerContext, span):
             state, started, served = self.state, time.perf_counter(), {}
             state.metrics.request_started()
             code, error = StatusCode.OK, None
@@ -84,6 +96,10 @@ def rpc(*, open_: bool = False):
             finally:
                 state.metrics.request_done(endpoint, code.name, time.perf_counter() - started,
                                            served.get("name", ""), served.get("version", ""), protocol="grpc")
+                if span is not None:
+                    span.set_attributes({"vitserve.model": served.get("name", ""),
+                                         "vitserve.version": served.get("version", "")})
+                    tracing.set_status_code(span, code.name, code in SERVER_FAULTS)
             trailing = ()
             if code is StatusCode.RESOURCE_EXHAUSTED:
                 trailing = ((RETRY_AFTER_KEY, str(state.retry_after_s(served.get("requested")))),)
@@ -149,7 +165,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                                              for n, v in pairs])
 
     # --- inference ---
-    @rpc()
+    @rpc(traced=True)
     async def ModelInfer(self, request: pb.ModelInferRequest, context, served) -> pb.ModelInferResponse:
         """As POST /v2/models/{name}/infer: admitted first (RESOURCE_EXHAUSTED at once when full), then parsed,
         run through the model version's batcher within the deadline (the server's, shortened by the call's gRPC
@@ -182,7 +198,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         info = inference.answering_info(state, handle, tensors["versions"][0])
         served.update(name=info.name, version=info.version)
         encoding = time.perf_counter()
-        response = messages.infer_response(call, info.name, info.version, tensors, info.labels)
+        with tracing.stage("encode"):
+            response = messages.infer_response(call, info.name, info.version, tensors, info.labels)
         encode_s = time.perf_counter() - encoding
         stages = state.metrics.for_model(info.name, info.version)
         if call.images is None:

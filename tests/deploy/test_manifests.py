@@ -38,6 +38,7 @@ RENDERED = ["overlays/cpu", "overlays/gpu", "overlays/repository", "kserve"]
 REPOSITORY = KUBE / "components" / "repository"
 # Every file a user applies, alone or through an overlay (patches are partial: rendered only)
 PLAIN_FILES = [*sorted((KUBE / "base").glob("[!k]*.yaml")), KUBE / "kserve" / "servingruntime.yaml",
+               KUBE / "kserve" / "servingruntime-grpc.yaml",
                KUBE / "kserve" / "inferenceservice.yaml", REPO / "deploy" / "ray" / "rayservice.yaml",
                REPOSITORY / "persistentvolumeclaim.yaml", REPOSITORY / "admin-key.example.yaml"]
 needs_kubectl = pytest.mark.skipif(shutil.which("kubectl") is None,
@@ -270,6 +271,29 @@ def test_kserve_runs_the_vitserve_image_over_the_v2_protocol():
     assert c["name"] == "kserve-container" and c["image"].startswith("vitserve:")
     assert c["readinessProbe"]["httpGet"]["path"] == "/v2/health/ready"
     assert service["metadata"]["name"] == "vit-fmnist"  # the artifact's name: /v2/models/vit-fmnist/infer
+
+
+def test_kserve_grpc_runtime_exposes_the_grpc_port_as_h2c():
+    """Knative routes one port per container; the gRPC runtime's is the server's gRPC port, named h2c."""
+    runtime = load(KUBE / "kserve" / "servingruntime-grpc.yaml")[0]
+    assert runtime["spec"]["protocolVersions"] == ["grpc-v2"]
+    (c,) = runtime["spec"]["containers"]
+    variables = {v["name"]: v["value"] for v in c["env"]}
+    assert c["ports"] == [{"name": "h2c", "containerPort": int(variables["VITSERVE_GRPC_PORT"]), "protocol": "TCP"}]
+    assert variables["VITSERVE_GRPC_PORT"] != variables["VITSERVE_PORT"]
+    assert c["readinessProbe"]["httpGet"] == {"path": "/v2/health/ready", "port": int(variables["VITSERVE_PORT"])}
+    http = load(KUBE / "kserve" / "servingruntime.yaml")[0]["spec"]["containers"][0]
+    assert {v["name"]: v["value"] for v in http["env"]}["VITSERVE_GRPC_PORT"] == "0"
+
+
+def test_the_service_carries_grpc_beside_http():
+    service = load(KUBE / "base" / "service.yaml")[0]
+    deployment = load(KUBE / "base" / "deployment.yaml")[0]
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    variables = {v["name"]: v["value"] for v in c["env"]}
+    assert ports == {"http": int(variables["VITSERVE_PORT"]), "grpc": int(variables["VITSERVE_GRPC_PORT"])}
+    assert {p["name"]: p["targetPort"] for p in service["spec"]["ports"]} == {"http": "http", "grpc": "grpc"}
 
 
 # --- the model repository ---

@@ -16,6 +16,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
+from service import tracing
 from service.core import inference
 from service.http.access import require_api_key
 from service.core.admission import Deadline
@@ -199,7 +200,8 @@ async def _infer(request: Request, state: ServiceState, name: str, version: str 
     # one request is routed once: its images ran on one version
     info = inference.answering_info(state, handle, tensors["versions"][0])
     encoding = time.perf_counter()
-    body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
+    with tracing.stage("encode"):
+        body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
     encode_s = time.perf_counter() - encoding
     stages = state.metrics.for_model(info.name, info.version)
     if call.images is None:
