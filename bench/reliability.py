@@ -98,7 +98,8 @@ class ServerUnderTest:
                 "--port", str(port), *server_args]
 
     def env(self, overrides: dict[str, str]) -> dict[str, str]:
-        env = {"VITSERVE_LOG_LEVEL": "warning", **{f"VITSERVE_{k.upper()}": v for k, v in overrides.items()}}
+        env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0",
+               **{f"VITSERVE_{k.upper()}": v for k, v in overrides.items()}}
         if self.checkout:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.checkout.resolve()),
                                                               os.environ.get("PYTHONPATH")]))

@@ -79,7 +79,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model-repository", str(root), "--port",
                 str(self.port), "--model-control-mode", "explicit", "--admin-key", ADMIN_KEY, "--log-level",
-                "warning", *[arg for name in load for arg in ("--load-model", name)]]
+                "warning", "--grpc-port", "0", *[arg for name in load for arg in ("--load-model", name)]]
         self.process = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:

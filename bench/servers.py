@@ -46,6 +46,7 @@ def server_settings(cfg: BenchConfig, overrides: dict[str, str], batching: bool)
     env.setdefault("VITSERVE_MAX_QUEUE_SIZE", str(max(256, 2 * max(cfg.concurrency))))
     env["VITSERVE_HOST"] = LOOPBACK
     env.setdefault("VITSERVE_LOG_LEVEL", "warning")
+    env.setdefault("VITSERVE_GRPC_PORT", "0")  # the HTTP bench: no port 8001 to collide on
     return env
 
 

@@ -32,7 +32,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from service.settings import SETTING_GROUPS
     more = sum(map(len, SETTING_GROUPS.values())) - len(SETTING_GROUPS["common"])
     parser = subparsers.add_parser(
-        "serve", help="serve exported models over HTTP (FastAPI + uvicorn, dynamic batching)", **_SERVE_TEXT,
+        "serve", help="serve exported models over HTTP and gRPC (FastAPI + uvicorn, grpcio; dynamic batching)", **_SERVE_TEXT,
         epilog=f"{more} more options ({', '.join(list(SETTING_GROUPS)[1:])}): --help-all")
     parser.add_argument("--help-all", action=_HelpAll, nargs=0, help="show every option, grouped, and exit")
     _add_settings(parser, everything=False)

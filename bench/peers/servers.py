@@ -46,11 +46,14 @@ class ServerSpec:
         return self.ports[0]
 
 
-def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | None = None) -> ServerSpec:
+def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | None = None,
+                  grpc: bool = False) -> ServerSpec:
     """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given; with `ray_replicas`,
-    `vitserve serve --ray` with that many replicas (a local Ray cluster of its own)."""
-    port = free_port()
-    env = {"VITSERVE_LOG_LEVEL": "warning", **({"PYTHONPATH": str(source.resolve())} if source else {})}
+    `vitserve serve --ray` with that many replicas (a local Ray cluster of its own); with `grpc`, its gRPC port
+    second in `ports` (otherwise none: an older commit's server, which has no gRPC, ignores the variable)."""
+    port, grpc_port = _distinct_free_ports(2) if grpc else (free_port(), 0)
+    env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": str(grpc_port),
+           **({"PYTHONPATH": str(source.resolve())} if source else {})}
     argv = serve_argv(model.resolve(), port)
     name = "vitserve"
     if ray_replicas:
@@ -59,7 +62,7 @@ def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | N
         name = f"vitserve-ray{ray_replicas}"
     if source:  # -P: the working directory (this repository) must not come first on the path and shadow `source`
         argv.insert(1, "-P")
-    return ServerSpec(name, argv, [port], ["/v2/health/ready"], env)
+    return ServerSpec(name, argv, [port, *([grpc_port] if grpc else [])], ["/v2/health/ready"], env)
 
 
 def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:

@@ -562,7 +562,7 @@ def test_the_checked_in_stubs_are_what_make_grpc_stubs_makes(tmp_path):
         assert filecmp.cmp(tmp_path / name, generated / name, shallow=False), f"{name}: run make grpc-stubs"
 
 
-def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, capsys):
+def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, private_environ, capsys):
     from vitserve.cli import main
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -573,7 +573,7 @@ def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, capsys):
     assert len(error.splitlines()) == 1 and f"127.0.0.1:{port} is in use" in error and "--grpc-port" in error
 
 
-def test_serve_refuses_grpc_on_the_http_port_and_half_a_tls_pair(tiny_onnx, tmp_path, capsys):
+def test_serve_refuses_grpc_on_the_http_port_and_half_a_tls_pair(tiny_onnx, tmp_path, private_environ, capsys):
     from vitserve.cli import main
     assert main(["serve", "--model", str(tiny_onnx), "--port", "9555", "--grpc-port", "9555"]) == 2
     assert "is the HTTP port" in capsys.readouterr().err

@@ -129,7 +129,7 @@ def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update
     plain = ServiceMetrics()
     assert set(mirror.declared) == {f.name for f in plain.registry.collect()}  # every one, by its base name
     assert mirror.declared["vitserve_request_duration_seconds"] == (
-        "histogram", ("endpoint", "status", "model", "version"), LATENCY_BUCKETS)
+        "histogram", ("endpoint", "status", "model", "version", "protocol"), LATENCY_BUCKETS)
     assert mirror.declared["vitserve_batch_size"] == ("histogram", ("model", "version"), BATCH_SIZE_BUCKETS)
     assert mirror.declared["vitserve_images"] == ("counter", ("model", "version"), None)
     model = metrics.for_model("m", "1")
@@ -144,7 +144,7 @@ def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update
         ("gauge", "vitserve_requests_in_flight", 1.0, {}), ("gauge", "vitserve_requests_in_flight", 2.0, {}),
         ("gauge", "vitserve_requests_in_flight", 1.0, {}),  # a gauge hands over its value, not the change
         ("histogram", "vitserve_request_duration_seconds", 0.25, {"endpoint": "/v1/classify", "status": "200",
-                                                                  **m1}),
+                                                                  **m1, "protocol": "http"}),
         ("histogram", "vitserve_inference_seconds", 0.02, m1), ("histogram", "vitserve_batch_size", 3, m1),
         ("counter", "vitserve_images", 3, m1), ("counter", "vitserve_batches", 1, {**m1, "batch_size": "3"}),
         ("counter", "vitserve_batch_seconds", 0.02, {**m1, "batch_size": "3"}),

@@ -80,12 +80,6 @@ def test_settings_from_environment(monkeypatch):
         Settings(providers="tpu")
 
 
-@pytest.fixture
-def private_environ(monkeypatch):
-    """`serve` writes its flags into os.environ (for uvicorn's workers); keep that inside the test."""
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")
-                                        and k != "PROMETHEUS_MULTIPROC_DIR"})
-
 
 def test_every_setting_is_a_serve_flag_and_flags_reach_uvicorn(tiny_onnx, private_environ, monkeypatch):
     import uvicorn
