@@ -291,6 +291,19 @@ def test_statistics_count_requests_images_and_batches_in_triton_s_shape():
     assert set(ours["batch_stats"][0]) <= set(triton["batch_stats"][0])  # compute_output is inside compute_infer
 
 
+def test_the_compute_counts_agree_when_an_answer_was_never_encoded():
+    """An image whose client left after its batch ran is counted by the engine (compute_infer) but never by the
+    front end's stages: compute_input and compute_output are still counted per image run, at the front end's
+    mean duration (perf_analyzer stops when the three counts differ)."""
+    metrics = ServiceMetrics()
+    model = metrics.for_model("m", "1")
+    model.image_stages(0.002, 0.001)  # one image encoded...
+    model.batch_done(2, 0.004, 0.0)  # ...of the two that ran
+    s = triton_statistics(metrics.families(), "m", "1", INFERENCE_ENDPOINTS)["inference_stats"]
+    assert s["compute_input"] == {"count": 2, "ns": 4_000_000} and s["compute_output"] == {"count": 2, "ns": 2_000_000}
+    assert s["compute_infer"]["count"] == 2
+
+
 def test_the_model_configuration_uses_triton_s_names_types_and_the_server_s_settings():
     info = ModelInfo(name="m", version="3", labels=["a", "b"], patch_size=4, image_size=(8, 12), channels=1,
                      mean=[0.5], std=[0.25])
