@@ -10,6 +10,13 @@ and the p50/p99 latency perf_analyzer reports; the ratios are each round's, and 
 
     python -m bench.grpc_peers --perf-analyzer /path/to/perf_analyzer --out docs/bench-grpc.md
 
+perf_analyzer asks for every output the model's configuration lists; a vitserve model with the relevance path
+lists `relevance`, whose backward pass costs several forward passes, while Triton's `vit-tensor` answers logits
+and rollout. The same work on both sides needs a model without it:
+
+    vitserve export models/vit-fmnist/checkpoint --out build/bench-models/vit-fmnist-fast.onnx --no-relevance
+    python -m bench.grpc_peers --model build/bench-models/vit-fmnist-fast.onnx --perf-analyzer ...
+
 perf_analyzer: the `tritonclient==2.51.0` wheel's binary, with Debian's libb64-0d and a libcudart.so.12 on
 LD_LIBRARY_PATH (docs/open-inference-protocol.md says how).
 """
@@ -51,6 +58,11 @@ def perf_analyzer(binary: str, model: str, url: str, protocol: str, inputs: Path
 
 
 def run(args) -> dict:
+    from service.engine.runtime import read_model_file_info
+    if read_model_file_info(args.model).explains_classes:
+        raise SystemExit(f"{args.model} has the relevance path, which perf_analyzer would ask every request for "
+                         f"(Triton's model answers logits and rollout only): export one with --no-relevance "
+                         f"(this module's docstring)")
     inputs_dir = Path(tempfile.mkdtemp(prefix="vitserve-grpc-bench-"))
     (inputs_dir / "pixels.json").write_text(json.dumps(perf_analyzer_inputs(args.model)["pixels.json"]))
     pixels = inputs_dir / "pixels.json"
@@ -121,7 +133,7 @@ def summary(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.grpc_peers", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("models/vit-fmnist/model.onnx"))
+    p.add_argument("--model", type=Path, default=Path("build/bench-models/vit-fmnist-fast.onnx"))
     p.add_argument("--perf-analyzer", required=True, help="the perf_analyzer binary")
     p.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 32])
     p.add_argument("--rounds", type=int, default=3)
