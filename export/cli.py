@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 from vitserve.help_format import DefaultsHelpFormatter
 from vitserve.machine import has_int8_dot_product
@@ -59,6 +60,8 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--no-relevance", action="store_true",
                    help="leave out the class-specific relevance path (a smaller file; the server then offers only "
                         "the attention rollout)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON line instead of the summary")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run_export)
 
 
@@ -77,20 +80,57 @@ def run_export(args) -> int:
         print(f"vitserve export: --eval {args.eval_dir}: not a directory", file=sys.stderr)
         return 2
 
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:
+        print(f"[{time.perf_counter() - started:5.1f} s] {text}", file=sys.stderr, flush=True)
+
     try:
         report = export_onnx(args.checkpoint, args.out, precision=precision,
                              opset=args.opset, verify=not args.no_verify, relevance=not args.no_relevance,
                              eval_dir=args.eval_dir, eval_limit=args.eval_limit,
-                             min_agreement=args.min_top1_agreement, max_accuracy_drop=args.max_accuracy_drop / 100)
+                             min_agreement=args.min_top1_agreement, max_accuracy_drop=args.max_accuracy_drop / 100,
+                             progress=None if args.quiet else progress)
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
-    print(json.dumps(report_summary(report)))
+    summary = report_summary(report)
+    print(json.dumps(summary) if args.json else human_summary(summary))
     if report.precision == "fp32" and has_int8_dot_product():
         print(f"this CPU multiplies int8 natively (VNNI): `vitserve export {args.checkpoint} --out ... --precision "
               f"int8 --eval DIR` makes a file that serves about twice as fast here, if it passes its accuracy gate "
               f"(docs/int8.md)", file=sys.stderr)
     return 0
+
+
+def human_summary(summary: dict) -> str:
+    """The report in a few lines, and the command that serves the file."""
+    lines = [f"exported {summary['path']}: {summary['precision']}, opset {summary['opset']}, "
+             f"{summary['size_bytes'] / 1e6:.1f} MB, in {summary['export_seconds']} s"]
+    if "verified" in summary:
+        v = summary["verified"]
+        sizes = sorted({f"{h}x{w}" for h, w, _ in v["cases"]})
+        lines.append(f"verified against PyTorch at {', '.join(sizes)}: logits within {v['max_logits_abs_diff']:.1e} "
+                     f"(tolerance {v['tolerances']['logits']:g}), rollout within {v['max_rollout_abs_diff']:.1e} "
+                     f"(tolerance {v['tolerances']['rollout']:g})")
+    else:
+        lines.append("not verified (--no-verify)")
+    if "relevance_verified" in summary:
+        r = summary["relevance_verified"]
+        lines.append(f"relevance path verified: within {r['max_relevance_rel_diff']:.1e} relative "
+                     f"(tolerance {r['tolerance']['relevance_relative']:g})")
+    if "fp16_vs_fp32" in summary:
+        f = summary["fp16_vs_fp32"]
+        lines.append(f"float16 against float32: logits within {f['max_logits_abs_diff']:.1e}, top-1 agreement "
+                     f"{f['top1_agreement']:.4f} on {f['photos']} photos")
+    if "int8_vs_fp32" in summary:
+        q = summary["int8_vs_fp32"]
+        accuracy = "" if q["int8_accuracy"] is None else \
+            f", accuracy {q['int8_accuracy']:.2%} against {q['fp32_accuracy']:.2%}"
+        lines.append(f"int8 against float32 on {q['images']} images of {q['measured_on']}: top-1 agreement "
+                     f"{q['top1_agreement']:.2%}{accuracy}, rollout Spearman {q['rollout_spearman']['mean']:.4f}")
+    lines.append(f"next: vitserve serve --model {summary['path']}")
+    return "\n".join(lines)
 
 
 def report_summary(report) -> dict:

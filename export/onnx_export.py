@@ -197,8 +197,10 @@ def save_model(proto: onnx.ModelProto, out_path: Path) -> None:
 def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: str = "fp32", fp16: bool = False,
                 opset: int | None = None, verify: bool = True, relevance: bool = True,
                 eval_dir: str | Path | None = None, eval_limit: int | None = None,
-                min_agreement: float | None = None, max_accuracy_drop: float | None = None) -> ExportReport:
-    """Export a checkpoint directory to one ONNX file and (by default) prove it right.
+                min_agreement: float | None = None, max_accuracy_drop: float | None = None,
+                progress=None) -> ExportReport:
+    """Export a checkpoint directory to one ONNX file and (by default) prove it right. `progress(text)`, when
+    given, hears each step as it starts (the command prints them: an export takes tens of seconds).
 
     `precision`: fp32; fp16 (for GPUs: export/fp16.py); int8 (for CPUs: export/int8.py), verified by an accuracy
     gate against the float32 graph (export/accuracy_gate.py) on `eval_dir`'s labelled images and on photos.
@@ -214,21 +216,27 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, not {precision!r}")
     out_path = Path(out_path)
+    say = progress or (lambda text: None)
     started = time.perf_counter()
-    vit, meta = load_checkpoint(checkpoint_dir)
+    vit, meta = load_checkpoint(checkpoint_dir)  # (a bad checkpoint is one error line, before any progress)
+    say(f"tracing {meta.name} {meta.version} into ONNX (any batch, height and width; position embeddings "
+        "interpolated in the graph)")
     fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
     proto, explained = fast, None
     if precision == "fp16":
         from export.fp16 import convert_to_fp16
 
+        say("converting to float16")
         proto = convert_to_fp16(fast)
     elif precision == "int8":
         from export.int8 import quantize_int8
 
+        say("quantizing the Linear weights to int8")
         proto = quantize_int8(fast)
     if relevance:
         from export.relevance_graph import with_relevance_branch
 
+        say("adding the relevance path (its forward and backward graph)")
         relevance_graph = relevance_onnx(vit, opset)
         proto = with_relevance_branch(proto, relevance_graph)
         if precision == "int8" and verify:
@@ -243,13 +251,17 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
                           export_seconds, metadata, None)
     if verify:
         try:
+            say("verifying ONNX Runtime against PyTorch at several sizes")
             report.verification = checks.verify_against_torch(str(out_path) if precision == "fp32" else fast, vit)
             if precision == "fp16":
+                say("checking the float16 file against float32")
                 report.fp16 = checks.verify_fp16(str(out_path), fast, vit, meta)
             if precision == "int8":
+                say("the int8 accuracy gate against float32" + (f" on {eval_dir}" if eval_dir else ""))
                 report.int8 = _verify_int8(out_path, explained or fast, vit, meta, eval_dir, eval_limit,
                                            min_agreement, max_accuracy_drop)
             if relevance:
+                say("verifying the relevance path against PyTorch")
                 report.relevance = checks.verify_relevance(str(out_path), vit)
             checks.check_artifact(str(out_path), metadata)
         except ExportVerificationError as e:

@@ -186,7 +186,24 @@ def test_cli_export(tiny_checkpoint, tmp_path, capsys):
     from vitserve.cli import main
 
     out = tmp_path / "cli.onnx"
-    assert main(["export", str(tiny_checkpoint), "--out", str(out), "--no-verify", "--opset", "18"]) == 0
+    assert main(["export", str(tiny_checkpoint), "--out", str(out), "--no-verify", "--opset", "18", "--json"]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["path"] == str(out) and summary["opset"] == 18 and "verified" not in summary
     assert next(o.version for o in onnx.load(str(out)).opset_import if o.domain == "") == 18
+
+
+def test_cli_export_tells_its_progress_and_what_to_run_next(tiny_checkpoint, tmp_path, capsys):
+    """Without --json: a line per step on stderr as it starts, then a summary a person reads, ending with the
+    command that serves the file."""
+    from vitserve.cli import main
+
+    out = tmp_path / "told.onnx"
+    assert main(["export", str(tiny_checkpoint), "--out", str(out)]) == 0
+    printed = capsys.readouterr()
+    steps = [line for line in printed.err.splitlines() if line.startswith("[")]
+    assert any("into ONNX" in s for s in steps) and any("verifying ONNX Runtime" in s for s in steps)
+    lines = printed.out.strip().splitlines()
+    assert lines[0].startswith(f"exported {out}: fp32, opset ") and "verified against PyTorch at" in lines[1]
+    assert "relevance path verified" in lines[2] and lines[-1] == f"next: vitserve serve --model {out}"
+    assert main(["export", str(tiny_checkpoint), "--out", str(out), "--no-verify", "--quiet"]) == 0
+    assert not capsys.readouterr().err.count("[")
