@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +83,12 @@ def strict_json(value):
     return value
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def save_checkpoint(directory: str | Path, model: VisionTransformer, meta: CheckpointMeta) -> Path:
     """Writes both files beside their final names, then renames them: an interrupted save leaves the last
     complete files (both from one save but for the instant between the two renames)."""
@@ -90,6 +97,8 @@ def save_checkpoint(directory: str | Path, model: VisionTransformer, meta: Check
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     weights, config = directory / (WEIGHTS_FILE + ".tmp"), directory / (CONFIG_FILE + ".tmp")
     save_file(state, str(weights))
+    # safetensors creates the file 0600; a checkpoint is shared like any other file (the user's umask decides)
+    weights.chmod(0o666 & ~_umask())
     config.write_text(json.dumps(strict_json(meta.to_dict()), indent=2, allow_nan=False) + "\n")
     weights.replace(directory / WEIGHTS_FILE)
     config.replace(directory / CONFIG_FILE)

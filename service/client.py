@@ -178,12 +178,13 @@ def run_predict(args) -> int:
             result = predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file() else \
                 Prediction(image, error="not_found: no such file")
             if result.overlay_png:
-                written.append(overlay_path(image, args.out_dir, args.map))
-                written[-1].write_bytes(result.overlay_png)
+                path = overlay_path(image, args.out_dir, args.map)
+                written.append((path, path.exists()))
+                path.write_bytes(result.overlay_png)
             results.append(result)
     finally:
         predictor.close()
     print(format_table(results))
-    for path in written:
-        print(f"wrote {path}")
+    for path, existed in written:
+        print(f"{'replaced' if existed else 'wrote'} {path}")
     return 1 if any(r.error for r in results) else 0

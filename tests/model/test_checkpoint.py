@@ -31,6 +31,19 @@ def test_round_trip_gives_identical_logits(tiny_checkpoint, tmp_path):
     assert weights_sha256(again.state_dict()) == weights_sha256(model.state_dict())
 
 
+def test_saved_files_follow_the_umask_like_any_other_file(tiny_checkpoint, tmp_path):
+    """safetensors writes 0600; a checkpoint is shared and copied like the config beside it."""
+    import os
+    model, meta = load_checkpoint(tiny_checkpoint)
+    previous = os.umask(0o022)
+    try:
+        saved = save_checkpoint(tmp_path / "shared", model, meta)
+    finally:
+        os.umask(previous)
+    assert {p.name: p.stat().st_mode & 0o777 for p in saved.iterdir()} == {"model.safetensors": 0o644,
+                                                                            "config.json": 0o644}
+
+
 def test_round_trip_of_a_fresh_model(tmp_path):
     torch.manual_seed(3)
     cfg = vit_config("fmnist", depth=1, embed_dim=16, num_heads=2, mlp_dim=32, representation_size=8, num_classes=4)

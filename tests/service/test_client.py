@@ -33,7 +33,7 @@ def parse_table(text: str) -> dict[str, list[tuple[int, str, float]]]:
     assert set(lines[1]) == {"-"}
     table, current = {}, None
     for line in lines[2:]:
-        if line.startswith("wrote "):
+        if line.startswith(("wrote ", "replaced ")):
             continue
         m = ROW.match(line)
         assert m, f"unexpected row {line!r}"
@@ -66,6 +66,8 @@ def test_predict_locally_prints_top_k_and_writes_overlays(tiny_onnx, images, cap
     check_overlays(images)
     assert images[0].with_name("pattern.rollout.png").is_file()
     assert f"wrote {images[1].with_name('photo.rollout.png')}" in out
+    assert main(["predict", str(images[1]), "--model", str(tiny_onnx), "--resize", resize]) == 0
+    assert f"replaced {images[1].with_name('photo.rollout.png')}" in capsys.readouterr().out  # never silently
 
 
 def test_predict_top_k_is_capped_at_the_class_count_and_out_dir_is_used(tiny_onnx, images, tmp_path, capsys):
