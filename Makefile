@@ -15,7 +15,7 @@ TRAIN_RUN := runs/vit-fmnist
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
 
-.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean grpc-stubs
+.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,13 @@ serve: $(VENV)/.serve-installed
 
 test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# What the whole suite uses from Debian beside Python (as root; tests that need one skip, saying so, without it):
+# real Fashion-MNIST images, promtool and Prometheus, Chromium for the web page, openssl for the TLS tests.
+SYSTEM_PACKAGES := dataset-fashion-mnist prometheus chromium openssl
+system-deps:
+	apt-get update -qq
+	DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $(SYSTEM_PACKAGES) >/dev/null
 
 # Trains the default model on Fashion-MNIST (resumes if interrupted), then exports and verifies it.
 model: $(VENV)/.dev-installed
