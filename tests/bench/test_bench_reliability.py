@@ -45,7 +45,7 @@ def test_a_checkout_serves_its_own_code(tmp_path):
         sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model), "--host", "127.0.0.1", "--port", "9000",
         "--max-queue-size", "8"]
     assert "PYTHONPATH" not in here.env({}) and here.env({"max_queue_size": "8"}) == {
-        "VITSERVE_LOG_LEVEL": "warning", "VITSERVE_MAX_QUEUE_SIZE": "8"}
+        "VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0", "VITSERVE_MAX_QUEUE_SIZE": "8"}
     other = ServerUnderTest(tmp_path)
     assert other.argv(model, 9000, [])[:4] == [sys.executable, "-P", "-m", "vitserve.cli"]  # -P: cwd not first
     assert other.env({})["PYTHONPATH"].split(":")[0] == str(tmp_path.resolve())

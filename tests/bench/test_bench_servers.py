@@ -42,8 +42,8 @@ def test_server_settings_are_the_overrides_plus_batching_and_loopback():
     on = server_settings(cfg, {"intra_op_threads": "1", "log_level": "info"}, batching=True)
     assert on == {"VITSERVE_INTRA_OP_THREADS": "1", "VITSERVE_LOG_LEVEL": "info", "VITSERVE_MAX_BATCH_SIZE": "8",
                   "VITSERVE_MAX_QUEUE_DELAY_MS": "2.0", "VITSERVE_REQUEST_TIMEOUT_MS": "60000.0",
-                  "VITSERVE_MAX_QUEUE_SIZE": "400", "VITSERVE_HOST": "127.0.0.1"}
+                  "VITSERVE_MAX_QUEUE_SIZE": "400", "VITSERVE_HOST": "127.0.0.1", "VITSERVE_GRPC_PORT": "0"}
     off = server_settings(BenchConfig(max_batch_size=8), {"max_queue_size": "9"}, batching=False)
     assert off == {"VITSERVE_MAX_QUEUE_SIZE": "9", "VITSERVE_MAX_BATCH_SIZE": "1",
                    "VITSERVE_REQUEST_TIMEOUT_MS": "120000.0", "VITSERVE_HOST": "127.0.0.1",
-                   "VITSERVE_LOG_LEVEL": "warning"}
+                   "VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0"}
