@@ -112,7 +112,7 @@ def batch_span(started_ns: int, ended_ns: int, attributes: dict) -> str:
     served to link to, or "" when off or not sampled."""
     if _tracer is None:
         return ""
-    from opentelemetry import context, trace
+    from opentelemetry import context
     span = _tracer.start_span("batch", context=context.Context(), start_time=started_ns, attributes=attributes)
     span.end(end_time=ended_ns)
     ids = span.get_span_context()

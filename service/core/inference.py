@@ -22,6 +22,7 @@ from service.core import postprocess
 from service.core.admission import Deadline
 from service.engine import InferenceResult, ModelHandle
 from service.core.errors import InvalidParameter, ServiceError
+from service.core.explanations import relevance_target
 from service.core.preprocess import PreparedImage, ResizePolicy
 from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
                              Timing)
@@ -64,6 +65,35 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
         body = _explained(map_body, info.labels, logits, target)
         return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, timing_ms=timing)
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, timing_ms=timing)
+
+
+def protocol_work(state: ServiceState, handle: ModelHandle, call, deadline: Deadline, started: float):
+    """An Open Inference Protocol call's work (its images through the version's batcher; `call` a parsed
+    service.protocols.inference_protocol.InferCall, from /v2 or gRPC), and the deadline it runs under: the
+    request's, shortened by the call's own `timeout` parameter."""
+    target = relevance_target(call.target, handle.info) if call.explains else None
+    if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
+        deadline = Deadline(min(deadline.at, started + call.timeout_s))
+    if call.images is not None:
+        return run_encoded_images(state, handle, call.images, call.resize, deadline, target), deadline
+    return run_pixel_tensors(state, handle, call.pixels, deadline, target), deadline
+
+
+def encode_protocol_answer(state: ServiceState, handle: ModelHandle, call, tensors: dict, parse_s: float, encode):
+    """`encode(info)` of a finished protocol call, with `info` the metadata of the version that ran it (a request is
+    routed once: its images ran on one version); the call's stage metrics recorded. Returns (info, answer)."""
+    info = answering_info(state, handle, tensors["versions"][0])
+    encoding = time.perf_counter()
+    with tracing.stage("encode"):
+        answer = encode(info)
+    encode_s = time.perf_counter() - encoding
+    stages = state.metrics.for_model(info.name, info.version)
+    if call.images is None:
+        stages.tensor_stages(call.batch, parse_s, encode_s)
+    else:
+        for prepare_s in tensors["prepare_s"]:
+            stages.image_stages(prepare_s, encode_s / call.batch)
+    return info, answer
 
 
 def answering_info(state: ServiceState, handle: ModelHandle, version: str) -> ModelInfo:

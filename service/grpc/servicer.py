@@ -21,7 +21,6 @@ from service import tracing
 from service.core import inference
 from service.core.admission import Deadline, run_within
 from service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
-from service.core.explanations import relevance_target
 from service.core.keys import check_authorization, check_repository_access
 from service.core.state import INFERENCE_ENDPOINTS, ServiceState
 from service.grpc import messages
@@ -185,28 +184,14 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 deadline = Deadline(min(deadline.at, started + left))
             call = messages.infer_call(request, limits_for(state.settings, handle.info))
             parse_s = time.perf_counter() - started
-            target = relevance_target(call.target, handle.info) if call.explains else None
-            if call.timeout_s is not None:
-                deadline = Deadline(min(deadline.at, started + call.timeout_s))
-            if call.images is not None:
-                work = inference.run_encoded_images(state, handle, call.images, call.resize, deadline, target)
-            else:
-                work = inference.run_pixel_tensors(state, handle, call.pixels, deadline, target)
+            work, deadline = inference.protocol_work(state, handle, call, deadline, started)
             tensors = await run_within(work, deadline, state.stopping)
         finally:
             state.admission.leave()
-        info = inference.answering_info(state, handle, tensors["versions"][0])
+        info, response = inference.encode_protocol_answer(
+            state, handle, call, tensors, parse_s,
+            lambda info: messages.infer_response(call, info.name, info.version, tensors, info.labels))
         served.update(name=info.name, version=info.version)
-        encoding = time.perf_counter()
-        with tracing.stage("encode"):
-            response = messages.infer_response(call, info.name, info.version, tensors, info.labels)
-        encode_s = time.perf_counter() - encoding
-        stages = state.metrics.for_model(info.name, info.version)
-        if call.images is None:
-            stages.tensor_stages(call.batch, parse_s, encode_s)
-        else:
-            for prepare_s in tensors["prepare_s"]:
-                stages.image_stages(prepare_s, encode_s / call.batch)
         return response
 
     # --- the model repository extension (the admin key; explicit mode for load and unload) ---

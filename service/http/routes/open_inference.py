@@ -16,14 +16,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from service import tracing
 from service.core import inference
 from service.http.access import require_api_key
 from service.core.admission import Deadline
 from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from service.engine import ModelHandle
 from service.core.errors import NotReady, openapi_responses
-from service.core.explanations import relevance_target
 from service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from service.protocols.model_config import model_metadata, triton_config
 from service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
@@ -189,26 +187,11 @@ async def _infer(request: Request, state: ServiceState, name: str, version: str 
     started, handle = time.perf_counter(), inference.route(state, name, version, request)
     deadline = Deadline.after(state.settings.request_timeout_s)
     call, parse_s = await _read_call(request, state, handle, deadline)
-    target = relevance_target(call.target, handle.info) if call.explains else None
-    if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
-        deadline = Deadline(min(deadline.at, started + call.timeout_s))
-    if call.images is not None:
-        work = inference.run_encoded_images(state, handle, call.images, call.resize, deadline, target)
-    else:
-        work = inference.run_pixel_tensors(state, handle, call.pixels, deadline, target)
+    work, deadline = inference.protocol_work(state, handle, call, deadline, started)
     tensors = await run_guarded(request, work, deadline, state.stopping)
-    # one request is routed once: its images ran on one version
-    info = inference.answering_info(state, handle, tensors["versions"][0])
-    encoding = time.perf_counter()
-    with tracing.stage("encode"):
-        body, headers = encode_response(call, info.name, info.version, tensors, info.labels)
-    encode_s = time.perf_counter() - encoding
-    stages = state.metrics.for_model(info.name, info.version)
-    if call.images is None:
-        stages.tensor_stages(call.batch, parse_s, encode_s)
-    else:
-        for prepare_s in tensors["prepare_s"]:
-            stages.image_stages(prepare_s, encode_s / call.batch)
+    _, (body, headers) = inference.encode_protocol_answer(
+        state, handle, call, tensors, parse_s,
+        lambda info: encode_response(call, info.name, info.version, tensors, info.labels))
     return Response(body, headers=headers)
 
 
