@@ -10,7 +10,7 @@ import numpy as np
 from google.protobuf import json_format
 from pydantic import ValidationError
 
-from service.core.errors import InvalidParameter
+from service.core.errors import InvalidParameter, PayloadTooLarge
 from service.grpc.generated import grpc_service_pb2 as pb
 from service.grpc.generated import model_config_pb2
 from service.protocols.binary_tensors import pack_bytes
@@ -45,7 +45,7 @@ def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCa
     if request.raw_input_contents:
         section = request.raw_input_contents[0]
     elif typed:
-        section = _typed_section(tensor, typed)
+        section = _typed_section(tensor, typed, limits.max_json_values)
     else:
         raise InvalidParameter("inputs.0 has no contents and there is no raw_input_contents")
     document = {
@@ -63,12 +63,18 @@ def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCa
     return call_from_request(parsed, memoryview(section), limits)
 
 
-def _typed_section(tensor, typed: list[str]) -> bytes:
-    """Typed contents as the binary section the raw form would have carried."""
+def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:
+    """Typed contents as the binary section the raw form would have carried. They are for small requests: their
+    values are converted one by one on the event loop (a 64 MiB message of them would hold it for a second), so
+    past `max_values` (the JSON body's limit, the same trade) they are refused for raw_input_contents."""
     wanted = CONTENTS_FIELDS.get(tensor.datatype)
     if typed != [wanted]:
         raise InvalidParameter(f"inputs.0 ({tensor.datatype}) must carry its values in contents.{wanted}, "
                                f"got contents.{', contents.'.join(typed)}")
+    values = len(getattr(tensor.contents, wanted))
+    if values > max_values:
+        raise PayloadTooLarge(f"inputs.0.contents.{wanted} holds {values} values; typed contents are for small "
+                              f"requests (at most {max_values}): send the tensor in raw_input_contents")
     if tensor.datatype == "BYTES":
         return pack_bytes(tensor.contents.bytes_contents)
     return np.asarray(tensor.contents.fp32_contents, dtype="<f4").tobytes()

@@ -186,6 +186,23 @@ def test_typed_and_raw_together_or_neither_are_invalid(server):
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
 
 
+def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
+    """Typed values convert one by one on the event loop: past the JSON value limit they are refused, naming the
+    raw form, before any is converted."""
+    from service.grpc.messages import infer_call
+    from service.protocols.inference_protocol import ProtocolLimits
+    limits = ProtocolLimits(max_json_bytes=2**20, max_json_values=1000, max_batch=32, max_image_bytes=2**20,
+                            channels=3, patch_size=8, max_tokens=1024)
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 32, 32]).contents.fp32_contents.extend(
+        [0.0] * 3 * 32 * 32)
+    from service.core.errors import PayloadTooLarge
+    with pytest.raises(PayloadTooLarge, match="raw_input_contents"):
+        infer_call(request, limits)
+    small = ProtocolLimits(**{**limits.__dict__, "max_json_values": 4096})
+    assert infer_call(request, small).pixels.shape == (1, 3, 32, 32)
+
+
 def test_typed_bytes_contents_carry_images(server, client):
     image = patterned_png((48, 40))
     request = service_pb2.ModelInferRequest(model_name=MODEL)
