@@ -254,3 +254,58 @@ def run_import(args) -> int:
     print(json.dumps({"checkpoint": str(out), "name": meta.name, "architecture": meta.config.to_dict(),
                       "labels": len(meta.labels), "mean": meta.mean, "std": meta.std}))
     return 0
+
+
+def add_inspect_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "inspect", help="what a trained ViT learned: the paper's Figure 7 panels from a checkpoint",
+        description="Writes to --out: the principal components of the patch-embedding filters (filters.png), the "
+                    "cosine similarity of the position embeddings (position_similarity.png), the mean attention "
+                    "distance of every head against depth (attention_distance.png), their numbers "
+                    "(inspection.json) and a short REPORT.md. Attention distances average over --images images: "
+                    "Fashion-MNIST's test set for a 1-channel 28x28 model, or the image files of --images-dir.",
+        formatter_class=DefaultsHelpFormatter)
+    p.add_argument("checkpoint", help="checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("--out", required=True, metavar="DIR", help="where the panels, the JSON and the report go")
+    p.add_argument("--images", type=int, default=256, help="images the attention distances average over")
+    p.add_argument("--images-dir", metavar="DIR", help="image files to use instead of Fashion-MNIST's test set")
+    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist",
+                   help="Fashion-MNIST's folder (Debian's dataset-fashion-mnist)")
+    p.set_defaults(func=run_inspect)
+
+
+def run_inspect(args) -> int:
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from model.checkpoint import load_checkpoint
+    from model.data import load_fashion_mnist, load_image
+    from model.inspection import inspect, write
+
+    if args.images < 1:
+        print("vitserve inspect: --images must be at least 1", file=sys.stderr)
+        return 2
+    model, meta = load_checkpoint(args.checkpoint)
+    cfg = model.cfg
+    size = tuple(cfg.image_size)
+    if args.images_dir:
+        files = sorted(p for p in Path(args.images_dir).iterdir() if p.is_file())[:args.images]
+        if not files:
+            print(f"vitserve inspect: {args.images_dir} holds no image files", file=sys.stderr)
+            return 2
+        images = torch.from_numpy(np.stack([load_image(f, size, cfg.in_channels) for f in files]))
+    elif cfg.in_channels == 1 and size == (28, 28):
+        images = load_fashion_mnist(args.data_dir).test.images[:args.images]
+    else:
+        print(f"vitserve inspect: a {cfg.in_channels}-channel {size[0]}x{size[1]} model needs --images-dir (the "
+              f"default images are Fashion-MNIST's, 1-channel 28x28)", file=sys.stderr)
+        return 2
+    mean = torch.tensor(meta.mean, dtype=torch.float32).view(1, -1, 1, 1)
+    std = torch.tensor(meta.std, dtype=torch.float32).view(1, -1, 1, 1)
+    pixels = (images.float() / 255 - mean) / std
+    written = write(inspect(model, pixels), Path(args.out), f"{meta.name} {meta.version}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0

@@ -10,7 +10,7 @@ from vitserve import __version__
 
 # package module -> the functions that add its subcommands
 _COMMANDS = [
-    ("model.cli", ["add_train_parser", "add_import_parser"]),
+    ("model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"]),
     ("export.cli", ["add_export_parser", "add_evaluate_parser"]),
     ("service.cli", ["add_serve_parser"]),
     ("service.client", ["add_predict_parser"]),

@@ -1,0 +1,175 @@
+"""What a trained ViT learned, as the paper's Figure 7 shows it (§4.5, Appendix D.7), from a checkpoint:
+
+- the principal components of the patch-embedding filters (the rows of E, each a C x P x P filter), with the
+  share of variance each explains;
+- the cosine similarity of each patch position's embedding to every other's, as a grid of tiles;
+- the mean attention distance of every head at every depth: the pixel distance between a query patch and the key
+  patches, weighted by the head's attention, averaged over query patches and images. Attention from patches to
+  patches only: the class token has no position in the image, so its row and column are left out and each
+  query's attention over the patches is renormalised to sum to one.
+
+`vitserve inspect CHECKPOINT --out DIR` writes the three panels as PNGs, their numbers as JSON and a short
+report (`model/cli.py`).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from model.vit import VisionTransformer
+
+SHOWN_COMPONENTS = 28  # as Figure 7 (left) shows them
+
+
+@dataclass
+class Inspection:
+    components: np.ndarray  # (k, C, P, P): the filters' principal components, most variance first
+    explained: np.ndarray  # (k,): the share of the filters' variance each explains
+    similarity: np.ndarray  # (gh, gw, gh, gw): cosine similarity of position (i, j) to position (k, l)
+    distances: np.ndarray  # (depth, heads): mean attention distance in pixels
+    max_distance: float  # the largest distance between two patch centres at the trained size, in pixels
+    images: int  # how many images the distances average over
+    patch_size: int
+    grid: tuple[int, int]
+
+
+def filter_components(weight: torch.Tensor, count: int = SHOWN_COMPONENTS) -> tuple[np.ndarray, np.ndarray]:
+    """(D, C, P, P) patch-embedding filters -> their top `count` principal components (count, C, P, P) and the
+    share of variance each explains (count,)."""
+    filters = weight.detach().double().reshape(weight.shape[0], -1)  # (D, C*P*P)
+    centred = filters - filters.mean(dim=0, keepdim=True)
+    _, singular, vectors = torch.linalg.svd(centred, full_matrices=False)
+    variance = singular ** 2
+    count = min(count, vectors.shape[0])
+    return (vectors[:count].reshape(count, *weight.shape[1:]).numpy(),
+            (variance[:count] / variance.sum()).numpy())
+
+
+def position_similarity(pos_embed: torch.Tensor, grid: tuple[int, int]) -> np.ndarray:
+    """(1, 1 + gh*gw, D) position embeddings -> (gh, gw, gh, gw) cosine similarities between patch positions."""
+    patches = torch.nn.functional.normalize(pos_embed.detach().double()[0, 1:], dim=-1)  # (N, D)
+    return (patches @ patches.T).reshape(*grid, *grid).numpy()
+
+
+def patch_distances(grid: tuple[int, int], patch_size: int) -> np.ndarray:
+    """(N, N) pixel distances between the centres of the patches of a `grid`."""
+    rows, cols = np.meshgrid(np.arange(grid[0]), np.arange(grid[1]), indexing="ij")
+    centres = np.stack([rows.ravel(), cols.ravel()], axis=1) * patch_size  # (N, 2); centres differ as corners do
+    return np.linalg.norm(centres[:, None, :] - centres[None, :, :], axis=-1)
+
+
+def mean_distance(attention: np.ndarray, distances: np.ndarray) -> np.ndarray:
+    """(B, heads, 1+N, 1+N) attention -> (heads,) mean attention distance: patch-to-patch weights renormalised
+    per query, times the query-key distances, averaged over queries and images."""
+    patches = attention[:, :, 1:, 1:]
+    weights = patches / np.maximum(patches.sum(axis=-1, keepdims=True), 1e-12)
+    return (weights * distances).sum(axis=-1).mean(axis=(0, 2))
+
+
+@torch.no_grad()
+def attention_distances(model: VisionTransformer, pixels: torch.Tensor, batch_size: int = 64) -> np.ndarray:
+    """(depth, heads) mean attention distance in pixels over `pixels` (B, C, H, W) at the trained size."""
+    model.eval()
+    distances = patch_distances(model.cfg.grid_size, model.cfg.patch_size)
+    totals = np.zeros((model.cfg.depth, model.cfg.num_heads))
+    for start in range(0, len(pixels), batch_size):
+        chunk = pixels[start:start + batch_size]
+        _, attentions = model.forward_with_attention(chunk)
+        for layer, attention in enumerate(attentions):
+            totals[layer] += mean_distance(attention.double().numpy(), distances) * len(chunk)
+    return totals / len(pixels)
+
+
+def inspect(model: VisionTransformer, pixels: torch.Tensor) -> Inspection:
+    cfg = model.cfg
+    components, explained = filter_components(model.patch_embed.proj.weight)
+    grid = tuple(cfg.grid_size)
+    return Inspection(components, explained, position_similarity(model.pos_embed, grid),
+                      attention_distances(model, pixels), float(patch_distances(grid, cfg.patch_size).max()),
+                      len(pixels), cfg.patch_size, grid)
+
+
+def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
+    """The three panels (PNG), their numbers (JSON) and a report (Markdown) in `out`; the paths written."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    i = inspection
+    written = []
+
+    k = len(i.components)
+    columns = 7
+    figure, axes = plt.subplots(math.ceil(k / columns), columns, figsize=(columns * 1.2, math.ceil(k / columns) * 1.3))
+    for n, axis in enumerate(np.atleast_1d(axes).ravel()):
+        axis.axis("off")
+        if n < k:
+            component = i.components[n]
+            image = component.transpose(1, 2, 0) if component.shape[0] == 3 else component[0]
+            image = (image - image.min()) / max(image.max() - image.min(), 1e-12)
+            axis.imshow(image, cmap=None if image.ndim == 3 else "gray", interpolation="nearest")
+            axis.set_title(f"{i.explained[n]:.1%}", fontsize=7)
+    figure.suptitle(f"{title}: principal components of the patch-embedding filters", fontsize=9)
+    written.append(_save(figure, out / "filters.png"))
+
+    gh, gw = i.grid
+    figure, axes = plt.subplots(gh, gw, figsize=(gw * 0.9, gh * 0.9))
+    for (row, col), axis in np.ndenumerate(np.asarray(axes).reshape(gh, gw)):
+        axis.imshow(i.similarity[row, col], vmin=-1, vmax=1, cmap="viridis", interpolation="nearest")
+        axis.set_xticks([])
+        axis.set_yticks([])
+    figure.suptitle(f"{title}: position-embedding similarity\n(each tile: one position against all)", fontsize=9)
+    written.append(_save(figure, out / "position_similarity.png"))
+
+    figure, axis = plt.subplots(figsize=(5, 4))
+    depth, heads = i.distances.shape
+    for head in range(heads):
+        axis.scatter(np.arange(1, depth + 1), i.distances[:, head], s=12)
+    axis.set_xlabel("network depth (layer)")
+    axis.set_ylabel("mean attention distance (pixels)")
+    axis.set_ylim(0, i.max_distance)
+    axis.set_title(f"{title}: {heads} heads per layer, {i.images} images")
+    written.append(_save(figure, out / "attention_distance.png"))
+
+    data = {"title": title, "patch_size": i.patch_size, "grid": list(i.grid), "images": i.images,
+            "explained_variance": i.explained.round(6).tolist(), "components": i.components.round(6).tolist(),
+            "position_similarity": i.similarity.round(6).tolist(),
+            "mean_attention_distance_px": i.distances.round(4).tolist(), "max_distance_px": i.max_distance}
+    (out / "inspection.json").write_text(json.dumps(data))
+    written.append(out / "inspection.json")
+    first, last = i.distances[0], i.distances[-1]
+    report = [f"# {title}: inspecting the trained ViT (the paper's Figure 7)", "",
+              f"- **Filters** (filters.png): the top {k} principal components of the {i.patch_size}x{i.patch_size} "
+              f"patch-embedding filters explain {i.explained.sum():.1%} of their variance (the first "
+              f"{i.explained[0]:.1%}).",
+              f"- **Position embeddings** (position_similarity.png): on a {gh}x{gw} grid, neighbours are more "
+              f"alike than far positions when the model learned the image's 2-D layout: mean similarity of "
+              f"adjacent positions {_adjacent_similarity(i.similarity):.3f}, of all pairs "
+              f"{i.similarity.mean():.3f}.",
+              f"- **Attention distance** (attention_distance.png): over {i.images} images, in pixels (at most "
+              f"{i.max_distance:.1f} at the trained size): layer 1 heads {first.min():.1f}-{first.max():.1f}, "
+              f"layer {len(i.distances)} heads {last.min():.1f}-{last.max():.1f}.", ""]
+    (out / "REPORT.md").write_text("\n".join(report))
+    written.append(out / "REPORT.md")
+    return written
+
+
+def _adjacent_similarity(similarity: np.ndarray) -> float:
+    gh, gw = similarity.shape[:2]
+    pairs = [similarity[r, c, r + dr, c + dc] for r in range(gh) for c in range(gw)
+             for dr, dc in ((0, 1), (1, 0)) if r + dr < gh and c + dc < gw]
+    return float(np.mean(pairs)) if pairs else float("nan")
+
+
+def _save(figure, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    import matplotlib.pyplot as plt
+    plt.close(figure)
+    return path
