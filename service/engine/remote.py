@@ -100,7 +100,10 @@ class RemoteEngine:
 
     async def start(self) -> None:
         self.arena = TensorArena.create(self.settings.engine_arena_bytes)
-        self._context = zmq.asyncio.Context()
+        # The process's one context (ZeroMQ's advice), held by pyzmq for the process's life: a context of this
+        # engine's own, dropped without close() (a test's failure path), would be terminated by the garbage
+        # collector while its sockets, in the same cycle, are still open: term() then waits for ever.
+        self._context = zmq.asyncio.Context.instance()
         for address in self.settings.engine_addresses:
             requests = self._context.socket(zmq.DEALER)
             requests.setsockopt(zmq.LINGER, 0)
@@ -338,7 +341,8 @@ class RemoteEngine:
             task.cancel()
         for link in self._links:
             self._fail_pending(link, "shutting down")
-        if self._context is not None:
-            self._context.destroy(linger=0)
+        for link in self._links:
+            link.requests.close(linger=0)
+            link.status_socket.close(linger=0)
         if self.arena is not None:
             self.arena.close()
