@@ -158,12 +158,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 
 def port_is_free(host: str, port: int) -> bool:
-    """Whether nothing is bound to host:port (a plain bind, without SO_REUSEPORT, succeeds). The gRPC server's
-    workers share its port with SO_REUSEPORT, which would otherwise share it silently with another server of
-    the same user (service/grpc/server.py)."""
+    """Whether nothing listens on or is bound to host:port (a bind without SO_REUSEPORT succeeds). The gRPC
+    server's workers share its port with SO_REUSEPORT, which would otherwise share it silently with another
+    server of the same user (service/grpc/server.py). SO_REUSEADDR, as the servers themselves set it: the
+    closed connections of a server that just stopped (TIME_WAIT) do not hold the port."""
     import socket
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             probe.bind((host, port))
         except OSError:

@@ -18,7 +18,6 @@ import io
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tarfile
 import time
@@ -29,6 +28,7 @@ from pathlib import Path
 from bench.config import LOOPBACK
 from bench.peers.bodies import TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
 from bench.servers import free_port, serve_argv
+from service.cli import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -107,16 +107,6 @@ def _distinct_free_ports(count: int) -> list[int]:
     return ports
 
 
-def port_is_free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((LOOPBACK, port))
-        except OSError:
-            return False
-    return True
-
-
 class RunningServer:
     """A server in its own process group, ready when every readiness path answers 200; stopped on exit."""
 
@@ -127,7 +117,7 @@ class RunningServer:
 
     def start(self) -> None:
         """Start it and wait until it is ready; RuntimeError (and nothing left running) when it cannot be."""
-        busy = [p for p in self.spec.ports if not port_is_free(p)]
+        busy = [p for p in self.spec.ports if not port_is_free(LOOPBACK, p)]
         if busy:
             raise RuntimeError(f"{self.spec.name}: port(s) {busy} already in use")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -186,7 +176,7 @@ class RunningServer:
             pass
         self.proc.wait(timeout=10)
         deadline = time.monotonic() + 30
-        while any(not port_is_free(p) for p in self.spec.ports) and time.monotonic() < deadline:
+        while any(not port_is_free(LOOPBACK, p) for p in self.spec.ports) and time.monotonic() < deadline:
             time.sleep(0.2)
         self.proc = None
 

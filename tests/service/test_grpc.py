@@ -590,6 +590,24 @@ def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, private_environ
     assert len(error.splitlines()) == 1 and f"127.0.0.1:{port} is in use" in error and "--grpc-port" in error
 
 
+def test_a_port_left_in_time_wait_is_free_for_the_next_server():
+    """A server that just stopped leaves its closed connections in TIME_WAIT: restarting it must not be told its
+    port is in use (the servers bind with SO_REUSEADDR); a listener still holds it."""
+    from service.cli import port_is_free
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    accepted, _ = listener.accept()
+    assert not port_is_free("127.0.0.1", port)
+    accepted.close()  # the server's side closes first: it waits in TIME_WAIT
+    client.close()
+    listener.close()
+    assert port_is_free("127.0.0.1", port)
+
+
 def test_serve_refuses_grpc_on_the_http_port_and_half_a_tls_pair(tiny_onnx, tmp_path, private_environ, capsys):
     from vitserve.cli import main
     assert main(["serve", "--model", str(tiny_onnx), "--port", "9555", "--grpc-port", "9555"]) == 2
