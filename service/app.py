@@ -166,9 +166,8 @@ class TracingMiddleware:
                 await self.app(scope, receive, send_with_status)
             finally:
                 model, version = scope.get("state", {}).get("served", ("", ""))  # set by routing, if it ran
-                span.set_attributes({"http.response.status_code": status, "vitserve.model": model,
-                                     "vitserve.version": version})
-                tracing.set_status_code(span, status, status >= 500)
+                span.set_attribute("http.response.status_code", status)
+                tracing.record_outcome(span, status, status >= 500, model, version)
 
 
 class RequestMetricsMiddleware:

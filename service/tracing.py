@@ -107,12 +107,13 @@ def engine_spans(submitted_ns: int, result) -> None:
     span.end(end_time=queued_ns + int(result.inference_s * 1e9))
 
 
-def batch_span(started_ns: int, ended_ns: int, attributes: dict) -> str:
-    """One ORT run as a `batch` span (a root: it serves many requests); its "traceid-spanid" for the requests it
-    served to link to, or "" when off or not sampled."""
+def batch_span(started_ns: int, ended_ns: int, attributes: dict, batch_size: int, relevance: bool) -> str:
+    """One ORT run as a `batch` span (a root: it serves many requests), with the model's `attributes`, its size and
+    path; its "traceid-spanid" for the requests it served to link to, or "" when off or not sampled."""
     if _tracer is None:
         return ""
     from opentelemetry import context
+    attributes = {**attributes, "vitserve.batch_size": batch_size, "vitserve.relevance": relevance}
     span = _tracer.start_span("batch", context=context.Context(), start_time=started_ns, attributes=attributes)
     span.end(end_time=ended_ns)
     ids = span.get_span_context()
@@ -126,11 +127,12 @@ def _remote_context(text: str):
                              trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED))
 
 
-def set_status_code(span, code: int | str, error: bool) -> None:
-    """The request's outcome on its span: an error status for server errors (5xx, gRPC's INTERNAL...)."""
+def record_outcome(span, code: int | str, error: bool, model: str, version: str) -> None:
+    """A request's outcome on its server span (None: not traced): its status code and the model version that
+    ran it; an error status for server errors (5xx, gRPC's INTERNAL...)."""
     if span is None:
         return
     from opentelemetry.trace import Status, StatusCode
-    span.set_attribute("vitserve.status", str(code))
+    span.set_attributes({"vitserve.status": str(code), "vitserve.model": model, "vitserve.version": version})
     if error:
         span.set_status(Status(StatusCode.ERROR))

@@ -26,7 +26,9 @@ from service.core.explanations import relevance_target
 from service.core.preprocess import PreparedImage, ResizePolicy
 from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
                              Timing)
-from service.core.state import ServiceState
+from service.core.state import INFERENCE_ENDPOINTS, ServiceState
+from service.protocols.model_config import triton_config
+from service.protocols.statistics import triton_statistics
 from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 
@@ -94,6 +96,17 @@ def encode_protocol_answer(state: ServiceState, handle: ModelHandle, call, tenso
         for prepare_s in tensors["prepare_s"]:
             stages.image_stages(prepare_s, encode_s / call.batch)
     return info, answer
+
+
+def model_configuration(state: ServiceState, handle: ModelHandle) -> dict:
+    """Triton's model configuration of a routed version, with its own batching limits (its config.json)."""
+    return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider)
+
+
+async def model_statistics(state: ServiceState, versions: list[tuple[str, str]]) -> list[dict]:
+    """Triton's statistics of each (model, version), read from the metrics (every process's, as a scrape)."""
+    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
+    return [triton_statistics(families, name, version, INFERENCE_ENDPOINTS) for name, version in versions]
 
 
 def answering_info(state: ServiceState, handle: ModelHandle, version: str) -> ModelInfo:

@@ -285,8 +285,8 @@ class DynamicBatcher:
             except Exception as e:
                 outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
                 seconds = time.perf_counter() - started
-            span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), {
-                **self._trace_attributes, "vitserve.batch_size": len(batch), "vitserve.relevance": targeted})
+            span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), self._trace_attributes, len(batch),
+                                      targeted)
             for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
                 self._resolve(item, output, seconds, len(batch), span)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))

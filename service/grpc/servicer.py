@@ -22,13 +22,12 @@ from service.core import inference
 from service.core.admission import Deadline, run_within
 from service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
 from service.core.keys import check_authorization, check_repository_access
-from service.core.state import INFERENCE_ENDPOINTS, ServiceState
+from service.core.state import ServiceState
 from service.grpc import messages
 from service.grpc.generated import grpc_service_pb2 as pb
 from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from service.protocols.inference_protocol import limits_for
-from service.protocols.model_config import model_metadata, triton_config
-from service.protocols.statistics import triton_statistics
+from service.protocols.model_config import model_metadata, server_document
 from service.repository.layout import check_model_name
 
 log = logging.getLogger("vitserve.grpc")
@@ -95,15 +94,12 @@ def rpc(*, open_: bool = False, traced: bool = False):
             finally:
                 state.metrics.request_done(endpoint, code.name, time.perf_counter() - started,
                                            served.get("name", ""), served.get("version", ""), protocol="grpc")
-                if span is not None:
-                    span.set_attributes({"vitserve.model": served.get("name", ""),
-                                         "vitserve.version": served.get("version", "")})
-                    tracing.set_status_code(span, code.name, code in SERVER_FAULTS)
+                tracing.record_outcome(span, code.name, code in SERVER_FAULTS, served.get("name", ""),
+                                       served.get("version", ""))
             trailing = ()
             if code is StatusCode.RESOURCE_EXHAUSTED:
                 trailing = ((RETRY_AFTER_KEY, str(state.retry_after_s(served.get("requested")))),)
             await context.abort(code, str(error), trailing_metadata=trailing)
-        handler.endpoint = endpoint
         return handler
     return wrap
 
@@ -123,9 +119,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc(open_=True)
     async def ServerMetadata(self, request, context, served) -> pb.ServerMetadataResponse:
-        from service.http.routes.open_inference import EXTENSIONS
-        from vitserve import __version__
-        return pb.ServerMetadataResponse(name="vitserve", version=__version__, extensions=EXTENSIONS)
+        return pb.ServerMetadataResponse(**server_document())
 
     @rpc()
     async def ModelReady(self, request, context, served) -> pb.ModelReadyResponse:
@@ -146,9 +140,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     @rpc()
     async def ModelConfig(self, request, context, served) -> pb.ModelConfigResponse:
-        handle = self._route(request.name, request.version)
-        settings = self.state.settings.model_copy(update=handle.batching)  # the model's own limits
-        return messages.config_response(triton_config(handle.info, settings, self.state.engine.provider))
+        return messages.config_response(inference.model_configuration(self.state, self._route(request.name,
+                                                                                               request.version)))
 
     @rpc()
     async def ModelStatistics(self, request, context, served) -> pb.ModelStatisticsResponse:
@@ -159,9 +152,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             pairs = [(handle.name, handle.version)] if request.version else engine.ready_versions(handle.name)
         else:
             pairs = sorted(engine.ready_versions())
-        families = await asyncio.to_thread(self.state.metrics.families)  # file reads with several processes
-        return messages.statistics_response([triton_statistics(families, n, v, INFERENCE_ENDPOINTS)
-                                             for n, v in pairs])
+        return messages.statistics_response(await inference.model_statistics(self.state, pairs))
 
     # --- inference ---
     @rpc(traced=True)

@@ -13,6 +13,14 @@ from service.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 PLATFORM = "onnxruntime_onnx"
+# The protocol's extensions vitserve serves, on HTTP and gRPC alike
+EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
+
+
+def server_document() -> dict:
+    """The protocol's server metadata (GET /v2, gRPC ServerMetadata)."""
+    from vitserve import __version__
+    return {"name": "vitserve", "version": __version__, "extensions": EXTENSIONS}
 
 
 def model_metadata(info: ModelInfo, versions: list[str] | None = None) -> ModelMetadata:

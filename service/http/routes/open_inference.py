@@ -10,7 +10,6 @@ Every route also answers under `/versions/{version}`. Errors are the protocol's 
 """
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Annotated
 
@@ -23,15 +22,13 @@ from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from service.engine import ModelHandle
 from service.core.errors import NotReady, openapi_responses
 from service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
-from service.protocols.model_config import model_metadata, triton_config
+from service.protocols.model_config import model_metadata, server_document
 from service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
-from service.core.state import INFERENCE_ENDPOINTS, ServiceState, get_admitted_state, get_ready_state, get_state
-from service.protocols.statistics import triton_statistics
+from service.core.state import ServiceState, get_admitted_state, get_ready_state, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
-EXTENSIONS = ["binary_tensor_data", "classification", "model_configuration", "model_repository", "statistics"]
 MODEL = "/models/{name}"
 VERSIONED = "/models/{name}/versions/{version}"
 
@@ -68,8 +65,7 @@ _INFER_ANSWER = {200: {"description": "The outputs, as JSON, or (binary outputs)
 
 @router.get("")
 async def server_metadata() -> dict:
-    from vitserve import __version__
-    return {"name": "vitserve", "version": __version__, "extensions": EXTENSIONS}
+    return server_document()
 
 
 @router.get("/health/live")
@@ -90,9 +86,7 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 @router.get("/models/stats", responses=_errors(503))
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension for every ready model version."""
-    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    served = sorted(state.engine.ready_versions())
-    return {"model_stats": [triton_statistics(families, n, v, INFERENCE_ENDPOINTS) for n, v in served]}
+    return {"model_stats": await inference.model_statistics(state, sorted(state.engine.ready_versions()))}
 
 
 # Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
@@ -167,18 +161,14 @@ async def versioned_infer(name: str, version: str, request: Request,
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
-    handle = _model_named(state, name, version)
-    settings = state.settings.model_copy(update=handle.batching)  # the model's own limits (its config.json)
-    return triton_config(handle.info, settings, state.engine.provider)
+    return inference.model_configuration(state, _model_named(state, name, version))
 
 
 async def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
     """One version's statistics; without a version, every ready version's (as Triton lists them)."""
     handle = _model_named(state, name, version)
-    versions = [handle.version] if version is not None else \
-        [v for _, v in state.engine.ready_versions(handle.name)]
-    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    return {"model_stats": [triton_statistics(families, handle.name, v, INFERENCE_ENDPOINTS) for v in versions]}
+    versions = [(handle.name, handle.version)] if version is not None else state.engine.ready_versions(handle.name)
+    return {"model_stats": await inference.model_statistics(state, versions)}
 
 
 async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
