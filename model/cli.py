@@ -35,6 +35,15 @@ def _size(text: str) -> list[int]:
     return parts * 2 if len(parts) == 1 else parts
 
 
+def _layers(text: str) -> tuple[int, ...]:
+    """'2,2' -> (2, 2); '0' -> () (a hybrid's stem alone)."""
+    try:
+        parts = tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: blocks per stage, e.g. 2,2 (0: the stem alone)") from None
+    return () if parts == (0,) else parts
+
+
 def add_train_parser(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a ViT on Fashion-MNIST or an image folder",
                               description=TRAIN_DESCRIPTION, formatter_class=DefaultsHelpFormatter)
@@ -93,6 +102,8 @@ def _value_kwargs(hint) -> dict:
         return {"type": type(args[0]), "choices": args}
     if hint == tuple[int, int]:
         return {"type": _size, "metavar": "H[xW]"}
+    if hint == tuple[int, ...]:
+        return {"type": _layers, "metavar": "N[,N...]"}
     if origin is tuple:
         return {"type": args[0], "nargs": len(args), "metavar": ("MIN", "MAX"), "action": _StoreTuple}
     return {"type": hint, "metavar": {int: "N", float: "X"}.get(hint)}
@@ -136,7 +147,7 @@ def command_line(cfg: TrainConfig) -> str:
                 words += _flag_words(sub, getattr(value, sub.name), getattr(AugmentConfig(), sub.name))
         elif "flags" in f.metadata:
             for name, override in value.items():
-                words += [f"--{name.replace('_', '-')}", *_value_words(override, name == "image_size")]
+                words += [f"--{name.replace('_', '-')}", *_override_words(name, override)]
         else:
             words += _flag_words(f, value, getattr(TrainConfig(), f.name))
     return shlex.join(words)
@@ -151,9 +162,17 @@ def _flag_words(f: dataclasses.Field, value, default) -> list[str]:
     return [f"--{name}", *_value_words(value)]
 
 
-def _value_words(value, is_size: bool = False) -> list[str]:
-    if is_size:
+def _override_words(name: str, value) -> list[str]:
+    """A ViTConfig override as its flag's words: an image size H[xW], backbone layers N[,N...] (0: none)."""
+    if name == "image_size":
         return ["x".join(map(str, value))]
+    if name == "backbone_layers":
+        return [",".join(map(str, value)) or "0"]
+    return _value_words(value)
+
+
+def _value_words(value) -> list[str]:
+
     return [repr(v) if isinstance(v, float) else str(v) for v in (value if isinstance(value, tuple) else [value])]
 
 

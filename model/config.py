@@ -48,7 +48,8 @@ class TrainConfig:
         "help": "'fashion-mnist' or an ImageFolder root (one folder per class)"})
     data_dir: str = field(default=FASHION_MNIST_DIR, metadata={"help": "Fashion-MNIST IDX directory"})
     model: str = field(default="fmnist", metadata={
-        "help": "variant: fmnist, tiny, small, base, large, huge, B/16, L/32, ..."})
+        "help": "variant: fmnist, tiny, small, base, large, huge, B/16, L/32, ...; a hybrid (a ResNet's feature map "
+                "cut into patches): R+fmnist (the stem alone), R26+S/32, R50+B/16"})
     model_overrides: dict = field(default_factory=dict, metadata={
         "help": "ViTConfig fields that replace the variant's; only the flags given are set",
         "flags": {
@@ -63,6 +64,10 @@ class TrainConfig:
             "dropout": (float, "dropout after dense layers and position embeddings (default: the variant's)"),
             "attention_dropout": (float, "dropout on attention weights (default: the variant's)"),
             "representation_size": (int | None, "hidden size of the pre-training MLP head (default: the variant's)"),
+            "backbone_layers": (tuple[int, ...] | None,
+                                "a hybrid's bottleneck blocks per ResNet stage, e.g. 2,2; 0: the stem alone "
+                                "(default: the variant's)"),
+            "backbone_width": (int, "a hybrid's stem channels, a multiple of 32 (default: the variant's)"),
         }})
     channels: Literal[1, 3] = field(default=3, metadata={"help": "for image folders; Fashion-MNIST is 1"})
     epochs: int = field(default=40, metadata={

@@ -21,6 +21,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from model.checkpoint import CheckpointError, CheckpointMeta, save_checkpoint
+from model.hybrid import backbone_stride
 from model.vit import ViTConfig, VisionTransformer
 
 FORMATS = ("timm", "hf")
@@ -160,6 +161,8 @@ _UNSUPPORTED_TIMM = [
     (r"\.mlp\.fc1_[gx]\.|\.mlp\.w(12|3)\.", "a gated (SwiGLU) MLP"),
     (r"^mask_token$", "a mask token (masked image modelling)"),
     (r"^head\.(norm|pre_logits)\.", "a normed MLP classifier head"),
+    (r"^patch_embed\.backbone\..*(running_mean|running_var|num_batches_tracked)$",
+     "a hybrid backbone with BatchNorm (timm's vit_*_resnet*d hybrids; vitserve's is ResNetV2 with GroupNorm)"),
 ]
 
 
@@ -388,17 +391,42 @@ def infer_config(state: dict[str, torch.Tensor], num_heads: int | None, layer_no
     if proj.ndim != 4 or proj.shape[-1] != proj.shape[-2]:
         raise CheckpointImportError(f"patch_embed.proj.weight has shape {tuple(proj.shape)}; "
                                     "expected a square convolution (D, C, P, P)")
-    patch = proj.shape[-1]
+    patch, in_channels, backbone = proj.shape[-1], proj.shape[1], infer_backbone(state)
+    if backbone:
+        in_channels = backbone["in_channels"]
+        patch *= backbone_stride(backbone["backbone_layers"])  # the pixels one token covers
+        backbone = {k: v for k, v in backbone.items() if k != "in_channels"}
     pre_logits = state.get("pre_logits.fc.weight")
     try:
         return ViTConfig(
             image_size=grid_image_size(state["pos_embed"].shape[1] - 1, patch, image_size),
-            patch_size=patch, in_channels=proj.shape[1], num_classes=state["head.weight"].shape[0],
+            patch_size=patch, in_channels=in_channels, num_classes=state["head.weight"].shape[0],
             embed_dim=embed_dim, depth=count_blocks(state), num_heads=num_heads,
             mlp_dim=state["blocks.0.mlp.fc1.weight"].shape[0], qkv_bias="blocks.0.attn.qkv.bias" in state,
-            layer_norm_eps=layer_norm_eps, representation_size=None if pre_logits is None else pre_logits.shape[0])
+            layer_norm_eps=layer_norm_eps, representation_size=None if pre_logits is None else pre_logits.shape[0],
+            **backbone)
     except ValueError as e:
         raise CheckpointImportError(f"the weights do not describe a ViT we can build: {e}") from e
+
+
+def infer_backbone(state: dict[str, torch.Tensor]) -> dict:
+    """A hybrid's ResNetV2 from its tensors (timm's names): {backbone_layers, backbone_width, in_channels}, or {}
+    for a plain ViT. The stem alone is `patch_embed.backbone.conv`; with stages, `...backbone.stem.conv`."""
+    stem = state.get("patch_embed.backbone.conv.weight", state.get("patch_embed.backbone.stem.conv.weight"))
+    if stem is None:
+        if any(k.startswith("patch_embed.backbone.") for k in state):
+            names = sorted(k for k in state if k.startswith("patch_embed.backbone."))
+            raise CheckpointImportError(f"a hybrid whose backbone is not timm's ResNetV2 (no stem conv): {_few(names)}")
+        return {}
+    blocks: dict[int, set[int]] = {}
+    for key in state:
+        if m := re.match(r"patch_embed\.backbone\.stages\.(\d+)\.blocks\.(\d+)\.", key):
+            blocks.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    if sorted(blocks) != list(range(len(blocks))) or any(b != set(range(len(b))) for b in blocks.values()):
+        raise CheckpointImportError(f"the backbone's stages and blocks are not numbered 0..N-1: "
+                                    f"{ {s: sorted(b) for s, b in sorted(blocks.items())} }")
+    return {"backbone_layers": tuple(len(blocks[s]) for s in sorted(blocks)), "backbone_width": stem.shape[0],
+            "in_channels": stem.shape[1]}
 
 
 def grid_image_size(num_positions: int, patch_size: int, image_size: tuple[int, int] | None) -> tuple[int, int]:

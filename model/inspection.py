@@ -1,7 +1,8 @@
 """What a trained ViT learned, as the paper's Figure 7 shows it (§4.5, Appendix D.7), from a checkpoint:
 
 - the principal components of the patch-embedding filters (the rows of E, each a C x P x P filter), with the
-  share of variance each explains;
+  share of variance each explains. A hybrid's patch embedding is a convolution over the CNN's feature map, whose
+  filters are not images; its panel shows the filters that do see the pixels, the stem's 7x7 convolution;
 - the cosine similarity of each patch position's embedding to every other's, as a grid of tiles;
 - the mean attention distance of every head at every depth: the pixel distance between a query patch and the key
   patches, weighted by the head's attention, averaged over query patches and images. Attention from patches to
@@ -29,6 +30,7 @@ SHOWN_COMPONENTS = 28  # as Figure 7 (left) shows them
 @dataclass
 class Inspection:
     components: np.ndarray  # (k, C, P, P): the filters' principal components, most variance first
+    filters: str  # what the filters are: the patch embedding's, or a hybrid's stem convolution's
     explained: np.ndarray  # (k,): the share of the filters' variance each explains
     similarity: np.ndarray  # (gh, gw, gh, gw): cosine similarity of position (i, j) to position (k, l)
     distances: np.ndarray  # (depth, heads): mean attention distance in pixels
@@ -85,11 +87,22 @@ def attention_distances(model: VisionTransformer, pixels: torch.Tensor, batch_si
     return totals / len(pixels)
 
 
+def pixel_filters(model: VisionTransformer) -> tuple[torch.Tensor, str]:
+    """The first filters that see pixels, (D, C, k, k), and what they are."""
+    if not model.cfg.is_hybrid:
+        return model.patch_embed.proj.weight, "patch-embedding filters"
+    proj = model.patch_embed.proj
+    return model.patch_embed.stem_filters(), (
+        f"hybrid's stem convolution filters (its patch embedding is a {proj.kernel_size[0]}x{proj.kernel_size[1]} "
+        f"convolution over the CNN's {proj.in_channels}-channel feature map, not over pixels)")
+
+
 def inspect(model: VisionTransformer, pixels: torch.Tensor) -> Inspection:
     cfg = model.cfg
-    components, explained = filter_components(model.patch_embed.proj.weight)
+    weights, filters = pixel_filters(model)
+    components, explained = filter_components(weights)
     grid = tuple(cfg.grid_size)
-    return Inspection(components, explained, position_similarity(model.pos_embed, grid),
+    return Inspection(components, filters, explained, position_similarity(model.pos_embed, grid),
                       attention_distances(model, pixels), float(patch_distances(grid, cfg.patch_size).max()),
                       len(pixels), cfg.patch_size, grid)
 
@@ -115,7 +128,7 @@ def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
             image = (image - image.min()) / max(image.max() - image.min(), 1e-12)
             axis.imshow(image, cmap=None if image.ndim == 3 else "gray", interpolation="nearest")
             axis.set_title(f"{i.explained[n]:.1%}", fontsize=7)
-    figure.suptitle(f"{title}: principal components of the patch-embedding filters", fontsize=9)
+    figure.suptitle(f"{title}: principal components of the {i.filters.split(' (')[0]}", fontsize=9)
     written.append(_save(figure, out / "filters.png"))
 
     gh, gw = i.grid
@@ -137,7 +150,7 @@ def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
     axis.set_title(f"{title}: {heads} heads per layer, {i.images} images")
     written.append(_save(figure, out / "attention_distance.png"))
 
-    data = {"title": title, "patch_size": i.patch_size, "grid": list(i.grid), "images": i.images,
+    data = {"title": title, "filters": i.filters, "patch_size": i.patch_size, "grid": list(i.grid), "images": i.images,
             "explained_variance": i.explained.round(6).tolist(), "components": i.components.round(6).tolist(),
             "position_similarity": i.similarity.round(6).tolist(),
             "mean_attention_distance_px": i.distances.round(4).tolist(), "max_distance_px": i.max_distance}
@@ -145,9 +158,9 @@ def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
     written.append(out / "inspection.json")
     first, last = i.distances[0], i.distances[-1]
     report = [f"# {title}: inspecting the trained ViT (the paper's Figure 7)", "",
-              f"- **Filters** (filters.png): the top {k} principal components of the {i.patch_size}x{i.patch_size} "
-              f"patch-embedding filters explain {i.explained.sum():.1%} of their variance (the first "
-              f"{i.explained[0]:.1%}).",
+              f"- **Filters** (filters.png): the top {k} principal components of the "
+              f"{'x'.join(map(str, i.components.shape[-2:]))} {i.filters} explain {i.explained.sum():.1%} of their "
+              f"variance (the first {i.explained[0]:.1%}).",
               f"- **Position embeddings** (position_similarity.png): on a {gh}x{gw} grid, neighbours are more "
               f"alike than far positions when the model learned the image's 2-D layout: mean similarity of "
               f"adjacent positions {_adjacent_similarity(i.similarity):.3f}, of all pairs "

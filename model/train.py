@@ -405,6 +405,14 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     return run, pos
 
 
+def _tokens(c) -> str:
+    """What one token is: a patch of pixels, or a patch of a hybrid's feature map."""
+    if not c.is_hybrid:
+        return f"{c.patch_size}x{c.patch_size} patches"
+    stages = f"stages of {','.join(map(str, c.backbone_layers))} blocks" if c.backbone_layers else "the stem alone"
+    return f"a ResNet of width {c.backbone_width}, {stages}, then tokens of {c.patch_size}x{c.patch_size} pixels"
+
+
 def announce(run: Run, pos: Position, resuming: bool) -> None:
     """Says, before any step, what the run will do and where its files go."""
     cfg, c, splits = run.cfg, run.model.cfg, run.splits
@@ -417,7 +425,7 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
         f"{len(run.meta.labels)} classes, {c.in_channels}x{c.image_size[0]}x{c.image_size[1]}",
         f"model: {cfg.model}{', from ' + cfg.init_from if cfg.init_from else ''}, "
         f"{count_parameters(run.model):,} parameters ({c.depth} blocks, width {c.embed_dim}, {c.num_heads} heads, "
-        f"{c.patch_size}x{c.patch_size} patches: a {c.grid_size[0]}x{c.grid_size[1]} grid)",
+        f"{_tokens(c)}: a {c.grid_size[0]}x{c.grid_size[1]} grid)",
         f"plan: {cfg.epochs} epoch(s) of {run.epoch_steps:,} steps{capped} = {run.total_steps:,} steps of "
         f"{cfg.batch_size} images; lr warm-up {run.warmup_steps:,} steps to {cfg.lr:g}, cosine to {cfg.min_lr:g}; "
         f"on {machine_description(run.rt)}",

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from model.hybrid import BACKBONES, HybridEmbed, backbone_stride
+
 
 @dataclass(frozen=True)
 class ViTConfig:
@@ -32,9 +34,17 @@ class ViTConfig:
     representation_size: int | None = None  # hidden layer of the pre-training MLP head (paper, sec. 3.1)
     dropout: float = 0.0  # after every dense layer but qkv, and after adding position embeddings (paper, app. B.1)
     attention_dropout: float = 0.0
+    # The hybrid (paper, sec. 3.1; model/hybrid.py). None: patches of pixels. (): a ResNet stem, then patches of its
+    # feature map; (3, 4, 9): the stem and stages of that many bottleneck blocks. patch_size stays the pixels one
+    # token covers: the CNN's stride times the patch cut from its feature map.
+    backbone_layers: tuple[int, ...] | None = None
+    backbone_width: int = 64  # the stem's channels; stage i has 4 * width * 2**i
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_size", tuple(int(s) for s in self.image_size))
+        if self.backbone_layers is not None:
+            object.__setattr__(self, "backbone_layers", tuple(int(n) for n in self.backbone_layers))
+            self._check_backbone()
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
@@ -43,6 +53,19 @@ class ViTConfig:
         if self.in_channels not in (1, 3):
             raise ValueError(f"in_channels must be 1 or 3, got {self.in_channels}")
 
+    def _check_backbone(self) -> None:
+        layers, stride = self.backbone_layers, backbone_stride(self.backbone_layers)
+        if len(layers) > 4 or any(n < 1 for n in layers):
+            raise ValueError(f"backbone_layers {list(layers)}: at most 4 stages of at least 1 block each")
+        if self.backbone_width < 32 or self.backbone_width % 32:
+            raise ValueError(f"backbone_width {self.backbone_width} is not a multiple of 32 (GroupNorm's groups)")
+        if self.patch_size % stride:
+            raise ValueError(f"patch size {self.patch_size} is not a multiple of the backbone's stride {stride}")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.backbone_layers is not None
+
     @property
     def grid_size(self) -> tuple[int, int]:
         return (self.image_size[0] // self.patch_size, self.image_size[1] // self.patch_size)
@@ -50,6 +73,10 @@ class ViTConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["image_size"] = list(self.image_size)
+        if self.backbone_layers is None:  # a plain ViT's config reads as it did before hybrids existed
+            del d["backbone_layers"], d["backbone_width"]
+        else:
+            d["backbone_layers"] = list(self.backbone_layers)
         return d
 
     @classmethod
@@ -74,13 +101,19 @@ _SHORT = {"ti": "tiny", "s": "small", "b": "base", "l": "large", "h": "huge"}
 
 
 def vit_config(name: str, **overrides) -> ViTConfig:
-    """A named variant: 'B/16', 'L/32', 'vit_small_patch16_224', 'small', or 'fmnist'.
+    """A named variant: 'B/16', 'L/32', 'vit_small_patch16_224', 'small', or 'fmnist'; a hybrid as the paper
+    names them, 'R50+B/16', 'R26+S/32', 'R+Ti/32' (the stem alone), 'R+fmnist', or as timm does,
+    'vit_small_r26_s32_224', 'vit_tiny_r_s16_p8_224'.
 
     Args:
-        name: variant name; a '/P' suffix or 'patchP' sets the patch size.
-        **overrides: any ViTConfig field (image_size, num_classes, in_channels, ...).
+        name: variant name; a '/P' suffix or 'patchP' sets the patch size (in pixels, for a hybrid too).
+        **overrides: any ViTConfig field (image_size, num_classes, in_channels, backbone_width, ...).
     """
     key = name.lower().replace("vit_", "").replace("vit-", "")
+    hybrid = _hybrid_name(key)
+    if hybrid is not None:
+        key, layers = hybrid
+        return vit_config(key, **{"backbone_layers": layers, **overrides})
     if key == "fmnist":
         # Small enough to train on two CPU cores; 4x4 patches give a 7x7 grid on 28x28 images.
         base = dict(image_size=(28, 28), patch_size=4, in_channels=1, num_classes=10,
@@ -99,6 +132,21 @@ def vit_config(name: str, **overrides) -> ViTConfig:
     dim, depth, heads, mlp = _WIDTHS[key]
     fields = dict(patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads, mlp_dim=mlp)
     return ViTConfig(**{**fields, **overrides})
+
+
+def _hybrid_name(key: str) -> tuple[str, tuple[int, ...]] | None:
+    """'r50+b/16' -> ('b/16', (3, 4, 9)); timm's 'small_r26_s32_224' -> ('small/32', (2, 2, 2, 2)); else None."""
+    if "+" in key:
+        prefix, rest = key.split("+", 1)
+        if prefix not in BACKBONES:
+            raise ValueError(f"unknown hybrid backbone {prefix!r} in {key!r}; known: {sorted(BACKBONES)}")
+        return rest, BACKBONES[prefix]
+    parts = key.split("_")  # timm: WIDTH_rDEPTH_sSTRIDE[_pPATCH]_SIZE
+    if len(parts) >= 4 and parts[1] in BACKBONES and parts[2].startswith("s"):
+        layers = BACKBONES[parts[1]]
+        feature_patch = int(parts[3][1:]) if parts[3].startswith("p") else 1
+        return f"{parts[0]}/{backbone_stride(layers) * feature_patch}", layers
+    return None
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, old_grid: tuple[int, int],
@@ -215,7 +263,12 @@ class VisionTransformer(nn.Module):
         super().__init__()
         self.cfg = cfg
         num_patches = cfg.grid_size[0] * cfg.grid_size[1]
-        self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_channels, cfg.embed_dim)
+        if cfg.is_hybrid:
+            feature_patch = cfg.patch_size // backbone_stride(cfg.backbone_layers)
+            self.patch_embed = HybridEmbed(cfg.in_channels, cfg.backbone_layers, cfg.backbone_width, feature_patch,
+                                           cfg.embed_dim)
+        else:
+            self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_channels, cfg.embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, cfg.embed_dim))
         self.pos_drop = nn.Dropout(cfg.dropout)
@@ -242,12 +295,14 @@ class VisionTransformer(nn.Module):
         w = self.patch_embed.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
         nn.init.zeros_(self.patch_embed.proj.bias)
+        if self.cfg.is_hybrid:
+            self.patch_embed.init_weights()
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
     def embed(self, x: torch.Tensor) -> torch.Tensor:
         """Pixels (B, C, H, W) to tokens (B, 1 + H/P * W/P, D) with position embeddings added."""
-        x = self.patch_embed(x)  # (B, D, gh, gw)
+        x = self.patch_embed(x)  # (B, D, gh, gw), from pixels or from the hybrid's feature map
         grid = x.shape[-2:]  # symbolic under torch.export: keeps H and W dynamic
         x = x.flatten(2).transpose(1, 2)  # (B, gh*gw, D)
         cls = self.cls_token.expand(x.shape[0], -1, -1)

@@ -1,20 +1,14 @@
 """`vitserve import`: timm and Hugging Face ViTs converted into our checkpoint give the same logits.
 
 References are the real implementations, built from configs with random weights (no downloads):
-HF's ViTForImageClassification, and timm's VisionTransformer. timm's package __init__ imports
-torchvision (for its data pipeline and a frozen batch norm), which this environment lacks, so
-`timm_reference` loads timm's own vision_transformer.py with timm.data/timm.models' package
-__init__s skipped and torchvision.ops.misc.FrozenBatchNorm2d stubbed by a placeholder that a ViT
-never uses; sys.modules is restored afterwards so nothing else sees the stub.
+HF's ViTForImageClassification, and timm's VisionTransformer, imported without torchvision
+(tests/model/timm_reference.py).
 """
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
-import types
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,40 +20,10 @@ from model.convert import CheckpointImportError, ImportOptions, import_checkpoin
 from model.vit import VisionTransformer, vit_config
 from vitserve.cli import main
 
+from timm_reference import timm_without_torchvision
+
 TOL = 1e-4
 TIMM_ARCH = dict(patch_size=8, embed_dim=32, depth=2, num_heads=4)
-
-
-@contextmanager
-def _timm_without_torchvision():
-    """Import timm.models.vision_transformer without timm's torchvision-dependent package __init__s."""
-    root = Path(importlib.util.find_spec("timm").origin).parent
-    before = set(sys.modules)
-
-    def package(name: str, path: Path) -> types.ModuleType:
-        module = types.ModuleType(name)
-        module.__path__ = [str(path)]  # a package whose __init__ is not run; submodules import normally
-        sys.modules[name] = module
-        return module
-
-    try:
-        misc = types.ModuleType("torchvision.ops.misc")
-        misc.FrozenBatchNorm2d = type("FrozenBatchNorm2d", (), {})  # only batch-norm CNNs use it
-        package("torchvision", root / "_absent"), package("torchvision.ops", root / "_absent")
-        sys.modules["torchvision.ops.misc"] = misc
-        timm = package("timm", root)
-        timm.__version__ = importlib.import_module("timm.version").__version__
-        package("timm.models", root / "models")
-        data = package("timm.data", root / "data")
-        constants = importlib.import_module("timm.data.constants")
-        data.__dict__.update({k: v for k, v in vars(constants).items() if k.isupper()})
-        yield importlib.import_module("timm.models.vision_transformer")
-    finally:
-        # Only timm and the stub go: torch submodules timm pulled in must stay (re-importing them
-        # would register their operators twice).
-        for name in set(sys.modules) - before:
-            if name.split(".")[0] in ("timm", "torchvision"):
-                del sys.modules[name]
 
 
 def _randomise(model: torch.nn.Module, std: float = 0.3) -> torch.nn.Module:
@@ -83,7 +47,7 @@ def timm_reference():
         "no_class_token": dict(img_size=32, num_classes=3, class_token=False, global_pool="avg"),
     }
     out = {}
-    with _timm_without_torchvision() as vision_transformer:
+    with timm_without_torchvision() as vision_transformer:
         for name, kwargs in variants.items():
             torch.manual_seed(0)
             model = _randomise(vision_transformer.VisionTransformer(**TIMM_ARCH, **kwargs))

@@ -141,7 +141,7 @@ def test_help_shows_every_default_from_the_dataclasses(capsys, monkeypatch):
     for flag, default in expected.items():
         assert entries[flag].endswith(default), entries[flag]
     overrides = ["--image-size", "--patch-size", "--embed-dim", "--depth", "--num-heads", "--mlp-dim", "--dropout",
-                 "--attention-dropout", "--representation-size"]
+                 "--attention-dropout", "--representation-size", "--backbone-layers", "--backbone-width"]
     assert set(entries) == {"-h", "--quick", *expected, *overrides}
     assert entries["--image-size"].endswith("(default: Fashion-MNIST's 28; an image folder's is the variant's: "
                                             "fmnist 28, others 224, --init-from the checkpoint's)")
