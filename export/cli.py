@@ -32,6 +32,7 @@ def _bounded(kind, low, high, name: str):
 fraction = _bounded(float, 0.0, 1.0, "fraction (0-1)")
 percentage_points = _bounded(float, 0.0, 100.0, "percentage points (0-100)")
 positive_count = _bounded(int, 1, 10**9, "positive integer")
+non_negative_count = _bounded(int, 0, 10**6, "integer from 0")
 
 
 def _ints(text: str) -> list[int]:
@@ -60,6 +61,11 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--no-relevance", action="store_true",
                    help="leave out the class-specific relevance path (a smaller file; the server then offers only "
                         "the attention rollout)")
+    p.add_argument("--inspection-images", type=non_negative_count, default=256, metavar="N",
+                   help="store the paper's Figure 7 numbers in the file (served at /v1/models/NAME/inspect), the "
+                        "attention distances over N images: --inspection-dir's files, else Fashion-MNIST's test "
+                        "set for a 1-channel 28x28 model, else scikit-image's photos; 0: store none")
+    p.add_argument("--inspection-dir", metavar="DIR", help="image files for the attention distances")
     p.add_argument("--json", action="store_true", help="print the report as one JSON line instead of the summary")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=run_export)
@@ -70,11 +76,15 @@ def run_export(args) -> int:
 
     from export.onnx_export import export_onnx
     from export.verify import ExportVerificationError
+    from model.inspection import InspectionInputError
 
     precision = "fp16" if args.fp16 else args.precision
     if args.eval_dir is not None and precision != "int8":  # checked now, not after a minute of export
         print("vitserve export: --eval is the int8 accuracy gate's labelled set: give --precision int8 with it",
               file=sys.stderr)
+        return 2
+    if args.inspection_dir is not None and not Path(args.inspection_dir).is_dir():
+        print(f"vitserve export: --inspection-dir {args.inspection_dir}: not a directory", file=sys.stderr)
         return 2
     if args.eval_dir is not None and not Path(args.eval_dir).is_dir():
         print(f"vitserve export: --eval {args.eval_dir}: not a directory", file=sys.stderr)
@@ -90,10 +100,14 @@ def run_export(args) -> int:
                              opset=args.opset, verify=not args.no_verify, relevance=not args.no_relevance,
                              eval_dir=args.eval_dir, eval_limit=args.eval_limit,
                              min_agreement=args.min_top1_agreement, max_accuracy_drop=args.max_accuracy_drop / 100,
+                             inspection_images=args.inspection_images, inspection_dir=args.inspection_dir,
                              progress=None if args.quiet else progress)
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
+    except InspectionInputError as e:
+        print(f"vitserve export: --inspection-dir: {e}", file=sys.stderr)
+        return 2
     summary = report_summary(report)
     print(json.dumps(summary) if args.json else human_summary(summary))
     if report.precision == "fp32" and has_int8_dot_product():

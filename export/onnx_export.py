@@ -26,8 +26,8 @@ from export.verify import (ExportVerificationError, Fp16Report, RelevanceReport,
                            require_symbolic_input)
 from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from model.vit import VisionTransformer
-from vitserve.artifact import (INPUT_NAME, OUTPUT_NAMES, MAPS, PRECISIONS, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET,
-                               ModelInfo)
+from vitserve.artifact import (INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, PRECISIONS, RELEVANCE_NAME,
+                               TARGET_NAME, TOP1_TARGET, ModelInfo)
 
 if TYPE_CHECKING:
     from export.accuracy_gate import Int8Report
@@ -198,7 +198,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
                 opset: int | None = None, verify: bool = True, relevance: bool = True,
                 eval_dir: str | Path | None = None, eval_limit: int | None = None,
                 min_agreement: float | None = None, max_accuracy_drop: float | None = None,
-                progress=None) -> ExportReport:
+                inspection_images: int = 256, inspection_dir: str | None = None, progress=None) -> ExportReport:
     """Export a checkpoint directory to one ONNX file and (by default) prove it right. `progress(text)`, when
     given, hears each step as it starts (the command prints them: an export takes tens of seconds).
 
@@ -208,7 +208,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
 
     With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
     float16 or int8 file: its backward pass is where lower precision would cost accuracy, and explanations are not
-    the throughput path. Raises ExportVerificationError (file left in place for inspection) when verification fails.
+    the throughput path. With `inspection_images` > 0 the file carries the float32 model's Figure 7 numbers, its
+    attention distances over that many images (export/inspection.py; `inspection_dir`'s files if given). Raises ExportVerificationError (file left in place for inspection) when verification fails.
     """
     from export import verify as checks
 
@@ -243,6 +244,12 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
             explained = with_relevance_branch(fast, relevance_graph)  # the float32 artifact the gate compares to
     info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
     metadata = info.to_metadata()
+    if inspection_images > 0:
+        from export.inspection import inspection_json, inspection_pixels
+
+        pixels, source = inspection_pixels(vit, meta, inspection_images, inspection_dir)
+        say(f"inspecting the model (the paper's Figure 7): attention distances over {source}")
+        metadata[INSPECTION_KEY] = inspection_json(vit, meta, pixels)
     onnx.helper.set_model_props(proto, metadata)
     save_model(proto, out_path)
     export_seconds = time.perf_counter() - started

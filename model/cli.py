@@ -277,14 +277,17 @@ def run_import(args) -> int:
 
 def add_inspect_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "inspect", help="what a trained ViT learned: the paper's Figure 7 panels from a checkpoint",
+        "inspect", help="what a trained ViT learned: the paper's Figure 7 panels from a checkpoint or an export",
         description="Writes to --out: the principal components of the patch-embedding filters (filters.png), the "
                     "cosine similarity of the position embeddings (position_similarity.png), the mean attention "
                     "distance of every head against depth (attention_distance.png), their numbers "
-                    "(inspection.json) and a short REPORT.md. Attention distances average over --images images: "
-                    "Fashion-MNIST's test set for a 1-channel 28x28 model, or the image files of --images-dir.",
+                    "(inspection.json) and a short REPORT.md. From a checkpoint, attention distances average over "
+                    "--images images: Fashion-MNIST's test set for a 1-channel 28x28 model, or the image files of "
+                    "--images-dir. From an exported file (any precision), the numbers `vitserve export` computed "
+                    "from the float32 weights and stored in it.",
         formatter_class=DefaultsHelpFormatter)
-    p.add_argument("checkpoint", help="checkpoint directory (config.json + model.safetensors)")
+    p.add_argument("model", metavar="MODEL", help="checkpoint directory (config.json + model.safetensors) or .onnx "
+                                                  "file from `vitserve export`")
     p.add_argument("--out", required=True, metavar="DIR", help="where the panels, the JSON and the report go")
     p.add_argument("--images", type=int, default=256, help="images the attention distances average over")
     p.add_argument("--images-dir", metavar="DIR", help="image files to use instead of Fashion-MNIST's test set")
@@ -296,35 +299,40 @@ def add_inspect_parser(subparsers) -> None:
 def run_inspect(args) -> int:
     from pathlib import Path
 
-    import numpy as np
-    import torch
+    from model.inspection import InspectionInputError, inspect, inspection_images, normalised, write
 
-    from model.checkpoint import load_checkpoint
-    from model.data import load_fashion_mnist, load_image
-    from model.inspection import inspect, write
+    try:
+        if Path(args.model).is_file():
+            inspection, title = _stored_inspection(Path(args.model))
+        else:
+            from model.checkpoint import load_checkpoint
 
-    if args.images < 1:
-        print("vitserve inspect: --images must be at least 1", file=sys.stderr)
+            model, meta = load_checkpoint(args.model)
+            images = inspection_images(model.cfg.in_channels, model.cfg.image_size, args.images, args.images_dir,
+                                       args.data_dir)
+            inspection, title = inspect(model, normalised(images, meta.mean, meta.std)), f"{meta.name} {meta.version}"
+    except InspectionInputError as e:
+        print(f"vitserve inspect: {e}", file=sys.stderr)
         return 2
-    model, meta = load_checkpoint(args.checkpoint)
-    cfg = model.cfg
-    size = tuple(cfg.image_size)
-    if args.images_dir:
-        files = sorted(p for p in Path(args.images_dir).iterdir() if p.is_file())[:args.images]
-        if not files:
-            print(f"vitserve inspect: {args.images_dir} holds no image files", file=sys.stderr)
-            return 2
-        images = torch.from_numpy(np.stack([load_image(f, size, cfg.in_channels) for f in files]))
-    elif cfg.in_channels == 1 and size == (28, 28):
-        images = load_fashion_mnist(args.data_dir).test.images[:args.images]
-    else:
-        print(f"vitserve inspect: a {cfg.in_channels}-channel {size[0]}x{size[1]} model needs --images-dir (the "
-              f"default images are Fashion-MNIST's, 1-channel 28x28)", file=sys.stderr)
-        return 2
-    mean = torch.tensor(meta.mean, dtype=torch.float32).view(1, -1, 1, 1)
-    std = torch.tensor(meta.std, dtype=torch.float32).view(1, -1, 1, 1)
-    pixels = (images.float() / 255 - mean) / std
-    written = write(inspect(model, pixels), Path(args.out), f"{meta.name} {meta.version}")
-    for path in written:
+    for path in write(inspection, Path(args.out), title):
         print(f"wrote {path}")
     return 0
+
+
+def _stored_inspection(path):
+    """(Inspection, title) from an exported file's metadata; InspectionInputError when it has none."""
+    from model.inspection import InspectionInputError, from_json
+    from vitserve.artifact import ArtifactError, read_inspection
+    from vitserve.onnx_header import read_header
+
+    try:
+        data = read_inspection(read_header(path).metadata)
+    except ArtifactError as e:
+        raise InspectionInputError(f"{path}: {e}") from None
+    if data is None:
+        raise InspectionInputError(f"{path} carries no inspection (exported with --no-inspection, or before "
+                                   "vitserve stored one): inspect its checkpoint, or export it again")
+    try:
+        return from_json(data)
+    except (KeyError, ValueError, TypeError) as e:
+        raise InspectionInputError(f"{path}: its stored inspection is malformed ({type(e).__name__}: {e})") from None

@@ -70,6 +70,11 @@ def _find_idx(data_dir: Path, stem: str) -> Path:
         f"{data_dir / stem}[.gz] not found; install Debian's dataset-fashion-mnist or pass --data-dir")
 
 
+def fashion_mnist_test_images(data_dir: str | Path = FASHION_MNIST_DIR) -> torch.Tensor:
+    """The 10,000 test images alone, uint8 (N, 1, 28, 28); FileNotFoundError without the dataset."""
+    return torch.from_numpy(read_idx(_find_idx(Path(data_dir), "t10k-images-idx3-ubyte")).copy()).unsqueeze(1)
+
+
 def load_fashion_mnist(data_dir: str | Path = FASHION_MNIST_DIR) -> DataSplits:
     data_dir = Path(data_dir)
 

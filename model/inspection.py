@@ -107,6 +107,62 @@ def inspect(model: VisionTransformer, pixels: torch.Tensor) -> Inspection:
                       len(pixels), cfg.patch_size, grid)
 
 
+def to_json(i: Inspection, title: str) -> dict:
+    """The numbers as JSON (what inspection.json holds, and what `vitserve export` stores in the model file)."""
+    return {"title": title, "filters": i.filters, "patch_size": i.patch_size, "grid": list(i.grid),
+            "images": i.images, "explained_variance": i.explained.round(6).tolist(),
+            "components": i.components.round(5).tolist(), "position_similarity": i.similarity.round(5).tolist(),
+            "mean_attention_distance_px": i.distances.round(4).tolist(), "max_distance_px": i.max_distance}
+
+
+def from_json(data: dict) -> tuple[Inspection, str]:
+    """`to_json`'s output back: (Inspection, title); KeyError/ValueError/TypeError when it is not that."""
+    inspection = Inspection(np.asarray(data["components"], np.float64), str(data["filters"]),
+                            np.asarray(data["explained_variance"], np.float64),
+                            np.asarray(data["position_similarity"], np.float64),
+                            np.asarray(data["mean_attention_distance_px"], np.float64), float(data["max_distance_px"]),
+                            int(data["images"]), int(data["patch_size"]), tuple(int(g) for g in data["grid"]))
+    if inspection.components.ndim != 4 or inspection.similarity.shape != (*inspection.grid, *inspection.grid) or \
+            inspection.distances.ndim != 2:
+        raise ValueError("the inspection's arrays do not have the shapes of components, similarity and distances")
+    return inspection, str(data["title"])
+
+
+class InspectionInputError(ValueError):
+    """No images to average the attention distances over: the user's to fix, in one line."""
+
+
+def inspection_images(channels: int, size: tuple[int, int], count: int, images_dir: str | None,
+                      data_dir: str) -> torch.Tensor:
+    """uint8 (N, C, H, W) images for the attention distances: the image files of `images_dir`, else Fashion-MNIST's
+    test set for a 1-channel 28x28 model. InspectionInputError when neither applies."""
+    from model.data import fashion_mnist_test_images, load_image
+
+    if count < 1:
+        raise InspectionInputError("--images must be at least 1")
+    if images_dir:
+        folder = Path(images_dir)
+        if not folder.is_dir():
+            raise InspectionInputError(f"{images_dir} is not a folder")
+        files = sorted(p for p in folder.iterdir() if p.is_file())[:count]
+        if not files:
+            raise InspectionInputError(f"{images_dir} holds no image files")
+        return torch.from_numpy(np.stack([load_image(f, size, channels) for f in files]))
+    if channels == 1 and tuple(size) == (28, 28):
+        try:
+            return fashion_mnist_test_images(data_dir)[:count]
+        except FileNotFoundError as e:
+            raise InspectionInputError(f"{e}, or give --images-dir") from None
+    raise InspectionInputError(f"a {channels}-channel {size[0]}x{size[1]} model needs --images-dir (the default "
+                               "images are Fashion-MNIST's, 1-channel 28x28)")
+
+
+def normalised(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
+    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
+    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
+    return (images.float() / 255 - m) / s
+
+
 def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
     """The three panels (PNG), their numbers (JSON) and a report (Markdown) in `out`; the paths written."""
     import matplotlib
@@ -150,11 +206,7 @@ def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
     axis.set_title(f"{title}: {heads} heads per layer, {i.images} images")
     written.append(_save(figure, out / "attention_distance.png"))
 
-    data = {"title": title, "filters": i.filters, "patch_size": i.patch_size, "grid": list(i.grid), "images": i.images,
-            "explained_variance": i.explained.round(6).tolist(), "components": i.components.round(6).tolist(),
-            "position_similarity": i.similarity.round(6).tolist(),
-            "mean_attention_distance_px": i.distances.round(4).tolist(), "max_distance_px": i.max_distance}
-    (out / "inspection.json").write_text(json.dumps(data))
+    (out / "inspection.json").write_text(json.dumps(to_json(i, title)))
     written.append(out / "inspection.json")
     first, last = i.distances[0], i.distances[-1]
     report = [f"# {title}: inspecting the trained ViT (the paper's Figure 7)", "",

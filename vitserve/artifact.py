@@ -29,6 +29,9 @@ MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; eve
 FORMAT_VERSION = 1
 METADATA_PREFIX = "vitserve."
 PRECISIONS = ("fp32", "fp16", "int8")
+# The paper's Figure 7 numbers (model/inspection.py's to_json), computed at export; optional, and kept out of
+# ModelInfo, which travels with every repository index: only GET /v1/models/{name}/inspect reads it.
+INSPECTION_KEY = METADATA_PREFIX + "inspection"
 
 
 class ArtifactError(ValueError):
@@ -110,6 +113,20 @@ class ModelInfo:
             raise ArtifactError(f"model metadata is inconsistent: channels={self.channels}, mean={self.mean}, "
                                 f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "
                                 f"{len(self.labels)} labels, precision={self.precision!r}, maps={list(self.maps)}")
+
+
+def read_inspection(props: dict[str, str]) -> dict | None:
+    """The inspection stored in a file's metadata, or None when it was exported without one."""
+    raw = props.get(INSPECTION_KEY)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError as e:
+        raise ArtifactError(f"model metadata '{INSPECTION_KEY}' is not JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"model metadata '{INSPECTION_KEY}' is not a JSON object")
+    return data
 
 
 _REQUIRED = object()

@@ -46,6 +46,12 @@ class ModelNotFound(ServiceError):
     code = "model_not_found"
 
 
+class InspectionNotStored(ServiceError):
+    """The version's file carries no Figure 7 numbers (exported with --inspection-images 0, or before they existed)."""
+
+    code = "inspection_not_stored"
+
+
 class InvalidModelName(ServiceError):
     """A model name or version that cannot name anything in a repository ('..', '/', ...): refused before it
     touches a path."""
@@ -150,6 +156,7 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     ImageDecodeError: 400,
     MalformedRequest: 400,
     ModelNotFound: 404,
+    InspectionNotStored: 404,
     InvalidModelName: 400,
     ModelLoadError: 400,  # a load asked for through the repository API failed (Triton answers 400 too)
     RepositoryError: 400,
@@ -179,7 +186,7 @@ STATUS_DESCRIPTIONS = {
     400: "Undecodable or corrupt image, an invalid model name, or a model load that failed",
     401: "No credentials where the server requires a key (Authorization: Bearer KEY)",
     403: "Wrong key, or the repository API is off in this control mode",
-    404: "No model (or version) with that name",
+    404: "No model (or version) with that name, or no inspection stored in its file",
     413: "Too many bytes, pixels or files",
     408: "The request was sent too slowly",
     414: "Request line too long",

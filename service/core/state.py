@@ -26,6 +26,7 @@ from fastapi import Request
 from service.core.admission import Admission, PixelBudget, return_large_frees_to_the_os
 from service.engine import Engine
 from service.core.errors import NotReady, ServiceError
+from service.core.inspection import InspectionCache
 from service.core.metrics import ServiceMetrics, mark_process_dead
 from service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from service.settings import Settings
@@ -47,6 +48,7 @@ class ServiceState:
     pixels: PixelBudget | None = None
     stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the drain ran out: answer 503 now
     drain_begun: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM: stop taking new calls (gRPC)
+    inspections: InspectionCache = field(default_factory=InspectionCache)  # GET /v1/models/{name}/inspect
     draining: bool = False
     _previous_handlers: dict = field(default_factory=dict, repr=False)
 

@@ -186,6 +186,69 @@ async function loadCard() {
   state.card = card;
   showCard(card);
   $("status").textContent = "Choose an image, or one of the samples.";
+  showInspection(await fetchJson(`v1/models/${encodeURIComponent(card.name)}/inspect?` +
+    new URLSearchParams({version: card.version})));
+}
+
+// ---- what the model learned (GET v1/models/{name}/inspect, stored by `vitserve export`)
+function showInspection(found) {
+  $("inspection").hidden = !found;
+  if (!found) return;
+  const [depth, heads] = [found.mean_attention_distance_px.length, found.mean_attention_distance_px[0].length];
+  $("inspection-about").textContent = `The ${found.filters}; the attention distances average over ` +
+    `${found.images} images (in pixels, at most ${found.max_distance_px.toFixed(1)}): ${depth} layers of ` +
+    `${heads} heads.`;
+  $("inspection-filters").replaceChildren(...found.components.map((component, i) => {
+    const tile = componentTile(component);
+    tile.title = `component ${i + 1}: ${(100 * found.explained_variance[i]).toFixed(1)}% of the variance`;
+    return tile;
+  }));
+  drawSimilarity(found.position_similarity);
+  drawDistances(found.mean_attention_distance_px, found.max_distance_px);
+}
+
+function componentTile(component) { // (C, k, k) -> a k x k canvas, grey or RGB, stretched to its own range
+  const [channels, rows, cols] = [component.length, component[0].length, component[0][0].length];
+  const values = component.flat(2), low = Math.min(...values), span = Math.max(...values) - low || 1;
+  const tile = document.createElement("canvas");
+  [tile.width, tile.height] = [cols, rows];
+  const context = tile.getContext("2d"), pixels = context.createImageData(cols, rows);
+  for (let r = 0; r < rows; r++) {
+    for (let c = 0; c < cols; c++) {
+      const rgb = [0, 1, 2].map((k) => Math.round(255 * (component[channels === 3 ? k : 0][r][c] - low) / span));
+      pixels.data.set([...rgb, 255], 4 * (r * cols + c));
+    }
+  }
+  context.putImageData(pixels, 0, 0);
+  return tile;
+}
+
+function drawSimilarity(similarity) { // (gh, gw, gh, gw): a gh x gw grid of gh x gw tiles, a gap between tiles
+  const canvas = $("inspection-similarity"), context = canvas.getContext("2d");
+  const [gh, gw] = [similarity.length, similarity[0].length];
+  const cell = Math.max(1, Math.floor(canvas.width / (gw * (gw + 1))));
+  context.clearRect(0, 0, canvas.width, canvas.height);
+  similarity.forEach((row, r) => row.forEach((tile, c) => tile.forEach((line, i) => line.forEach((value, j) => {
+    context.fillStyle = `rgb(${rampColor((value + 1) / 2).join(",")})`;
+    context.fillRect((c * (gw + 1) + j) * cell, (r * (gh + 1) + i) * cell, cell, cell);
+  }))));
+}
+
+function drawDistances(distances, maxDistance) { // a dot per head at each depth, as Figure 7 (right)
+  const canvas = $("inspection-distance"), context = canvas.getContext("2d");
+  const [w, h, margin] = [canvas.width, canvas.height, 24];
+  context.clearRect(0, 0, w, h);
+  context.strokeStyle = context.fillStyle = "#555";
+  context.strokeRect(margin, 4, w - margin - 4, h - margin - 4);
+  context.font = "10px sans-serif";
+  context.fillText("depth →", w / 2 - 16, h - 6);
+  context.fillText(`${Math.round(maxDistance)}px`, 0, 12);
+  distances.forEach((layer, l) => layer.forEach((distance, head) => {
+    const x = margin + (l + 0.5) * (w - margin - 4) / distances.length;
+    const y = h - margin - (h - margin - 4) * distance / maxDistance;
+    context.fillStyle = `rgb(${RAMP[(head * 3) % RAMP.length].join(",")})`;
+    context.fillRect(x - 2 + head % 3 - 1, y - 2, 4, 4);
+  }));
 }
 
 function showCard(card) {

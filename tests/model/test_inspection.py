@@ -62,3 +62,64 @@ def test_the_command_writes_the_panels_the_numbers_and_a_report(tiny_checkpoint,
     assert "Figure 7" in (out / "REPORT.md").read_text()
     assert main(["inspect", str(tiny_checkpoint), "--out", str(out)]) == 2  # 3-channel 32x32: no default images
     assert "--images-dir" in capsys.readouterr().err
+
+
+def test_an_exported_file_gives_back_the_numbers_export_stored(tiny_onnx, tmp_path, capsys):
+    from vitserve.artifact import INSPECTION_KEY
+    from vitserve.cli import main
+    from vitserve.onnx_header import read_header
+
+    out = tmp_path / "from-onnx"
+    assert main(["inspect", str(tiny_onnx), "--out", str(out)]) == 0
+    stored = json.loads(read_header(tiny_onnx).metadata[INSPECTION_KEY])
+    assert json.loads((out / "inspection.json").read_text()) == stored
+    assert stored["images"] == 17 and stored["grid"] == [4, 4]  # the export's photos: a 3-channel 32x32 model
+    assert {p.name for p in out.iterdir()} >= {"filters.png", "REPORT.md"}
+
+
+def test_bad_inputs_are_one_line_errors(tiny_checkpoint, tmp_path, capsys):
+    import shutil
+
+    from vitserve.cli import main
+
+    not_a_model = tmp_path / "notes.onnx"
+    not_a_model.write_text("hello")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    disagreeing = tmp_path / "disagreeing"
+    shutil.copytree(tiny_checkpoint, disagreeing)
+    config = json.loads((disagreeing / "config.json").read_text())
+    config["architecture"]["depth"] = 3  # the weights hold 2 blocks
+    (disagreeing / "config.json").write_text(json.dumps(config))
+    cases = [([str(not_a_model)], "notes.onnx"), ([str(tiny_checkpoint), "--images-dir", str(empty)],
+                                                 "holds no image files"),
+             ([str(tiny_checkpoint), "--images-dir", str(tmp_path / "absent")], "is not a folder"),
+             ([str(tiny_checkpoint)], "needs --images-dir"), ([str(disagreeing)], "blocks.2")]
+    for args, expected in cases:
+        assert main(["inspect", *args, "--out", str(tmp_path / "out")]) != 0
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and expected in err, (args, err)
+
+
+def test_export_stores_the_inspection_unless_told_not_to(tiny_checkpoint, tmp_path, capsys):
+    from vitserve.artifact import INSPECTION_KEY
+    from vitserve.cli import main
+    from vitserve.onnx_header import read_header
+
+    quick = ["--no-verify", "--no-relevance", "--quiet"]
+    images = tmp_path / "images"
+    images.mkdir()
+    for i in range(5):
+        Image.fromarray(np.full((20, 30, 3), 40 * i, np.uint8)).save(images / f"{i}.png")
+    assert main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "a.onnx"), *quick,
+                 "--inspection-images", "3", "--inspection-dir", str(images)]) == 0
+    assert json.loads(read_header(tmp_path / "a.onnx").metadata[INSPECTION_KEY])["images"] == 3
+    assert main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "b.onnx"), *quick,
+                 "--inspection-images", "0"]) == 0
+    assert INSPECTION_KEY not in read_header(tmp_path / "b.onnx").metadata
+    capsys.readouterr()
+    assert main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "c.onnx"), *quick,
+                 "--inspection-dir", str(tmp_path / "absent")]) == 2
+    assert "--inspection-dir" in capsys.readouterr().err and not (tmp_path / "c.onnx").exists()
+    with pytest.raises(SystemExit):
+        main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "d.onnx"), "--inspection-images", "-1"])

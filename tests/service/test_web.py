@@ -17,6 +17,7 @@ import tomllib
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -182,9 +183,14 @@ def upload(page, name: str, data: bytes, mime: str):
 
 
 def canvas(page) -> np.ndarray:
-    """The canvas's pixels, (H, W, 3), read back through a lossless PNG."""
-    url = page.evaluate("document.getElementById('view').toDataURL('image/png')")
-    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGB")).astype(int)
+    """The image canvas's pixels, (H, W, 3)."""
+    return canvas_pixels(page, "view")[..., :3]
+
+
+def canvas_pixels(page, element_id: str) -> np.ndarray:
+    """A canvas's pixels, (H, W, 4), read back through a lossless PNG."""
+    url = page.evaluate("id => document.getElementById(id).toDataURL('image/png')", element_id)
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(url.split(",", 1)[1]))).convert("RGBA")).astype(int)
 
 
 def set_opacity(page, key: str, shown: str):
@@ -389,3 +395,24 @@ def test_the_model_picker_chooses_the_model_and_its_card_follows(page, repositor
     assert (result["query"]["model"], result["query"]["version"]) == ("shoes", "1")
     assert result["body"]["model"] == {"name": "shoes", "version": "1"}
 
+
+
+@needs_browser
+def test_the_card_shows_what_the_model_learned(page, server):
+    opened(page, server)
+    page.wait_for_function("() => !document.getElementById('inspection').hidden")
+    page.click("#inspection summary")
+    inspection = httpx.get(server + "/v1/models/tiny-vit/inspect", params={"version": "7"}).json()
+    tiles = page.locator("#inspection-filters canvas")
+    assert tiles.count() == len(inspection["components"]) == 28
+    assert tiles.first.get_attribute("title") == \
+        f"component 1: {100 * inspection['explained_variance'][0]:.1f}% of the variance"
+    about = page.inner_text("#inspection-about")
+    assert "patch-embedding filters" in about and "17 images" in about and "2 layers of 2 heads" in about
+    similarity = canvas_pixels(page, "inspection-similarity")
+    cell = 240 // (4 * 5)  # a 4x4 grid of 4x4 tiles, a one-cell gap between tiles
+    first_tile_self = similarity[cell // 2, cell // 2]  # position (0, 0) against itself: similarity 1
+    assert first_tile_self[3] == 255 and np.abs(first_tile_self[:3] - ramp_colors(np.array(1.0))).max() <= 2
+    dots = canvas_pixels(page, "inspection-distance")
+    assert (dots[..., 3] > 0).sum() > 100  # the frame and a dot per head and layer
+    page.screenshot(path=SCREENSHOTS / "web-inspection.png", full_page=True)

@@ -1,10 +1,11 @@
-"""GET /v1/models (what is served), /v1/model (one version's card, and its execution provider), /metrics."""
+"""GET /v1/models (what is served), /v1/model (one version's card, and its execution provider),
+/v1/models/{name}/inspect (what the model learned: the paper's Figure 7), /metrics."""
 from __future__ import annotations
 
 import asyncio
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Response
 
 from service.http.access import require_api_key
 from service.core.errors import openapi_responses
@@ -38,6 +39,18 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
                      opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
                      test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
                      max_native_tokens=s.max_native_tokens)
+
+
+@router.get("/v1/models/{name}/inspect", dependencies=[Depends(require_api_key)],
+            responses=openapi_responses(400, 401, 403, 404, 503))
+async def inspect_model(state: Annotated[ServiceState, Depends(get_state)],
+                        name: Annotated[str, Path(max_length=64)],
+                        version: Annotated[str | None, Query(max_length=20)] = None) -> dict:
+    """What the model version learned, as the paper's Figure 7 shows it: the principal components of its
+    patch-embedding filters (a hybrid's stem filters) with their explained variance, the cosine similarity of its
+    position embeddings, and the mean attention distance of each head at each depth, in pixels. Computed by
+    `vitserve export` from the float32 weights and stored in the file (default: the newest ready version)."""
+    return await state.inspections.get(state.settings, state.engine.route(name, version))
 
 
 @router.get("/metrics", response_class=Response,
