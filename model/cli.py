@@ -217,8 +217,12 @@ def next_steps(cfg: TrainConfig, row: dict) -> str:
     """Where the checkpoint is, and the commands that export and serve it."""
     out = cfg.out_dir.rstrip("/")
     checkpoint, onnx = shlex.quote(f"{out}/checkpoint"), shlex.quote(f"{out}/model.onnx")
-    done = (f"held-out accuracy {100 * row['test_acc']:.2f}% after epoch {row['epoch']} (step {row['step']:,})"
+    scored = "masked-patch accuracy" if cfg.pretrain != "none" else "held-out accuracy"
+    done = (f"{scored} {100 * row['test_acc']:.2f}% after epoch {row['epoch']} (step {row['step']:,})"
             if row else "nothing left to train")
+    if cfg.pretrain != "none":
+        return (f"checkpoint: {checkpoint} ({done}): pre-trained, no classifier yet\n"
+                f"next: vitserve train --init-from {checkpoint} --out {shlex.quote(out + '-finetuned')}")
     return (f"checkpoint: {checkpoint} ({done})\n"
             f"next: vitserve export {checkpoint} --out {onnx}\n"
             f"      vitserve serve --model {onnx}")

@@ -90,6 +90,13 @@ class TrainConfig:
                 "(for --resume)"})
     resume: bool = field(default=False, metadata={
         "help": "continue the run in --out from its last save (an epoch's end, a periodic save or Ctrl-C)"})
+    pretrain: Literal["none", "masked-patch"] = field(default="none", metadata={
+        "help": "none: learn the labels; masked-patch: self-supervision by masked patch prediction (paper sec. 4.6): "
+                "predict the mean colour of half the patches, corrupted, from the rest; no labels used. Then "
+                "fine-tune the checkpoint with --init-from"})
+    label_fraction: float = field(default=1.0, metadata={
+        "help": "learn from this share of the training images' labels (stratified by class, chosen by --seed); "
+                "the others are left out; the held-out split stays whole"})
     init_from: str | None = field(default=None, metadata={
         "metavar": "CHECKPOINT", "help": "fine-tune from this checkpoint (position embeddings resampled)"})
     val_fraction: float = field(default=0.1, metadata={
@@ -113,6 +120,7 @@ class TrainConfig:
                   ("lr", self.lr > 0, "above 0"), ("min-lr", self.min_lr >= 0, "0 or more"),
                   ("warmup-epochs", self.warmup_epochs >= 0, "0 or more"),
                   ("val-fraction", 0 < self.val_fraction < 1, "between 0 and 1"),
+                  ("label-fraction", 0 < self.label_fraction <= 1, "above 0 and at most 1"),
                   ("max-steps-per-epoch", self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
                    "at least 1"),
                   ("time-limit", self.time_limit is None or self.time_limit > 0, "above 0"),

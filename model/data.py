@@ -46,6 +46,18 @@ class DataSplits:
     std: list[float]
 
 
+def labelled_share(dataset: ImageDataset, fraction: float, seed: int) -> ImageDataset:
+    """`fraction` of each class's images (at least one), chosen at random with `seed`, in their original order."""
+    generator = torch.Generator().manual_seed(seed)
+    kept = []
+    for label in torch.unique(dataset.labels):
+        members = torch.nonzero(dataset.labels == label).flatten()
+        count = max(1, round(len(members) * fraction))
+        kept.append(members[torch.randperm(len(members), generator=generator)[:count]])
+    index = torch.cat(kept).sort().values
+    return ImageDataset(dataset.images[index], dataset.labels[index], dataset.classes)
+
+
 def read_idx(path: str | Path) -> np.ndarray:
     """Reads an IDX file (LeCun's MNIST format), gzipped or not."""
     path = Path(path)

@@ -28,7 +28,8 @@ from model.augment import augment_batch, normalize
 from model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
 from model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
 from model.config import TrainingInputError
-from model.data import DataSplits, load_fashion_mnist, load_image_folder, resize_batch
+from model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
+from model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
 from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
 
 TRAIN_STATE_FILE = "train_state.pt"
@@ -68,8 +69,12 @@ def load_data(cfg: TrainConfig, image_size: tuple[int, int] | None) -> DataSplit
         if image_size:
             splits.train.images = resize_batch(splits.train.images, image_size)
             splits.test.images = resize_batch(splits.test.images, image_size)
-        return splits
-    return load_image_folder(cfg.data, image_size or folder_image_size(cfg), cfg.channels, cfg.val_fraction, cfg.seed)
+    else:
+        splits = load_image_folder(cfg.data, image_size or folder_image_size(cfg), cfg.channels, cfg.val_fraction,
+                                   cfg.seed)
+    if cfg.label_fraction < 1:
+        splits.train = labelled_share(splits.train, cfg.label_fraction, cfg.seed)
+    return splits
 
 
 def folder_image_size(cfg: TrainConfig) -> tuple[int, int]:
@@ -108,7 +113,8 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     # No weight decay on biases, LayerNorm gains, position embeddings or the class token.
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (no_decay if p.ndim <= 1 or name in ("pos_embed", "cls_token") else decay).append(p)
+        embedding = name.rpartition(".")[2] in ("pos_embed", "cls_token", "mask_token")
+        (no_decay if p.ndim <= 1 or embedding else decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.999))
 
@@ -120,17 +126,32 @@ def lr_at(step: int, total_steps: int, warmup_steps: int, cfg: TrainConfig) -> f
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def predictions(model: nn.Module, x: torch.Tensor, y: torch.Tensor, mean: list[float], std: list[float],
+                generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, targets): the image labels' for a classifier; for masked-patch prediction, the corrupted patches'
+    and their mean colours (computed from x, un-normalised)."""
+    core = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    if not isinstance(core, MaskedPatchPrediction):
+        return model(x), y
+    shape = (1, -1, 1, 1)
+    pixels = x * torch.tensor(std, device=x.device).view(shape) + torch.tensor(mean, device=x.device).view(shape)
+    return model(x, pixels, generator)
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, images: torch.Tensor, labels: torch.Tensor, mean: list[float], std: list[float],
              rt: Runtime, batch_size: int = 500) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole split; each process takes a shard, then they add up."""
+    """(mean loss, accuracy) over the whole split; each process takes a shard, then they add up. Masked-patch
+    prediction is scored on the same corruptions at every evaluation (a fixed seed)."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64)  # loss sum, correct, count
+    generator = torch.Generator().manual_seed(rt.rank)
     for start in range(rt.rank * batch_size, len(labels), batch_size * rt.world):
         x = normalize(images[start:start + batch_size], mean, std).to(rt.device)
         y = labels[start:start + batch_size].to(rt.device)
         with autocast(rt):
-            logits = model(x).float()
+            logits, y = predictions(model, x, y, mean, std, generator)
+            logits = logits.float()
         totals += torch.tensor([F.cross_entropy(logits, y, reduction="sum").item(),
                                 (logits.argmax(1) == y).sum().item(), len(y)], dtype=torch.float64)
     if rt.world > 1:
@@ -277,6 +298,7 @@ class Run:
     rt: Runtime
     splits: DataSplits
     model: VisionTransformer
+    objective: nn.Module  # what is trained: the model, or the model inside MaskedPatchPrediction
     meta: CheckpointMeta
     optimizer: torch.optim.Optimizer
     generator: torch.Generator  # augmentation
@@ -388,18 +410,21 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     splits = load_data(cfg, tuple(cfg.model_overrides["image_size"]) if "image_size" in cfg.model_overrides else None)
     cfg = fit_batch_size(cfg, len(splits.train), rt)
     model, meta = build_model(cfg, splits)
-    model.to(rt.device).train()
-    optimizer = make_optimizer(model, cfg)
+    objective = MaskedPatchPrediction(model) if cfg.pretrain == "masked-patch" else model
+    objective.to(rt.device).train()
+    optimizer = make_optimizer(objective, cfg)
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rt.rank)
     resuming = cfg.resume and (out_dir / TRAIN_STATE_FILE).is_file()
-    pos = restore_state(out_dir, model, optimizer, generator, rt) if resuming else Position()
-    ddp_model = nn.parallel.DistributedDataParallel(model) if rt.world > 1 else model
+    pos = restore_state(out_dir, objective, optimizer, generator, rt) if resuming else Position()
+    # Pre-training leaves the classifier head unused: DistributedDataParallel must be told
+    ddp_model = nn.parallel.DistributedDataParallel(objective, find_unused_parameters=objective is not model) \
+        if rt.world > 1 else objective
     epoch_steps = steps_per_epoch(len(splits.train), cfg, rt.world)
     log = None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         log = TrainLog(out_dir, pos.step if resuming else None)
-    run = Run(cfg, rt, splits, model, meta, optimizer, generator, ddp_model, epoch_steps, log)
+    run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log)
     if rt.is_main:
         announce(run, pos, resuming)
     return run, pos
@@ -432,6 +457,13 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
         f"files: {run.out_dir}/ checkpoint/ (at each epoch's end, every {cfg.save_every:g} min and on Ctrl-C), "
         f"log.csv, steps.csv, curves.png, {TRAIN_STATE_FILE} (for --resume)",
     ]
+    if run.objective is not run.model:
+        lines.insert(2, f"task: masked-patch pre-training, no labels: each image's {CORRUPTED_FRACTION:.0%} patches "
+                        f"corrupted, their mean colour predicted ({colour_classes(c.in_channels)} classes); "
+                        f"'acc' is that prediction's, the checkpoint is the ViT for --init-from")
+    if cfg.label_fraction < 1:
+        lines.insert(1, f"labels: {cfg.label_fraction:.0%} of each class's training images ({len(splits.train):,}), "
+                        f"chosen with seed {cfg.seed}")
     if resuming and pos.epoch >= cfg.epochs:
         lines.append(f"resuming: all {cfg.epochs} epochs are done (step {pos.step:,}); nothing left to do")
     elif resuming:
@@ -455,12 +487,12 @@ def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event)
     while pos.batch < run.epoch_steps and stop is None:
         idx = order[pos.batch * per_rank:(pos.batch + 1) * per_rank]
         lr = lr_at(pos.step, run.total_steps, run.warmup_steps, cfg)
-        loss, correct = train_step(run, idx, lr)
+        loss, correct, count = train_step(run, idx, lr)
         pos.batch, pos.step, seen = pos.batch + 1, pos.step + 1, seen + len(idx)
-        pos.sums += torch.tensor([loss * len(idx), correct, len(idx)], dtype=torch.float64)
+        pos.sums += torch.tensor([loss * count, correct, count], dtype=torch.float64)
         if run.log:
             run.log.steps.append({"step": pos.step, "epoch": pos.epochs_done(run.epoch_steps), "lr": lr,
-                                  "train_loss": loss, "train_acc": correct / len(idx)})
+                                  "train_loss": loss, "train_acc": correct / count})
         bar.set_postfix(loss=f"{pos.sums[0] / pos.sums[2]:.4f}", acc=f"{pos.sums[1] / pos.sums[2]:.4f}",
                         img_s=f"{seen * rt.world / (time.perf_counter() - start):.0f}")
         bar.update()
@@ -471,22 +503,23 @@ def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event)
     return stop, seen * rt.world / max(time.perf_counter() - start, 1e-9)
 
 
-def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int]:
-    """One optimiser step on the training images at idx; returns (mean loss, correct predictions)."""
+def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int]:
+    """One optimiser step on the training images at idx; returns (mean loss, correct predictions, predictions):
+    one per image, or one per corrupted patch in masked-patch pre-training."""
     cfg, rt, data = run.cfg, run.rt, run.splits
     x = augment_batch(data.train.images[idx], cfg.augment, data.mean, data.std, run.generator).to(rt.device)
     y = data.train.labels[idx].to(rt.device)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     with autocast(rt):
-        logits = run.ddp_model(x)
+        logits, y = predictions(run.ddp_model, x, y, data.mean, data.std, run.generator)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip:
-        nn.utils.clip_grad_norm_(run.model.parameters(), cfg.grad_clip)
+        nn.utils.clip_grad_norm_(run.objective.parameters(), cfg.grad_clip)
     run.optimizer.step()
-    return loss.item(), (logits.argmax(1) == y).sum().item()
+    return loss.item(), (logits.argmax(1) == y).sum().item(), len(y)
 
 
 def stop_reason(run: Run, clock: Clock, pressed: threading.Event) -> str | None:
@@ -501,7 +534,7 @@ def stop_reason(run: Run, clock: Clock, pressed: threading.Event) -> str | None:
 def evaluate_and_save(run: Run, pos: Position, clock: Clock, images_per_s: float) -> dict:
     """Evaluates the weights as they stand, logs the row and saves; at an epoch's end pos moves to the next one."""
     rt, splits = run.rt, run.splits
-    test_loss, test_acc = evaluate(run.model, splits.test.images, splits.test.labels, splits.mean, splits.std, rt)
+    test_loss, test_acc = evaluate(run.objective, splits.test.images, splits.test.labels, splits.mean, splits.std, rt)
     sums = pos.sums.clone()
     if rt.world > 1:
         dist.all_reduce(sums)
@@ -526,7 +559,10 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
     these weights have just had; without one (a periodic save, Ctrl-C) the checkpoint records no accuracy."""
     pos.elapsed_s = clock.elapsed()
     epochs_done = pos.epochs_done(run.epoch_steps)
-    if evaluated:
+    if evaluated and run.objective is not run.model:  # no classifier was trained: no test accuracy to claim
+        run.meta.metrics = {"masked_patch_accuracy": evaluated["test_acc"],
+                            "masked_patch_loss": evaluated["test_loss"], "epoch": evaluated["epoch"]}
+    elif evaluated:
         run.meta.metrics = {"test_accuracy": evaluated["test_acc"], "test_loss": evaluated["test_loss"],
                             "epoch": evaluated["epoch"]}
     else:
@@ -540,7 +576,7 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
     run.meta.training = record
     run.log.write()
     save_checkpoint(run.out_dir / "checkpoint", run.model, run.meta)
-    save_state(run.out_dir, run.optimizer, run.generator, pos)
+    save_state(run.out_dir, run.optimizer, run.generator, pos, _beside_the_model(run.objective))
     clock.last_save = time.monotonic()
 
 
@@ -550,19 +586,31 @@ def machine_description(rt: Runtime) -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, {rt.world} process(es)"
 
 
-def save_state(out_dir: Path, optimizer, generator, pos: Position) -> None:
+def _beside_the_model(objective: nn.Module) -> dict:
+    """What is trained besides the ViT the checkpoint holds: masked-patch pre-training's mask token and head."""
+    return {k: v for k, v in objective.state_dict().items() if not k.startswith("vit.")} \
+        if isinstance(objective, MaskedPatchPrediction) else {}
+
+
+def save_state(out_dir: Path, optimizer, generator, pos: Position, beside: dict | None = None) -> None:
     state = {"epoch": pos.epoch, "batch": pos.batch, "step": pos.step, "sums": pos.sums, "elapsed_s": pos.elapsed_s,
              "optimizer": optimizer.state_dict(), "generator": generator.get_state(),
-             "torch_rng": torch.get_rng_state()}
+             "torch_rng": torch.get_rng_state(), "beside_the_model": beside or {}}
     tmp = out_dir / (TRAIN_STATE_FILE + ".tmp")
     torch.save(state, tmp)
     tmp.replace(out_dir / TRAIN_STATE_FILE)  # a crash mid-write never leaves a torn state behind
 
 
-def restore_state(out_dir: Path, model, optimizer, generator, rt: Runtime) -> Position:
+def restore_state(out_dir: Path, objective, optimizer, generator, rt: Runtime) -> Position:
     saved, _ = load_checkpoint(out_dir / "checkpoint")
-    model.load_state_dict(saved.state_dict())
     state = torch.load(out_dir / TRAIN_STATE_FILE, map_location=rt.device, weights_only=False)
+    if isinstance(objective, MaskedPatchPrediction):
+        beside = state.get("beside_the_model") or {}
+        if not beside:
+            raise TrainingInputError(f"{out_dir} was not a masked-patch pre-training run: resume it without --pretrain")
+        objective.load_state_dict({**{f"vit.{k}": v for k, v in saved.state_dict().items()}, **beside})
+    else:
+        objective.load_state_dict(saved.state_dict())
     optimizer.load_state_dict(state["optimizer"])
     generator.set_state(state["generator"])
     torch.set_rng_state(state["torch_rng"])

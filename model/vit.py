@@ -300,19 +300,22 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Pixels (B, C, H, W) to tokens (B, 1 + H/P * W/P, D) with position embeddings added."""
+    def embed(self, x: torch.Tensor, corrupt=None) -> torch.Tensor:
+        """Pixels (B, C, H, W) to tokens (B, 1 + H/P * W/P, D) with position embeddings added. `corrupt`, given,
+        changes the patch embeddings (B, N, D) before anything is added (masked-patch pre-training)."""
         x = self.patch_embed(x)  # (B, D, gh, gw), from pixels or from the hybrid's feature map
         grid = x.shape[-2:]  # symbolic under torch.export: keeps H and W dynamic
         x = x.flatten(2).transpose(1, 2)  # (B, gh*gw, D)
+        if corrupt is not None:
+            x = corrupt(x)
         cls = self.cls_token.expand(x.shape[0], -1, -1)
         x = torch.cat([cls, x], dim=1)
         x = x + resample_pos_embed(self.pos_embed, self.cfg.grid_size, (grid[0], grid[1]))
         return self.pos_drop(x)
 
-    def forward_features(self, x: torch.Tensor, return_attention: bool = False):
+    def forward_features(self, x: torch.Tensor, return_attention: bool = False, corrupt=None):
         """Returns normalised tokens (B, N, D) and, if asked, each layer's attention (B, heads, N, N)."""
-        x = self.embed(x)
+        x = self.embed(x, corrupt)
         attentions = []
         for block in self.blocks:
             x, attn = block(x, return_attention)

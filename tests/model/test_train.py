@@ -208,9 +208,9 @@ def test_saves_every_few_minutes_within_an_epoch(image_folder, tmp_path, monkeyp
     saves = []
     save_state = train_module.save_state
 
-    def record(out_dir, optimizer, generator, pos):
+    def record(out_dir, optimizer, generator, pos, beside=None):
         saves.append((pos.epoch, pos.batch, pos.step, dict(train_module.load_meta(out_dir / "checkpoint").metrics)))
-        save_state(out_dir, optimizer, generator, pos)
+        save_state(out_dir, optimizer, generator, pos, beside)
 
     monkeypatch.setattr(train_module, "save_state", record)
     train(tiny_config(image_folder, tmp_path, epochs=1, max_steps_per_epoch=3, save_every=1e-9))

@@ -32,23 +32,27 @@ REPO = Path(__file__).resolve().parents[2]
 EVERY_FLAG = [
     "--data", "photos", "--data-dir", "/data/fm", "--model", "S/16", "--image-size", "32x40", "--patch-size", "8",
     "--embed-dim", "64", "--depth", "3", "--num-heads", "4", "--mlp-dim", "128", "--dropout", "0.1",
-    "--attention-dropout", "0.2", "--representation-size", "32", "--channels", "1", "--epochs", "7",
+    "--attention-dropout", "0.2", "--representation-size", "32", "--backbone-layers", "2,2", "--backbone-width", "32",
+    "--channels", "1", "--epochs", "7",
     "--batch-size", "16", "--lr", "0.002", "--min-lr", "1e-6", "--weight-decay", "0.1", "--warmup-epochs", "0.5",
     "--label-smoothing", "0.0", "--grad-clip", "0", "--seed", "5", "--crop", "rrc", "--crop-padding", "4",
     "--rrc-scale", "0.5", "0.9", "--rrc-ratio", "0.8", "1.25", "--no-hflip", "--erasing-prob", "0.5",
     "--erasing-scale", "0.1", "0.2", "--erasing-ratio", "0.5", "2", "--out", "runs/x", "--resume",
+    "--pretrain", "masked-patch", "--label-fraction", "0.1",
     "--init-from", "runs/old/checkpoint", "--val-fraction", "0.2", "--max-steps-per-epoch", "9", "--time-limit", "30",
     "--save-every", "2.5", "--name", "cats", "--version", "2", "--threads", "3", "--no-progress",
 ]
 EVERY_FIELD_CHANGED = TrainConfig(
     data="photos", data_dir="/data/fm", model="S/16",
     model_overrides=dict(image_size=[32, 40], patch_size=8, embed_dim=64, depth=3, num_heads=4, mlp_dim=128,
-                         dropout=0.1, attention_dropout=0.2, representation_size=32),
+                         dropout=0.1, attention_dropout=0.2, representation_size=32, backbone_layers=(2, 2),
+                         backbone_width=32),
     channels=1, epochs=7, batch_size=16, lr=0.002, min_lr=1e-6, weight_decay=0.1, warmup_epochs=0.5,
     label_smoothing=0.0, grad_clip=0.0, seed=5,
     augment=AugmentConfig(crop="rrc", crop_padding=4, rrc_scale=(0.5, 0.9), rrc_ratio=(0.8, 1.25), hflip=False,
                           erasing_prob=0.5, erasing_scale=(0.1, 0.2), erasing_ratio=(0.5, 2.0)),
-    out_dir="runs/x", resume=True, init_from="runs/old/checkpoint", val_fraction=0.2, max_steps_per_epoch=9,
+    out_dir="runs/x", resume=True, pretrain="masked-patch", label_fraction=0.1, init_from="runs/old/checkpoint",
+    val_fraction=0.2, max_steps_per_epoch=9,
     time_limit=30.0, save_every=2.5, name="cats", version="2", threads=3, progress=False)
 
 
@@ -252,6 +256,8 @@ def train_error(capsys, *argv: str) -> str:
     (["--batch-size", "-4"], "--batch-size -4: must be at least 1"),
     (["--val-fraction", "0"], "--val-fraction 0.0: must be between 0 and 1"),
     (["--val-fraction", "1"], "--val-fraction 1.0: must be between 0 and 1"),
+    (["--label-fraction", "0"], "--label-fraction 0.0: must be above 0 and at most 1"),
+    (["--label-fraction", "1.5"], "--label-fraction 1.5: must be above 0 and at most 1"),
     (["--max-steps-per-epoch", "0"], "--max-steps-per-epoch 0: must be at least 1"),
     (["--time-limit", "0"], "--time-limit 0.0: must be above 0"),
     (["--save-every", "-1"], "--save-every -1.0: must be 0 or more"),
