@@ -251,6 +251,7 @@ class RemoteEngine:
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
                                                             version.batching if version else {})
         self._index, self.table = index, RoutingTable(views, dict(index.problems))
+        self._update_ready()
 
     @staticmethod
     async def _send(link: _Link, payload: bytes, grace_s: float) -> bool:
@@ -331,6 +332,12 @@ class RemoteEngine:
 
     def _update_ready(self) -> None:
         ready = any(link.ready for link in self._links)
+        if ready and not self.ready:
+            # Turning ready waits for the routing table of the engine's present state: after a restart, the table
+            # fetched while the new engine was still loading would refuse what it now serves. Once ready, later
+            # changes (other models' loads) do not flap readiness while their table is fetched.
+            ready = self._index is not None and any(
+                link.ready and link.status.generation == self._index.generation for link in self._links)
         if ready != self.ready:
             self.ready = ready
             self.on_ready(ready)
