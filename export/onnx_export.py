@@ -209,7 +209,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
     float16 or int8 file: its backward pass is where lower precision would cost accuracy, and explanations are not
     the throughput path. With `inspection_images` > 0 the file carries the float32 model's Figure 7 numbers, its
-    attention distances over that many images (export/inspection.py; `inspection_dir`'s files if given). Raises ExportVerificationError (file left in place for inspection) when verification fails.
+    attention distances over that many images (export/inspection.py; `inspection_dir`'s files if given).
+    Raises ExportVerificationError (file left in place for inspection) when verification fails.
     """
     from export import verify as checks
 

@@ -458,7 +458,7 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
         f"log.csv, steps.csv, curves.png, {TRAIN_STATE_FILE} (for --resume)",
     ]
     if run.objective is not run.model:
-        lines.insert(2, f"task: masked-patch pre-training, no labels: each image's {CORRUPTED_FRACTION:.0%} patches "
+        lines.insert(2, f"task: masked-patch pre-training, no labels: {CORRUPTED_FRACTION:.0%} of each image's patches "
                         f"corrupted, their mean colour predicted ({colour_classes(c.in_channels)} classes); "
                         f"'acc' is that prediction's, the checkpoint is the ViT for --init-from")
     if cfg.label_fraction < 1:
