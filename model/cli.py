@@ -326,16 +326,16 @@ def run_inspect(args) -> int:
 def _stored_inspection(path):
     """(Inspection, title) from an exported file's metadata; InspectionInputError when it has none."""
     from model.inspection import InspectionInputError, from_json
-    from vitserve.artifact import ArtifactError, read_inspection
-    from vitserve.onnx_header import read_header
+    from vitserve.artifact import ArtifactError
+    from vitserve.onnx_header import read_stored_inspection
 
     try:
-        data = read_inspection(read_header(path).metadata)
+        data = read_stored_inspection(path)
     except ArtifactError as e:
         raise InspectionInputError(f"{path}: {e}") from None
     if data is None:
-        raise InspectionInputError(f"{path} carries no inspection (exported with --no-inspection, or before "
-                                   "vitserve stored one): inspect its checkpoint, or export it again")
+        raise InspectionInputError(f"{path} carries no inspection (exported with --inspection-images 0, or "
+                                   "before vitserve stored one): inspect its checkpoint, or export it again")
     try:
         return from_json(data)
     except (KeyError, ValueError, TypeError) as e:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from vitserve.artifact import ArtifactError, ModelInfo
+from vitserve.artifact import ArtifactError, ModelInfo, read_inspection
 
 _OPSET_IMPORT, _METADATA_PROPS = 8, 14
 _VARINT, _FIXED64, _LENGTH_DELIMITED, _FIXED32 = 0, 1, 2, 5
@@ -67,6 +67,11 @@ def read_model_info(path: str | Path) -> ModelInfo:
     """The artifact's ModelInfo straight from the file: cheap, no session, no `onnx`."""
     header = read_header(path)
     return ModelInfo.from_metadata(header.metadata, header.opset)
+
+
+def read_stored_inspection(path: str | Path) -> dict | None:
+    """The paper's Figure 7 numbers `vitserve export` stored in the file, or None when it stored none."""
+    return read_inspection(read_header(path).metadata)
 
 
 def _read_varint(f: BinaryIO) -> int | None:

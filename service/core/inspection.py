@@ -15,8 +15,8 @@ from service.core.errors import InspectionNotStored, ModelNotFound
 from service.engine import ModelHandle
 from service.repository.layout import ModelRepository
 from service.settings import Settings
-from vitserve.artifact import ArtifactError, read_inspection
-from vitserve.onnx_header import read_header
+from vitserve.artifact import ArtifactError
+from vitserve.onnx_header import read_stored_inspection
 
 KEPT = 16  # versions whose numbers are kept (a ViT-B/16's are about 1 MB of JSON)
 
@@ -52,7 +52,7 @@ class InspectionCache:
 
 def _read(path: Path, handle: ModelHandle) -> dict:
     try:
-        data = read_inspection(read_header(path).metadata)
+        data = read_stored_inspection(path)
     except ArtifactError as e:
         raise InspectionNotStored(f"model {handle.name!r} version {handle.version}: {e}") from None
     if data is None:

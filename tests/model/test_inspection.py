@@ -123,3 +123,15 @@ def test_export_stores_the_inspection_unless_told_not_to(tiny_checkpoint, tmp_pa
     assert "--inspection-dir" in capsys.readouterr().err and not (tmp_path / "c.onnx").exists()
     with pytest.raises(SystemExit):
         main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "d.onnx"), "--inspection-images", "-1"])
+
+
+def test_a_file_without_a_stored_inspection_says_how_to_get_one(tiny_checkpoint, tmp_path, capsys):
+    from vitserve.cli import main
+
+    bare = tmp_path / "bare.onnx"
+    assert main(["export", str(tiny_checkpoint), "--out", str(bare), "--no-verify", "--no-relevance", "--quiet",
+                 "--inspection-images", "0"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(bare), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "carries no inspection" in err and "--inspection-images 0" in err
