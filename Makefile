@@ -12,10 +12,12 @@ MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
 SERVE_MODEL ?= $(or $(VITSERVE_MODEL_PATH),$(DEFAULT_MODEL))
 TRAIN_RUN := runs/vit-fmnist
+# The hybrid candidate for the default model (issue #26): its training state is committed between sessions
+HYBRID_RUN := training/vit-fmnist-hybrid
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
 
-.PHONY: serve test model export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
+.PHONY: serve test model model-hybrid export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +61,12 @@ model: $(VENV)/.dev-installed
 	cp $(TRAIN_RUN)/log.csv $(TRAIN_RUN)/curves.png $(MODEL_DIR)/
 	$(BIN)/python -m model.report $(TRAIN_RUN) --out $(MODEL_DIR)/REPORT.md
 	$(MAKE) export-default
+
+# Trains (or continues) the hybrid candidate: `make model-hybrid TIME_LIMIT=40` stops after 40 minutes, resumable.
+model-hybrid: $(VENV)/.dev-installed
+	$(BIN)/vitserve train --model R+fmnist --backbone-layers 2 --backbone-width 32 --epochs 60 --seed 0 \
+		--name vit-fmnist --version 2 --out $(HYBRID_RUN) --resume --no-progress \
+		$(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
 
 export-default: $(VENV)/.dev-installed
 	$(BIN)/vitserve export $(MODEL_DIR)/checkpoint --out $(DEFAULT_MODEL)
