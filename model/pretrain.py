@@ -11,6 +11,8 @@ the ViT alone, which `vitserve train --init-from` fine-tunes on labels.
 """
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -79,8 +81,8 @@ class MaskedPatchPrediction(nn.Module):
         corrupted patches (M, classes) and their mean-colour classes (M,)."""
         grid = (x.shape[-2] // self.vit.cfg.patch_size, x.shape[-1] // self.vit.cfg.patch_size)
         chosen, how = corruption_plan(x.shape[0], grid[0] * grid[1], generator)
-        hook = lambda patches: corrupt(patches, chosen, how, self.mask_token, generator)  # noqa: E731
-        tokens, _ = self.vit.forward_features(x, corrupt=hook)  # (B, 1 + N, D)
+        plan = partial(corrupt, chosen=chosen, how=how, mask_token=self.mask_token, generator=generator)
+        tokens, _ = self.vit.forward_features(x, corrupt=plan)  # (B, 1 + N, D)
         chosen = chosen.to(x.device)
         targets = mean_colour_targets(pixels, self.vit.cfg.patch_size)[chosen]  # (M,)
         return self.head(tokens[:, 1:][chosen]), targets

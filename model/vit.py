@@ -9,6 +9,7 @@ tensor, never from Python ints, so that `torch.export` keeps height and width sy
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -300,7 +301,7 @@ class VisionTransformer(nn.Module):
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
-    def embed(self, x: torch.Tensor, corrupt=None) -> torch.Tensor:
+    def embed(self, x: torch.Tensor, corrupt: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Pixels (B, C, H, W) to tokens (B, 1 + H/P * W/P, D) with position embeddings added. `corrupt`, given,
         changes the patch embeddings (B, N, D) before anything is added (masked-patch pre-training)."""
         x = self.patch_embed(x)  # (B, D, gh, gw), from pixels or from the hybrid's feature map
@@ -313,7 +314,8 @@ class VisionTransformer(nn.Module):
         x = x + resample_pos_embed(self.pos_embed, self.cfg.grid_size, (grid[0], grid[1]))
         return self.pos_drop(x)
 
-    def forward_features(self, x: torch.Tensor, return_attention: bool = False, corrupt=None):
+    def forward_features(self, x: torch.Tensor, return_attention: bool = False,
+                         corrupt: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """Returns normalised tokens (B, N, D) and, if asked, each layer's attention (B, heads, N, N)."""
         x = self.embed(x, corrupt)
         attentions = []
