@@ -61,6 +61,7 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--no-relevance", action="store_true",
                    help="leave out the class-specific relevance path (a smaller file; the server then offers only "
                         "the attention rollout)")
+    # export.inspection.DEFAULT_IMAGES (which imports torch, so not imported here; a test holds them equal)
     p.add_argument("--inspection-images", type=non_negative_count, default=256, metavar="N",
                    help="store the paper's Figure 7 numbers in the file (served at /v1/models/NAME/inspect), the "
                         "attention distances over N images: --inspection-dir's files, else Fashion-MNIST's test "

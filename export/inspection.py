@@ -12,12 +12,13 @@ import json
 
 import torch
 
+from model.augment import normalize
 from model.checkpoint import CheckpointMeta
-from model.inspection import InspectionInputError, inspect, inspection_images, normalised, to_json
+from model.config import FASHION_MNIST_DIR
+from model.inspection import InspectionInputError, inspect, inspection_images, to_json
 from model.vit import VisionTransformer
 
-DEFAULT_IMAGES = 256
-FASHION_MNIST_DIR = "/usr/share/datasets/fashion-mnist"
+DEFAULT_IMAGES = 256  # `vitserve export --inspection-images`'s default
 
 
 def inspection_pixels(vit: VisionTransformer, meta: CheckpointMeta, count: int = DEFAULT_IMAGES,
@@ -34,7 +35,7 @@ def inspection_pixels(vit: VisionTransformer, meta: CheckpointMeta, count: int =
         photos = torch.from_numpy(photo_batch(cfg.in_channels, tuple(cfg.image_size), meta.mean, meta.std))
         return photos[:count], f"{min(count, len(photos))} scikit-image photos"
     source = images_dir or "Fashion-MNIST's test set"
-    return normalised(images, meta.mean, meta.std), f"{len(images)} images of {source}"
+    return normalize(images, meta.mean, meta.std), f"{len(images)} images of {source}"
 
 
 def inspection_json(vit: VisionTransformer, meta: CheckpointMeta, pixels: torch.Tensor) -> str:

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
 from export.rollout import attention_rollout
 from export.verify import (ExportVerificationError, Fp16Report, RelevanceReport, VerificationReport,
                            require_symbolic_input)
@@ -198,7 +199,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
                 opset: int | None = None, verify: bool = True, relevance: bool = True,
                 eval_dir: str | Path | None = None, eval_limit: int | None = None,
                 min_agreement: float | None = None, max_accuracy_drop: float | None = None,
-                inspection_images: int = 256, inspection_dir: str | None = None, progress=None) -> ExportReport:
+                inspection_images: int = DEFAULT_IMAGES, inspection_dir: str | None = None,
+                progress=None) -> ExportReport:
     """Export a checkpoint directory to one ONNX file and (by default) prove it right. `progress(text)`, when
     given, hears each step as it starts (the command prints them: an export takes tens of seconds).
 
@@ -246,8 +248,6 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
     metadata = info.to_metadata()
     if inspection_images > 0:
-        from export.inspection import inspection_json, inspection_pixels
-
         pixels, source = inspection_pixels(vit, meta, inspection_images, inspection_dir)
         say(f"inspecting the model (the paper's Figure 7): attention distances over {source}")
         metadata[INSPECTION_KEY] = inspection_json(vit, meta, pixels)

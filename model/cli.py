@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 
-from model.config import QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
+from model.config import FASHION_MNIST_DIR, QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
 from vitserve.help_format import DefaultsHelpFormatter
 
 TRAIN_DESCRIPTION = (
@@ -172,7 +172,6 @@ def _override_words(name: str, value) -> list[str]:
 
 
 def _value_words(value) -> list[str]:
-
     return [repr(v) if isinstance(v, float) else str(v) for v in (value if isinstance(value, tuple) else [value])]
 
 
@@ -295,7 +294,7 @@ def add_inspect_parser(subparsers) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="where the panels, the JSON and the report go")
     p.add_argument("--images", type=int, default=256, help="images the attention distances average over")
     p.add_argument("--images-dir", metavar="DIR", help="image files to use instead of Fashion-MNIST's test set")
-    p.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist",
+    p.add_argument("--data-dir", default=FASHION_MNIST_DIR,
                    help="Fashion-MNIST's folder (Debian's dataset-fashion-mnist)")
     p.set_defaults(func=run_inspect)
 
@@ -303,7 +302,8 @@ def add_inspect_parser(subparsers) -> None:
 def run_inspect(args) -> int:
     from pathlib import Path
 
-    from model.inspection import InspectionInputError, inspect, inspection_images, normalised, write
+    from model.augment import normalize
+    from model.inspection import InspectionInputError, inspect, inspection_images, write
 
     try:
         if Path(args.model).is_file():
@@ -314,7 +314,7 @@ def run_inspect(args) -> int:
             model, meta = load_checkpoint(args.model)
             images = inspection_images(model.cfg.in_channels, model.cfg.image_size, args.images, args.images_dir,
                                        args.data_dir)
-            inspection, title = inspect(model, normalised(images, meta.mean, meta.std)), f"{meta.name} {meta.version}"
+            inspection, title = inspect(model, normalize(images, meta.mean, meta.std)), f"{meta.name} {meta.version}"
     except InspectionInputError as e:
         print(f"vitserve inspect: {e}", file=sys.stderr)
         return 2

@@ -157,12 +157,6 @@ def inspection_images(channels: int, size: tuple[int, int], count: int, images_d
                                "images are Fashion-MNIST's, 1-channel 28x28)")
 
 
-def normalised(images: torch.Tensor, mean: list[float], std: list[float]) -> torch.Tensor:
-    m = torch.tensor(mean, dtype=torch.float32).view(1, -1, 1, 1)
-    s = torch.tensor(std, dtype=torch.float32).view(1, -1, 1, 1)
-    return (images.float() / 255 - m) / s
-
-
 def write(inspection: Inspection, out: Path, title: str) -> list[Path]:
     """The three panels (PNG), their numbers (JSON) and a report (Markdown) in `out`; the paths written."""
     import matplotlib

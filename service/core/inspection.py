@@ -3,7 +3,7 @@
 `vitserve export` computes them from the float32 model and stores them in the file's metadata
 (vitserve.artifact.INSPECTION_KEY); the server has no torch, so it reads them back rather than computing them. A
 version's numbers are read from its file once, without a session (vitserve.onnx_header), and kept while the file
-is unchanged.
+is unchanged. Finding and reading the file are file-system work: they run in a thread, off the event loop.
 """
 from __future__ import annotations
 
@@ -21,27 +21,28 @@ from vitserve.onnx_header import read_stored_inspection
 KEPT = 16  # versions whose numbers are kept (a ViT-B/16's are about 1 MB of JSON)
 
 
-def version_file(settings: Settings, handle: ModelHandle) -> Path:
-    """The file the routed version was loaded from: the repository's, or --model's."""
+def version_file(settings: Settings, handle: ModelHandle) -> tuple[Path, int, int]:
+    """The file the routed version was loaded from (the repository's, or --model's), its size and mtime_ns."""
     if settings.model_repository is None:
-        return Path(settings.model_path)
-    found = ModelRepository(settings.model_repository).entry(handle.name).versions.get(handle.version)
+        stat = Path(settings.model_path).stat()
+        return Path(settings.model_path), stat.st_size, stat.st_mtime_ns
+    found = ModelRepository(settings.model_repository).version_file(handle.name, handle.version)
     if found is None:  # removed from disk since it was loaded
         raise ModelNotFound(f"model {handle.name!r} version {handle.version}: its file is no longer in the repository")
-    return found.path
+    return found.path, found.size, found.mtime_ns
 
 
 class InspectionCache:
-    """Each version's stored inspection, keyed by its file's path, size and modification time."""
+    """Each version's stored inspection, keyed by the version and its file's path, size and modification time (two
+    versions may share one file through links, and each answer names its own)."""
 
     def __init__(self, kept: int = KEPT):
         self._kept = kept
         self._entries: OrderedDict[tuple, dict] = OrderedDict()
 
     async def get(self, settings: Settings, handle: ModelHandle) -> dict:
-        path = version_file(settings, handle)
-        stat = await asyncio.to_thread(path.stat)
-        key = (str(path), stat.st_size, stat.st_mtime_ns)
+        path, size, mtime_ns = await asyncio.to_thread(version_file, settings, handle)
+        key = (handle.name, handle.version, str(path), size, mtime_ns)
         if key not in self._entries:
             self._entries[key] = await asyncio.to_thread(_read, path, handle)
             while len(self._entries) > self._kept:

@@ -175,6 +175,15 @@ class ModelRepository:
                 model.problems[version] = found
         return model
 
+    def version_file(self, name: str, version: str) -> VersionFile | None:
+        """One version's model file as it is now, without reading the model's config or its other versions; None
+        when there is none (or the name or version could not name one)."""
+        folder = self._inside(self.root / check_model_name(name))
+        if folder is None or not VERSION_NAME.fullmatch(version):
+            return None
+        found = self._version_file(folder, version)
+        return found if isinstance(found, VersionFile) else None
+
     def _version_file(self, folder: Path, version: str) -> VersionFile | str:
         """The version's model file, or why there is none."""
         directory = self._inside(folder / version)

@@ -123,6 +123,10 @@ def test_export_stores_the_inspection_unless_told_not_to(tiny_checkpoint, tmp_pa
     assert "--inspection-dir" in capsys.readouterr().err and not (tmp_path / "c.onnx").exists()
     with pytest.raises(SystemExit):
         main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "d.onnx"), "--inspection-images", "-1"])
+    from export.inspection import DEFAULT_IMAGES
+    from vitserve.cli import build_parser
+
+    assert build_parser().parse_args(["export", "c", "--out", "x"]).inspection_images == DEFAULT_IMAGES
 
 
 def test_a_file_without_a_stored_inspection_says_how_to_get_one(tiny_checkpoint, tmp_path, capsys):

@@ -66,6 +66,18 @@ def test_the_layout_lists_models_and_versions_and_says_why_a_version_is_not_usab
             repository.entry(bad)
 
 
+def test_one_version_file_is_found_without_reading_the_rest(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"a": [1, 2]})
+    (root / "a" / "config.json").write_text("not json")  # a model whose config is broken still has its files
+    repository = ModelRepository(root)
+    found = repository.version_file("a", "2")
+    assert found.path == (root / "a" / "2" / "model.onnx").resolve() and found.size == tiny_onnx.stat().st_size
+    assert repository.version_file("a", "3") is None and repository.version_file("a", "../1") is None
+    assert repository.version_file("b", "1") is None
+    with pytest.raises(InvalidModelName):
+        repository.version_file("..", "1")
+
+
 def test_version_policies_choose_as_triton_does():
     versions = ["1", "2", "10", "3"]
     assert VersionPolicy().choose(versions) == ["10"]
