@@ -39,7 +39,10 @@ def convert_to_fp16(proto: onnx.ModelProto) -> onnx.ModelProto:
     keep = [name for n in resizes for name in [n.name, *input_independent_ancestors(proto, n)]]
     half = convert_float_to_float16(proto, keep_io_types=True, op_block_list=list(DEFAULT_OP_BLOCK_LIST) + ["Resize"],
                                     node_block_list=keep)
-    del half.graph.value_info[:]  # the converter leaves stale float32 value_info behind; ORT re-infers
+    del half.graph.value_info[:]  # the converter leaves stale float32 value_info behind
     model = ir.from_proto(half)
     model.graph.sort()  # the converter appends its input Casts at the end of the node list
-    return ir.to_proto(model)
+    # Inferred again here, where every initializer's value is in scope: once the graph is a branch of the relevance
+    # `If`, ONNX's inference no longer reads the outer scope's constants (a Pad's pads, a Reshape's shape), loses a
+    # hybrid backbone's rank, and fails the position-embedding Resize, whose sizes come from the feature map's shape.
+    return onnx.shape_inference.infer_shapes(ir.to_proto(model), strict_mode=True, data_prop=True)
