@@ -104,6 +104,8 @@ def _value_kwargs(hint) -> dict:
         return {"type": _size, "metavar": "H[xW]"}
     if hint == tuple[int, ...]:
         return {"type": _layers, "metavar": "N[,N...]"}
+    if hint == tuple[str, ...]:  # a flag given once per value
+        return {"type": str, "action": _AppendTuple}
     if origin is tuple:
         return {"type": args[0], "nargs": len(args), "metavar": ("MIN", "MAX"), "action": _StoreTuple}
     return {"type": hint, "metavar": {int: "N", float: "X"}.get(hint)}
@@ -114,8 +116,13 @@ class _StoreTuple(argparse.Action):
         setattr(namespace, self.dest, tuple(values))  # the field is a tuple; nargs makes a list
 
 
+class _AppendTuple(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, (*getattr(namespace, self.dest, ()), values))
+
+
 def _shown(value) -> str:
-    if value is None:
+    if value is None or value == ():
         return "none"
     if isinstance(value, tuple):
         return " ".join(map(_shown, value))
@@ -159,6 +166,8 @@ def _flag_words(f: dataclasses.Field, value, default) -> list[str]:
     name = f.metadata.get("flag", f.name).replace("_", "-")
     if isinstance(value, bool):
         return [f"--no-{name}" if default else f"--{name}"]
+    if default == ():  # a flag given once per value (--distill-from)
+        return [word for item in value for word in (f"--{name}", str(item))]
     return [f"--{name}", *_value_words(value)]
 
 

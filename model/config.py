@@ -99,6 +99,15 @@ class TrainConfig:
                 "the others are left out; the held-out split stays whole"})
     init_from: str | None = field(default=None, metadata={
         "metavar": "CHECKPOINT", "help": "fine-tune from this checkpoint (position embeddings resampled)"})
+    distill_from: tuple[str, ...] = field(default=(), metadata={
+        "metavar": "CHECKPOINT",
+        "help": "learn also this trained checkpoint's softened probabilities (knowledge distillation: the teacher "
+                "is not trained and not saved); repeat the flag for several teachers, whose probabilities are "
+                "averaged"})
+    distill_weight: float = field(default=0.5, metadata={
+        "help": "with --distill-from: the teachers' share of the loss (the labels' is the rest)"})
+    distill_temperature: float = field(default=2.0, metadata={
+        "help": "with --distill-from: the temperature that softens the teachers' and the student's probabilities"})
     val_fraction: float = field(default=0.1, metadata={
         "help": "share of an image folder held out for validation, at least one image of each class"})
     max_steps_per_epoch: int | None = field(default=None, metadata={
@@ -121,6 +130,8 @@ class TrainConfig:
                   ("warmup-epochs", self.warmup_epochs >= 0, "0 or more"),
                   ("val-fraction", 0 < self.val_fraction < 1, "between 0 and 1"),
                   ("label-fraction", 0 < self.label_fraction <= 1, "above 0 and at most 1"),
+                  ("distill-weight", 0 <= self.distill_weight <= 1, "between 0 and 1"),
+                  ("distill-temperature", self.distill_temperature > 0, "above 0"),
                   ("max-steps-per-epoch", self.max_steps_per_epoch is None or self.max_steps_per_epoch >= 1,
                    "at least 1"),
                   ("time-limit", self.time_limit is None or self.time_limit > 0, "above 0"),
@@ -130,3 +141,6 @@ class TrainConfig:
             if not ok:
                 value = getattr(self, flag.replace("-", "_"))
                 raise TrainingInputError(f"--{flag} {value}: must be {expected}")
+        if self.distill_from and self.pretrain != "none":
+            raise TrainingInputError("--distill-from teaches class probabilities, and --pretrain masked-patch learns "
+                                     "no classes: pre-train first, then distil while fine-tuning (--init-from)")

@@ -29,6 +29,7 @@ from model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_ch
 from model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
 from model.config import TrainingInputError
 from model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
+from model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
 from model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
 from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
 
@@ -305,6 +306,7 @@ class Run:
     ddp_model: nn.Module  # the model itself on one process
     epoch_steps: int
     log: TrainLog | None
+    teachers: Teachers | None = None  # --distill-from
 
     @property
     def out_dir(self) -> Path:
@@ -405,6 +407,8 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     happen."""
     if cfg.init_from:
         load_meta(cfg.init_from)  # a wrong path fails before the data are read
+    for teacher in cfg.distill_from:
+        teacher_meta(teacher)
     rt = setup_runtime(cfg)
     out_dir = Path(cfg.out_dir)
     splits = load_data(cfg, tuple(cfg.model_overrides["image_size"]) if "image_size" in cfg.model_overrides else None)
@@ -424,7 +428,9 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         log = TrainLog(out_dir, pos.step if resuming else None)
-    run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log)
+    teachers = load_teachers(cfg.distill_from, meta.labels, model.cfg.in_channels, splits.mean, splits.std,
+                             rt.device) if cfg.distill_from else None
+    run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log, teachers)
     if rt.is_main:
         announce(run, pos, resuming)
     return run, pos
@@ -461,6 +467,11 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
         lines.insert(2, f"task: masked-patch pre-training, no labels: {CORRUPTED_FRACTION:.0%} of each image's patches "
                         f"corrupted, their mean colour predicted ({colour_classes(c.in_channels)} classes); "
                         f"'acc' is that prediction's, the checkpoint is the ViT for --init-from")
+    if run.teachers is not None:
+        taught = ", ".join(f"{meta.name} {meta.version} ({path})" for meta, path in zip(run.teachers.metas,
+                                                                                         cfg.distill_from))
+        lines.insert(2, f"distillation: from {taught}; {cfg.distill_weight:.0%} of the loss is their mean "
+                        f"probabilities at temperature {cfg.distill_temperature:g}, the rest the labels")
     if cfg.label_fraction < 1:
         lines.insert(1, f"labels: {cfg.label_fraction:.0%} of each class's training images ({len(splits.train):,}), "
                         f"chosen with seed {cfg.seed}")
@@ -514,6 +525,10 @@ def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int]
     with autocast(rt):
         logits, y = predictions(run.ddp_model, x, y, data.mean, data.std, run.generator)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
+        if run.teachers is not None:
+            taught = distillation_loss(logits.float(), run.teachers.probabilities(x, cfg.distill_temperature),
+                                       cfg.distill_temperature)
+            loss = (1 - cfg.distill_weight) * loss + cfg.distill_weight * taught
     run.optimizer.zero_grad(set_to_none=True)
     loss.backward()
     if cfg.grad_clip:
@@ -571,6 +586,8 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
     record.update(epochs_done=epochs_done, wall_time_s=round(pos.elapsed_s, 1), train_images=len(run.splits.train),
                   parameters=count_parameters(run.model), machine=machine_description(run.rt), torch=torch.__version__,
                   command=" ".join(sys.argv))
+    if run.teachers is not None:
+        record["teachers"] = run.teachers.described
     if evaluated:
         record["last_epoch_images_per_s"] = round(evaluated["images_per_s"], 1)
     run.meta.training = record

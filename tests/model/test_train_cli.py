@@ -39,7 +39,8 @@ EVERY_FLAG = [
     "--rrc-scale", "0.5", "0.9", "--rrc-ratio", "0.8", "1.25", "--no-hflip", "--erasing-prob", "0.5",
     "--erasing-scale", "0.1", "0.2", "--erasing-ratio", "0.5", "2", "--out", "runs/x", "--resume",
     "--pretrain", "masked-patch", "--label-fraction", "0.1",
-    "--init-from", "runs/old/checkpoint", "--val-fraction", "0.2", "--max-steps-per-epoch", "9", "--time-limit", "30",
+    "--init-from", "runs/old/checkpoint", "--distill-from", "t1/checkpoint", "--distill-from", "t2",
+    "--distill-weight", "0.7", "--distill-temperature", "4", "--val-fraction", "0.2", "--max-steps-per-epoch", "9", "--time-limit", "30",
     "--save-every", "2.5", "--name", "cats", "--version", "2", "--threads", "3", "--no-progress",
 ]
 EVERY_FIELD_CHANGED = TrainConfig(
@@ -52,7 +53,7 @@ EVERY_FIELD_CHANGED = TrainConfig(
     augment=AugmentConfig(crop="rrc", crop_padding=4, rrc_scale=(0.5, 0.9), rrc_ratio=(0.8, 1.25), hflip=False,
                           erasing_prob=0.5, erasing_scale=(0.1, 0.2), erasing_ratio=(0.5, 2.0)),
     out_dir="runs/x", resume=True, pretrain="masked-patch", label_fraction=0.1, init_from="runs/old/checkpoint",
-    val_fraction=0.2, max_steps_per_epoch=9,
+    distill_from=("t1/checkpoint", "t2"), distill_weight=0.7, distill_temperature=4.0, val_fraction=0.2, max_steps_per_epoch=9,
     time_limit=30.0, save_every=2.5, name="cats", version="2", threads=3, progress=False)
 
 
@@ -117,7 +118,7 @@ def help_entries(capsys, monkeypatch) -> dict[str, str]:
 
 
 def shown(value) -> str:
-    if value is None:
+    if value is None or value == ():
         return "none"
     if isinstance(value, tuple):
         return " ".join(shown(v) for v in value)
