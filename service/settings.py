@@ -64,8 +64,9 @@ class Settings(BaseSettings):
     repository_poll_secs: float = Field(15.0, ge=0.1, le=86_400, description="with poll: seconds between looks at "
                                         "the repository (a new file is loaded once unchanged for one interval)")
     admin_key: SecretStr | None = Field(None, description="the key the repository API requires (Authorization: "
-                                                          "Bearer KEY; prefer the variable: a flag shows in ps); needed with explicit or poll unless the "
-                                                          "server listens on loopback only")
+                                                          "Bearer KEY; prefer the variable: a flag shows in ps); "
+                                                          "needed with explicit or poll unless the server listens "
+                                                          "on loopback only")
     api_key: SecretStr | None = Field(None, description="if set, the inference and model routes require it too "
                                                         "(health, metrics and the web page's files stay open)")
 
@@ -112,6 +113,12 @@ class Settings(BaseSettings):
                                                                     "work would take longer than this: a latency "
                                                                     "objective tighter than the deadline (fewer "
                                                                     "admitted, each faster); unset: the deadline")
+    overload_queue_ms: float | None = Field(20.0, gt=0, description="once it refuses a request (more arrive than it "
+                                                                    "finishes), a process admits for a second only "
+                                                                    "what it finishes in this time: the queue the "
+                                                                    "admitted, the refused and the first request "
+                                                                    "after the load wait behind; unset: up to "
+                                                                    "max_requests_in_flight")
     # 50, not the 20 of a single process: HTTP workers share the cores with the engine, and a loop's timers then
     # run late by the scheduler's slices too (at 64 closed-loop clients, 20 refused 1% of requests, 50 none).
     max_loop_lag_ms: float | None = Field(50.0, ge=0, description="refuse new inference requests while the event "
@@ -267,9 +274,9 @@ class Settings(BaseSettings):
 # `vitserve serve --help` in this order: what a first user needs, then each concern apart. Every field but the
 # internal ones is in exactly one group (tests/service/test_runtime_and_cli.py holds it).
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {
-    "common": ("model_path", "model_repository", "host", "port", "grpc_port", "model_control_mode", "load_models", "admin_key",
-               "api_key", "providers", "workers", "max_batch_size", "max_queue_delay_ms", "request_timeout_ms",
-               "log_level"),
+    "common": ("model_path", "model_repository", "host", "port", "grpc_port", "model_control_mode", "load_models",
+               "admin_key", "api_key", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
+               "request_timeout_ms", "log_level"),
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
                "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
@@ -281,7 +288,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                                 "graph_optimization", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
                  "max_batch_cost"),
-    "admission and limits": ("max_requests_in_flight", "max_queue_wait_ms", "max_loop_lag_ms",
+    "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "max_queue_wait_ms", "max_loop_lag_ms",
                              "max_pixels_in_flight", "large_image_pixels", "max_upload_bytes", "max_image_pixels",
                              "max_batch_files", "max_native_tokens", "preprocess_threads", "max_rollout_image_side",
                              "max_json_body_bytes", "max_binary_body_bytes", "max_json_values"),

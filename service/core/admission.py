@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import ctypes
 import functools
+import math
 import time
 from dataclasses import dataclass
 
@@ -89,22 +90,79 @@ class LoopLag:
             self._handle.cancel()
 
 
+class CompletionRate:
+    """Requests a process finishes per second while it has work: a moving average of the gap between one
+    completion and the next (or the start of a busy spell), so idle time does not count as capacity."""
+
+    SMOOTHING = 0.05  # a batch finishes many requests at once: average the gaps over a few batches
+
+    def __init__(self):
+        self.gap_s: float | None = None
+        self._since: float | None = None
+
+    def busy(self, now: float) -> None:
+        """A request was admitted; the clock runs from now if none was in flight."""
+        if self._since is None:
+            self._since = now
+
+    def completed(self, now: float, still_busy: bool) -> None:
+        if self._since is not None:
+            gap = now - self._since
+            self.gap_s = gap if self.gap_s is None else (1 - self.SMOOTHING) * self.gap_s + self.SMOOTHING * gap
+        self._since = now if still_busy else None
+
+    def per_s(self) -> float | None:
+        return 1 / self.gap_s if self.gap_s else None
+
+
 class Admission:
     """Counts admitted requests and refuses one at once when the process is full: `max_in_flight` requests
     already admitted, an event loop running more than `max_loop_lag_s` behind, or more queued work than the
     request's deadline allows (`predicted_wait_s` measures the batcher's queue by its observed speed, as
-    BentoML's dispatcher does)."""
+    BentoML's dispatcher does).
 
-    def __init__(self, max_in_flight: int, max_loop_lag_s: float | None = None):
+    Once it refuses, more requests arrive than the process finishes, and a queue as long as `max_in_flight` only
+    makes everyone wait: the admitted behind it, the refused behind the event loop's work for it, and the first
+    request after the load behind what is left of it. So for `SHEDDING_HOLD_S` after each refusal it admits
+    only the requests it finishes in `overload_queue_s` (its completion rate times that, at least
+    `MIN_IN_FLIGHT`). A closed loop of clients within `max_in_flight` never sees the lower limit: it is never
+    refused."""
+
+    SHEDDING_HOLD_S = 1.0
+    MIN_IN_FLIGHT = 2  # one running, one waiting to join the next batch
+
+    def __init__(self, max_in_flight: int, max_loop_lag_s: float | None = None,
+                 overload_queue_s: float | None = None, clock=time.perf_counter):
+        self.clock = clock
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.loop_lag = LoopLag()
         self.max_loop_lag_s = max_loop_lag_s
+        self.overload_queue_s = overload_queue_s
+        self.completions = CompletionRate()
+        self.shedding_until = 0.0
+
+    def in_flight_limit(self, now: float) -> int:
+        """Requests admitted at once now: `max_in_flight`, or while shedding what it finishes in
+        `overload_queue_s`."""
+        rate = self.completions.per_s()
+        if self.overload_queue_s is None or now >= self.shedding_until or rate is None:
+            return self.max_in_flight
+        return min(self.max_in_flight, max(self.MIN_IN_FLIGHT, math.ceil(rate * self.overload_queue_s)))
 
     def refusal(self, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
-        """Why a request arriving now would be refused, or None."""
-        if self.in_flight >= self.max_in_flight:
-            return Overloaded(f"{self.in_flight} requests in flight, the limit of this process; retry later")
+        """Why a request arriving now would be refused (the process then sheds for a while), or None."""
+        now = self.clock()
+        refused = self._refusal(now, predicted_wait_s, timeout_s)
+        if refused is not None:
+            self.shedding_until = now + self.SHEDDING_HOLD_S
+        return refused
+
+    def _refusal(self, now: float, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
+        limit = self.in_flight_limit(now)
+        if self.in_flight >= limit:
+            why = "the limit of this process" if limit == self.max_in_flight else "all it can finish soon under load"
+            return Overloaded(f"{self.in_flight} requests in flight, {why}; retry later")
         if self.max_loop_lag_s is not None and self.loop_lag.lag_s > self.max_loop_lag_s:
             return Overloaded(f"the server is {self.loop_lag.lag_s * 1000:.0f} ms behind on its connections; "
                               f"retry later")
@@ -118,9 +176,11 @@ class Admission:
         if refused:
             raise refused
         self.in_flight += 1
+        self.completions.busy(self.clock())
 
     def leave(self) -> None:
         self.in_flight -= 1
+        self.completions.completed(self.clock(), still_busy=self.in_flight > 0)
 
 
 # glibc's malloc raises its mmap threshold after each large free (up to 32 MiB), so after one huge image its

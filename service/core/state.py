@@ -63,7 +63,8 @@ class ServiceState:
         await self.engine.start()  # the engine that holds the model reports it (metrics.set_model)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
-        self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None)
+        self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None,
+                                   s.overload_queue_ms / 1000 if s.overload_queue_ms else None)
         self.admission.loop_lag.start()
         self.pixels = PixelBudget(s.max_pixels_in_flight)
         return_large_frees_to_the_os()

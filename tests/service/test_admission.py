@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.core.admission import Admission, Deadline, PixelBudget, return_large_frees_to_the_os
+from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget,
+                                    return_large_frees_to_the_os)
 from service.engine.batcher import DynamicBatcher
 from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from service.http.routes.uploads import read_raw_body, run_guarded
@@ -205,6 +206,80 @@ async def test_a_loop_running_behind_refuses_new_requests():
         assert "ms behind on its connections" in str(admission.refusal(0.0, 10.0))
     finally:
         admission.loop_lag.stop()
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_completion_rate_counts_busy_time_only():
+    rate = CompletionRate()
+    assert rate.per_s() is None
+    rate.busy(0.0)
+    for t in (0.01, 0.02, 0.03):
+        rate.completed(t, still_busy=True)
+    rate.completed(0.04, still_busy=False)
+    assert rate.per_s() == pytest.approx(100.0)
+    rate.busy(60.0)  # a minute idle, then a request that takes 10 ms: still 100 per second
+    rate.completed(60.01, still_busy=False)
+    assert rate.per_s() == pytest.approx(100.0)
+
+
+def test_once_it_refuses_a_process_admits_only_what_it_finishes_in_the_overload_queue():
+    clock = FakeClock()
+    admission = Admission(max_in_flight=64, overload_queue_s=0.05, clock=clock)
+    for _ in range(64):  # a process finishing 100 requests per second, full
+        admission.enter(0.0, 10.0)
+    for _ in range(20):
+        clock.now += 0.01
+        admission.leave()
+        admission.enter(0.0, 10.0)
+    assert admission.completions.per_s() == pytest.approx(100.0)
+    assert admission.in_flight_limit(clock.now) == 64  # refused nothing yet: the limit is the whole process's
+    assert "the limit of this process" in str(admission.refusal(0.0, 10.0))
+    # Shedding now: 100/s x 50 ms = 5 admitted at once, however many the process may hold
+    assert admission.in_flight_limit(clock.now) == 5
+    while admission.in_flight > 5:
+        clock.now += 0.01
+        admission.leave()
+        with pytest.raises(Overloaded, match="all it can finish soon under load"):
+            admission.enter(0.0, 10.0)
+    clock.now += 0.01
+    admission.leave()
+    admission.enter(0.0, 10.0)  # 4 in flight: one more fits
+    # A second after the last refusal the process takes its full share again
+    clock.now += Admission.SHEDDING_HOLD_S
+    assert admission.in_flight_limit(clock.now) == 64
+    for _ in range(59):
+        admission.enter(0.0, 10.0)
+    assert admission.in_flight == 64
+
+
+def test_a_closed_loop_within_the_limit_is_never_refused_and_keeps_the_full_limit():
+    clock = FakeClock()
+    admission = Admission(max_in_flight=64, overload_queue_s=0.02, clock=clock)
+    for _ in range(32):
+        admission.enter(0.0, 10.0)
+    for _ in range(1000):  # each client sends its next request as its answer comes
+        clock.now += 0.004
+        admission.leave()
+        admission.enter(0.0, 10.0)
+    assert admission.in_flight == 32 and admission.in_flight_limit(clock.now) == 64
+
+
+def test_without_an_overload_queue_the_limit_stays_the_process_s():
+    clock = FakeClock()
+    admission = Admission(max_in_flight=3, clock=clock)
+    for _ in range(3):
+        admission.enter(0.0, 10.0)
+    clock.now += 0.01
+    admission.leave()
+    admission.enter(0.0, 10.0)
+    assert admission.refusal(0.0, 10.0) is not None and admission.in_flight_limit(clock.now) == 3
 
 
 def test_large_frees_go_back_to_the_os_on_glibc():
