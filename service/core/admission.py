@@ -121,12 +121,12 @@ class Admission:
     request's deadline allows (`predicted_wait_s` measures the batcher's queue by its observed speed, as
     BentoML's dispatcher does).
 
-    Once it refuses, more requests arrive than the process finishes, and a queue as long as `max_in_flight` only
+    Once it is full, more requests arrive than the process finishes, and a queue as long as `max_in_flight` only
     makes everyone wait: the admitted behind it, the refused behind the event loop's work for it, and the first
-    request after the load behind what is left of it. So for `SHEDDING_HOLD_S` after each refusal it admits
-    only the requests it finishes in `overload_queue_s` (its completion rate times that, at least
-    `MIN_IN_FLIGHT`). A closed loop of clients within `max_in_flight` never sees the lower limit: it is never
-    refused."""
+    request after the load behind what is left of it. So for `SHEDDING_HOLD_S` after it refuses one for being
+    full it admits only the requests it finishes in `overload_queue_s` (its completion rate times that, at least
+    `MIN_IN_FLIGHT`). A closed loop of clients within `max_in_flight` never fills it, and a refusal for the
+    loop's lag (a passing stall) does not lower the limit."""
 
     SHEDDING_HOLD_S = 1.0
     MIN_IN_FLIGHT = 2  # one running, one waiting to join the next batch
@@ -151,16 +151,12 @@ class Admission:
         return min(self.max_in_flight, max(self.MIN_IN_FLIGHT, math.ceil(rate * self.overload_queue_s)))
 
     def refusal(self, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
-        """Why a request arriving now would be refused (the process then sheds for a while), or None."""
+        """Why a request arriving now would be refused, or None."""
         now = self.clock()
-        refused = self._refusal(now, predicted_wait_s, timeout_s)
-        if refused is not None:
-            self.shedding_until = now + self.SHEDDING_HOLD_S
-        return refused
-
-    def _refusal(self, now: float, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
         limit = self.in_flight_limit(now)
         if self.in_flight >= limit:
+            # A full process is overload, not a passing stall (a late timer): shed until it has not been for a while
+            self.shedding_until = now + self.SHEDDING_HOLD_S
             why = "the limit of this process" if limit == self.max_in_flight else "all it can finish soon under load"
             return Overloaded(f"{self.in_flight} requests in flight, {why}; retry later")
         if self.max_loop_lag_s is not None and self.loop_lag.lag_s > self.max_loop_lag_s:

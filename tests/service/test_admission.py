@@ -271,6 +271,15 @@ def test_a_closed_loop_within_the_limit_is_never_refused_and_keeps_the_full_limi
     assert admission.in_flight == 32 and admission.in_flight_limit(clock.now) == 64
 
 
+async def test_a_refusal_for_the_loop_s_lag_does_not_lower_the_limit():
+    admission = Admission(max_in_flight=64, max_loop_lag_s=0.02, overload_queue_s=0.02)
+    admission.enter(0.0, 10.0)
+    admission.leave()
+    admission.loop_lag.lag_s = 0.5  # a stall, as test_a_loop_running_behind_refuses_new_requests measures one
+    assert "behind on its connections" in str(admission.refusal(0.0, 10.0))
+    assert admission.in_flight_limit(time.perf_counter()) == 64
+
+
 def test_without_an_overload_queue_the_limit_stays_the_process_s():
     clock = FakeClock()
     admission = Admission(max_in_flight=3, clock=clock)
