@@ -113,12 +113,12 @@ class Settings(BaseSettings):
                                                                     "work would take longer than this: a latency "
                                                                     "objective tighter than the deadline (fewer "
                                                                     "admitted, each faster); unset: the deadline")
-    overload_queue_ms: float | None = Field(20.0, gt=0, description="once it is full (max_requests_in_flight: more "
+    overload_queue_ms: float | None = Field(20.0, ge=0, description="once it is full (max_requests_in_flight: more "
                                                                     "arrive than it finishes), a process admits for "
                                                                     "a second only what it finishes in this time: "
                                                                     "the queue the admitted, the refused and the "
                                                                     "first request after the load wait behind; "
-                                                                    "unset: up to max_requests_in_flight")
+                                                                    "0: up to max_requests_in_flight")
     # 50, not the 20 of a single process: HTTP workers share the cores with the engine, and a loop's timers then
     # run late by the scheduler's slices too (at 64 closed-loop clients, 20 refused 1% of requests, 50 none).
     max_loop_lag_ms: float | None = Field(50.0, ge=0, description="refuse new inference requests while the event "
