@@ -7,9 +7,10 @@ ensemble's knowledge in one model of the student's size and serving cost). The l
     (1 - w) * cross_entropy(student, labels) + w * T^2 * KL(teachers_T || student_T)
 
 with w `--distill-weight` and T `--distill-temperature`; the T^2 keeps the soft term's gradients at the scale of
-the hard term's whatever T is. The teachers see the same augmented batch as the student (each under its own
-normalisation, at its own position-embedding grid), are never trained and are not saved: the checkpoint is the
-student alone, and records which teachers (name, version, weights hash) it learned from.
+the hard term's whatever T is. The teachers see the same augmented batch as the student, each under its own
+normalisation and at its own trained resolution (bicubic, as `--image-size` resizes training data: a teacher may
+look at an upsampled image, the student serves at the small one), are never trained and are not saved: the
+checkpoint is the student alone, and records which teachers (name, version, weights hash) it learned from.
 """
 from __future__ import annotations
 
@@ -47,8 +48,11 @@ class Teachers(nn.Module):
         """(B, K): the teachers' mean of softmax(logits / temperature) for the student's normalised input x."""
         pixels = x * self.student_std + self.student_mean
         total = 0
-        for model, mean, std in zip(self.models, self.means, self.stds):
-            total = total + F.softmax(model((pixels - mean) / std).float() / temperature, dim=1)
+        for model, meta, mean, std in zip(self.models, self.metas, self.means, self.stds):
+            size = tuple(meta.config.image_size)
+            seen = pixels if tuple(pixels.shape[-2:]) == size else F.interpolate(
+                pixels, size=size, mode="bicubic", align_corners=False).clamp(0, 255)
+            total = total + F.softmax(model((seen - mean) / std).float() / temperature, dim=1)
         return total / len(self.models)
 
 

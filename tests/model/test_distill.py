@@ -74,6 +74,26 @@ def test_each_teacher_sees_the_pixels_under_its_own_normalisation():
     torch.testing.assert_close(probabilities, torch.full((3, 2), 0.5))
 
 
+def test_a_teacher_trained_at_another_resolution_sees_the_batch_resized_to_it():
+    seen = []
+
+    class Recording(torch.nn.Module):
+        def forward(self, x):
+            seen.append(x.clone())
+            return torch.zeros(x.shape[0], 2)
+
+    big = vit_config("tiny", **{**TINY, "image_size": (32, 32)}, in_channels=1, num_classes=2)
+    small = vit_config("tiny", **TINY, in_channels=1, num_classes=2)
+    metas = [CheckpointMeta(big, ["a", "b"], [0.0], [1.0]), CheckpointMeta(small, ["a", "b"], [0.0], [1.0])]
+    teachers = Teachers([Recording(), Recording()], metas, mean=[0.0], std=[1.0])
+    pixels = torch.zeros(2, 1, 16, 16)
+    pixels[:, :, :8] = 255.0  # a bright upper half stays the upper half, within the pixels' range
+    teachers.probabilities(pixels, temperature=1.0)
+    assert seen[0].shape == (2, 1, 32, 32) and seen[1].shape == (2, 1, 16, 16)
+    assert seen[0][:, :, :14].min() == 255.0 and seen[0][:, :, 18:].max() == 0.0
+    assert 0.0 <= seen[0].min() and seen[0].max() <= 255.0
+
+
 def test_a_student_learns_its_teachers_knowledge_not_its_labels(folders, tmp_path):
     """A teacher trained on swapped classes; a student taught by it alone (weight 1) learns the swap, although
     every label it is given is right; with the labels alone (weight 0) it learns them."""
