@@ -94,7 +94,10 @@ def spearman(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Spearman's rank correlation of each pair of maps (N, h, w) -> (N,); 1.0 where a map is constant."""
     from scipy.stats import spearmanr
 
-    rho = [spearmanr(x.ravel(), y.ravel()).statistic for x, y in zip(a, b)]
+    def constant(m: np.ndarray) -> bool:  # no ranks to correlate: scipy warns and gives nan
+        return bool(np.all(m == m.flat[0]))
+
+    rho = [1.0 if constant(x) or constant(y) else spearmanr(x.ravel(), y.ravel()).statistic for x, y in zip(a, b)]
     return np.nan_to_num(np.asarray(rho, np.float64), nan=1.0)
 
 
