@@ -132,6 +132,14 @@ class ModelEntry:
             return list(self.versions)
         return self.config.version_policy.choose(list(self.versions))
 
+    def unusable_wanted(self) -> dict[str, str]:
+        """The version folders the policy picks out of all of them that hold no usable file, and why: a version
+        copied under another name than model.onnx would otherwise be passed over in silence."""
+        if self.fixed:
+            return {}
+        folders = list(self.versions) + [v for v in self.problems if v]
+        return {v: self.problems[v] for v in self.config.version_policy.choose(folders) if v in self.problems}
+
 
 class ModelRepository:
     """Reads `root`: the model folders' names (`names`) and one folder (`entry`)."""

@@ -157,7 +157,9 @@ class ModelRegistry:
         return self.table.live()
 
     # --- changes ---
-    async def load(self, name: str, *, warm: bool = True) -> None:
+    async def load(self, name: str, *, warm: bool = True, strict: bool = True) -> None:
+        """Serve the versions `name`'s policy picks. `strict`: a picked version folder without a usable file fails
+        the load and changes nothing, as Triton's does; otherwise (startup) it is logged and passed over."""
         async with self._lock(name):
             entry = self.source.entry(check_model_name(name))  # ModelNotFound when the folder is gone
             if "" in entry.problems:
@@ -166,6 +168,11 @@ class ModelRegistry:
                 raise ModelLoadError(f"model {name!r}: {entry.problems['']}")
             if self.model_problems.pop(name, None) is not None:
                 self._changed()
+            unusable = entry.unusable_wanted()
+            if unusable and strict:
+                raise ModelLoadError(f"model {name!r}: " + "; ".join(unusable.values()) + "; nothing changed")
+            if unusable:
+                log.warning("model %s: %s; serving the versions that have one", name, "; ".join(unusable.values()))
             wanted = entry.wanted()
             if not wanted:
                 why = "; ".join(entry.problems.values()) or "no version folders"
@@ -269,7 +276,7 @@ class ModelRegistry:
         startup (a single file)."""
         for name in self.source.names() if names is None else names:
             try:
-                await self.load(name, warm=False)
+                await self.load(name, warm=False, strict=required)
             except ServiceError as e:
                 if required:
                     raise

@@ -179,6 +179,22 @@ async def test_a_corrupt_new_version_fails_its_load_and_the_old_one_keeps_servin
         assert answer.status_code == 200 and answer.json()["model"]["version"] == "2"
 
 
+async def test_a_new_version_folder_without_model_onnx_fails_its_load_by_name(repository, tiny_onnx):
+    """`cp mine.onnx repo/small/5/` (not .../5/model.onnx): the load says so, instead of serving 2 in silence."""
+    settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
+    async with serving(settings) as client:
+        (repository / "small" / "5").mkdir()
+        (repository / "small" / "5" / "mine.onnx").write_bytes(tiny_onnx.read_bytes())
+        failed = await client.post("/v2/repository/models/small/load", headers=AUTH)
+        assert_error(failed, 400, "model_load_failed")
+        assert "version 5 has no model.onnx (it holds mine.onnx); nothing changed" in failed.json()["error"]
+        answer = await classify(client, image_bytes("PNG"), model="small")
+        assert answer.status_code == 200 and answer.json()["model"]["version"] == "2"
+        (repository / "small" / "5" / "mine.onnx").rename(repository / "small" / "5" / "model.onnx")
+        assert (await client.post("/v2/repository/models/small/load", headers=AUTH)).status_code == 200
+        assert (await classify(client, image_bytes("PNG"), model="small")).json()["model"]["version"] == "5"
+
+
 async def test_a_new_version_takes_over_and_the_old_ones_series_stop(repository, tiny_onnx):
     settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
     async with serving(settings) as client:
