@@ -56,17 +56,23 @@ def test_the_loss_is_t_squared_kl_and_zero_when_the_student_agrees():
         assert distillation_loss(student, probabilities, t).item() == pytest.approx(by_hand.item(), rel=1e-6)
 
 
+class Recording(torch.nn.Module):
+    """A two-class teacher that keeps what it was shown."""
+
+    def __init__(self, seen: list):
+        super().__init__()
+        self.seen = seen
+
+    def forward(self, x):
+        self.seen.append(x.clone())
+        return torch.zeros(x.shape[0], 2)
+
+
 def test_each_teacher_sees_the_pixels_under_its_own_normalisation():
     seen = []
-
-    class Recording(torch.nn.Module):
-        def forward(self, x):
-            seen.append(x.clone())
-            return torch.zeros(x.shape[0], 2)
-
     cfg = vit_config("tiny", **TINY, in_channels=1, num_classes=2)
     metas = [CheckpointMeta(cfg, ["a", "b"], [0.2], [0.5]), CheckpointMeta(cfg, ["a", "b"], [0.5], [0.25])]
-    teachers = Teachers([Recording(), Recording()], metas, mean=[0.5], std=[0.5])
+    teachers = Teachers([Recording(seen), Recording(seen)], metas, mean=[0.5], std=[0.5])
     pixels = torch.rand(3, 1, 16, 16)
     probabilities = teachers.probabilities((pixels - 0.5) / 0.5, temperature=2.0)
     torch.testing.assert_close(seen[0], (pixels - 0.2) / 0.5)
@@ -76,16 +82,10 @@ def test_each_teacher_sees_the_pixels_under_its_own_normalisation():
 
 def test_a_teacher_trained_at_another_resolution_sees_the_batch_resized_to_it():
     seen = []
-
-    class Recording(torch.nn.Module):
-        def forward(self, x):
-            seen.append(x.clone())
-            return torch.zeros(x.shape[0], 2)
-
     big = vit_config("tiny", **{**TINY, "image_size": (32, 32)}, in_channels=1, num_classes=2)
     small = vit_config("tiny", **TINY, in_channels=1, num_classes=2)
     metas = [CheckpointMeta(big, ["a", "b"], [0.0], [1.0]), CheckpointMeta(small, ["a", "b"], [0.0], [1.0])]
-    teachers = Teachers([Recording(), Recording()], metas, mean=[0.0], std=[1.0])
+    teachers = Teachers([Recording(seen), Recording(seen)], metas, mean=[0.0], std=[1.0])
     pixels = torch.zeros(2, 1, 16, 16)
     pixels[:, :, :8] = 255.0  # a bright upper half stays the upper half, within the pixels' range
     teachers.probabilities(pixels, temperature=1.0)
