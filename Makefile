@@ -14,10 +14,11 @@ SERVE_MODEL ?= $(or $(VITSERVE_MODEL_PATH),$(DEFAULT_MODEL))
 TRAIN_RUN := runs/vit-fmnist
 # The hybrid candidate for the default model (issue #26): its training state is committed between sessions
 HYBRID_RUN := training/vit-fmnist-hybrid
+TEACHER_RUN := training/fmnist-teacher
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
 
-.PHONY: serve test model model-hybrid export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
+.PHONY: serve test model model-hybrid model-teacher export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +67,14 @@ model: $(VENV)/.dev-installed
 model-hybrid: $(VENV)/.dev-installed
 	$(BIN)/vitserve train --model R+fmnist --backbone-layers 2 --backbone-width 32 --epochs 60 --seed 0 \
 		--name vit-fmnist --version 2 --out $(HYBRID_RUN) --resume --no-progress \
+		$(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
+
+# A convolutional teacher for distilling the default model (issue #26; docs/results.md, "Toward 94%"): a ResNet of
+# two stages on Fashion-MNIST upsampled to 56x56, so its convolutions see the 28x28 image at stride 2, not 4.
+# `make model-teacher TIME_LIMIT=40` trains 40 minutes at a time, resumable.
+model-teacher: $(VENV)/.dev-installed
+	$(BIN)/vitserve train --model R+fmnist --backbone-layers 2,2 --backbone-width 32 --patch-size 8 --image-size 56 \
+		--epochs 40 --seed 0 --name fmnist-teacher --version 1 --out $(TEACHER_RUN) --resume --no-progress \
 		$(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
 
 export-default: $(VENV)/.dev-installed
