@@ -66,11 +66,11 @@ def teacher_meta(path: str) -> CheckpointMeta:
 
 def load_teachers(paths: tuple[str, ...], labels: list[str], channels: int, mean: list[float], std: list[float],
                   device: torch.device) -> Teachers:
-    """The checkpoints at `paths` as teachers of a student with these labels (in this order) and channels;
-    TrainingInputError names the first teacher that cannot teach it."""
+    """The checkpoints at `paths` (each already found a checkpoint by `teacher_meta`, before the data were read)
+    as teachers of a student with these labels (in this order) and channels; TrainingInputError names the first
+    teacher that cannot teach it."""
     models, metas = [], []
     for path in paths:
-        teacher_meta(path)
         model, meta = load_checkpoint(path)
         if meta.labels != list(labels):
             raise TrainingInputError(f"--distill-from {path}: its classes {meta.labels} are not the training "
