@@ -22,8 +22,16 @@ _COMMANDS = [
 _TRAINING_TOOLS = {"torch", "onnx", "onnxscript", "onnx_ir", "safetensors", "tqdm", "matplotlib", "scipy", "skimage"}
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse prints its whole usage above a wrong flag (20 lines for `train`); every vitserve command reports an
+    error in one line. Subcommands' parsers are of the same class (argparse makes them as their parent's)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="vitserve", description=__doc__)
+    parser = OneLineErrorParser(prog="vitserve", description=__doc__)
     parser.add_argument("--version", action="version", version=f"vitserve {__version__}")
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error (anywhere on the command line)")

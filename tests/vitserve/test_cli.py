@@ -14,6 +14,19 @@ def test_an_error_is_one_line_and_exit_1(tmp_path, capsys):
     assert err.rstrip().endswith("(--debug shows the traceback)")
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["train", "--distill-weight", "x"], "vitserve train: error: argument --distill-weight: invalid float value"),
+    (["train", "--epochs", "x"], "vitserve train: error: argument --epochs: invalid int value"),
+    (["export", "ckpt", "--opset", "x"], "vitserve export: error: argument --opset: invalid int value"),
+    (["train", "--no-such-flag"], "vitserve: error: unrecognized arguments: --no-such-flag")])
+def test_a_wrong_flag_is_one_line_and_exit_2(argv, said, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith(said) and err.rstrip().endswith("(--help lists the options)")
+
+
 def test_debug_anywhere_shows_the_traceback(tmp_path):
     from model.checkpoint import CheckpointError
 
