@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException
 
 from service import tracing
 from service.engine import Engine
+from service.core.admission import freeze_startup_objects
 from service.core.errors import ServiceError, error_headers, error_response, status_code
 from service.core.metrics import ServiceMetrics
 from service.http.routes import classify, open_inference, operations, repository, web
@@ -36,6 +37,7 @@ async def lifespan(app: FastAPI):
             from service.grpc.server import GrpcFrontEnd  # grpcio: only where gRPC is served
             grpc_front_end = GrpcFrontEnd(state)
             await grpc_front_end.start()
+        freeze_startup_objects()
         # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
         yield {"early_refusal": state.early_refusal}
     finally:

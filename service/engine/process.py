@@ -5,8 +5,8 @@ HTTP frontend.
 ZeroMQ ROUTER socket at its address for `Submit`, `Cancel` and `Control` (service/engine/messages.py) and a PUB
 socket beside it for `EngineStatus`. Each submitted image is read in place from its frontend's shared-memory
 arena and joins its version's batch queue, so batches fill across frontends as in one process; every `Submit`
-gets exactly one `Result` or `Failure`, every `Control` one `ControlReply`. It stops when the supervisor sets `stop` (running what is queued first), or when its
-parent is gone. Ctrl-C reaches every process of the terminal's group: the engine leaves it to the supervisor.
+gets exactly one `Result` or `Failure`, every `Control` one `ControlReply`. It stops when the supervisor sets
+`stop` (running what is queued first), or when its parent is gone. Ctrl-C reaches every process of the terminal's group: the engine leaves it to the supervisor.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from service.engine.messages import (Cancel, Codec, Control, ControlReply, Engin
                                      LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
                                      failure_for, status_address)
 from service.engine.shm import ArenaReader
+from service.core.admission import freeze_startup_objects
 from service.core.errors import ClientDisconnected, ServiceError
 from service.core.metrics import ServiceMetrics, mark_process_dead
 from service.repository.registry import ModelRegistry, model_source
@@ -38,6 +39,10 @@ log = logging.getLogger("vitserve.engine")
 
 PROCESS_NAME = "vitserve-engine"  # at most 15 characters: the kernel's limit for a process's name
 STATUS_INTERVAL_S = 0.02  # how often frontends hear the queue state (their admission's estimate) and liveness
+# ... while the engine has work, or had some since it last said; idle, only this often (and at most a quarter of
+# the frontends' engine_timeout_s, which gives up on an engine that went silent): 50 statuses a second, each
+# waking every HTTP worker, were most of an idle server's CPU.
+IDLE_STATUS_INTERVAL_S = 0.5
 # A retiring version still runs what frontends routed to it before they heard of the change (a status interval,
 # then an index request): many intervals, so a busy frontend's loop has time too.
 RETIRE_GRACE_S = 0.5
@@ -86,6 +91,8 @@ class EngineServer:
         self.codec = Codec()
         self.arenas = ArenaReader()
         self.running: dict[tuple[bytes, int], asyncio.Task] = {}  # (frontend, id) -> its image's work
+        self.received = 0  # messages from frontends, ever: work arrived since the last status if it moved
+        self.work_arrived = asyncio.Event()  # wakes an idle status publisher
         self.stopping = False
 
     async def run(self, stop, parent_pid: int, started) -> None:
@@ -98,6 +105,7 @@ class EngineServer:
         self.engine.on_ready = self.engine.metrics.set_ready
         self.engine.registry.on_change = lambda: self._status_soon(publisher)
         await self.engine.start()  # loads the models: with a single file, a ModelLoadError ends the process
+        freeze_startup_objects()
         _report(started, None)
         log.info("engine %s (pid %d) listening at %s", self.incarnation, os.getpid(), self.address)
         workers = [asyncio.create_task(self._receive(router)), asyncio.create_task(self._publish(publisher))]
@@ -127,6 +135,8 @@ class EngineServer:
         while True:
             frontend, payload = await router.recv_multipart()
             message = self.codec.to_engine.decode(payload)
+            self.received += 1
+            self.work_arrived.set()
             key = (frontend, message.id)
             if isinstance(message, Cancel):
                 task = self.running.get(key)
@@ -179,9 +189,26 @@ class EngineServer:
         return RepositoryIndex(registry.generation, rows, loaded, dict(registry.model_problems))
 
     async def _publish(self, publisher) -> None:
+        """The status every STATUS_INTERVAL_S while there is work, and once more after it (the emptied queue);
+        idle, every IDLE_STATUS_INTERVAL_S, or STATUS_INTERVAL_S after work arrives. A frontend counts what it
+        sent since the last status as queued, so work arriving must bring the next one soon."""
+        idle_interval_s = min(IDLE_STATUS_INTERVAL_S, self.engine.settings.engine_timeout_s / 4)
+        seen, was_active = self.received, True
         while True:
+            self.work_arrived.clear()  # before looking: what arrives from now on cuts an idle wait short
+            active = bool(self.running) or self.received != seen
+            seen = self.received
             await self._send_status(publisher)
-            await asyncio.sleep(STATUS_INTERVAL_S)
+            if active or was_active:
+                await asyncio.sleep(STATUS_INTERVAL_S)
+            else:
+                try:
+                    await asyncio.wait_for(self.work_arrived.wait(), idle_interval_s)
+                    # not at once: the work that woke it is starting now, and a status wakes every HTTP worker
+                    await asyncio.sleep(STATUS_INTERVAL_S)
+                except asyncio.TimeoutError:
+                    pass
+            was_active = active
 
     def _status_soon(self, publisher) -> None:
         """A version changed state: tell the frontends now, not at the next interval."""

@@ -16,13 +16,12 @@ up at once must not double the peak memory).
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from service.core.admission import give_freed_memory_back
+from service.core.admission import collect_cycles, give_freed_memory_back
 from service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from service.engine.routing import RoutingTable, VersionView
 from service.engine.served_model import Loader, ServedModel
@@ -266,7 +265,7 @@ class ModelRegistry:
 
     async def _close(self, served: ServedModel) -> None:
         await served.close(self.settings.drain_timeout_s)  # drops its session
-        gc.collect()  # the session's last references may sit in cycles: free its memory now, not some day
+        collect_cycles()  # the session's last references may sit in cycles: free its memory now, not some day
         give_freed_memory_back()
 
     # --- start, poll, stop ---

@@ -3,15 +3,17 @@ budget, the whole-request deadline (504; 408 for a slow upload), hang-ups (499),
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget,
-                                    return_large_frees_to_the_os)
+from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, collect_cycles,
+                                    freeze_startup_objects, return_large_frees_to_the_os)
 from service.engine.batcher import DynamicBatcher
 from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from service.http.routes.uploads import read_raw_body, run_guarded
@@ -201,11 +203,30 @@ async def test_a_loop_running_behind_refuses_new_requests():
     admission.loop_lag.start()
     try:
         assert admission.refusal(0.0, 10.0) is None
+        admission.enter(0.0, 10.0)  # a request in flight: the loop is watched closely
         time.sleep(0.1)  # the loop is blocked: its timer fires at least this late
         await until(lambda: admission.loop_lag.lag_s > 0.02, "the lag measured")
         assert "ms behind on its connections" in str(admission.refusal(0.0, 10.0))
     finally:
         admission.loop_lag.stop()
+
+
+async def test_an_idle_process_looks_at_its_loop_seldom_and_closely_once_a_request_is_in():
+    admission = Admission(max_in_flight=10, max_loop_lag_s=0.02)
+    lag = admission.loop_lag
+    lag.start()
+    try:
+        assert lag.next_look_in() > 0.05  # idle: the next look is idle_interval_s (0.1 s) away
+        admission.enter(0.0, 10.0)
+        assert lag.busy and lag.next_look_in() <= lag.interval_s  # brought forward
+        admission.enter(0.0, 10.0)
+        admission.leave()
+        assert lag.busy  # one still in flight
+        admission.leave()
+        assert not lag.busy
+        await until(lambda: lag.next_look_in() > 0.05, "back to the idle interval")
+    finally:
+        lag.stop()
 
 
 class FakeClock:
@@ -294,3 +315,38 @@ def test_without_an_overload_queue_the_limit_stays_the_process_s():
 def test_large_frees_go_back_to_the_os_on_glibc():
     import platform
     assert return_large_frees_to_the_os() == (platform.libc_ver()[0] == "glibc")
+
+
+class Node:
+    def __init__(self):
+        self.other = None
+
+
+def test_frozen_startup_objects_are_left_out_of_collections_until_collect_cycles():
+    try:
+        cycle = Node()
+        cycle.other = Node()
+        cycle.other.other = cycle  # freed by the cyclic collector only
+        alive = weakref.ref(cycle)
+        freeze_startup_objects()
+        assert gc.get_freeze_count() > 0
+        del cycle
+        gc.collect()
+        assert alive() is not None  # frozen: a full collection does not walk it
+        collect_cycles()  # what an unloaded model's session goes through
+        assert alive() is None
+        assert gc.get_freeze_count() > 0  # the survivors frozen again
+    finally:
+        gc.unfreeze()
+
+
+def test_startup_garbage_is_collected_before_the_freeze():
+    try:
+        cycle = Node()
+        cycle.other = cycle
+        alive = weakref.ref(cycle)
+        del cycle  # garbage, not yet collected
+        freeze_startup_objects()
+        assert alive() is None
+    finally:
+        gc.unfreeze()

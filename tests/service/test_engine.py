@@ -21,6 +21,7 @@ from service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, 
 from service.engine.supervisor import EngineSupervisor, engine_devices
 from service.core.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
 from service.core.metrics import ServiceMetrics
+from service.settings import Settings
 from service_fixtures import PATIENCE_S, settings_for, until
 
 # --- the messages ---
@@ -212,3 +213,38 @@ def test_a_model_that_does_not_load_stops_the_supervisor(tmp_path, engine_settin
     broken.write_bytes(engine_settings.model_path.read_bytes()[:2000])
     with pytest.raises(ModelLoadError):
         EngineSupervisor(engine_settings.model_copy(update={"model_path": broken})).start()
+
+
+@pytest.mark.anyio
+async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_arrives():
+    # 50 statuses a second woke every HTTP worker of an idle server; while there is work they still come every
+    # STATUS_INTERVAL_S, since a frontend counts what it sent since the last one as queued
+    from types import SimpleNamespace
+
+    from service.engine.process import IDLE_STATUS_INTERVAL_S, STATUS_INTERVAL_S, EngineServer
+    server = EngineServer(SimpleNamespace(settings=Settings(engine_timeout_s=40.0)), "ipc://unused")
+    sent: list[float] = []
+
+    async def record(publisher):
+        sent.append(asyncio.get_running_loop().time())
+
+    server._send_status = record
+    publishing = asyncio.create_task(server._publish(None))
+    try:
+        await asyncio.sleep(0.3)
+        assert 1 <= len(sent) <= 3  # at start, then idle (every interval: 15)
+        before, arrived = len(sent), asyncio.get_running_loop().time()
+        server.received += 1  # what _receive does with a frontend's message
+        server.work_arrived.set()
+        await until(lambda: len(sent) > before, "a status after work arrived")
+        assert sent[before] - arrived < IDLE_STATUS_INTERVAL_S / 2
+        server.running[(b"frontend", 1)] = publishing  # work in flight: a status every interval
+        await asyncio.sleep(20 * STATUS_INTERVAL_S)
+        assert len(sent) - before >= 5
+        del server.running[(b"frontend", 1)]
+        await asyncio.sleep(0.1)
+        idle_from = len(sent)
+        await asyncio.sleep(2.5 * IDLE_STATUS_INTERVAL_S)
+        assert 2 <= len(sent) - idle_from <= 4  # still a heartbeat: frontends give up on a silent engine
+    finally:
+        publishing.cancel()
