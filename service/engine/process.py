@@ -6,7 +6,8 @@ ZeroMQ ROUTER socket at its address for `Submit`, `Cancel` and `Control` (servic
 socket beside it for `EngineStatus`. Each submitted image is read in place from its frontend's shared-memory
 arena and joins its version's batch queue, so batches fill across frontends as in one process; every `Submit`
 gets exactly one `Result` or `Failure`, every `Control` one `ControlReply`. It stops when the supervisor sets
-`stop` (running what is queued first), or when its parent is gone. Ctrl-C reaches every process of the terminal's group: the engine leaves it to the supervisor.
+`stop` (running what is queued first), or when its parent is gone. Ctrl-C reaches every process of the
+terminal's group: the engine leaves it to the supervisor.
 """
 from __future__ import annotations
 
@@ -91,8 +92,7 @@ class EngineServer:
         self.codec = Codec()
         self.arenas = ArenaReader()
         self.running: dict[tuple[bytes, int], asyncio.Task] = {}  # (frontend, id) -> its image's work
-        self.received = 0  # messages from frontends, ever: work arrived since the last status if it moved
-        self.work_arrived = asyncio.Event()  # wakes an idle status publisher
+        self.work_arrived = asyncio.Event()  # a frontend's message since the status publisher last looked
         self.stopping = False
 
     async def run(self, stop, parent_pid: int, started) -> None:
@@ -135,7 +135,6 @@ class EngineServer:
         while True:
             frontend, payload = await router.recv_multipart()
             message = self.codec.to_engine.decode(payload)
-            self.received += 1
             self.work_arrived.set()
             key = (frontend, message.id)
             if isinstance(message, Cancel):
@@ -193,11 +192,10 @@ class EngineServer:
         idle, every IDLE_STATUS_INTERVAL_S, or STATUS_INTERVAL_S after work arrives. A frontend counts what it
         sent since the last status as queued, so work arriving must bring the next one soon."""
         idle_interval_s = min(IDLE_STATUS_INTERVAL_S, self.engine.settings.engine_timeout_s / 4)
-        seen, was_active = self.received, True
+        was_active = True
         while True:
-            self.work_arrived.clear()  # before looking: what arrives from now on cuts an idle wait short
-            active = bool(self.running) or self.received != seen
-            seen = self.received
+            active = bool(self.running) or self.work_arrived.is_set()
+            self.work_arrived.clear()  # what arrives from now on cuts an idle wait short
             await self._send_status(publisher)
             if active or was_active:
                 await asyncio.sleep(STATUS_INTERVAL_S)
