@@ -23,7 +23,9 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
                 mine = [r for r in rows if (r["server"], r["path"], r["connections"]) == (server, path, connections)
                         and "skipped" not in r]
                 if mine:
+                    cpu = [r.get("server_cpu_ms_per_answer") for r in mine]  # absent from older reports
                     entry[server] = {**{k: statistics.median(r[k] for r in mine) for k in _MEDIANS},
+                                     "cpu_ms": statistics.median(cpu) if None not in cpu else None,
                                      "rounds": len(mine), "non_2xx": sum(r["non_2xx"] for r in mine),
                                      "socket_errors": sum(sum(r["socket_errors"].values()) for r in mine)}
             if len(entry) > 2:
@@ -133,7 +135,10 @@ def _method(report: dict) -> list[str]:
         f"{max(s['duration_s'], s['compute_bound_duration_s'])} s per run (at 32 connections an answer takes "
         "seconds, and the first comes a whole batch late).", "",
         "Numbers: **req/s** counts 2xx answers only (median over rounds), then (p50 / p99 latency in ms, medians "
-        "over rounds, from wrk's `--latency` distribution); *vitserve / Triton* is the ratio of the req/s medians.",
+        "over rounds, from wrk's `--latency` distribution); *vitserve / Triton* is the ratio of the req/s medians. "
+        "**CPU time per answer**: the user and system time of the server's whole process tree (front end, model "
+        "process, helpers; psutil) over the measured run, divided by the answers wrk counted: on two cores shared "
+        "with wrk, what decides how many answers a server can give.",
     ]
 
 
@@ -160,7 +165,8 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
     servers = [s for s in settings["servers"]]
     lines = [f"## {_model_name(m)}, {kind}", "",
              f"`{m['path']}`: {m['name']} {m['version']}, {m['channels']} channel(s), patch {m['patch_size']}, "
-             f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers), ""]
+             f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers), "",
+             *_cpu_table(entry["summary"], servers)]
     errors = [f"{LABELS[s]} {PATH_LABELS[e['path']]} at {e['connections']}: {e[s]['non_2xx']} non-2xx, "
               f"{e[s]['socket_errors']} socket errors" for e in entry["summary"] for s in servers
               if s in e and (e[s]["non_2xx"] or e[s]["socket_errors"])]
@@ -226,6 +232,17 @@ def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:
     return table(header, rows, text_columns=1)
 
 
+def _cpu_table(summary: list[dict], servers: list[str]) -> list[str]:
+    """Each server's CPU time per answer (its whole process tree, user and system; medians): on a machine the load
+    saturates, the cost that decides req/s. Nothing when the report predates the measurement."""
+    if not any((e.get(s) or {}).get("cpu_ms") is not None for e in summary for s in servers):
+        return []
+    rows = [[PATH_LABELS[e["path"]], str(e["connections"]), *(number((e.get(s) or {}).get("cpu_ms"), ".3f")
+                                                                 for s in servers)] for e in summary]
+    return ["CPU time per answer, ms (the server's processes, user and system, during the measured run; medians):",
+            "", *table(["path", "clients", *(LABELS[s] for s in servers)], rows, text_columns=1), ""]
+
+
 def _rounds_table(models: list[dict]) -> list[str]:
     rows = []
     for m in models:
@@ -233,10 +250,10 @@ def _rounds_table(models: list[dict]) -> list[str]:
             head = [m["model"]["name"], str(r["round"]), LABELS[r["server"]], PATH_LABELS[r["path"]],
                     str(r["connections"])]
             if "skipped" in r:
-                rows.append(head + [f"skipped ({r['skipped']})"] + ["-"] * 5)
+                rows.append(head + [f"skipped ({r['skipped']})"] + ["-"] * 6)
                 continue
             rows.append(head + [number(r["ok_per_s"]), number(r["p50_ms"], ".2f"), number(r["p99_ms"], ".2f"),
-                                str(r["non_2xx"]), str(sum(r["socket_errors"].values())),
-                                number(r["load1_before"], ".2f")])
-    return table(["model", "round", "server", "path", "clients", "req/s (2xx)", "p50 ms", "p99 ms", "non-2xx",
-                  "socket errors", "load (1 min)"], rows, text_columns=5)
+                                number(r.get("server_cpu_ms_per_answer"), ".3f"), str(r["non_2xx"]),
+                                str(sum(r["socket_errors"].values())), number(r["load1_before"], ".2f")])
+    return table(["model", "round", "server", "path", "clients", "req/s (2xx)", "p50 ms", "p99 ms",
+                  "CPU ms / answer", "non-2xx", "socket errors", "load (1 min)"], rows, text_columns=5)

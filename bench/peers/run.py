@@ -12,6 +12,7 @@ import platform
 import subprocess
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -158,7 +159,7 @@ def load_level(cfg: PeersConfig, m: ModelUnderTest, wrk: str, running: RunningSe
     script = write_script(m.work_dir, f"{row['server']}-{row['path']}", request)
     try:
         row = {**row, **measure_level(cfg, wrk, running.url + request.target, script, row["connections"],
-                                      m.duration_s, request)}
+                                      m.duration_s, request, running.cpu_seconds)}
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         row = {**row, "skipped": f"wrk failed: {str(e)[:200]}"}
         print(f"  {row['server']} {row['path']} c={row['connections']}: {row['skipped']}", flush=True)
@@ -232,16 +233,21 @@ def _get_json(url: str) -> dict:
 
 
 def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int, duration_s: int,
-                  request: PeerRequest) -> dict:
+                  request: PeerRequest, cpu_seconds: Callable[[], float]) -> dict:
     """At `url` (the path's whole URL): a discarded warm-up run, then the measured one, each followed by one
-    request answered alone; when some answers were not 2xx, a short run counting their status codes."""
+    request answered alone; when some answers were not 2xx, a short run counting their status codes. With the
+    measured run, the server's CPU time per answer (`cpu_seconds`: its whole process tree's): on a machine it
+    saturates, what decides its req/s."""
     limit = duration_s + cfg.wrk_timeout_s + 60
     server = url.removesuffix(request.target)
     run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
     post(server, request, cfg.wrk_timeout_s)
     load = os.getloadavg()[0]
     argv = wrk_argv(wrk, url, connections, duration_s, cfg.wrk_timeout_s, script)
+    cpu_before = cpu_seconds()
     result = run_wrk(argv, limit)
+    cpu_ms = (cpu_seconds() - cpu_before) * 1000
+    result["server_cpu_ms_per_answer"] = cpu_ms / result["requests"] if result["requests"] else None
     if result["non_2xx"]:
         counted = run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s,
                                    script.with_suffix(".status.lua")), limit)

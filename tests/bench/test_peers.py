@@ -201,10 +201,11 @@ def test_rounds_alternate_the_servers_order():
 
 
 def _row(server: str, round_: int, ok: float, p50: float, non_2xx: int = 0, path: str = "image",
-         connections: int = 8) -> dict:
-    return {"server": server, "round": round_, "path": path, "connections": connections, "ok_per_s": ok,
-            "p50_ms": p50, "p99_ms": 2 * p50, "non_2xx": non_2xx, "socket_errors": {"read": 0, "timeout": 1},
-            "load1_before": 0.4}
+         connections: int = 8, cpu_ms: float | None = None) -> dict:
+    row = {"server": server, "round": round_, "path": path, "connections": connections, "ok_per_s": ok,
+           "p50_ms": p50, "p99_ms": 2 * p50, "non_2xx": non_2xx, "socket_errors": {"read": 0, "timeout": 1},
+           "load1_before": 0.4}
+    return row if cpu_ms is None else {**row, "server_cpu_ms_per_answer": cpu_ms}
 
 
 def test_summarise_takes_medians_over_rounds_and_the_ratio_of_medians():
@@ -213,11 +214,49 @@ def test_summarise_takes_medians_over_rounds_and_the_ratio_of_medians():
             {"server": "triton", "round": 3, "path": "image", "connections": 8, "skipped": "time limit"},
             _row("litserve", 1, 50, 1)]
     (entry,) = summarise(rows, ["vitserve", "triton", "litserve"], ["image"], [8])
-    assert entry["vitserve"] == {"ok_per_s": 310, "p50_ms": 4, "p99_ms": 8, "rounds": 3, "non_2xx": 2,
-                                 "socket_errors": 3}
+    assert entry["vitserve"] == {"ok_per_s": 310, "p50_ms": 4, "p99_ms": 8, "cpu_ms": None, "rounds": 3,
+                                 "non_2xx": 2, "socket_errors": 3}
     assert entry["triton"]["ok_per_s"] == 150 and entry["triton"]["rounds"] == 2  # the skipped round left out
     assert entry["vitserve_over_triton"] == pytest.approx(310 / 150)
     assert entry["litserve"]["ok_per_s"] == 50
+
+
+def test_cpu_per_answer_is_a_median_over_rounds_in_its_own_table_and_absent_from_older_reports():
+    rows = [_row("vitserve", 1, 300, 3, cpu_ms=2.9), _row("vitserve", 2, 330, 4, cpu_ms=2.7),
+            _row("vitserve", 3, 310, 9, cpu_ms=3.5), _row("triton", 1, 100, 10, cpu_ms=2.0),
+            _row("triton", 2, 200, 20, cpu_ms=2.2)]
+    (entry,) = summarise(rows, ["vitserve", "triton"], ["image"], [8])
+    assert entry["vitserve"]["cpu_ms"] == 2.9 and entry["triton"]["cpu_ms"] == pytest.approx(2.1)
+    report = _fake_report()
+    report["settings"]["servers"] = ["vitserve", "triton"]
+    report["models"][0].update(rounds=rows, summary=[entry])
+    text = render(report)
+    assert "CPU time per answer, ms" in text and "| image | 8 | 2.900 | 2.100 |" in text
+    assert "| vit-fmnist | 3 | vitserve | image | 8 | 310.0 | 9.00 | 18.00 | 3.500 | 0 |" in text
+    assert "CPU time per answer" not in render(_fake_report())  # rounds measured before it was
+
+
+def test_cpu_seconds_counts_every_process_under_the_server(tmp_path):
+    """The parent sleeps; its child burns CPU: the server's time is the child's."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.peers.servers import RunningServer, ServerSpec
+
+    burn = "import time; end = time.process_time() + 0.4\nwhile time.process_time() < end: pass\ntime.sleep(60)"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(60)"
+    server = RunningServer(ServerSpec("tree", [], [], []), tmp_path / "tree.log", startup_timeout_s=1)
+    server.proc = subprocess.Popen([sys.executable, "-c", parent], start_new_session=True)
+    try:
+        give_up = time.monotonic() + 60
+        while server.cpu_seconds() < 0.4 and time.monotonic() < give_up:
+            time.sleep(0.05)
+        import psutil
+        own = psutil.Process(server.proc.pid).cpu_times()
+        assert server.cpu_seconds() >= 0.4 > own.user + own.system
+    finally:
+        server.stop()
 
 
 def test_summarise_leaves_out_levels_nobody_ran_and_has_no_ratio_without_triton():
