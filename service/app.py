@@ -17,8 +17,10 @@ from starlette.exceptions import HTTPException
 from service import tracing
 from service.engine import Engine
 from service.core.admission import freeze_startup_objects
-from service.core.errors import ServiceError, error_headers, error_response, status_code
+from service.core.errors import ServiceError, error_headers
 from service.core.metrics import ServiceMetrics
+from service.http.errors import error_answer, service_error_answer
+from service.http.infer_lane import InferenceLane
 from service.http.routes import classify, open_inference, operations, repository, web
 from service.engine.runtime import InferenceModel
 from service.settings import Settings
@@ -63,6 +65,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
     app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
+    app.add_middleware(InferenceLane, metrics=metrics)  # innermost: inside the metrics and tracing middleware
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if tracing.enabled():  # installed only when on: off, tracing costs nothing per request
         app.add_middleware(TracingMiddleware)
@@ -111,34 +114,25 @@ def app_from_env() -> FastAPI:
 
 
 def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
-    """Every error response in its protocol's shape (`service.core.errors.error_response`); `STATUS_CODES` decides
-    the status."""
-    def respond(request: Request, status: int, code: str, message: str, headers: dict | None = None) -> JSONResponse:
-        metrics.rejected_request(code)
-        status, body = error_response(request.url.path, status, code, message)
-        return JSONResponse(body, status_code=status, headers=headers)
-
+    """Every error response in its protocol's shape (service/http/errors.py); `STATUS_CODES` decides the status."""
     @app.exception_handler(ServiceError)
     async def service_error(request: Request, exc: ServiceError) -> JSONResponse:
-        status = status_code(exc)
-        model = getattr(request.state, "model_name", None)  # set on admission: Retry-After is its model's
-        headers = error_headers(status, request.app.state.service.retry_after_s(model))
-        return respond(request, status, exc.code, str(exc), headers)
+        return service_error_answer(request, metrics, exc)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
         problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return respond(request, 422, "invalid_parameter", problems)
+        return error_answer(request, metrics, 422, "invalid_parameter", problems)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, f"http_{exc.status_code}")
-        return respond(request, exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
+        return error_answer(request, metrics, exc.status_code, code, str(exc.detail), getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
-        return respond(request, 500, "internal_error", "internal server error", error_headers(500, 0))
+        return error_answer(request, metrics, 500, "internal_error", "internal server error", error_headers(500, 0))
 
 
 class TracingMiddleware:

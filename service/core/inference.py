@@ -24,8 +24,8 @@ from service.engine import InferenceResult, ModelHandle
 from service.core.errors import InvalidParameter, ServiceError
 from service.core.explanations import relevance_target
 from service.core.preprocess import PreparedImage, ResizePolicy
-from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage, RolloutGrid,
-                             Timing)
+from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,
+                                       RolloutGrid, Timing)
 from service.core.state import INFERENCE_ENDPOINTS, ServiceState
 from service.protocols.model_config import triton_config
 from service.protocols.statistics import triton_statistics
@@ -177,6 +177,8 @@ async def _each(items: list, work) -> list:
         except ServiceError as e:
             raise type(e)(f"inputs.0 item {index}: {e}") from e
 
+    if len(items) == 1:  # most requests: no task group and no task to make for one item
+        return [await one(0, items[0])]
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [group.create_task(one(i, item)) for i, item in enumerate(items)]

@@ -23,7 +23,7 @@ from functools import partial
 
 from fastapi import Request
 
-from service.core.admission import Admission, PixelBudget, return_large_frees_to_the_os
+from service.core.admission import Admission, PixelBudget, StopSignal, return_large_frees_to_the_os
 from service.engine import Engine
 from service.core.errors import NotReady, ServiceError
 from service.core.inspection import InspectionCache
@@ -46,7 +46,7 @@ class ServiceState:
     large_pool: ThreadPoolExecutor | None = None  # images over large_image_pixels: small ones never wait for them
     admission: Admission | None = None
     pixels: PixelBudget | None = None
-    stopping: asyncio.Event = field(default_factory=asyncio.Event)  # the drain ran out: answer 503 now
+    stopping: StopSignal = field(default_factory=StopSignal)  # the drain ran out: answer 503 now
     drain_begun: asyncio.Event = field(default_factory=asyncio.Event)  # SIGTERM: stop taking new calls (gRPC)
     inspections: InspectionCache = field(default_factory=InspectionCache)  # GET /v1/models/{name}/inspect
     draining: bool = False
@@ -209,14 +209,20 @@ def requested_model(request: Request) -> str | None:
     return request.path_params.get("name") or request.query_params.get("model")
 
 
-async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
-    """Dependency of the inference routes: the ready state, once this request is admitted (429 at once
-    otherwise, before its body is read); it counts as in flight until its route returns. The queued work it is
+def admit(request: Request) -> ServiceState:
+    """The ready state, once this request is admitted (429 at once otherwise, before its body is read); it counts
+    as in flight until the caller's `state.admission.leave()`, when its route returns. The queued work it is
     measured against is its own model's: an overloaded big model does not refuse a small one's requests."""
     state = ready_state(request)
     model = requested_model(request)
     request.state.model_name = model  # for Retry-After, should the request be refused later on
     state.admission.enter(state.engine.predicted_wait_s(model), state.settings.queue_wait_limit_s)
+    return state
+
+
+async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
+    """Dependency of the inference routes: `admit`, and in flight until the route returns."""
+    state = admit(request)
     try:
         yield state
     finally:

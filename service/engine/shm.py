@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import os
 import secrets
 from multiprocessing import shared_memory
@@ -60,15 +61,17 @@ class TensorArena:
 
     async def put_when_free(self, array: np.ndarray, timeout_s: float) -> int:
         """`put`, waiting up to `timeout_s` for regions to be released (asyncio.TimeoutError after)."""
+        try:
+            return self.put(array)  # room at once, nearly always: no timeout to arm
+        except ArenaFull:
+            if array.nbytes > self.size:
+                raise
         async with asyncio.timeout(timeout_s):
-            while True:
-                try:
+            while True:  # nothing was released since the failed put: no await between them
+                self._released.clear()
+                await self._released.wait()
+                with contextlib.suppress(ArenaFull):
                     return self.put(array)
-                except ArenaFull:
-                    if array.nbytes > self.size:
-                        raise
-                    self._released.clear()
-                    await self._released.wait()
 
     def release(self, offset: int, nbytes: int) -> None:
         length = -(-max(nbytes, 1) // ALIGNMENT) * ALIGNMENT

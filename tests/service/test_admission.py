@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, collect_cycles,
-                                    freeze_startup_objects, return_large_frees_to_the_os)
+from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, StopSignal, collect_cycles,
+                                    freeze_startup_objects, return_large_frees_to_the_os, run_within)
 from service.engine.batcher import DynamicBatcher
 from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from service.http.routes.uploads import read_raw_body, run_guarded
@@ -83,15 +83,15 @@ async def _forever(cancelled: asyncio.Event):
 async def test_guarded_work_past_its_deadline_is_cancelled():
     cancelled = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await run_guarded(_Connected(), _forever(cancelled), Deadline.after(0.05), asyncio.Event())
+        await run_guarded(_Connected(), _forever(cancelled), Deadline.after(0.05), StopSignal())
     await asyncio.wait_for(cancelled.wait(), 5)
     with pytest.raises(RequestTimeout):
-        await run_guarded(_Connected(), _forever(asyncio.Event()), Deadline.after(0.01), asyncio.Event(),
+        await run_guarded(_Connected(), _forever(asyncio.Event()), Deadline.after(0.01), StopSignal(),
                           watch_disconnect=False, on_timeout=RequestTimeout("slow upload"))
 
 
 async def test_guarded_work_is_answered_not_ready_when_the_drain_runs_out():
-    stop, cancelled = asyncio.Event(), asyncio.Event()
+    stop, cancelled = StopSignal(), asyncio.Event()
     work = asyncio.ensure_future(run_guarded(_Connected(), _forever(cancelled), Deadline.after(60), stop))
     await asyncio.sleep(0)
     stop.set()
@@ -99,6 +99,52 @@ async def test_guarded_work_is_answered_not_ready_when_the_drain_runs_out():
         await asyncio.wait_for(work, 5)
     await asyncio.wait_for(cancelled.wait(), 5)
 
+
+
+async def test_the_guard_leaves_no_timer_callback_or_task_behind_and_passes_an_outside_cancellation_on():
+    stop = StopSignal()
+
+    async def quick():
+        await asyncio.sleep(0)
+        return 7
+
+    assert await run_within(quick(), Deadline.after(0.05), stop) == 7
+    assert not stop._callbacks
+    await asyncio.sleep(0.1)  # past the deadline: its timer was cancelled, so nothing cancels this task now
+    assert asyncio.current_task().cancelling() == 0
+
+    # Someone else cancels the request's task (uvicorn at shutdown): that is a cancellation, not a 504 or 503.
+    cancelled = asyncio.Event()
+    guarded = asyncio.ensure_future(run_within(_forever(cancelled), Deadline.after(60), stop))
+    await asyncio.sleep(0)
+    guarded.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await guarded
+    assert cancelled.is_set() and not stop._callbacks
+
+
+async def test_the_guard_refuses_at_once_once_the_drain_has_run_out_and_the_work_never_starts():
+    stop, started = StopSignal(), []
+    stop.set()
+
+    async def work():
+        started.append(True)
+
+    with pytest.raises(NotReady, match="shut down"):
+        await run_within(work(), Deadline.after(60), stop)
+    assert started == []
+
+
+async def test_work_that_swallows_its_cancellation_keeps_its_answer_and_the_task_is_not_left_cancelled():
+    async def stubborn():
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            return "finished anyway"
+
+    assert await run_within(stubborn(), Deadline.after(0.02), StopSignal()) == "finished anyway"
+    assert asyncio.current_task().cancelling() == 0
+    await asyncio.sleep(0)  # no cancellation left pending on this task
 
 async def test_a_hang_up_mid_upload_is_client_disconnected():
     messages = [{"type": "http.request", "body": b"x" * 10, "more_body": True}, {"type": "http.disconnect"}]

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from service.core.errors import ClientDisconnected
-from service.core.admission import Deadline
+from service.core.admission import Deadline, StopSignal
 from service.http.routes.uploads import run_guarded
 from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
                               png_declaring, serving, settings_for, until)
@@ -316,7 +316,7 @@ async def test_disconnected_client_work_is_cancelled():
             raise
 
     with pytest.raises(ClientDisconnected):
-        await run_guarded(GoneRequest(), queued_work(), Deadline.after(PATIENCE_S), asyncio.Event())
+        await run_guarded(GoneRequest(), queued_work(), Deadline.after(PATIENCE_S), StopSignal())
     assert started.is_set()
     await asyncio.wait_for(cancelled.wait(), PATIENCE_S)  # the work sees its cancellation on its next turn
     assert cancelled.is_set()

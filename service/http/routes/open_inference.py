@@ -151,13 +151,13 @@ async def infer(name: str, request: Request, state: Annotated[ServiceState, Depe
     The body is read here as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
     binary tensors), decompressed if its Content-Encoding says so, and parsed whatever its Content-Type
     (tritonclient sends none, or application/octet-stream)."""
-    return await _infer(request, state, name, None)
+    return await infer_response(request, state, name, None)
 
 
 @router.post(VERSIONED + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
 async def versioned_infer(name: str, version: str, request: Request,
                           state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
-    return await _infer(request, state, name, version)
+    return await infer_response(request, state, name, version)
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
@@ -171,9 +171,9 @@ async def _statistics(state: ServiceState, name: str, version: str | None) -> di
     return {"model_stats": await inference.model_statistics(state, versions)}
 
 
-async def _infer(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
+async def infer_response(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
     """A request's life: route it, read and parse its body, run its images through the version's batcher,
-    encode the outputs."""
+    encode the outputs. The infer routes' own work, and all of the infer lane's (service/http/infer_lane.py)."""
     started, handle = time.perf_counter(), inference.route(state, name, version, request)
     deadline = Deadline.after(state.settings.request_timeout_s)
     call, parse_s = await _read_call(request, state, handle, deadline)

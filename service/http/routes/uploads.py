@@ -15,7 +15,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from service.core.admission import Deadline, run_within
+from service.core.admission import Deadline, StopSignal, run_within
 from service.core.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError,
                                  UnsupportedMediaType)
 from service.core.preprocess import IMAGE_MEDIA_TYPES
@@ -138,7 +138,7 @@ async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
     return await upload.read()
 
 
-async def run_guarded(request: Request, awaitable, deadline: Deadline, stop: asyncio.Event, *,
+async def run_guarded(request: Request, awaitable, deadline: Deadline, stop: StopSignal, *,
                       watch_disconnect: bool = True, on_timeout: ServiceError | None = None):
     """`service.core.admission.run_within`, also cancelled when the client disconnects (ClientDisconnected;
     watched only once the body has been read)."""
@@ -152,7 +152,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def upload_within(request: Request, reading, deadline: Deadline, stop: asyncio.Event):
+async def upload_within(request: Request, reading, deadline: Deadline, stop: StopSignal):
     """`reading` (of the request's body) within the request's deadline: a slower upload is the client's (408)."""
     timeout = RequestTimeout("the upload did not finish within the request's deadline")
     return await run_guarded(request, reading, deadline, stop, watch_disconnect=False, on_timeout=timeout)
