@@ -94,6 +94,10 @@ class EngineServer:
         self.running: dict[tuple[bytes, int], asyncio.Task] = {}  # (frontend, id) -> its image's work
         self.work_arrived = asyncio.Event()  # a frontend's message since the status publisher last looked
         self.stopping = False
+        # Answers not sent yet, by frontend: a batch's answers finish together and go out as one message per
+        # frontend (a frame each) at the end of the loop's turn, instead of one message, and one wake-up of the
+        # frontend's ZeroMQ thread and event loop, per image.
+        self.outbox: dict[bytes, list[bytes]] = {}
 
     async def run(self, stop, parent_pid: int, started) -> None:
         context = zmq.asyncio.Context()
@@ -116,6 +120,7 @@ class EngineServer:
             await self.engine.close(self.engine.settings.drain_timeout_s)
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=1.0)
+            self._send_answers(router)  # the last ones, before the context goes
             await self._send_status(publisher)  # not ready: frontends stop sending at once
             for worker in workers:
                 worker.cancel()
@@ -162,7 +167,19 @@ class EngineServer:
         except Exception as e:  # a bug here must not hang the frontend's request
             log.exception("unexpected error on an engine request")
             reply = Failure(submit.id, "inference_failed", f"engine error: {type(e).__name__}")
-        await router.send_multipart([frontend, self.codec.encode(reply)])
+        self._answer(router, frontend, reply)
+
+    def _answer(self, router, frontend: bytes, reply) -> None:
+        """Queue `reply` for `frontend`; the queue is sent when the loop's turn ends."""
+        if not self.outbox:
+            asyncio.get_running_loop().call_soon(self._send_answers, router)
+        self.outbox.setdefault(frontend, []).append(self.codec.encode(reply))
+
+    def _send_answers(self, router) -> None:
+        outbox, self.outbox = self.outbox, {}
+        for frontend, frames in outbox.items():
+            sent = router.send_multipart([frontend, *frames])  # a ROUTER never blocks: it drops for a gone peer
+            sent.add_done_callback(lambda done: done.cancelled() or done.exception())
 
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""
@@ -177,8 +194,7 @@ class EngineServer:
         except Exception as e:  # a bug here must not hang the frontend's request
             log.exception("unexpected error on a repository request")
             code, message = "internal_error", f"engine error: {type(e).__name__}"
-        reply = ControlReply(control.id, self.repository_index(), code, message)
-        await router.send_multipart([frontend, self.codec.encode(reply)])
+        self._answer(router, frontend, ControlReply(control.id, self.repository_index(), code, message))
 
     def repository_index(self) -> RepositoryIndex:
         registry = self.engine.registry

@@ -274,24 +274,27 @@ class RemoteEngine:
 
     async def _answers(self, link: _Link) -> None:
         while True:
-            answer = self.codec.from_engine.decode(await link.requests.recv())
-            if isinstance(answer, ControlReply):
-                control = link.controls.get(answer.id)
-                if control is not None and not control.done():
-                    control.set_result(answer)
-                continue
-            pending = link.pending.pop(answer.id, None)
-            if pending is None:  # its engine was given up on, and the region freed already
-                continue
-            self.arena.release(pending.offset, pending.nbytes)
-            if pending.future.done():
-                continue
-            if isinstance(answer, Result):
-                outputs = tuple(np.frombuffer(t.data, "<f4").reshape(t.shape) for t in answer.outputs)
-                pending.future.set_result(InferenceResult(outputs, answer.queue_s, answer.inference_s,
-                                                          answer.batch_size, batch_span=answer.batch_span))
-            else:
-                pending.future.set_exception(error_of(answer))
+            for frame in await link.requests.recv_multipart():  # the engine's answers of one turn, a frame each
+                self._take_answer(link, self.codec.from_engine.decode(frame))
+
+    def _take_answer(self, link: _Link, answer: Result | Failure | ControlReply) -> None:
+        if isinstance(answer, ControlReply):
+            control = link.controls.get(answer.id)
+            if control is not None and not control.done():
+                control.set_result(answer)
+            return
+        pending = link.pending.pop(answer.id, None)
+        if pending is None:  # its engine was given up on, and the region freed already
+            return
+        self.arena.release(pending.offset, pending.nbytes)
+        if pending.future.done():
+            return
+        if isinstance(answer, Result):
+            outputs = tuple(np.frombuffer(t.data, "<f4").reshape(t.shape) for t in answer.outputs)
+            pending.future.set_result(InferenceResult(outputs, answer.queue_s, answer.inference_s,
+                                                      answer.batch_size, batch_span=answer.batch_span))
+        else:
+            pending.future.set_exception(error_of(answer))
 
     async def _statuses(self, link: _Link) -> None:
         while True:

@@ -247,3 +247,36 @@ async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_ar
         assert 2 <= len(sent) - idle_from <= 4  # still a heartbeat: frontends give up on a silent engine
     finally:
         publishing.cancel()
+
+
+@pytest.mark.anyio
+async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_frame_each():
+    # a batch's answers finish together: one message per frontend wakes it once, not once per image
+    from types import SimpleNamespace
+
+    from service.engine.messages import Codec, Failure, Result, Tensor
+    from service.engine.process import EngineServer
+    server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
+    sent: list[list[bytes]] = []
+
+    class Router:
+        def send_multipart(self, frames):
+            sent.append(frames)
+            done = asyncio.get_running_loop().create_future()
+            done.set_result(None)
+            return done
+
+    router, codec = Router(), Codec()
+    answers = {b"a": [Result(1, [Tensor((2,), b"\0" * 8)], 0.1, 0.2, 3), Failure(2, "deadline_exceeded", "late")],
+               b"b": [Result(7, [], 0.0, 0.0, 1)]}
+    for frontend, replies in answers.items():
+        for reply in replies:
+            server._answer(router, frontend, reply)
+    assert sent == []  # at the end of the turn
+    await asyncio.sleep(0)
+    assert sorted(frames[0] for frames in sent) == [b"a", b"b"]
+    for frames in sent:
+        assert [codec.from_engine.decode(frame) for frame in frames[1:]] == answers[frames[0]]
+    server._answer(router, b"a", Failure(3, "deadline_exceeded", "late"))
+    await asyncio.sleep(0)
+    assert len(sent) == 3 and len(sent[2]) == 2  # the next turn's answer: a message of its own
