@@ -46,12 +46,13 @@ class Teachers(nn.Module):
     @torch.no_grad()
     def probabilities(self, x: torch.Tensor, temperature: float) -> torch.Tensor:
         """(B, K): the teachers' mean of softmax(logits / temperature) for the student's normalised input x."""
-        pixels = x * self.student_std + self.student_mean
+        pixels = x * self.student_std + self.student_mean  # in [0, 1]: normalisation divides by 255 first
         total = 0
         for model, meta, mean, std in zip(self.models, self.metas, self.means, self.stds):
             size = tuple(meta.config.image_size)
+            # clamped as `model.data.resize_batch` clamps the teacher's own training images: bicubic overshoots
             seen = pixels if tuple(pixels.shape[-2:]) == size else F.interpolate(
-                pixels, size=size, mode="bicubic", align_corners=False).clamp(0, 255)
+                pixels, size=size, mode="bicubic", align_corners=False).clamp(0, 1)
             total = total + F.softmax(model((seen - mean) / std).float() / temperature, dim=1)
         return total / len(self.models)
 

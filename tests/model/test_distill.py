@@ -86,12 +86,13 @@ def test_a_teacher_trained_at_another_resolution_sees_the_batch_resized_to_it():
     small = vit_config("tiny", **TINY, in_channels=1, num_classes=2)
     metas = [CheckpointMeta(big, ["a", "b"], [0.0], [1.0]), CheckpointMeta(small, ["a", "b"], [0.0], [1.0])]
     teachers = Teachers([Recording(seen), Recording(seen)], metas, mean=[0.0], std=[1.0])
-    pixels = torch.zeros(2, 1, 16, 16)
-    pixels[:, :, :8] = 255.0  # a bright upper half stays the upper half, within the pixels' range
+    pixels = torch.zeros(2, 1, 16, 16)  # a normalised batch with mean 0 and std 1: pixels in [0, 1]
+    pixels[:, :, :8] = 1.0  # a bright upper half stays the upper half, within the pixels' range
     teachers.probabilities(pixels, temperature=1.0)
     assert seen[0].shape == (2, 1, 32, 32) and seen[1].shape == (2, 1, 16, 16)
-    assert seen[0][:, :, :14].min() == 255.0 and seen[0][:, :, 18:].max() == 0.0
-    assert 0.0 <= seen[0].min() and seen[0].max() <= 255.0
+    assert seen[0][:, :, :14].min() == 1.0 and seen[0][:, :, 18:].max() == 0.0
+    assert seen[0][:, :, 14:18].min() < 1.0  # resized: the edge is blurred, not copied
+    assert 0.0 <= seen[0].min() and seen[0].max() <= 1.0  # the bicubic overshoot clamped, as in training
 
 
 def test_a_student_learns_its_teachers_knowledge_not_its_labels(folders, tmp_path):
