@@ -55,21 +55,27 @@ class Int8Report:
     gate: dict = field(default_factory=dict)
 
 
+class EvalSetError(ValueError):
+    """`--eval` names no labelled set this model can be measured on: the caller's mistake, found before the export
+    starts (a usage error, not a failed verification)."""
+
+
 def load_labelled_set(directory: str | Path, labels: list[str], channels: int, size: tuple[int, int],
                       limit: int | None = None) -> LabelledSet:
-    """The Fashion-MNIST test split (DIR with its idx files) or DIR/<label>/<image>, at the trained size."""
+    """The Fashion-MNIST test split (DIR with its idx files) or DIR/<label>/<image>, at the trained size;
+    EvalSetError naming what is wrong with DIR."""
     from model.data import load_fashion_mnist, load_image, resize_batch
 
     root = Path(directory)
     if not root.is_dir():
-        raise ExportVerificationError(f"--eval {directory}: not a directory")
+        raise EvalSetError(f"--eval {directory}: not a directory")
     if limit is not None and limit < 1:
-        raise ExportVerificationError(f"--eval-limit {limit}: give a positive count")
+        raise EvalSetError(f"--eval-limit {limit}: give a positive count")
     limit = min(limit or MAX_EVAL_IMAGES, MAX_EVAL_IMAGES)
     if any(root.glob("t10k-images-idx3-ubyte*")):
         test = load_fashion_mnist(root).test
         if [label.lower() for label in test.classes] != [label.lower() for label in labels]:
-            raise ExportVerificationError(f"--eval {directory} is Fashion-MNIST, but the model's labels are {labels}")
+            raise EvalSetError(f"--eval {directory} is Fashion-MNIST, but the model's labels are {labels}")
         images = resize_batch(test.images[:limit], size).numpy()
         images = np.repeat(images, channels, axis=1) if channels != images.shape[1] else images
         return LabelledSet(f"Fashion-MNIST test split ({root})", images, test.labels[:limit].numpy())
@@ -77,7 +83,7 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
     folders = sorted(p for p in root.iterdir() if p.is_dir())
     unknown = [p.name for p in folders if p.name.lower() not in index]
     if unknown or not folders:
-        raise ExportVerificationError(f"--eval {directory}: folders must be named after the model's labels "
+        raise EvalSetError(f"--eval {directory}: folders must be named after the model's labels "
                                       f"({labels}); {'unknown: ' + str(unknown) if unknown else 'none found'}")
     images, targets = [], []
     for folder in folders:
@@ -86,7 +92,7 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
                 images.append(load_image(path, size, channels))
                 targets.append(index[folder.name.lower()])
     if not images:
-        raise ExportVerificationError(f"--eval {directory}: no images ({', '.join(sorted(EVAL_SUFFIXES))})")
+        raise EvalSetError(f"--eval {directory}: no images ({', '.join(sorted(EVAL_SUFFIXES))})")
     return LabelledSet(f"{root} ({len(folders)} classes)", np.stack(images), np.asarray(targets, np.int64))
 
 

@@ -75,6 +75,7 @@ def add_export_parser(subparsers) -> None:
 def run_export(args) -> int:
     from pathlib import Path
 
+    from export.accuracy_gate import EvalSetError
     from export.onnx_export import export_onnx
     from export.verify import ExportVerificationError
     from model.inspection import InspectionInputError
@@ -106,6 +107,9 @@ def run_export(args) -> int:
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
+    except EvalSetError as e:
+        print(f"vitserve export: {e}", file=sys.stderr)
+        return 2
     except InspectionInputError as e:
         print(f"vitserve export: --inspection-dir: {e}", file=sys.stderr)
         return 2

@@ -223,6 +223,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     say = progress or (lambda text: None)
     started = time.perf_counter()
     vit, meta = load_checkpoint(checkpoint_dir)  # (a bad checkpoint is one error line, before any progress)
+    # the int8 gate's labelled set is read first: a folder it cannot use is an EvalSetError now, not after a minute
+    labelled = _labelled_set(vit, meta, eval_dir, eval_limit) if precision == "int8" and verify else None
     say(f"tracing {meta.name} {meta.version} into ONNX (any batch, height and width; position embeddings "
         "interpolated in the graph)")
     fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
@@ -266,8 +268,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
                 report.fp16 = checks.verify_fp16(str(out_path), fast, vit, meta)
             if precision == "int8":
                 say("the int8 accuracy gate against float32" + (f" on {eval_dir}" if eval_dir else ""))
-                report.int8 = _verify_int8(out_path, explained or fast, vit, meta, eval_dir, eval_limit,
-                                           min_agreement, max_accuracy_drop)
+                report.int8 = _verify_int8(out_path, explained or fast, vit, meta, labelled, min_agreement,
+                                           max_accuracy_drop)
             if relevance:
                 say("verifying the relevance path against PyTorch")
                 report.relevance = checks.verify_relevance(str(out_path), vit)
@@ -279,13 +281,20 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     return report
 
 
-def _verify_int8(out_path: Path, fp32: onnx.ModelProto, vit: VisionTransformer, meta: CheckpointMeta,
-                 eval_dir, eval_limit, min_agreement, max_accuracy_drop):
+def _labelled_set(vit: VisionTransformer, meta: CheckpointMeta, eval_dir, eval_limit):
+    """`eval_dir`'s labelled images at the model's size and channels, or None without one."""
     from export import accuracy_gate as gate
 
     cfg = vit.cfg
-    labelled = None if eval_dir is None else gate.load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels,
-                                                                    tuple(cfg.image_size), eval_limit)
+    return None if eval_dir is None else gate.load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels,
+                                                                tuple(cfg.image_size), eval_limit)
+
+
+def _verify_int8(out_path: Path, fp32: onnx.ModelProto, vit: VisionTransformer, meta: CheckpointMeta, labelled,
+                 min_agreement, max_accuracy_drop):
+    from export import accuracy_gate as gate
+
+    cfg = vit.cfg
     limits = {k: v for k, v in (("min_agreement", min_agreement), ("max_accuracy_drop", max_accuracy_drop))
               if v is not None}
     return gate.verify_int8(str(out_path), fp32, mean=list(meta.mean), std=list(meta.std), channels=cfg.in_channels,

@@ -8,7 +8,7 @@ import pytest
 from PIL import Image
 
 TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
-from export.accuracy_gate import load_labelled_set, spearman
+from export.accuracy_gate import EvalSetError, load_labelled_set, spearman
 from export.verify import ExportVerificationError, cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
 
@@ -87,13 +87,13 @@ def test_the_labelled_set_reads_label_folders_and_refuses_what_it_cannot_use(lab
     assert sorted(set(dataset.labels.tolist())) == list(range(len(TINY_LABELS)))
     assert len(load_labelled_set(labelled_folder, list(TINY_LABELS), 1, (16, 16), limit=5).labels) == 5
     (tmp_path / "zebra").mkdir()
-    with pytest.raises(ExportVerificationError, match="unknown: \\['zebra'\\]"):
+    with pytest.raises(EvalSetError, match="unknown: \\['zebra'\\]"):
         load_labelled_set(tmp_path, list(TINY_LABELS), 3, (32, 32))
-    with pytest.raises(ExportVerificationError, match="not a directory"):
+    with pytest.raises(EvalSetError, match="not a directory"):
         load_labelled_set(tmp_path / "missing", list(TINY_LABELS), 3, (32, 32))
     (tmp_path / "zebra").rmdir()
     (tmp_path / TINY_LABELS[0]).mkdir()
-    with pytest.raises(ExportVerificationError, match="no images"):
+    with pytest.raises(EvalSetError, match="no images"):
         load_labelled_set(tmp_path, list(TINY_LABELS), 3, (32, 32))
 
 
@@ -137,6 +137,31 @@ def test_a_labelled_set_the_export_cannot_use_is_refused_before_exporting(tmp_pa
         error = capsys.readouterr().err.strip()
         assert message in error and "\n" not in error
     assert not (tmp_path / "m.onnx").exists()
+
+
+def test_a_folder_the_gate_cannot_use_is_refused_before_tracing_in_one_line(tiny_checkpoint, tmp_path, capsys,
+                                                                             monkeypatch):
+    """An empty folder (found in the first-hour sitting: refused only after the whole export, as a failed
+    verification, with the file moved aside) is a usage error before any work."""
+    import argparse
+
+    from export import onnx_export
+    from export.cli import add_export_parser
+
+    def never(*args, **kwargs):
+        raise AssertionError("the export started")
+
+    monkeypatch.setattr(onnx_export, "to_onnx", never)
+    parser = argparse.ArgumentParser()
+    add_export_parser(parser.add_subparsers())
+    (tmp_path / "empty").mkdir()
+    args = parser.parse_args(["export", str(tiny_checkpoint), "--out", str(tmp_path / "m.onnx"), "--precision",
+                              "int8", "--eval", str(tmp_path / "empty"), "--quiet"])
+    assert args.func(args) == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().startswith(f"vitserve export: --eval {tmp_path / 'empty'}: folders must be named")
+    assert "\n" not in captured.err.strip() and captured.out == ""
+    assert not list(tmp_path.glob("m.onnx*"))
 
 
 def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
