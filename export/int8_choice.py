@@ -19,7 +19,7 @@ import numpy as np
 import onnx
 
 from bench.measure import alternating_rounds_ms
-from export.accuracy_gate import load_labelled_set, spearman
+from export.accuracy_gate import EvalSetError, load_labelled_set, spearman
 from export.int8 import linear_nodes, quantize_int8
 from export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
@@ -86,7 +86,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--calibration-images", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    report = compare(args.checkpoint, args.eval_dir, args.calibration_images, args.rounds)
+    try:
+        report = compare(args.checkpoint, args.eval_dir, args.calibration_images, args.rounds)
+    except EvalSetError as e:
+        p.exit(2, f"{p.prog}: {e}\n")
     print("| quantization | accuracy | top-1 agreement | rollout Spearman mean (min) | batch 1 ms | batch 8 ms |")
     print("|---|---|---|---|---|---|")
     for name, r in report["results"].items():
