@@ -7,7 +7,6 @@ byte is read, and a chunked body is counted as it streams in. A client that hang
 """
 from __future__ import annotations
 
-import asyncio
 import zlib
 
 from fastapi import Request
