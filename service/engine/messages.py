@@ -6,8 +6,8 @@ send `Cancel` for an image whose client went away. The engine (ROUTER socket) an
 once, with `Result` or `Failure` (the answers it has for one frontend at the end of its loop's turn travel as one
 multipart message, an answer a frame: a batch's answers wake the frontend once), and publishes `EngineStatus` on a
 PUB socket several times a second: readiness, which engine incarnation is running (a restarted engine has a new
-one), the repository's generation
-(it changes whenever a version's state does) and each version's queue, for the frontends' admission.
+one), the repository's generation (it changes whenever a version's state does) and each version's queue, for the
+frontends' admission.
 
 `Control` asks the engine for its repository index, or to load or unload a model; it gets one `ControlReply`
 with the outcome and the index after it (every version's state, and the metadata of those loaded, which the
