@@ -63,6 +63,15 @@ class Kit:
     def __init__(self, cfg: GpuKitConfig):
         self.cfg, self.steps = cfg, []
 
+    def write(self) -> None:
+        """The report as it stands: written after every step, so a run cut short (a lent machine's time limit)
+        still leaves what it measured."""
+        self.cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        self.cfg.out.write_text(render(self, self.cfg))
+        self.cfg.out.with_suffix(".json").write_text(json.dumps(
+            {"config": {k: str(v) for k, v in asdict(self.cfg).items()}, "steps": [asdict(s) for s in self.steps]},
+            indent=1) + "\n")
+
     def step(self, name: str, call, *args) -> Step:
         """Run one step; an exception is recorded as a failed step, and the kit goes on."""
         started = time.monotonic()
@@ -75,6 +84,7 @@ class Kit:
             step.name = name
         step.result["seconds"] = round(time.monotonic() - started, 1)
         self.steps.append(step)
+        self.write()
         print(f"[{step.status}] {name}{': ' + step.detail if step.detail else ''}", flush=True)
         return step
 
@@ -89,9 +99,32 @@ def environment() -> dict:
         has_torch = True
     except ImportError:
         has_torch = False
-    return {"onnxruntime": ort.__version__, "providers": ort.get_available_providers(), "gpus": gpus,
+    built_in = ort.get_available_providers()
+    return {"onnxruntime": ort.__version__, "providers": [p for p in built_in if p == CPU or loads(p)],
+            "built_in": built_in, "gpus": gpus,
             "python": sys.version.split()[0], "torch": has_torch, "date": time.strftime("%Y-%m-%d %H:%M UTC",
                                                                                       time.gmtime())}
+
+
+def loads(provider: str) -> bool:
+    """Whether `provider` really runs a graph here: onnxruntime lists every provider it was built with, also one
+    whose libraries (CUDA, cuDNN, TensorRT) or GPU are missing, and then falls back to the CPU with a warning."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "probe",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    opts = ort.SessionOptions()
+    opts.log_severity_level = 4
+    try:
+        s = ort.InferenceSession(model.SerializeToString(),
+                                 opts, providers=[provider, CPU])
+    except Exception:  # noqa: BLE001 - a provider that cannot start is the answer
+        return False
+    return s.get_providers()[0] == provider
 
 
 def install_and_rerun(cfg: GpuKitConfig, argv: list[str]) -> int | None:
@@ -240,6 +273,11 @@ def run(cfg: GpuKitConfig) -> Kit:
     return kit
 
 
+def unloadable(env: dict) -> str:
+    missing = [p for p in env.get("built_in", []) if p not in env.get("providers", [])]
+    return f" (built in but not starting here: {', '.join(missing)})" if missing else ""
+
+
 def render(kit: Kit, cfg: GpuKitConfig) -> str:
     env = kit.steps[0].result if kit.steps and kit.steps[0].status == "ran" else {}
     lines = ["# The GPU kit", "",
@@ -247,7 +285,8 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
              "result: the GPU figures come from a run on a GPU.", "",
              f"`python -m bench.gpu` ({json.dumps({k: str(v) for k, v in asdict(cfg).items()})})",
              "", f"Machine: {env.get('gpus') or 'no GPU (nvidia-smi absent or silent)'}; onnxruntime "
-                 f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}; Python {env.get('python')}; "
+                 f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}{unloadable(env)}; "
+                 f"Python {env.get('python')}; "
                  f"{env.get('date')}.", "", "| step | status | detail |", "|---|---|---|"]
     for s in kit.steps[1:]:
         detail = s.detail or ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
@@ -281,10 +320,7 @@ def main(argv: list[str] | None = None) -> int:
             return rerun
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     kit = run(cfg)
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(render(kit, cfg))
-    cfg.out.with_suffix(".json").write_text(json.dumps({"config": {k: str(v) for k, v in asdict(cfg).items()},
-                                                        "steps": [asdict(s) for s in kit.steps]}, indent=1) + "\n")
+    kit.write()
     print(f"wrote {cfg.out}", flush=True)
     return 1 if any(s.status == "failed" for s in kit.steps) else 0
 
