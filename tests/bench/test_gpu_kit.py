@@ -30,3 +30,17 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
     assert {r["concurrency"] for r in measured["served"]} == {1, 8}
     assert steps["default fp32: TensorRT"]["status"] == "skipped"
     assert "skipped" in out.read_text() and "no GPU" in out.read_text()
+
+
+def test_a_provider_counts_only_when_a_session_really_starts_on_it():
+    """onnxruntime-gpu lists CUDA and TensorRT on a machine without their libraries or a GPU and then runs on the CPU
+    with a warning: the kit probes with a one-node session, so that its CPU run is not taken for a GPU run."""
+    import onnxruntime as ort
+
+    from bench.gpu import TENSORRT, environment, loads
+    assert loads(CPU)
+    env = environment()
+    assert env["built_in"] == ort.get_available_providers()
+    assert CPU in env["providers"] and set(env["providers"]) <= set(env["built_in"])
+    if not env["gpus"]:  # no GPU: nothing but the CPU may count, whatever the build lists
+        assert not loads(CUDA) and not loads(TENSORRT) and not {CUDA, TENSORRT} & set(env["providers"])
