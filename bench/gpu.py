@@ -3,7 +3,8 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 
 1. environment: onnxruntime's version and providers, `nvidia-smi -L`, whether torch (the exporter) is there;
 2. install: without the CUDA provider, `pip install onnxruntime-gpu` into build/gpu/venv (with this environment's
-   packages visible) and the kit again from there (`--no-install`: not);
+   packages visible) and the kit again from there (`--no-install`: not; `--wheels DIR`: from that folder only, on a
+   machine without a network);
 3. export: each model (the default model from its checkpoint, and the random-weight presets ViT-S/16 and ViT-B/16
    at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m export.presets` in child processes;
 4. verify on the provider: each file on CUDA (else the CPU) against the fp32 file on ONNX Runtime's CPU provider,
@@ -47,6 +48,7 @@ class GpuKitConfig:
     concurrency: str = "1,8,32,64"
     duration_s: float = 5.0
     install: bool = True
+    wheels: str = ""  # a folder of wheels to install onnxruntime-gpu from, for a machine without a network
     work: Path = Path("build/gpu")
     out: Path = Path("docs/bench-gpu.md")
 
@@ -127,14 +129,20 @@ def loads(provider: str) -> bool:
     return s.get_providers()[0] == provider
 
 
+def pip_install(python: Path, wheels: str) -> list[str]:
+    """pip's command for onnxruntime-gpu: from PyPI, or only from `wheels` (a GPU machine without a network; the
+    wheel and what it needs beside the CUDA libraries, fetched elsewhere with `pip download`)."""
+    offline = ["--no-index", "--find-links", wheels] if wheels else []
+    return [str(python), "-m", "pip", "install", "--quiet", *offline, "onnxruntime-gpu"]
+
+
 def install_and_rerun(cfg: GpuKitConfig, argv: list[str]) -> int | None:
     """Without the CUDA provider: onnxruntime-gpu in build/gpu/venv, and the kit again from there. None when the
     install failed (the kit goes on here, on what this build has)."""
     python = VENV / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(VENV)], check=True)
-    pip = subprocess.run([str(python), "-m", "pip", "install", "--quiet", "onnxruntime-gpu"], capture_output=True,
-                         text=True, timeout=1800)
+    pip = subprocess.run(pip_install(python, cfg.wheels), capture_output=True, text=True, timeout=1800)
     if pip.returncode != 0:
         print(f"[skipped] install onnxruntime-gpu: {pip.stderr.strip()[-500:]}", flush=True)
         return None

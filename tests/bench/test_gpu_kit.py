@@ -49,3 +49,12 @@ def test_a_provider_counts_only_when_a_session_really_starts_on_it():
     assert CPU in env["providers"] and set(env["providers"]) <= set(env["built_in"])
     if not env["gpus"]:  # no GPU: nothing but the CPU may count, whatever the build lists
         assert not loads(CUDA) and not loads(TENSORRT) and not {CUDA, TENSORRT} & set(env["providers"])
+
+
+def test_onnxruntime_gpu_installs_from_a_folder_of_wheels_on_a_machine_without_a_network(tmp_path):
+    from bench.gpu import pip_install
+    python = tmp_path / "bin" / "python"
+    assert pip_install(python, "") == [str(python), "-m", "pip", "install", "--quiet", "onnxruntime-gpu"]
+    offline = pip_install(python, "/mnt/wheels")
+    assert offline[-1] == "onnxruntime-gpu" and offline[offline.index("--find-links") + 1] == "/mnt/wheels"
+    assert "--no-index" in offline  # nothing fetched from PyPI
