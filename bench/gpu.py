@@ -71,7 +71,7 @@ class Kit:
         self.cfg.out.parent.mkdir(parents=True, exist_ok=True)
         self.cfg.out.write_text(render(self, self.cfg))
         self.cfg.out.with_suffix(".json").write_text(json.dumps(
-            {"config": {k: str(v) for k, v in asdict(self.cfg).items()}, "steps": [asdict(s) for s in self.steps]},
+            {"config": config_strings(self.cfg), "steps": [asdict(s) for s in self.steps]},
             indent=1) + "\n")
 
     def step(self, name: str, call, *args) -> Step:
@@ -122,8 +122,7 @@ def loads(provider: str) -> bool:
     opts = ort.SessionOptions()
     opts.log_severity_level = 4
     try:
-        s = ort.InferenceSession(model.SerializeToString(),
-                                 opts, providers=[provider, CPU])
+        s = ort.InferenceSession(model.SerializeToString(), opts, providers=[provider, CPU])
     except Exception:  # noqa: BLE001 - a provider that cannot start is the answer
         return False
     return s.get_providers()[0] == provider
@@ -281,6 +280,10 @@ def run(cfg: GpuKitConfig) -> Kit:
     return kit
 
 
+def config_strings(cfg: GpuKitConfig) -> dict[str, str]:
+    return {k: str(v) for k, v in asdict(cfg).items()}
+
+
 def unloadable(env: dict) -> str:
     missing = [p for p in env.get("built_in", []) if p not in env.get("providers", [])]
     return f" (built in but not starting here: {', '.join(missing)})" if missing else ""
@@ -291,7 +294,7 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
     lines = ["# The GPU kit", "",
              "What `make bench-gpu` did on the machine below. Without a GPU it is a check that the kit works, not a "
              "result: the GPU figures come from a run on a GPU.", "",
-             f"`python -m bench.gpu` ({json.dumps({k: str(v) for k, v in asdict(cfg).items()})})",
+             f"`python -m bench.gpu` ({json.dumps(config_strings(cfg))})",
              "", f"Machine: {env.get('gpus') or 'no GPU (nvidia-smi absent or silent)'}; onnxruntime "
                  f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}{unloadable(env)}; "
                  f"Python {env.get('python')}; "

@@ -84,7 +84,7 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
     unknown = [p.name for p in folders if p.name.lower() not in index]
     if unknown or not folders:
         raise EvalSetError(f"--eval {directory}: folders must be named after the model's labels "
-                                      f"({labels}); {'unknown: ' + str(unknown) if unknown else 'none found'}")
+                           f"({labels}); {'unknown: ' + str(unknown) if unknown else 'none found'}")
     images, targets = [], []
     for folder in folders:
         for path in sorted(folder.iterdir()):
