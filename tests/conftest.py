@@ -1,6 +1,7 @@
 """Fixtures shared by every test package: tiny models made once per session."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -9,6 +10,71 @@ import pytest
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 TINY_LABELS = ["cat", "dog", "bird"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def trace_each_graph_once():
+    """Tracing is most of an export (10 s for the fast graph, 20 s for the relevance graph of the tiny ViT on two
+    cores), and the tests export the same few tiny models many times over, once per flag or precision under test.
+    The tracer gives equal graphs for equal modules and arguments (tests/export/test_reproducible_export.py checks
+    it byte for byte, in child processes that this cache does not reach), so each distinct graph is traced once
+    per session; every caller gets its own copy, as it would from a fresh trace."""
+    import onnx
+
+    from export import onnx_export
+
+    traced: dict[str, onnx.ModelProto] = {}
+
+    def cached(function, key_of):
+        def call(*args, **kwargs):
+            key = key_of(*args, **kwargs)
+            if key is None:
+                return function(*args, **kwargs)
+            if key not in traced:
+                traced[key] = function(*args, **kwargs)
+            copy = onnx.ModelProto()
+            copy.CopyFrom(traced[key])
+            return copy
+        return call
+
+    def to_onnx_key(module, patch_size, example, output_names, opset=None, target=None):
+        import torch
+        if isinstance(module, torch.fx.GraphModule):
+            return None  # a traced module's weights live outside its state; relevance_onnx is cached a level up
+        return _digest("to_onnx", module, patch_size, example, tuple(output_names), opset,
+                       None if target is None else tuple(target.shape))
+
+    def relevance_key(vit, opset=None):
+        return _digest("relevance_onnx", vit, opset)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onnx_export, "to_onnx", cached(onnx_export.to_onnx, to_onnx_key))
+        patch.setattr(onnx_export, "relevance_onnx", cached(onnx_export.relevance_onnx, relevance_key))
+        yield
+
+
+def _digest(*parts) -> str:
+    """What a trace depends on: a module's class, structure, mode, configs, parameters and buffers; tensors' shapes and
+    values; everything else by repr."""
+    import torch
+    h = hashlib.sha256()
+
+    def add(part):
+        if isinstance(part, torch.nn.Module):
+            h.update(f"{type(part).__qualname__}{part!r}".encode())
+            for module in part.modules():
+                h.update(f"{module.training}{getattr(module, 'cfg', None)!r}".encode())
+            for name, tensor in [*part.named_parameters(), *part.named_buffers()]:
+                h.update(name.encode())
+                add(tensor)
+        elif isinstance(part, torch.Tensor):
+            h.update(f"{part.dtype}{tuple(part.shape)}".encode())
+            h.update(part.detach().contiguous().cpu().numpy().tobytes())
+        else:
+            h.update(repr(part).encode())
+    for part in parts:
+        add(part)
+    return h.hexdigest()
 
 
 @pytest.fixture(scope="session")

@@ -16,11 +16,15 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
     import onnxruntime as ort
     if CUDA in ort.get_available_providers():
         pytest.skip("this machine has the CUDA provider: the kit's real run is `make bench-gpu`")
+    from export.onnx_export import export_onnx
+
     out, work = tmp_path / "gpu.md", tmp_path / "work"
-    # the kit makes each file once: the session's fp32 export stands in for one (half a minute less), and the fp16
-    # file is made by `vitserve export` in a child process, as the kit does on a GPU
+    # the kit makes each file once, and uses a file already in its folder: the session's fp32 export stands in for
+    # one, and the fp16 file is made here from the session's traces (half a minute each less than `vitserve export`
+    # in a child process, which the test below runs)
     work.mkdir()
     shutil.copy(tiny_onnx, work / "default-fp32.onnx")
+    export_onnx(tiny_checkpoint, work / "default-fp16.onnx", precision="fp16", verify=False)
     code = main(["--checkpoint", str(tiny_checkpoint), "--work", str(work), "--out", str(out),
                  "--duration-s", "0.3", "--no-install"])
     steps = {s["name"]: s for s in json.loads(out.with_suffix(".json").read_text())["steps"]}
@@ -35,6 +39,20 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
     assert {r["concurrency"] for r in measured["served"]} == {1, 8}
     assert steps["default fp32: TensorRT"]["status"] == "skipped"
     assert "skipped" in out.read_text() and "no GPU" in out.read_text()
+
+
+def test_the_kit_exports_in_a_child_process_and_says_why_it_failed(tiny_checkpoint, tmp_path):
+    """The kit's own export: `vitserve export` in a child process (on a GPU machine, torch stays out of the process
+    that measures), written under a temporary name so that a failed export never leaves a file the kit would reuse.
+    (Its success is `vitserve export`'s, tested in tests/export; this one fails fast.)"""
+    from bench.gpu import export_file
+
+    with pytest.raises(RuntimeError, match=r"vitserve\.cli export .* exited 1: .*no-such-checkpoint"):
+        export_file("default", "fp16", tmp_path / "work", tmp_path / "no-such-checkpoint")
+    assert not list((tmp_path / "work").iterdir())
+    made = tmp_path / "work" / "default-fp32.onnx"
+    made.write_bytes(b"made earlier")
+    assert export_file("default", "fp32", tmp_path / "work", tmp_path / "no-such-checkpoint") == made  # made once
 
 
 def test_a_provider_counts_only_when_a_session_really_starts_on_it():

@@ -27,9 +27,11 @@ def nonsquare_checkpoint(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def nonsquare_export(nonsquare_checkpoint, tmp_path_factory):
+    """The fast path alone: its tests look at logits and rollout. The relevance path (20 s more to trace) is verified
+    on the tiny model, at non-square sizes among others (export/verify.py's verification_sizes)."""
     from export.onnx_export import export_onnx
 
-    return export_onnx(nonsquare_checkpoint, tmp_path_factory.mktemp("onnx") / "wide.onnx")
+    return export_onnx(nonsquare_checkpoint, tmp_path_factory.mktemp("onnx") / "wide.onnx", relevance=False)
 
 
 @pytest.fixture(scope="session")

@@ -199,14 +199,11 @@ def test_train_flags_make_a_hybrid_and_say_so(tmp_path):
     assert stem.model_overrides == {"backbone_layers": ()} and "--backbone-layers 0" in command_line(stem)
 
 
-def test_a_hybrid_exports_to_float16_and_passes_the_checker_and_its_comparison(tmp_path):
+def test_a_hybrid_exports_to_float16_and_passes_the_checker_and_its_comparison(imported_hybrids, tmp_path):
     # The hybrid's feature-map grid reaches the position-embedding Resize through the backbone; inside the relevance
-    # `If` the ONNX checker could not follow it and refused the float16 file (export/fp16.py says why).
-    from export.presets import RandomModel, random_checkpoint
-
-    spec = RandomModel("R+fmnist", dict(depth=2, embed_dim=32, num_heads=2, mlp_dim=64, backbone_layers=(1,),
-                                        backbone_width=32), mean=[0.5], std=[0.5], name="hybrid", version="1")
-    checkpoint = random_checkpoint(spec, tmp_path / "checkpoint")
+    # `If` the ONNX checker could not follow it and refused the float16 file (export/fp16.py says why). The hybrid
+    # the float32 test exports: tests/conftest.py's cache then traces it once for both.
+    _, checkpoint = imported_hybrids["vit_small_r26_s32_224"]
     report = export_onnx(checkpoint, tmp_path / "hybrid-fp16.onnx", precision="fp16", inspection_images=0)
     assert report.precision == "fp16" and report.fp16.top1_agreement >= 0.9
     assert report.fp16.logits_max_abs_diff <= report.fp16.logits_tolerance
