@@ -20,8 +20,8 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
 
     out, work = tmp_path / "gpu.md", tmp_path / "work"
     # the kit makes each file once, and uses a file already in its folder: the session's fp32 export stands in for
-    # one, and the fp16 file is made here from the session's traces (half a minute each less than `vitserve export`
-    # in a child process, which the test below runs)
+    # one, and the fp16 file is made here from the session's traces (half a minute each less than the kit's
+    # `vitserve export` in a child process, whose failure the test below covers)
     work.mkdir()
     shutil.copy(tiny_onnx, work / "default-fp32.onnx")
     export_onnx(tiny_checkpoint, work / "default-fp16.onnx", precision="fp16", verify=False)
