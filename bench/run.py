@@ -143,6 +143,10 @@ def run_level(server: ServerProcess, payloads: list[bytes], concurrency: int, cf
     result.update(cpu0.usage(cpu1))
     batch_sum, batch_count, infer_sum = _BATCH_METRICS
     batches = m1.get(batch_count, 0.0) - m0.get(batch_count, 0.0)
+    # prometheus-client's Histogram.observe adds to the sum before the bucket, and a scrape reads both at any moment:
+    # a batch observed during a window's edge can count in one and not the other, so the mean is exact only to one
+    # batch at each edge (`batches` says how many it is over).
+    result["batches"] = batches
     result["mean_batch_size"] = (m1[batch_sum] - m0[batch_sum]) / batches if batches else float("nan")
     infer = m1.get(infer_sum, float("nan")) - m0.get(infer_sum, float("nan"))
     result["inference_busy"] = infer / (cpu1.wall - cpu0.wall)  # fraction of the window inside ORT calls

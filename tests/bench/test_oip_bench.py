@@ -199,7 +199,10 @@ def test_oip_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
     assert order == [(c, r, e) for c in (1, 2) for r, es in ((1, ENCODINGS), (2, ENCODINGS[::-1])) for e in es]
     for r in report["rounds"]:
         assert r["errors"] == {} and r["completed"] > 0 and r["p50_ms"] <= r["p99_ms"]
-        assert r["server_cores"] > 0 and r["client_cores"] > 0 and r["mean_batch_size"] >= 1
+        assert r["server_cores"] > 0 and r["client_cores"] > 0 and r["batches"] > 0
+        # at most 2 clients, so batches of 1-2 images; the server's histogram is exact to one batch at each edge
+        # (bench/run.py's run_level): CI once saw 78 images in 79 batches
+        assert 1.0 - 2 * 2 / r["batches"] <= r["mean_batch_size"] <= 2 + 2 * 2 / r["batches"]
     assert [(r["encoding"], r["concurrency"], r["rounds"]) for r in report["summary"]] == [
         (e, c, 2) for c in (1, 2) for e in ENCODINGS]
     markdown = out.read_text()
