@@ -79,7 +79,13 @@ def open_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
     if not data:
         raise ImageDecodeError("empty body: no image bytes")
     with client_image("header"):
-        image = Image.open(io.BytesIO(data))  # reads the header only
+        try:
+            image = Image.open(io.BytesIO(data))  # reads the header only
+        except Image.DecompressionBombError as e:
+            # Pillow refuses past twice its MAX_IMAGE_PIXELS inside open(), before we can read the size: the client
+            # hears our limit, as for every other image over it, not Pillow's
+            raise ImageTooLarge(f"image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
+                                f"{max_pixels}") from e
         image_format, (width, height) = image.format, image.size
     if image_format not in ALLOWED_FORMATS:
         raise UnsupportedMediaType(f"{image_format} images are not supported; send JPEG, PNG, WebP, BMP, GIF or TIFF")

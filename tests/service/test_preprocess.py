@@ -272,5 +272,5 @@ def test_memory_error_and_interrupts_are_not_the_clients_fault(monkeypatch, fail
 
 def test_a_decompression_bomb_stays_image_too_large(monkeypatch):
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 100)  # Pillow's own limit, normally far above ours
-    with pytest.raises(ImageTooLarge):
+    with pytest.raises(ImageTooLarge, match=f"more than 200 pixels; the limit is {LIMITS['max_pixels']}$"):
         decode_image(image_bytes("PNG", size=(20, 20)), **LIMITS)
