@@ -54,7 +54,7 @@ class PreparedImage:
 
 
 @contextmanager
-def client_image(what: str) -> Iterator[None]:
+def client_image(what: str, max_pixels: int) -> Iterator[None]:
     """Pillow raises almost anything on hostile bytes (struct.error, TypeError, IndexError, AssertionError...);
     each is the client's image's fault, so it becomes ImageDecodeError for that image alone, never a 500.
     Our own errors, decompression bombs (ImageTooLarge) and MemoryError keep their meaning; KeyboardInterrupt
@@ -63,8 +63,11 @@ def client_image(what: str) -> Iterator[None]:
         yield
     except (ServiceError, MemoryError):
         raise
-    except Image.DecompressionBombError as e:  # Pillow's own hard limit, far above ours
-        raise ImageTooLarge(f"image has too many pixels: {e}") from e
+    except Image.DecompressionBombError as e:
+        # Pillow's own hard limit (past twice its MAX_IMAGE_PIXELS, far above ours), raised inside open() or a
+        # frame's load before our check can read the size: the client hears our limit, as for every image over it
+        raise ImageTooLarge(f"image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
+                            f"{max_pixels}") from e
     except UnidentifiedImageError as e:
         raise ImageDecodeError("not a recognisable image") from e
     except Exception as e:
@@ -78,14 +81,8 @@ def open_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
         raise PayloadTooLarge(f"image is {len(data)} bytes; the limit is {max_bytes}")
     if not data:
         raise ImageDecodeError("empty body: no image bytes")
-    with client_image("header"):
-        try:
-            image = Image.open(io.BytesIO(data))  # reads the header only
-        except Image.DecompressionBombError as e:
-            # Pillow refuses past twice its MAX_IMAGE_PIXELS inside open(), before we can read the size: the client
-            # hears our limit, as for every other image over it, not Pillow's
-            raise ImageTooLarge(f"image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
-                                f"{max_pixels}") from e
+    with client_image("header", max_pixels):
+        image = Image.open(io.BytesIO(data))  # reads the header only
         image_format, (width, height) = image.format, image.size
     if image_format not in ALLOWED_FORMATS:
         raise UnsupportedMediaType(f"{image_format} images are not supported; send JPEG, PNG, WebP, BMP, GIF or TIFF")
@@ -107,7 +104,7 @@ def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image
     """Bytes -> an upright Pillow image (first frame) in the mode it was stored in, or ImageDecodeError /
     PayloadTooLarge / ImageTooLarge / UnsupportedMediaType."""
     image = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
-    with client_image(f"{image.format} pixels"):
+    with client_image(f"{image.format} pixels", max_pixels):
         orientation = exif_orientation(image)
         return upright(load_first_frame(image)[0], orientation)
 
@@ -311,13 +308,13 @@ def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_byt
     format never changes the predictions.
     """
     image = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
-    with client_image(f"{image.format} pixels"):
+    with client_image(f"{image.format} pixels", max_pixels):
         orientation = exif_orientation(image)
     width, height = upright_size(image.size, orientation)
     target, box = model_geometry(width, height, info, resize, max_tokens)
     render = render_size(width, height, max_render_side)
     need = decode_need((width, height), target, box, render)
-    with client_image(f"{image.format} pixels"):
+    with client_image(f"{image.format} pixels", max_pixels):
         image, scale = load_first_frame(image, upright_size(need, orientation))
         image = to_channels(image, info.channels)
         model_box = tuple(v / scale for v in stored_box(box, (width, height), orientation))
