@@ -49,6 +49,10 @@ class GpuKitConfig:
     duration_s: float = 5.0
     install: bool = True
     wheels: str = ""  # a folder of wheels to install onnxruntime-gpu from, for a machine without a network
+    served_concurrency: str = "32,64"  # wrk's connections per served level (on a GPU)
+    served_duration_s: int = 5
+    served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
+    wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
     out: Path = Path("docs/bench-gpu.md")
 
@@ -197,21 +201,129 @@ def verify_on(path: Path, reference: Path, provider: str) -> dict:
             "max_rollout_diff": worst_rollout, "top1_agreement": agree / total}
 
 
-def cuda_graph_attempt(path: Path) -> Step:
-    """Ask ORT for CUDA graphs on `path`; what it answers is the result (a file with the relevance `If` or dynamic
-    shapes is expected to be refused)."""
-    from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
+def server_model(path: Path, **settings):
+    """The server's own model object (service/engine/runtime.py): the fast path's session, CUDA graphs per bucket
+    unless `cuda_graphs=False`."""
+    from service.engine.runtime import OnnxModel
+    from service.settings import Settings
+
+    return OnnxModel.load(Settings(model_path=path, providers=["cuda", "cpu"], **settings))
+
+
+def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
+    """The fast path with and without CUDA graphs, as the server runs it: their answers side by side (the captured
+    bucket must agree with the dynamic session) and images/s at each batch size, alternating rounds."""
+    from bench.measure import alternating_rounds_ms
+
+    largest = max(batch_sizes)
+    started = time.monotonic()
+    graphs = server_model(path, max_batch_size=largest)
+    capture_s = time.monotonic() - started
+    dynamic = server_model(path, max_batch_size=largest, cuda_graphs=False)
+    if graphs.captured is None:
+        return {"captured": False, "detail": "ORT refused to capture (see the log)"}
+    info = graphs.info
+    rng = np.random.default_rng(0)
+    rows, worst_logits, worst_rollout, agree, total = [], 0.0, 0.0, 0, 0
+    for batch in batch_sizes:
+        x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
+        (l1, r1), (l0, r0) = graphs.run(x), dynamic.run(x)
+        worst_logits = max(worst_logits, float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
+        worst_rollout = max(worst_rollout, float(np.abs(r1 - r0).max()))
+        agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch
+        ms = alternating_rounds_ms({"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x)}, rounds=5,
+                                   seconds=seconds / 5)
+        row = {"batch_size": batch}
+        for name, times in ms.items():
+            median = float(np.median(times))
+            row.update({f"{name}_ms": median, f"{name}_images_per_s": batch * 1000 / median})
+        rows.append(row)
+    return {"captured": True, "buckets": sorted(graphs.captured.buckets), "load_and_capture_s": round(capture_s, 1),
+            "max_logits_diff_relative": worst_logits, "max_rollout_diff": worst_rollout,
+            "top1_agreement": agree / total, "rows": rows}
+
+
+def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Path) -> dict:
+    """A logits-only graph of the fast path through ONNX Runtime's transformer optimizer (fused attention) against
+    the fast path with its rollout, each a dynamic CUDA session with IOBinding, images/s per batch size."""
+    import onnx
+    from onnxruntime.transformers.optimizer import optimize_model
+
+    from bench.measure import alternating_rounds_ms
+    from service.engine.graph_paths import split_paths
+    from service.settings import Settings
     from vitserve.onnx_header import read_model_info
 
+    import onnxruntime as ort
+
+    from service.engine.runtime import OnnxModel, new_session, provider_chain
+
     info = read_model_info(path)
-    try:
-        s = session(path, CUDA, {"enable_cuda_graph": "1"})
-        x = np.zeros((1, info.channels, *info.image_size), np.float32)
-        s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
-        s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
-    except Exception as e:  # noqa: BLE001 - ORT's refusal is the finding
-        return Step("", "ran", f"ORT refused: {str(e).splitlines()[0][:300]}", {"captured": False})
-    return Step("", "ran", "captured and replayed at batch 1", {"captured": True})
+    fast = split_paths(onnx.load(str(path))).fast
+    del fast.graph.output[1:]  # logits only: the rollout's chain is dead code to the optimizer
+    plain = work / f"{path.stem}-logits.onnx"
+    onnx.save(fast, str(plain))
+    fused = optimize_model(str(plain), model_type="vit", num_heads=int(info.architecture.get("num_heads", 0)),
+                           hidden_size=int(info.architecture.get("embed_dim", 0)), use_gpu=True,
+                           only_onnxruntime=False)
+    fused_path = work / f"{path.stem}-logits-fused.onnx"
+    fused.save_model_to_file(str(fused_path))
+    ops = {}
+    for node in fused.model.graph.node:
+        ops[node.op_type] = ops.get(node.op_type, 0) + 1
+    rollout = server_model(path, cuda_graphs=False)
+    settings = Settings(model_path=fused_path, providers=["cuda", "cpu"])
+    chain = provider_chain(settings, ort.get_available_providers())
+    fused_session = new_session(fused_path.read_bytes(), settings, chain, fused_path)
+    binder = OnnxModel(fused_session, info)
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in batch_sizes:
+        x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
+        fused_logits = binder._run(fused_session, ("logits",), {"pixel_values": x})[0]
+        logits = rollout.run(x)[0]
+        ms = alternating_rounds_ms({"fused": lambda: binder._run(fused_session, ("logits",), {"pixel_values": x}),
+                                    "rollout": lambda: rollout.run(x)}, rounds=5, seconds=seconds / 5)
+        row = {"batch_size": batch, "max_logits_diff_relative": float(np.abs(fused_logits - logits).max() /
+                                                                      max(1.0, np.abs(logits).max())),
+               "top1_agreement": float((fused_logits.argmax(1) == logits.argmax(1)).mean())}
+        for name, times in ms.items():
+            median = float(np.median(times))
+            row.update({f"{name}_ms": median, f"{name}_images_per_s": batch * 1000 / median})
+        rows.append(row)
+    fused_ops = {k: v for k, v in ops.items() if k in ("Attention", "MultiHeadAttention", "SkipLayerNormalization",
+                                                        "BiasGelu", "FastGelu", "LayerNormalization")}
+    return {"fused_ops": fused_ops, "rows": rows}
+
+
+def jpeg_for(info) -> bytes:
+    """One JPEG at the model's trained size (a smooth test image from the bench's own generator, resized)."""
+    import io
+
+    from PIL import Image
+
+    from bench.load import make_images
+
+    image = Image.open(io.BytesIO(make_images("jpeg", (480, 640), 3, 1)[0]))
+    image = image.resize(info.image_size[::-1]).convert("L" if info.channels == 1 else "RGB")
+    out = io.BytesIO()
+    image.save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
+    """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores."""
+    from bench.gpu_served import served_levels
+    from vitserve.onnx_header import read_model_info
+
+    wrk = cfg.wrk or shutil.which("wrk")
+    if not wrk:
+        return Step("", "skipped", "no wrk (carry Debian's binary and its libluajit; docs/bench-gpu.md)")
+    # gRPC off: the kit carries no grpcio (7 MiB of the 64 a lent machine takes), and wrk speaks HTTP
+    env = {"VITSERVE_PROVIDERS": "cuda,cpu", "VITSERVE_MAX_BATCH_SIZE": "64", "VITSERVE_MAX_QUEUE_SIZE": "1024",
+           "VITSERVE_MAX_REQUESTS_IN_FLIGHT": "256", "VITSERVE_GRPC_PORT": "0"}
+    return served_levels(path, jpeg_for(read_model_info(path)), [int(c) for c in cfg.served_concurrency.split(",")],
+                         cfg.served_duration_s, env, wrk, cfg.work)
 
 
 def bench_served(path: Path, provider: str, cfg: GpuKitConfig, batch_sizes: list[int], concurrency: list[int],
@@ -264,8 +376,14 @@ def run(cfg: GpuKitConfig) -> Kit:
             if reference is not None:
                 kit.step(f"{model} {precision}: verify on {provider}", verify_on, path, reference, provider)
             if on_gpu:
-                kit.step(f"{model} {precision}: CUDA graphs", cuda_graph_attempt, path)
-            elif precision == "fp16":
+                kit.step(f"{model} {precision}: CUDA graphs vs dynamic, raw", cuda_graphs_raw, path, batch_sizes,
+                         duration)
+                kit.step(f"{model} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path, batch_sizes,
+                         duration, cfg.work)
+                if not cfg.served_files or f"{model}:{precision}" in cfg.served_files.split(","):
+                    kit.step(f"{model} {precision}: served, wrk, JPEG", served_with_wrk, path, cfg)
+                continue
+            if precision == "fp16":
                 kit.steps.append(Step(f"{model} fp16: raw and served", "skipped", "float16 is for GPUs: on the CPU "
                                                                                     "it measures nothing of use"))
                 continue
@@ -301,9 +419,10 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
                  f"{env.get('date')}.", "", "| step | status | detail |", "|---|---|---|"]
     for s in kit.steps[1:]:
         detail = s.detail or ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                       for k, v in s.result.items() if k not in ("raw", "served", "traceback"))
+                                       for k, v in s.result.items() if k not in ("raw", "served", "traceback", "rows", "levels"))
         lines.append(f"| {s.name} | {s.status} | {detail.replace('|', '/')} |")
     for s in kit.steps:
+        lines += step_tables(s)
         if "raw" in s.result:
             lines += ["", f"## {s.name} ({s.result['provider']})", "", "| batch | raw images/s | raw p50 ms |",
                       "|---|---|---|"]
@@ -312,6 +431,20 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
             lines += [f"| {r['concurrency']} | {r['requests_per_s']:.1f} | {r['p50_ms']:.2f} | {r['p99_ms']:.2f} |"
                       for r in s.result["served"]]
     return "\n".join(lines) + "\n"
+
+
+def step_tables(step: Step) -> list[str]:
+    """The per-batch rows and per-level results of the GPU steps as Markdown tables."""
+    def table(rows: list[dict]) -> list[str]:
+        keys = [k for k in rows[0] if not isinstance(rows[0][k], (dict, list))]
+        cells = [[f"{r.get(k):.4g}" if isinstance(r.get(k), float) else str(r.get(k)) for k in keys] for r in rows]
+        return ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)] + ["| " + " | ".join(c) + " |"
+                                                                            for c in cells]
+    out = []
+    for key in ("rows", "levels"):
+        if step.result.get(key):
+            out += ["", f"## {step.name}", ""] + table(step.result[key])
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:

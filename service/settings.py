@@ -77,6 +77,9 @@ class Settings(BaseSettings):
                                                             "one engine per device listed; unset: cuda_device_id")
     cuda_mem_limit_bytes: int | None = Field(None, ge=1, description="CUDA arena limit; unset = no limit")
     cudnn_conv_algo_search: Literal["EXHAUSTIVE", "HEURISTIC", "DEFAULT"] = "HEURISTIC"
+    cuda_graphs: bool = Field(True, description="on CUDA: batches at the trained size run as CUDA graphs, one "
+                                                "captured per batch bucket (1, 2, 4, ... max_batch_size; a batch "
+                                                "is padded up to its bucket)")
     tensorrt_fp16: bool = False
     tensorrt_cache_dir: Path | None = None
     intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; "
@@ -283,7 +286,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "tracing": ("otlp_endpoint", "trace_sample_ratio"),
     "repository": ("repository_poll_secs",),
     "engine and ONNX Runtime": ("engine_arena_bytes", "engine_timeout_s", "cuda_device_id", "cuda_device_ids",
-                                "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "tensorrt_fp16",
+                                "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs", "tensorrt_fp16",
                                 "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads", "intra_op_spinning",
                                 "graph_optimization", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",

@@ -5,15 +5,19 @@ The server talks to a model only through `InferenceModel` (the whole contract: `
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
+import onnx
 
 from service.core.errors import ModelLoadError
+from service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from service.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
@@ -109,10 +113,13 @@ def session_options(settings: Settings):
 
 
 class OnnxModel:
-    """One ONNX Runtime session over a vitserve artifact."""
+    """ONNX Runtime sessions over a vitserve artifact: the fast path's session (service/engine/graph_paths.py), on
+    CUDA its captured buckets (service/engine/cuda_graphs.py), and the relevance path's session, made the first time
+    a request asks for relevance."""
 
-    def __init__(self, session, info: ModelInfo, io_binding: bool | None = None):
-        self.session = session
+    def __init__(self, session, info: ModelInfo, io_binding: bool | None = None, *, make_relevance=None,
+                 captured=None):
+        self.session = session  # the fast path
         self.info = info
         self.provider = session.get_providers()[0]  # the provider actually in use, after any fallback
         # On a GPU, bind the input and outputs (ORT's CUDA EP docs, "IOBinding"): ORT copies the input to the
@@ -120,6 +127,8 @@ class OnnxModel:
         # the host. On the CPU there is nothing to copy. None: decide by the provider.
         self.io_binding = self.provider in _GPU_PROVIDERS if io_binding is None else io_binding
         self._device = "cuda" if self.provider in _GPU_PROVIDERS else "cpu"
+        self._make_relevance, self._relevance, self._relevance_lock = make_relevance, None, threading.Lock()
+        self.captured = captured  # CudaGraphBuckets or None
 
     @classmethod
     def load(cls, settings: Settings) -> "OnnxModel":
@@ -127,41 +136,108 @@ class OnnxModel:
         path = Path(settings.model_path)
         info = read_model_file_info(path)  # fail on a foreign ONNX file before paying for a session
         chain = provider_chain(settings, ort.get_available_providers())
-        try:
-            session = ort.InferenceSession(str(path), sess_options=session_options(settings),
-                                           providers=[name for name, _ in chain],
-                                           provider_options=[options for _, options in chain])
-        except Exception as e:  # ORT raises its own Fail/InvalidProtobuf/... types
-            raise ModelLoadError(f"cannot load ONNX model {path}: {e}") from e
-        _check_signature(session, info, path)
-        model = cls(session, info)
-        log.info("loaded %s %s (%s, opset %s) from %s on %s", info.name, info.version, info.precision,
-                 info.opset, path, model.provider)
+        paths = _read_paths(path)
+        fast, dims = paths.fast.SerializeToString(), symbolic_dims(paths)
+        session = new_session(fast, settings, chain, path)
+        _check_signature(session, info, path, paths.relevance is not None)
+        relevance = None if paths.relevance is None else functools.partial(_relevance_session, path, settings,
+                                                                            chain)
+        del paths  # the relevance graph is read again from the file if a request ever asks for it
+        model = cls(session, info, make_relevance=relevance)
         warn_on_fallback(model, chain)
+        if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
+            model.captured = _capture(model, fast, dims, settings, chain, path)
+        log.info("loaded %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
+                 info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        logits, rollout = self._run(OUTPUT_NAMES, {INPUT_NAME: pixel_values})
+        if self.captured is not None and self.captured.covers(pixel_values):
+            logits, rollout = self.captured.run(pixel_values)
+            return logits, rollout
+        logits, rollout = self._run(self.session, OUTPUT_NAMES, {INPUT_NAME: pixel_values})
         return logits, rollout
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
-        logits, rollout, relevance = self._run((*OUTPUT_NAMES, RELEVANCE_NAME),
+        logits, rollout, relevance = self._run(self.relevance_session(), (*OUTPUT_NAMES, RELEVANCE_NAME),
                                                {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)})
         return logits, rollout, relevance
 
-    def _run(self, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    def relevance_session(self):
+        """The relevance path's session, made on first use: a server whose clients never ask for relevance holds
+        no memory for it."""
+        if self._make_relevance is None:
+            raise ModelLoadError(f"{self.info.name} has no relevance path")
+        with self._relevance_lock:
+            if self._relevance is None:
+                started = time.perf_counter()
+                self._relevance = self._make_relevance()
+                log.info("relevance path of %s %s ready in %.2f s", self.info.name, self.info.version,
+                         time.perf_counter() - started)
+            return self._relevance
+
+    def _run(self, session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         if not self.io_binding:
-            return self.session.run(list(outputs), feeds)
+            return session.run(list(outputs), feeds)
         # One call through an IOBinding: the inputs bound from host memory, the outputs left on the device until
         # the one copy back.
-        binding = self.session.io_binding()
+        binding = session.io_binding()
         for name, array in feeds.items():
             binding.bind_cpu_input(name, np.ascontiguousarray(array))
         for name in outputs:
             binding.bind_output(name, self._device)
-        self.session.run_with_iobinding(binding)
+        session.run_with_iobinding(binding)
         return binding.copy_outputs_to_cpu()
+
+
+def _read_paths(path: Path) -> ModelPaths:
+    try:
+        return split_paths(onnx.load(str(path)))
+    except Exception as e:  # protobuf's DecodeError, onnx's own
+        raise ModelLoadError(f"cannot read ONNX model {path}: {e}") from e
+
+
+def new_session(model: bytes, settings: Settings, chain: list[tuple[str, dict]], path: Path,
+                 overrides: dict[str, int] | None = None, extra_options: dict | None = None):
+    import onnxruntime as ort
+    options = session_options(settings)
+    for name, value in (overrides or {}).items():
+        options.add_free_dimension_override_by_name(name, value)
+    provider_options = [{**opts, **(extra_options or {})} if name in _GPU_PROVIDERS else opts for name, opts in chain]
+    try:
+        # The NCHWc layout transform is one ORT applies to a top-level graph and not inside an If's branch: left on,
+        # the fast path's patch-embedding Conv would round differently from the file's own (6e-7 in a logit) for a
+        # gain that is nil in a ViT (one Conv). Off, the split paths answer as the file does, bit for bit.
+        return ort.InferenceSession(model, sess_options=options, providers=[name for name, _ in chain],
+                                    provider_options=provider_options, disabled_optimizers=["NchwcTransformer"])
+    except Exception as e:  # ORT raises its own Fail/InvalidProtobuf/... types
+        raise ModelLoadError(f"cannot load ONNX model {path}: {e}") from e
+
+
+def _relevance_session(path: Path, settings: Settings, chain: list[tuple[str, dict]]):
+    relevance = _read_paths(path).relevance
+    if relevance is None:
+        raise ModelLoadError(f"{path} no longer has the relevance path (the file changed since it was loaded)")
+    return new_session(relevance.SerializeToString(), settings, chain, path)
+
+
+def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settings: Settings,
+             chain: list[tuple[str, dict]], path: Path):
+    """The fast path's CUDA graphs, one per batch bucket at the trained size; None (with a warning) where ORT will
+    not capture this graph."""
+    from service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes
+
+    image = (model.info.channels, *model.info.image_size)
+    probe = model._run(model.session, OUTPUT_NAMES, {INPUT_NAME: np.zeros((1, *image), np.float32)})
+    outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(OUTPUT_NAMES, probe)]
+    try:
+        return CudaGraphBuckets.build(
+            lambda overrides, extra: new_session(fast, settings, chain, path, overrides, extra), INPUT_NAME,
+            dims, image, outputs, bucket_sizes(settings.max_batch_size), settings.cuda_device_id)
+    except Exception as e:  # noqa: BLE001 - ORT's refusal: the dynamic session still serves every batch
+        log.warning("CUDA graphs not used for %s: %s", path, str(e).splitlines()[0][:300])
+        return None
 
 
 def warn_on_fallback(model: OnnxModel, chain: list[tuple[str, dict]]) -> None:
@@ -173,23 +249,19 @@ def warn_on_fallback(model: OnnxModel, chain: list[tuple[str, dict]]) -> None:
                     "CUDA/cuDNN libraries are missing)", preferred, model.provider)
 
 
-def _check_signature(session, info: ModelInfo, path: Path) -> None:
+def _check_signature(session, info: ModelInfo, path: Path, has_relevance_path: bool) -> None:
+    """`session` is the fast path's."""
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name for o in session.get_outputs()}
     if INPUT_NAME not in inputs or not set(OUTPUT_NAMES) <= outputs:
         raise ModelLoadError(f"{path} must take '{INPUT_NAME}' and return {list(OUTPUT_NAMES)}; it takes "
                              f"{sorted(inputs)} and returns {sorted(outputs)}")
-    if info.explains_classes and (RELEVANCE_NAME not in outputs or TARGET_NAME not in _all_inputs(session)):
-        raise ModelLoadError(f"{path}: its metadata lists the relevance map, but the graph lacks the "
-                             f"'{TARGET_NAME}' input or the '{RELEVANCE_NAME}' output")
+    if info.explains_classes and not has_relevance_path:
+        raise ModelLoadError(f"{path}: its metadata lists the relevance map, but the graph has no relevance path "
+                             f"(an If on '{TARGET_NAME}' whose branch returns '{RELEVANCE_NAME}')")
     shape = inputs[INPUT_NAME].shape
     if len(shape) != 4 or shape[1] not in (info.channels, None, "channels"):
         raise ModelLoadError(f"{path}: input shape {shape} does not match {info.channels} channels")
-
-
-def _all_inputs(session) -> set[str]:
-    """Inputs, including those with a default (ONNX Runtime lists them apart, as overridable initializers)."""
-    return {i.name for i in [*session.get_inputs(), *session.get_overridable_initializers()]}
 
 
 # A model whose batch-1 call at its trained size takes less than this with every core is light: a server of it is

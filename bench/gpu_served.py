@@ -1,0 +1,125 @@
+"""The GPU kit's served measure: a real `vitserve serve`, loaded by wrk on cores of its own, the GPU watched.
+
+The first GPU run's served figures came from the bench's Python client on the same cores as the server, so they
+could not say whether the server or the client was the limit. Here the load is Debian's `wrk` (C, a few percent of
+a core per thousand requests/s) pinned with `taskset` to the last `client_cores` cores, the server to the others,
+and each level reports the client's CPU beside the server's and the GPU's utilisation sampled by `nvidia-smi`
+while the level ran. The body is one JPEG sent raw (`Content-Type: image/jpeg`) to `/v1/classify`.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from bench.peers.bodies import PeerRequest
+from bench.peers.wrk import parse_wrk, write_script
+from bench.servers import ServerProcess, free_port, serve_argv
+
+
+def split_cores(client_cores: int) -> tuple[list[int], list[int]]:
+    """(server cores, client cores) out of this process's affinity: the client takes the last ones."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) <= client_cores:
+        return cores, cores  # one core or two: nothing to split, both share
+    return cores[:-client_cores], cores[-client_cores:]
+
+
+def taskset(cores: list[int], argv: list[str]) -> list[str]:
+    return ["taskset", "-c", ",".join(map(str, cores)), *argv] if shutil.which("taskset") else argv
+
+
+class GpuSampler:
+    """`nvidia-smi` printing the GPU's utilisation every `interval_ms` while the `with` block runs."""
+
+    def __init__(self, interval_ms: int = 100):
+        self.interval_ms, self.samples = interval_ms, []
+
+    @contextmanager
+    def sampling(self):
+        smi = shutil.which("nvidia-smi")
+        if smi is None:
+            yield self
+            return
+        proc = subprocess.Popen([smi, "--query-gpu=utilization.gpu,memory.used", "--format=csv,noheader,nounits",
+                                 f"-lms={self.interval_ms}"], stdout=subprocess.PIPE, text=True)
+        try:
+            yield self
+        finally:
+            proc.terminate()
+            out, _ = proc.communicate(timeout=10)
+            self.samples = [tuple(float(v) for v in line.split(",")) for line in out.splitlines()
+                            if line.count(",") == 1 and line.replace(",", "").replace(" ", "").replace(".", "").isdigit()]
+
+    def summary(self) -> dict:
+        if not self.samples:
+            return {"gpu_util_mean": None, "gpu_util_samples": 0}
+        util = sorted(s[0] for s in self.samples)
+        # the first and last samples straddle the level's start and end
+        inner = util if len(util) < 5 else sorted(s[0] for s in self.samples[1:-1])
+        return {"gpu_util_mean": sum(inner) / len(inner), "gpu_util_median": inner[len(inner) // 2],
+                "gpu_memory_mib_max": max(s[1] for s in self.samples), "gpu_util_samples": len(self.samples)}
+
+
+def children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_tree_cpu_s(pid: int) -> float | None:
+    try:
+        import psutil
+    except ImportError:
+        return None
+    try:
+        root = psutil.Process(pid)
+        total = 0.0
+        for proc in [root, *root.children(recursive=True)]:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        return total
+    except psutil.Error:
+        return None
+
+
+def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: int, env: dict[str, str],
+                  wrk: str, work: Path, client_cores: int = 2, query: str = "map=none") -> dict:
+    """wrk at each concurrency against one `vitserve serve` of `model`; per level req/s, latency, the client's and
+    the server's cores, and the GPU's utilisation."""
+    server_cores, wrk_cores = split_cores(client_cores)
+    port = free_port()
+    script = write_script(work / "wrk", f"jpeg-{len(jpeg)}", PeerRequest("/v1/classify?" + query, jpeg,
+                                                                         {"Content-Type": "image/jpeg"}))
+    url = f"http://127.0.0.1:{port}/v1/classify?{query}"
+    levels = []
+    argv = taskset(server_cores, serve_argv(model, port))
+    with ServerProcess(argv, port, env=env, log_path=work / f"{model.stem}-served.log", startup_timeout_s=600) as srv:
+        for clients in concurrency:
+            threads = min(clients, len(wrk_cores), 2) or 1
+            wrk_argv = taskset(wrk_cores, [wrk, "-t", str(threads), "-c", str(clients), "-d", "1s", "--timeout",
+                                           "10s", "-s", str(script), url])
+            subprocess.run(wrk_argv, capture_output=True, timeout=60)  # warm-up: connections, buckets, caches
+            wrk_argv[wrk_argv.index("-d") + 1] = f"{duration_s}s"
+            wrk_argv.insert(-1, "--latency")
+            sampler, client_before, server_before = GpuSampler(), children_cpu_s(), process_tree_cpu_s(srv.pid)
+            started = time.monotonic()
+            with sampler.sampling():
+                out = subprocess.run(wrk_argv, capture_output=True, text=True, timeout=duration_s + 60)
+            wall = time.monotonic() - started
+            server_after = process_tree_cpu_s(srv.pid)
+            if out.returncode != 0:
+                raise RuntimeError(f"wrk exited {out.returncode}: {out.stderr[-500:]}")
+            result = parse_wrk(out.stdout)
+            levels.append({"concurrency": clients, **{k: result.get(k) for k in (
+                "requests_per_s", "ok_per_s", "p50_ms", "p90_ms", "p99_ms", "non_2xx", "socket_errors")},
+                "client_cores": round((children_cpu_s() - client_before) / wall, 2),
+                "server_cores": None if server_before is None or server_after is None else
+                round((server_after - server_before) / wall, 2), **sampler.summary()})
+            print(f"  served {clients:3d} clients: {result['ok_per_s']:8.1f} req/s 2xx  p99 {result.get('p99_ms')} ms"
+                  f"  GPU {levels[-1].get('gpu_util_mean')}%", flush=True)
+    return {"server_cores": server_cores, "client_cores": wrk_cores, "jpeg_bytes": len(jpeg), "query": query,
+            "levels": levels}

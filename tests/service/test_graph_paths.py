@@ -1,0 +1,85 @@
+"""The artifact taken apart at load (service/engine/graph_paths.py): the fast path and the relevance path as graphs
+of their own, each giving the one file's answers bit for bit; the CUDA graphs' batch buckets."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from service.engine.cuda_graphs import bucket_sizes
+from service.engine.graph_paths import split_paths, symbolic_dims
+from service.engine.runtime import OnnxModel
+from service_fixtures import settings_for
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+
+ort = pytest.importorskip("onnxruntime")
+
+
+def whole_file_session(path):
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def test_the_file_splits_into_a_fast_graph_without_control_flow_and_a_relevance_graph(tiny_onnx):
+    paths = split_paths(onnx.load(str(tiny_onnx)))
+    fast, relevance = paths.fast.graph, paths.relevance.graph
+    assert [o.name for o in fast.output] == list(OUTPUT_NAMES)
+    assert [i.name for i in fast.input] == [INPUT_NAME]
+    assert "If" not in {n.op_type for n in fast.node} and "If" not in {n.op_type for n in relevance.node}
+    assert [o.name for o in relevance.output] == [*OUTPUT_NAMES, RELEVANCE_NAME]
+    assert [i.name for i in relevance.input] == [INPUT_NAME, TARGET_NAME]
+    assert TARGET_NAME not in {t.name for t in relevance.initializer}  # required, not the empty default
+    # the fast graph carries none of the gradient graph's weights or nodes
+    assert len(fast.node) < len(relevance.node)
+    assert symbolic_dims(paths) == ("batch", "height", "width")
+    onnx.checker.check_model(paths.fast)
+    onnx.checker.check_model(paths.relevance)
+
+
+@pytest.mark.parametrize("batch, height, width", [(1, 32, 32), (3, 32, 32), (16, 32, 32), (2, 48, 40),
+                                                   (1, 64, 64), (5, 16, 32)])
+def test_the_split_paths_answer_as_the_file_does_bit_for_bit(tiny_onnx, batch, height, width):
+    model, whole = OnnxModel.load(settings_for(tiny_onnx)), whole_file_session(tiny_onnx)
+    x = np.random.default_rng(batch * height).standard_normal((batch, 3, height, width)).astype(np.float32)
+    for mine, theirs in zip(model.run(x), whole.run(list(OUTPUT_NAMES), {INPUT_NAME: x})):
+        assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
+    targets = np.arange(batch, dtype=np.int64) % 4 - 1  # -1 (the top-1) and classes 0-2
+    explained = model.explain(x, targets)
+    expected = whole.run([*OUTPUT_NAMES, RELEVANCE_NAME], {INPUT_NAME: x, TARGET_NAME: targets})
+    for mine, theirs in zip(explained, expected):
+        assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
+
+
+def test_the_relevance_session_is_made_only_when_a_request_asks_for_it(tiny_onnx):
+    model = OnnxModel.load(settings_for(tiny_onnx))
+    assert model._relevance is None
+    model.run(np.zeros((1, 3, 32, 32), np.float32))
+    assert model._relevance is None
+    model.explain(np.zeros((1, 3, 32, 32), np.float32), np.array([-1]))
+    first = model._relevance
+    assert first is not None
+    model.explain(np.zeros((2, 3, 32, 32), np.float32), np.array([0, 1]))
+    assert model._relevance is first  # made once
+
+
+def test_a_file_without_the_relevance_path_is_its_own_fast_graph(tiny_checkpoint, tmp_path):
+    from export.onnx_export import export_onnx
+
+    path = tmp_path / "fast-only.onnx"
+    export_onnx(tiny_checkpoint, path, verify=False, relevance=False, inspection_images=0)
+    proto = onnx.load(str(path))
+    paths = split_paths(proto)
+    assert paths.relevance is None and paths.fast is proto
+    model = OnnxModel.load(settings_for(path))
+    x = np.random.default_rng(0).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    assert all(np.array_equal(a, b) for a, b in zip(model.run(x), whole_file_session(path).run(
+        list(OUTPUT_NAMES), {INPUT_NAME: x})))
+    with pytest.raises(Exception, match="no relevance path"):
+        model.explain(x, np.array([-1, -1]))
+
+
+@pytest.mark.parametrize("largest, buckets", [(1, [1]), (2, [1, 2]), (16, [1, 2, 4, 8, 16]),
+                                              (12, [1, 2, 4, 8, 12]), (64, [1, 2, 4, 8, 16, 32, 64])])
+def test_cuda_graph_buckets_pad_a_batch_to_at_most_twice_its_size(largest, buckets):
+    assert bucket_sizes(largest) == buckets
