@@ -16,7 +16,7 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
    for it on each file and reports what ORT says;
 7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it.
 
-Writes docs/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
+Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
 measured (at batch 1 and 8, a few seconds), as a check that the kit works, not as a result.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ class GpuKitConfig:
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
-    out: Path = Path("docs/bench-gpu.md")
+    out: Path = Path("build/gpu/bench-gpu.md")  # docs/bench-gpu.md is a lent GPU run's, written up by hand
 
 
 @dataclass
@@ -238,7 +238,10 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
             median = float(np.median(times))
             row.update({f"{name}_ms": median, f"{name}_images_per_s": batch * 1000 / median})
         rows.append(row)
+    load_timings = {f"batch {size}": f"{captured:.2f} captured vs {dynamic:.2f} dynamic ms"
+                    for size, (captured, dynamic) in graphs.captured.timings.items()}
     return {"captured": True, "buckets": sorted(graphs.captured.buckets), "load_and_capture_s": round(capture_s, 1),
+            "load_timings": load_timings,
             "max_logits_diff_relative": worst_logits, "max_rollout_diff": worst_rollout,
             "top1_agreement": agree / total, "rows": rows}
 

@@ -1,7 +1,7 @@
 """CUDA graphs for the fast path: one static session per batch bucket at the trained image size.
 
 A ViT's forward is hundreds of small kernels; at small batches the GPU waits for the CPU to launch them (the default
-model took 1.86 ms at batch 1 on an H100, docs/bench-gpu.md). ONNX Runtime can capture a session's kernels once
+model took 1.86 ms at batch 1 on an H100, docs/bench-gpu-first-run.md). ONNX Runtime can capture a session's kernels once
 and replay them as one CUDA graph (`enable_cuda_graph`), but only when every node runs on CUDA with fixed shapes
 and fixed input and output addresses. The artifact's graph has symbolic batch, height and width, and its shape
 arithmetic (the position embeddings' resampling to the image's grid) then runs on the CPU. So each bucket gets its
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import numpy as np
 
@@ -59,33 +60,61 @@ class CapturedBucket:
 
 
 class CudaGraphBuckets:
-    """The fast path at the trained size as one captured session per bucket; `covers` says which batches."""
+    """The fast path at the trained size as one captured session per bucket; `covers` says which batches.
 
-    def __init__(self, buckets: dict[int, CapturedBucket], image_shape: tuple[int, int, int]):
-        self.buckets, self.image_shape = buckets, image_shape
-        self.largest = max(buckets)
+    A captured graph is not always the faster: on an H100, ViT-B/16 in float16 ran 23.3 ms a batch of 64 captured
+    against 20.7 ms on the dynamic session (with the shapes fixed ORT rewrites MatMuls into Gemms with reshapes
+    around them), while at batch 1 capture took 3.5 ms to 1.4 ms. So each bucket is timed both ways when it is
+    captured, and kept only where its graph wins; a batch whose bucket lost runs on the dynamic session unpadded."""
+
+    def __init__(self, buckets: dict[int, CapturedBucket], sizes: list[int], image_shape: tuple[int, int, int],
+                 timings: dict[int, tuple[float, float]] | None = None):
+        self.buckets, self.sizes, self.image_shape = buckets, sorted(sizes), image_shape
+        self.timings = timings or {}  # bucket -> (captured ms, dynamic ms), as measured at load
 
     @classmethod
     def build(cls, make_session, input_name: str, dims: tuple[str | None, str | None, str | None],
               image_shape: tuple[int, int, int], outputs: list[tuple[str, tuple[int, ...], type]], sizes: list[int],
-              device_id: int) -> "CudaGraphBuckets":
+              device_id: int, run_dynamic=None, calls: int = 5) -> "CudaGraphBuckets":
         """`make_session(overrides, options)` makes a session of the fast graph with the named dimensions fixed and
         `options` added to the CUDA provider's; `dims` the input's batch, height and width names; `outputs` each
-        output's name, shape per image and numpy type, in the order `run` returns them."""
+        output's name, shape per image and numpy type, in the order `run` returns them. With `run_dynamic` (the
+        dynamic session's call), each bucket is kept only if its graph beats it (median of `calls`)."""
         channels, height, width = image_shape
-        buckets = {}
+        buckets, timings = {}, {}
         for size in sizes:
             overrides = {name: value for name, value in zip(dims, (size, height, width)) if name}
             session = make_session(overrides, {"enable_cuda_graph": "1"})
             bucket = CapturedBucket(session, input_name, size, (size, channels, height, width), outputs, device_id)
-            bucket.run(np.zeros((size, channels, height, width), np.float32))  # capture now, not on a request
+            zeros = np.zeros((size, channels, height, width), np.float32)
+            bucket.run(zeros)  # capture now, not on a request
+            if run_dynamic is not None:
+                timings[size] = (median_ms(lambda: bucket.run(zeros), calls), median_ms(lambda: run_dynamic(zeros),
+                                                                                       calls))
+                if timings[size][0] >= timings[size][1]:
+                    continue  # the session and its buffers go: the dynamic session serves this bucket
             buckets[size] = bucket
-        log.info("CUDA graphs captured for batches %s at %dx%d", ", ".join(map(str, sizes)), height, width)
-        return cls(buckets, image_shape)
+        log.info("CUDA graphs at %dx%d: %s", height, width, ", ".join(
+            f"batch {s} {'captured' if s in buckets else 'dynamic'}"
+            + (f" ({timings[s][0]:.2f} vs {timings[s][1]:.2f} ms)" if s in timings else "") for s in sizes))
+        return cls(buckets, sizes, image_shape, timings)
+
+    def bucket_for(self, count: int) -> int | None:
+        return next((s for s in self.sizes if s >= count), None)
 
     def covers(self, pixel_values: np.ndarray) -> bool:
-        return tuple(pixel_values.shape[1:]) == self.image_shape and 0 < len(pixel_values) <= self.largest
+        return (tuple(pixel_values.shape[1:]) == self.image_shape and len(pixel_values) > 0
+                and self.bucket_for(len(pixel_values)) in self.buckets)
 
     def run(self, pixel_values: np.ndarray) -> list[np.ndarray]:
-        size = min(s for s in self.buckets if s >= len(pixel_values))
-        return self.buckets[size].run(pixel_values)
+        return self.buckets[self.bucket_for(len(pixel_values))].run(pixel_values)
+
+
+def median_ms(call, calls: int) -> float:
+    call()
+    times = []
+    for _ in range(calls):
+        started = time.perf_counter()
+        call()
+        times.append((time.perf_counter() - started) * 1000)
+    return float(np.median(times))

@@ -137,8 +137,8 @@ class OnnxModel:
         info = read_model_file_info(path)  # fail on a foreign ONNX file before paying for a session
         chain = provider_chain(settings, ort.get_available_providers())
         paths = _read_paths(path)
-        fast, dims = paths.fast.SerializeToString(), symbolic_dims(paths)
-        session = new_session(fast, settings, chain, path)
+        fast, dims, split = paths.fast.SerializeToString(), symbolic_dims(paths), paths.relevance is not None
+        session = new_session(fast, settings, chain, path, from_branch=split)
         _check_signature(session, info, path, paths.relevance is not None)
         relevance = None if paths.relevance is None else functools.partial(_relevance_session, path, settings,
                                                                             chain)
@@ -146,7 +146,7 @@ class OnnxModel:
         model = cls(session, info, make_relevance=relevance)
         warn_on_fallback(model, chain)
         if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
-            model.captured = _capture(model, fast, dims, settings, chain, path)
+            model.captured = _capture(model, fast, dims, settings, chain, path, split)
         log.info("loaded %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
                  info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
@@ -199,18 +199,21 @@ def _read_paths(path: Path) -> ModelPaths:
 
 
 def new_session(model: bytes, settings: Settings, chain: list[tuple[str, dict]], path: Path,
-                 overrides: dict[str, int] | None = None, extra_options: dict | None = None):
+                 overrides: dict[str, int] | None = None, extra_options: dict | None = None, from_branch: bool = False):
+    """A session of `model` (a serialized graph) with the server's options; `overrides` fix named dimensions,
+    `extra_options` go to the GPU providers. `from_branch`: the graph was an If's branch in the file. ORT applies
+    its NCHWc layout transform to a top-level graph and not inside a branch: left on, the split fast path's patch
+    Conv would round differently from the file's (6e-7 in a logit) for a gain that is nil in a ViT (one Conv). Off,
+    the split paths answer as the file does, bit for bit."""
     import onnxruntime as ort
     options = session_options(settings)
     for name, value in (overrides or {}).items():
         options.add_free_dimension_override_by_name(name, value)
     provider_options = [{**opts, **(extra_options or {})} if name in _GPU_PROVIDERS else opts for name, opts in chain]
     try:
-        # The NCHWc layout transform is one ORT applies to a top-level graph and not inside an If's branch: left on,
-        # the fast path's patch-embedding Conv would round differently from the file's own (6e-7 in a logit) for a
-        # gain that is nil in a ViT (one Conv). Off, the split paths answer as the file does, bit for bit.
         return ort.InferenceSession(model, sess_options=options, providers=[name for name, _ in chain],
-                                    provider_options=provider_options, disabled_optimizers=["NchwcTransformer"])
+                                    provider_options=provider_options,
+                                    disabled_optimizers=["NchwcTransformer"] if from_branch else None)
     except Exception as e:  # ORT raises its own Fail/InvalidProtobuf/... types
         raise ModelLoadError(f"cannot load ONNX model {path}: {e}") from e
 
@@ -219,13 +222,13 @@ def _relevance_session(path: Path, settings: Settings, chain: list[tuple[str, di
     relevance = _read_paths(path).relevance
     if relevance is None:
         raise ModelLoadError(f"{path} no longer has the relevance path (the file changed since it was loaded)")
-    return new_session(relevance.SerializeToString(), settings, chain, path)
+    return new_session(relevance.SerializeToString(), settings, chain, path, from_branch=True)
 
 
 def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settings: Settings,
-             chain: list[tuple[str, dict]], path: Path):
-    """The fast path's CUDA graphs, one per batch bucket at the trained size; None (with a warning) where ORT will
-    not capture this graph."""
+             chain: list[tuple[str, dict]], path: Path, from_branch: bool):
+    """The fast path's CUDA graphs, one per batch bucket at the trained size where it beats the dynamic session;
+    None (with a warning) where ORT will not capture this graph."""
     from service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes
 
     image = (model.info.channels, *model.info.image_size)
@@ -233,8 +236,10 @@ def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settin
     outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(OUTPUT_NAMES, probe)]
     try:
         return CudaGraphBuckets.build(
-            lambda overrides, extra: new_session(fast, settings, chain, path, overrides, extra), INPUT_NAME,
-            dims, image, outputs, bucket_sizes(settings.max_batch_size), settings.cuda_device_id)
+            lambda overrides, extra: new_session(fast, settings, chain, path, overrides, extra, from_branch),
+            INPUT_NAME,
+            dims, image, outputs, bucket_sizes(settings.max_batch_size), settings.cuda_device_id,
+            run_dynamic=lambda pixels: model._run(model.session, OUTPUT_NAMES, {INPUT_NAME: pixels}))
     except Exception as e:  # noqa: BLE001 - ORT's refusal: the dynamic session still serves every batch
         log.warning("CUDA graphs not used for %s: %s", path, str(e).splitlines()[0][:300])
         return None

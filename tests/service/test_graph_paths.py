@@ -83,3 +83,22 @@ def test_a_file_without_the_relevance_path_is_its_own_fast_graph(tiny_checkpoint
                                               (12, [1, 2, 4, 8, 12]), (64, [1, 2, 4, 8, 16, 32, 64])])
 def test_cuda_graph_buckets_pad_a_batch_to_at_most_twice_its_size(largest, buckets):
     assert bucket_sizes(largest) == buckets
+
+
+def test_a_batch_runs_captured_only_where_its_bucket_was_kept():
+    """Buckets 1, 2, 4 captured at load; 4 lost to the dynamic session and was dropped: a batch of 3 or 4 (bucket
+    4) and any other image size run dynamic, a batch of 1 or 2 runs its graph."""
+    from service.engine.cuda_graphs import CudaGraphBuckets
+
+    class Bucket:
+        def __init__(self, size):
+            self.size = size
+
+        def run(self, pixels):
+            return [np.full((len(pixels), 1), self.size)]
+
+    graphs = CudaGraphBuckets({1: Bucket(1), 2: Bucket(2)}, [4, 1, 2], (3, 32, 32), {4: (2.0, 1.0)})
+    batch = lambda n, size=32: np.zeros((n, 3, size, size), np.float32)  # noqa: E731
+    assert [graphs.covers(batch(n)) for n in (1, 2, 3, 4, 5)] == [True, True, False, False, False]
+    assert not graphs.covers(batch(1, 48)) and not graphs.covers(batch(0))
+    assert graphs.run(batch(1))[0].tolist() == [[1]] and graphs.run(batch(2))[0].tolist() == [[2], [2]]
