@@ -1,12 +1,15 @@
 """`python -m export.int8_choice CHECKPOINT --eval DIR`: which int8 quantization to ship, measured.
 
-Three candidates from the same float32 graph (the fast path: logits and rollout), against it, on a labelled set:
-- `dynamic`: export/int8.py's (every Linear layer's weights int8 per channel, activations quantized per call);
-- `dynamic, head float`: the same with the classifier head kept in float32;
-- `static QDQ`: ONNX Runtime's quantize_static, weights and activations int8 per channel, activations calibrated
-  on `--calibration-images` images of the set (the first ones; the accuracy is measured on all of them).
+Candidates from the same float32 graph (the fast path: logits and rollout), against it, on a labelled set:
+- `static QDQ (shipped)`: export/int8.py's quantize_int8, weights and activations int8 per channel, activation
+  scales calibrated on `--calibration-images` images of the set (the first ones; the accuracy is measured on all);
+- `dynamic`: ONNX Runtime's quantize_dynamic (every Linear layer's weights int8 per channel, activations quantized
+  per call from the batch's own range), what vitserve shipped before issue 38;
+- `dynamic, head float`: the same with the classifier head kept in float32.
 For each: accuracy, top-1 agreement with float32, the rollout's Spearman correlation with float32's (mean and
-min over 200 images), and ms per call at batch 1 and 8 (alternating rounds, the median).
+min over 200 images), **batch invariance** (the first `--invariance-images` images run alone and in batches of 16
+with random neighbours: the largest logit difference and how many change their top-1), and ms per call at batch 1
+and 8 (alternating rounds, the median).
 """
 from __future__ import annotations
 
@@ -20,31 +23,40 @@ import onnx
 
 from bench.measure import alternating_rounds_ms
 from export.accuracy_gate import EvalSetError, load_labelled_set, spearman
-from export.int8 import linear_nodes, quantize_int8
+from export.int8 import LINEAR_OP_TYPES, linear_nodes, quantize_int8
 from export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
 
 
-def static_qdq(fp32: onnx.ModelProto, calibration: np.ndarray) -> onnx.ModelProto:
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+def dynamic_int8(fp32: onnx.ModelProto, keep_float: list[str] | tuple[str, ...] = ()) -> onnx.ModelProto:
+    """ONNX Runtime's dynamic quantization of the Linear layers (per-channel int8 weights, activations per call)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.batches = iter([{INPUT_NAME: calibration[i:i + 32]} for i in range(0, len(calibration), 32)])
-
-        def get_next(self):
-            return next(self.batches, None)
-
+    nodes = [name for name in linear_nodes(fp32) if name not in set(keep_float)]
     with tempfile.TemporaryDirectory() as directory:
-        source, out = Path(directory) / "fp32.onnx", Path(directory) / "static.onnx"
-        onnx.save(fp32, str(source))
-        quantize_static(str(source), str(out), Reader(), quant_format=QuantFormat.QDQ, op_types_to_quantize=["MatMul"],
-                        nodes_to_quantize=linear_nodes(fp32), per_channel=True, activation_type=QuantType.QInt8,
-                        weight_type=QuantType.QInt8, extra_options={"MatMulConstBOnly": True})
+        out = Path(directory) / "dynamic.onnx"
+        quantize_dynamic(fp32, out, op_types_to_quantize=LINEAR_OP_TYPES, nodes_to_quantize=nodes, per_channel=True,
+                         weight_type=QuantType.QInt8, extra_options={"MatMulConstBOnly": True})
         return onnx.load(str(out))
 
 
-def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int) -> dict:
+def batch_invariance(session, pixels: np.ndarray, batch: int = 16, seed: int = 0) -> dict:
+    """Each image alone, then inside a batch of `batch` with random neighbours from `pixels`: the largest logit
+    difference and the number whose top-1 class changes."""
+    rng = np.random.default_rng(seed)
+    alone = np.concatenate([session.run(["logits"], {INPUT_NAME: pixels[i:i + 1]})[0] for i in range(len(pixels))])
+    mixed = np.empty_like(alone)
+    for i in range(len(pixels)):
+        neighbours = rng.choice(len(pixels), batch - 1)
+        position = int(rng.integers(batch))
+        order = np.insert(neighbours, position, i)
+        mixed[i] = session.run(["logits"], {INPUT_NAME: pixels[order]})[0][position]
+    return {"max_logit_diff": float(np.abs(alone - mixed).max()),
+            "top1_changes": int((alone.argmax(1) != mixed.argmax(1)).sum()), "images": len(pixels)}
+
+
+def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int,
+            invariance_images: int = 2000) -> dict:
     from export.onnx_export import ViTWithRollout, example_input, to_onnx
     from model.checkpoint import load_checkpoint
 
@@ -53,9 +65,8 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
     labelled = load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels, tuple(cfg.image_size))
     pixels = normalize_pixels(labelled.images, meta.mean, meta.std, channel_axis=1)
     fp32 = to_onnx(ViTWithRollout(vit), cfg.patch_size, example_input(vit), OUTPUT_NAMES)
-    candidates = {"fp32": fp32, "dynamic": quantize_int8(fp32),
-                  "dynamic, head float": quantize_int8(fp32, [linear_nodes(fp32)[-1]]),
-                  "static QDQ": static_qdq(fp32, pixels[:calibration_images])}
+    candidates = {"fp32": fp32, "static QDQ (shipped)": quantize_int8(fp32, pixels[:calibration_images]),
+                  "dynamic": dynamic_int8(fp32), "dynamic, head float": dynamic_int8(fp32, [linear_nodes(fp32)[-1]])}
     sessions = {name: cpu_session(proto) for name, proto in candidates.items()}
     outputs = {}
     for name, session in sessions.items():
@@ -69,6 +80,7 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
         results[name] = {"accuracy": float((logits.argmax(1) == labelled.labels).mean()),
                          "top1_agreement": float((logits.argmax(1) == ref_logits.argmax(1)).mean()),
                          "rollout_spearman_mean": float(rho.mean()), "rollout_spearman_min": float(rho.min())}
+        results[name]["invariance"] = batch_invariance(sessions[name], pixels[:invariance_images])
     for batch in (1, 8):
         x = pixels[:batch]
         times = alternating_rounds_ms({name: lambda s=session: s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
@@ -85,17 +97,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--eval", required=True, dest="eval_dir")
     p.add_argument("--calibration-images", type=int, default=512)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--invariance-images", type=int, default=2000)
     args = p.parse_args(argv)
     try:
-        report = compare(args.checkpoint, args.eval_dir, args.calibration_images, args.rounds)
+        report = compare(args.checkpoint, args.eval_dir, args.calibration_images, args.rounds, args.invariance_images)
     except EvalSetError as e:
         p.exit(2, f"{p.prog}: {e}\n")
-    print("| quantization | accuracy | top-1 agreement | rollout Spearman mean (min) | batch 1 ms | batch 8 ms |")
-    print("|---|---|---|---|---|---|")
+    print("| quantization | accuracy | top-1 agreement | rollout Spearman mean (min) | alone vs batched: max logit "
+          "diff, top-1 changes | batch 1 ms | batch 8 ms |")
+    print("|---|---|---|---|---|---|---|")
     for name, r in report["results"].items():
+        inv = r["invariance"]
         print(f"| {name} | {100 * r['accuracy']:.2f}% | {100 * r['top1_agreement']:.2f}% | "
-              f"{r['rollout_spearman_mean']:.4f} ({r['rollout_spearman_min']:.4f}) | {r['batch1_ms']:.2f} | "
-              f"{r['batch8_ms']:.2f} |")
+              f"{r['rollout_spearman_mean']:.4f} ({r['rollout_spearman_min']:.4f}) | {inv['max_logit_diff']:.3g}, "
+              f"{inv['top1_changes']} of {inv['images']} | {r['batch1_ms']:.2f} | {r['batch8_ms']:.2f} |")
     print(json.dumps(report))
     return 0
 

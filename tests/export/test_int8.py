@@ -1,5 +1,6 @@
-"""`vitserve export --precision int8`: dynamic int8 Linear weights, refused unless it passes an accuracy gate against
-the float32 graph; the maps' agreement reported; a server loads the file with no flag."""
+"""`vitserve export --precision int8`: static int8 Linear layers (activation scales calibrated on the labelled set and
+stored), refused unless it passes an accuracy gate against the float32 graph; the maps' agreement reported; a
+server loads the file with no flag; an image's answer does not depend on its batch-mates."""
 from __future__ import annotations
 
 import numpy as np
@@ -41,7 +42,9 @@ def test_the_int8_file_has_int8_linear_weights_and_passes_its_gate(tiny_int8_exp
     ops = {n.op_type for n in proto.graph.node}
     branch_ops = {n.op_type for n in proto.graph.node for a in n.attribute if a.type == onnx.AttributeProto.GRAPH
                   for n in a.g.node}
-    assert "MatMulInteger" in ops | branch_ops or "DynamicQuantizeMatMul" in ops | branch_ops
+    # static: activation scales stored in the file (QuantizeLinear with constant scales), none computed per call
+    assert {"QuantizeLinear", "DequantizeLinear"} <= ops | branch_ops
+    assert not {"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "MatMulInteger"} & (ops | branch_ops)
     gate = report.int8
     assert gate.images == 4 * len(TINY_LABELS) and gate.top1_agreement >= 0.99 and gate.photos >= 17 * 4
     assert gate.fp32_accuracy is not None and gate.fp32_accuracy - gate.int8_accuracy <= 0.003
@@ -65,8 +68,8 @@ def test_an_int8_file_that_misses_the_gate_is_refused_and_moved_aside(tiny_check
 
     real = int8.quantize_int8
 
-    def wrecked(proto, keep_float=()):
-        proto = real(proto, keep_float)
+    def wrecked(proto, calibration, keep_float=()):
+        proto = real(proto, calibration, keep_float)
         rng = np.random.default_rng(0)
         for weights in [i for i in proto.graph.initializer if i.data_type == onnx.TensorProto.INT8]:
             values = onnx.numpy_helper.to_array(weights)
@@ -186,3 +189,22 @@ def test_the_cpu_check_reads_vnni_from_cpuinfo_flags(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse2 avx2\n")
     assert not has_int8_dot_product(cpuinfo)
     assert not has_int8_dot_product(tmp_path / "missing")
+
+
+def test_an_int8_image_answers_the_same_alone_and_among_any_batch_mates(tiny_int8_export):
+    """Static scales: each image is computed the same whatever shares its batch (dynamic quantization took its
+    activation scales from the whole batch, so the same image changed class with its neighbours)."""
+    from service.engine.runtime import OnnxModel
+    from service.settings import Settings
+
+    model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"], intra_op_threads=1))
+    rng = np.random.default_rng(5)
+    # neighbours far apart in range: the batch-mates of a dynamic scale would dominate it
+    images = np.concatenate([rng.standard_normal((8, 3, 32, 32)), 20 * rng.standard_normal((8, 3, 32, 32))])
+    images = images.astype(np.float32)
+    alone = np.concatenate([model.run(images[i:i + 1])[0] for i in range(len(images))])
+    for trial in range(4):
+        order = rng.permutation(len(images))[:int(rng.integers(2, len(images) + 1))]
+        batched = model.run(images[order])[0]
+        np.testing.assert_allclose(batched, alone[order], rtol=1e-5, atol=1e-5)
+        assert (batched.argmax(1) == alone[order].argmax(1)).all()

@@ -1,0 +1,59 @@
+"""Same input, same answer: an image's logits do not depend on which requests the batcher put beside it, for every
+precision the server ships (fp32, and int8 with its static scales; docs/architecture.md, "Batch invariance")."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from service_fixtures import WrappedModel, serving, settings_for
+
+pytest.importorskip("onnxruntime")
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def tiny_int8(tiny_checkpoint, tmp_path_factory):
+    from export.onnx_export import export_onnx
+
+    out = tmp_path_factory.mktemp("int8") / "tiny-int8.onnx"
+    export_onnx(tiny_checkpoint, out, precision="int8", verify=False, inspection_images=0)
+    return out
+
+
+def infer_request(pixels: np.ndarray) -> dict:
+    return {"inputs": [{"name": "pixel_values", "shape": list(pixels.shape), "datatype": "FP32",
+                        "data": pixels.ravel().tolist()}], "outputs": [{"name": "logits"}]}
+
+
+async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
+    response = await client.post("/v2/models/tiny-vit/infer", json=infer_request(pixels))
+    assert response.status_code == 200, response.text
+    output = response.json()["outputs"][0]
+    return np.asarray(output["data"], np.float32).reshape(output["shape"])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8):
+    from service.engine.runtime import OnnxModel
+
+    path = tiny_onnx if precision == "fp32" else tiny_int8
+    settings = settings_for(path, max_batch_size=8, max_queue_delay_ms=20)
+    model = WrappedModel(OnnxModel.load(settings))
+    rng = np.random.default_rng(11)
+    watched = rng.standard_normal((12, 3, 32, 32)).astype(np.float32)
+    # neighbours of another range: a scale taken from the batch (dynamic int8) would follow them
+    traffic = (8 * rng.standard_normal((36, 3, 32, 32))).astype(np.float32)
+    async with serving(settings, model) as client:
+        alone = [await logits_of(client, watched[i:i + 1]) for i in range(len(watched))]
+        assert set(model.batch_sizes) == {1}
+        model.batch_sizes.clear()
+        order = rng.permutation(len(watched) + len(traffic))
+        everything = np.concatenate([watched, traffic])
+        answers = await asyncio.gather(*(logits_of(client, everything[i:i + 1]) for i in order))
+    assert max(model.batch_sizes) > 1  # the images did share batches, with the traffic and each other
+    mixed = {int(i): answer for i, answer in zip(order, answers)}
+    for i in range(len(watched)):
+        assert mixed[i].argmax() == alone[i].argmax()
+        np.testing.assert_allclose(mixed[i], alone[i], rtol=1e-5, atol=1e-5)
