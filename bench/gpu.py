@@ -52,6 +52,7 @@ class GpuKitConfig:
     served_concurrency: str = "32,64"  # wrk's connections per served level (on a GPU)
     served_duration_s: int = 5
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
+    gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (a lent machine's minutes are few)
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
     out: Path = Path("build/gpu/bench-gpu.md")  # docs/bench-gpu.md is a lent GPU run's, written up by hand
@@ -379,11 +380,15 @@ def run(cfg: GpuKitConfig) -> Kit:
             if reference is not None:
                 kit.step(f"{model} {precision}: verify on {provider}", verify_on, path, reference, provider)
             if on_gpu:
-                kit.step(f"{model} {precision}: CUDA graphs vs dynamic, raw", cuda_graphs_raw, path, batch_sizes,
-                         duration)
-                kit.step(f"{model} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path, batch_sizes,
-                         duration, cfg.work)
-                if not cfg.served_files or f"{model}:{precision}" in cfg.served_files.split(","):
+                steps = cfg.gpu_steps.split(",")
+                if "graphs" in steps:
+                    kit.step(f"{model} {precision}: CUDA graphs vs dynamic, raw", cuda_graphs_raw, path, batch_sizes,
+                             duration)
+                if "fused" in steps:
+                    kit.step(f"{model} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path,
+                             batch_sizes, duration, cfg.work)
+                if "served" in steps and (not cfg.served_files
+                                          or f"{model}:{precision}" in cfg.served_files.split(",")):
                     kit.step(f"{model} {precision}: served, wrk, JPEG", served_with_wrk, path, cfg)
                 continue
             if precision == "fp16":

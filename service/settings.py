@@ -70,6 +70,13 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="if set, the inference and model routes require it too "
                                                         "(health, metrics and the web page's files stay open)")
 
+    # The runtime: ONNX Runtime (CUDA when there, else the CPU), or OpenVINO for the CPU; auto measures at load
+    runtime: Literal["auto", "onnxruntime", "openvino"] = Field(
+        "auto", description="auto: ONNX Runtime on a GPU; on the CPU the fastest of ONNX Runtime and OpenVINO (fp32, "
+                            "and bf16 where the CPU has it) that agrees with ONNX Runtime's float32, timed at load")
+    precision_hint: Literal["auto", "fp32", "bf16"] = Field(
+        "auto", description="the compute precision asked of the runtime (bf16: OpenVINO on a CPU with AVX512-BF16 "
+                            "or AMX); an int8 file computes its quantized layers in int8 whatever this says")
     # ONNX Runtime: execution providers in order of preference; CPU is always the last resort
     providers: Annotated[list[Provider], NoDecode] = ["cuda", "cpu"]
     cuda_device_id: int = Field(0, ge=0)
@@ -278,16 +285,16 @@ class Settings(BaseSettings):
 # internal ones is in exactly one group (tests/service/test_runtime_and_cli.py holds it).
 SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "common": ("model_path", "model_repository", "host", "port", "grpc_port", "model_control_mode", "load_models",
-               "admin_key", "api_key", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
+               "admin_key", "api_key", "runtime", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
                "request_timeout_ms", "log_level"),
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
                "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
     "tracing": ("otlp_endpoint", "trace_sample_ratio"),
     "repository": ("repository_poll_secs",),
-    "engine and ONNX Runtime": ("engine_arena_bytes", "engine_timeout_s", "cuda_device_id", "cuda_device_ids",
-                                "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs", "tensorrt_fp16",
-                                "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads", "intra_op_spinning",
+    "engine and ONNX Runtime": ("precision_hint", "engine_arena_bytes", "engine_timeout_s", "cuda_device_id",
+                                "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",
+                                "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads", "intra_op_spinning",
                                 "graph_optimization", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
                  "max_batch_cost"),

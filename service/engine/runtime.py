@@ -127,7 +127,7 @@ class OnnxModel:
         # the host. On the CPU there is nothing to copy. None: decide by the provider.
         self.io_binding = self.provider in _GPU_PROVIDERS if io_binding is None else io_binding
         self._device = "cuda" if self.provider in _GPU_PROVIDERS else "cpu"
-        self._make_relevance, self._relevance, self._relevance_lock = make_relevance, None, threading.Lock()
+        self.relevance = RelevancePath(make_relevance, info, self.io_binding)
         self.captured = captured  # CudaGraphBuckets or None
 
     @classmethod
@@ -160,35 +160,58 @@ class OnnxModel:
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
-        logits, rollout, relevance = self._run(self.relevance_session(), (*OUTPUT_NAMES, RELEVANCE_NAME),
-                                               {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)})
-        return logits, rollout, relevance
+        return self.relevance.explain(pixel_values, targets)
 
     def relevance_session(self):
-        """The relevance path's session, made on first use: a server whose clients never ask for relevance holds
-        no memory for it."""
-        if self._make_relevance is None:
-            raise ModelLoadError(f"{self.info.name} has no relevance path")
-        with self._relevance_lock:
-            if self._relevance is None:
-                started = time.perf_counter()
-                self._relevance = self._make_relevance()
-                log.info("relevance path of %s %s ready in %.2f s", self.info.name, self.info.version,
-                         time.perf_counter() - started)
-            return self._relevance
+        return self.relevance.session()
 
     def _run(self, session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
-        if not self.io_binding:
-            return session.run(list(outputs), feeds)
-        # One call through an IOBinding: the inputs bound from host memory, the outputs left on the device until
-        # the one copy back.
-        binding = session.io_binding()
-        for name, array in feeds.items():
-            binding.bind_cpu_input(name, np.ascontiguousarray(array))
-        for name in outputs:
-            binding.bind_output(name, self._device)
-        session.run_with_iobinding(binding)
-        return binding.copy_outputs_to_cpu()
+        return run_session(session, outputs, feeds, self._device if self.io_binding else None)
+
+
+def run_session(session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray], device: str | None) -> list:
+    """One ORT call; with a `device` ("cuda"), through an IOBinding: the inputs bound from host memory, the outputs
+    left on the device until the one copy back."""
+    if device is None:
+        return session.run(list(outputs), feeds)
+    binding = session.io_binding()
+    for name, array in feeds.items():
+        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+    for name in outputs:
+        binding.bind_output(name, device)
+    session.run_with_iobinding(binding)
+    return binding.copy_outputs_to_cpu()
+
+
+class RelevancePath:
+    """The relevance path's ONNX Runtime session, made the first time a request asks for relevance: a server whose
+    clients never do holds no memory for it. `make`: a callable that makes the session; None: the file has no
+    relevance path. Shared by every runtime (OpenVINO cannot take this graph)."""
+
+    def __init__(self, make, info: ModelInfo, io_binding: bool):
+        self._make, self.info, self._session, self._lock = make, info, None, threading.Lock()
+        self._device = "cuda" if io_binding else None
+
+    @property
+    def made(self) -> bool:
+        return self._session is not None
+
+    def session(self):
+        if self._make is None:
+            raise ModelLoadError(f"{self.info.name} has no relevance path")
+        with self._lock:
+            if self._session is None:
+                started = time.perf_counter()
+                self._session = self._make()
+                log.info("relevance path of %s %s ready in %.2f s", self.info.name, self.info.version,
+                         time.perf_counter() - started)
+            return self._session
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        logits, rollout, relevance = run_session(self.session(), (*OUTPUT_NAMES, RELEVANCE_NAME),
+                                                 {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)},
+                                                 self._device)
+        return logits, rollout, relevance
 
 
 def _read_paths(path: Path) -> ModelPaths:
@@ -274,27 +297,143 @@ def _check_signature(session, info: ModelInfo, path: Path, has_relevance_path: b
 LIGHT_MODEL_MS = 10.0
 
 
-def load_engine_model(settings: Settings) -> OnnxModel:
-    """The model for an engine process: `OnnxModel.load`, and with the intra-op thread count left to us (0) on the
+def load_engine_model(settings: Settings) -> InferenceModel:
+    """The model for an engine process: `load_model`, and with the intra-op thread count left to us (0) on the
     CPU, a light model reloaded on one thread. The HTTP workers share the cores with the engine, and an ORT call
     spread over every core waits for the one a worker holds: vit-fmnist on 2 cores, 2 workers, served 315-525
     requests/s with 2 intra-op threads against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core
     for its one-client latency."""
-    model = OnnxModel.load(settings)
-    if settings.intra_op_threads or model.provider != "CPUExecutionProvider" or (os.cpu_count() or 1) == 1:
+    model = load_model(settings)
+    if settings.intra_op_threads or not runs_on_cpu(model) or (os.cpu_count() or 1) == 1:
         return model
     milliseconds = batch_one_ms(model)
     if milliseconds >= LIGHT_MODEL_MS:
         return model
     log.info("a light model (%.2f ms at batch 1 on every core): one intra-op thread, the other cores for the HTTP "
              "workers (--intra-op-threads sets it)", milliseconds)
-    return OnnxModel.load(settings.model_copy(update={"intra_op_threads": 1}))
+    return load_model(settings.model_copy(update={"intra_op_threads": 1}))
 
 
-def batch_one_ms(model: InferenceModel, calls: int = 5) -> float:
-    """The median time of a batch-1 call at the trained size (the first call, which sets things up, not counted)."""
-    height, width = model.info.image_size
-    pixels = np.zeros((1, model.info.channels, height, width), np.float32)
+def runs_on_cpu(model: InferenceModel) -> bool:
+    return model.provider == "CPUExecutionProvider" or model.provider.startswith("OpenVINO/CPU")
+
+
+# ------------------------------------------------------------------------------------------ choosing the runtime
+
+# OpenVINO must beat ONNX Runtime by this much to be chosen: near a tie the choice would flip between restarts with
+# the machine's noise, and with it the answers' last bits.
+AUTO_MARGIN = 0.9
+
+
+def load_model(settings: Settings) -> InferenceModel:
+    """The model on the runtime and precision `settings.runtime` and `settings.precision_hint` name.
+
+    `onnxruntime`: `OnnxModel` (CUDA when there, else the CPU). `openvino`: the fast path compiled by OpenVINO for
+    the CPU, the relevance path on ONNX Runtime. `auto`: ONNX Runtime on a GPU (the CUDA session is the mission's
+    engine); on the CPU each candidate this machine can run (ONNX Runtime fp32, OpenVINO fp32, OpenVINO bf16 where
+    the CPU has bfloat16 arithmetic) that agrees with ONNX Runtime's float32 on probe images, timed at batch 1 and
+    at the largest batch, the fastest kept, ONNX Runtime unless another is at least 10% faster. What it chose and
+    why is logged; the model's provider (the card, /v2 config, metrics) names it."""
+    from service.engine import openvino_runtime
+
+    if settings.runtime == "onnxruntime" or (settings.runtime == "auto" and not openvino_runtime.available()):
+        if settings.precision_hint == "bf16":
+            raise ModelLoadError("precision bf16 needs the openvino runtime (ONNX Runtime's CPU provider computes "
+                                 "float32): --runtime openvino or auto, with the openvino package installed")
+        return OnnxModel.load(settings)
+    if settings.runtime == "openvino":
+        precision = "fp32" if settings.precision_hint == "auto" else settings.precision_hint
+        return openvino_model(settings, precision)
+    reference = OnnxModel.load(settings)
+    if not runs_on_cpu(reference):
+        return reference
+    candidates = {"onnxruntime/fp32": reference}
+    for precision in auto_precisions(settings.precision_hint, openvino_runtime.cpu_capabilities()):
+        try:
+            model = openvino_model(settings, precision, reference.relevance)
+        except ModelLoadError as e:
+            log.warning("runtime auto: OpenVINO %s left out: %s", precision, e)
+            continue
+        disagreement = disagrees(model, reference)
+        if disagreement:
+            log.warning("runtime auto: OpenVINO %s left out: %s", precision, disagreement)
+            continue
+        candidates[f"openvino/{precision}"] = model
+    return choose_fastest(candidates, settings.max_batch_size)
+
+
+def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
+    """OpenVINO's candidates for `auto`: fp32, and bf16 where the CPU computes it natively; a hint keeps one."""
+    precisions = ["fp32", "bf16"] if "BF16" in capabilities else ["fp32"]
+    return precisions if hint == "auto" else [p for p in precisions if p == hint]
+
+
+def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath | None" = None):
+    from service.engine.openvino_runtime import OpenVinoModel
+
+    path = Path(settings.model_path)
+    info = read_model_file_info(path)
+    paths = _read_paths(path)
+    if relevance is None and paths.relevance is not None:
+        chain = [("CPUExecutionProvider", {})]
+        relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, False)
+    model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
+                                  relevance)
+    log.info("loaded %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
+    return model
+
+
+def probe_pixels(info: ModelInfo, count: int = 16) -> np.ndarray:
+    """Deterministic images at the trained size (smooth patterns plus noise, normalised as the server does)."""
+    rng = np.random.default_rng(0)
+    height, width = info.image_size
+    yy, xx = np.mgrid[0:height, 0:width] / max(height, width)
+    images = [np.sin(2 * np.pi * (rng.uniform(0.5, 3) * xx + rng.uniform(0.5, 3) * yy) + rng.uniform(0, 6))
+              for _ in range(count * info.channels)]
+    pixels = (np.stack(images).reshape(count, info.channels, height, width) * 100 + 128
+              + rng.normal(0, 20, (count, info.channels, height, width))).clip(0, 255)
+    mean, std = np.asarray(info.mean)[:, None, None], np.asarray(info.std)[:, None, None]
+    return ((pixels / 255 - mean) / std).astype(np.float32)
+
+
+def disagrees(model: InferenceModel, reference: InferenceModel) -> str:
+    """Why `model` may not stand in for `reference` (ONNX Runtime float32), or "": the same top-1 on every probe
+    image whose reference top-2 margin is clear (over 5% of its largest |logit|), logits within 5% of the largest."""
+    pixels = probe_pixels(model.info)
+    (got, _), (want, _) = model.run(pixels), reference.run(pixels)
+    scale = max(1.0, float(np.abs(want).max()))
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale
+    changed = int((got.argmax(1) != want.argmax(1))[clear].sum())
+    worst = float(np.abs(got - want).max()) / scale
+    if changed or worst > 0.05:
+        return f"{changed} of {int(clear.sum())} clear probe images change class, logits {worst:.2%} apart"
+    return ""
+
+
+def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds: int = 3) -> InferenceModel:
+    """The candidate with the least time per image at batch 1 plus at `max_batch` (rounds alternate), ONNX
+    Runtime's unless another is faster by more than AUTO_MARGIN."""
+    if len(candidates) == 1:
+        return next(iter(candidates.values()))
+    info = next(iter(candidates.values())).info
+    batches = {size: np.resize(probe_pixels(info), (size, info.channels, *info.image_size)).astype(np.float32)
+               for size in sorted({1, max_batch})}
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, model in candidates.items():
+            times[name].append(sum(batch_ms(model, pixels) / len(pixels) for pixels in batches.values()))
+    cost = {name: float(np.median(t)) for name, t in times.items()}
+    best = min(cost, key=cost.get)
+    if best != "onnxruntime/fp32" and cost[best] > AUTO_MARGIN * cost["onnxruntime/fp32"]:
+        best = "onnxruntime/fp32"
+    log.info("runtime auto chose %s: ms per image at batch 1 plus at batch %d: %s", best, max_batch,
+             ", ".join(f"{name} {ms:.3f}" for name, ms in cost.items()))
+    return candidates[best]
+
+
+def batch_ms(model: InferenceModel, pixels: np.ndarray, calls: int = 3) -> float:
+    """The median ms of `calls` calls on `pixels`, after one that is not counted (it sets things up)."""
     model.run(pixels)
     times = []
     for _ in range(calls):
@@ -302,6 +441,11 @@ def batch_one_ms(model: InferenceModel, calls: int = 5) -> float:
         model.run(pixels)
         times.append((time.perf_counter() - started) * 1000)
     return float(np.median(times))
+
+
+def batch_one_ms(model: InferenceModel, calls: int = 5) -> float:
+    """The median time of a batch-1 call at the trained size (the first call, which sets things up, not counted)."""
+    return batch_ms(model, np.zeros((1, model.info.channels, *model.info.image_size), np.float32), calls)
 
 
 def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:

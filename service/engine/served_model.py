@@ -23,7 +23,7 @@ from service.engine import InferenceResult
 from service.core.admission import InUse
 from service.core.errors import InferenceError, VersionRetired
 from service.core.metrics import ModelMetrics
-from service.engine.runtime import InferenceModel, OnnxModel, warm_up
+from service.engine.runtime import InferenceModel, load_model, warm_up
 from service.engine.threads import CpuPriority, run_on_new_thread
 from service.settings import Settings
 from vitserve.artifact import ModelInfo
@@ -36,7 +36,7 @@ BATCHING_LIMITS = ("max_batch_size", "max_queue_delay_ms", "max_queue_size")
 
 class ServedModel:
     def __init__(self, name: str, version: str, settings: Settings, metrics: ModelMetrics,
-                 model: InferenceModel | None = None, loader: Loader = OnnxModel.load, maps: list[str] | None = None,
+                 model: InferenceModel | None = None, loader: Loader = load_model, maps: list[str] | None = None,
                  cpu_priority: CpuPriority = "normal"):
         self.name, self.version = name, version
         self.settings, self.metrics = settings, metrics  # settings: the server's with this model's file and limits

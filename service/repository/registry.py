@@ -28,7 +28,7 @@ from service.engine.served_model import Loader, ServedModel
 from service.core.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
 from service.core.metrics import ServiceMetrics
 from service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
-from service.engine.runtime import InferenceModel, OnnxModel, read_model_file_info
+from service.engine.runtime import InferenceModel, load_model, read_model_file_info
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.repository")
@@ -93,7 +93,7 @@ class _PollMemory:
 
 class ModelRegistry:
     def __init__(self, source: ModelSource, settings: Settings, metrics: ServiceMetrics,
-                 loader: Loader = OnnxModel.load, retire_grace_s: float = 0.0):
+                 loader: Loader = load_model, retire_grace_s: float = 0.0):
         self.source, self.settings, self.metrics = source, settings, metrics
         self._loader = loader
         # How long a retiring version still takes requests already routed to it: frontends in other processes
@@ -234,7 +234,9 @@ class ModelRegistry:
         overrides = {"model_path": path, **{k: v for k, v in (("max_batch_size", config.max_batch_size),
                                                                ("max_queue_delay_ms", config.max_queue_delay_ms),
                                                                ("max_queue_size", config.max_queue_size),
-                                                               ("intra_op_threads", config.intra_op_threads))
+                                                               ("intra_op_threads", config.intra_op_threads),
+                                                               ("runtime", config.runtime),
+                                                               ("precision_hint", config.precision_hint))
                                               if v is not None}}
         if "max_batch_size" in overrides:  # warm up at the model's own sizes
             overrides["warmup_batch_sizes"] = sorted({1, overrides["max_batch_size"]})

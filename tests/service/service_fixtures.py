@@ -55,7 +55,7 @@ def settings_for(model_path: Path, **overrides) -> Settings:
     # max_loop_lag_ms off: a test's requests must not be shed because the machine running it is busy
     values = dict(model_path=model_path, providers=["cpu"], intra_op_threads=1, inter_op_threads=1,
                   intra_op_spinning=False, preprocess_threads=1, max_batch_size=4, max_queue_delay_ms=2,
-                  warmup_batch_sizes=[1], max_loop_lag_ms=None)
+                  warmup_batch_sizes=[1], max_loop_lag_ms=None, runtime="onnxruntime")
     values.update(overrides)
     return Settings(**values)
 
@@ -196,7 +196,7 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
             "1", "--log-level", "warning", "--workers", str(workers), "--max-loop-lag-ms", "60000", "--grpc-port", "0",
-            *flags]
+            "--runtime", "onnxruntime", *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

@@ -53,14 +53,14 @@ def test_the_split_paths_answer_as_the_file_does_bit_for_bit(tiny_onnx, batch, h
 
 def test_the_relevance_session_is_made_only_when_a_request_asks_for_it(tiny_onnx):
     model = OnnxModel.load(settings_for(tiny_onnx))
-    assert model._relevance is None
+    assert not model.relevance.made
     model.run(np.zeros((1, 3, 32, 32), np.float32))
-    assert model._relevance is None
+    assert not model.relevance.made
     model.explain(np.zeros((1, 3, 32, 32), np.float32), np.array([-1]))
-    first = model._relevance
-    assert first is not None
+    first = model.relevance_session()
+    assert model.relevance.made
     model.explain(np.zeros((2, 3, 32, 32), np.float32), np.array([0, 1]))
-    assert model._relevance is first  # made once
+    assert model.relevance_session() is first  # made once
 
 
 def test_a_file_without_the_relevance_path_is_its_own_fast_graph(tiny_checkpoint, tmp_path):

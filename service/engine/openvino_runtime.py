@@ -1,0 +1,85 @@
+"""OpenVINO: the artifact's fast path compiled for the CPU, behind the same `InferenceModel` contract as ONNX Runtime.
+
+Why a second runtime: on a Xeon with AMX (Sapphire Rapids and later) OpenVINO runs the same ONNX file in bfloat16 on
+the matrix units, 2.2-3.7x ONNX Runtime's float32 on the vector units at the same accuracy (issue 38's table). ONNX
+Runtime's own OpenVINO execution provider was tried and left aside: asked for bf16 through `load_config` it ran
+float32 (float32's speed and float32's exact answers), and it hides which precision really ran; the OpenVINO API
+says (`get_property("INFERENCE_PRECISION_HINT")` on the compiled model).
+
+OpenVINO cannot convert the relevance branch of the artifact's `If` (its ReduceSum, ScatterElements, Slice and
+Transpose fail), so it gets the fast graph alone (service/engine/graph_paths.py), read from bytes; the relevance path
+stays on ONNX Runtime, made on first use as in `OnnxModel`.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+from service.core.errors import ModelLoadError
+from vitserve.artifact import ModelInfo
+
+log = logging.getLogger("vitserve.runtime")
+
+PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}
+
+
+def available() -> bool:
+    try:
+        import openvino  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def cpu_capabilities() -> set[str]:
+    """What OpenVINO's CPU plugin says this CPU computes natively: 'FP32', 'BF16' (AVX512-BF16 or AMX), 'INT8', ..."""
+    import openvino as ov
+    return set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
+
+
+class OpenVinoModel:
+    """The fast path compiled by OpenVINO for the CPU at a precision; `explain` runs ONNX Runtime's relevance path
+    (`relevance`: service.engine.runtime.RelevancePath)."""
+
+    def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
+        self.compiled, self.info, self.precision = compiled, info, precision
+        self.provider = f"OpenVINO/CPU/{precision}"
+        self._outputs = [compiled.output(i) for i in range(len(compiled.outputs))]
+        self._requests = threading.local()  # an InferRequest is not safe to share between threads
+        self.relevance = relevance
+
+    @classmethod
+    def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int, relevance=None):
+        import openvino as ov
+
+        core = ov.Core()
+        if precision == "bf16" and "BF16" not in cpu_capabilities():
+            raise ModelLoadError("precision bf16: this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX; "
+                                 f"OpenVINO says {sorted(cpu_capabilities())}); OpenVINO would run float32")
+        config = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision], "PERFORMANCE_HINT": "LATENCY"}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = str(threads)
+        try:
+            compiled = core.compile_model(core.read_model(fast_graph), "CPU", config)
+        except Exception as e:  # OpenVINO raises RuntimeError with the converter's message
+            raise ModelLoadError(f"OpenVINO cannot compile {info.name} {info.version}: {str(e)[:500]}") from e
+        ran = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
+        if precision == "bf16" and "bf16" not in ran:
+            raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not bf16")
+        return cls(compiled, info, precision, relevance)
+
+    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        request = getattr(self._requests, "request", None)
+        if request is None:
+            request = self._requests.request = self.compiled.create_infer_request()
+        results = request.infer({0: np.ascontiguousarray(pixel_values, np.float32)})
+        # copies: the request's output buffers are reused by its next call
+        logits, rollout = (np.array(results[output]) for output in self._outputs)
+        return logits, rollout
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.relevance is None:
+            raise ModelLoadError(f"{self.info.name} has no relevance path")
+        return self.relevance.explain(pixel_values, targets)

@@ -1,0 +1,92 @@
+"""The second runtime (service/engine/openvino_runtime.py) and `--runtime auto` (service/engine/runtime.py):
+OpenVINO answers as ONNX Runtime does, at any size, with the relevance path on ONNX Runtime; auto keeps only the
+candidates that agree and picks the fastest by a margin; a precision the CPU lacks is refused in one line."""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+
+from service.core.errors import ModelLoadError
+from service.engine import runtime
+from service.engine.runtime import OnnxModel, auto_precisions, choose_fastest, disagrees, load_model
+from service_fixtures import settings_for
+
+openvino = pytest.importorskip("openvino")
+
+
+def test_openvino_answers_as_onnx_runtime_at_any_size_and_explains_through_onnx_runtime(tiny_onnx):
+    settings = settings_for(tiny_onnx, runtime="openvino")
+    model, reference = load_model(settings), OnnxModel.load(settings_for(tiny_onnx))
+    assert model.provider == "OpenVINO/CPU/fp32" and model.info == reference.info
+    for shape in [(1, 3, 32, 32), (5, 3, 32, 32), (2, 3, 48, 40)]:
+        x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
+        (logits, rollout), (want_logits, want_rollout) = model.run(x), reference.run(x)
+        assert logits.shape == want_logits.shape and rollout.shape == want_rollout.shape
+        np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(rollout, want_rollout, rtol=1e-4, atol=1e-5)
+    x = np.zeros((2, 3, 32, 32), np.float32)
+    assert not model.relevance.made
+    _, _, relevance = model.explain(x, np.array([-1, 1]))
+    assert relevance.shape == (2, 4, 4) and model.relevance.made
+    np.testing.assert_array_equal(relevance, reference.explain(x, np.array([-1, 1]))[2])
+
+
+def test_a_precision_the_cpu_cannot_compute_is_refused_in_one_line(tiny_onnx):
+    from service.engine.openvino_runtime import cpu_capabilities
+
+    if "BF16" in cpu_capabilities():
+        pytest.skip("this CPU computes bfloat16: bf16 loads here")
+    with pytest.raises(ModelLoadError, match="this CPU has no bfloat16 arithmetic"):
+        load_model(settings_for(tiny_onnx, runtime="openvino", precision_hint="bf16"))
+    with pytest.raises(ModelLoadError, match="precision bf16 needs the openvino runtime"):
+        load_model(settings_for(tiny_onnx, runtime="onnxruntime", precision_hint="bf16"))
+
+
+def test_auto_tries_bf16_only_where_the_cpu_has_it_and_a_hint_narrows_it():
+    assert auto_precisions("auto", {"FP32", "INT8"}) == ["fp32"]
+    assert auto_precisions("auto", {"FP32", "BF16"}) == ["fp32", "bf16"]
+    assert auto_precisions("bf16", {"FP32", "BF16"}) == ["bf16"]
+    assert auto_precisions("bf16", {"FP32"}) == []
+
+
+class Scripted:
+    """A model whose logits are the reference's, permuted or not; its speed is what the test says."""
+
+    def __init__(self, reference, permute=False):
+        self.reference, self.info, self.permute, self.provider = reference, reference.info, permute, "x"
+
+    def run(self, pixels):
+        logits, rollout = self.reference.run(pixels)
+        return (logits[:, ::-1] if self.permute else logits), rollout
+
+
+def test_a_candidate_that_changes_the_answers_is_left_out(tiny_model):
+    assert disagrees(Scripted(tiny_model), tiny_model) == ""
+    assert "change class" in disagrees(Scripted(tiny_model, permute=True), tiny_model)
+
+
+@pytest.mark.parametrize("costs, chosen", [({"onnxruntime/fp32": 1.0, "openvino/fp32": 0.5}, "openvino/fp32"),
+                                           ({"onnxruntime/fp32": 1.0, "openvino/fp32": 0.95}, "onnxruntime/fp32"),
+                                           ({"onnxruntime/fp32": 1.0, "openvino/fp32": 2.0}, "onnxruntime/fp32"),
+                                           ({"onnxruntime/fp32": 1.0, "openvino/fp32": 0.8, "openvino/bf16": 0.3},
+                                            "openvino/bf16")])
+def test_auto_keeps_onnx_runtime_unless_another_is_faster_by_the_margin(tiny_model, monkeypatch, caplog, costs,
+                                                                       chosen):
+    candidates = {name: Scripted(tiny_model) for name in costs}
+    by_model = {id(model): costs[name] for name, model in candidates.items()}
+    monkeypatch.setattr(runtime, "batch_ms", lambda model, pixels, calls=3: by_model[id(model)] * len(pixels))
+    with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
+        assert choose_fastest(candidates, max_batch=4) is candidates[chosen]
+    assert f"runtime auto chose {chosen}" in caplog.text
+
+
+def test_auto_loads_a_runtime_that_agrees_and_names_it(tiny_onnx, caplog):
+    with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
+        model = load_model(settings_for(tiny_onnx, runtime="auto"))
+    assert model.provider in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
+    assert "runtime auto chose" in caplog.text
+    x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0], rtol=1e-4,
+                               atol=1e-4)
