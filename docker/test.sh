@@ -241,10 +241,10 @@ check_image() {  # check_image FLAVOR
   ok "the server runs as uid $uid (non-root)"
   docker exec "$CONTAINER" python -c '
 import importlib.util, sys
-present = [m for m in ("torch", "torchvision", "onnx", "safetensors") if importlib.util.find_spec(m)]
+present = [m for m in ("torch", "torchvision", "onnxscript", "safetensors") if importlib.util.find_spec(m)]
 sys.exit(f"present in the serving image: {present}" if present else 0)' || die "training packages in the serving image"
   docker exec "$CONTAINER" sh -c 'find / -xdev -name "libtorch*" 2>/dev/null | grep -q .' && die "libtorch in the image"
-  ok "no torch, torchvision, onnx, safetensors modules; no libtorch files"
+  ok "no torch, torchvision, onnxscript, safetensors modules; no libtorch files"
   local commands
   commands=$(docker exec "$CONTAINER" python -c '
 from vitserve.cli import build_parser

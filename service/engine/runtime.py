@@ -127,7 +127,7 @@ class OnnxModel:
         # the host. On the CPU there is nothing to copy. None: decide by the provider.
         self.io_binding = self.provider in _GPU_PROVIDERS if io_binding is None else io_binding
         self._device = "cuda" if self.provider in _GPU_PROVIDERS else "cpu"
-        self.relevance = RelevancePath(make_relevance, info, self.io_binding)
+        self.relevance = RelevancePath(make_relevance, info, self._device if self.io_binding else None)
         self.captured = captured  # CudaGraphBuckets or None
 
     @classmethod
@@ -139,7 +139,7 @@ class OnnxModel:
         paths = _read_paths(path)
         fast, dims, split = paths.fast.SerializeToString(), symbolic_dims(paths), paths.relevance is not None
         session = new_session(fast, settings, chain, path, from_branch=split)
-        _check_signature(session, info, path, paths.relevance is not None)
+        _check_signature(session, info, path, split)
         relevance = None if paths.relevance is None else functools.partial(_relevance_session, path, settings,
                                                                             chain)
         del paths  # the relevance graph is read again from the file if a request ever asks for it
@@ -188,9 +188,9 @@ class RelevancePath:
     clients never do holds no memory for it. `make`: a callable that makes the session; None: the file has no
     relevance path. Shared by every runtime (OpenVINO cannot take this graph)."""
 
-    def __init__(self, make, info: ModelInfo, io_binding: bool):
+    def __init__(self, make, info: ModelInfo, device: str | None):
         self._make, self.info, self._session, self._lock = make, info, None, threading.Lock()
-        self._device = "cuda" if io_binding else None
+        self._device = device  # bind inputs and outputs to this device ("cuda"); None: a plain run
 
     @property
     def made(self) -> bool:
@@ -215,10 +215,18 @@ class RelevancePath:
 
 
 def _read_paths(path: Path) -> ModelPaths:
+    """The file's fast and relevance graphs. The whole file is checked first (onnx's checker: every node an
+    operator of its opset, both branches included), so a file broken in the path a session is not made for yet
+    (the relevance path, made on first use) is refused at load, not on a client's request."""
     try:
-        return split_paths(onnx.load(str(path)))
+        proto = onnx.load(str(path))
     except Exception as e:  # protobuf's DecodeError, onnx's own
         raise ModelLoadError(f"cannot read ONNX model {path}: {e}") from e
+    try:
+        onnx.checker.check_model(proto)
+    except onnx.checker.ValidationError as e:
+        raise ModelLoadError(f"cannot load ONNX model {path}: {str(e).splitlines()[0]}") from e
+    return split_paths(proto)
 
 
 def new_session(model: bytes, settings: Settings, chain: list[tuple[str, dict]], path: Path,
@@ -376,7 +384,7 @@ def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath
     paths = _read_paths(path)
     if relevance is None and paths.relevance is not None:
         chain = [("CPUExecutionProvider", {})]
-        relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, False)
+        relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
                                   relevance)
     log.info("loaded %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)

@@ -1,0 +1,27 @@
+"""`python -m bench.runtimes`: each runtime this CPU can run, timed on the same file, with its answers' distance from
+ONNX Runtime float32 and what `--runtime auto` picks."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("onnxruntime")
+
+
+def test_the_table_times_every_candidate_and_says_what_auto_picks(tiny_onnx, tmp_path):
+    from bench.runtimes import main
+    from service.engine import openvino_runtime
+
+    out = tmp_path / "runtimes.md"
+    assert main([str(tiny_onnx), "--batches", "1,4", "--rounds", "1", "--seconds", "0.05", "--threads", "1",
+                 "--out", str(out)]) == 0
+    [report] = json.loads(out.with_suffix(".json").read_text())
+    names = {r["candidate"] for r in report["rows"]}
+    assert "onnxruntime fp32" in names and {r["batch"] for r in report["rows"]} == {1, 4}
+    if openvino_runtime.available():
+        assert "openvino fp32" in names
+    assert report["max_logit_diff_vs_onnxruntime_fp32"]["onnxruntime fp32"] == 0.0
+    assert all(diff < 1e-3 for diff in report["max_logit_diff_vs_onnxruntime_fp32"].values())
+    assert report["auto_picks"] in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
+    assert "`--runtime auto` picks" in out.read_text()
