@@ -3,7 +3,8 @@
 For each file, the server's own model objects (`service.engine.runtime.load_model`, as `--runtime onnxruntime` and
 `--runtime openvino` with each precision hint OpenVINO can compute here), raw (no server), at each batch size at the
 trained resolution: images/s from the median of alternating rounds, so the machine's drift falls on every candidate
-alike. Beside the speed, each candidate's largest logit difference from ONNX Runtime float32 on the probe images
+alike. Beside the speed, each candidate's largest logit difference from ONNX Runtime on the same file (float32, or
+the file's int8 layers) on the probe images
 (`service.engine.runtime.probe_pixels`), and what `--runtime auto` picks for the file on this machine.
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ def candidates(path: Path, threads: int) -> dict:
     from service.settings import Settings
 
     base = dict(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64)
-    models = {"onnxruntime fp32": load_model(Settings(**base, runtime="onnxruntime"))}
+    models = {"onnxruntime": load_model(Settings(**base, runtime="onnxruntime"))}
     if openvino_runtime.available():
         precisions = ["fp32"] + (["bf16"] if "BF16" in openvino_runtime.cpu_capabilities() else [])
         for precision in precisions:
@@ -38,7 +39,7 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
     from service.settings import Settings
 
     models = candidates(path, threads)
-    reference = models["onnxruntime fp32"]
+    reference = models["onnxruntime"]
     info = reference.info
     probe = probe_pixels(info)
     want = reference.run(probe)[0]
@@ -54,7 +55,7 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
     auto = load_model(Settings(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64,
                                runtime="auto"))
     return {"file": str(path), "model": f"{info.name} {info.version} ({info.precision})", "rows": rows,
-            "max_logit_diff_vs_onnxruntime_fp32": differences, "auto_picks": auto.provider}
+            "max_logit_diff_vs_onnxruntime": differences, "auto_picks": auto.provider}
 
 
 def render(reports: list[dict], command: str) -> str:
@@ -66,10 +67,10 @@ def render(reports: list[dict], command: str) -> str:
              f"cores; OpenVINO's CPU capabilities: {', '.join(capabilities) or 'OpenVINO not installed'}.", ""]
     for report in reports:
         lines += [f"## {report['model']}: `{report['file']}`", "", f"`--runtime auto` picks **{report['auto_picks']}**"
-                  " here.", "", "| batch | candidate | ms | images/s | max logit diff vs ORT fp32 |",
+                  " here.", "", "| batch | candidate | ms | images/s | max logit diff vs onnxruntime |",
                   "|---|---|---|---|---|"]
         for r in report["rows"]:
-            diff = report["max_logit_diff_vs_onnxruntime_fp32"][r["candidate"]]
+            diff = report["max_logit_diff_vs_onnxruntime"][r["candidate"]]
             lines.append(f"| {r['batch']} | {r['candidate']} | {r['ms']:.2f} | {r['images_per_s']:,.1f} | "
                          f"{diff:.2g} |")
         lines.append("")
