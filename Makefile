@@ -105,12 +105,17 @@ clean:
 # vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; rewrites the committed
 # docs/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
 # when absent. PEERS_ARGS adds flags, e.g. PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
-# The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, raw vs served images/s at
-# batch 1-64, CUDA graphs, TensorRT; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the
-# build lacks CUDA. Without a GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags.
-.PHONY: bench-gpu
+# The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, CUDA graphs against the
+# dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
+# utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
+# GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags. On a lent GPU machine
+# without a network: `make gpu-wheels` here, then `bash bench/gpu-lent.sh OUT` there (docs/bench-gpu.md).
+.PHONY: bench-gpu gpu-wheels
 bench-gpu: $(VENV)/.dev-installed
 	$(BIN)/python -m bench.gpu $(GPU_ARGS)
+
+gpu-wheels: $(VENV)/.dev-installed
+	$(BIN)/python -m bench.gpu_wheels --out .whl --lzma --leave-out grpcio --max-mib 48
 
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-installed

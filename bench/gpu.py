@@ -10,11 +10,17 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 4. verify on the provider: each file on CUDA (else the CPU) against the fp32 file on ONNX Runtime's CPU provider,
    on random images at the trained size and at a larger one: the largest logit difference relative to the
    largest |logit|, top-1 agreement, the largest rollout difference;
-5. raw and served: `vitserve bench` for each file with the provider (raw session with IOBinding on a GPU at batch
-   1-64, then a real `vitserve serve` at 1-64 clients);
-6. CUDA graphs: ONNX Runtime captures a graph only when every node runs on CUDA with static shapes; the kit asks
-   for it on each file and reports what ORT says;
-7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it.
+5. on a GPU, for each file (`--gpu-steps`): CUDA graphs against the dynamic session, as the server runs them
+   (service/engine/cuda_graphs.py: their answers side by side, images/s per batch size, each bucket's load-time
+   timing); the maps-free graph with ONNX Runtime's transformer fusions against the rollout graph; and served: a
+   real `vitserve serve` loaded by wrk pinned to cores of its own, the GPU's utilisation sampled per level
+   (bench/gpu_served.py);
+6. without a GPU: `vitserve bench` (raw against served) on the CPU, as a check of the kit;
+7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it
+   (CPU runs only: the GPU steps above do not cover it yet).
+
+On a lent machine without a network, `bench/gpu-lent.sh` runs it in one call with what `python -m bench.gpu_wheels`
+prepared (docs/bench-gpu.md).
 
 Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
 measured (at batch 1 and 8, a few seconds), as a check that the kit works, not as a result.
@@ -427,7 +433,8 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
                  f"{env.get('date')}.", "", "| step | status | detail |", "|---|---|---|"]
     for s in kit.steps[1:]:
         detail = s.detail or ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
-                                       for k, v in s.result.items() if k not in ("raw", "served", "traceback", "rows", "levels"))
+                                       for k, v in s.result.items()
+                                       if k not in ("raw", "served", "traceback", "rows", "levels"))
         lines.append(f"| {s.name} | {s.status} | {detail.replace('|', '/')} |")
     for s in kit.steps:
         lines += step_tables(s)

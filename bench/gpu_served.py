@@ -52,8 +52,7 @@ class GpuSampler:
         finally:
             proc.terminate()
             out, _ = proc.communicate(timeout=10)
-            self.samples = [tuple(float(v) for v in line.split(",")) for line in out.splitlines()
-                            if line.count(",") == 1 and line.replace(",", "").replace(" ", "").replace(".", "").isdigit()]
+            self.samples = [tuple(float(v) for v in line.split(",")) for line in out.splitlines() if numeric(line)]
 
     def summary(self) -> dict:
         if not self.samples:
@@ -63,6 +62,11 @@ class GpuSampler:
         inner = util if len(util) < 5 else sorted(s[0] for s in self.samples[1:-1])
         return {"gpu_util_mean": sum(inner) / len(inner), "gpu_util_median": inner[len(inner) // 2],
                 "gpu_memory_mib_max": max(s[1] for s in self.samples), "gpu_util_samples": len(self.samples)}
+
+
+def numeric(line: str) -> bool:
+    """A sample line of nvidia-smi's CSV ("37, 4577"), not a header or a warning."""
+    return line.count(",") == 1 and line.replace(",", "").replace(" ", "").replace(".", "").isdigit()
 
 
 def children_cpu_s() -> float:

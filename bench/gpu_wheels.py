@@ -7,12 +7,13 @@ onnxruntime-gpu's wheel is ~245 MB, nearly all of it libonnxruntime_providers_cu
 GPU code for sm_75, 80, 86, 89, 90 and 120. So this script:
 
 1. downloads onnxruntime-gpu (cp312, manylinux x86-64) into a cache (build/gpu/wheel-cache), once;
-2. slims it: drops the TensorRT provider library and the C API library (see `dropped`), and in every .so with a `.nv_fatbin` section zeroes, in place,
-   the payload of each fatbin entry the H100 can never load (any architecture but sm_90). Offsets and sizes stay
-   as they were (no ELF surgery: the host code's pointers into the section remain valid); zero runs compress to
-   almost nothing in the wheel's zip. Optionally (on by default, `--keep-llm-kernels` turns it off) it also
-   zeroes the sm_90 code of kernel groups that only LLM operators use (MoE, weight-only int4/int8 GEMM, beam
-   search, decoding attention, ...) and relabels those entries so no device selects them: a ViT never launches them;
+2. slims it: drops the TensorRT provider library and the C API library (see `dropped`), and in every .so with a
+   `.nv_fatbin` section zeroes, in place, the payload of each fatbin entry the H100 can never load (any
+   architecture but sm_90). Offsets and sizes stay as they were (no ELF surgery: the host code's pointers into the
+   section remain valid); zero runs compress to almost nothing in the wheel's zip. Optionally (on by default,
+   `--keep-llm-kernels` turns it off) it also zeroes the sm_90 code of kernel groups that only LLM operators use
+   (MoE, weight-only int4/int8 GEMM, beam search, decoding attention, ...) and relabels those entries so no device
+   selects them: a ViT never launches them;
 3. downloads the web stack the server needs and the GPU machine lacks (pinned below);
 4. prints each wheel's size and the total, and exits 1 past `--max-mib`.
 

@@ -1,12 +1,12 @@
 """CUDA graphs for the fast path: one static session per batch bucket at the trained image size.
 
 A ViT's forward is hundreds of small kernels; at small batches the GPU waits for the CPU to launch them (the default
-model took 1.86 ms at batch 1 on an H100, docs/bench-gpu-first-run.md). ONNX Runtime can capture a session's kernels once
-and replay them as one CUDA graph (`enable_cuda_graph`), but only when every node runs on CUDA with fixed shapes
-and fixed input and output addresses. The artifact's graph has symbolic batch, height and width, and its shape
-arithmetic (the position embeddings' resampling to the image's grid) then runs on the CPU. So each bucket gets its
-own session with the dimensions fixed (`add_free_dimension_override_by_name`): ORT folds the shape arithmetic and
-the resampled position embeddings into constants, and what is left runs on CUDA. Each bucket's input and outputs
+model took 1.86 ms at batch 1 on an H100, docs/bench-gpu-first-run.md). ONNX Runtime can capture a session's kernels
+once and replay them as one CUDA graph (`enable_cuda_graph`), but only when every node runs on CUDA with fixed
+shapes and fixed input and output addresses. The artifact's graph has symbolic batch, height and width, and its
+shape arithmetic (the position embeddings' resampling to the image's grid) then runs on the CPU. So each bucket gets
+its own session with the dimensions fixed (`add_free_dimension_override_by_name`): ORT folds the shape arithmetic
+and the resampled position embeddings into constants, and what is left runs on CUDA. Each bucket's input and outputs
 live in device buffers allocated once and bound through an IOBinding; a batch is copied into its bucket's input
 (zero-padded up to the bucket) and its rows read back from the outputs.
 
@@ -21,6 +21,7 @@ import time
 import numpy as np
 
 log = logging.getLogger("vitserve.runtime")
+
 
 def bucket_sizes(max_batch_size: int) -> list[int]:
     """1, 2, 4, ... and `max_batch_size` itself: a batch pads to at most twice its size."""
@@ -62,10 +63,11 @@ class CapturedBucket:
 class CudaGraphBuckets:
     """The fast path at the trained size as one captured session per bucket; `covers` says which batches.
 
-    A captured graph is not always the faster: on an H100, ViT-B/16 in float16 ran 23.3 ms a batch of 64 captured
-    against 20.7 ms on the dynamic session (with the shapes fixed ORT rewrites MatMuls into Gemms with reshapes
-    around them), while at batch 1 capture took 3.5 ms to 1.4 ms. So each bucket is timed both ways when it is
-    captured, and kept only where its graph wins; a batch whose bucket lost runs on the dynamic session unpadded."""
+    A captured graph is not always the faster: on an H100, ViT-B/16 in float16 ran a batch of 64 in 23.3 ms captured
+    against 20.7 ms on the dynamic session (with the shapes fixed ORT optimises the graph otherwise: on the CPU it
+    turns the MatMuls into Gemms between reshapes), while at batch 1 the graph took 1.4 ms against 3.5 ms. So each
+    bucket is timed both ways when it is captured, and kept only where its graph wins; a batch whose bucket lost
+    runs on the dynamic session unpadded."""
 
     def __init__(self, buckets: dict[int, CapturedBucket], sizes: list[int], image_shape: tuple[int, int, int],
                  timings: dict[int, tuple[float, float]] | None = None):

@@ -18,6 +18,7 @@ import onnx
 
 from service.core.errors import ModelLoadError
 from service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
+from service.engine.openvino_runtime import OpenVinoModel
 from service.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
@@ -319,7 +320,10 @@ def load_engine_model(settings: Settings) -> InferenceModel:
         return model
     log.info("a light model (%.2f ms at batch 1 on every core): one intra-op thread, the other cores for the HTTP "
              "workers (--intra-op-threads sets it)", milliseconds)
-    return load_model(settings.model_copy(update={"intra_op_threads": 1}))
+    # the runtime `auto` chose stays: choosing again would cost the load as much again
+    chosen = {"runtime": "openvino", "precision_hint": model.precision} if isinstance(model, OpenVinoModel) else \
+        {"runtime": "onnxruntime"}
+    return load_model(settings.model_copy(update={"intra_op_threads": 1, **chosen}))
 
 
 def runs_on_cpu(model: InferenceModel) -> bool:
@@ -377,8 +381,6 @@ def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
 
 
 def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath | None" = None):
-    from service.engine.openvino_runtime import OpenVinoModel
-
     path = Path(settings.model_path)
     info = read_model_file_info(path)
     paths = _read_paths(path)
