@@ -384,12 +384,14 @@ def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
     from service.repository.registry import ModelRegistry
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
     (root / "m" / "config.json").write_text(json.dumps({"max_batch_size": 3, "intra_op_threads": 2,
-                                                        "max_queue_delay_ms": 1.5}))
+                                                        "max_queue_delay_ms": 1.5, "runtime": "openvino",
+                                                        "precision_hint": "fp32"}))
     settings = repo_settings(root)
     registry = ModelRegistry(ModelRepository(root), settings, ServiceMetrics())
     entry = registry.source.entry("m")
     own = registry._settings_for(entry, entry.versions["1"].path)
     assert (own.max_batch_size, own.intra_op_threads, own.max_queue_delay_ms) == (3, 2, 1.5)
+    assert (own.runtime, own.precision_hint) == ("openvino", "fp32") and settings.runtime != "openvino"
     assert own.warmup_batch_sizes == [1, 3] and own.model_path == entry.versions["1"].path
     assert settings.max_batch_size == 4  # the server's own are untouched
 
