@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
+
+from bench.report import command_line, publish
 
 SIZES = {"224x224": (224, 224), "640x480": (640, 480), "1920x1080": (1920, 1080)}
 TARGET = (224, 224)
@@ -123,12 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = measure(args.rounds, args.seconds)
-    import sys
-    text = render(rows, " ".join(["python -m bench.decode", *(sys.argv[1:] if argv is None else argv)]))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1) + "\n")
+    publish(render(rows, command_line("python -m bench.decode", argv)), rows, args.out)
     return 0
 
 

@@ -20,6 +20,19 @@ def write_report(report: dict, out: Path) -> list[Path]:
     return [out, data] + ([plot] if has_plot else [])
 
 
+def publish(text: str, data, out: Path | None) -> None:
+    """A table-only bench's Markdown printed, and with `out` written there with the JSON it was made from beside it."""
+    print(text)
+    if out:
+        out.write_text(text)
+        out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+
+
+def command_line(prog: str, argv: list[str] | None) -> str:
+    """The command as the user typed it: `prog` and its arguments (sys.argv's when called from the shell)."""
+    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+
+
 # ---------------------------------------------------------------------------------------------------- targets
 
 

@@ -10,12 +10,13 @@ the file's int8 layers) on the probe images
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 from pathlib import Path
 
 import numpy as np
+
+from bench.report import command_line, publish
 
 
 def candidates(path: Path, threads: int) -> dict:
@@ -89,8 +90,6 @@ def cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import sys
-
     p = argparse.ArgumentParser(prog="python -m bench.runtimes", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--batches", default="1,8,64")
@@ -101,11 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     reports = [compare(path, batches, args.rounds, args.seconds, args.threads) for path in args.files]
-    text = render(reports, " ".join(["python -m bench.runtimes", *(sys.argv[1:] if argv is None else argv)]))
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(reports, indent=1) + "\n")
+    publish(render(reports, command_line("python -m bench.runtimes", argv)), reports, args.out)
     return 0
 
 

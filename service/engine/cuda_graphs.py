@@ -113,6 +113,7 @@ class CudaGraphBuckets:
 
 
 def median_ms(call, calls: int) -> float:
+    """The median ms of `calls` calls of `call()`, after one that is not counted (it sets things up)."""
     call()
     times = []
     for _ in range(calls):

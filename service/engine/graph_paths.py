@@ -70,9 +70,12 @@ def _inline(model: onnx.ModelProto, switch: onnx.NodeProto, branch: onnx.GraphPr
     inputs = [i for i in model.graph.input if i.name in used]
     # The relevance graph's target is a required input: its empty default only ever selected the fast branch.
     initializers = [t for t in model.graph.initializer if t.name in used and t.name != TARGET_NAME]
-    value_info = [*model.graph.value_info, *branch.value_info]
-    for value in value_info:
+    value_info = []
+    for original in [*model.graph.value_info, *branch.value_info]:  # copies: `model` is left as it was read
+        value = onnx.ValueInfoProto()
+        value.CopyFrom(original)
         value.name = renamed.get(value.name, value.name)
+        value_info.append(value)
     graph = helper.make_graph(nodes, model.graph.name, inputs, [_value(model.graph.output, n) for n in keep],
                               initializers, value_info=[v for v in value_info if v.name not in keep])
     inlined = helper.make_model(graph, opset_imports=list(model.opset_import), ir_version=model.ir_version)

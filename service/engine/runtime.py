@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from service.core.errors import ModelLoadError
+from service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, median_ms
 from service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from service.engine.openvino_runtime import OpenVinoModel
 from service.settings import Settings
@@ -132,12 +133,12 @@ class OnnxModel:
         self.captured = captured  # CudaGraphBuckets or None
 
     @classmethod
-    def load(cls, settings: Settings) -> "OnnxModel":
+    def load(cls, settings: Settings, artifact: "tuple[ModelInfo, ModelPaths] | None" = None) -> "OnnxModel":
+        """`artifact`: the file's info and graphs, when the caller has read them already (`read_artifact`)."""
         import onnxruntime as ort
         path = Path(settings.model_path)
-        info = read_model_file_info(path)  # fail on a foreign ONNX file before paying for a session
+        info, paths = artifact or read_artifact(path)
         chain = provider_chain(settings, ort.get_available_providers())
-        paths = _read_paths(path)
         fast, dims, split = paths.fast.SerializeToString(), symbolic_dims(paths), paths.relevance is not None
         session = new_session(fast, settings, chain, path, from_branch=split)
         _check_signature(session, info, path, split)
@@ -215,6 +216,13 @@ class RelevancePath:
         return logits, rollout, relevance
 
 
+def read_artifact(path: Path) -> tuple[ModelInfo, ModelPaths]:
+    """The file's ModelInfo (from its header first: a foreign ONNX file fails before the whole file is read) and its
+    fast and relevance graphs."""
+    info = read_model_file_info(path)
+    return info, _read_paths(path)
+
+
 def _read_paths(path: Path) -> ModelPaths:
     """The file's fast and relevance graphs. The whole file is checked first (onnx's checker: every node an
     operator of its opset, both branches included), so a file broken in the path a session is not made for yet
@@ -261,8 +269,6 @@ def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settin
              chain: list[tuple[str, dict]], path: Path, from_branch: bool):
     """The fast path's CUDA graphs, one per batch bucket at the trained size where it beats the dynamic session;
     None (with a warning) where ORT will not capture this graph."""
-    from service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes
-
     image = (model.info.channels, *model.info.image_size)
     probe = model._run(model.session, OUTPUT_NAMES, {INPUT_NAME: np.zeros((1, *image), np.float32)})
     outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(OUTPUT_NAMES, probe)]
@@ -356,13 +362,14 @@ def load_model(settings: Settings) -> InferenceModel:
     if settings.runtime == "openvino":
         precision = "fp32" if settings.precision_hint == "auto" else settings.precision_hint
         return openvino_model(settings, precision)
-    reference = OnnxModel.load(settings)
+    artifact = read_artifact(Path(settings.model_path))  # once, for every candidate
+    reference = OnnxModel.load(settings, artifact)
     if not runs_on_cpu(reference):
         return reference
     candidates = {"onnxruntime/fp32": reference}
     for precision in auto_precisions(settings.precision_hint, openvino_runtime.cpu_capabilities()):
         try:
-            model = openvino_model(settings, precision, reference.relevance)
+            model = openvino_model(settings, precision, reference.relevance, artifact)
         except ModelLoadError as e:
             log.warning("runtime auto: OpenVINO %s left out: %s", precision, e)
             continue
@@ -380,10 +387,10 @@ def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
     return precisions if hint == "auto" else [p for p in precisions if p == hint]
 
 
-def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath | None" = None):
+def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath | None" = None,
+                   artifact: "tuple[ModelInfo, ModelPaths] | None" = None):
     path = Path(settings.model_path)
-    info = read_model_file_info(path)
-    paths = _read_paths(path)
+    info, paths = artifact or read_artifact(path)
     if relevance is None and paths.relevance is not None:
         chain = [("CPUExecutionProvider", {})]
         relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, None)
@@ -444,13 +451,7 @@ def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds
 
 def batch_ms(model: InferenceModel, pixels: np.ndarray, calls: int = 3) -> float:
     """The median ms of `calls` calls on `pixels`, after one that is not counted (it sets things up)."""
-    model.run(pixels)
-    times = []
-    for _ in range(calls):
-        started = time.perf_counter()
-        model.run(pixels)
-        times.append((time.perf_counter() - started) * 1000)
-    return float(np.median(times))
+    return median_ms(lambda: model.run(pixels), calls)
 
 
 def batch_one_ms(model: InferenceModel, calls: int = 5) -> float:
