@@ -19,7 +19,7 @@ from service.engine import Engine
 from service.core.admission import freeze_startup_objects
 from service.core.errors import ServiceError, error_headers
 from service.core.metrics import ServiceMetrics
-from service.http.errors import error_answer, service_error_answer
+from service.http.errors import error_answer, service_error_answer, validation_error_answer
 from service.http.infer_lane import InferenceLane
 from service.http.routes import classify, open_inference, operations, repository, web
 from service.engine.runtime import InferenceModel
@@ -121,8 +121,7 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        return error_answer(request, metrics, 422, "invalid_parameter", problems)
+        return validation_error_answer(request, metrics, exc)
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

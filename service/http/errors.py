@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from service.core.errors import ServiceError, error_headers, error_response, status_code
@@ -23,3 +24,9 @@ def service_error_answer(request: Request, metrics: ServiceMetrics, exc: Service
     model = getattr(request.state, "model_name", None)  # set on admission
     headers = error_headers(status, request.app.state.service.retry_after_s(model))
     return error_answer(request, metrics, status, exc.code, str(exc), headers)
+
+
+def validation_error_answer(request: Request, metrics: ServiceMetrics, exc: RequestValidationError) -> JSONResponse:
+    """A parameter FastAPI's (or the same pydantic model's) validation refused: 422, naming each problem."""
+    problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+    return error_answer(request, metrics, 422, "invalid_parameter", problems)

@@ -1,14 +1,15 @@
-"""The Open Inference Protocol's infer route, taken before FastAPI's router.
+"""The inference routes a loaded server answers most, taken before FastAPI's router: the Open Inference
+Protocol's `POST /v2/models/{name}[/versions/{version}]/infer` and `POST /v1/classify`.
 
-`POST /v2/models/{name}[/versions/{version}]/infer` is the answer a loaded server gives most. At 32 clients on two
-cores, FastAPI's own work around it (matching the path against every route, solving the route's dependencies,
-its exception and exit-stack layers) was about a fifth of an HTTP worker's CPU, and the workers' CPU per answer
-is what kept the tensor paths behind Triton's (docs/tail-latency.md). This pure ASGI middleware sits inside the
-app's middleware (request metrics, tracing, the handler of last resort for a bug's 500) and in front of the
-router: it takes those requests and does what the routes' dependencies do, with the same functions (the API
-key, readiness, admission), then the routes' own work (`open_inference.infer_response`). Errors are answered as
-the app's handlers answer them (service/http/errors.py). Everything else, and every route's documentation, is
-FastAPI's as before.
+At 32 clients on two cores, FastAPI's own work around them (matching the path against every route, solving the
+route's dependencies, validating the answer against its response model, its exception and exit-stack layers)
+was about a fifth of an HTTP worker's CPU (docs/tail-latency.md), and made /v1/classify cost an HTTP worker 30%
+more CPU than the same image sent to /v2 (docs/bench-paths.md). This pure ASGI middleware sits inside the app's
+middleware (request metrics, tracing, the handler of last resort for a bug's 500) and in front of the router: it
+takes those requests and does what the routes' dependencies do, with the same functions (the API key, the query
+parameters' pydantic model, readiness, admission), then the routes' own work (`open_inference.infer_response`,
+`classify.classify_response`). Errors are answered as the app's handlers answer them (service/http/errors.py).
+Everything else, and every route's documentation, is FastAPI's as before.
 """
 from __future__ import annotations
 
@@ -16,16 +17,19 @@ import re
 from dataclasses import dataclass
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
 
 from service.core.errors import ServiceError
 from service.core.metrics import ServiceMetrics
 from service.core.state import admit
 from service.http.access import require_api_key
-from service.http.errors import service_error_answer
+from service.http.errors import service_error_answer, validation_error_answer
+from service.http.routes.classify import classify_params, classify_response
 from service.http.routes.open_inference import infer_response
 
 # FastAPI's `{name}` and `{version}`: one path segment each, already percent-decoded in scope["path"]
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
+_CLASSIFY_PATH = "/v1/classify"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,7 @@ class RouteTemplate:
 
 _UNVERSIONED = RouteTemplate("/v2/models/{name}/infer")
 _VERSIONED = RouteTemplate("/v2/models/{name}/versions/{version}/infer")
+_CLASSIFY = RouteTemplate(_CLASSIFY_PATH)
 
 
 class InferenceLane:
@@ -44,25 +49,49 @@ class InferenceLane:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        match = _INFER_PATH.fullmatch(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" \
-            else None
-        if match is None:
+        answer = self._lane_for(scope) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if answer is None:
             return await self.app(scope, receive, send)
-        name, version = match.groups()
-        scope["route"] = _VERSIONED if version is not None else _UNVERSIONED  # as routing sets it
-        scope["path_params"] = {"name": name} if version is None else {"name": name, "version": version}
         request = Request(scope, receive, send)
         try:
-            response = await self._answer(request, name, version)
+            response = await answer(request)
         except ServiceError as error:
             response = service_error_answer(request, self.metrics, error)
+        except RequestValidationError as error:
+            response = validation_error_answer(request, self.metrics, error)
         await response(scope, receive, send)
 
     @staticmethod
-    async def _answer(request: Request, name: str, version: str | None):
-        await require_api_key(request)
-        state = admit(request)
-        try:
-            return await infer_response(request, state, name, version)
-        finally:
-            state.admission.leave()
+    def _lane_for(scope):
+        """The lane's answer for this request, with the route's template and parameters set as routing sets them;
+        None for a request the router takes."""
+        path = scope["path"]
+        if path == _CLASSIFY_PATH:
+            scope["route"], scope["path_params"] = _CLASSIFY, {}
+            return _classify
+        match = _INFER_PATH.fullmatch(path)
+        if match is None:
+            return None
+        name, version = match.groups()
+        scope["route"] = _VERSIONED if version is not None else _UNVERSIONED
+        scope["path_params"] = {"name": name} if version is None else {"name": name, "version": version}
+        return lambda request: _infer(request, name, version)
+
+
+async def _infer(request: Request, name: str, version: str | None):
+    await require_api_key(request)
+    state = admit(request)
+    try:
+        return await infer_response(request, state, name, version)
+    finally:
+        state.admission.leave()
+
+
+async def _classify(request: Request):
+    await require_api_key(request)
+    params = classify_params(request)
+    state = admit(request)
+    try:
+        return await classify_response(request, state, params)
+    finally:
+        state.admission.leave()

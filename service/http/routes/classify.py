@@ -10,7 +10,9 @@ import logging
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Query, Request
+from fastapi import APIRouter, Depends, Query, Request, Response
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from service.core import inference
 from service.http.access import require_api_key
@@ -36,53 +38,61 @@ _BATCH_BODY = {"requestBody": {"required": True, "content": {"multipart/form-dat
         "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}}}}}
 
 
-_TOP_K = Query(ge=1, le=1000, description="classes to return (capped at the model's class count)")
-_MAP = Query(alias="map", description="rollout: attention rollout, how attention flows from the class token (the "
-                                      "same map for every class); relevance: what drove one class's score "
-                                      "(gradient-weighted rollout, about 2.5x the compute); none")
-_MAP_FORMAT = Query(description="the map as grid values in [0, 1], a heat-map png, or the heat-map over the image")
-_TARGET = Query(max_length=MAX_TARGET_CHARS, description="map=relevance: the class to explain, an index or a label "
-                                                         "(default: the top-1)")
-_ROLLOUT = Query(deprecated=True, description="the older spelling: rollout=F is map=rollout&map_format=F, "
-                                              "rollout=none is map=none")
-_RESIZE = Query(description="fit: scale and centre-crop to the trained size; native: keep aspect, snap to patches")
-_MODEL = Query(max_length=64, description="the model to run (GET /v1/models lists them); default: the only model")
-_VERSION = Query(max_length=20, description="the model's version; default: its newest ready version")
+class ClassifyQuery(BaseModel):
+    """The query parameters of /v1/classify and /v1/classify/batch. One model, validated twice over: by FastAPI
+    for the routes (and their documentation), and by the infer lane (service/http/infer_lane.py), which takes
+    /v1/classify before FastAPI's router to save its per-request work."""
+
+    model_config = ConfigDict(extra="ignore")
+    top_k: int = Field(5, ge=1, le=1000, description="classes to return (capped at the model's class count)")
+    map_kind: MapKind | None = Field(None, alias="map", description=(
+        "rollout: attention rollout, how attention flows from the class token (the same map for every class); "
+        "relevance: what drove one class's score (gradient-weighted rollout, about 2.5x the compute); none"))
+    map_format: MapFormat | None = Field(None, description="the map as grid values in [0, 1], a heat-map png, or "
+                                                           "the heat-map over the image")
+    target: str | None = Field(None, max_length=MAX_TARGET_CHARS, description=(
+        "map=relevance: the class to explain, an index or a label (default: the top-1)"))
+    # Deprecated in the documentation only: pydantic's own `deprecated` warns on every read of the field.
+    rollout: RolloutFormat | None = Field(None, json_schema_extra={"deprecated": True}, description=(
+        "the older spelling: rollout=F is map=rollout&map_format=F, rollout=none is map=none"))
+    resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
+                                                    "aspect, snap to patches")
+    model: str | None = Field(None, max_length=64, description="the model to run (GET /v1/models lists them); "
+                                                               "default: the only model")
+    version: str | None = Field(None, max_length=20, description="the model's version; default: its newest ready "
+                                                                 "version")
+
+
 _NAMES = ("top_k", "map", "map_format", "target", "rollout", "resize", "model", "version")
 
 
-async def classify_params(request: Request, top_k: Annotated[int, _TOP_K] = 5,
-                          map_kind: Annotated[MapKind | None, _MAP] = None,
-                          map_format: Annotated[MapFormat | None, _MAP_FORMAT] = None,
-                          target: Annotated[str | None, _TARGET] = None,
-                          rollout: Annotated[RolloutFormat | None, _ROLLOUT] = None,
-                          resize: Annotated[ResizePolicy, _RESIZE] = "fit",
-                          model: Annotated[str | None, _MODEL] = None,
-                          version: Annotated[str | None, _VERSION] = None) -> "ClassifyParams":
-    """The query parameters as a dependency. A coroutine, so that FastAPI checks them on the event loop: a class
-    (or any plain function) as a dependency runs in its thread pool, a thread hop per request that the profile
-    under overload showed (docs/tail-latency.md)."""
-    return ClassifyParams(request, top_k, map_kind, map_format, target, rollout, resize, model, version)
+def classify_params(request: Request) -> "ClassifyParams":
+    """The request's query parameters, checked as FastAPI checks them (a 422 naming each problem) without its
+    dependency machinery: the infer lane's way in."""
+    try:
+        query = ClassifyQuery.model_validate(dict(request.query_params))
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("query", *error["loc"])} for error in e.errors()]) from None
+    return ClassifyParams(request, query)
 
 
 class ClassifyParams:
-    def __init__(self, request: Request, top_k: int, map_kind: MapKind | None, map_format: MapFormat | None,
-                 target: str | None, rollout: RolloutFormat | None, resize: ResizePolicy, model: str | None,
-                 version: str | None):
+    def __init__(self, request: Request, query: ClassifyQuery):
         # A parameter given twice would be read from its last copy, an invalid first one silently ignored.
         repeated = sorted(name for name in _NAMES if len(request.query_params.getlist(name)) > 1)
         if repeated:
             raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
-        if rollout is not None:
+        map_kind, map_format = query.map_kind, query.map_format
+        if query.rollout is not None:
             if map_kind is not None or map_format is not None:
                 raise InvalidParameter("rollout is the older spelling of map and map_format: send one or the other")
-            map_kind, map_format = ("none", None) if rollout == "none" else ("rollout", rollout)
+            map_kind, map_format = ("none", None) if query.rollout == "none" else ("rollout", query.rollout)
         self.map: MapKind = map_kind or "rollout"
         self.map_format: RolloutFormat = "none" if self.map == "none" else map_format or "grid"
-        if target is not None and self.map != "relevance":
+        if query.target is not None and self.map != "relevance":
             raise InvalidParameter("target names the class to explain: it needs map=relevance")
-        self.top_k, self.target, self.resize = top_k, target, resize
-        self.model, self.version = model, version
+        self.top_k, self.target, self.resize = query.top_k, query.target, query.resize
+        self.model, self.version = query.model, query.version
         self.target_index: int | None = None  # set by `check_against`
 
     def check_against(self, info: ModelInfo) -> None:
@@ -93,24 +103,33 @@ class ClassifyParams:
 
 @router.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504))
-async def classify(request: Request, params: Annotated[ClassifyParams, Depends(classify_params)],
-                   state: Annotated[ServiceState, Depends(get_admitted_state)]) -> ClassifyResponse:
+async def classify(request: Request, query: Annotated[ClassifyQuery, Query()],
+                   state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
     """Classify one image sent as the raw body (image content type) or as multipart field `file`."""
+    return await classify_response(request, state, ClassifyParams(request, query))
+
+
+async def classify_response(request: Request, state: ServiceState, params: ClassifyParams) -> Response:
+    """A /v1/classify request's life: route it, read its image, run it, and its answer as JSON. The route's own
+    work, and all of the infer lane's."""
     started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
     handle = inference.route(state, params.model, params.version, request)
     params.check_against(handle.info)
     files = await upload(request, state, deadline, max_files=1)
     if isinstance(files[0], ServiceError):
         raise files[0]
-    return await run_guarded(request, inference.classify_image(state, handle, files[0], params, started, deadline),
-                             deadline, state.stopping)
+    answer = await run_guarded(request, inference.classify_image(state, handle, files[0], params, started, deadline),
+                               deadline, state.stopping)
+    # Serialised by the model that made it: FastAPI would validate the answer against it once more first.
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 @router.post("/v1/classify/batch", response_model=BatchResponse, openapi_extra=_BATCH_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 503, 504))
-async def classify_batch(request: Request, params: Annotated[ClassifyParams, Depends(classify_params)],
+async def classify_batch(request: Request, query: Annotated[ClassifyQuery, Query()],
                          state: Annotated[ServiceState, Depends(get_admitted_state)]) -> BatchResponse:
     """Classify several `file` fields; one result or one error per file, in order."""
+    params = ClassifyParams(request, query)
     started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
     handle = inference.route(state, params.model, params.version, request)
     params.check_against(handle.info)
