@@ -143,13 +143,15 @@ class ServiceMetrics:
         return metric.labels(*values)
 
     def retire(self, model: str, version: str) -> None:
-        """A version was unloaded: its series stop exporting. In one process they are removed. In multiprocess mode
-        a scrape leaves them out instead (`render(live=...)`) and the children stay: prometheus-client keeps every
-        value it ever made for a process in a module-level list, so removing and re-making the same children at
-        each reload would leak them (measured: 0.1 MiB per load/unload cycle of one version)."""
+        """A version was unloaded: its series stop exporting, and if it is loaded again they count from zero, as
+        Triton's statistics do. In one process they are removed. In multiprocess mode a scrape leaves them out
+        instead (`render(live=...)`) and the children stay, set to zero: prometheus-client keeps every value it
+        ever made for a process in a module-level list, so removing and re-making the same children at each
+        reload would leak them (measured: 0.1 MiB per load/unload cycle of one version), and a child made again
+        would read its old value back from this process's file."""
         if multiprocess_dir():
-            if (model, version) in self._reporters:
-                self._reporters[model, version].set_ready(False)
+            for metric, values in self._children.get((model, version), ()):
+                _zero(metric.labels(*values))
             return
         self._reporters.pop((model, version), None)
         for metric, values in self._children.pop((model, version), ()):
@@ -176,6 +178,18 @@ class ServiceMetrics:
         else:
             registry = self.registry
         return registry if live is None else _LiveVersionsOnly(registry, live)
+
+
+def _zero(child) -> None:
+    """One series back to zero. Counters and gauges have a public way; a histogram has none, so its buckets and
+    sum (prometheus-client's own value objects, each with `set`) are set here, the one place that reaches in."""
+    if isinstance(child, Counter):
+        child.reset()
+    elif isinstance(child, Gauge):
+        child.set(0)
+    elif isinstance(child, Histogram):
+        for value in (child._sum, *child._buckets):
+            value.set(0)
 
 
 class _LiveVersionsOnly:

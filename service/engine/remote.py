@@ -29,6 +29,7 @@ from service.engine.messages import (Cancel, Codec, Control, ControlReply, Engin
                                      Result, Submit, error_of, status_address)
 from service.engine.routing import RoutingTable, VersionView
 from service.engine.shm import ArenaFull, TensorArena
+from service.engine.views import WorkerViews
 from service.core.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
 from service.core.metrics import ServiceMetrics
 from service.settings import Settings
@@ -38,6 +39,9 @@ log = logging.getLogger("vitserve.frontend")
 
 RECONNECT_GRACE_S = 1.0  # how long a request waits for the connection to an engine said to be ready
 CONTROL_TIMEOUT_S = 600.0  # a load can build a TensorRT engine for minutes
+# How long a load or unload, done, waits for every other HTTP worker to route with its outcome: milliseconds
+# normally; a worker whose event loop is stalled this long is not serving anyway.
+WORKERS_AGREE_TIMEOUT_S = 10.0
 
 
 @dataclass(eq=False)
@@ -92,6 +96,7 @@ class RemoteEngine:
         self._links: list[_Link] = []
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
+        self.views: WorkerViews | None = None
 
     @property
     def provider(self) -> str:
@@ -100,6 +105,7 @@ class RemoteEngine:
 
     async def start(self) -> None:
         self.arena = TensorArena.create(self.settings.engine_arena_bytes)
+        self.views = WorkerViews(self.settings.engine_addresses[0])
         # The process's one context (ZeroMQ's advice), held by pyzmq for the process's life: a context of this
         # engine's own, dropped without close() (a test's failure path), would be terminated by the garbage
         # collector while its sockets, in the same cycle, are still open: term() then waits for ever.
@@ -197,15 +203,28 @@ class RemoteEngine:
         await self._control_all("unload", name)
 
     async def _control_all(self, op: str, name: str) -> None:
-        """Ask every engine; the first failure is raised (as the engine's error), after all have answered."""
+        """Ask every engine; the first failure is raised (as the engine's error), after all have answered. Done,
+        it answers once every HTTP worker routes with its outcome: the client's next request may reach any."""
         links = [link for link in self._links if link.status is not None]
         if not links:
             raise NotReady("no inference engine is reachable")
+        incarnation = links[0].status.incarnation
         replies = await asyncio.gather(*(self._control(link, op, name) for link in links))
-        self._apply_index(replies[0].index)
+        self._apply_index(replies[0].index, incarnation)
         for reply in replies:
             if reply.code:
                 raise error_of(Failure(reply.id, reply.code, reply.message))
+        await self._until_every_worker_has(incarnation, replies[0].index.generation, f"{op}ed {name!r}")
+
+    async def _until_every_worker_has(self, incarnation: str, generation: int, change: str) -> None:
+        """Wait until every live HTTP worker routes with `generation` (they fetch it as soon as their engine's
+        status says it changed); NotReady after WORKERS_AGREE_TIMEOUT_S."""
+        give_up = time.monotonic() + WORKERS_AGREE_TIMEOUT_S
+        while lagging := self.views.behind(incarnation, generation):
+            if time.monotonic() >= give_up:
+                raise NotReady(f"{change}, but HTTP worker(s) {', '.join(map(str, lagging))} did not take the change "
+                               f"in {WORKERS_AGREE_TIMEOUT_S:.0f} s and may still route as before")
+            await asyncio.sleep(0.002)
 
     async def _control(self, link: _Link, op: str, name: str = "") -> ControlReply:
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
@@ -235,11 +254,18 @@ class RemoteEngine:
         return self._refreshing
 
     async def _fetch_index(self) -> None:
+        """The index, fetched again while the engine's status says it changed since (a fetch under way when the
+        status came is older than it): a load waits for every worker to catch up."""
         links = [link for link in self._links if link.status is not None]
-        if links:
-            self._apply_index((await self._control(links[0], "index")).index)
+        while links and links[0].status is not None:
+            status = links[0].status
+            self._apply_index((await self._control(links[0], "index")).index, status.incarnation)
+            now = links[0].status
+            if now is None or self._index is None or now.generation <= self._index.generation:
+                return
 
-    def _apply_index(self, index: RepositoryIndex) -> None:
+    def _apply_index(self, index: RepositoryIndex, incarnation: str) -> None:
+        """Route with `index` (of the engine `incarnation`) from now on, and say so to the other workers."""
         if self._index is not None and index.generation < self._index.generation:
             return  # an older answer that arrived late
         loaded = {(v.model, v.version): v for v in index.loaded}
@@ -250,7 +276,12 @@ class RemoteEngine:
                 info = ModelInfo.from_metadata(version.metadata, version.opset) if version else None
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
                                                             version.batching if version else {})
-        self._index, self.table = index, RoutingTable(views, dict(index.problems))
+        table = RoutingTable(views, dict(index.problems))
+        retired = self.table.live() - table.live()
+        self._index, self.table = index, table
+        for model, version in retired:  # loaded again, it counts from zero (its series here too)
+            self.metrics.retire(model, version)
+        self.views.publish(incarnation, index.generation)
         self._update_ready()
 
     @staticmethod
@@ -347,6 +378,8 @@ class RemoteEngine:
 
     async def close(self, timeout_s: float) -> None:
         self.ready = False
+        if self.views is not None:
+            self.views.withdraw()
         for task in self._tasks:
             task.cancel()
         for link in self._links:

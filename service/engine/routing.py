@@ -71,8 +71,16 @@ class RoutingTable:
         versions = {v: view for (n, v), view in self.versions.items() if n == name}
         if not versions:
             raise ModelNotFound(f"no model named {name!r} is loaded" +
-                                (f" ({self.problems[name]})" if name in self.problems else ""))
+                                (f" ({self.problems[name]})" if name in self.problems else "") + self._loaded_names())
         return versions
+
+    def _loaded_names(self, shown: int = 10) -> str:
+        """What a client who misspelt a name can pick from: the models with a ready version (the first `shown`)."""
+        names = sorted({n for (n, _), view in self.versions.items() if view.state == READY})
+        if not names:
+            return "; no model is"
+        more = f" and {len(names) - shown} more" if len(names) > shown else ""
+        return "; loaded: " + ", ".join(names[:shown]) + more
 
     def only_model(self) -> str:
         names = sorted({n for (n, _), view in self.versions.items() if view.state != UNAVAILABLE})

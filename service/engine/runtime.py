@@ -149,7 +149,7 @@ class OnnxModel:
         warn_on_fallback(model, chain)
         if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
-        log.info("loaded %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
+        log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
                  info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
 
@@ -396,7 +396,7 @@ def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath
         relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
                                   relevance)
-    log.info("loaded %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
+    log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
     return model
 
 

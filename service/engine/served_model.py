@@ -73,6 +73,10 @@ class ServedModel:
         info = self.model.info
         maps = tuple(m for m in info.maps if self._maps is None or m in self._maps) or ("rollout",)
         self._info = replace(info, name=self.name, version=self.version, maps=maps)
+        # The repository's name and version, which clients use; the file's own (its metadata) only beside them
+        log.info("loaded %s version %s (file: %s %s, %s, opset %s) from %s on %s%s", self.name, self.version,
+                 info.name, info.version, info.precision, info.opset, self.settings.model_path, self.provider,
+                 " with CUDA graphs" if getattr(self.model, "captured", None) else "")
         s = self.settings
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,

@@ -67,7 +67,7 @@ def triton_statistics(families, name: str, version: str, inference_endpoints: fr
         "batch_stats": [{"batch_size": size,
                          "compute_input": _duration(b["vitserve_batches_total"], b["vitserve_batch_stack_seconds_total"]),
                          "compute_infer": _duration(b["vitserve_batches_total"], b["vitserve_batch_seconds_total"])}
-                        for size, b in sorted(batches.items())],
+                        for size, b in sorted(batches.items()) if b["vitserve_batches_total"]],  # (a reload's zeros)
         "memory_usage": [],
     }
 
