@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import asdict
 
 from vitserve.help_format import DefaultsHelpFormatter
 from vitserve.machine import has_int8_dot_product
@@ -129,15 +130,17 @@ def human_summary(summary: dict) -> str:
     if "verified" in summary:
         v = summary["verified"]
         sizes = sorted({f"{h}x{w}" for h, w, _ in v["cases"]})
-        lines.append(f"verified against PyTorch at {', '.join(sizes)}: logits within {v['max_logits_abs_diff']:.1e} "
-                     f"(tolerance {v['tolerances']['logits']:g}), rollout within {v['max_rollout_abs_diff']:.1e} "
-                     f"(tolerance {v['tolerances']['rollout']:g})")
+        lines.append(f"verified against PyTorch at {', '.join(sizes)}: logits within {v['max_logits_abs_diff']:.1e}, "
+                     f"rollout within {v['max_rollout_abs_diff']:.1e}: at most {v['tolerance_used']:.0%} of the "
+                     f"tolerances ({_tolerance('logit', v['tolerances']['logits'])}, "
+                     f"{_tolerance('rollout', v['tolerances']['rollout'])}, per case)")
     else:
         lines.append("not verified (--no-verify)")
     if "relevance_verified" in summary:
         r = summary["relevance_verified"]
-        lines.append(f"relevance path verified: within {r['max_relevance_rel_diff']:.1e} relative "
-                     f"(tolerance {r['tolerance']['relevance_relative']:g})")
+        lines.append(f"relevance path verified: within {r['max_relevance_rel_diff']:.1e} of the largest |relevance| "
+                     f"(tolerance {r['tolerance']['relevance']['rtol']:g}); at most {r['tolerance_used']:.0%} of "
+                     f"every tolerance")
     if "fp16_vs_fp32" in summary:
         f = summary["fp16_vs_fp32"]
         lines.append(f"float16 against float32: logits within {f['max_logits_abs_diff']:.1e}, top-1 agreement "
@@ -152,6 +155,10 @@ def human_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def _tolerance(name: str, t: dict) -> str:
+    return f"{name}s {t['atol']:g} + {t['rtol']:g} x max|{name}|"
+
+
 def report_summary(report) -> dict:
     summary = {"path": str(report.path), "precision": report.precision, "opset": report.opset,
                "size_bytes": report.size_bytes, "export_seconds": round(report.export_seconds, 1)}
@@ -159,15 +166,19 @@ def report_summary(report) -> dict:
         v = report.verification
         summary["verified"] = {"cases": [[c.height, c.width, c.batch] for c in v.cases],
                                "max_logits_abs_diff": v.max_logits_diff, "max_rollout_abs_diff": v.max_rollout_diff,
-                               "tolerances": {"logits": v.logits_atol, "rollout": v.rollout_atol}}
+                               "tolerances": {"logits": asdict(v.logits_tolerance),
+                                              "rollout": asdict(v.rollout_tolerance)},
+                               "tolerance_used": v.tolerance_used}
     if report.relevance:
         r = report.relevance
         summary["relevance_verified"] = {"cases": [[c.height, c.width, c.batch] for c in r.cases],
                                          "max_relevance_rel_diff": r.max_relevance_rel_diff,
-                                         "tolerance": {"relevance_relative": r.relevance_rtol}}
+                                         "tolerance": {"relevance": asdict(r.relevance_tolerance)},
+                                         "tolerance_used": r.tolerance_used}
     if report.fp16:
         f = report.fp16
         summary["fp16_vs_fp32"] = {"max_logits_abs_diff": f.logits_max_abs_diff, "logits_tolerance": f.logits_tolerance,
+                                   "rollout_tolerance": f.rollout_tolerance,
                                    "max_rollout_abs_diff": f.rollout_max_abs_diff, "photos": f.photos,
                                    "near_ties": f.ties, "top1_agreement": f.top1_agreement}
     if report.int8:

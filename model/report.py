@@ -10,7 +10,6 @@ import statistics
 from pathlib import Path
 
 from model.checkpoint import load_meta
-from vitserve.machine import cpu_model_name
 
 
 def read_log(run_dir: Path) -> list[dict]:
@@ -34,7 +33,9 @@ def render_report(run_dir: Path) -> str:
         f"- Wall time: {hours} h {rest // 60:02d} min (training and per-epoch evaluation)",
         f"- Throughput: median {statistics.median(r['images_per_s'] for r in rows):.0f} training images/s "
         f"(range {min(r['images_per_s'] for r in rows):.0f}-{max(r['images_per_s'] for r in rows):.0f})",
-        f"- Machine: {training.get('machine', '?')}; {cpu_model_name()}; torch {training.get('torch', '?')}",
+        # The machine the times above were measured on, as the run recorded it, never the one writing the report
+        f"- Machine: {training.get('machine', '?')}; {training.get('cpu', 'CPU not recorded')}; "
+        f"torch {training.get('torch', '?')}",
         f"- Model: {training.get('parameters', 0):,} parameters, `{meta.config.to_dict()}`",
         f"- Command: `{_command(training)}`", "",
         "| epoch | lr | train loss | train acc (augmented) | test loss | test acc | images/s |",

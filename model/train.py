@@ -32,6 +32,7 @@ from model.data import DataSplits, labelled_share, load_fashion_mnist, load_imag
 from model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
 from model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
 from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
+from vitserve.machine import cpu_model_name
 
 TRAIN_STATE_FILE = "train_state.pt"
 MIN_EPOCH_POINTS = 5  # fewer evaluations than this and curves.png is drawn against steps
@@ -584,8 +585,8 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
         run.meta.metrics = {"epoch": epochs_done, "step": pos.step}
     record = {**run.meta.training, **asdict(run.cfg)}  # keeps the last evaluation's images/s through later saves
     record.update(epochs_done=epochs_done, wall_time_s=round(pos.elapsed_s, 1), train_images=len(run.splits.train),
-                  parameters=count_parameters(run.model), machine=machine_description(run.rt), torch=torch.__version__,
-                  command=" ".join(sys.argv))
+                  parameters=count_parameters(run.model), machine=machine_description(run.rt), cpu=cpu_model_name(),
+                  torch=torch.__version__, command=" ".join(sys.argv))
     if run.teachers is not None:
         record["teachers"] = run.teachers.described
     if evaluated:

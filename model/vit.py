@@ -8,6 +8,7 @@ tensor, never from Python ints, so that `torch.export` keeps height and width sy
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -129,10 +130,20 @@ def vit_config(name: str, **overrides) -> ViTConfig:
         patch = int(rest.split("_")[0])
     key = _SHORT.get(key, key)
     if key not in _WIDTHS:
-        raise ValueError(f"unknown ViT variant {name!r}; known: {sorted(_WIDTHS)} and 'fmnist'")
+        raise ValueError(unknown_variant_message(name))
     dim, depth, heads, mlp = _WIDTHS[key]
     fields = dict(patch_size=patch, embed_dim=dim, depth=depth, num_heads=heads, mlp_dim=mlp)
     return ViTConfig(**{**fields, **overrides})
+
+
+def unknown_variant_message(name: str) -> str:
+    """Every spelling vit_config accepts, and the likely one when `name` only lacks the '/' ('B16' for 'B/16')."""
+    short = re.fullmatch(r"(ti|s|b|l|h)[-_ ]?(\d+)", name.strip().lower())
+    hint = f" (did you mean '{short[1].capitalize()}/{short[2]}'?)" if short else ""
+    return (f"unknown ViT variant {name!r}{hint}; accepted: a size with its patch in pixels, Ti/S/B/L/H "
+            f"('B/16', 'L/32'; also {', '.join(_WIDTHS)}, or timm's 'vit_base_patch16_224'); 'fmnist'; or a hybrid, "
+            f"a ResNet backbone ({', '.join(sorted(BACKBONES))}) before it ('R50+B/16', 'R26+S/32', 'R+Ti/32', "
+            f"'R+fmnist', or timm's 'vit_small_r26_s32_224')")
 
 
 def _hybrid_name(key: str) -> tuple[str, tuple[int, ...]] | None:

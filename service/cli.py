@@ -67,8 +67,12 @@ def _add_settings(parser: argparse.ArgumentParser, everything: bool) -> None:
 _FLAG_NAMES = {"model_path": "--model", "load_models": "--load-model"}
 
 
+# Defaults that the command derives rather than the Settings field's
+_DEFAULTS_SHOWN = {"grpc_port": "--port + 1 when --port (or VITSERVE_PORT) is given, else 8001"}
+
+
 def _add_setting(group, name: str, field, shown: bool) -> None:
-    default = field.default if field.default_factory is None else "(derived)"
+    default = _DEFAULTS_SHOWN.get(name, field.default if field.default_factory is None else "(derived)")
     described = f"{field.description}; " if field.description else ""
     help_text = f"{described}env {ENV_PREFIX}{name.upper()}, default {default}".replace("%", "%%")
     if name == "load_models":
@@ -110,6 +114,7 @@ def run_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         os.environ[ENV_PREFIX + name.upper()] = text
+    grpc_derived = derive_grpc_port(os.environ)
     try:
         settings = Settings()
         what = _what_is_served(settings)  # cheap: no session yet
@@ -128,12 +133,12 @@ def run_serve(args: argparse.Namespace) -> int:
                   file=sys.stderr)
             return 2
         return _serve_on_ray(settings)
-    if settings.grpc_port:
-        # (before anything imports prometheus_client: it picks its multiprocess mode on import)
-        if not port_is_free(settings.host, settings.grpc_port):
-            print(f"vitserve serve: the gRPC port {settings.host}:{settings.grpc_port} is in use: stop what holds it, "
-                  f"or choose another with --grpc-port (0: no gRPC)", file=sys.stderr)
-            return 2
+    # Before any model is loaded (uvicorn would say only "Address already in use", after the warm-up), and before
+    # anything imports prometheus_client: it picks its multiprocess mode on import.
+    taken = port_in_use(settings, grpc_derived)
+    if taken:
+        print(f"vitserve serve: {taken}", file=sys.stderr)
+        return 2
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
         from service.core.metrics_files import prepare_multiprocess_dir
@@ -155,6 +160,29 @@ def run_serve(args: argparse.Namespace) -> int:
         if metrics_dir:
             shutil.rmtree(metrics_dir, ignore_errors=True)
     return 0
+
+
+def derive_grpc_port(environ) -> bool:
+    """With the HTTP port given (--port or VITSERVE_PORT) and the gRPC port not, gRPC takes the next port, as the
+    defaults pair 8000 with 8001: a second server started on another --port does not collide with the first on
+    gRPC's 8001. Written into `environ`, which the HTTP workers read their settings from; returns whether it did."""
+    port = environ.get(ENV_PREFIX + "PORT", "").strip()
+    if environ.get(ENV_PREFIX + "GRPC_PORT", "").strip() or not port.isdigit() or not 0 < int(port) < 65535:
+        return False  # port 0 (any free one) has no next port: gRPC keeps its default
+    environ[ENV_PREFIX + "GRPC_PORT"] = str(int(port) + 1)
+    return True
+
+
+def port_in_use(settings: Settings, grpc_derived: bool = False) -> str | None:
+    """What to tell the user when the HTTP or the gRPC port is taken, naming it and the flag that moves it."""
+    if settings.port and not port_is_free(settings.host, settings.port):
+        return (f"the HTTP port {settings.host}:{settings.port} is in use: stop what holds it, or choose another "
+                f"with --port")
+    if settings.grpc_port and not port_is_free(settings.host, settings.grpc_port):
+        derived = " (--port + 1)" if grpc_derived else ""
+        return (f"the gRPC port {settings.host}:{settings.grpc_port}{derived} is in use: stop what holds it, or "
+                f"choose another with --grpc-port (0: no gRPC)")
+    return None
 
 
 def port_is_free(host: str, port: int) -> bool:

@@ -7,7 +7,9 @@ answers are the server's. Either way one image's failure is reported on its row 
 from __future__ import annotations
 
 import base64
+import io
 import logging
+import math
 import mimetypes
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,6 +17,9 @@ from pathlib import Path
 from vitserve.help_format import DefaultsHelpFormatter
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
+# The long side an overlay file gets at least: the server draws it at the input's size, and a 28x28 Fashion-MNIST
+# overlay is a speck on a screen.
+MIN_OVERLAY_SIDE = 224
 
 
 @dataclass
@@ -121,6 +126,22 @@ def overlay_path(image: Path, out_dir: Path | None, map_kind: str = "rollout") -
     return (out_dir or image.parent) / f"{image.stem}.{map_kind}.png"
 
 
+def display_size(png: bytes, min_side: int = MIN_OVERLAY_SIDE) -> bytes:
+    """An overlay whose long side is below `min_side`, enlarged by the whole factor that reaches it, each pixel
+    drawn as a block (nearest neighbour): the map's patch cells and the input's pixels stay sharp, not blurred into
+    detail the model never saw."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as image:
+        factor = math.ceil(min_side / max(image.size))
+        if factor <= 1:
+            return png
+        larger = image.resize((image.width * factor, image.height * factor), Image.Resampling.NEAREST)
+    buffer = io.BytesIO()
+    larger.save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
 def format_table(results: list[Prediction]) -> str:
     """One row per (image, rank); a failed image gets one row with its error."""
     rows = [("image", "rank", "label", "score")]
@@ -180,7 +201,7 @@ def run_predict(args) -> int:
             if result.overlay_png:
                 path = overlay_path(image, args.out_dir, args.map)
                 written.append((path, path.exists()))
-                path.write_bytes(result.overlay_png)
+                path.write_bytes(display_size(result.overlay_png))
             results.append(result)
     finally:
         predictor.close()

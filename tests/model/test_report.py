@@ -35,6 +35,15 @@ def test_report_states_last_epoch_accuracy_and_progress(tmp_path, tiny_checkpoin
     assert text.count("\n| ") == 4  # header, epochs 1 and 3 (first and last); 2 is neither first, last nor a 5th
 
 
+def test_report_names_the_machine_the_run_recorded_not_the_one_writing_it(tmp_path, tiny_checkpoint):
+    run = _fake_run(tmp_path, tiny_checkpoint, epochs_planned=3)
+    assert "- Machine: test box; CPU not recorded; torch 2\n" in render_report(run)  # a run from before it was recorded
+    config = json.loads((run / "checkpoint" / "config.json").read_text())
+    config["training"]["cpu"] = "Training CPU 9000"
+    (run / "checkpoint" / "config.json").write_text(json.dumps(config))
+    assert "- Machine: test box; Training CPU 9000; torch 2\n" in render_report(run)
+
+
 def test_report_cli_writes_finished_report(tmp_path, tiny_checkpoint):
     run = _fake_run(tmp_path, tiny_checkpoint, epochs_planned=3)
     assert main([str(run)]) == 0

@@ -23,6 +23,7 @@ from model.data import load_image_folder
 from model.train import (TrainConfig, TrainingInterrupted, TrainLog, build_model, curve_series, load_data, lr_at,
                          steps_per_epoch, trailing_mean, train)
 from training_fixtures import read_strict_json, write_image_folder
+from vitserve.machine import cpu_model_name
 
 TINY = dict(image_size=(16, 16), patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=64)
 EPOCHS, STEPS = 4, 10  # 60 training images in batches of 6
@@ -105,6 +106,7 @@ def test_training_writes_log_plot_and_checkpoint(trained, image_folder):
     assert meta.training["epochs_done"] == 4 and meta.training["train_images"] == 60
     assert meta.training["parameters"] == sum(p.numel() for p in model.parameters())
     assert meta.training["model_overrides"]["embed_dim"] == 32 and meta.training["torch"] == torch.__version__
+    assert meta.training["cpu"] == cpu_model_name()  # where the times were measured: the report says so
     assert read_strict_json(out / "checkpoint" / "config.json")["training"]["epochs_done"] == 4
 
     # The checkpoint is the model that was evaluated: its accuracy on the validation split is the one logged.

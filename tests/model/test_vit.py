@@ -156,8 +156,15 @@ def test_config_validation(kwargs, message):
 
 
 def test_unknown_variant_and_fields():
-    with pytest.raises(ValueError, match="unknown ViT variant 'G/14'"):
+    with pytest.raises(ValueError, match="unknown ViT variant 'G/14'; accepted: ") as refused:
         vit_config("G/14")
+    for spelling in ["'B/16'", "'fmnist'", "'R50+B/16'", "'R26+S/32'", "'R+Ti/32'", "'vit_small_r26_s32_224'"]:
+        assert spelling in str(refused.value)
+        vit_config(spelling.strip("'"))  # each spelling the message offers is accepted
+    with pytest.raises(ValueError, match=r"unknown ViT variant 'B16' \(did you mean 'B/16'\?\)"):
+        vit_config("B16")
+    with pytest.raises(ValueError, match=r"'ti_16' \(did you mean 'Ti/16'\?\)"):
+        vit_config("ti_16")
     with pytest.raises(ValueError, match=r"unknown ViTConfig fields: \['colour'\]"):
         ViTConfig.from_dict({**ViTConfig().to_dict(), "colour": "red"})
     with pytest.raises(TypeError):

@@ -1,13 +1,15 @@
 """`vitserve predict`: locally through the service's own code, and through a real uvicorn server."""
 from __future__ import annotations
 
+import io
+import math
 import re
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from service.client import format_table, overlay_path, Prediction
+from service.client import MIN_OVERLAY_SIDE, Prediction, display_size, format_table, overlay_path
 from service_fixtures import patterned_png, uvicorn_server
 from vitserve.cli import main
 
@@ -55,7 +57,10 @@ def check_overlays(images, out_dir=None):
     for image in images:
         with Image.open(overlay_path(image, out_dir)) as overlay, Image.open(image) as source:
             assert overlay.format == "PNG" and overlay.mode == "RGB"
-            assert overlay.size == source.size  # the overlay covers the whole input, at its size
+            # the overlay covers the whole input, at its size; a small one (the 48x40 PNG) a whole multiple of it,
+            # at least MIN_OVERLAY_SIDE long
+            factor = max(1, math.ceil(MIN_OVERLAY_SIDE / max(source.size)))
+            assert overlay.size == (source.width * factor, source.height * factor)
 
 
 @pytest.mark.parametrize("resize", ["fit", "native"])
@@ -143,6 +148,19 @@ def test_predict_via_url_reports_an_unreachable_server(images, capsys):
 
     assert main(["predict", str(images[0]), "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
     assert re.search(r"error\s+connection_failed: ", capsys.readouterr().out)
+
+
+def test_a_small_overlay_is_enlarged_in_whole_blocks_for_display():
+    """A 28x28 overlay (a Fashion-MNIST image's) becomes 224x224, each pixel an 8x8 block; a large one is left."""
+    small = np.random.default_rng(0).integers(0, 256, (28, 21, 3), dtype=np.uint8)  # (H, W, 3)
+    buffer = io.BytesIO()
+    Image.fromarray(small).save(buffer, format="PNG")
+    with Image.open(io.BytesIO(display_size(buffer.getvalue()))) as shown:
+        assert shown.size == (168, 224)
+        np.testing.assert_array_equal(np.asarray(shown), small.repeat(8, axis=0).repeat(8, axis=1))
+    large = io.BytesIO()
+    Image.fromarray(np.zeros((224, 300, 3), np.uint8)).save(large, format="PNG")
+    assert display_size(large.getvalue()) == large.getvalue()
 
 
 def test_format_table_is_aligned():

@@ -172,6 +172,64 @@ def test_serve_rejects_invalid_flags(tiny_onnx, private_environ, capsys):
     assert "max_batch_size" in capsys.readouterr().err
 
 
+def _listening_socket(free_below: bool = False):
+    """A socket listening on a port of the system's choosing (with `free_below`, one whose port - 1 is free)."""
+    import socket
+
+    from service.cli import port_is_free
+    while True:
+        taken = socket.socket()
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        if not free_below or port_is_free("127.0.0.1", taken.getsockname()[1] - 1):
+            return taken
+        taken.close()
+
+
+def test_serve_refuses_an_http_port_in_use_in_one_line_before_loading(tiny_onnx, private_environ, capsys,
+                                                                       monkeypatch):
+    import service.cli
+    from vitserve.cli import main
+    started = []
+    monkeypatch.setattr(service.cli, "_engines", lambda settings: started.append(settings))
+    with _listening_socket() as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_onnx), "--port", str(port), "--grpc-port", "0"]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"vitserve serve: the HTTP port 127.0.0.1:{port} is in use: stop what holds it, or choose "
+                     f"another with --port")
+    assert started == []  # no engine, no model loaded
+
+
+def test_the_grpc_port_follows_the_http_port_unless_given():
+    from service.cli import derive_grpc_port
+    cases = [({"VITSERVE_PORT": "8080"}, "8081"),  # two servers on --port 8000 and 8080: gRPC on 8001 and 8081
+             ({"VITSERVE_PORT": "8080", "VITSERVE_GRPC_PORT": "9001"}, "9001"),
+             ({"VITSERVE_PORT": "8080", "VITSERVE_GRPC_PORT": "0"}, "0"),  # no gRPC stays no gRPC
+             ({"VITSERVE_PORT": "8080", "VITSERVE_GRPC_PORT": " "}, "8081"),  # empty means unset (settings.py)
+             ({"VITSERVE_PORT": "0"}, None), ({"VITSERVE_PORT": "65535"}, None), ({}, None)]  # None: the default
+    for environ, grpc in cases:
+        derived = derive_grpc_port(environ)
+        assert (environ.get("VITSERVE_GRPC_PORT"), derived) == (grpc, grpc == "8081"), environ
+
+
+def test_serve_on_another_port_takes_the_next_for_grpc_and_says_which_is_in_use(tiny_onnx, private_environ,
+                                                                                 capsys, monkeypatch):
+    import uvicorn
+
+    from vitserve.cli import main
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(Settings()))  # what the workers build
+    with _listening_socket(free_below=True) as taken:
+        grpc = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", str(grpc - 1)]) == 2
+    error = capsys.readouterr().err.strip()
+    assert error == (f"vitserve serve: the gRPC port 127.0.0.1:{grpc} (--port + 1) is in use: stop what holds it, "
+                     f"or choose another with --grpc-port (0: no gRPC)")
+    assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", str(grpc - 1)]) == 0
+    assert (calls[0].port, calls[0].grpc_port) == (grpc - 1, grpc)
+
+
 def test_serve_ray_without_ray_installed_says_how_to_get_it(tiny_onnx, private_environ, capsys, monkeypatch):
     import sys
 
@@ -203,11 +261,12 @@ def test_a_provider_named_but_not_in_this_build_is_a_warning_the_default_is_not(
     assert model.provider == "CPUExecutionProvider"  # this build has no CUDA provider
     assert "CUDAExecutionProvider requested but not in this onnxruntime build" in caplog.text
     caplog.clear()
-    with caplog.at_level("INFO", logger="vitserve.runtime"):
+    with caplog.at_level("DEBUG", logger="vitserve.runtime"):
         model = OnnxModel.load(Settings(model_path=tiny_onnx))
     assert model.provider == "CPUExecutionProvider"
     assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
-    assert "on CPUExecutionProvider" in caplog.text  # the one line that says where it runs
+    # the line that says where it runs (the served version's INFO line repeats it under the repository's name)
+    assert "on CPUExecutionProvider" in caplog.text
 
 
 def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, caplog):
