@@ -20,6 +20,7 @@ from service.core.admission import freeze_startup_objects
 from service.core.errors import ServiceError, error_headers
 from service.core.metrics import ServiceMetrics
 from service.http.errors import error_answer, service_error_answer, validation_error_answer
+from service.http.compression import ResponseCompression
 from service.http.infer_lane import InferenceLane
 from service.http.routes import classify, open_inference, operations, repository, web
 from service.engine.runtime import InferenceModel
@@ -66,6 +67,9 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
     app.add_middleware(InferenceLane, metrics=metrics)  # innermost: inside the metrics and tracing middleware
+    # around the lane, so its answers are compressed too; inside the metrics, which then count its time
+    app.add_middleware(ResponseCompression, min_bytes=settings.compress_min_bytes,
+                       max_bytes=settings.compress_max_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
     if tracing.enabled():  # installed only when on: off, tracing costs nothing per request
         app.add_middleware(TracingMiddleware)

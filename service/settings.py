@@ -165,6 +165,15 @@ class Settings(BaseSettings):
     grpc_max_metadata_bytes: int = Field(16 * 1024, ge=1024, le=2**20, description="request metadata (gRPC's "
                                          "headers) per call; more is refused")
 
+    # compressed answers (service/http/compression.py; gRPC: service/grpc/server.py): what one answer may cost
+    compress_min_bytes: int = Field(1024, ge=0, description="answers smaller than this are sent as they are, "
+                                                            "whatever the client accepts")
+    compress_max_bytes: int = Field(4 * 2**20, ge=0, description="answers larger than this are sent uncompressed "
+                                    "(a bound on the CPU one answer costs); 0: never compress")
+    grpc_response_compression: Literal["none", "gzip", "deflate"] = Field(
+        "none", description="compress gRPC answers (within the compress_* sizes) with this, as Triton's "
+                            "--grpc-infer-response-compression-level; compressed requests are always read")
+
     # the HTTP connection (uvicorn): what a client may send before the app sees a request
     max_header_bytes: int = Field(16 * 1024, ge=1024, description="request line and headers together; more gets 431")
     max_headers: int = Field(100, ge=1, description="header fields per request; more gets 431")
@@ -288,7 +297,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                "admin_key", "api_key", "runtime", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
                "request_timeout_ms", "log_level"),
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
-               "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes"),
+               "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes",
+               "compress_min_bytes", "compress_max_bytes", "grpc_response_compression"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
     "tracing": ("otlp_endpoint", "trace_sample_ratio"),
     "repository": ("repository_poll_secs",),

@@ -30,12 +30,18 @@ def check_authorization(value: str | None, key: SecretStr | None, what: str) -> 
 
 
 def check_repository_access(settings: Settings, authorization: str | None, *, changes: bool) -> None:
-    """The repository API: on only with model_control_mode explicit (or poll, read-only: `changes` False), and
-    then the admin key."""
+    """The repository API behind the admin key. The index (`changes` False) is served in every control mode, as
+    Triton serves it (tools read it to find what a server holds); load and unload only in explicit mode. Without
+    an admin key the index still needs the api key when one is set: it names what the model routes serve."""
+    if not changes:
+        key, what = (settings.admin_key, "the repository API") if settings.admin_key else (settings.api_key,
+                                                                                           "the repository index")
+        check_authorization(authorization, key, what)
+        return
     if settings.model_control_mode == "none":
-        raise RepositoryControlDisabled("the repository API is off: start the server with --model-repository DIR "
-                                        "--model-control-mode explicit (or poll)")
+        raise RepositoryControlDisabled("load and unload are off: start the server with --model-repository DIR "
+                                        "--model-control-mode explicit")
     check_authorization(authorization, settings.admin_key, "the repository API")
-    if changes and settings.model_control_mode != "explicit":
+    if settings.model_control_mode != "explicit":
         raise RepositoryControlDisabled("load and unload need --model-control-mode explicit (in poll mode the "
                                         "repository's files decide what is served)")

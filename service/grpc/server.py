@@ -9,6 +9,8 @@ user.
 Limits, set on the server's channel: a message at most the binary body limit (grpcio refuses a larger one with
 RESOURCE_EXHAUSTED from its length prefix, before reading it), `grpc_max_concurrent_streams` calls open on one
 connection, `grpc_max_metadata_bytes` of metadata per call, and idle connections closed after a while.
+Compressed requests are inflated by grpcio within the message limit; answers are compressed only with
+`grpc_response_compression` (servicer.compress_answer bounds their size).
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import grpc
 
 from service.core.state import ServiceState
 from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from service.grpc.servicer import InferenceServicer
+from service.grpc.servicer import RESPONSE_COMPRESSIONS, InferenceServicer
 from service.settings import Settings
 
 log = logging.getLogger("vitserve.grpc")
@@ -63,7 +65,8 @@ class GrpcFrontEnd:
 
     async def start(self) -> None:
         s = self.state.settings
-        self.server = grpc.aio.server(options=server_options(s))
+        self.server = grpc.aio.server(options=server_options(s),
+                                      compression=RESPONSE_COMPRESSIONS[s.grpc_response_compression])
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(self.state), self.server)
         address = listen_address(s.host, s.grpc_port)
         credentials = server_credentials(s)

@@ -81,7 +81,9 @@ def rpc(*, open_: bool = False, traced: bool = False):
             try:
                 if not open_:
                     check_authorization(authorization(context), state.settings.api_key, "this call")
-                return await method(self, request, context, served)
+                answer = await method(self, request, context, served)
+                compress_answer(context, answer, state.settings)
+                return answer
             except ServiceError as e:
                 code, error = grpc_code(e), e
                 state.metrics.rejected_request(e.code)
@@ -102,6 +104,20 @@ def rpc(*, open_: bool = False, traced: bool = False):
             await context.abort(code, str(error), trailing_metadata=trailing)
         return handler
     return wrap
+
+
+RESPONSE_COMPRESSIONS = {"none": None, "gzip": grpc.Compression.Gzip, "deflate": grpc.Compression.Deflate}
+
+
+def compress_answer(context: grpc.aio.ServicerContext, answer, settings) -> None:
+    """Leave an answer outside the compress_* sizes uncompressed (the same bounds as HTTP's: the CPU one answer
+    costs). The server compresses every other one with `grpc_response_compression`, and gRPC only for a client
+    whose grpc-accept-encoding lists the algorithm (grpcio's and tritonclient's do). The server's default, not
+    `context.set_compression` per call: grpcio 1.85's asyncio server ignored the latter (measured: 5101 bytes on
+    the wire for 5000 zeros either way)."""
+    if settings.grpc_response_compression != "none" and not (
+            settings.compress_min_bytes <= answer.ByteSize() <= settings.compress_max_bytes):
+        context.disable_next_message_compression()
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):

@@ -25,8 +25,8 @@ from pydantic import ValidationError
 from service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
                                               tensor_bytes, unpack_bytes)
 from service.core.errors import InvalidParameter, PayloadTooLarge
-from service.protocols.schemas import (IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, InferInputTensor, InferRequest,
-                             RequestedOutput)
+from service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH,
+                                      InferInputTensor, InferRequest, RequestedOutput, flatten_deep_data)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
 RESIZE_POLICIES = ("fit", "native")
@@ -126,14 +126,17 @@ def parse_header(header: bytes, max_values: int) -> InferRequest:
     """The JSON header as an `InferRequest` (every field within the limits in `service.protocols.schemas`), or
     InvalidParameter naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
 
-    The values are counted by their separating commas first: the parse costs about 80 bytes and 0.25 us per
-    value, so a body of short numbers ("0,0,0,...": 8M values in 16 MiB) would take 640 MiB and 2 s of the
-    event loop."""
+    The values are counted by their separating commas first, and the arrays by their opening brackets: the parse
+    costs about 80 bytes and 0.25 us per value, so a body of short numbers ("0,0,0,...": 8M values in 16 MiB)
+    would take 640 MiB and 2 s of the event loop, and one of nested lists ("[[[[0]]]],...", which any depth
+    of `data` may be) as much per list."""
     if not header or header.isspace():
         raise InvalidParameter("empty body: send an inference request as JSON")
-    commas = int(np.count_nonzero(np.frombuffer(header, np.uint8) == ord(",")))  # 1 ms per 10 MB (bytes.count: 5)
-    if commas >= max_values:  # refused before the parse, which costs per value
-        raise PayloadTooLarge(f"request body holds up to {commas + 1} JSON values; the limit is {max_values}")
+    text = np.frombuffer(header, np.uint8)
+    values = int(np.count_nonzero(text == ord(","))) + int(np.count_nonzero(text == ord("[")))  # 1 ms per 10 MB
+    if values >= max_values:  # refused before the parse, which costs per value
+        raise PayloadTooLarge(f"request body holds up to {values + 1} JSON values and arrays; the limit is "
+                              f"{max_values}")
     try:
         return InferRequest.model_validate_json(header)
     except ValidationError as e:
@@ -231,9 +234,8 @@ def _json_numbers(data: list) -> np.ndarray:
         raise InvalidParameter("inputs.0.data: FP32 values must be numbers, not strings")
     try:
         return np.asarray(data, dtype=np.float64).ravel()
-    except ValueError:  # nested lists of different lengths
-        raise InvalidParameter("inputs.0.data: nested lists differ in length; nest them as the shape, or send the "
-                               "values flat") from None
+    except ValueError:  # nested lists of different lengths: read in row-major order, as Triton reads them
+        return np.asarray(flatten_deep_data(data), dtype=np.float64)
 
 
 def _check_pixel_range(values: np.ndarray) -> None:
@@ -263,7 +265,7 @@ def _images(tensor: InferInputTensor, section: memoryview | None, limits: Protoc
             raise PayloadTooLarge(f"inputs.0: {e}") from None
         except BinaryFormatError as e:
             raise InvalidParameter(f"inputs.0: {e}") from None
-    strings = [s for row in tensor.data for s in (row if isinstance(row, list) else [row])]
+    strings = flatten_deep_data(tensor.data)  # flat already when nested deeper than [B, 1]: then a copy
     if len(strings) != count or not all(isinstance(s, str) for s in strings):
         raise InvalidParameter(f"inputs.0.data must hold {count} base64 strings (one image each) for shape "
                                f"{tensor.shape}")
@@ -342,15 +344,24 @@ def validation_problems(error: ValidationError, shown: int = 3) -> str:
     """The first few problems as `where: what` (`body` for the document itself). A tensor's `data` is one of
     several list depths, and each depth that does not fit reports an error: only the one that got furthest into
     the data is kept (the others fail at its first element)."""
-    places: dict[tuple, tuple[tuple, str]] = {}  # where -> (index into data, message)
+    places: dict[tuple, tuple[tuple, tuple, str]] = {}  # where -> (rank, index into data, message)
     for e in error.errors(include_url=False, include_input=False):
         loc = e["loc"]
         in_data = len(loc) > 3 and loc[0] == "inputs" and loc[2] == "data"  # then loc[3] names the list depth
         place, index = (loc[:3], loc[4:]) if in_data else (loc, ())
-        if place not in places or index > places[place][0]:
-            places[place] = (index, e["msg"])
-    lines = [f"{_dotted(place + index)}: {msg}" for place, (index, msg) in places.items()]
+        # data nested past the union's depths: its own error (service.protocols.schemas.flatten_deep_data) says more
+        rank = (e["type"] == DEEP_DATA_ERROR, index)
+        if place not in places or rank > places[place][0]:
+            places[place] = (rank, index, _json_message(e["msg"]))
+    lines = [f"{_dotted(place + index)}: {msg}" for place, (_, index, msg) in places.items()]
     return "; ".join(lines[:shown]) + (f" (and {len(lines) - shown} more)" if len(lines) > shown else "")
+
+
+def _json_message(message: str) -> str:
+    """The JSON parser's own message, and for a document it stopped reading at its depth limit, what ours is."""
+    if "recursion limit exceeded" not in message:
+        return message
+    return f"{message} (a tensor's data may nest at most {MAX_DATA_DEPTH} lists deep)"
 
 
 def _dotted(loc: tuple) -> str:

@@ -1,9 +1,11 @@
 """Request and response bodies, for validation and for the OpenAPI document."""
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import math
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, GetPydanticSchema
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema
+from pydantic_core import PydanticCustomError
 
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
@@ -181,13 +183,65 @@ def _rows(item):
     return Annotated[list[item], Field(fail_fast=True)]
 
 
-# Tensor data, row-major, flat or nested up to the rank (the v2 protocol allows both). Flat comes first: it is what
-# clients send, and each alternative that does not fit fails at its first element. A union of list types
-# validates natively: a flat 32x1x128x128 tensor parses as fast as `list[Any]` did (a recursive alias is slower).
+# Lists nested in a tensor's `data`, at most: Triton's own limit. The JSON parser stops any document at about 200
+# levels, so no depth reaches Python's stack; the lists and values together are counted before the parse
+# (`Settings.max_json_values`), so deep nesting cannot cost more than as many values would.
+MAX_DATA_DEPTH = 100
+DEEP_DATA_ERROR = "tensor_data"  # the type of `flatten_deep_data`'s errors: they name the problem best
+_UNION_DEPTH = 4  # the deepest nesting `TensorData`'s list alternatives take
+
+
+def flatten_deep_data(data: list) -> list:
+    """`data` nested deeper (or more unevenly) than the union's alternatives below, as Triton reads any nesting:
+    its leaves in row-major order, all finite numbers or all strings, at most MAX_DATA_DEPTH lists deep. Walked
+    with a stack of its own, never by recursion."""
+    leaves, open_lists, deepest = [], [iter(data)], 1  # open_lists: one iterator per level being read
+    while open_lists:
+        for item in open_lists[-1]:
+            if type(item) is not list:
+                leaves.append(item)
+                continue
+            if len(open_lists) == MAX_DATA_DEPTH:
+                raise PydanticCustomError(DEEP_DATA_ERROR, "lists nest deeper than {limit} levels",
+                                          {"limit": MAX_DATA_DEPTH})
+            open_lists.append(iter(item))
+            deepest = max(deepest, len(open_lists))
+            break
+        else:  # this level is read to its end
+            open_lists.pop()
+    _check_leaves(leaves, deepest)
+    return leaves
+
+
+def _check_leaves(leaves: list, deepest: int) -> None:
+    """All finite numbers, or all strings. Data within the union's depths has its own errors, which name the bad
+    element's place: there this one only fails, for them to be reported."""
+    strings = bool(leaves) and type(leaves[0]) is str
+    for i, leaf in enumerate(leaves):
+        if type(leaf) is str if strings else _finite_number(leaf):
+            continue
+        if deepest <= _UNION_DEPTH:
+            raise ValueError("data the union's alternatives report on")
+        raise PydanticCustomError(DEEP_DATA_ERROR, "element {index} (row-major) is {kind}: the values must all be "
+                                  "{what}", {"index": i, "kind": type(leaf).__name__,
+                                             "what": "strings (BYTES)" if strings else "finite numbers (FP32)"})
+
+
+def _finite_number(value) -> bool:
+    # a bool is no number here (strict), and an integer past float64's range is no pixel
+    return (type(value) is float and math.isfinite(value)) or (type(value) is int and abs(value) < 2**1023)
+
+
+# Tensor data, row-major, flat or nested (the v2 protocol allows both). Flat comes first: it is what clients send,
+# and each alternative that does not fit fails at its first element. A union of list types validates natively: a
+# flat 32x1x128x128 tensor parses as fast as `list[Any]` did (a recursive alias is slower). Data nested deeper
+# than these, or unevenly, takes the last alternative, flattened in Python (rare: its cost per value is higher).
 # BYTES elements in JSON are strings: an image, base64-encoded (JSON strings cannot carry raw bytes).
 TensorData = Annotated[_rows(Float) | _rows(_rows(Float)) | _rows(_rows(_rows(Float)))
-                       | _rows(_rows(_rows(_rows(Float)))) | _rows(str) | _rows(_rows(str)),
-                       Field(union_mode="left_to_right", description="row-major values, flat or nested; BYTES "
+                       | _rows(_rows(_rows(_rows(Float)))) | _rows(str) | _rows(_rows(str))
+                       | Annotated[list[Any], AfterValidator(flatten_deep_data)],
+                       Field(union_mode="left_to_right", description="row-major values, flat or nested (at most "
+                                                                     f"{MAX_DATA_DEPTH} lists deep); BYTES "
                                                                      "elements as base64 strings")]
 
 

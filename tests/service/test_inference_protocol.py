@@ -19,6 +19,7 @@ from service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, 
 from service.core.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
 from service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
 from service.protocols.model_config import model_metadata, triton_config
+from service.protocols.schemas import MAX_DATA_DEPTH
 from service.http.routes.uploads import decode_content
 from service.settings import Settings
 from service.core.metrics import ServiceMetrics
@@ -153,6 +154,36 @@ def test_images_come_binary_or_as_base64_json_strings():
     as_json = request([{"name": "image", "datatype": "BYTES", "shape": [2],
                         "data": [base64.b64encode(i).decode() for i in images]}])
     assert parse_infer_request(json.dumps(as_json).encode(), None, LIMITS).images == images
+
+
+def test_bytes_data_nested_deeper_than_its_shape_is_read_as_triton_reads_it():
+    """The issue's case: a BYTES [1, 1] input nested 3 levels deep (it was "Input should be a valid number");
+    and [2, 1] nested 5 deep, row-major. Nested past the limit, 400 naming the depth."""
+    images = [b"\x89PNG first", b"GIF89a second"]
+    encoded = [base64.b64encode(i).decode() for i in images]
+    for shape, data, expected in (([1, 1], [[[encoded[0]]]], images[:1]),
+                                  ([2, 1], [[[[[encoded[0]], [encoded[1]]]]]], images)):
+        body = request([{"name": "image", "datatype": "BYTES", "shape": shape, "data": data}])
+        assert parse_infer_request(json.dumps(body).encode(), None, LIMITS).images == expected
+    too_deep = encoded[:1]
+    for _ in range(MAX_DATA_DEPTH):
+        too_deep = [too_deep]
+    body = request([{"name": "image", "datatype": "BYTES", "shape": [1, 1], "data": too_deep}])
+    with pytest.raises(InvalidParameter, match=f"inputs.0.data: lists nest deeper than {MAX_DATA_DEPTH} levels"):
+        parse_infer_request(json.dumps(body).encode(), None, LIMITS)
+
+
+def test_nested_lists_count_against_the_values_limit_before_the_parse():
+    """A list costs the parse as a value does: '[' counts with the commas, so deep nesting is bounded as a body
+    of short values is (413 before any parsing)."""
+    lists = MAX_DATA_DEPTH - 1
+    element = "[" * lists + "0" + "]" * lists
+    count = LIMITS.max_json_values // lists + 1  # a few more lists than the limit, in far fewer values
+    text = '{"inputs": [{"name": "pixel_values", "datatype": "FP32", "shape": [%d, 3, 16, 16], "data": [%s]}]}' % (
+        count, ",".join([element] * count))
+    assert text.count(",") < LIMITS.max_json_values < text.count("[")
+    with pytest.raises(PayloadTooLarge, match="JSON values and arrays"):
+        parse_infer_request(text.encode(), None, LIMITS)
 
 
 @pytest.mark.parametrize("tensor, error, message", [

@@ -10,8 +10,8 @@ import pytest
 
 from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
-from service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DIM, MAX_ID_CHARS, MAX_PARAMETER_STRING_CHARS,
-                             MAX_PARAMETERS)
+from service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS,
+                                      MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
 from service.settings import Settings
 from service_fixtures import serving, settings_for
 
@@ -54,6 +54,13 @@ def with_token(token: bytes) -> bytes:
 
 def nested(values: list) -> list:
     return np.array(values, dtype=object).reshape(SHAPE).tolist()
+
+
+def deeper(values: list, depth: int) -> list:
+    """`values` in `depth` lists: flat inside `depth - 1` lists of one element each."""
+    for _ in range(depth - 1):
+        values = [values]
+    return values
 
 
 def assert_error(response, status: int, code: str, *names: str) -> None:
@@ -134,17 +141,25 @@ BAD_REQUESTS = [
     pytest.param(with_value(2e4), ("inputs.0.data", "value 5", "at most 10000"), id="2e4"),
     pytest.param(with_value("1.0"), ("inputs.0.data.5", "valid number"), id="number-as-string"),
     pytest.param(with_value(True), ("inputs.0.data.5", "valid number"), id="boolean"),
-    pytest.param(with_value([1.0]), ("inputs.0.data.5", "valid number"), id="list-among-numbers"),
     pytest.param(with_token(b"9" * 5000), ("body", "number out of range"), id="5000-digit-integer"),
     pytest.param(with_token(b"1e400"), ("inputs.0.data.5", "finite number"), id="1e400"),
     pytest.param(body(data="0.5"), ("inputs.0.data", "valid array"), id="data-not-list"),
     pytest.param(body(data=VALUES[:-1]), ("inputs.0.data", "767 values", "needs 768"), id="one-value-short"),
     pytest.param(body(data=VALUES + [0.5]), ("inputs.0.data", "769 values", "needs 768"), id="one-value-over"),
     pytest.param(body(data=[]), ("inputs.0.data", "0 values"), id="no-values"),
-    pytest.param(body(data=[VALUES[:400], VALUES[400:]]), ("inputs.0.data", "differ in length"), id="ragged-rows"),
-    pytest.param(body(data=[[VALUES[:384]], VALUES[384:]]), ("inputs.0.data.1.0", "valid array"),
-                 id="ragged-depth"),
-    pytest.param(body(data=[[[[[0.5]]]]]), ("inputs.0.data.0.0.0.0", "valid number"), id="nested-past-rank"),
+    # nested any way (as Triton reads it), the count is what decides; past MAX_DATA_DEPTH lists, the depth
+    pytest.param(body(data=[[[[[0.5]]]]]), ("inputs.0.data", "1 values", "needs 768"), id="nested-past-rank"),
+    pytest.param(body(data=deeper(VALUES, MAX_DATA_DEPTH + 1)), ("inputs.0.data", f"deeper than {MAX_DATA_DEPTH}"),
+                 id="nested-past-the-depth-limit"),
+    pytest.param(body(data=deeper(VALUES, 150)), ("inputs.0.data", f"deeper than {MAX_DATA_DEPTH}"),
+                 id="nested-150-deep"),
+    pytest.param(body(data=deeper(VALUES, 400)), ("body", "invalid json", f"at most {MAX_DATA_DEPTH} lists"),
+                 id="nested-past-the-json-parsers-limit"),
+    pytest.param(body(data=deeper(VALUES[:5] + [True] + VALUES[6:], 6)), ("inputs.0.data", "element 5", "bool",
+                                                                          "finite numbers"), id="boolean-nested-deep"),
+    pytest.param(body(data=deeper(VALUES[:5] + ["x"] + VALUES[6:], 6)), ("inputs.0.data", "element 5", "str"),
+                 id="string-nested-deep"),
+    pytest.param(body(data=deeper(VALUES, 6)[:-1]), ("inputs.0.data", "0 values", "needs 768"), id="deep-and-empty"),
     pytest.param(body(data=nested(VALUES[:5] + ["x"] + VALUES[6:])), ("inputs.0.data.0.0.0.5", "valid number"),
                  id="string-in-nested"),
 ]
@@ -262,6 +277,25 @@ async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
     np.testing.assert_allclose(answers[3].json()["outputs"][0]["data"], int_logits.ravel(), rtol=1e-5, atol=1e-5)
 
 
+async def test_data_nested_any_way_within_the_depth_limit_is_read_in_row_major_order(settings, tiny_model):
+    """Triton reads `data` flat, nested as the shape, nested deeper, or unevenly: any nesting whose values count
+    as the shape says. Each gives the flat request's answer; one list deeper than the limit is 400."""
+    logits, _ = tiny_model.run(PIXELS)
+    ragged = [VALUES[:400], [VALUES[400:500], [VALUES[500:]]]]  # lists of different lengths and depths
+    per_value = np.array(VALUES, dtype=object).reshape(*SHAPE, 1).tolist()  # [1, 3, 16, 16, 1]: one list more
+    shapes = {"flat": VALUES, "as-the-shape": nested(VALUES), "one-level-deeper": per_value,
+              "at-the-limit": deeper(VALUES, MAX_DATA_DEPTH), "ragged": ragged,
+              "a-list-among-numbers": VALUES[:5] + [[VALUES[5]]] + VALUES[6:]}
+    async with serving(settings, tiny_model) as client:
+        for name, data in shapes.items():
+            answer = await client.post(INFER, content=body(data=data))
+            assert answer.status_code == 200, (name, answer.text)
+            np.testing.assert_allclose(answer.json()["outputs"][0]["data"], logits.ravel(), rtol=1e-5, atol=1e-5,
+                                       err_msg=name)
+        past = await client.post(INFER, content=body(data=deeper(VALUES, MAX_DATA_DEPTH + 1)))
+        assert_error(past, 400, "invalid_parameter", "inputs.0.data", f"nest deeper than {MAX_DATA_DEPTH} levels")
+
+
 async def test_the_largest_pixel_value_is_within_range(settings, tiny_model):
     """The range check comes before the count check: at the bound the count is what is wrong, just past it the
     value is."""
@@ -284,6 +318,7 @@ async def test_openapi_documents_the_request_body(settings, tiny_model):
     assert input_tensor["properties"]["name"]["enum"] == ["pixel_values", "image"]
     assert input_tensor["properties"]["shape"]["items"]["maximum"] == MAX_DIM
     data, absent = input_tensor["properties"]["data"]["anyOf"]  # absent: the values are binary, after the JSON
-    assert len(data["anyOf"]) == 6 and absent == {"type": "null"}  # numbers flat or nested 2-4 deep; strings
+    # numbers flat or nested 2-4 deep; strings flat or 2 deep; any deeper nesting (flattened by the server)
+    assert len(data["anyOf"]) == 7 and absent == {"type": "null"}
     assert BINARY_MEDIA_TYPE in infer["requestBody"]["content"]
     assert {"200", "400", "404", "413", "429", "503", "504"} <= set(infer["responses"]) and "422" not in infer["responses"]

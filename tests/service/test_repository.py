@@ -129,8 +129,10 @@ async def test_several_models_and_versions_are_routed_by_name_and_version(reposi
         assert_error(await client.get("/v2/models/small/versions/9"), 404, "model_not_found")
         assert_error(await client.get("/v2/models/small/versions/x"), 404, "model_not_found")
         assert (await client.get("/v1/model", params={"model": "large"})).json()["name"] == "large"
-        # the repository API is off in the default control mode
-        assert_error(await client.post("/v2/repository/index", headers=AUTH), 403, "repository_control_disabled")
+        # the default control mode: the index is served (as Triton does), load and unload are not
+        assert [(m["name"], m["version"], m["state"]) for m in (await client.post("/v2/repository/index")).json()] \
+            == [("large", "3", "READY"), ("small", "2", "READY")]
+        assert_error(await client.post("/v2/repository/models/small/load"), 403, "repository_control_disabled")
 
 
 async def test_the_repository_api_needs_the_admin_key(repository):

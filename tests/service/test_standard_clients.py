@@ -320,6 +320,30 @@ def test_compressed_requests(client, reference, algorithm, binary):
         np.testing.assert_allclose(squeezed.as_numpy(name), plain.as_numpy(name), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
+@pytest.mark.parametrize("binary", [False, True], ids=["json", "binary"])
+def test_answers_come_compressed_as_tritonclient_asks(client, reference, monkeypatch, algorithm, binary):
+    """tritonclient's response_compression_algorithm: the answer (above compress_min_bytes) comes back compressed,
+    tritonclient inflates it itself (seen here by wrapping the inflate it calls; the client is unchanged) and
+    reads the binary tensors after the uncompressed JSON's length."""
+    import tritonclient.http._infer_result as result_module
+    inflated = []
+    inflate = getattr(result_module, "gzip" if algorithm == "gzip" else "zlib").decompress
+
+    class Spy:
+        @staticmethod
+        def decompress(data):
+            inflated.append((len(data), len(inflate(data))))
+            return inflate(data)
+    monkeypatch.setattr(result_module, "gzip" if algorithm == "gzip" else "zlib", Spy)
+    array = pixels(8, (64, 64), seed=4)  # 8 rollouts of 8x8: answers of 2-5 KB
+    result = client.infer(MODEL, [pixel_input(array, binary)], outputs=requested(binary),
+                          request_compression_algorithm=algorithm, response_compression_algorithm=algorithm)
+    # compressed bytes came (plain ones would not inflate), fewer than the answer's
+    assert len(inflated) == 1 and inflated[0][0] < inflated[0][1], inflated
+    assert_outputs(result, reference(array))
+
+
 # --- the image input -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("shape", [[2], [2, 1]], ids=["B", "Bx1"])
