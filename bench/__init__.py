@@ -15,5 +15,7 @@ writes under build/ unless told where (`--out`). Three measurements, in this ord
 Modules: `config` (the one set of defaults), `cli` (flags onto it), `run` (the phases in order), `raw` (the
 session alone, and `vitserve evaluate bench`'s ONNX Runtime vs PyTorch speed), `load` (the HTTP load generator),
 `measure` (latency percentiles, CPU use), `servers` (server processes, the bare endpoint), `presets` (models
-made on first use), `report` (Markdown, targets, plot). Nothing here imports torch until a function needs it.
+made on first use), `report` (Markdown, targets, plot); `int8_choice` and `fast_path_choice` (`python -m`: the
+measurements that chose export's int8 recipe and its single fast path, docs/int8.md, torch and onnx at their top).
+Nothing else imports torch until a function needs it; the product never imports this package (tests/test_layers.py).
 """

@@ -1,8 +1,11 @@
 """`vitserve bench`: flags onto `bench.config.BenchConfig`, whose field defaults are the only defaults (a flag
 left out keeps its field's default, or `--quick`'s). `--mode overload|hol|soak` runs a reliability mode instead,
 its flags onto `bench.reliability.ReliabilityConfig` the same way, and `--mode oip` onto `bench.oip.OipConfig`.
-Only the standard library, bench.config, bench.presets and bench.reliability load here, since `vitserve` imports
-this module for every command; the measuring modules (bench.oip among them) load when one runs.
+Also the benchmarks among `vitserve evaluate`'s subcommands: `bench` (ONNX Runtime against PyTorch eager,
+bench/raw.py) and `relevance-cost` (bench/relevance_cost.py); vitserve/cli.py puts them beside the evaluation
+research's. Only the standard library, bench.config, bench.presets, bench.reliability and bench.relevance_cost's
+parser (with numpy, through bench.measure) load here, since `vitserve` imports this module for every command; the
+measuring modules (bench.oip among them) load when one runs.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from pathlib import Path
 from bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
 from bench.presets import PRESETS
 from bench.reliability import MODES, ReliabilityConfig
+from bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
+from vitserve.help_format import DefaultsHelpFormatter
 
 
 def _ints(text: str) -> list[int]:
@@ -240,4 +245,34 @@ def run_oip_command(args: argparse.Namespace) -> int:
     for path in write_report(report, render_oip(report), cfg.out):
         print(f"wrote {path}")
     print("\n".join(summary_lines(report)))
+    return 0
+
+
+def add_evaluate_bench_parser(commands) -> None:
+    """`vitserve evaluate bench`, onto the subparsers of `vitserve evaluate`."""
+    p = commands.add_parser("bench", help="images/s: ONNX Runtime vs PyTorch eager, with and without rollout",
+                            formatter_class=DefaultsHelpFormatter)
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint", help="checkpoint directory")
+    source.add_argument("--variant", help="random weights of a named variant, e.g. 'small' for ViT-S/16 at 224")
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 32])
+    p.add_argument("--threads", type=int, help="threads for both runtimes (default: torch's)")
+    p.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per case")
+    p.set_defaults(func=run_evaluate_bench)
+
+
+def run_evaluate_bench(args: argparse.Namespace) -> int:
+    """ONNX Runtime against PyTorch eager (bench/raw.py's `benchmark`), one JSON line per case."""
+    import json
+
+    from bench.raw import benchmark, variant_model
+
+    if args.checkpoint:
+        from model.checkpoint import load_checkpoint
+
+        vit, _ = load_checkpoint(args.checkpoint)
+    else:
+        vit = variant_model(args.variant)
+    for row in benchmark(vit, args.batch_sizes, threads=args.threads, min_seconds=args.seconds):
+        print(json.dumps(row))
     return 0

@@ -1,4 +1,4 @@
-"""`vitserve export` (and `evaluate`): argument parsing only; torch and onnx load when a command runs."""
+"""`vitserve export`: argument parsing only; torch and onnx load when the command runs."""
 from __future__ import annotations
 
 import json
@@ -8,15 +8,6 @@ from dataclasses import asdict
 
 from vitserve.help_format import DefaultsHelpFormatter
 from vitserve.machine import has_int8_dot_product
-
-
-def _sizes(text: str) -> list[tuple[int, int]]:
-    """'28,24,36x20' -> [(28, 28), (24, 24), (36, 20)]"""
-    sizes = []
-    for part in text.split(","):
-        h, _, w = part.lower().partition("x")
-        sizes.append((int(h), int(w or h)))
-    return sizes
 
 
 def _bounded(kind, low, high, name: str):
@@ -34,10 +25,6 @@ fraction = _bounded(float, 0.0, 1.0, "fraction (0-1)")
 percentage_points = _bounded(float, 0.0, 100.0, "percentage points (0-100)")
 positive_count = _bounded(int, 1, 10**9, "positive integer")
 non_negative_count = _bounded(int, 0, 10**6, "integer from 0")
-
-
-def _ints(text: str) -> list[int]:
-    return [int(p) for p in text.split(",")]
 
 
 def add_export_parser(subparsers) -> None:
@@ -192,55 +179,3 @@ def report_summary(report) -> dict:
                                    {"mean": q.relevance_spearman_mean, "min": q.relevance_spearman_min},
                                    "gate": q.gate}
     return summary
-
-
-def add_evaluate_parser(subparsers) -> None:
-    p = subparsers.add_parser("evaluate", help="ONNX accuracy on Fashion-MNIST at several resolutions; ORT vs PyTorch speed; how faithful the "
-                                           "explanation maps are")
-    commands = p.add_subparsers(dest="evaluate_command", required=True)
-    acc = commands.add_parser("accuracy", help="test accuracy of an ONNX model with ONNX Runtime (CPU)",
-                              formatter_class=DefaultsHelpFormatter)
-    acc.add_argument("model", help="ONNX file from `vitserve export` (1-channel, Fashion-MNIST classes)")
-    acc.add_argument("--sizes", type=_sizes, default=_sizes("28,24,36,56"), help="resolutions H[xW], comma-separated")
-    acc.add_argument("--data-dir", default="/usr/share/datasets/fashion-mnist")
-    acc.add_argument("--limit", type=int, help="only the first N test images")
-    acc.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
-    acc.set_defaults(func=run_accuracy)
-    bench = commands.add_parser("bench", help="images/s: ONNX Runtime vs PyTorch eager, with and without rollout",
-                                formatter_class=DefaultsHelpFormatter)
-    source = bench.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint", help="checkpoint directory")
-    source.add_argument("--variant", help="random weights of a named variant, e.g. 'small' for ViT-S/16 at 224")
-    bench.add_argument("--batch-sizes", type=_ints, default=[1, 32])
-    bench.add_argument("--threads", type=int, help="threads for both runtimes (default: torch's)")
-    bench.add_argument("--seconds", type=float, default=3.0, help="minimum timed seconds per case")
-    bench.set_defaults(func=run_bench)
-    from bench.relevance_cost import add_relevance_cost_command
-    from export.explanations import add_explanations_command
-
-    add_explanations_command(commands)
-    add_relevance_cost_command(commands)
-
-
-def run_accuracy(args) -> int:
-    from export.evaluate import onnx_accuracy
-
-    rows = onnx_accuracy(args.model, args.sizes, data_dir=args.data_dir, limit=args.limit, threads=args.threads)
-    for row in rows:
-        print(json.dumps(row))
-    return 0
-
-
-def run_bench(args) -> int:
-    """The speed comparison is a benchmark: it lives in bench/raw.py, beside `vitserve bench`."""
-    from bench.raw import benchmark, variant_model
-
-    if args.checkpoint:
-        from model.checkpoint import load_checkpoint
-
-        vit, _ = load_checkpoint(args.checkpoint)
-    else:
-        vit = variant_model(args.variant)
-    for row in benchmark(vit, args.batch_sizes, threads=args.threads, min_seconds=args.seconds):
-        print(json.dumps(row))
-    return 0

@@ -8,14 +8,21 @@ import sys
 
 from vitserve import __version__
 
-# package module -> the functions that add its subcommands
+# (package module, the functions that add its subcommands, the command they add to: None for `vitserve` itself)
 _COMMANDS = [
-    ("model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"]),
-    ("export.cli", ["add_export_parser", "add_evaluate_parser"]),
-    ("service.cli", ["add_serve_parser"]),
-    ("service.client", ["add_predict_parser"]),
-    ("bench.cli", ["add_bench_parser"]),
+    ("model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"], None),
+    ("export.cli", ["add_export_parser"], None),
+    ("evaluation.cli", ["add_accuracy_parser", "add_explanations_command"], "evaluate"),
+    ("service.cli", ["add_serve_parser"], None),
+    ("service.client", ["add_predict_parser"], None),
+    ("bench.cli", ["add_bench_parser"], None),
+    ("bench.cli", ["add_evaluate_bench_parser", "add_relevance_cost_command"], "evaluate"),
 ]
+
+# Commands whose subcommands come from several packages, made where a package first adds to them: `evaluate` holds
+# the evaluation research (evaluation/) and the benchmarks that compare runtimes and paths (bench/).
+_GROUPS = {"evaluate": "ONNX accuracy on Fashion-MNIST at several resolutions; ORT vs PyTorch speed; how faithful the "
+                       "explanation maps are"}
 
 
 # Modules that only the training and export install brings (`make serve`'s environment has none of them).
@@ -36,19 +43,29 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true",
                         help="show the full traceback of an error (anywhere on the command line)")
     subparsers = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for module_name, adders in _COMMANDS:
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            # A package left out of this install (the serving image has no model/, export/ or bench/) offers no
-            # commands; a missing dependency inside a present package is a real error.
-            if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
-                raise
+    groups = {}  # command -> its subparsers, once a package has added to it
+    for module_name, adders, group in _COMMANDS:
+        module = _installed(module_name)
+        if module is None:
             continue
+        if group is not None and group not in groups:
+            commands = subparsers.add_parser(group, help=_GROUPS[group])
+            groups[group] = commands.add_subparsers(dest=f"{group}_command", required=True)
         for adder in adders:
             if hasattr(module, adder):
-                getattr(module, adder)(subparsers)
+                getattr(module, adder)(subparsers if group is None else groups[group])
     return parser
+
+
+def _installed(module_name: str):
+    """The module, or None for a package left out of this install (the serving image has no model/, export/,
+    evaluation/ or bench/: it offers no commands); a missing dependency inside a present package is a real error."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        if e.name is None or not (module_name == e.name or module_name.startswith(e.name + ".")):
+            raise
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

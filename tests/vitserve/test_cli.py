@@ -57,3 +57,19 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
     monkeypatch.setattr(export.cli, "run_export", interrupted)
     assert main(["export", "ckpt", "--out", "m.onnx"]) == 130
     assert capsys.readouterr().err == "vitserve export: interrupted\n"
+
+
+@pytest.mark.parametrize("command, runner", [  # as docs/results.md, docs/explanations.md, docs/bench-relevance.md
+    ("evaluate accuracy models/vit-fmnist/model.onnx --sizes 28,20,24,36,44,56", "evaluation.cli.run_accuracy"),
+    ("evaluate bench --variant small --batch-sizes 1,32 --threads 2 --seconds 2", "bench.cli.run_evaluate_bench"),
+    ("evaluate explanations models/vit-fmnist/checkpoint --data-dir /usr/share/datasets/fashion-mnist --limit 1000 "
+     "--batch-size 64 --seed 0 --blur-sigma 3.0 --threads 1 --out docs/explanations.md",
+     "evaluation.explanations.run_explanations"),
+    ("evaluate relevance-cost --checkpoint models/vit-fmnist/checkpoint --batch-sizes 1,32 --threads 1,0 --rounds 9 "
+     "--seconds 1.0 --out docs/bench-relevance.md", "bench.relevance_cost.run_relevance_cost")])
+def test_the_documented_evaluate_commands_reach_their_runners(command, runner):
+    """`vitserve evaluate` gathers evaluation/'s subcommands and bench/'s: each documented line still parses."""
+    from vitserve.cli import build_parser
+
+    args = build_parser().parse_args(command.split())
+    assert f"{args.func.__module__}.{args.func.__name__}" == runner

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from export import explanations as ex
+from evaluation import explanations as ex
 
 PATCH_WEIGHTS = [0.4, 0.3, 0.2, 0.1]  # what each patch of a 2x2 grid adds to the linear scorer below
 

@@ -1,10 +1,10 @@
 import torch
 
-from export.evaluate import accuracy_at_sizes
+from evaluation.accuracy import accuracy_at_sizes
 from vitserve.artifact import normalize_pixels
 
 
-def test_accuracy_matches_pytorch_predictions(tiny_export, tiny_model):
+def test_accuracy_matches_pytorch_predictions(tiny_onnx, tiny_model):
     from model.data import resize_batch
 
     def predict(images: torch.Tensor) -> torch.Tensor:
@@ -14,7 +14,7 @@ def test_accuracy_matches_pytorch_predictions(tiny_export, tiny_model):
     with torch.no_grad():
         labels = predict(images)
         expected_small = predict(resize_batch(images, (24, 24))) == labels
-    rows = accuracy_at_sizes(tiny_export.path, images, labels, [(32, 32), (24, 24)], batch_size=16)
+    rows = accuracy_at_sizes(tiny_onnx, images, labels, [(32, 32), (24, 24)], batch_size=16)
     assert [r["size"] for r in rows] == [[32, 32], [24, 24]]
     assert [r["trained_size"] for r in rows] == [[32, 32], [32, 32]]
     assert rows[0]["accuracy"] == 1.0 and rows[0]["images"] == 40

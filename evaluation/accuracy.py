@@ -1,6 +1,6 @@
 """What the artifact buys, measured: ONNX Runtime accuracy on Fashion-MNIST at several resolutions.
 
-`vitserve evaluate accuracy MODEL.onnx --sizes 28,24,36,56` (its command line is export/cli.py's).
+`vitserve evaluate accuracy MODEL.onnx --sizes 28,24,36,56` (its command line is evaluation/cli.py's).
 The speed comparison with PyTorch (`vitserve evaluate bench`) lives with the other benchmarks, in bench/raw.py.
 """
 from __future__ import annotations

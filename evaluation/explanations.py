@@ -610,7 +610,7 @@ def markdown_report(results: dict, figures: dict[str, str]) -> str:
     notes = METHOD_NOTES.format(sigma=s["blur_sigma"], seed=s["seed"], factor=s["resolution_factor"])
     parts = [
         "# How faithful are the explanation maps?", "",
-        "Written by `vitserve evaluate explanations` (export/explanations.py); rerun the command below to "
+        "Written by `vitserve evaluate explanations` (evaluation/explanations.py); rerun the command below to "
         "reproduce it. The numbers are also in the JSON file beside this one.", "",
         provenance_section(results), "", "## What each map shows, and what it does not", "", WHAT_THE_MAPS_SHOW, "",
         "## Targets", "", targets_section(results["targets"]), "",
