@@ -19,7 +19,7 @@ from service.protocols.inference_protocol import (InferCall, ProtocolLimits, cal
 from service.protocols.schemas import InferRequest, ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
-CONTENTS_FIELDS = {"FP32": "fp32_contents", "BYTES": "bytes_contents"}
+CONTENTS_FIELDS = {"FP32": "fp32_contents", "UINT8": "uint_contents", "BYTES": "bytes_contents"}
 
 
 def parameter_values(parameters) -> dict:
@@ -77,6 +77,12 @@ def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:
                               f"requests (at most {max_values}): send the tensor in raw_input_contents")
     if tensor.datatype == "BYTES":
         return pack_bytes(tensor.contents.bytes_contents)
+    if tensor.datatype == "UINT8":  # uint_contents is uint32 on the wire: a value over 255 is no pixel
+        values = np.asarray(tensor.contents.uint_contents, dtype=np.int64)
+        if values.size and values.max() > 255:
+            raise InvalidParameter(f"inputs.0.contents.uint_contents: {int(values.max())} is not a UINT8 pixel "
+                                   f"(0 to 255)")
+        return values.astype(np.uint8).tobytes()
     return np.asarray(tensor.contents.fp32_contents, dtype="<f4").tobytes()
 
 

@@ -27,7 +27,7 @@ from service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge
 from service.core.errors import InvalidParameter, PayloadTooLarge
 from service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH,
                                       InferInputTensor, InferRequest, RequestedOutput, flatten_deep_data)
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
 
 RESIZE_POLICIES = ("fit", "native")
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
@@ -42,6 +42,8 @@ class ProtocolLimits:
     channels: int  # pixel_values: the model's channels,
     patch_size: int  # its height and width multiples of the patch size,
     max_tokens: int  # and at most this many patches
+    mean: tuple[float, ...] = ()  # UINT8 pixel_values are normalised with the model's own mean and std
+    std: tuple[float, ...] = ()
 
 
 def limits_for(settings, info) -> ProtocolLimits:
@@ -49,7 +51,8 @@ def limits_for(settings, info) -> ProtocolLimits:
     (service.settings.Settings)."""
     return ProtocolLimits(max_json_bytes=settings.max_json_body_bytes, max_json_values=settings.max_json_values,
                           max_batch=settings.max_batch_files, max_image_bytes=settings.max_upload_bytes,
-                          channels=info.channels, patch_size=info.patch_size, max_tokens=settings.max_native_tokens)
+                          channels=info.channels, patch_size=info.patch_size, max_tokens=settings.max_native_tokens,
+                          mean=tuple(info.mean), std=tuple(info.std))
 
 
 @dataclass(frozen=True)
@@ -194,24 +197,39 @@ _KIND_NAMES = {bool: "a boolean", int: "an integer", str: "a string"}
 
 def _pixels(tensor: InferInputTensor, section: memoryview | None, limits: ProtocolLimits) -> np.ndarray:
     """`pixel_values` as (B, C, H, W) float32 from JSON data or its binary section: the shape checked against the
-    model before the values are read, then only normalised pixels (the range before the count: a value out of
-    range is the clearer message)."""
-    if tensor.datatype != "FP32":
-        raise InvalidParameter(f"inputs.0 ({INPUT_NAME}) must have datatype FP32, got {tensor.datatype}")
+    model before the values are read. FP32: normalised pixels, checked for range (before the count: a value out of
+    range is the clearer message). UINT8: raw 0-255 pixels, normalised here with the model's mean and std (a
+    client that has pixels sends a quarter of FP32's bytes and no codec)."""
+    if tensor.datatype not in ("FP32", "UINT8"):
+        raise InvalidParameter(f"inputs.0 ({INPUT_NAME}) must have datatype FP32 (normalised) or UINT8 (raw "
+                               f"pixels), got {tensor.datatype}")
     _check_geometry(tensor.shape, limits)
-    count = int(np.prod(tensor.shape))
+    count, raw = int(np.prod(tensor.shape)), tensor.datatype == "UINT8"
     if section is not None:
-        if len(section) != count * 4:
+        width = 1 if raw else 4
+        if len(section) != count * width:
             raise InvalidParameter(f"inputs.0 declares binary_data_size {len(section)} bytes; shape {tensor.shape} "
-                                   f"of FP32 needs {count * 4}")
-        values = np.frombuffer(section, dtype="<f4")
-        _check_pixel_range(values)
+                                   f"of {tensor.datatype} needs {count * width}")
+        values = np.frombuffer(section, dtype=np.uint8 if raw else "<f4")
     else:
         values = _json_numbers(tensor.data)
-        _check_pixel_range(values)
+        _check_uint8_range(values) if raw else _check_pixel_range(values)
         if values.size != count:
             raise InvalidParameter(f"inputs.0.data has {values.size} values; shape {tensor.shape} needs {count}")
+    if raw:
+        return normalize_pixels(values.astype(np.uint8).reshape(tensor.shape), list(limits.mean), list(limits.std))
+    if section is not None:
+        _check_pixel_range(values)
     return values.astype(np.float32).reshape(tensor.shape)
+
+
+def _check_uint8_range(values: np.ndarray) -> None:
+    """JSON UINT8 values are whole numbers in 0-255 (binary ones are bytes: nothing to check)."""
+    wrong = ~((values >= 0) & (values <= 255) & (values == np.floor(values)))  # NaN compares false: wrong too
+    if wrong.any():
+        i = int(wrong.argmax())
+        raise InvalidParameter(f"inputs.0.data: value {i} (row-major) is {values[i]:g}, not a UINT8 pixel (a whole "
+                               f"number from 0 to 255)")
 
 
 def _check_geometry(shape: list[int], limits: ProtocolLimits) -> None:

@@ -252,7 +252,7 @@ class _StrictRequest(BaseModel):
 class InferInputTensor(_StrictRequest):
     name: Literal[INPUT_NAME, IMAGE_INPUT_NAME]
     shape: Annotated[list[Dim], Field(min_length=1, max_length=MAX_SHAPE_RANK)]
-    datatype: Literal["FP32", "BYTES"]
+    datatype: Literal["FP32", "UINT8", "BYTES"]
     parameters: Parameters | None = None
     data: TensorData | None = Field(None, description="absent when `parameters.binary_data_size` says the values "
                                                       "follow the JSON (binary tensor extension)")

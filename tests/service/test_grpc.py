@@ -169,6 +169,32 @@ def test_typed_contents_match_raw(server, reference, batch, size):
         np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("typed", [False, True], ids=["raw", "uint_contents"])
+def test_uint8_pixels_raw_or_typed_are_normalised_by_the_server(server, reference, typed):
+    from vitserve.artifact import normalize_pixels
+
+    raw = np.random.default_rng(9).integers(0, 256, (2, 3, *TRAINED), dtype=np.uint8)
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    tensor = request.inputs.add(name="pixel_values", datatype="UINT8", shape=raw.shape)
+    if typed:
+        tensor.contents.uint_contents.extend(raw.ravel().tolist())
+    else:
+        request.raw_input_contents.append(raw.tobytes())
+    channel, calls = stub(server[1])
+    with channel:
+        response = calls.ModelInfer(request, timeout=PATIENCE_S)
+        over = service_pb2.ModelInferRequest(model_name=MODEL)
+        over.inputs.add(name="pixel_values", datatype="UINT8", shape=[1, 3, *TRAINED]).contents.uint_contents.extend(
+            [256] * 3 * TRAINED[0] * TRAINED[1])
+        with pytest.raises(grpc.RpcError) as caught:
+            calls.ModelInfer(over, timeout=PATIENCE_S)
+    assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "256" in caught.value.details()
+    got = {o.name: np.frombuffer(r, "<f4").reshape(o.shape) for o, r in
+           zip(response.outputs, response.raw_output_contents)}
+    for name, expected in reference(normalize_pixels(raw, [0.5] * 3, [0.25] * 3)).items():
+        np.testing.assert_allclose(got[name], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_typed_and_raw_together_or_neither_are_invalid(server):
     channel, calls = stub(server[1])
     with channel:

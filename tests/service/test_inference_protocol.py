@@ -100,6 +100,42 @@ def test_json_and_binary_pixel_tensors_parse_to_the_same_array():
     assert [(o.name, o.binary, o.class_count) for o in as_json.outputs] == [("logits", False, 0), ("rollout", False, 0)]
 
 
+UINT8_LIMITS = ProtocolLimits(**{**LIMITS.__dict__, "mean": (0.25,), "std": (0.5,)})
+RAW = np.arange(2 * 1 * 8 * 12, dtype=np.uint8).reshape(2, 1, 8, 12) * 2  # 0..382 wraps: every value a byte
+
+
+def test_uint8_pixels_json_and_binary_are_normalised_with_the_model_s_mean_and_std():
+    from vitserve.artifact import normalize_pixels
+
+    uint8 = {"datatype": "UINT8", "shape": list(RAW.shape)}
+    as_json = parse_infer_request(json.dumps(request([pixel_input(**uint8, data=RAW.ravel().tolist())])).encode(),
+                                  None, UINT8_LIMITS)
+    body, length = binary_request(request([pixel_input(**uint8, parameters={"binary_data_size": RAW.size})]),
+                                  RAW.tobytes())
+    as_binary = parse_infer_request(body, length, UINT8_LIMITS)
+    expected = normalize_pixels(RAW, [0.25], [0.5])  # the reference the image path is tested equal to
+    assert as_json.pixels.dtype == as_binary.pixels.dtype == np.float32
+    np.testing.assert_array_equal(as_json.pixels, expected)
+    np.testing.assert_array_equal(as_binary.pixels, expected)
+    assert as_binary.pixels[0, 0, 0, 1] == np.float32((2 / 255 - 0.25) / 0.5)
+
+
+@pytest.mark.parametrize("data, message", [([256] + [0] * 191, "value 0 .* is 256"), ([0] * 191 + [-1], "value 191"),
+                                           ([0.5] + [0] * 191, "not a UINT8 pixel"), ([0] * 10, "needs 192")])
+def test_uint8_json_values_must_be_whole_bytes_and_as_many_as_the_shape(data, message):
+    body = json.dumps(request([pixel_input(datatype="UINT8", shape=list(RAW.shape), data=data)])).encode()
+    with pytest.raises(InvalidParameter, match=message):
+        parse_infer_request(body, None, UINT8_LIMITS)
+
+
+def test_a_binary_uint8_tensor_must_have_one_byte_per_value():
+    header = request([pixel_input(datatype="UINT8", shape=list(RAW.shape),
+                                  parameters={"binary_data_size": RAW.size * 4})])
+    body, length = binary_request(header, RAW.astype(np.float32).tobytes())
+    with pytest.raises(InvalidParameter, match="of UINT8 needs 192"):
+        parse_infer_request(body, length, UINT8_LIMITS)
+
+
 @pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf, 1e5])
 def test_a_binary_tensor_holds_only_normalised_pixels(value):
     pixels = PIXELS.copy()

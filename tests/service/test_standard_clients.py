@@ -217,6 +217,17 @@ def test_infer_matches_onnx_runtime(client, reference, binary_in, binary_out, ba
 
 
 @pytest.mark.parametrize("binary", [False, True])
+def test_uint8_pixels_are_normalised_by_the_server_as_the_model_was_trained(client, reference, binary):
+    from vitserve.artifact import normalize_pixels
+
+    raw = np.random.default_rng(5).integers(0, 256, (2, 3, *TRAINED), dtype=np.uint8)
+    tensor = triton.InferInput("pixel_values", list(raw.shape), "UINT8")
+    tensor.set_data_from_numpy(raw, binary_data=binary)
+    result = client.infer(MODEL, [tensor], outputs=requested(True))
+    assert_outputs(result, reference(normalize_pixels(raw, [0.5] * 3, [0.25] * 3)))  # the tiny model's mean, std
+
+
+@pytest.mark.parametrize("binary", [False, True])
 def test_relevance_output_with_a_target_parameter(client, tiny_onnx, binary):
     """The relevance output asked for by name, the class to explain as a request parameter (label or index), as
     tritonclient sends them unmodified; the values are the ONNX file's own relevance path."""
