@@ -129,6 +129,12 @@ class Settings(BaseSettings):
                                                                     "the queue the admitted, the refused and the "
                                                                     "first request after the load wait behind; "
                                                                     "0: up to max_requests_in_flight")
+    overload_keeps_batches: bool = Field(True, description="while shedding, still admit this process's share of "
+                                                           "the engine's batches (max_batch_size x "
+                                                           "max_batches_in_flight over the HTTP workers): at 2x "
+                                                           "overload about 1.7x the answers, refusals slower "
+                                                           "(docs/reliability.md); false: only overload_queue_ms "
+                                                           "of work, the fastest refusals")
     # 50, not the 20 of a single process: HTTP workers share the cores with the engine, and a loop's timers then
     # run late by the scheduler's slices too (at 64 closed-loop clients, 20 refused 1% of requests, 50 none).
     max_loop_lag_ms: float | None = Field(50.0, ge=0, description="refuse new inference requests while the event "
@@ -308,7 +314,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                                 "graph_optimization", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
                  "max_batch_cost"),
-    "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "max_queue_wait_ms", "max_loop_lag_ms",
+    "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "overload_keeps_batches",
+                             "max_queue_wait_ms", "max_loop_lag_ms",
                              "max_pixels_in_flight", "large_image_pixels", "max_upload_bytes", "max_image_pixels",
                              "max_batch_files", "max_native_tokens", "preprocess_threads", "max_rollout_image_side",
                              "max_json_body_bytes", "max_binary_body_bytes", "max_json_values"),

@@ -205,15 +205,18 @@ class Admission:
     makes everyone wait: the admitted behind it, the refused behind the event loop's work for it, and the first
     request after the load behind what is left of it. So for `SHEDDING_HOLD_S` after it refuses one for being
     full it admits only the requests it finishes in `overload_queue_s` (its completion rate times that, at least
-    `MIN_IN_FLIGHT`). A closed loop of clients within `max_in_flight` never fills it, and a refusal for the
+    `min_shed_in_flight`: what fills the engine's batches, since a smaller batch costs more per image and an
+    engine starved of batches is goodput lost, docs/reliability.md). A closed loop of clients within
+    `max_in_flight` never fills it, and a refusal for the
     loop's lag (a passing stall) does not lower the limit."""
 
     SHEDDING_HOLD_S = 1.0
     MIN_IN_FLIGHT = 2  # one running, one waiting to join the next batch
 
     def __init__(self, max_in_flight: int, max_loop_lag_s: float | None = None,
-                 overload_queue_s: float | None = None, clock=time.perf_counter):
+                 overload_queue_s: float | None = None, clock=time.perf_counter, min_shed_in_flight: int = 2):
         self.clock = clock
+        self.min_shed_in_flight = max(self.MIN_IN_FLIGHT, min_shed_in_flight)
         self.max_in_flight = max_in_flight
         self.in_flight = 0
         self.loop_lag = LoopLag()
@@ -228,7 +231,7 @@ class Admission:
         rate = self.completions.per_s()
         if self.overload_queue_s is None or now >= self.shedding_until or rate is None:
             return self.max_in_flight
-        return min(self.max_in_flight, max(self.MIN_IN_FLIGHT, math.ceil(rate * self.overload_queue_s)))
+        return min(self.max_in_flight, max(self.min_shed_in_flight, math.ceil(rate * self.overload_queue_s)))
 
     def refusal(self, predicted_wait_s: float, timeout_s: float) -> Overloaded | None:
         """Why a request arriving now would be refused, or None."""

@@ -64,7 +64,8 @@ class ServiceState:
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None,
-                                   s.overload_queue_ms / 1000 if s.overload_queue_ms else None)
+                                   s.overload_queue_ms / 1000 if s.overload_queue_ms else None,
+                                   min_shed_in_flight=self.shedding_floor())
         self.admission.loop_lag.start()
         self.pixels = PixelBudget(s.max_pixels_in_flight)
         return_large_frees_to_the_os()
@@ -126,6 +127,15 @@ class ServiceState:
         # memory its thread still holds.
         job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self.pixels.release, reserved))
         return await asyncio.wrap_future(job)
+
+    def shedding_floor(self) -> int:
+        """Requests a shedding process still admits: its share of the engine's batches (max_batches_in_flight of
+        max_batch_size among the HTTP workers), since fewer leave the engine small batches that cost more per
+        image (docs/reliability.md); 0 with overload_keeps_batches off."""
+        s = self.settings
+        if not s.overload_keeps_batches:
+            return 0
+        return math.ceil(s.max_batch_size * s.max_batches_in_flight / max(1, s.http_workers))
 
     def early_refusal(self, method: bytes, path: str) -> tuple[ServiceError, int] | None:
         """For the connection (service/http/connection.py), from the request line alone: the error and Retry-After

@@ -326,6 +326,34 @@ def test_once_it_refuses_a_process_admits_only_what_it_finishes_in_the_overload_
     assert admission.in_flight == 64
 
 
+def test_shedding_still_admits_the_process_s_share_of_the_engine_s_batches():
+    """Small batches cost the engine more per image: shedding below a batch's worth starves it (goodput lost)."""
+    clock = FakeClock()
+    admission = Admission(max_in_flight=64, overload_queue_s=0.05, clock=clock, min_shed_in_flight=16)
+    for _ in range(64):
+        admission.enter(0.0, 10.0)
+    for _ in range(20):  # 100 requests per second: 5 would be the overload queue's worth
+        clock.now += 0.01
+        admission.leave()
+        admission.enter(0.0, 10.0)
+    assert admission.refusal(0.0, 10.0) is not None  # full: shedding from now
+    assert admission.in_flight_limit(clock.now) == 16
+
+
+def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_onnx):
+    from service.core.state import ServiceState
+    from service_fixtures import settings_for
+
+    def limit(**overrides) -> int:
+        state = ServiceState.__new__(ServiceState)
+        state.settings = settings_for(tiny_onnx, **overrides)
+        return state.shedding_floor()
+
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2) == 16
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=3) == 11
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, overload_keeps_batches=False) == 0
+
+
 def test_a_closed_loop_within_the_limit_is_never_refused_and_keeps_the_full_limit():
     clock = FakeClock()
     admission = Admission(max_in_flight=64, overload_queue_s=0.02, clock=clock)
