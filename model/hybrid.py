@@ -160,12 +160,27 @@ class ResNetBackbone(nn.Module):
 
 class HybridEmbed(nn.Module):
     """The CNN, then `proj`: a conv of kernel and stride (patch size / CNN stride) from its channels to the
-    token width. `proj` plays the plain ViT's patch embedding, on the feature map instead of the pixels."""
+    token width. `proj` plays the plain ViT's patch embedding, on the feature map instead of the pixels.
 
-    def __init__(self, in_channels: int, layers: tuple[int, ...], width: int, feature_patch: int, embed_dim: int):
+    Called as PatchEmbed is, so that `partial(HybridEmbed, layers=..., width=...)` is an embed layer for
+    VisionTransformer (timm's hybrids pass `partial(HybridEmbed, backbone=...)` the same way).
+
+    Args:
+        patch_size: the pixels one token covers: the CNN's stride times the patch cut from its feature map.
+        in_channels: the image's channels.
+        embed_dim: the token width.
+        layers: bottleneck blocks per stage; () for the stem alone.
+        width: the stem's channels; stage i has 4 * width * 2**i.
+    """
+
+    def __init__(self, patch_size: int, in_channels: int, embed_dim: int, *, layers: tuple[int, ...], width: int):
         super().__init__()
+        stride = backbone_stride(layers)
+        if patch_size % stride:
+            raise ValueError(f"patch size {patch_size} is not a multiple of the backbone's stride {stride}")
         # The stem alone is the backbone itself, as in timm (keys patch_embed.backbone.conv, .norm)
         self.backbone = resnet_stem(in_channels, width) if not layers else ResNetBackbone(in_channels, layers, width)
+        feature_patch = patch_size // stride
         self.proj = nn.Conv2d(backbone_channels(layers, width), embed_dim, kernel_size=feature_patch,
                               stride=feature_patch)
 
@@ -173,7 +188,12 @@ class HybridEmbed(nn.Module):
         return self.proj(self.backbone(x))  # (B, D, H/P, W/P)
 
     def init_weights(self) -> None:
-        # BiT's: He initialisation for the convolutions, GroupNorm at identity (PyTorch's default for norms).
+        # proj as the plain ViT's patch embedding (xavier, as a linear layer over the flattened patch), then BiT's
+        # He initialisation for the CNN's convolutions, GroupNorm at identity (PyTorch's default for norms).
+        # The random draws come in this order so that a seeded run starts from the weights it always did.
+        w = self.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.proj.bias)
         for m in self.backbone.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

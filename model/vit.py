@@ -1,7 +1,8 @@
 """Vision Transformer (Dosovitskiy et al. 2020, "An Image is Worth 16x16 Words").
 
 One file of small modules, named like timm's so that its checkpoints map key for key:
-PatchEmbed -> [class] token + position embeddings -> pre-LN Blocks -> LayerNorm -> head.
+PatchEmbed -> [class] token + position embeddings -> pre-LN Blocks -> LayerNorm -> head. As in timm, the patch
+embedding is an argument (`embed_layer`): PatchEmbed, the hybrid's CNN then patches (model/hybrid.py), or another.
 The position embeddings are learned for the training grid and resampled (bicubic) to
 whatever grid the input produces; the grid is read from the patch embedding's output
 tensor, never from Python ints, so that `torch.export` keeps height and width symbolic.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import asdict, dataclass
+from functools import partial
 from typing import Callable
 
 import torch
@@ -194,6 +196,25 @@ class PatchEmbed(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(x)  # (B, D, H/P, W/P)
 
+    def init_weights(self) -> None:
+        # As the linear layer over a flattened patch that it is (paper, eq. 1)
+        w = self.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.proj.bias)
+
+
+# Builds a patch embedding from keywords patch_size (pixels per token), in_channels and embed_dim: a module taking
+# pixels (B, C, H, W) to a grid of tokens (B, D, H/P, W/P). timm's `embed_layer`, with our argument names.
+EmbedLayer = Callable[..., nn.Module]
+
+
+def embed_layer_for(cfg: ViTConfig) -> EmbedLayer:
+    """The embed layer a config describes: patches of pixels, or (hybrid) patches of a ResNet's feature map.
+    Checkpoints store the config, not the layer, so this is how they rebuild it."""
+    if cfg.backbone_layers is None:
+        return PatchEmbed
+    return partial(HybridEmbed, layers=cfg.backbone_layers, width=cfg.backbone_width)
+
 
 class Attention(nn.Module):
     """Multi-head self-attention with fused qkv.
@@ -242,14 +263,25 @@ class Mlp(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-LayerNorm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)) (paper, eqs. 2-3)."""
+    """Pre-LayerNorm encoder block: x + MSA(LN(x)), then x + MLP(LN(x)) (paper, eqs. 2-3).
 
-    def __init__(self, cfg: ViTConfig):
+    Args:
+        dim: token width.
+        num_heads: attention heads; must divide dim.
+        mlp_dim: the MLP's hidden width.
+        qkv_bias: whether the fused qkv projection has a bias.
+        layer_norm_eps: both LayerNorms' epsilon.
+        dropout: after the attention's output projection and after each MLP layer.
+        attention_dropout: on the attention weights.
+    """
+
+    def __init__(self, dim: int, num_heads: int, mlp_dim: int, qkv_bias: bool = True, layer_norm_eps: float = 1e-6,
+                 dropout: float = 0.0, attention_dropout: float = 0.0):
         super().__init__()
-        self.norm1 = nn.LayerNorm(cfg.embed_dim, eps=cfg.layer_norm_eps)
-        self.attn = Attention(cfg.embed_dim, cfg.num_heads, cfg.qkv_bias, cfg.attention_dropout, cfg.dropout)
-        self.norm2 = nn.LayerNorm(cfg.embed_dim, eps=cfg.layer_norm_eps)
-        self.mlp = Mlp(cfg.embed_dim, cfg.mlp_dim, cfg.dropout)
+        self.norm1 = nn.LayerNorm(dim, eps=layer_norm_eps)
+        self.attn = Attention(dim, num_heads, qkv_bias, attention_dropout, dropout)
+        self.norm2 = nn.LayerNorm(dim, eps=layer_norm_eps)
+        self.mlp = Mlp(dim, mlp_dim, dropout)
 
     def forward(self, x: torch.Tensor, return_attention: bool = False):
         y, attn = self.attn(self.norm1(x), return_attention)
@@ -271,20 +303,26 @@ class PreLogits(nn.Module):
 
 
 class VisionTransformer(nn.Module):
-    def __init__(self, cfg: ViTConfig):
+    """Args:
+        cfg: the architecture; it is what checkpoints and ONNX metadata record.
+        embed_layer: builds the patch embedding (see EmbedLayer). None: the one cfg describes (embed_layer_for).
+            A layer that cfg does not describe gives a model that a checkpoint of it cannot rebuild.
+    """
+
+    def __init__(self, cfg: ViTConfig, embed_layer: EmbedLayer | None = None):
         super().__init__()
         self.cfg = cfg
         num_patches = cfg.grid_size[0] * cfg.grid_size[1]
-        if cfg.is_hybrid:
-            feature_patch = cfg.patch_size // backbone_stride(cfg.backbone_layers)
-            self.patch_embed = HybridEmbed(cfg.in_channels, cfg.backbone_layers, cfg.backbone_width, feature_patch,
-                                           cfg.embed_dim)
-        else:
-            self.patch_embed = PatchEmbed(cfg.patch_size, cfg.in_channels, cfg.embed_dim)
+        embed_layer = embed_layer_for(cfg) if embed_layer is None else embed_layer
+        self.patch_embed = embed_layer(patch_size=cfg.patch_size, in_channels=cfg.in_channels,
+                                       embed_dim=cfg.embed_dim)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, cfg.embed_dim))
         self.pos_embed = nn.Parameter(torch.zeros(1, 1 + num_patches, cfg.embed_dim))
         self.pos_drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.depth)])
+        self.blocks = nn.ModuleList([
+            Block(cfg.embed_dim, cfg.num_heads, cfg.mlp_dim, qkv_bias=cfg.qkv_bias, layer_norm_eps=cfg.layer_norm_eps,
+                  dropout=cfg.dropout, attention_dropout=cfg.attention_dropout)
+            for _ in range(cfg.depth)])
         self.norm = nn.LayerNorm(cfg.embed_dim, eps=cfg.layer_norm_eps)
         head_in = cfg.embed_dim
         self.pre_logits: nn.Module = nn.Identity()
@@ -304,11 +342,9 @@ class VisionTransformer(nn.Module):
                 nn.init.xavier_uniform_(m.weight)
                 if m.bias is not None:
                     nn.init.normal_(m.bias, std=1e-6) if "mlp" in name else nn.init.zeros_(m.bias)
-        w = self.patch_embed.proj.weight
-        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
-        nn.init.zeros_(self.patch_embed.proj.bias)
-        if self.cfg.is_hybrid:
-            self.patch_embed.init_weights()
+        init_embed = getattr(self.patch_embed, "init_weights", None)
+        if init_embed is not None:  # an embed layer without its own scheme keeps PyTorch's default
+            init_embed()
         nn.init.zeros_(self.head.weight)
         nn.init.zeros_(self.head.bias)
 
@@ -352,4 +388,5 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-__all__ = ["ViTConfig", "vit_config", "resample_pos_embed", "VisionTransformer", "count_parameters"]
+__all__ = ["ViTConfig", "vit_config", "resample_pos_embed", "PatchEmbed", "EmbedLayer", "embed_layer_for", "Block",
+           "VisionTransformer", "count_parameters"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,22 @@ from model.vit import VisionTransformer, vit_config
 from training_fixtures import read_strict_json
 
 TINY_LABELS = ["cat", "dog", "bird"]  # as in tests/conftest.py's tiny_checkpoint
+REPO = Path(__file__).resolve().parents[2]
+
+# Logits of two committed checkpoints for torch.randn(2, 1, 28, 28) drawn from a generator seeded 0, as
+# model/vit.py gave them before its embed layer became an argument (issue 41): a plain ViT and a hybrid.
+COMMITTED_LOGITS = {
+    "models/vit-fmnist/checkpoint": [
+        [-0.104454935, -1.6472564, 1.0139041, -1.1675293, -0.44392812,
+         -1.2944518, 1.7634616, -1.4841595, -0.52135724, -1.4593203],
+        [-0.53747845, -1.4858551, 0.5257212, -0.7503639, -0.45583045,
+         -0.68759257, 1.3976163, -1.0842936, -0.34524378, -1.1535599]],
+    "training/vit-fmnist-hybrid/checkpoint": [
+        [-0.8113165, -0.5096254, -1.0387199, -0.71184736, 0.5708942,
+         1.8593174, -0.05954279, -0.34321523, 3.2856896, 0.4059015],
+        [-1.3085309, -0.8759199, 0.84466046, -0.51017326, -0.53071994,
+         1.4236685, 1.3977089, -1.3505898, -0.47907057, -0.69976974]],
+}
 
 
 def test_round_trip_gives_identical_logits(tiny_checkpoint, tmp_path):
@@ -29,6 +46,17 @@ def test_round_trip_gives_identical_logits(tiny_checkpoint, tmp_path):
         assert again(torch.randn(1, 3, 48, 16)).shape == (1, 3)  # another grid: resampled, still 3 logits
     assert meta_again.to_dict() == meta.to_dict()
     assert weights_sha256(again.state_dict()) == weights_sha256(model.state_dict())
+
+
+@pytest.mark.parametrize("directory", sorted(COMMITTED_LOGITS))
+def test_committed_checkpoints_still_give_their_logits(directory):
+    model, meta = load_checkpoint(REPO / directory)
+    x = torch.randn(2, 1, *meta.config.image_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(x)
+    # Bit for bit with one intra-op thread (tests/conftest.py) on the CPU that wrote them; other thread counts and
+    # CPUs split the convolutions' sums differently and may round the last bits otherwise
+    torch.testing.assert_close(logits, torch.tensor(COMMITTED_LOGITS[directory]), rtol=0, atol=1e-5)
 
 
 def test_saved_files_follow_the_umask_like_any_other_file(tiny_checkpoint, tmp_path):

@@ -17,7 +17,7 @@ from export.onnx_export import export_onnx
 from export.rollout_reference import numpy_attention_rollout
 from model.checkpoint import load_checkpoint
 from model.convert import CheckpointImportError, ImportOptions, import_checkpoint
-from model.hybrid import backbone_stride, same_padding
+from model.hybrid import HybridEmbed, backbone_stride, same_padding
 from model.vit import ViTConfig, VisionTransformer, resample_pos_embed, vit_config
 from timm_reference import timm_without_torchvision
 
@@ -67,6 +67,8 @@ def test_backbone_arithmetic_and_config_checks():
         [(2, 3), (0, 1), (1, 1), (0, 0), (0, 0)]
     with pytest.raises(ValueError, match="not a multiple of the backbone's stride 16"):
         vit_config("R50+B/8")
+    with pytest.raises(ValueError, match="patch size 6 is not a multiple of the backbone's stride 4"):
+        HybridEmbed(6, 1, 32, layers=(), width=32)  # an embed layer is checked without a config too
     with pytest.raises(ValueError, match="multiple of 32"):
         vit_config("R+fmnist", backbone_width=48)
     with pytest.raises(ValueError, match="at least 1 block"):

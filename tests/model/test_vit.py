@@ -7,7 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.vit import ViTConfig, VisionTransformer, count_parameters, resample_pos_embed, vit_config
+from torch import nn
+
+from model.vit import (Block, PatchEmbed, ViTConfig, VisionTransformer, count_parameters, embed_layer_for,
+                       resample_pos_embed, vit_config)
 
 # (embed_dim, depth, num_heads, mlp_dim), written out here rather than read from the module under test.
 PAPER_WIDTHS = {
@@ -234,6 +237,66 @@ def test_grid_follows_the_input_not_the_config():
         a = model.embed(torch.randn(1, 3, 32, 32))
         b = model.embed(torch.randn(1, 3, 16, 64))
     assert a.shape == (1, 17, 32) and b.shape == (1, 1 + 2 * 8, 32)
+
+
+# ---- the embed layer, passed in ----
+
+class PooledEmbed(nn.Module):
+    """A stand-in embed layer: each patch's mean pixel times a learned vector, and a count of its calls."""
+
+    def __init__(self, patch_size: int, in_channels: int, embed_dim: int):
+        super().__init__()
+        self.made_with = (patch_size, in_channels, embed_dim)
+        self.direction = nn.Parameter(torch.linspace(-1, 1, embed_dim).reshape(embed_dim, 1, 1))
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return F.avg_pool2d(x.mean(1, keepdim=True), self.made_with[0]) * self.direction  # (B, D, H/P, W/P)
+
+
+def test_the_embed_layer_passed_in_makes_the_tokens():
+    torch.manual_seed(0)
+    model = VisionTransformer(vit_config("tiny", image_size=(32, 32), patch_size=8, embed_dim=32, depth=2,
+                                         num_heads=4, mlp_dim=64, num_classes=5), embed_layer=PooledEmbed).eval()
+    embed = model.patch_embed
+    assert isinstance(embed, PooledEmbed) and embed.made_with == (8, 3, 32)
+    assert {k for k in model.state_dict() if k.startswith("patch_embed.")} == {"patch_embed.direction"}
+    assert torch.equal(embed.direction, torch.linspace(-1, 1, 32).reshape(32, 1, 1))  # no init_weights: left as made
+    x = torch.randn(2, 3, 48, 16)  # another grid than the config's: read from the stand-in's output
+    with torch.no_grad():
+        tokens = model.embed(x)
+        expected = embed(x).flatten(2).transpose(1, 2)  # (2, 6 * 2, 32)
+        torch.testing.assert_close(tokens[:, 1:] - resample_pos_embed(model.pos_embed, (4, 4), (6, 2))[:, 1:],
+                                   expected, rtol=0, atol=1e-6)
+        model.head.weight.normal_()  # it starts at zero, which would hide any change below
+        calls = embed.calls
+        before = model(x)
+        assert embed.calls == calls + 1
+        embed.direction.mul_(-2)
+        assert not torch.allclose(model(x), before)
+
+
+def test_without_an_embed_layer_the_config_chooses_one():
+    assert embed_layer_for(vit_config("fmnist")) is PatchEmbed
+    plain = VisionTransformer(vit_config("fmnist", depth=1))
+    hybrid = VisionTransformer(vit_config("R+fmnist", depth=1, backbone_width=32))
+    assert type(plain.patch_embed) is PatchEmbed
+    assert {k for k in hybrid.state_dict() if k.startswith("patch_embed.")} == {
+        "patch_embed.backbone.conv.weight", "patch_embed.backbone.norm.weight", "patch_embed.backbone.norm.bias",
+        "patch_embed.proj.weight", "patch_embed.proj.bias"}
+    assert hybrid.patch_embed.proj.kernel_size == (1, 1)  # 4-pixel tokens: the stem's stride 4, 1x1 patches of it
+
+
+def test_block_takes_its_widths_not_a_config():
+    block = Block(dim=16, num_heads=2, mlp_dim=24, qkv_bias=False, layer_norm_eps=1e-5, dropout=0.25,
+                  attention_dropout=0.5)
+    assert (block.attn.num_heads, block.attn.head_dim, block.attn.qkv.bias) == (2, 8, None)
+    assert (block.mlp.fc1.out_features, block.mlp.fc2.out_features) == (24, 16)
+    assert block.norm1.eps == block.norm2.eps == 1e-5
+    assert (block.attn.proj_drop.p, block.mlp.drop1.p, block.attn.attn_drop.p) == (0.25, 0.25, 0.5)
+    out, attn = block.eval()(torch.randn(3, 5, 16), return_attention=True)
+    assert out.shape == (3, 5, 16) and attn.shape == (3, 2, 5, 5)
 
 
 # ---- attention ----
