@@ -7,19 +7,21 @@ from pathlib import Path
 SERVERS = ("vitserve", "triton", "litserve")
 # vitserve on Ray Serve (`vitserve serve --ray`) with one and two replicas: on request only (`--servers`)
 RAY_SERVERS = {"vitserve-ray1": 1, "vitserve-ray2": 2}
+# vitserve with a runtime other than its default (`VITSERVE_RUNTIME`): runtimes side by side, served
+RUNTIME_SERVERS = {"vitserve-openvino": "openvino"}
 # vitserve from `baseline_commit`, beside the working tree's in the same run: a change's before and after
 BASELINE = "vitserve-base"
-KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, BASELINE)
+KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, BASELINE)
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")
 SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), BASELINE: PATHS,
-                **{s: PATHS for s in RAY_SERVERS}}
+                **{s: PATHS for s in (*RAY_SERVERS, *RUNTIME_SERVERS)}}
 
 
 def family(server: str) -> str:
-    """The server whose requests and answers `server` has: vitserve's on Ray are vitserve's."""
-    return "vitserve" if server in RAY_SERVERS or server == BASELINE else server
+    """The server whose requests and answers `server` has: vitserve's on Ray or another runtime are vitserve's."""
+    return "vitserve" if server in RAY_SERVERS or server in RUNTIME_SERVERS or server == BASELINE else server
 
 
 @dataclass

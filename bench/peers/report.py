@@ -7,7 +7,7 @@ from bench.reliability import number, table
 
 LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)",
-          "vitserve-base": "vitserve (baseline commit)"}
+          "vitserve-base": "vitserve (baseline commit)", "vitserve-openvino": "vitserve on OpenVINO"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 

@@ -21,7 +21,7 @@ import numpy as np
 from bench.load import make_images
 from bench.peers.answers import check, post
 from bench.peers.bodies import PeerRequest, peer_request
-from bench.peers.config import BASELINE, PATHS, RAY_SERVERS, SERVED_PATHS, PeersConfig, family
+from bench.peers.config import BASELINE, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS, PeersConfig, family
 from bench.peers.report import summarise
 from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
@@ -203,6 +203,8 @@ def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source:
         return vitserve_spec(model_path, source)
     if server in RAY_SERVERS:
         return vitserve_spec(model_path, source, ray_replicas=RAY_SERVERS[server])
+    if server in RUNTIME_SERVERS:
+        return vitserve_spec(model_path, source, runtime=RUNTIME_SERVERS[server])
     if server == "triton":
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]))
     return litserve_spec(model_path, pythons["litserve"])

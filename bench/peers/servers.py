@@ -47,10 +47,11 @@ class ServerSpec:
 
 
 def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | None = None,
-                  grpc: bool = False) -> ServerSpec:
+                  grpc: bool = False, runtime: str | None = None) -> ServerSpec:
     """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given; with `ray_replicas`,
     `vitserve serve --ray` with that many replicas (a local Ray cluster of its own); with `grpc`, its gRPC port
-    second in `ports` (otherwise none: an older commit's server, which has no gRPC, ignores the variable)."""
+    second in `ports` (otherwise none: an older commit's server, which has no gRPC, ignores the variable); with
+    `runtime`, that runtime instead of the server's default (`VITSERVE_RUNTIME`)."""
     port, grpc_port = _distinct_free_ports(2) if grpc else (free_port(), 0)
     env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": str(grpc_port),
            **({"PYTHONPATH": str(source.resolve())} if source else {})}
@@ -60,6 +61,9 @@ def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | N
         argv += ["--ray", "--ray-replicas", str(ray_replicas)]
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         name = f"vitserve-ray{ray_replicas}"
+    if runtime:
+        env["VITSERVE_RUNTIME"] = runtime
+        name = f"vitserve-{runtime}"
     if source:  # -P: the working directory (this repository) must not come first on the path and shadow `source`
         argv.insert(1, "-P")
     return ServerSpec(name, argv, [port, *([grpc_port] if grpc else [])], ["/v2/health/ready"], env)

@@ -474,3 +474,16 @@ def test_vitserve_on_ray_is_a_server_on_request_with_vitserves_requests(tmp_path
     m = Model()
     m.png, m.pixels = png, pixels
     assert request_for_size("vitserve-ray1", "image", m) == request_for_size("vitserve", "image", m)
+
+
+def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_requests(tmp_path, png, pixels):
+    from bench.peers.config import family
+    from bench.peers.report import LABELS
+    from bench.peers.run import server_spec
+    spec = server_spec("vitserve-openvino", tmp_path / "m.onnx", {}, None)
+    assert spec.name == "vitserve-openvino" and spec.env["VITSERVE_RUNTIME"] == "openvino"
+    assert "VITSERVE_RUNTIME" not in server_spec("vitserve", tmp_path / "m.onnx", {}, None).env
+    assert config_from({"servers": ["vitserve", "vitserve-openvino"]}, False).servers == ["vitserve",
+                                                                                        "vitserve-openvino"]
+    assert family("vitserve-openvino") == "vitserve" and SERVED_PATHS["vitserve-openvino"] == SERVED_PATHS["vitserve"]
+    assert LABELS["vitserve-openvino"] == "vitserve on OpenVINO"
