@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import io
-import json
 import time
 from pathlib import Path
 
@@ -25,15 +23,17 @@ from bench.config import LOOPBACK
 from bench.oip import decode_outputs, infer_target
 from bench.report import command_line, publish
 from bench.servers import ServerProcess, free_port, serve_argv
+from model.config import FASHION_MNIST_DIR
 from service.protocols.binary_tensors import HEADER_LENGTH, join_body, pack_bytes
 
-FASHION_MNIST_TEST = Path("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz")
+FASHION_MNIST_TEST = Path(FASHION_MNIST_DIR) / "t10k-images-idx3-ubyte.gz"
 
 
 def idx_pngs(path: Path, count: int) -> list[bytes]:
-    """The first `count` images of an IDX file (28x28 grey) as PNGs."""
-    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
-    images = np.frombuffer(raw, np.uint8, offset=16).reshape(-1, 28, 28)[:count]
+    """The first `count` images of an IDX file of grey images (N, H, W) as PNGs."""
+    from model.data import read_idx  # the training's own reader (it checks the header); torch comes with it
+
+    images = read_idx(path)[:count]
     out = []
     for image in images:
         buffer = io.BytesIO()

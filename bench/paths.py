@@ -10,9 +10,7 @@ request** (the engine process) say where a path's cost is, which requests/s on t
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 from pathlib import Path
 
 from bench.load import make_images
@@ -21,9 +19,9 @@ from bench.peers.bodies import PeerRequest, multipart_image
 from bench.peers.wrk import find_wrk, run_wrk, wrk_argv, write_script
 from bench.report import command_line, publish
 from bench.servers import ServerProcess, free_port, serve_argv
+from vitserve.machine import process_cpu_seconds, process_tree
 
 PATHS = ("classify", "classify-multipart", "v2-image")
-_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def path_requests(png: bytes, model: str) -> dict[str, PeerRequest]:
@@ -32,21 +30,11 @@ def path_requests(png: bytes, model: str) -> dict[str, PeerRequest]:
             "v2-image": PeerRequest(infer_target(model), *image_request(png))}
 
 
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
-
-
 def server_processes(root: int) -> tuple[list[int], list[int]]:
     """(frontend processes, engine processes) of the server whose first process is `root`. An engine is a process
     spawned below `root` that has a runtime's library loaded; the rest (the HTTP workers, or `root` itself with
     one worker, and the supervisor, idle while serving) are the frontend."""
-    tree, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        tree.append(pid)
-        children = Path(f"/proc/{pid}/task/{pid}/children")
-        todo += [int(c) for c in children.read_text().split()] if children.exists() else []
+    tree = process_tree(root)
     engines = [pid for pid in tree[1:] if _runs_a_runtime(pid)]
     return [pid for pid in tree if pid not in engines], engines
 
@@ -59,9 +47,9 @@ def _runs_a_runtime(pid: int) -> bool:
 def measure_level(url: str, script: Path, connections: int, duration_s: int, groups) -> dict:
     wrk = find_wrk()
     run_wrk(wrk_argv(wrk, url, connections, 1, 30, script), 60)  # warm-up, discarded
-    before = [sum(map(cpu_seconds, pids)) for pids in groups]
+    before = [sum(map(process_cpu_seconds, pids)) for pids in groups]
     result = run_wrk(wrk_argv(wrk, url, connections, duration_s, 30, script), duration_s + 60)
-    after = [sum(map(cpu_seconds, pids)) for pids in groups]
+    after = [sum(map(process_cpu_seconds, pids)) for pids in groups]
     n = max(result["requests"], 1)
     http_us, engine_us = (1e6 * (a - b) / n for a, b in zip(after, before))
     return {"req_s": result["ok_per_s"], "p50_ms": result.get("p50_ms"), "p99_ms": result.get("p99_ms"),
