@@ -111,10 +111,11 @@ RESPONSE_COMPRESSIONS = {"none": None, "gzip": grpc.Compression.Gzip, "deflate":
 
 def compress_answer(context: grpc.aio.ServicerContext, answer, settings) -> None:
     """Leave an answer outside the compress_* sizes uncompressed (the same bounds as HTTP's: the CPU one answer
-    costs). The server compresses every other one with `grpc_response_compression`, and gRPC only for a client
-    whose grpc-accept-encoding lists the algorithm (grpcio's and tritonclient's do). The server's default, not
-    `context.set_compression` per call: grpcio 1.85's asyncio server ignored the latter (measured: 5101 bytes on
-    the wire for 5000 zeros either way)."""
+    costs). The server compresses every other one with `grpc_response_compression`, whatever the client's
+    grpc-accept-encoding lists (grpcio 1.85's server does not check it: grpcio's and tritonclient's clients list
+    gzip and deflate; docs/open-inference-protocol.md). The server's default, not `context.set_compression` per
+    call: grpcio 1.85's asyncio server ignored the latter (measured: 5101 bytes on the wire for 5000 zeros either
+    way)."""
     if settings.grpc_response_compression != "none" and not (
             settings.compress_min_bytes <= answer.ByteSize() <= settings.compress_max_bytes):
         context.disable_next_message_compression()
