@@ -60,7 +60,7 @@ model: $(VENV)/.dev-installed
 	rm -rf $(MODEL_DIR)/checkpoint && mkdir -p $(MODEL_DIR)
 	cp -r $(TRAIN_RUN)/checkpoint $(MODEL_DIR)/checkpoint
 	cp $(TRAIN_RUN)/log.csv $(TRAIN_RUN)/curves.png $(MODEL_DIR)/
-	$(BIN)/python -m model.report $(TRAIN_RUN) --out $(MODEL_DIR)/REPORT.md
+	$(BIN)/python -m vitserve.model.report $(TRAIN_RUN) --out $(MODEL_DIR)/REPORT.md
 	$(MAKE) export-default
 
 # Trains (or continues) the hybrid candidate: `make model-hybrid TIME_LIMIT=40` stops after 40 minutes, resumable.
@@ -112,15 +112,15 @@ clean:
 # without a network: `make gpu-wheels` here, then `bash bench/gpu-lent.sh OUT` there (docs/bench-gpu.md).
 .PHONY: bench-gpu gpu-wheels
 bench-gpu: $(VENV)/.dev-installed
-	$(BIN)/python -m bench.gpu $(GPU_ARGS)
+	$(BIN)/python -m vitserve.bench.gpu $(GPU_ARGS)
 
 gpu-wheels: $(VENV)/.dev-installed
-	$(BIN)/python -m bench.gpu_wheels --out .whl --lzma --leave-out grpcio --max-mib 48
+	$(BIN)/python -m vitserve.bench.gpu_wheels --out .whl --lzma --leave-out grpcio --max-mib 48
 
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-installed
 	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }
-	$(BIN)/python -m bench.peers --out docs/bench-peers.md $(PEERS_ARGS)
+	$(BIN)/python -m vitserve.bench.peers --out docs/bench-peers.md $(PEERS_ARGS)
 
 # Triton's gRPC protocol (service/grpc/generated/*.proto, copied unchanged from triton-inference-server/common
 # at 83adf7c) compiled into the checked-in Python stubs; the serving image needs no compiler. protoc writes
@@ -130,6 +130,6 @@ grpc-stubs: $(VENV)/.dev-installed
 	$(BIN)/python -m grpc_tools.protoc -I $(GRPC_GENERATED) --python_out=$(GRPC_GENERATED) \
 		--pyi_out=$(GRPC_GENERATED) --grpc_python_out=$(GRPC_GENERATED) \
 		$(GRPC_GENERATED)/grpc_service.proto $(GRPC_GENERATED)/model_config.proto
-	sed -i -E 's/^import (model_config_pb2|grpc_service_pb2) as/from service.grpc.generated import \1 as/' \
+	sed -i -E 's/^import (model_config_pb2|grpc_service_pb2) as/from vitserve.service.grpc.generated import \1 as/' \
 		$(GRPC_GENERATED)/*_pb2*.py $(GRPC_GENERATED)/*.pyi
 	rm -f $(GRPC_GENERATED)/model_config_pb2_grpc.py

@@ -16,10 +16,10 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
-from bench.presets import PRESETS
-from bench.reliability import MODES, ReliabilityConfig
-from bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
+from vitserve.bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
+from vitserve.bench.presets import PRESETS
+from vitserve.bench.reliability import MODES, ReliabilityConfig
+from vitserve.bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
 from vitserve.help_format import DefaultsHelpFormatter
 
 
@@ -186,7 +186,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
 
 def oip_config_from_args(args: argparse.Namespace):
     """bench.oip.OipConfig's defaults, then its --quick's, then the flags given; other modes' flags are refused."""
-    from bench.oip import ENCODINGS, OIP_QUICK, OipConfig
+    from vitserve.bench.oip import ENCODINGS, OIP_QUICK, OipConfig
 
     names = {f.name for f in fields(OipConfig)}
     others = [*THROUGHPUT_ONLY, *(f.name for f in fields(ReliabilityConfig) if f.name != "mode")]
@@ -203,14 +203,14 @@ def oip_config_from_args(args: argparse.Namespace):
 
 def run_bench_command(args: argparse.Namespace) -> int:
     if args.mode == "peers":
-        from bench.peers.cli import config_from_bench_args, run
+        from vitserve.bench.peers.cli import config_from_bench_args, run
         return run(config_from_bench_args(args), shlex.join(["vitserve", "bench", *sys.argv[2:]]))
     if args.mode == "oip":
         return run_oip_command(args)
     if args.mode != "throughput":
         return run_reliability_command(args)
-    from bench.report import targets_lines, write_report
-    from bench.run import run_bench
+    from vitserve.bench.report import targets_lines, write_report
+    from vitserve.bench.run import run_bench
 
     cfg = config_from_args(args)
     report = run_bench(cfg, dict(args.settings), command="vitserve bench " + " ".join(sys.argv[2:]))
@@ -221,8 +221,8 @@ def run_bench_command(args: argparse.Namespace) -> int:
 
 
 def run_reliability_command(args: argparse.Namespace) -> int:
-    from bench import overload, soak
-    from bench.reliability import write_report
+    from vitserve.bench import overload, soak
+    from vitserve.bench.reliability import write_report
 
     cfg = reliability_config_from_args(args)
     run, render = {"overload": (overload.run_overload, overload.render_overload),
@@ -237,8 +237,8 @@ def run_reliability_command(args: argparse.Namespace) -> int:
 
 
 def run_oip_command(args: argparse.Namespace) -> int:
-    from bench.oip import render_oip, run_oip, summary_lines
-    from bench.reliability import write_report
+    from vitserve.bench.oip import render_oip, run_oip, summary_lines
+    from vitserve.bench.reliability import write_report
 
     cfg = oip_config_from_args(args)
     report = run_oip(cfg, dict(args.settings), command=shlex.join(["vitserve", "bench", *sys.argv[2:]]))
@@ -265,10 +265,10 @@ def run_evaluate_bench(args: argparse.Namespace) -> int:
     """ONNX Runtime against PyTorch eager (bench/raw.py's `benchmark`), one JSON line per case."""
     import json
 
-    from bench.raw import benchmark, variant_model
+    from vitserve.bench.raw import benchmark, variant_model
 
     if args.checkpoint:
-        from model.checkpoint import load_checkpoint
+        from vitserve.model.checkpoint import load_checkpoint
 
         vit, _ = load_checkpoint(args.checkpoint)
     else:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.report import command_line, publish
+from vitserve.bench.report import command_line, publish
 
 SIZES = {"224x224": (224, 224), "640x480": (640, 480), "1920x1080": (1920, 1080)}
 TARGET = (224, 224)

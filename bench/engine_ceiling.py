@@ -46,14 +46,14 @@ def zero_cost_model(path: Path) -> Path:
         [helper.make_tensor("one", TensorProto.INT64, [1], [1])])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
     info = ModelInfo(name="zero", version="1", labels=["a", "b"], patch_size=PATCH, image_size=IMAGE[1:],
-                     channels=IMAGE[0], mean=[0.5], std=[0.25], exporter="bench.engine_ceiling")
+                     channels=IMAGE[0], mean=[0.5], std=[0.25], exporter="vitserve.bench.engine_ceiling")
     helper.set_model_props(model, info.to_metadata())
     onnx.save(model, str(path))
     return path
 
 
 def engine_settings(model: Path, max_batch_size: int):
-    from service.settings import Settings
+    from vitserve.service.settings import Settings
 
     return Settings(model_path=model, runtime="onnxruntime", providers=["cpu"], intra_op_threads=1,
                     max_batch_size=max_batch_size, max_queue_size=100_000, max_queue_delay_ms=0.5,
@@ -64,8 +64,8 @@ def submitter(settings, in_flight: int, seconds: float, start_at: float, results
     """One frontend process: `in_flight` requests at a time through RemoteEngine until the window closes."""
     import resource
 
-    from service.core.metrics import ServiceMetrics
-    from service.engine.remote import RemoteEngine
+    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.engine.remote import RemoteEngine
 
     async def drive() -> int:
         engine = RemoteEngine(settings, ServiceMetrics())
@@ -132,7 +132,7 @@ def level(settings, engine_pids: list[int], submitters: int, in_flight: int, sec
 def run(levels: list[tuple[int, int]], seconds: float, max_batch_size: int) -> dict:
     import psutil
 
-    from service.engine.supervisor import EngineSupervisor
+    from vitserve.service.engine.supervisor import EngineSupervisor
 
     with tempfile.TemporaryDirectory(prefix="vitserve-ceiling-") as directory:
         model = zero_cost_model(Path(directory) / "zero.onnx")

@@ -21,10 +21,10 @@ import numpy as np
 import onnx
 from torch import nn
 
-from bench.measure import alternating_rounds_ms
-from export.int8 import quantize_int8
-from export.onnx_export import ViTWithRollout, example_input, to_onnx
-from export.verify import cpu_session
+from vitserve.bench.measure import alternating_rounds_ms
+from vitserve.export.int8 import quantize_int8
+from vitserve.export.onnx_export import ViTWithRollout, example_input, to_onnx
+from vitserve.export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 
@@ -75,8 +75,8 @@ def compare(vit, batches=(1, 8), rounds: int = 7, seconds: float = 0.7) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from export.presets import PRESETS, random_checkpoint
-    from model.checkpoint import load_checkpoint
+    from vitserve.export.presets import PRESETS, random_checkpoint
+    from vitserve.model.checkpoint import load_checkpoint
 
     for name in (argv if argv is not None else sys.argv[1:]) or ["default"]:
         with tempfile.TemporaryDirectory() as directory:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU kit on a lent GPU machine without a network, in one call (docs/bench-gpu.md, "How to run it").
 #
-# On the machine with a network first: `python -m bench.gpu_wheels --out .whl` (onnxruntime-gpu slimmed to the
+# On the machine with a network first: `python -m vitserve.bench.gpu_wheels --out .whl` (onnxruntime-gpu slimmed to the
 # H100's code, the web stack's wheels) and Debian's wrk with its libluajit in .whl/bin and .whl/lib. The lent
 # machine's own python3 (3.12, with torch for the exports, CUDA 13 and cuDNN 9 as NVIDIA's pip packages) runs
 # everything: the wheels go into a --target folder ahead of its site-packages, so its onnxruntime (CPU) is shadowed
@@ -23,7 +23,7 @@ export LD_LIBRARY_PATH="$PWD/.whl/lib:$cuda_libs:${LD_LIBRARY_PATH:-}"
 export PATH="$PWD/.whl/bin:$PATH"
 nvidia-smi -L
 python3 -c 'import onnxruntime as o; print("onnxruntime", o.__version__, o.get_available_providers())'
-python3 -m bench.gpu --no-install --out "$out/bench-gpu.md" "$@"
+python3 -m vitserve.bench.gpu --no-install --out "$out/bench-gpu.md" "$@"
 code=$?
 tar czf "$out/logs.tgz" build/gpu/*.log build/gpu/logs 2>/dev/null
 exit $code

@@ -156,7 +156,7 @@ def install_and_rerun(cfg: GpuKitConfig, argv: list[str]) -> int | None:
     if pip.returncode != 0:
         print(f"[skipped] install onnxruntime-gpu: {pip.stderr.strip()[-500:]}", flush=True)
         return None
-    return subprocess.run([str(python), "-m", "bench.gpu", *argv, "--no-install"]).returncode
+    return subprocess.run([str(python), "-m", "vitserve.bench.gpu", *argv, "--no-install"]).returncode
 
 
 def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAULT_CHECKPOINT) -> Path:
@@ -170,7 +170,7 @@ def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAU
         argv = [sys.executable, "-m", "vitserve.cli", "export", str(checkpoint), "--out", str(partial),
                 "--precision", precision]
     else:
-        argv = [sys.executable, "-m", "export.presets", model, str(partial), "--precision", precision]
+        argv = [sys.executable, "-m", "vitserve.export.presets", model, str(partial), "--precision", precision]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
@@ -211,8 +211,8 @@ def verify_on(path: Path, reference: Path, provider: str) -> dict:
 def server_model(path: Path, **settings):
     """The server's own model object (service/engine/runtime.py): the fast path's session, CUDA graphs per bucket
     unless `cuda_graphs=False`."""
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     return OnnxModel.load(Settings(model_path=path, providers=["cuda", "cpu"], **settings))
 
@@ -220,7 +220,7 @@ def server_model(path: Path, **settings):
 def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
     """The fast path with and without CUDA graphs, as the server runs it: their answers side by side (the captured
     bucket must agree with the dynamic session) and images/s at each batch size, alternating rounds."""
-    from bench.measure import alternating_rounds_ms
+    from vitserve.bench.measure import alternating_rounds_ms
 
     largest = max(batch_sizes)
     started = time.monotonic()
@@ -259,14 +259,14 @@ def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Pa
     import onnx
     from onnxruntime.transformers.optimizer import optimize_model
 
-    from bench.measure import alternating_rounds_ms
-    from service.engine.graph_paths import split_paths
-    from service.settings import Settings
+    from vitserve.bench.measure import alternating_rounds_ms
+    from vitserve.service.engine.graph_paths import split_paths
+    from vitserve.service.settings import Settings
     from vitserve.onnx_header import read_model_info
 
     import onnxruntime as ort
 
-    from service.engine.runtime import OnnxModel, new_session, provider_chain
+    from vitserve.service.engine.runtime import OnnxModel, new_session, provider_chain
 
     info = read_model_info(path)
     fast = split_paths(onnx.load(str(path))).fast
@@ -312,7 +312,7 @@ def jpeg_for(info) -> bytes:
 
     from PIL import Image
 
-    from bench.load import make_images
+    from vitserve.bench.load import make_images
 
     image = Image.open(io.BytesIO(make_images("jpeg", (480, 640), 3, 1)[0]))
     image = image.resize(info.image_size[::-1]).convert("L" if info.channels == 1 else "RGB")
@@ -323,7 +323,7 @@ def jpeg_for(info) -> bytes:
 
 def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
     """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores."""
-    from bench.gpu_served import served_levels
+    from vitserve.bench.gpu_served import served_levels
     from vitserve.onnx_header import read_model_info
 
     wrk = cfg.wrk or shutil.which("wrk")
@@ -339,8 +339,8 @@ def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
 def bench_served(path: Path, provider: str, cfg: GpuKitConfig, batch_sizes: list[int], concurrency: list[int],
                  duration_s: float) -> dict:
     """`vitserve bench` on `path` with `provider` first: raw at each batch size, then served."""
-    from bench.config import BenchConfig
-    from bench.run import run_bench
+    from vitserve.bench.config import BenchConfig
+    from vitserve.bench.run import run_bench
 
     name = {CUDA: "cuda", TENSORRT: "tensorrt", CPU: "cpu"}[provider]
     overrides = {"providers": name if provider == CPU else f"{name},cpu"}

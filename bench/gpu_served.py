@@ -16,9 +16,9 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from bench.peers.bodies import PeerRequest
-from bench.peers.wrk import parse_wrk, write_script
-from bench.servers import ServerProcess, free_port, serve_argv
+from vitserve.bench.peers.bodies import PeerRequest
+from vitserve.bench.peers.wrk import parse_wrk, write_script
+from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 
 
 def split_cores(client_cores: int) -> tuple[list[int], list[int]]:

@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.perf_analyzer_inputs import perf_analyzer_inputs
-from bench.peers.servers import RunningServer, triton_spec, vitserve_spec
-from bench.peers.venvs import ensure_venv, library_dir
+from vitserve.bench.perf_analyzer_inputs import perf_analyzer_inputs
+from vitserve.bench.peers.servers import RunningServer, triton_spec, vitserve_spec
+from vitserve.bench.peers.venvs import ensure_venv, library_dir
 from vitserve.machine import cpu_model_name, load_average
 
 PATHS = ("vitserve grpc", "vitserve http-binary", "triton grpc")
@@ -58,7 +58,7 @@ def perf_analyzer(binary: str, model: str, url: str, protocol: str, inputs: Path
 
 
 def run(args) -> dict:
-    from service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.runtime import read_model_file_info
     if read_model_file_info(args.model).explains_classes:
         raise SystemExit(f"{args.model} has the relevance path, which perf_analyzer would ask every request for "
                          f"(Triton's model answers logits and rollout only): export one with --no-relevance "

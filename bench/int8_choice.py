@@ -21,10 +21,10 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from bench.measure import alternating_rounds_ms
-from export.accuracy_gate import EvalSetError, load_labelled_set, spearman
-from export.int8 import LINEAR_OP_TYPES, linear_nodes, quantize_int8
-from export.verify import cpu_session
+from vitserve.bench.measure import alternating_rounds_ms
+from vitserve.export.accuracy_gate import EvalSetError, load_labelled_set, spearman
+from vitserve.export.int8 import LINEAR_OP_TYPES, linear_nodes, quantize_int8
+from vitserve.export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
 
 
@@ -57,8 +57,8 @@ def batch_invariance(session, pixels: np.ndarray, batch: int = 16, seed: int = 0
 
 def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int,
             invariance_images: int = 2000) -> dict:
-    from export.onnx_export import ViTWithRollout, example_input, to_onnx
-    from model.checkpoint import load_checkpoint
+    from vitserve.export.onnx_export import ViTWithRollout, example_input, to_onnx
+    from vitserve.model.checkpoint import load_checkpoint
 
     vit, meta = load_checkpoint(checkpoint)
     cfg = vit.cfg

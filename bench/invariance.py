@@ -19,19 +19,19 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
-from bench.config import LOOPBACK
-from bench.oip import decode_outputs, infer_target
-from bench.report import command_line, publish
-from bench.servers import ServerProcess, free_port, serve_argv
-from model.config import FASHION_MNIST_DIR
-from service.protocols.binary_tensors import HEADER_LENGTH, join_body, pack_bytes
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.oip import decode_outputs, infer_target
+from vitserve.bench.report import command_line, publish
+from vitserve.bench.servers import ServerProcess, free_port, serve_argv
+from vitserve.model.config import FASHION_MNIST_DIR
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, pack_bytes
 
 FASHION_MNIST_TEST = Path(FASHION_MNIST_DIR) / "t10k-images-idx3-ubyte.gz"
 
 
 def idx_pngs(path: Path, count: int) -> list[bytes]:
     """The first `count` images of an IDX file of grey images (N, H, W) as PNGs."""
-    from model.data import read_idx  # the training's own reader (it checks the header); torch comes with it
+    from vitserve.model.data import read_idx  # the training's own reader (it checks the header); torch comes with it
 
     images = read_idx(path)[:count]
     out = []

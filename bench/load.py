@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image
 
-from bench.config import LOOPBACK
-from bench.measure import latency_summary
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.measure import latency_summary
 
 # what a request can fail with on the client side: counted as an error of its level, never raised
 _REQUEST_ERRORS = (OSError, ValueError, asyncio.IncompleteReadError, asyncio.TimeoutError)

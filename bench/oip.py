@@ -29,14 +29,14 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from bench.config import LOOPBACK, BenchConfig, with_server_defaults
-from bench.load import encode_request, make_images, settle
-from bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
-from bench.run import run_level
-from bench.servers import free_port, server_settings
-from service.protocols.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
+from vitserve.bench.config import LOOPBACK, BenchConfig, with_server_defaults
+from vitserve.bench.load import encode_request, make_images, settle
+from vitserve.bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
+from vitserve.bench.run import run_level
+from vitserve.bench.servers import free_port, server_settings
+from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
                                     tensor_bytes)
-from service.protocols.schemas import IMAGE_INPUT_NAME
+from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 ENCODINGS = ("json", "binary", "image", "classify")
@@ -163,10 +163,10 @@ def probe(port: int, path: str, body: bytes, headers: dict[str, str], timeout_s:
 
 def run_oip(cfg: OipConfig, overrides: dict[str, str], command: str) -> dict:
     """One server; a probe per encoding, then every client count's rounds; returns the report."""
-    from bench.overload import model_summary
-    from bench.presets import resolve_model
-    from bench.raw import preprocessed
-    from bench.run import Budget, environment
+    from vitserve.bench.overload import model_summary
+    from vitserve.bench.presets import resolve_model
+    from vitserve.bench.raw import preprocessed
+    from vitserve.bench.run import Budget, environment
     from vitserve.onnx_header import read_model_info
 
     budget = Budget(cfg.time_limit_s)

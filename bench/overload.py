@@ -21,13 +21,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from bench.config import LOOPBACK
-from bench.load import HttpConnection, closed_loop, encode_request, make_images, settle
-from bench.measure import CpuSnapshot, latency_summary
-from bench.presets import resolve_model
-from bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSampler, alternated, contention, number,
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.load import HttpConnection, closed_loop, encode_request, make_images, settle
+from vitserve.bench.measure import CpuSnapshot, latency_summary
+from vitserve.bench.presets import resolve_model
+from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSampler, alternated, contention, number,
                                preamble, servers_under_test, table, verdict)
-from bench.servers import free_port
+from vitserve.bench.servers import free_port
 
 TIMEOUT = "timeout"
 CONNECTION_ERROR = "connection error"
@@ -265,7 +265,7 @@ class Setup:
 
     @classmethod
     def prepare(cls, cfg: ReliabilityConfig, overrides: dict[str, str]) -> "Setup":
-        from bench.run import environment
+        from vitserve.bench.run import environment
 
         env = environment()  # before anything runs: the load average at the start
         model_path = resolve_model(cfg.model, cfg.cache_dir)

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.load import make_images
-from service.protocols.binary_tensors import pack_bytes
-from service.core.preprocess import prepare_image
-from service.engine.runtime import read_model_file_info
-from service.settings import Settings
-from service.protocols.schemas import IMAGE_INPUT_NAME
+from vitserve.bench.load import make_images
+from vitserve.service.protocols.binary_tensors import pack_bytes
+from vitserve.service.core.preprocess import prepare_image
+from vitserve.service.engine.runtime import read_model_file_info
+from vitserve.service.settings import Settings
+from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME
 from vitserve.artifact import INPUT_NAME
 
 

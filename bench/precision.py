@@ -17,10 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.measure import alternating_rounds_ms
-from bench.presets import resolve_model
-from service.engine.runtime import OnnxModel
-from service.settings import Settings
+from vitserve.bench.measure import alternating_rounds_ms
+from vitserve.bench.presets import resolve_model
+from vitserve.service.engine.runtime import OnnxModel
+from vitserve.service.settings import Settings
 
 
 def load(path: Path, threads: int) -> OnnxModel:

@@ -30,7 +30,7 @@ def resolve_model(model: str, cache_dir: Path) -> Path:
         print(f"exporting random-weight {model} to {path} (needs torch: pip install -e '.[export]') ...", flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".partial.onnx")  # a run cut short leaves no half-written model under the real name
-        subprocess.run([sys.executable, "-m", "export.presets", base, str(tmp), "--precision", precision],
+        subprocess.run([sys.executable, "-m", "vitserve.export.presets", base, str(tmp), "--precision", precision],
                        check=True, timeout=1800)
         tmp.replace(path)
     return path

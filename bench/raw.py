@@ -11,8 +11,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.config import BenchConfig
-from bench.measure import CpuSnapshot, latency_summary, timed_calls
+from vitserve.bench.config import BenchConfig
+from vitserve.bench.measure import CpuSnapshot, latency_summary, timed_calls
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 
@@ -35,8 +35,8 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
 
 def load_raw_model(model_path: Path, server_env: dict[str, str]):
     """The server's own session: `service.engine.runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     values = {k.removeprefix("VITSERVE_").lower(): v for k, v in server_env.items()}
     return OnnxModel.load(Settings(**{**values, "model_path": model_path}))
@@ -51,8 +51,8 @@ def model_summary(model, path: Path) -> dict:
 
 def preprocessed(model, images: list[bytes]) -> np.ndarray:
     """The server's own preprocessing of `images` (default settings, resize=fit): (n, C, H, W)."""
-    from service.core.preprocess import prepare_image
-    from service.settings import Settings
+    from vitserve.service.core.preprocess import prepare_image
+    from vitserve.service.settings import Settings
 
     s = Settings()
     return np.stack([prepare_image(data, model.info, resize="fit", max_bytes=s.max_upload_bytes,
@@ -82,7 +82,7 @@ def variant_model(name: str):
     """A named variant with random weights at its default resolution, e.g. 'small' = ViT-S/16 at 224."""
     import torch
 
-    from model.vit import VisionTransformer, vit_config
+    from vitserve.model.vit import VisionTransformer, vit_config
 
     torch.manual_seed(0)
     return VisionTransformer(vit_config(name)).eval()
@@ -107,7 +107,7 @@ def benchmark(vit, batch_sizes: list[int], *, threads: int | None = None, min_se
     """
     import torch
 
-    from export.onnx_export import example_input
+    from vitserve.export.onnx_export import example_input
 
     if threads:
         torch.set_num_threads(threads)
@@ -131,8 +131,8 @@ def benchmark(vit, batch_sizes: list[int], *, threads: int | None = None, min_se
 
 def _torch_and_onnx(vit, threads: int) -> tuple[dict, dict]:
     """{with rollout?: torch module} and {with rollout?: ONNX Runtime CPU session} of the same weights."""
-    from export.onnx_export import ViTWithRollout, example_input, to_onnx
-    from export.verify import cpu_session
+    from vitserve.export.onnx_export import ViTWithRollout, example_input, to_onnx
+    from vitserve.export.verify import cpu_session
 
     patch, example = vit.cfg.patch_size, example_input(vit)
     modules = {False: vit, True: ViTWithRollout(vit)}

@@ -27,10 +27,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.peers.bodies import PeerRequest
-from bench.peers.wrk import find_wrk, parse_wrk, write_script, wrk_argv
-from bench.repository import place, sample_png
-from bench.servers import free_port
+from vitserve.bench.peers.bodies import PeerRequest
+from vitserve.bench.peers.wrk import find_wrk, parse_wrk, write_script, wrk_argv
+from vitserve.bench.repository import place, sample_png
+from vitserve.bench.servers import free_port
 
 LAYOUTS = ("replicated", "multiplexed", "per_model")
 MIXES = {"even": lambda c: (c // 2, c // 2), "skewed": lambda c: (c - 2, 2)}
@@ -50,7 +50,7 @@ def deploy(layout: str, root: Path, cfg: RayRepositoryBenchConfig) -> list[str]:
     """Deploy `layout` on the running Serve instance; the applications' names."""
     from ray import serve
 
-    from service.ray_serve import build_app
+    from vitserve.service.ray_serve import build_app
     common = {"providers": ["cpu"], "log_level": "warning", "max_loop_lag_ms": 60000}
     if layout == "per_model":
         for name in ("a", "b"):

@@ -29,8 +29,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from bench.measure import timed_calls
-from bench.reliability import number, table, write_report
+from vitserve.bench.measure import timed_calls
+from vitserve.bench.reliability import number, table, write_report
 from vitserve.help_format import DefaultsHelpFormatter
 
 CASES = ("fast_only", "fast_path", "relevance_path")
@@ -49,7 +49,7 @@ def relevance_cost(checkpoint_dir: str | Path, batch_sizes=(1, 32), threads=(1, 
                    work_dir: str | Path = "build/relevance-cost", verify: bool = False, command: str = "") -> dict:
     """Export `checkpoint_dir` both ways into `work_dir`, then time the three cases at every thread setting (0: ONNX
     Runtime's default, one thread per core) and batch size; returns the report `render_markdown` renders."""
-    from bench.run import environment
+    from vitserve.bench.run import environment
 
     env = environment()
     artifacts = export_both(checkpoint_dir, Path(work_dir), verify)
@@ -86,7 +86,7 @@ def measure_artifacts(artifacts: dict, batch_sizes, threads, rounds: int, second
 
 def export_both(checkpoint_dir: str | Path, work_dir: Path, verify: bool) -> dict:
     """{"fast_only" | "with_relevance": {"path", "size_bytes", "export_seconds"}}: the checkpoint exported twice."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     artifacts = {}
     for name, relevance in (("fast_only", False), ("with_relevance", True)):
@@ -99,8 +99,8 @@ def export_both(checkpoint_dir: str | Path, work_dir: Path, verify: bool) -> dic
 
 def load_model(path: str | Path, threads: int):
     """The server's session over `path` on the CPU, with `threads` intra-op threads (0: ONNX Runtime's default)."""
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     return OnnxModel.load(Settings(model_path=Path(path), intra_op_threads=threads, providers=["cpu"]))
 
@@ -152,7 +152,7 @@ def check_cases(models: dict, pixels) -> dict:
 
 def measure_batch(models: dict, pixels, threads: int, rounds: int, seconds: float) -> dict:
     """The three cases at one batch size, alternating round by round; one warm-up call each first."""
-    from bench.measure import CpuSnapshot
+    from vitserve.bench.measure import CpuSnapshot
 
     calls = case_calls(models, pixels)
     for run in calls.values():
@@ -169,7 +169,7 @@ def measure_batch(models: dict, pixels, threads: int, rounds: int, seconds: floa
 def summarise(per_round: dict[str, list[list[float]]], batch: int, threads: int, other_cores: float) -> dict:
     """One row: per case the latency percentiles over every call, images/s and the per-round medians; per ratio
     the ratio of the medians and the range of the per-round ratios."""
-    from bench.measure import latency_summary
+    from vitserve.bench.measure import latency_summary
 
     cases = {}
     for case, rounds in per_round.items():
@@ -348,7 +348,7 @@ def run_relevance_cost(args) -> int:
 
 def variant_checkpoint(name: str, work_dir: Path) -> Path:
     """A checkpoint with seeded random weights: a preset of export/presets.py by name, else a model.vit variant."""
-    from export.presets import PRESETS, RandomModel, random_checkpoint
+    from vitserve.export.presets import PRESETS, RandomModel, random_checkpoint
 
     spec = PRESETS.get(name) or RandomModel(name, name=f"random-{name}")
     return random_checkpoint(spec, work_dir / f"{name.replace('/', '-')}-checkpoint")

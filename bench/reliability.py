@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.config import LOOPBACK
-from bench.servers import ServerProcess
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.servers import ServerProcess
 from vitserve.machine import process_tree
 
 MODES = ("overload", "hol", "soak")

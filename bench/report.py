@@ -6,7 +6,7 @@ import math
 import sys
 from pathlib import Path
 
-from bench.config import LOOPBACK
+from vitserve.bench.config import LOOPBACK
 
 
 def write_report(report: dict, out: Path) -> list[Path]:

@@ -28,8 +28,8 @@ from pathlib import Path
 
 import httpx
 
-from bench.presets import resolve_model
-from bench.servers import free_port
+from vitserve.bench.presets import resolve_model
+from vitserve.bench.servers import free_port
 
 ADMIN_KEY = "bench-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -146,8 +146,8 @@ async def _throughput(url: str, cfg: RepositoryBenchConfig, body: bytes, root: P
         await closed_loop(url, "small", cfg.clients, 1.0, body)
         answers = await closed_loop(url, "small", cfg.clients, cfg.seconds, body)
         return sum(1 for s, _, _ in answers if s == 200) / cfg.seconds
-    from bench.peers.bodies import PeerRequest
-    from bench.peers.wrk import run_wrk, write_script, wrk_argv
+    from vitserve.bench.peers.bodies import PeerRequest
+    from vitserve.bench.peers.wrk import run_wrk, write_script, wrk_argv
     script = write_script(root.parent / "wrk", "small", PeerRequest("/v1/classify", body, {"Content-Type":
                                                                                           "image/png"}))
     target = f"{url}/v1/classify?model=small&map=none"
@@ -273,8 +273,8 @@ async def _flood(url: str, cfg: RepositoryBenchConfig, body: bytes, root: Path) 
         asyncio.get_running_loop().call_later(seconds, stop.set)
         answers = await closed_loop(url, "big", cfg.flood, 10_000, body, stop=stop)
         return count_statuses(answers), "httpx in the bench process"
-    from bench.peers.bodies import PeerRequest
-    from bench.peers.wrk import parse_statuses, run_wrk, write_script, wrk_argv
+    from vitserve.bench.peers.bodies import PeerRequest
+    from vitserve.bench.peers.wrk import parse_statuses, run_wrk, write_script, wrk_argv
     script = write_script(root.parent / "wrk", "big", PeerRequest("/v1/classify", body, {"Content-Type":
                                                                                         "image/png"}))
     argv = wrk_argv(wrk, f"{url}/v1/classify?model=big&map=none", cfg.flood, round(seconds), 30,

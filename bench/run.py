@@ -11,13 +11,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from bench.config import LOOPBACK, BenchConfig, with_server_defaults
-from bench.load import closed_loop, encode_request, make_images, paired_one_client, settle
-from bench.measure import CpuSnapshot
-from bench.presets import resolve_model
-from bench.raw import load_raw_model, model_summary, preprocessed, raw_phase
-from bench.report import targets
-from bench.servers import ServerProcess, bare_argv, free_port, scrape_metrics, serve_argv, server_settings
+from vitserve.bench.config import LOOPBACK, BenchConfig, with_server_defaults
+from vitserve.bench.load import closed_loop, encode_request, make_images, paired_one_client, settle
+from vitserve.bench.measure import CpuSnapshot
+from vitserve.bench.presets import resolve_model
+from vitserve.bench.raw import load_raw_model, model_summary, preprocessed, raw_phase
+from vitserve.bench.report import targets
+from vitserve.bench.servers import ServerProcess, bare_argv, free_port, scrape_metrics, serve_argv, server_settings
 from vitserve.machine import cpu_model_name, load_average
 
 _BATCH_METRICS = ("vitserve_batch_size_sum", "vitserve_batch_size_count", "vitserve_inference_seconds_sum")

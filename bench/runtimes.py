@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.report import command_line, publish
+from vitserve.bench.report import command_line, publish
 
 
 def candidates(path: Path, threads: int) -> dict:
-    from service.engine import openvino_runtime
-    from service.engine.runtime import load_model
-    from service.settings import Settings
+    from vitserve.service.engine import openvino_runtime
+    from vitserve.service.engine.runtime import load_model
+    from vitserve.service.settings import Settings
 
     base = dict(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64)
     models = {"onnxruntime": load_model(Settings(**base, runtime="onnxruntime"))}
@@ -35,9 +35,9 @@ def candidates(path: Path, threads: int) -> dict:
 
 
 def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int) -> dict:
-    from bench.measure import alternating_rounds_ms
-    from service.engine.runtime import load_model, probe_pixels
-    from service.settings import Settings
+    from vitserve.bench.measure import alternating_rounds_ms
+    from vitserve.service.engine.runtime import load_model, probe_pixels
+    from vitserve.service.settings import Settings
 
     models = candidates(path, threads)
     reference = models["onnxruntime"]
@@ -60,7 +60,7 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
 
 
 def render(reports: list[dict], command: str) -> str:
-    from service.engine import openvino_runtime
+    from vitserve.service.engine import openvino_runtime
 
     capabilities = sorted(openvino_runtime.cpu_capabilities()) if openvino_runtime.available() else []
     cpu = cpu_name()

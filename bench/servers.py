@@ -14,7 +14,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench.config import LOOPBACK, BenchConfig
+from vitserve.bench.config import LOOPBACK, BenchConfig
 
 READY_PATH = "/v2/health/ready"
 
@@ -32,7 +32,7 @@ def serve_argv(model_path: Path, port: int) -> list[str]:
 
 
 def bare_argv() -> list[str]:
-    return [sys.executable, "-m", "bench.servers"]
+    return [sys.executable, "-m", "vitserve.bench.servers"]
 
 
 def server_settings(cfg: BenchConfig, overrides: dict[str, str], batching: bool) -> dict[str, str]:
@@ -151,10 +151,10 @@ def bare_app():
 
 def run_bare_server() -> None:
     """Serve `bare_app` exactly as `vitserve serve` serves its app, with settings from `VITSERVE_*`."""
-    from service.cli import serve_with_uvicorn
-    from service.settings import Settings
+    from vitserve.service.cli import serve_with_uvicorn
+    from vitserve.service.settings import Settings
 
-    serve_with_uvicorn("bench.servers:bare_app", Settings())
+    serve_with_uvicorn("vitserve.bench.servers:bare_app", Settings())
 
 
 if __name__ == "__main__":

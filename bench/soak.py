@@ -26,14 +26,14 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from bench.config import LOOPBACK
-from bench.load import HttpConnection, encode_request, make_images
-from bench.measure import CpuSnapshot, latency_summary
-from bench.overload import (HUNG_UP, Answer, OpenLoop, Request, Setup, exchange, one_at_a_time,
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.load import HttpConnection, encode_request, make_images
+from vitserve.bench.measure import CpuSnapshot, latency_summary
+from vitserve.bench.overload import (HUNG_UP, Answer, OpenLoop, Request, Setup, exchange, one_at_a_time,
                             outcome_summary, saturation, target_lines)
-from bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSample, TreeSampler, alternated, number,
+from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSample, TreeSampler, alternated, number,
                                preamble, sample_tree, table)
-from bench.servers import free_port
+from vitserve.bench.servers import free_port
 from vitserve.artifact import INPUT_NAME
 
 _STREAM_LIMIT_S = 86_400.0  # the head-of-line test's small requests run until told to stop; this only bounds them

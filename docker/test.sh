@@ -111,7 +111,7 @@ choose_model() {  # sets MODEL_FILE, the model the serving images bake in
   echo "    WARNING: $DEFAULT_MODEL does not exist yet (make model); baking a random-weight stand-in"
   if [ ! -f "$STAND_IN_MODEL" ]; then
     [ -x .venv/bin/python ] || die "making the stand-in model needs torch: run 'make setup-dev' first"
-    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m export.presets vit-fmnist-stand-in "$STAND_IN_MODEL" --verify \
+    OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m vitserve.export.presets vit-fmnist-stand-in "$STAND_IN_MODEL" --verify \
       > "$LOGS/make-test-model.log" 2>&1 || die "making the stand-in failed (see $LOGS/make-test-model.log)"
   fi
   ok "$STAND_IN_MODEL"

@@ -10,14 +10,14 @@ from pathlib import Path
 
 import torch
 
-from export.verify import cpu_session
+from vitserve.export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo, normalize_pixels
 
 
 def accuracy_at_sizes(model_path: str | Path, images: torch.Tensor, labels: torch.Tensor,
                       sizes: list[tuple[int, int]], *, threads: int = 0, batch_size: int = 500) -> list[dict]:
     """Top-1 accuracy of the ONNX model (CPU) on uint8 images (N, C, h, w), resized (bicubic) to each size."""
-    from model.data import resize_batch
+    from vitserve.model.data import resize_batch
 
     session = cpu_session(str(model_path), threads=threads)
     info = ModelInfo.from_metadata(session.get_modelmeta().custom_metadata_map)
@@ -39,7 +39,7 @@ def accuracy_at_sizes(model_path: str | Path, images: torch.Tensor, labels: torc
 def onnx_accuracy(model_path: str | Path, sizes: list[tuple[int, int]], *, data_dir: str | Path,
                   limit: int | None = None, threads: int = 0) -> list[dict]:
     """Accuracy on the Fashion-MNIST test split (10,000 images unless `limit`)."""
-    from model.data import load_fashion_mnist
+    from vitserve.model.data import load_fashion_mnist
 
     test = load_fashion_mnist(data_dir).test
     images, labels = test.images[:limit], test.labels[:limit]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from evaluation.explanations import add_explanations_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
+from vitserve.evaluation.explanations import add_explanations_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
 from vitserve.help_format import DefaultsHelpFormatter
 
 
@@ -30,7 +30,7 @@ def add_accuracy_parser(commands) -> None:
 
 
 def run_accuracy(args) -> int:
-    from evaluation.accuracy import onnx_accuracy
+    from vitserve.evaluation.accuracy import onnx_accuracy
 
     rows = onnx_accuracy(args.model, args.sizes, data_dir=args.data_dir, limit=args.limit, threads=args.threads)
     for row in rows:

@@ -266,7 +266,7 @@ def explain_batched(vit, pixels, target, batch_size: int):
     """export.relevance.explain in batches: logits (N, K) and {'rollout', 'relevance'} maps (N, gh, gw), numpy."""
     import torch
 
-    from export.relevance import explain
+    from vitserve.export.relevance import explain
 
     parts = [explain(vit, pixels[s:s + batch_size], target[s:s + batch_size])
              for s in range(0, len(pixels), batch_size)]
@@ -362,7 +362,7 @@ def resolution_consistency(vit, images, mean, std, predicted, trained_maps: dict
     trained size: per-image Spearman. Relevance explains the class predicted at the trained size."""
     import torch
 
-    from model.data import resize_batch
+    from vitserve.model.data import resize_batch
 
     size = (images.shape[-2] * factor, images.shape[-1] * factor)
     pixels = model_input(resize_batch(images, size), vit.cfg.in_channels, mean, std)
@@ -714,7 +714,7 @@ def write_report(results: dict, examples: dict, labels: list[str], out: Path) ->
     plot_overlays(examples, labels, figures["overlays"])
     relative = {name: f"{figure_dir.name}/{p.name}" for name, p in figures.items()}
     md_path.write_text(markdown_report(results, relative))
-    from model.checkpoint import strict_json  # NaN (an interval of one image) as null: strict readers refuse NaN
+    from vitserve.model.checkpoint import strict_json  # NaN (an interval of one image) as null: strict readers refuse NaN
 
     json_path.write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
     return [md_path, json_path, *figures.values()]
@@ -746,7 +746,7 @@ def add_explanations_command(commands) -> None:
 
 def load_test_images(data_dir: str, limit: int):
     """The first `limit` Fashion-MNIST test images (uint8 (N, 1, 28, 28)) and labels."""
-    from model.data import load_fashion_mnist
+    from vitserve.model.data import load_fashion_mnist
 
     test = load_fashion_mnist(data_dir).test
     return test.images[:limit], test.labels[:limit]
@@ -776,7 +776,7 @@ def run_explanations(args, load_images=load_test_images) -> int:
 
     import torch
 
-    from model.checkpoint import load_checkpoint, weights_sha256
+    from vitserve.model.checkpoint import load_checkpoint, weights_sha256
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from export.verify import (ExportVerificationError, cpu_session, photo_batch, verification_sizes)
+from vitserve.export.verify import (ExportVerificationError, cpu_session, photo_batch, verification_sizes)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, normalize_pixels
 
 INT8_TIE_RTOL = 0.05
@@ -69,7 +69,7 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
                       limit: int | None = None) -> LabelledSet:
     """The Fashion-MNIST test split (DIR with its idx files) or DIR/<label>/<image>, at the trained size;
     EvalSetError naming what is wrong with DIR."""
-    from model.data import load_fashion_mnist, load_image, resize_batch
+    from vitserve.model.data import load_fashion_mnist, load_image, resize_batch
 
     root = Path(directory)
     if not root.is_dir():

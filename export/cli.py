@@ -63,10 +63,10 @@ def add_export_parser(subparsers) -> None:
 def run_export(args) -> int:
     from pathlib import Path
 
-    from export.accuracy_gate import EvalSetError
-    from export.onnx_export import export_onnx
-    from export.verify import ExportVerificationError
-    from model.inspection import InspectionInputError
+    from vitserve.export.accuracy_gate import EvalSetError
+    from vitserve.export.onnx_export import export_onnx
+    from vitserve.export.verify import ExportVerificationError
+    from vitserve.model.inspection import InspectionInputError
 
     precision = "fp16" if args.fp16 else args.precision
     if args.eval_dir is not None and precision != "int8":  # checked now, not after a minute of export

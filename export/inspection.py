@@ -12,11 +12,11 @@ import json
 
 import torch
 
-from model.augment import normalize
-from model.checkpoint import CheckpointMeta
-from model.config import FASHION_MNIST_DIR
-from model.inspection import InspectionInputError, inspect, inspection_images, to_json
-from model.vit import VisionTransformer
+from vitserve.model.augment import normalize
+from vitserve.model.checkpoint import CheckpointMeta
+from vitserve.model.config import FASHION_MNIST_DIR
+from vitserve.model.inspection import InspectionInputError, inspect, inspection_images, to_json
+from vitserve.model.vit import VisionTransformer
 
 DEFAULT_IMAGES = 256  # `vitserve export --inspection-images`'s default
 
@@ -24,7 +24,7 @@ DEFAULT_IMAGES = 256  # `vitserve export --inspection-images`'s default
 def inspection_pixels(vit: VisionTransformer, meta: CheckpointMeta, count: int = DEFAULT_IMAGES,
                       images_dir: str | None = None) -> tuple[torch.Tensor, str]:
     """Normalised pixels (N, C, H, W) at the trained size and where they came from."""
-    from export.verify import photo_batch
+    from vitserve.export.verify import photo_batch
 
     cfg = vit.cfg
     try:

@@ -22,17 +22,17 @@ import torch
 from torch import nn
 from torch.export import Dim
 
-from export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
-from export.rollout import attention_rollout
-from export.verify import (ExportVerificationError, Fp16Report, RelevanceReport, VerificationReport,
+from vitserve.export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
+from vitserve.export.rollout import attention_rollout
+from vitserve.export.verify import (ExportVerificationError, Fp16Report, RelevanceReport, VerificationReport,
                            require_symbolic_input)
-from model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
-from model.vit import VisionTransformer
+from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
+from vitserve.model.vit import VisionTransformer
 from vitserve.artifact import (INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, PRECISIONS, RELEVANCE_NAME,
                                TARGET_NAME, TOP1_TARGET, ModelInfo, normalize_pixels)
 
 if TYPE_CHECKING:
-    from export.accuracy_gate import Int8Report
+    from vitserve.export.accuracy_gate import Int8Report
 
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
 
@@ -115,7 +115,7 @@ def _quiet_exporter():
 
 def relevance_onnx(vit: VisionTransformer, opset: int | None = None) -> onnx.ModelProto:
     """The relevance path alone (pixels, target class -> logits, rollout, relevance) as ONNX."""
-    from export.relevance_graph import BRANCH_OUTPUTS, trace_relevance
+    from vitserve.export.relevance_graph import BRANCH_OUTPUTS, trace_relevance
 
     example = example_input(vit)
     target = torch.full((example.shape[0],), TOP1_TARGET, dtype=torch.long)
@@ -215,7 +215,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     attention distances over that many images (export/inspection.py; `inspection_dir`'s files if given).
     Raises ExportVerificationError (file left in place for inspection) when verification fails.
     """
-    from export import verify as checks
+    from vitserve.export import verify as checks
 
     precision = "fp16" if fp16 else precision
     if precision not in PRECISIONS:
@@ -232,18 +232,18 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
     proto, explained = fast, None
     if precision == "fp16":
-        from export.fp16 import convert_to_fp16
+        from vitserve.export.fp16 import convert_to_fp16
 
         say("converting to float16")
         proto = convert_to_fp16(fast)
     elif precision == "int8":
-        from export.int8 import quantize_int8
+        from vitserve.export.int8 import quantize_int8
 
         calibration, labelled, calibrated_on = calibration_split(vit, meta, labelled)
         say(f"quantizing the Linear layers to int8, activation scales calibrated on {calibrated_on}")
         proto = quantize_int8(fast, calibration)
     if relevance:
-        from export.relevance_graph import with_relevance_branch
+        from vitserve.export.relevance_graph import with_relevance_branch
 
         say("adding the relevance path (its forward and backward graph)")
         relevance_graph = relevance_onnx(vit, opset)
@@ -286,7 +286,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
 
 def _labelled_set(vit: VisionTransformer, meta: CheckpointMeta, eval_dir, eval_limit):
     """`eval_dir`'s labelled images at the model's size and channels, or None without one."""
-    from export import accuracy_gate as gate
+    from vitserve.export import accuracy_gate as gate
 
     cfg = vit.cfg
     return None if eval_dir is None else gate.load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels,
@@ -303,8 +303,8 @@ def calibration_split(vit: VisionTransformer, meta: CheckpointMeta, labelled):
     random-weight model's photo agreement fell to 0.93)."""
     from dataclasses import replace
 
-    from export.int8 import CALIBRATION_IMAGES
-    from export.verify import photo_batch, verification_sizes
+    from vitserve.export.int8 import CALIBRATION_IMAGES
+    from vitserve.export.verify import photo_batch, verification_sizes
 
     cfg = vit.cfg
     photos = [photo_batch(cfg.in_channels, size, list(meta.mean), list(meta.std))
@@ -326,7 +326,7 @@ def calibration_split(vit: VisionTransformer, meta: CheckpointMeta, labelled):
 
 def _verify_int8(out_path: Path, fp32: onnx.ModelProto, vit: VisionTransformer, meta: CheckpointMeta, labelled,
                  min_agreement, max_accuracy_drop):
-    from export import accuracy_gate as gate
+    from vitserve.export import accuracy_gate as gate
 
     cfg = vit.cfg
     limits = {k: v for k, v in (("min_agreement", min_agreement), ("max_accuracy_drop", max_accuracy_drop))

@@ -49,9 +49,9 @@ def random_checkpoint(spec: RandomModel, out_dir: str | Path, seed: int = 0) -> 
     """Save a checkpoint of `spec` with seeded random weights; returns its directory."""
     import torch
 
-    from model.checkpoint import CheckpointMeta, save_checkpoint
-    from model.data import FASHION_MNIST_LABELS
-    from model.vit import VisionTransformer, vit_config
+    from vitserve.model.checkpoint import CheckpointMeta, save_checkpoint
+    from vitserve.model.data import FASHION_MNIST_LABELS
+    from vitserve.model.vit import VisionTransformer, vit_config
 
     torch.manual_seed(seed)
     cfg = vit_config(spec.variant, **spec.overrides)
@@ -70,7 +70,7 @@ def random_checkpoint(spec: RandomModel, out_dir: str | Path, seed: int = 0) -> 
 def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool = False, seed: int = 0,
                         precision: str = "fp32"):
     """`spec` with random weights, exported to `out_path`; returns the ExportReport."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = random_checkpoint(spec, Path(tmp) / "checkpoint", seed)

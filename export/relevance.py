@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from export.rollout import attention_rollout
+from vitserve.export.rollout import attention_rollout
 
 TOP1 = -1  # the target class that means "whatever the model predicts" (the graph computes the arg max)
 

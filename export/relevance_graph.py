@@ -23,7 +23,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from export.relevance import class_token_maps
+from vitserve.export.relevance import class_token_maps
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 
 BRANCH_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME)

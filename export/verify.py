@@ -11,9 +11,9 @@ import numpy as np
 import onnx
 import torch
 
-from export.relevance import explain
-from export.rollout import attention_rollout
-from export.rollout_reference import numpy_attention_rollout, numpy_relevance
+from vitserve.export.relevance import explain
+from vitserve.export.rollout import attention_rollout
+from vitserve.export.rollout_reference import numpy_attention_rollout, numpy_relevance
 from vitserve.artifact import (INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo,
                                normalize_pixels)
 

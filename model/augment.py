@@ -11,7 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model.config import AugmentConfig  # re-exported: `from model.augment import AugmentConfig`
+from vitserve.model.config import AugmentConfig  # re-exported: `from model.augment import AugmentConfig`
 from vitserve.artifact import normalize_pixels
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.vit import ViTConfig, VisionTransformer
+from vitserve.model.vit import ViTConfig, VisionTransformer
 
 CHECKPOINT_FORMAT = "vitserve-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1

@@ -17,7 +17,7 @@ import sys
 import types
 import typing
 
-from model.config import FASHION_MNIST_DIR, QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
+from vitserve.model.config import FASHION_MNIST_DIR, QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
 from vitserve.help_format import DefaultsHelpFormatter
 
 TRAIN_DESCRIPTION = (
@@ -187,8 +187,8 @@ def _value_words(value) -> list[str]:
 def run_train(args) -> int:
     """Trains; a user's error is one line (exit 1), Ctrl-C says where the run was saved and how to resume (exit
     130), and the end says where the checkpoint is and what to run next."""
-    from model.checkpoint import CheckpointError, strict_json
-    from model.train import TrainingInterrupted, train
+    from vitserve.model.checkpoint import CheckpointError, strict_json
+    from vitserve.model.train import TrainingInterrupted, train
 
     cfg = train_config(args)
     speaks = int(os.environ.get("RANK", 0)) == 0  # under torchrun, rank 0 alone
@@ -270,7 +270,7 @@ def add_import_parser(subparsers) -> None:
 def run_import(args) -> int:
     import sys
 
-    from model.convert import CheckpointImportError, ImportOptions, import_checkpoint, read_labels
+    from vitserve.model.convert import CheckpointImportError, ImportOptions, import_checkpoint, read_labels
 
     try:
         options = ImportOptions(
@@ -311,14 +311,14 @@ def add_inspect_parser(subparsers) -> None:
 def run_inspect(args) -> int:
     from pathlib import Path
 
-    from model.augment import normalize
-    from model.inspection import InspectionInputError, inspect, inspection_images, write
+    from vitserve.model.augment import normalize
+    from vitserve.model.inspection import InspectionInputError, inspect, inspection_images, write
 
     try:
         if Path(args.model).is_file():
             inspection, title = _stored_inspection(Path(args.model))
         else:
-            from model.checkpoint import load_checkpoint
+            from vitserve.model.checkpoint import load_checkpoint
 
             model, meta = load_checkpoint(args.model)
             images = inspection_images(model.cfg.in_channels, model.cfg.image_size, args.images, args.images_dir,
@@ -334,7 +334,7 @@ def run_inspect(args) -> int:
 
 def _stored_inspection(path):
     """(Inspection, title) from an exported file's metadata; InspectionInputError when it has none."""
-    from model.inspection import InspectionInputError, from_json
+    from vitserve.model.inspection import InspectionInputError, from_json
     from vitserve.artifact import ArtifactError
     from vitserve.onnx_header import read_stored_inspection
 

@@ -20,9 +20,9 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from model.checkpoint import CheckpointError, CheckpointMeta, save_checkpoint
-from model.hybrid import backbone_stride
-from model.vit import ViTConfig, VisionTransformer
+from vitserve.model.checkpoint import CheckpointError, CheckpointMeta, save_checkpoint
+from vitserve.model.hybrid import backbone_stride
+from vitserve.model.vit import ViTConfig, VisionTransformer
 
 FORMATS = ("timm", "hf")
 # timm's and HF's ViT preprocessing is (x/255 - 0.5) / 0.5 for every channel.

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps
 
-from model.config import FASHION_MNIST_DIR, TrainingInputError
+from vitserve.model.config import FASHION_MNIST_DIR, TrainingInputError
 
 FASHION_MNIST_LABELS = ["T-shirt/top", "Trouser", "Pullover", "Dress", "Coat",
                         "Sandal", "Shirt", "Sneaker", "Bag", "Ankle boot"]

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, load_meta, weights_sha256
-from model.config import TrainingInputError
+from vitserve.model.checkpoint import CheckpointError, CheckpointMeta, load_checkpoint, load_meta, weights_sha256
+from vitserve.model.config import TrainingInputError
 
 
 class Teachers(nn.Module):

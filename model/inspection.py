@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from model.vit import VisionTransformer
+from vitserve.model.vit import VisionTransformer
 
 SHOWN_COMPONENTS = 28  # as Figure 7 (left) shows them
 
@@ -136,7 +136,7 @@ def inspection_images(channels: int, size: tuple[int, int], count: int, images_d
                       data_dir: str) -> torch.Tensor:
     """uint8 (N, C, H, W) images for the attention distances: the image files of `images_dir`, else Fashion-MNIST's
     test set for a 1-channel 28x28 model. InspectionInputError when neither applies."""
-    from model.data import fashion_mnist_test_images, load_image
+    from vitserve.model.data import fashion_mnist_test_images, load_image
 
     if count < 1:
         raise InspectionInputError("--images must be at least 1")

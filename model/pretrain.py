@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.vit import VisionTransformer
+from vitserve.model.vit import VisionTransformer
 
 CORRUPTED_FRACTION = 0.5
 MASK_SHARE, REPLACE_SHARE = 0.8, 0.1  # of the corrupted patches; the rest (0.1) are kept as they are

@@ -9,7 +9,7 @@ import csv
 import statistics
 from pathlib import Path
 
-from model.checkpoint import load_meta
+from vitserve.model.checkpoint import load_meta
 
 
 def read_log(run_dir: Path) -> list[dict]:

@@ -24,14 +24,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from model.augment import augment_batch, normalize
-from model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
-from model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
-from model.config import TrainingInputError
-from model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
-from model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
-from model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
-from model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
+from vitserve.model.augment import augment_batch, normalize
+from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
+from vitserve.model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
+from vitserve.model.config import TrainingInputError
+from vitserve.model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
+from vitserve.model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
+from vitserve.model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
+from vitserve.model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
 from vitserve.machine import cpu_model_name
 
 TRAIN_STATE_FILE = "train_state.pt"

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from model.hybrid import BACKBONES, HybridEmbed, backbone_stride
+from vitserve.model.hybrid import BACKBONES, HybridEmbed, backbone_stride
 
 
 @dataclass(frozen=True)

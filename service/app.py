@@ -14,18 +14,18 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from service import tracing
-from service.engine import Engine
-from service.core.admission import freeze_startup_objects
-from service.core.errors import ServiceError, error_headers
-from service.core.metrics import ServiceMetrics
-from service.http.errors import error_answer, service_error_answer, validation_error_answer
-from service.http.compression import ResponseCompression
-from service.http.infer_lane import InferenceLane
-from service.http.routes import classify, open_inference, operations, repository, web
-from service.engine.runtime import InferenceModel
-from service.settings import Settings
-from service.core.state import ServiceState, inference_route
+from vitserve.service import tracing
+from vitserve.service.engine import Engine
+from vitserve.service.core.admission import freeze_startup_objects
+from vitserve.service.core.errors import ServiceError, error_headers
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
+from vitserve.service.http.compression import ResponseCompression
+from vitserve.service.http.infer_lane import InferenceLane
+from vitserve.service.http.routes import classify, open_inference, operations, repository, web
+from vitserve.service.engine.runtime import InferenceModel
+from vitserve.service.settings import Settings
+from vitserve.service.core.state import ServiceState, inference_route
 
 log = logging.getLogger("vitserve.app")
 
@@ -37,7 +37,7 @@ async def lifespan(app: FastAPI):
     grpc_front_end = None
     try:
         if app.state.serve_grpc and state.settings.grpc_port:
-            from service.grpc.server import GrpcFrontEnd  # grpcio: only where gRPC is served
+            from vitserve.service.grpc.server import GrpcFrontEnd  # grpcio: only where gRPC is served
             grpc_front_end = GrpcFrontEnd(state)
             await grpc_front_end.start()
         freeze_startup_objects()
@@ -101,16 +101,16 @@ def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceMode
     """The engine process at `settings.engine_addresses` (a frontend started by `vitserve serve`), or the model
     registry in this process."""
     if settings.engine_addresses and model is None:
-        from service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
+        from vitserve.service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
         return RemoteEngine(settings, metrics)
-    from service.engine.local import LocalEngine
-    from service.repository.registry import ModelRegistry, model_source
+    from vitserve.service.engine.local import LocalEngine
+    from vitserve.service.repository.registry import ModelRegistry, model_source
     return LocalEngine(settings, metrics, ModelRegistry(model_source(settings, model), settings, metrics))
 
 
 def app_from_env() -> FastAPI:
     """uvicorn's factory for worker processes: settings from the `VITSERVE_*` environment."""
-    from service.logs import configure_logging
+    from vitserve.service.logs import configure_logging
     settings = Settings()
     configure_logging(settings.log_level)
     tracing.configure(settings)

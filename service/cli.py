@@ -16,7 +16,7 @@ import sys
 import typing
 
 if typing.TYPE_CHECKING:
-    from service.settings import Settings
+    from vitserve.service.settings import Settings
 
 ENV_PREFIX = "VITSERVE_"
 
@@ -29,7 +29,7 @@ _SERVE_TEXT = dict(usage="vitserve serve [--model MODEL.onnx | --model-repositor
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """`vitserve serve`: every setting a flag; `--help` shows the common ones, `--help-all` every group."""
-    from service.settings import SETTING_GROUPS
+    from vitserve.service.settings import SETTING_GROUPS
     more = sum(map(len, SETTING_GROUPS.values())) - len(SETTING_GROUPS["common"])
     parser = subparsers.add_parser(
         "serve", help="serve exported models over HTTP and gRPC (FastAPI + uvicorn, grpcio; dynamic batching)", **_SERVE_TEXT,
@@ -51,7 +51,7 @@ class _HelpAll(argparse.Action):
 
 
 def _add_settings(parser: argparse.ArgumentParser, everything: bool) -> None:
-    from service.settings import SETTING_GROUPS, Settings
+    from vitserve.service.settings import SETTING_GROUPS, Settings
     for title, names in SETTING_GROUPS.items():
         shown = everything or title == "common"
         group = parser.add_argument_group(f"{title} options") if shown else parser
@@ -99,9 +99,9 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from service.core.errors import ModelLoadError, ServiceError
-    from service.logs import configure_logging
-    from service.settings import Settings
+    from vitserve.service.core.errors import ModelLoadError, ServiceError
+    from vitserve.service.logs import configure_logging
+    from vitserve.service.settings import Settings
     from vitserve.artifact import ArtifactError
 
     for name, value in vars(args).items():
@@ -141,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
-        from service.core.metrics_files import prepare_multiprocess_dir
+        from vitserve.service.core.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
@@ -152,7 +152,7 @@ def run_serve(args: argparse.Namespace) -> int:
                                            settings.engine)
     try:
         with _engines(settings) as settings:
-            serve_with_uvicorn("service.app:app_from_env", settings)
+            serve_with_uvicorn("vitserve.service.app:app_from_env", settings)
     except ModelLoadError as e:
         logging.getLogger("vitserve.cli").error("cannot start: %s", e)
         return 1
@@ -216,7 +216,7 @@ def _what_is_served(settings: Settings) -> str:
     """What the server will serve, said in a log line; a single file that is no vitserve model, a repository that
     is not a folder, or a repository API open to the network without a key is refused here, before any
     process starts."""
-    from service.core.errors import ServiceError
+    from vitserve.service.core.errors import ServiceError
     if settings.model_control_mode != "none" and settings.admin_key is None and not _loopback(settings.host):
         raise ServiceError(f"--model-control-mode {settings.model_control_mode} on {settings.host} lets anyone who "
                            f"reaches the port change what is served: set --admin-key (or VITSERVE_ADMIN_KEY), or "
@@ -225,7 +225,7 @@ def _what_is_served(settings: Settings) -> str:
         from vitserve.onnx_header import read_model_info
         info = read_model_info(settings.model_path)
         return f"{info.name} {info.version} from {settings.model_path}"
-    from service.repository.layout import ModelRepository
+    from vitserve.service.repository.layout import ModelRepository
     names = ModelRepository(settings.model_repository).names()
     return (f"the repository {settings.model_repository} ({len(names)} model(s): {', '.join(names[:10])}; control "
             f"mode {settings.model_control_mode})")
@@ -241,12 +241,12 @@ def _loopback(host: str) -> bool:
 
 def _serve_on_ray(settings: Settings) -> int:
     try:
-        from service.ray_serve import run_on_ray
+        from vitserve.service.ray_serve import run_on_ray
     except ImportError as e:
         print(f"vitserve serve --ray: Ray Serve is not installed ({e}): pip install \"vitserve[ray]\"",
               file=sys.stderr)
         return 2
-    from service.logs import configure_logging
+    from vitserve.service.logs import configure_logging
     configure_logging(settings.log_level)
     return run_on_ray(settings)
 
@@ -258,7 +258,7 @@ def _engines(settings: Settings):
     if settings.engine != "process":
         yield settings
         return
-    from service.engine.supervisor import EngineSupervisor
+    from vitserve.service.engine.supervisor import EngineSupervisor
     with EngineSupervisor(settings) as supervisor:
         os.environ[ENV_PREFIX + "ENGINE_ADDRESSES"] = ",".join(supervisor.addresses)
         yield settings.model_copy(update={"engine_addresses": supervisor.addresses})
@@ -271,7 +271,7 @@ DRAIN_MARGIN_S = 1.0
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
-    from service.http.connection import uvicorn_http_options  # imports uvicorn and httptools: only when serving
+    from vitserve.service.http.connection import uvicorn_http_options  # imports uvicorn and httptools: only when serving
     return {"host": settings.host, "port": settings.port, "workers": settings.http_workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
             "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,

@@ -33,13 +33,13 @@ from fastapi import FastAPI
 from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
-from service.app import create_app
-from service.core.admission import InUse
-from service.core.errors import ServiceError
-from service.core.metrics import Recorder, ServiceMetrics
-from service.core.state import model_in_path
-from service.repository.layout import ModelRepository, check_model_name
-from service.settings import Settings
+from vitserve.service.app import create_app
+from vitserve.service.core.admission import InUse
+from vitserve.service.core.errors import ServiceError
+from vitserve.service.core.metrics import Recorder, ServiceMetrics
+from vitserve.service.core.state import model_in_path
+from vitserve.service.repository.layout import ModelRepository, check_model_name
+from vitserve.service.settings import Settings
 
 log = logging.getLogger("vitserve.ray")
 

@@ -21,7 +21,7 @@ def trace_each_graph_once():
     per session; every caller gets its own copy, as it would from a fresh trace."""
     import onnx
 
-    from export import onnx_export
+    from vitserve.export import onnx_export
 
     traced: dict[str, onnx.ModelProto] = {}
 
@@ -80,7 +80,7 @@ def _digest(*parts) -> str:
 @pytest.fixture(scope="session")
 def tiny_checkpoint(tmp_path_factory):
     """A 3-class, 3-channel, 2-layer ViT on a 4x4 grid of 8-pixel patches, random weights, saved as a checkpoint."""
-    from export.presets import RandomModel, random_checkpoint
+    from vitserve.export.presets import RandomModel, random_checkpoint
 
     spec = RandomModel("tiny", dict(image_size=(32, 32), patch_size=8, embed_dim=32, depth=2, num_heads=2,
                                     mlp_dim=64, num_classes=len(TINY_LABELS)),
@@ -92,7 +92,7 @@ def tiny_checkpoint(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_checkpoint, tmp_path_factory):
     """The tiny ViT exported by `export_onnx` without verification (export's own tests verify it)."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
     export_onnx(tiny_checkpoint, out, verify=False)

@@ -5,6 +5,9 @@ import inside a function counts as much as one at the top, and a relative import
   research (evaluation/): tools stand beside the product, and may import it, never the other way.
 - service/ never imports torch: the serving images have none.
 - service/engine/ imports no web or RPC framework (fastapi, starlette, uvicorn, grpc).
+- Every layer is imported under the one name `vitserve` (vitserve.model, vitserve.service, ...): no file imports
+  `model`, `export`, `service`, `bench` or `evaluation` as a top-level package (issue 40: those names in
+  site-packages shadowed a user's own `model.py`), and an install puts only `vitserve` on the path.
 
 vitserve/cli.py names bench.cli and evaluation.cli as strings in `_COMMANDS` and loads each only where it is
 installed; the last test builds the command line with both absent, as in the serving images.
@@ -12,7 +15,11 @@ installed; the last test builds the command line with both absent, as in the ser
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -20,6 +27,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PRODUCT = ("model", "export", "service", "vitserve")
 TOOLS = ("bench", "evaluation")
+LAYERS = ("model", "export", "service", "evaluation", "bench")  # installed as vitserve.<layer> (setup.py)
 WEB_AND_RPC = ("fastapi", "starlette", "uvicorn", "grpc")
 
 # (folder, the top-level packages that nothing under it may import)
@@ -29,6 +37,8 @@ RULES = [*((folder, TOOLS) for folder in PRODUCT), ("service", ("torch",)), ("se
 def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
     """(line, absolute module name) of every import in the file at `path` (inside `root`)."""
     package = path.relative_to(root).parent.parts
+    if package and package[0] in LAYERS:
+        package = ("vitserve", *package)
     found = []
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
         if isinstance(node, ast.Import):
@@ -42,12 +52,18 @@ def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
     return found
 
 
+def layer_of(module: str) -> str:
+    """The layer or top-level package a module belongs to: 'bench' for vitserve.bench.x (and for a bare bench.x)."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "vitserve" and len(parts) > 1 and parts[1] in LAYERS else parts[0]
+
+
 def violations(root: Path, folder: str, banned: tuple[str, ...]) -> list[str]:
     """'path:line imports module' for every import under root/folder of a package in `banned` or inside one."""
     found = []
     for path in sorted((root / folder).rglob("*.py")):
         for line, module in imported_modules(path, root):
-            if module.split(".")[0] in banned:
+            if layer_of(module) in banned:
                 found.append(f"{path.relative_to(root)}:{line} imports {module}")
     return found
 
@@ -62,29 +78,85 @@ def test_each_rule_finds_a_planted_import(tmp_path):
     """The checker itself: one forbidden import of each kind planted in a copy of the layout is found, at its line,
     however it is written; look-alike names and the product's own modules are not."""
     planted = {
-        "model/train.py": "import numpy\n\ndef run():\n    import bench.measure\n",
-        "export/int8.py": "from evaluation.explanations import spearman\n",
+        "model/train.py": "import numpy\n\ndef run():\n    import vitserve.bench.measure\n",
+        "export/int8.py": "from vitserve.evaluation.explanations import spearman\n",
         "vitserve/cli.py": "import json, bench\n",
         "service/engine/batcher.py": "from .. import errors\nfrom fastapi import Request\n",
         "service/engine/runtime.py": "from grpc import aio\n",
         "service/http/app.py": "from starlette.requests import Request\nfrom torch import nn\n",
-        "service/app.py": "import benchmarks\nimport evaluations.x\nfrom service.engine import runtime\n",
+        "service/app.py": "import benchmarks\nimport evaluations.x\nfrom vitserve.service.engine import runtime\n",
     }
     for name, text in planted.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     found = {(folder, banned): violations(tmp_path, folder, banned) for folder, banned in RULES}
     assert found == {
-        ("model", TOOLS): ["model/train.py:4 imports bench.measure"],
-        ("export", TOOLS): ["export/int8.py:1 imports evaluation.explanations"],
+        ("model", TOOLS): ["model/train.py:4 imports vitserve.bench.measure"],
+        ("export", TOOLS): ["export/int8.py:1 imports vitserve.evaluation.explanations"],
         ("service", TOOLS): [],
         ("vitserve", TOOLS): ["vitserve/cli.py:1 imports bench"],
         ("service", ("torch",)): ["service/http/app.py:2 imports torch"],
         ("service/engine", WEB_AND_RPC): ["service/engine/batcher.py:2 imports fastapi",
                                           "service/engine/runtime.py:1 imports grpc"],
     }
-    assert imported_modules(tmp_path / "service/engine/batcher.py", tmp_path) == [(1, "service.errors"),
-                                                                                  (2, "fastapi")]
+    assert imported_modules(tmp_path / "service/engine/batcher.py", tmp_path) == [
+        (1, "vitserve.service.errors"), (2, "fastapi")]
+
+
+def bare_layer_imports(root: Path, folders: tuple[str, ...]) -> list[str]:
+    """'path:line imports module' for every import of a layer by its bare top-level name (`model.vit`)."""
+    return [f"{path.relative_to(root)}:{line} imports {module}"
+            for folder in folders for path in sorted((root / folder).rglob("*.py"))
+            for line, module in imported_modules(path, root) if module.split(".")[0] in LAYERS]
+
+
+def test_every_layer_is_imported_under_vitserve(tmp_path):
+    assert bare_layer_imports(ROOT, (*LAYERS, "vitserve", "tests")) == []
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests/test_x.py").write_text("import os\nfrom model.vit import VisionTransformer\n"
+                                              "from vitserve.model import vit\nimport service\n")
+    assert bare_layer_imports(tmp_path, ("tests",)) == ["tests/test_x.py:2 imports model.vit",
+                                                        "tests/test_x.py:4 imports service"]
+
+
+def test_the_install_puts_only_vitserve_on_the_path(tmp_path):
+    """From a directory outside the checkout, the installed project (editable here, as `make setup-dev` makes it)
+    gives every layer as vitserve.<layer>, from this checkout, and none of them by its bare name."""
+    probe = ("import importlib.util, sys\n"
+             "import vitserve.service.app, vitserve.model.vit, vitserve.export.cli, vitserve.bench.cli\n"
+             "print(vitserve.service.app.__file__)\n"
+             "print(sorted(n for n in ('model', 'export', 'service', 'bench', 'evaluation')"
+             " if importlib.util.find_spec(n) is not None))\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    app_file, bare = done.stdout.splitlines()
+    assert Path(app_file) == ROOT / "service" / "app.py" and bare == "[]"
+
+
+def test_a_second_checkout_on_pythonpath_imports_its_own_layers(tmp_path):
+    """The A/B benchmarks run another checkout with its root on PYTHONPATH, beside the editable install of this
+    one: `vitserve.service` must then come from that checkout, not from the one the install points at."""
+    other = tmp_path / "other"
+    for folder in ("vitserve", "service"):
+        shutil.copytree(ROOT / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(ROOT / "pyproject.toml", other / "pyproject.toml")
+    done = subprocess.run([sys.executable, "-c", "import vitserve.service.settings as s; print(s.__file__)"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(other)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert Path(done.stdout.strip()) == other / "service" / "settings.py"
+
+
+def test_the_wheel_holds_one_top_level_name(tmp_path):
+    """`pip install .` installs what setup.py packs: every layer inside vitserve/, with the web page's files."""
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+                           "--wheel-dir", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    names = zipfile.ZipFile(next(tmp_path.glob("vitserve-*.whl"))).namelist()
+    assert {name.split("/")[0] for name in names} == {"vitserve", "vitserve-0.1.0.dist-info"}
+    assert {f"vitserve/{layer}/__init__.py" for layer in LAYERS} <= set(names)
+    assert {"vitserve/service/web/index.html", "vitserve/service/grpc/generated/grpc_service.proto"} <= set(names)
 
 
 def test_the_command_line_builds_without_the_tools(monkeypatch, capsys):
@@ -92,8 +164,8 @@ def test_the_command_line_builds_without_the_tools(monkeypatch, capsys):
     none of theirs (a product module importing either while the parser is built fails here)."""
     from vitserve.cli import build_parser
 
-    for name in [*TOOLS, *(m for m in sys.modules if m.split(".")[0] in TOOLS)]:
-        monkeypatch.setitem(sys.modules, name, None)  # `import bench...` now raises ModuleNotFoundError
+    for name in [*(f"vitserve.{tool}" for tool in TOOLS), *(m for m in sys.modules if layer_of(m) in TOOLS)]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import vitserve.bench...` now raises ModuleNotFoundError
     parser = build_parser()
     assert parser.parse_args(["export", "ckpt", "--out", "m.onnx"]).command == "export"
     for argv in (["bench"], ["evaluate", "accuracy", "m.onnx"]):

@@ -10,13 +10,13 @@ from vitserve import __version__
 
 # (package module, the functions that add its subcommands, the command they add to: None for `vitserve` itself)
 _COMMANDS = [
-    ("model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"], None),
-    ("export.cli", ["add_export_parser"], None),
-    ("evaluation.cli", ["add_accuracy_parser", "add_explanations_command"], "evaluate"),
-    ("service.cli", ["add_serve_parser"], None),
-    ("service.client", ["add_predict_parser"], None),
-    ("bench.cli", ["add_bench_parser"], None),
-    ("bench.cli", ["add_evaluate_bench_parser", "add_relevance_cost_command"], "evaluate"),
+    ("vitserve.model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"], None),
+    ("vitserve.export.cli", ["add_export_parser"], None),
+    ("vitserve.evaluation.cli", ["add_accuracy_parser", "add_explanations_command"], "evaluate"),
+    ("vitserve.service.cli", ["add_serve_parser"], None),
+    ("vitserve.service.client", ["add_predict_parser"], None),
+    ("vitserve.bench.cli", ["add_bench_parser"], None),
+    ("vitserve.bench.cli", ["add_evaluate_bench_parser", "add_relevance_cost_command"], "evaluate"),
 ]
 
 # Commands whose subcommands come from several packages, made where a package first adds to them: `evaluate` holds

@@ -1,6 +1,6 @@
 """`python -m bench.peers`: see bench/peers/cli.py."""
 import sys
 
-from bench.peers.cli import main
+from vitserve.bench.peers.cli import main
 
 sys.exit(main())

@@ -10,10 +10,10 @@ import urllib.request
 
 import numpy as np
 
-from bench.oip import decode_outputs
-from bench.peers.bodies import PeerRequest
-from bench.peers.image_classifier import softmax
-from service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.bench.oip import decode_outputs
+from vitserve.bench.peers.bodies import PeerRequest
+from vitserve.bench.peers.image_classifier import softmax
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
 
 TOLERANCE = 1e-4
 

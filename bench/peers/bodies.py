@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from bench.oip import binary_request, classify_request, infer_target, json_request
-from service.protocols.binary_tensors import join_body, pack_bytes
+from vitserve.bench.oip import binary_request, classify_request, infer_target, json_request
+from vitserve.service.protocols.binary_tensors import join_body, pack_bytes
 
 TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL = "vit-image", "vit-tensor"  # bench/peers/triton_server.py binds these
 BOUNDARY = "vitserve-bench-boundary"

@@ -11,7 +11,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from bench.peers.config import KNOWN_SERVERS, QUICK, SERVERS, PeersConfig
+from vitserve.bench.peers.config import KNOWN_SERVERS, QUICK, SERVERS, PeersConfig
 
 
 def _ints(text: str) -> list[int]:
@@ -73,8 +73,8 @@ _BENCH_SHARED = ("out", "concurrency", "duration_s", "warmup_s", "rounds", "time
 def config_from_bench_args(args: argparse.Namespace) -> PeersConfig:
     """`vitserve bench --mode peers`: the shared flags; `--duration`/`--warmup` in whole seconds; other modes'
     flags are refused."""
-    from bench.config import OIP_ONLY, THROUGHPUT_ONLY
-    from bench.reliability import ReliabilityConfig
+    from vitserve.bench.config import OIP_ONLY, THROUGHPUT_ONLY
+    from vitserve.bench.reliability import ReliabilityConfig
 
     others = {*THROUGHPUT_ONLY, *OIP_ONLY, *(f.name for f in fields(ReliabilityConfig))} - {*_BENCH_SHARED, "mode",
                                                                                               "model"}
@@ -91,9 +91,9 @@ def config_from_bench_args(args: argparse.Namespace) -> PeersConfig:
 
 
 def run(cfg: PeersConfig, command: str) -> int:
-    from bench.peers.report import render
-    from bench.peers.run import run_peers
-    from bench.reliability import write_report
+    from vitserve.bench.peers.report import render
+    from vitserve.bench.peers.run import run_peers
+    from vitserve.bench.reliability import write_report
 
     report = run_peers(cfg, command)
     # the measurements first: a report that fails to render must not lose the run (--render writes it again)
@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfg = config_from(vars(args), args.quick)
     if args.render:
-        from bench.peers.report import render
+        from vitserve.bench.peers.report import render
 
         cfg.out.write_text(render(json.loads(args.render.read_text())))
         print(f"wrote {cfg.out}")
         return 0
-    return run(cfg, shlex.join(["python", "-m", "bench.peers", *argv]))
+    return run(cfg, shlex.join(["python", "-m", "vitserve.bench.peers", *argv]))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from service.core.preprocess import prepare_image
+from vitserve.service.core.preprocess import prepare_image
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.onnx_header import read_model_info
 

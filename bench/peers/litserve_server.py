@@ -20,7 +20,7 @@ import sys
 import litserve as ls
 import numpy as np
 
-from bench.peers.image_classifier import ImageClassifier
+from vitserve.bench.peers.image_classifier import ImageClassifier
 
 MAX_BATCH_SIZE, BATCH_TIMEOUT_S = 16, 0.005
 IMAGE_FIELD = "file"

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from bench.reliability import number, table
+from vitserve.bench.reliability import number, table
 
 LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)",

@@ -18,20 +18,20 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.load import make_images
-from bench.peers.answers import check, post
-from bench.peers.bodies import PeerRequest, peer_request
-from bench.peers.config import BASELINE, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS, PeersConfig, family
-from bench.peers.report import summarise
-from bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
+from vitserve.bench.load import make_images
+from vitserve.bench.peers.answers import check, post
+from vitserve.bench.peers.bodies import PeerRequest, peer_request
+from vitserve.bench.peers.config import BASELINE, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS, PeersConfig, family
+from vitserve.bench.peers.report import summarise
+from vitserve.bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
-from bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
-from bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, threads_for, wrk_argv, wrk_version,
+from vitserve.bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
+from vitserve.bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, threads_for, wrk_argv, wrk_version,
                              write_script)
-from bench.presets import resolve_model
-from bench.raw import bench_raw, load_raw_model, preprocessed
-from bench.reliability import alternated
-from bench.run import Budget
+from vitserve.bench.presets import resolve_model
+from vitserve.bench.raw import bench_raw, load_raw_model, preprocessed
+from vitserve.bench.reliability import alternated
+from vitserve.bench.run import Budget
 from vitserve.machine import cpu_model_name, load_average
 
 _STARTUP_ALLOWANCE_S = 40.0  # what a level's time check adds for a server yet to start
@@ -185,7 +185,7 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
 
 
 def model_summary_of(model_path: Path) -> dict:
-    from service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.runtime import read_model_file_info
 
     info = read_model_file_info(model_path)
     return {"name": info.name, "version": info.version, "path": str(model_path), "height": info.image_size[0],

@@ -25,10 +25,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.config import LOOPBACK
-from bench.peers.bodies import TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
-from bench.servers import free_port, serve_argv
-from service.cli import port_is_free
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.peers.bodies import TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
+from vitserve.bench.servers import free_port, serve_argv
+from vitserve.service.cli import port_is_free
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -87,7 +87,7 @@ def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
 
 def triton_spec(model: Path, python: Path, library_dir: str) -> ServerSpec:
     http, grpc, metrics = _distinct_free_ports(3)
-    argv = [str(python), "-m", "bench.peers.triton_server", "--model", str(model.resolve()), "--http-port", str(http),
+    argv = [str(python), "-m", "vitserve.bench.peers.triton_server", "--model", str(model.resolve()), "--http-port", str(http),
             "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
     path = os.pathsep.join(p for p in (library_dir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     # tritonserver is ready before pytriton has loaded the models into it
@@ -98,7 +98,7 @@ def triton_spec(model: Path, python: Path, library_dir: str) -> ServerSpec:
 
 def litserve_spec(model: Path, python: Path) -> ServerSpec:
     port = free_port()
-    argv = [str(python), "-m", "bench.peers.litserve_server", "--model", str(model.resolve()), "--port", str(port)]
+    argv = [str(python), "-m", "vitserve.bench.peers.litserve_server", "--model", str(model.resolve()), "--port", str(port)]
     return ServerSpec("litserve", argv, [port], ["/health"], {"PYTHONPATH": str(REPO)})
 
 

@@ -21,7 +21,7 @@ import sys
 
 import numpy as np
 
-from bench.peers.image_classifier import TOP_K, ImageClassifier, top_classes, unit_grid
+from vitserve.bench.peers.image_classifier import TOP_K, ImageClassifier, top_classes, unit_grid
 from vitserve.artifact import INPUT_NAME
 
 IMAGE_MODEL, TENSOR_MODEL = "vit-image", "vit-tensor"

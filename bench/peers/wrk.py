@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from bench.peers.bodies import PeerRequest
+from vitserve.bench.peers.bodies import PeerRequest
 
 INSTALL_HINT = "install it with `apt-get update && apt-get install -y wrk` (Debian's package)"
 _UNITS_MS = {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 60e3, "h": 3600e3}

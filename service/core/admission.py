@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, ServiceError
+from vitserve.service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, ServiceError
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,18 @@ import time
 
 import numpy as np
 
-from service import tracing
-from service.core import postprocess
-from service.core.admission import Deadline
-from service.engine import InferenceResult, ModelHandle
-from service.core.errors import InvalidParameter, ServiceError
-from service.core.explanations import relevance_target
-from service.core.preprocess import PreparedImage, ResizePolicy
-from service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,
+from vitserve.service import tracing
+from vitserve.service.core import postprocess
+from vitserve.service.core.admission import Deadline
+from vitserve.service.engine import InferenceResult, ModelHandle
+from vitserve.service.core.errors import InvalidParameter, ServiceError
+from vitserve.service.core.explanations import relevance_target
+from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
+from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,
                                        RolloutGrid, Timing)
-from service.core.state import INFERENCE_ENDPOINTS, ServiceState
-from service.protocols.model_config import triton_config
-from service.protocols.statistics import triton_statistics
+from vitserve.service.core.state import INFERENCE_ENDPOINTS, ServiceState
+from vitserve.service.protocols.model_config import triton_config
+from vitserve.service.protocols.statistics import triton_statistics
 from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 

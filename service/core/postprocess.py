@@ -14,8 +14,8 @@ from functools import cache
 import numpy as np
 from PIL import Image
 
-from service.core.preprocess import PreparedImage
-from service.protocols.schemas import Prediction, RolloutFormat, RolloutGrid, RolloutImage
+from vitserve.service.core.preprocess import PreparedImage
+from vitserve.service.protocols.schemas import Prediction, RolloutFormat, RolloutGrid, RolloutImage
 
 # A perceptual dark-blue -> cyan -> yellow -> red ramp (anchor colours of a 'turbo'-like map).
 _RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],

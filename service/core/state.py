@@ -23,13 +23,13 @@ from functools import partial
 
 from fastapi import Request
 
-from service.core.admission import Admission, PixelBudget, StopSignal, return_large_frees_to_the_os
-from service.engine import Engine
-from service.core.errors import NotReady, ServiceError
-from service.core.inspection import InspectionCache
-from service.core.metrics import ServiceMetrics, mark_process_dead
-from service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
-from service.settings import Settings
+from vitserve.service.core.admission import Admission, PixelBudget, StopSignal, return_large_frees_to_the_os
+from vitserve.service.engine import Engine
+from vitserve.service.core.errors import NotReady, ServiceError
+from vitserve.service.core.inspection import InspectionCache
+from vitserve.service.core.metrics import ServiceMetrics, mark_process_dead
+from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
+from vitserve.service.settings import Settings
 from vitserve.artifact import ModelInfo
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)

@@ -31,9 +31,9 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
-from service import tracing
-from service.engine.threads import CpuPriority, lower_thread_priority
+from vitserve.service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from vitserve.service import tracing
+from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
 RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]

@@ -13,11 +13,11 @@ from typing import Callable
 
 import numpy as np
 
-from service.engine import IndexEntry, InferenceResult, ModelHandle
-from service.core.errors import VersionRetired
-from service.core.metrics import ServiceMetrics
-from service.repository.registry import ModelRegistry
-from service.settings import Settings
+from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.core.errors import VersionRetired
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.repository.registry import ModelRegistry
+from vitserve.service.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")

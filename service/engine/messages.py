@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from service.core.errors import STATUS_CODES, ServiceError
+from vitserve.service.core.errors import STATUS_CODES, ServiceError
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):

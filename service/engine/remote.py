@@ -24,15 +24,15 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from service.engine import IndexEntry, InferenceResult, ModelHandle
-from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, RepositoryIndex,
+from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, RepositoryIndex,
                                      Result, Submit, error_of, status_address)
-from service.engine.routing import RoutingTable, VersionView
-from service.engine.shm import ArenaFull, TensorArena
-from service.engine.views import WorkerViews
-from service.core.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
-from service.core.metrics import ServiceMetrics
-from service.settings import Settings
+from vitserve.service.engine.routing import RoutingTable, VersionView
+from vitserve.service.engine.shm import ArenaFull, TensorArena
+from vitserve.service.engine.views import WorkerViews
+from vitserve.service.core.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.frontend")

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from service.core.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable, VersionRetired
-from service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
-from service.repository.layout import check_model_name, check_version
+from vitserve.service.core.errors import InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable, VersionRetired
+from vitserve.service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
+from vitserve.service.repository.layout import check_model_name, check_version
 from vitserve.artifact import ModelInfo
 
 

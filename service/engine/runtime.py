@@ -16,11 +16,11 @@ from typing import Protocol
 import numpy as np
 import onnx
 
-from service.core.errors import ModelLoadError
-from service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, median_ms
-from service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
-from service.engine.openvino_runtime import OpenVinoModel
-from service.settings import Settings
+from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, median_ms
+from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
+from vitserve.service.engine.openvino_runtime import OpenVinoModel
+from vitserve.service.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
 
@@ -352,7 +352,7 @@ def load_model(settings: Settings) -> InferenceModel:
     the CPU has bfloat16 arithmetic) that agrees with ONNX Runtime's float32 on probe images, timed at batch 1 and
     at the largest batch, the fastest kept, ONNX Runtime unless another is at least 10% faster. What it chose and
     why is logged; the model's provider (the card, /v2 config, metrics) names it."""
-    from service.engine import openvino_runtime
+    from vitserve.service.engine import openvino_runtime
 
     if settings.runtime == "onnxruntime" or (settings.runtime == "auto" and not openvino_runtime.available()):
         if settings.precision_hint == "bf16":

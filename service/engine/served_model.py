@@ -18,14 +18,14 @@ from typing import Callable
 
 import numpy as np
 
-from service.engine.batcher import DynamicBatcher
-from service.engine import InferenceResult
-from service.core.admission import InUse
-from service.core.errors import InferenceError, VersionRetired
-from service.core.metrics import ModelMetrics
-from service.engine.runtime import InferenceModel, load_model, warm_up
-from service.engine.threads import CpuPriority, run_on_new_thread
-from service.settings import Settings
+from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.service.engine import InferenceResult
+from vitserve.service.core.admission import InUse
+from vitserve.service.core.errors import InferenceError, VersionRetired
+from vitserve.service.core.metrics import ModelMetrics
+from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up
+from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
+from vitserve.service.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")

@@ -16,9 +16,9 @@ import threading
 import time
 from dataclasses import dataclass
 
-from service.engine.shm import remove_orphaned_segments
-from service.core.errors import ModelLoadError
-from service.settings import Settings
+from vitserve.service.engine.shm import remove_orphaned_segments
+from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.settings import Settings
 
 log = logging.getLogger("vitserve.supervisor")
 
@@ -77,7 +77,7 @@ class EngineSupervisor:
 
     def _spawn(self, engine: _Engine):
         """Start `engine`'s process; the pipe end that will say whether it loaded the model."""
-        from service.engine.process import run_engine_process
+        from vitserve.service.engine.process import run_engine_process
         receiving, sending = self._context.Pipe(duplex=False)
         engine.process = self._context.Process(target=run_engine_process, name=f"vitserve-engine-{engine.device}",
                                                args=(engine.settings, engine.address, self._stop, os.getpid(),

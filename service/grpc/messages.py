@@ -10,13 +10,13 @@ import numpy as np
 from google.protobuf import json_format
 from pydantic import ValidationError
 
-from service.core.errors import InvalidParameter, PayloadTooLarge
-from service.grpc.generated import grpc_service_pb2 as pb
-from service.grpc.generated import model_config_pb2
-from service.protocols.binary_tensors import pack_bytes
-from service.protocols.inference_protocol import (InferCall, ProtocolLimits, call_from_request, output_arrays,
+from vitserve.service.core.errors import InvalidParameter, PayloadTooLarge
+from vitserve.service.grpc.generated import grpc_service_pb2 as pb
+from vitserve.service.grpc.generated import model_config_pb2
+from vitserve.service.protocols.binary_tensors import pack_bytes
+from vitserve.service.protocols.inference_protocol import (InferCall, ProtocolLimits, call_from_request, output_arrays,
                                                   raw_bytes, validation_problems)
-from service.protocols.schemas import InferRequest, ModelMetadata
+from vitserve.service.protocols.schemas import InferRequest, ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
 CONTENTS_FIELDS = {"FP32": "fp32_contents", "UINT8": "uint_contents", "BYTES": "bytes_contents"}

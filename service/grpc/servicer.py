@@ -17,18 +17,18 @@ import time
 
 import grpc
 
-from service import tracing
-from service.core import inference
-from service.core.admission import Deadline, run_within
-from service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
-from service.core.keys import check_authorization, check_repository_access
-from service.core.state import ServiceState
-from service.grpc import messages
-from service.grpc.generated import grpc_service_pb2 as pb
-from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from service.protocols.inference_protocol import limits_for
-from service.protocols.model_config import model_metadata, server_document
-from service.repository.layout import check_model_name
+from vitserve.service import tracing
+from vitserve.service.core import inference
+from vitserve.service.core.admission import Deadline, run_within
+from vitserve.service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
+from vitserve.service.core.keys import check_authorization, check_repository_access
+from vitserve.service.core.state import ServiceState
+from vitserve.service.grpc import messages
+from vitserve.service.grpc.generated import grpc_service_pb2 as pb
+from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from vitserve.service.protocols.inference_protocol import limits_for
+from vitserve.service.protocols.model_config import model_metadata, server_document
+from vitserve.service.repository.layout import check_model_name
 
 log = logging.getLogger("vitserve.grpc")
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import SecretStr
 
-from service.core.keys import check_authorization, check_repository_access
+from vitserve.service.core.keys import check_authorization, check_repository_access
 
 OPEN_PROTOCOL_PATHS = frozenset({"/v2", "/v2/health/live", "/v2/health/ready"})
 

@@ -6,8 +6,8 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from service.core.errors import ServiceError, error_headers, error_response, status_code
-from service.core.metrics import ServiceMetrics
+from vitserve.service.core.errors import ServiceError, error_headers, error_response, status_code
+from vitserve.service.core.metrics import ServiceMetrics
 
 
 def error_answer(request: Request, metrics: ServiceMetrics, status: int, code: str, message: str,

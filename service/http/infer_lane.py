@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
-from service.core.errors import ServiceError
-from service.core.metrics import ServiceMetrics
-from service.core.state import admit
-from service.http.access import require_api_key
-from service.http.errors import service_error_answer, validation_error_answer
-from service.http.routes.classify import classify_params, classify_response
-from service.http.routes.open_inference import infer_response
+from vitserve.service.core.errors import ServiceError
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.core.state import admit
+from vitserve.service.http.access import require_api_key
+from vitserve.service.http.errors import service_error_answer, validation_error_answer
+from vitserve.service.http.routes.classify import classify_params, classify_response
+from vitserve.service.http.routes.open_inference import infer_response
 
 # FastAPI's `{name}` and `{version}`: one path segment each, already percent-decoded in scope["path"]
 _INFER_PATH = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from service.core.admission import collect_cycles, give_freed_memory_back
-from service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
-from service.engine.routing import RoutingTable, VersionView
-from service.engine.served_model import Loader, ServedModel
-from service.core.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
-from service.core.metrics import ServiceMetrics
-from service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
-from service.engine.runtime import InferenceModel, load_model, read_model_file_info
-from service.settings import Settings
+from vitserve.service.core.admission import collect_cycles, give_freed_memory_back
+from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
+from vitserve.service.engine.routing import RoutingTable, VersionView
+from vitserve.service.engine.served_model import Loader, ServedModel
+from vitserve.service.core.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
+from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
+from vitserve.service.settings import Settings
 
 log = logging.getLogger("vitserve.repository")
 
@@ -379,6 +379,6 @@ def _reason(error: BaseException) -> str:
 def model_source(settings: Settings, model: InferenceModel | None = None) -> ModelSource:
     """The repository folder, or the single file (or a test's model object) as a repository of one."""
     if settings.model_repository is not None:
-        from service.repository.layout import ModelRepository
+        from vitserve.service.repository.layout import ModelRepository
         return ModelRepository(settings.model_repository)
     return SingleModel(settings.model_path, model)

@@ -7,6 +7,6 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_vit(tiny_checkpoint):
-    from model.checkpoint import load_checkpoint
+    from vitserve.model.checkpoint import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint)[0]

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import config_from_args
-from bench.config import BenchConfig, with_server_defaults
-from bench.presets import PRESETS, resolve_model
+from vitserve.bench.cli import config_from_args
+from vitserve.bench.config import BenchConfig, with_server_defaults
+from vitserve.bench.presets import PRESETS, resolve_model
 from vitserve.cli import build_parser
 
 
@@ -37,7 +37,7 @@ def test_flags_win_over_quick_and_quick_over_the_defaults():
 
 
 def test_unset_batching_knobs_take_the_servers_defaults():
-    from service.settings import Settings
+    from vitserve.service.settings import Settings
 
     server = Settings()
     filled = with_server_defaults(BenchConfig())
@@ -58,6 +58,6 @@ def test_resolve_model_takes_a_file_or_a_cached_preset(tmp_path):
 
 
 def test_bench_presets_are_ones_export_can_make():
-    from export.presets import PRESETS as EXPORTABLE
+    from vitserve.export.presets import PRESETS as EXPORTABLE
 
     assert set(PRESETS) <= set(EXPORTABLE)

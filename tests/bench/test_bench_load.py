@@ -7,8 +7,8 @@ import io
 import pytest
 from PIL import Image
 
-from bench.config import LOOPBACK
-from bench.load import HttpConnection, closed_loop, encode_request, make_images
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.load import HttpConnection, closed_loop, encode_request, make_images
 
 
 def test_make_images_are_distinct_and_shaped_per_kind():

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from bench.measure import CpuSnapshot, latency_summary
+from vitserve.bench.measure import CpuSnapshot, latency_summary
 from vitserve.machine import cpu_model_name, load_average, machine_busy_seconds, process_cpu_seconds
 
 

@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from bench.config import LOOPBACK
-from bench.load import HttpConnection, encode_request
-from bench.overload import (CONNECTION_ERROR, HUNG_UP, NOT_SENT, TIMEOUT, Answer, OpenLoop, Request, exchange,
+from vitserve.bench.config import LOOPBACK
+from vitserve.bench.load import HttpConnection, encode_request
+from vitserve.bench.overload import (CONNECTION_ERROR, HUNG_UP, NOT_SENT, TIMEOUT, Answer, OpenLoop, Request, exchange,
                             load_summary, overload_targets, recovery, render_overload, run_overload)
-from bench.reliability import ReliabilityConfig, write_report
+from vitserve.bench.reliability import ReliabilityConfig, write_report
 
 
 async def _scripted_server(answers: dict[bytes, str], delay_s: float = 0.0):

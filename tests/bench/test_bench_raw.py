@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.raw import bench_raw, benchmark, images_per_second
+from vitserve.bench.raw import bench_raw, benchmark, images_per_second
 
 
 def test_bench_raw_cycles_samples_into_each_batch_and_counts_images():

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.cli import config_from_args, reliability_config_from_args
-from bench.config import BenchConfig
-from bench.reliability import (ReliabilityConfig, ServerUnderTest, alternated, process_tree, sample_tree,
+from vitserve.bench.cli import config_from_args, reliability_config_from_args
+from vitserve.bench.config import BenchConfig
+from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, alternated, process_tree, sample_tree,
                                servers_under_test)
 from vitserve.cli import build_parser
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.report import targets, write_report
+from vitserve.bench.report import targets, write_report
 
 
 def _report(raw, served, bare=()):

@@ -5,8 +5,8 @@ import os
 
 import pytest
 
-from bench.config import BenchConfig
-from bench.servers import run_bare_server, server_settings
+from vitserve.bench.config import BenchConfig
+from vitserve.bench.servers import run_bare_server, server_settings
 
 
 @pytest.fixture
@@ -19,9 +19,9 @@ def private_environ(monkeypatch):
 def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, private_environ, monkeypatch):
     import uvicorn
 
-    from service.cli import DRAIN_MARGIN_S, uvicorn_options
-    from service.http.connection import HttpLimits, LimitedHttpToolsFactory
-    from service.settings import Settings
+    from vitserve.service.cli import DRAIN_MARGIN_S, uvicorn_options
+    from vitserve.service.http.connection import HttpLimits, LimitedHttpToolsFactory
+    from vitserve.service.settings import Settings
     from vitserve.cli import main
 
     calls = []
@@ -30,7 +30,7 @@ def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, 
                  "--drain-timeout-s", "5", "--log-level", "warning"]) == 0
     run_bare_server()  # reads the same VITSERVE_* variables that `serve` just wrote
     (serve_app, serve_kwargs), (bare_app, bare_kwargs) = calls
-    assert (serve_app, bare_app) == ("service.app:app_from_env", "bench.servers:bare_app")
+    assert (serve_app, bare_app) == ("vitserve.service.app:app_from_env", "vitserve.bench.servers:bare_app")
     assert serve_kwargs == bare_kwargs == {"factory": True, **uvicorn_options(Settings())}
     assert serve_kwargs == {"factory": True, "host": "127.0.0.1", "port": 9123, "workers": 1, "log_level": "warning",  # inline
                             "limit_concurrency": 50, "timeout_graceful_shutdown": 5 + DRAIN_MARGIN_S,

@@ -8,9 +8,9 @@ import json
 import pytest
 from PIL import Image
 
-from bench.overload import HUNG_UP, Answer
-from bench.reliability import ReliabilityConfig, TreeSample
-from bench.soak import (big_png, multipart, oip_body, phases, render_head_of_line, render_soak, run_head_of_line,
+from vitserve.bench.overload import HUNG_UP, Answer
+from vitserve.bench.reliability import ReliabilityConfig, TreeSample
+from vitserve.bench.soak import (big_png, multipart, oip_body, phases, render_head_of_line, render_soak, run_head_of_line,
                         run_soak, slope_per_minute, soak_summary)
 
 

@@ -11,7 +11,7 @@ pytest.importorskip("skimage")
 
 
 def test_each_decoder_gives_the_model_input_and_the_table_has_every_case(monkeypatch, tmp_path):
-    from bench import decode
+    from vitserve.bench import decode
 
     monkeypatch.setattr(decode, "SIZES", {"320x240": (320, 240)})
     for fmt in ("PNG", "JPEG"):

@@ -11,9 +11,9 @@ pytest.importorskip("onnx")
 
 
 def test_the_zero_cost_model_is_an_artifact_that_computes_its_means(tmp_path):
-    from bench.engine_ceiling import IMAGE, zero_cost_model
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.bench.engine_ceiling import IMAGE, zero_cost_model
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     path = zero_cost_model(tmp_path / "zero.onnx")
     model = OnnxModel.load(Settings(model_path=path, providers=["cpu"], runtime="onnxruntime"))
@@ -25,7 +25,7 @@ def test_the_zero_cost_model_is_an_artifact_that_computes_its_means(tmp_path):
 
 
 def test_a_short_level_through_a_real_engine_process_counts_images(tmp_path):
-    from bench.engine_ceiling import main
+    from vitserve.bench.engine_ceiling import main
 
     out = tmp_path / "ceiling.json"
     assert main(["--levels", "1x4", "--seconds", "0.5", "--max-batch-size", "8", "--out", str(out)]) == 0

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from bench.gpu import CPU, CUDA, main
+from vitserve.bench.gpu import CPU, CUDA, main
 
 pytest.importorskip("onnxruntime")
 
@@ -16,7 +16,7 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
     import onnxruntime as ort
     if CUDA in ort.get_available_providers():
         pytest.skip("this machine has the CUDA provider: the kit's real run is `make bench-gpu`")
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     out, work = tmp_path / "gpu.md", tmp_path / "work"
     # the kit makes each file once, and uses a file already in its folder: the session's fp32 export stands in for
@@ -45,7 +45,7 @@ def test_the_kit_exports_in_a_child_process_and_says_why_it_failed(tiny_checkpoi
     """The kit's own export: `vitserve export` in a child process (on a GPU machine, torch stays out of the process
     that measures), written under a temporary name so that a failed export never leaves a file the kit would reuse.
     (Its success is `vitserve export`'s, tested in tests/export; this one fails fast.)"""
-    from bench.gpu import export_file
+    from vitserve.bench.gpu import export_file
 
     with pytest.raises(RuntimeError, match=r"vitserve\.cli export .* exited 1: .*no-such-checkpoint"):
         export_file("default", "fp16", tmp_path / "work", tmp_path / "no-such-checkpoint")
@@ -60,7 +60,7 @@ def test_a_provider_counts_only_when_a_session_really_starts_on_it():
     with a warning: the kit probes with a one-node session, so that its CPU run is not taken for a GPU run."""
     import onnxruntime as ort
 
-    from bench.gpu import TENSORRT, environment, loads
+    from vitserve.bench.gpu import TENSORRT, environment, loads
     assert loads(CPU)
     env = environment()
     assert env["built_in"] == ort.get_available_providers()
@@ -70,7 +70,7 @@ def test_a_provider_counts_only_when_a_session_really_starts_on_it():
 
 
 def test_onnxruntime_gpu_installs_from_a_folder_of_wheels_on_a_machine_without_a_network(tmp_path):
-    from bench.gpu import pip_install
+    from vitserve.bench.gpu import pip_install
     python = tmp_path / "bin" / "python"
     assert pip_install(python, "") == [str(python), "-m", "pip", "install", "--quiet", "onnxruntime-gpu"]
     offline = pip_install(python, "/mnt/wheels")

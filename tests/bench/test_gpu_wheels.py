@@ -5,7 +5,7 @@ from __future__ import annotations
 import struct
 import zipfile
 
-from bench.gpu_wheels import (FLAG_ZSTD, KIND_ELF, KIND_PTX, parse_fatbin, record_hash, slim_fatbin,
+from vitserve.bench.gpu_wheels import (FLAG_ZSTD, KIND_ELF, KIND_PTX, parse_fatbin, record_hash, slim_fatbin,
                               slim_wheel)
 
 

@@ -1,7 +1,7 @@
 """bench.grpc_peers: its report from measured rows (the run itself needs Triton and perf_analyzer: by hand)."""
 from __future__ import annotations
 
-from bench.grpc_peers import summary
+from vitserve.bench.grpc_peers import summary
 
 
 def test_summary_reports_per_round_ratios_and_their_medians():

@@ -15,7 +15,7 @@ def write_idx(path, images: np.ndarray) -> None:
 
 
 def test_the_idx_images_come_back_as_pngs_of_the_same_pixels(tmp_path):
-    from bench.invariance import idx_pngs
+    from vitserve.bench.invariance import idx_pngs
 
     images = np.random.default_rng(0).integers(0, 256, (5, 28, 28))
     write_idx(tmp_path / "t10k-images-idx3-ubyte.gz", images)
@@ -25,7 +25,7 @@ def test_the_idx_images_come_back_as_pngs_of_the_same_pixels(tmp_path):
 
 
 def test_images_alone_and_in_batched_bursts_answer_the_same(tiny_onnx, tmp_path):
-    from bench import invariance
+    from vitserve.bench import invariance
 
     write_idx(tmp_path / "images.gz", np.random.default_rng(1).integers(0, 256, (24, 28, 28)))
     out = tmp_path / "invariance.md"

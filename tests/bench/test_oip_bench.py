@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.cli import config_from_args, oip_config_from_args, reliability_config_from_args
-from bench.load import encode_request, make_images
-from bench.oip import (ENCODINGS, OIP_QUICK, OipConfig, binary_request, classify_request, decode_outputs,
+from vitserve.bench.cli import config_from_args, oip_config_from_args, reliability_config_from_args
+from vitserve.bench.load import encode_request, make_images
+from vitserve.bench.oip import (ENCODINGS, OIP_QUICK, OipConfig, binary_request, classify_request, decode_outputs,
                        image_request, json_request, render_oip, request_bodies, summarise)
-from service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, unpack_bytes
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, unpack_bytes
 from vitserve.cli import build_parser, main
 
 

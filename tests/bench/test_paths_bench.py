@@ -10,7 +10,7 @@ import pytest
 
 
 def test_the_engine_is_told_apart_from_the_frontend_by_its_runtime_library():
-    from bench.paths import server_processes
+    from vitserve.bench.paths import server_processes
 
     frontend, engines = server_processes(os.getpid())  # this test process: no children running a runtime
     assert frontend[0] == os.getpid() and engines == []
@@ -18,7 +18,7 @@ def test_the_engine_is_told_apart_from_the_frontend_by_its_runtime_library():
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
 def test_every_path_is_measured_with_its_cpu_per_request(tiny_onnx, tmp_path, monkeypatch):
-    from bench import paths
+    from vitserve.bench import paths
 
     monkeypatch.chdir(tmp_path)  # the wrk scripts go to build/bench/paths under the working directory
     out = tmp_path / "paths.md"

@@ -12,18 +12,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from bench.load import make_images
-from bench.peers.answers import TOLERANCE, answer_values, compare
-from bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL, multipart_image, peer_request,
+from vitserve.bench.load import make_images
+from vitserve.bench.peers.answers import TOLERANCE, answer_values, compare
+from vitserve.bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL, multipart_image, peer_request,
                                 triton_image_request)
-from bench.peers.cli import build_parser, config_from, config_from_bench_args
-from bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
-from bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
-from bench.peers.report import render, summarise
-from bench.peers.venvs import REQUIREMENTS
-from bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
-from bench.reliability import alternated
-from service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
+from vitserve.bench.peers.cli import build_parser, config_from, config_from_bench_args
+from vitserve.bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
+from vitserve.bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
+from vitserve.bench.peers.report import render, summarise
+from vitserve.bench.peers.venvs import REQUIREMENTS
+from vitserve.bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
+from vitserve.bench.reliability import alternated
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
 
 # `wrk -t2 -c8 -d3s --timeout 30s --latency -s multipart.lua http://127.0.0.1:18200/predict` against LitServe
 WRK_OK = """Running 3s test @ http://127.0.0.1:18200/predict
@@ -184,7 +184,7 @@ def test_the_status_counting_script_and_its_output(tmp_path, png, pixels):
 
 
 def test_lua_strings_are_escaped():
-    from bench.peers.bodies import PeerRequest
+    from vitserve.bench.peers.bodies import PeerRequest
 
     text = lua_script(Path('/tmp/a "b"\\c.body'), PeerRequest("/", b"", {"X-Quote": 'say "hi"'}))
     assert r'io.open("/tmp/a \"b\"\\c.body", "rb")' in text
@@ -242,7 +242,7 @@ def test_cpu_seconds_counts_every_process_under_the_server(tmp_path):
     import sys
     import time
 
-    from bench.peers.servers import RunningServer, ServerSpec
+    from vitserve.bench.peers.servers import RunningServer, ServerSpec
 
     burn = "import time; end = time.process_time() + 0.4\nwhile time.process_time() < end: pass\ntime.sleep(60)"
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {burn!r}]); time.sleep(60)"
@@ -310,8 +310,8 @@ def test_answer_values_reads_each_servers_answer():
 
 
 def test_limits_and_session_options_are_vitserves_defaults():
-    from service.engine.runtime import session_options as vitserve_options
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import session_options as vitserve_options
+    from vitserve.service.settings import Settings
 
     s = Settings()
     assert LIMITS == {"max_bytes": s.max_upload_bytes, "max_pixels": s.max_image_pixels,
@@ -324,10 +324,10 @@ def test_limits_and_session_options_are_vitserves_defaults():
 
 
 def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx):
-    from bench.raw import preprocessed
-    from service.core.postprocess import encode_result
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.bench.raw import preprocessed
+    from vitserve.service.core.postprocess import encode_result
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     vitserve = OnnxModel.load(Settings(model_path=tiny_onnx))
     peer = ImageClassifier(tiny_onnx)
@@ -422,7 +422,7 @@ def test_report_has_a_table_per_model_with_the_ratio_and_the_facts():
 
 
 def test_export_commit_writes_that_commits_tree_once(tmp_path):
-    from bench.peers.servers import export_commit
+    from vitserve.bench.peers.servers import export_commit
 
     source, sha = export_commit("HEAD", tmp_path)
     assert len(sha) == 40 and source == tmp_path / f"vitserve-{sha[:12]}"
@@ -434,8 +434,8 @@ def test_export_commit_writes_that_commits_tree_once(tmp_path):
 def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_log(tmp_path):
     import sys
 
-    from bench.peers.servers import RunningServer, ServerSpec
-    from bench.servers import free_port
+    from vitserve.bench.peers.servers import RunningServer, ServerSpec
+    from vitserve.bench.servers import free_port
 
     spec = ServerSpec("broken", [sys.executable, "-c", "print('no model here'); raise SystemExit(3)"], [free_port()],
                       ["/"])
@@ -446,7 +446,7 @@ def test_a_server_that_exits_before_it_is_ready_is_reported_with_its_log(tmp_pat
 
 
 def test_render_writes_the_markdown_again_from_a_runs_json(tmp_path):
-    from bench.peers.cli import main
+    from vitserve.bench.peers.cli import main
 
     data = tmp_path / "peers.json"
     data.write_text(json.dumps(_fake_report(), default=str))
@@ -457,9 +457,9 @@ def test_render_writes_the_markdown_again_from_a_runs_json(tmp_path):
 
 
 def test_vitserve_on_ray_is_a_server_on_request_with_vitserves_requests(tmp_path, png, pixels):
-    from bench.peers.config import family
-    from bench.peers.run import request_for_size
-    from bench.peers.servers import vitserve_spec
+    from vitserve.bench.peers.config import family
+    from vitserve.bench.peers.run import request_for_size
+    from vitserve.bench.peers.servers import vitserve_spec
     spec = vitserve_spec(tmp_path / "m.onnx", ray_replicas=2)
     assert spec.name == "vitserve-ray2" and spec.argv[-3:] == ["--ray", "--ray-replicas", "2"]
     assert vitserve_spec(tmp_path / "m.onnx").name == "vitserve" and "--ray" not in vitserve_spec(tmp_path).argv
@@ -477,9 +477,9 @@ def test_vitserve_on_ray_is_a_server_on_request_with_vitserves_requests(tmp_path
 
 
 def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_requests(tmp_path, png, pixels):
-    from bench.peers.config import family
-    from bench.peers.report import LABELS
-    from bench.peers.run import server_spec
+    from vitserve.bench.peers.config import family
+    from vitserve.bench.peers.report import LABELS
+    from vitserve.bench.peers.run import server_spec
     spec = server_spec("vitserve-openvino", tmp_path / "m.onnx", {}, None)
     assert spec.name == "vitserve-openvino" and spec.env["VITSERVE_RUNTIME"] == "openvino"
     assert "VITSERVE_RUNTIME" not in server_spec("vitserve", tmp_path / "m.onnx", {}, None).env

@@ -9,9 +9,9 @@ import json
 import numpy as np
 from PIL import Image
 
-from bench.perf_analyzer_inputs import main
-from service.protocols.binary_tensors import unpack_bytes
-from service.engine.runtime import read_model_file_info
+from vitserve.bench.perf_analyzer_inputs import main
+from vitserve.service.protocols.binary_tensors import unpack_bytes
+from vitserve.service.engine.runtime import read_model_file_info
 
 
 def test_the_files_hold_the_models_tensor_and_serialised_images(tiny_onnx, tmp_path):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from bench.relevance_cost import (CASES, RATIOS, add_relevance_cost_command, render_markdown, summarise,
+from vitserve.bench.relevance_cost import (CASES, RATIOS, add_relevance_cost_command, render_markdown, summarise,
                                   unchanged)
 
 

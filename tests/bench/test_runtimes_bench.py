@@ -10,8 +10,8 @@ pytest.importorskip("onnxruntime")
 
 
 def test_the_table_times_every_candidate_and_says_what_auto_picks(tiny_onnx, tmp_path):
-    from bench.runtimes import main
-    from service.engine import openvino_runtime
+    from vitserve.bench.runtimes import main
+    from vitserve.service.engine import openvino_runtime
 
     out = tmp_path / "runtimes.md"
     assert main([str(tiny_onnx), "--batches", "1,4", "--rounds", "1", "--seconds", "0.05", "--threads", "1",

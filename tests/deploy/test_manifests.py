@@ -179,8 +179,8 @@ def env(deployment: dict) -> dict[str, str | dict]:
 
 
 def test_probes_ask_routes_the_app_really_has(base):
-    from service.app import create_app
-    from service.settings import Settings
+    from vitserve.service.app import create_app
+    from vitserve.service.settings import Settings
     app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only: no lifespan
     routes = set(app.openapi()["paths"])
     c = container(base["Deployment"])
@@ -202,7 +202,7 @@ def test_ports_agree_from_the_service_to_the_process(base):
 
 
 def test_the_grace_period_fits_the_pause_and_the_drain(base):
-    from service.cli import DRAIN_MARGIN_S
+    from vitserve.service.cli import DRAIN_MARGIN_S
     pod = base["Deployment"]["spec"]["template"]["spec"]
     pause = int(container(base["Deployment"])["lifecycle"]["preStop"]["exec"]["command"][1])
     drain = float(env(base["Deployment"])["VITSERVE_DRAIN_TIMEOUT_S"])
@@ -224,7 +224,7 @@ def test_the_selectors_select_the_pods(base):
 
 
 def test_the_hpa_asks_for_what_the_adapter_serves_from_series_the_service_defines(base):
-    from service.core.metrics import ServiceMetrics
+    from vitserve.service.core.metrics import ServiceMetrics
     # from the families, not their samples: a metric with model and version labels has none until a model runs
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
     defined = {family.name + suffix for family in ServiceMetrics().registry.collect()
@@ -300,7 +300,7 @@ def test_kserve_grpc_runtime_exposes_the_grpc_port_as_h2c():
 # --- the model repository ---
 
 def setting_names() -> set[str]:
-    from service.settings import Settings
+    from vitserve.service.settings import Settings
     return {f"VITSERVE_{name.upper()}" for name in Settings.model_fields}
 
 
@@ -351,8 +351,8 @@ def test_the_repository_component_changes_nothing_else():
 
 
 def test_the_deployment_docs_call_routes_the_app_has():
-    from service.app import create_app
-    from service.settings import Settings
+    from vitserve.service.app import create_app
+    from vitserve.service.settings import Settings
     app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only
     routes = set(app.openapi()["paths"])
     text = (REPO / "docs" / "deployment-repository.md").read_text()

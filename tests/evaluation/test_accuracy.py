@@ -1,11 +1,11 @@
 import torch
 
-from evaluation.accuracy import accuracy_at_sizes
+from vitserve.evaluation.accuracy import accuracy_at_sizes
 from vitserve.artifact import normalize_pixels
 
 
 def test_accuracy_matches_pytorch_predictions(tiny_onnx, tiny_model):
-    from model.data import resize_batch
+    from vitserve.model.data import resize_batch
 
     def predict(images: torch.Tensor) -> torch.Tensor:
         return tiny_model(torch.from_numpy(normalize_pixels(images.numpy(), [0.5] * 3, [0.25] * 3))).argmax(1)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy.stats import spearmanr
 
-from evaluation import explanations as ex
+from vitserve.evaluation import explanations as ex
 
 PATCH_WEIGHTS = [0.4, 0.3, 0.2, 0.1]  # what each patch of a 2x2 grid adds to the linear scorer below
 
@@ -160,7 +160,7 @@ def test_cascade_order_is_the_head_then_blocks_top_down(tiny_model):
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_randomisation_stage_changes_exactly_the_modules_it_names(tiny_model, stage):
-    from model.checkpoint import weights_sha256
+    from vitserve.model.checkpoint import weights_sha256
 
     before = weights_sha256(tiny_model.state_dict())
     trained = dict(tiny_model.named_parameters())
@@ -272,7 +272,7 @@ def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsy
 
 
 def test_the_json_is_strict_even_for_undefined_intervals():
-    from model.checkpoint import strict_json  # what write_report writes its JSON through
+    from vitserve.model.checkpoint import strict_json  # what write_report writes its JSON through
 
     assert json.dumps(strict_json({"ci": [float("nan"), float("inf")], "n": [1, 0.5]}), allow_nan=False) == \
         '{"ci": [null, null], "n": [1, 0.5]}'

@@ -9,7 +9,7 @@ NONSQUARE_LABELS = ["a", "b", "c", "d"]
 @pytest.fixture(scope="session")
 def tiny_export(tiny_checkpoint, tmp_path_factory):
     """The shared 3-channel tiny checkpoint exported in float32, with its ExportReport."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny.onnx")
 
@@ -17,7 +17,7 @@ def tiny_export(tiny_checkpoint, tmp_path_factory):
 @pytest.fixture(scope="session")
 def nonsquare_checkpoint(tmp_path_factory):
     """1 channel, trained at 24x40 (a 3x5 grid of 8-pixel patches), 3 layers, no recorded accuracy."""
-    from export.presets import RandomModel, random_checkpoint
+    from vitserve.export.presets import RandomModel, random_checkpoint
 
     spec = RandomModel("tiny", dict(image_size=(24, 40), patch_size=8, in_channels=1, embed_dim=24, depth=3,
                                     num_heads=3, mlp_dim=48, num_classes=len(NONSQUARE_LABELS)),
@@ -29,20 +29,20 @@ def nonsquare_checkpoint(tmp_path_factory):
 def nonsquare_export(nonsquare_checkpoint, tmp_path_factory):
     """The fast path alone: its tests look at logits and rollout. The relevance path (20 s more to trace) is verified
     on the tiny model, at non-square sizes among others (export/verify.py's verification_sizes)."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     return export_onnx(nonsquare_checkpoint, tmp_path_factory.mktemp("onnx") / "wide.onnx", relevance=False)
 
 
 @pytest.fixture(scope="session")
 def tiny_fp16_export(tiny_checkpoint, tmp_path_factory):
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny-fp16.onnx", fp16=True)
 
 
 @pytest.fixture(scope="session")
 def tiny_model(tiny_checkpoint):
-    from model.checkpoint import load_checkpoint
+    from vitserve.model.checkpoint import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint)[0]

@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
-from export.accuracy_gate import EvalSetError, load_labelled_set, spearman
-from export.verify import ExportVerificationError, cpu_session
+from vitserve.export.accuracy_gate import EvalSetError, load_labelled_set, spearman
+from vitserve.export.verify import ExportVerificationError, cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
 
 
@@ -29,7 +29,7 @@ def labelled_folder(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_int8_export(tiny_checkpoint, labelled_folder, tmp_path_factory):
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "tiny-int8.onnx", precision="int8",
                        eval_dir=labelled_folder)
@@ -63,8 +63,8 @@ def test_an_int8_file_that_misses_the_gate_is_refused_and_moved_aside(tiny_check
                                                                        monkeypatch):
     """Quantization that wrecks the weights (scrambled, as bad scales would) changes the decisions: the
     export fails like a failed verification and no file is left where a server would load it."""
-    import export.int8 as int8
-    from export.onnx_export import export_onnx
+    import vitserve.export.int8 as int8
+    from vitserve.export.onnx_export import export_onnx
 
     real = int8.quantize_int8
 
@@ -109,7 +109,7 @@ def test_spearman_ranks_maps_alike_and_a_constant_map_counts_as_agreeing():
 def test_the_cli_takes_precision_int8_and_keeps_fp16_as_its_older_spelling():
     import argparse
 
-    from export.cli import add_export_parser
+    from vitserve.export.cli import add_export_parser
     parser = argparse.ArgumentParser()
     add_export_parser(parser.add_subparsers())
     args = parser.parse_args(["export", "ckpt", "--out", "m.onnx", "--precision", "int8", "--eval", "d",
@@ -130,7 +130,7 @@ def test_a_labelled_set_the_export_cannot_use_is_refused_before_exporting(tmp_pa
     """--eval without int8, or not a folder: a one-line error at once, not after the export's minute."""
     import argparse
 
-    from export.cli import add_export_parser
+    from vitserve.export.cli import add_export_parser
     parser = argparse.ArgumentParser()
     add_export_parser(parser.add_subparsers())
     for extra, message in ((["--eval", str(tmp_path)], "give --precision int8"),
@@ -148,8 +148,8 @@ def test_a_folder_the_gate_cannot_use_is_refused_before_tracing_in_one_line(tiny
     verification, with the file moved aside) is a usage error before any work."""
     import argparse
 
-    from export import onnx_export
-    from export.cli import add_export_parser
+    from vitserve.export import onnx_export
+    from vitserve.export.cli import add_export_parser
 
     def never(*args, **kwargs):
         raise AssertionError("the export started")
@@ -168,8 +168,8 @@ def test_a_folder_the_gate_cannot_use_is_refused_before_tracing_in_one_line(tiny
 
 
 def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"]))
     assert model.info.precision == "int8"
@@ -194,8 +194,8 @@ def test_the_cpu_check_reads_vnni_from_cpuinfo_flags(tmp_path):
 def test_an_int8_image_answers_the_same_alone_and_among_any_batch_mates(tiny_int8_export):
     """Static scales: each image is computed the same whatever shares its batch (dynamic quantization took its
     activation scales from the whole batch, so the same image changed class with its neighbours)."""
-    from service.engine.runtime import OnnxModel
-    from service.settings import Settings
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"], intra_op_threads=1))
     rng = np.random.default_rng(5)

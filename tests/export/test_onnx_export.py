@@ -5,8 +5,8 @@ import onnx
 import pytest
 import torch
 
-from export.rollout_reference import numpy_attention_rollout
-from export.verify import (ExportVerificationError, check_graph, cpu_session, require_symbolic_input,
+from vitserve.export.rollout_reference import numpy_attention_rollout
+from vitserve.export.verify import (ExportVerificationError, check_graph, cpu_session, require_symbolic_input,
                            verify_against_torch)
 from vitserve.onnx_header import read_model_info
 TINY_LABELS = ["cat", "dog", "bird"]  # as tests/conftest.py makes them
@@ -55,7 +55,7 @@ def test_single_file_without_external_data(tiny_export):
 
 def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
     """The one round trip of the contract: export writes ModelInfo, the service's reader gets it back."""
-    from model.checkpoint import weights_sha256
+    from vitserve.model.checkpoint import weights_sha256
     from vitserve.artifact import ModelInfo
     from vitserve.onnx_header import read_model_info
 
@@ -98,7 +98,7 @@ def test_rollout_is_a_distribution_share(tiny_export):
 
 
 def test_nonsquare_trained_grid(nonsquare_export, nonsquare_checkpoint):
-    from model.checkpoint import load_checkpoint
+    from vitserve.model.checkpoint import load_checkpoint
 
     vit, _ = load_checkpoint(nonsquare_checkpoint)
     info = read_model_info(nonsquare_export.path)
@@ -130,7 +130,7 @@ def test_frozen_or_tied_dims_are_rejected(tiny_export):
 
 def test_size_specialising_model_fails_at_torch_export():
     """A Python branch on a size would freeze it; our torch.export call must refuse instead of exporting."""
-    from export.onnx_export import export_program
+    from vitserve.export.onnx_export import export_program
 
     class SizeBranch(torch.nn.Module):
         def forward(self, pixel_values):

@@ -6,9 +6,9 @@ import onnx
 import pytest
 import torch
 
-from export.relevance import explain, relevance_rollout
-from export.rollout_reference import numpy_relevance
-from export.verify import (ExportVerificationError, autograd_relevance, cpu_session, verify_against_torch,
+from vitserve.export.relevance import explain, relevance_rollout
+from vitserve.export.rollout_reference import numpy_relevance
+from vitserve.export.verify import (ExportVerificationError, autograd_relevance, cpu_session, verify_against_torch,
                            verify_relevance)
 
 OUTPUTS = ["logits", "rollout", "relevance"]
@@ -110,7 +110,7 @@ def test_a_wrong_relevance_path_fails_verification(tiny_export, tiny_model, tmp_
 
 
 def test_export_without_relevance_keeps_the_fast_contract(tiny_checkpoint, tmp_path):
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
     from vitserve.onnx_header import read_model_info
 
     report = export_onnx(tiny_checkpoint, tmp_path / "fast.onnx", relevance=False)

@@ -8,13 +8,14 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-EXPORT = ("import sys, export.onnx_export as e; assert e.__file__.startswith(sys.argv[3]), e.__file__; "
+EXPORT = ("import sys, vitserve.export.onnx_export as e; assert e.__file__.startswith(sys.argv[3]), e.__file__; "
           "e.export_onnx(sys.argv[1], sys.argv[2], verify=False)")
 
 
 def start_export(checkout: Path, checkpoint: Path, out: Path, hash_seed: int) -> subprocess.Popen:
     for package in ("model", "export", "vitserve"):
         shutil.copytree(REPO / package, checkout / package, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copyfile(REPO / "pyproject.toml", checkout / "pyproject.toml")  # marks a checkout (vitserve/__init__.py)
     # the checkout's own packages first, ahead of the editable install that points at this repository
     with out.with_suffix(".log").open("wb") as log:
         return subprocess.Popen([sys.executable, "-c", EXPORT, str(checkpoint), str(out), str(checkout)],
@@ -37,6 +38,6 @@ def test_two_checkouts_export_identical_bytes_without_paths(tiny_checkpoint, tmp
         assert str(path).encode() not in first
     assert b"site-packages" not in first and b".py\"" not in first and b".py, line" not in first
     # and this process's export, whose graphs the session's trace cache (tests/conftest.py) hands out, is the same
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
     export_onnx(tiny_checkpoint, tmp_path / "here.onnx", verify=False)
     assert (tmp_path / "here.onnx").read_bytes() == first

@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.rollout import attention_rollout, residual_attention
-from export.rollout_reference import numpy_attention_rollout
+from vitserve.export.rollout import attention_rollout, residual_attention
+from vitserve.export.rollout_reference import numpy_attention_rollout
 
 
 def random_attention(batch, heads, n, seed):

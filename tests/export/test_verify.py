@@ -10,7 +10,7 @@ import pytest
 import torch
 from onnx import numpy_helper
 
-from export.verify import (LOGITS_TOLERANCE, ExportVerificationError, Tolerance, verify_against_torch,
+from vitserve.export.verify import (LOGITS_TOLERANCE, ExportVerificationError, Tolerance, verify_against_torch,
                            verify_relevance)
 
 SCALE = 100.0

@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture
 def interrupt_at_step(monkeypatch):
     """interrupt_at_step(n): a real SIGINT to this process while the n-th training batch is being augmented."""
-    import model.train
+    import vitserve.model.train
 
     def arm(n: int) -> None:
         calls, augment_batch = itertools.count(1), model.train.augment_batch

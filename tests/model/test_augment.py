@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from model.augment import (AugmentConfig, augment_batch, normalize, random_crop_with_padding, random_erasing,
+from vitserve.model.augment import (AugmentConfig, augment_batch, normalize, random_crop_with_padding, random_erasing,
                            random_horizontal_flip, random_resized_crop)
 from vitserve.artifact import normalize_pixels
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, load_meta, save_checkpoint,
+from vitserve.model.checkpoint import (CheckpointError, CheckpointMeta, load_checkpoint, load_meta, save_checkpoint,
                               strict_json, weights_sha256)
-from model.vit import VisionTransformer, vit_config
+from vitserve.model.vit import VisionTransformer, vit_config
 from training_fixtures import read_strict_json
 
 TINY_LABELS = ["cat", "dog", "bird"]  # as in tests/conftest.py's tiny_checkpoint

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from model.config import TrainingInputError
-from model.data import (FASHION_MNIST_LABELS, IMAGENET_MEAN, IMAGENET_STD, load_fashion_mnist, load_image,
+from vitserve.model.config import TrainingInputError
+from vitserve.model.data import (FASHION_MNIST_LABELS, IMAGENET_MEAN, IMAGENET_STD, load_fashion_mnist, load_image,
                         load_image_folder, read_idx, resize_batch)
 
 

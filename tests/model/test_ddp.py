@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from model.checkpoint import load_checkpoint
+from vitserve.model.checkpoint import load_checkpoint
 
 # Each rank trains on synthetic data made in the script (the same on every rank), captures its own model,
 # and saves that model's weights after training, so the test can compare the two ranks' final weights.
@@ -21,9 +21,9 @@ from model.checkpoint import load_checkpoint
 SCRIPT = textwrap.dedent('''
     import os, sys
     import torch
-    import model.train as train_module
-    from model.augment import AugmentConfig
-    from model.data import DataSplits, ImageDataset
+    import vitserve.model.train as train_module
+    from vitserve.model.augment import AugmentConfig
+    from vitserve.model.data import DataSplits, ImageDataset
 
     def synthetic(n, seed):
         g = torch.Generator().manual_seed(seed)

@@ -12,12 +12,12 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from model.augment import AugmentConfig
-from model.checkpoint import CheckpointMeta
-from model.config import TrainConfig, TrainingInputError
-from model.distill import Teachers, distillation_loss
-from model.train import train
-from model.vit import VisionTransformer, vit_config
+from vitserve.model.augment import AugmentConfig
+from vitserve.model.checkpoint import CheckpointMeta
+from vitserve.model.config import TrainConfig, TrainingInputError
+from vitserve.model.distill import Teachers, distillation_loss
+from vitserve.model.train import train
+from vitserve.model.vit import VisionTransformer, vit_config
 
 TINY = dict(image_size=(16, 16), patch_size=4, embed_dim=32, depth=2, num_heads=2, mlp_dim=64)
 
@@ -115,7 +115,7 @@ def test_a_student_learns_its_teachers_knowledge_not_its_labels(folders, tmp_pat
 
 def test_teachers_that_cannot_teach_are_refused_in_one_line(folders, tmp_path):
     other = VisionTransformer(vit_config("tiny", **TINY, in_channels=1, num_classes=3))
-    from model.checkpoint import save_checkpoint
+    from vitserve.model.checkpoint import save_checkpoint
 
     save_checkpoint(tmp_path / "three", other, CheckpointMeta(other.cfg, ["a", "b", "c"], [0.5], [0.5]))
     with pytest.raises(TrainingInputError, match=r"--distill-from .*three: its classes \['a', 'b', 'c'\] are not"):
@@ -131,7 +131,7 @@ def test_teachers_that_cannot_teach_are_refused_in_one_line(folders, tmp_path):
 
 
 def test_the_flag_repeats_for_several_teachers_and_the_command_line_says_so():
-    from model.cli import command_line, train_config
+    from vitserve.model.cli import command_line, train_config
     from vitserve.cli import build_parser
 
     args = build_parser().parse_args(["train", "--distill-from", "a/checkpoint", "--distill-from", "b dir",

@@ -13,12 +13,12 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from export.onnx_export import export_onnx
-from export.rollout_reference import numpy_attention_rollout
-from model.checkpoint import load_checkpoint
-from model.convert import CheckpointImportError, ImportOptions, import_checkpoint
-from model.hybrid import HybridEmbed, backbone_stride, same_padding
-from model.vit import ViTConfig, VisionTransformer, resample_pos_embed, vit_config
+from vitserve.export.onnx_export import export_onnx
+from vitserve.export.rollout_reference import numpy_attention_rollout
+from vitserve.model.checkpoint import load_checkpoint
+from vitserve.model.convert import CheckpointImportError, ImportOptions, import_checkpoint
+from vitserve.model.hybrid import HybridEmbed, backbone_stride, same_padding
+from vitserve.model.vit import ViTConfig, VisionTransformer, resample_pos_embed, vit_config
 from timm_reference import timm_without_torchvision
 
 TOL = 1e-4
@@ -175,7 +175,7 @@ def test_exported_hybrid_gives_timms_logits_and_a_rollout_of_timms_attention(imp
 
 
 def test_inspecting_a_hybrid_shows_the_stem_filters_that_see_pixels(tmp_path):
-    from model.inspection import inspect, write
+    from vitserve.model.inspection import inspect, write
 
     torch.manual_seed(0)
     model = VisionTransformer(vit_config("R+fmnist", depth=2, backbone_width=32)).eval()
@@ -189,7 +189,7 @@ def test_inspecting_a_hybrid_shows_the_stem_filters_that_see_pixels(tmp_path):
 
 
 def test_train_flags_make_a_hybrid_and_say_so(tmp_path):
-    from model.cli import command_line, train_config
+    from vitserve.model.cli import command_line, train_config
     from vitserve.cli import build_parser
 
     args = build_parser().parse_args(["train", "--model", "R+fmnist", "--backbone-layers", "2,1",

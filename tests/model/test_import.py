@@ -15,9 +15,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from model.checkpoint import load_checkpoint
-from model.convert import CheckpointImportError, ImportOptions, import_checkpoint, read_labels
-from model.vit import VisionTransformer, vit_config
+from vitserve.model.checkpoint import load_checkpoint
+from vitserve.model.convert import CheckpointImportError, ImportOptions, import_checkpoint, read_labels
+from vitserve.model.vit import VisionTransformer, vit_config
 from vitserve.cli import main
 
 from timm_reference import timm_without_torchvision

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from model.inspection import filter_components, mean_distance, patch_distances, position_similarity
+from vitserve.model.inspection import filter_components, mean_distance, patch_distances, position_similarity
 
 
 def test_filter_components_are_orthonormal_and_ordered_by_variance():
@@ -123,7 +123,7 @@ def test_export_stores_the_inspection_unless_told_not_to(tiny_checkpoint, tmp_pa
     assert "--inspection-dir" in capsys.readouterr().err and not (tmp_path / "c.onnx").exists()
     with pytest.raises(SystemExit):
         main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "d.onnx"), "--inspection-images", "-1"])
-    from export.inspection import DEFAULT_IMAGES
+    from vitserve.export.inspection import DEFAULT_IMAGES
     from vitserve.cli import build_parser
 
     assert build_parser().parse_args(["export", "c", "--out", "x"]).inspection_images == DEFAULT_IMAGES

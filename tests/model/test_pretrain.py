@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 
-from model.config import AugmentConfig, TrainConfig
-from model.data import ImageDataset, labelled_share
-from model.pretrain import (KEEP, MASK, REPLACE, MaskedPatchPrediction, colour_classes, corrupt, corruption_plan,
+from vitserve.model.config import AugmentConfig, TrainConfig
+from vitserve.model.data import ImageDataset, labelled_share
+from vitserve.model.pretrain import (KEEP, MASK, REPLACE, MaskedPatchPrediction, colour_classes, corrupt, corruption_plan,
                             mean_colour_targets)
-from model.train import train
-from model.vit import VisionTransformer, vit_config
+from vitserve.model.train import train
+from vitserve.model.vit import VisionTransformer, vit_config
 
 
 def test_half_the_patches_are_corrupted_80_10_10_over_many_batches():

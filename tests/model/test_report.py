@@ -5,8 +5,8 @@ import csv
 import json
 import shutil
 
-from model.report import main, render_report
-from model.train import TrainLog
+from vitserve.model.report import main, render_report
+from vitserve.model.train import TrainLog
 
 
 def _fake_run(tmp_path, tiny_checkpoint, epochs_planned: int):

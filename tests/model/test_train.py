@@ -16,11 +16,11 @@ import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file
 
-import model.train as train_module
-from model.augment import AugmentConfig
-from model.checkpoint import load_checkpoint
-from model.data import load_image_folder
-from model.train import (TrainConfig, TrainingInterrupted, TrainLog, build_model, curve_series, load_data, lr_at,
+import vitserve.model.train as train_module
+from vitserve.model.augment import AugmentConfig
+from vitserve.model.checkpoint import load_checkpoint
+from vitserve.model.data import load_image_folder
+from vitserve.model.train import (TrainConfig, TrainingInterrupted, TrainLog, build_model, curve_series, load_data, lr_at,
                          steps_per_epoch, trailing_mean, train)
 from training_fixtures import read_strict_json, write_image_folder
 from vitserve.machine import cpu_model_name

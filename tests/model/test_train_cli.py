@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-import model.augment
-import model.config
-import model.data
-import model.train
-from model.augment import AugmentConfig
-from model.cli import _rounded, command_line, train_config
-from model.train import TrainConfig
-from model.vit import ViTConfig
+import vitserve.model.augment
+import vitserve.model.config
+import vitserve.model.data
+import vitserve.model.train
+from vitserve.model.augment import AugmentConfig
+from vitserve.model.cli import _rounded, command_line, train_config
+from vitserve.model.train import TrainConfig
+from vitserve.model.vit import ViTConfig
 from training_fixtures import read_strict_json, write_image_folder
 from vitserve.cli import build_parser, main
 
@@ -160,9 +160,9 @@ def test_help_shows_every_default_from_the_dataclasses(capsys, monkeypatch):
 
 NO_TORCH = """
 import contextlib, io, sys
-import model.config
+import vitserve.model.config
 print("torch" in sys.modules, "numpy" in sys.modules)
-import model.cli
+import vitserve.model.cli
 from vitserve.cli import build_parser
 parser = build_parser()
 parser.format_help()
@@ -213,7 +213,7 @@ def test_train_command_runs_a_tiny_model(tmp_path, capsys):
 
 
 def test_help_says_what_a_run_without_flags_does(capsys, monkeypatch):
-    from model.vit import VisionTransformer, count_parameters, vit_config
+    from vitserve.model.vit import VisionTransformer, count_parameters, vit_config
 
     monkeypatch.setenv("COLUMNS", "300")
     with pytest.raises(SystemExit):

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from torch import nn
 
-from model.vit import (Block, PatchEmbed, ViTConfig, VisionTransformer, count_parameters, embed_layer_for,
+from vitserve.model.vit import (Block, PatchEmbed, ViTConfig, VisionTransformer, count_parameters, embed_layer_for,
                        resample_pos_embed, vit_config)
 
 # (embed_dim, depth, num_heads, mlp_dim), written out here rather than read from the module under test.

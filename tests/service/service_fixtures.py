@@ -23,10 +23,10 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
-from service.app import create_app
-from service.core.errors import is_protocol_path
-from service.core.metrics import ServiceMetrics
-from service.settings import Settings
+from vitserve.service.app import create_app
+from vitserve.service.core.errors import is_protocol_path
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 # How long a test waits for something that should take milliseconds: long enough that only a hung

@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, StopSignal, collect_cycles,
+from vitserve.service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, StopSignal, collect_cycles,
                                     freeze_startup_objects, return_large_frees_to_the_os, run_within)
-from service.engine.batcher import DynamicBatcher
-from service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
-from service.http.routes.uploads import read_raw_body, run_guarded
-from service.settings import Settings
+from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
+from vitserve.service.http.routes.uploads import read_raw_body, run_guarded
+from vitserve.service.settings import Settings
 from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
                               until)
 
@@ -341,7 +341,7 @@ def test_shedding_still_admits_the_process_s_share_of_the_engine_s_batches():
 
 
 def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_onnx):
-    from service.core.state import ServiceState
+    from vitserve.service.core.state import ServiceState
     from service_fixtures import settings_for
 
     def limit(**overrides) -> int:

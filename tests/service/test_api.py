@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.core.errors import ClientDisconnected
-from service.core.admission import Deadline, StopSignal
-from service.http.routes.uploads import run_guarded
+from vitserve.service.core.errors import ClientDisconnected
+from vitserve.service.core.admission import Deadline, StopSignal
+from vitserve.service.http.routes.uploads import run_guarded
 from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
                               png_declaring, serving, settings_for, until)
 
@@ -40,8 +40,8 @@ async def test_classify_raw_body_every_format(settings, tiny_model, fmt, content
 
 
 async def test_prediction_is_the_softmax_of_the_model_and_multipart_matches_raw(settings, tiny_model):
-    from service.core.preprocess import prepare_image
-    from service.core.postprocess import softmax
+    from vitserve.service.core.preprocess import prepare_image
+    from vitserve.service.core.postprocess import softmax
     data = patterned_png()
     prepared = prepare_image(data, tiny_model.info, resize="fit", max_bytes=10**7, max_pixels=10**7, max_tokens=1024)
     expected = softmax(tiny_model.run(prepared.pixels[None])[0][0])

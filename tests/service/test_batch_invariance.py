@@ -15,7 +15,7 @@ pytestmark = pytest.mark.anyio
 
 @pytest.fixture(scope="module")
 def tiny_int8(tiny_checkpoint, tmp_path_factory):
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("int8") / "tiny-int8.onnx"
     export_onnx(tiny_checkpoint, out, precision="int8", verify=False, inspection_images=0)
@@ -36,7 +36,7 @@ async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("precision", ["fp32", "int8"])
 async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8):
-    from service.engine.runtime import OnnxModel
+    from vitserve.service.engine.runtime import OnnxModel
 
     path = tiny_onnx if precision == "fp32" else tiny_int8
     settings = settings_for(path, max_batch_size=8, max_queue_delay_ms=20)

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from service.engine.batcher import DynamicBatcher
-from service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 from service_fixtures import PATIENCE_S, until
 
 pytestmark = pytest.mark.anyio

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.client import MIN_OVERLAY_SIDE, Prediction, display_size, format_table, overlay_path
+from vitserve.service.client import MIN_OVERLAY_SIDE, Prediction, display_size, format_table, overlay_path
 from service_fixtures import patterned_png, uvicorn_server
 from vitserve.cli import main
 

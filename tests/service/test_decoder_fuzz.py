@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.core.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from service.core.postprocess import encode_result
-from service.core.preprocess import PreparedImage, peek_pixels, prepare_image
+from vitserve.service.core.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
+from vitserve.service.core.postprocess import encode_result
+from vitserve.service.core.preprocess import PreparedImage, peek_pixels, prepare_image
 from vitserve.artifact import ModelInfo
 
 DOCUMENTED_ERRORS = (ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType)

@@ -12,16 +12,16 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
+from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
                                      LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue, error_of,
                                      failure_for)
-from service.engine.remote import RemoteEngine
-from service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
+from vitserve.service.engine.remote import RemoteEngine
+from vitserve.service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
                                  remove_orphaned_segments)
-from service.engine.supervisor import EngineSupervisor, engine_devices
-from service.core.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
-from service.core.metrics import ServiceMetrics
-from service.settings import Settings
+from vitserve.service.engine.supervisor import EngineSupervisor, engine_devices
+from vitserve.service.core.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.settings import Settings
 from service_fixtures import PATIENCE_S, settings_for, until
 
 # --- the messages ---
@@ -221,7 +221,7 @@ async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_ar
     # STATUS_INTERVAL_S, since a frontend counts what it sent since the last one as queued
     from types import SimpleNamespace
 
-    from service.engine.process import IDLE_STATUS_INTERVAL_S, STATUS_INTERVAL_S, EngineServer
+    from vitserve.service.engine.process import IDLE_STATUS_INTERVAL_S, STATUS_INTERVAL_S, EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings(engine_timeout_s=40.0)), "ipc://unused")
     sent: list[float] = []
 
@@ -254,8 +254,8 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     # a batch's answers finish together: one message per frontend wakes it once, not once per image
     from types import SimpleNamespace
 
-    from service.engine.messages import Codec, Failure, Result, Tensor
-    from service.engine.process import EngineServer
+    from vitserve.service.engine.messages import Codec, Failure, Result, Tensor
+    from vitserve.service.engine.process import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
     sent: list[list[bytes]] = []
 

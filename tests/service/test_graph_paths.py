@@ -6,9 +6,9 @@ import numpy as np
 import onnx
 import pytest
 
-from service.engine.cuda_graphs import bucket_sizes
-from service.engine.graph_paths import split_paths, symbolic_dims
-from service.engine.runtime import OnnxModel
+from vitserve.service.engine.cuda_graphs import bucket_sizes
+from vitserve.service.engine.graph_paths import split_paths, symbolic_dims
+from vitserve.service.engine.runtime import OnnxModel
 from service_fixtures import settings_for
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 
@@ -64,7 +64,7 @@ def test_the_relevance_session_is_made_only_when_a_request_asks_for_it(tiny_onnx
 
 
 def test_a_file_without_the_relevance_path_is_its_own_fast_graph(tiny_checkpoint, tmp_path):
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     path = tmp_path / "fast-only.onnx"
     export_onnx(tiny_checkpoint, path, verify=False, relevance=False, inspection_images=0)
@@ -88,7 +88,7 @@ def test_cuda_graph_buckets_pad_a_batch_to_at_most_twice_its_size(largest, bucke
 def test_a_batch_runs_captured_only_where_its_bucket_was_kept():
     """Buckets 1, 2, 4 captured at load; 4 lost to the dynamic session and was dropped: a batch of 3 or 4 (bucket
     4) and any other image size run dynamic, a batch of 1 or 2 runs its graph."""
-    from service.engine.cuda_graphs import CudaGraphBuckets
+    from vitserve.service.engine.cuda_graphs import CudaGraphBuckets
 
     class Bucket:
         def __init__(self, size):

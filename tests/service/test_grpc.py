@@ -215,14 +215,14 @@ def test_typed_and_raw_together_or_neither_are_invalid(server):
 def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
     """Typed values convert one by one on the event loop: past the JSON value limit they are refused, naming the
     raw form, before any is converted."""
-    from service.grpc.messages import infer_call
-    from service.protocols.inference_protocol import ProtocolLimits
+    from vitserve.service.grpc.messages import infer_call
+    from vitserve.service.protocols.inference_protocol import ProtocolLimits
     limits = ProtocolLimits(max_json_bytes=2**20, max_json_values=1000, max_batch=32, max_image_bytes=2**20,
                             channels=3, patch_size=8, max_tokens=1024)
     request = service_pb2.ModelInferRequest(model_name=MODEL)
     request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 32, 32]).contents.fp32_contents.extend(
         [0.0] * 3 * 32 * 32)
-    from service.core.errors import PayloadTooLarge
+    from vitserve.service.core.errors import PayloadTooLarge
     with pytest.raises(PayloadTooLarge, match="raw_input_contents"):
         infer_call(request, limits)
     small = ProtocolLimits(**{**limits.__dict__, "max_json_values": 4096})
@@ -421,7 +421,7 @@ def test_huge_metadata_is_refused_and_the_server_goes_on(client):
 
 @pytest.mark.anyio
 async def test_overload_is_resource_exhausted_with_a_retry_hint(tiny_onnx, tiny_model):
-    from service.app import create_app
+    from vitserve.service.app import create_app
     wrapped = WrappedModel(tiny_model)
     port = free_port()
     settings = settings_for(tiny_onnx, grpc_port=port, max_requests_in_flight=1, retry_after_s=3)
@@ -452,7 +452,7 @@ async def test_overload_is_resource_exhausted_with_a_retry_hint(tiny_onnx, tiny_
 
 @pytest.mark.anyio
 async def test_keys_travel_as_metadata(tiny_onnx, tiny_model):
-    from service.app import create_app
+    from vitserve.service.app import create_app
     port = free_port()
     settings = settings_for(tiny_onnx, grpc_port=port, api_key="secret-key")
     app = create_app(settings, model=tiny_model, serve_grpc=True)
@@ -619,7 +619,7 @@ def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, private_environ
 def test_a_port_left_in_time_wait_is_free_for_the_next_server():
     """A server that just stopped leaves its closed connections in TIME_WAIT: restarting it must not be told its
     port is in use (the servers bind with SO_REUSEADDR); a listener still holds it."""
-    from service.cli import port_is_free
+    from vitserve.service.cli import port_is_free
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind(("127.0.0.1", 0))

@@ -23,8 +23,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from service.http.connection import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
-from service.settings import Settings
+from vitserve.service.http.connection import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
+from vitserve.service.settings import Settings
 from service_fixtures import PATIENCE_S, REPO, RawConnection, free_port, trickling, wait_until
 
 LIMITS = HttpLimits(max_header_bytes=16 * 1024, max_headers=100, header_timeout_s=1.0, body_timeout_s=1.0)
@@ -308,7 +308,7 @@ def test_two_worker_processes_enforce_the_limits(tmp_path):
     port = free_port()
     script = textwrap.dedent(f"""
         import sys, uvicorn
-        from service.http.connection import HttpLimits, LimitedHttpToolsFactory
+        from vitserve.service.http.connection import HttpLimits, LimitedHttpToolsFactory
         sys.path.insert(0, {str(tmp_path)!r})
         uvicorn.run("tiny_asgi:app", port={port}, workers=2, log_level="warning",
                     http=LimitedHttpToolsFactory(HttpLimits(max_header_bytes=4096)))
@@ -340,7 +340,7 @@ def test_overload_is_refused_from_the_request_line_without_the_app_and_the_conne
     answered without routing to the app, the unread body is discarded and the connection serves on."""
     from contextlib import asynccontextmanager
 
-    from service.core.errors import Overloaded
+    from vitserve.service.core.errors import Overloaded
 
     overloaded, asked = threading.Event(), []
 

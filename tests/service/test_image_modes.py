@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.core.preprocess import prepare_image, to_channels
+from vitserve.service.core.preprocess import prepare_image, to_channels
 from vitserve.artifact import ModelInfo
 from service_fixtures import REPO, settings_for
 
@@ -196,7 +196,7 @@ def read_idx(path: Path) -> np.ndarray:
 def fmnist_model():
     if not FMNIST_MODEL.is_file():
         pytest.skip(f"{FMNIST_MODEL} is absent")
-    from service.engine.runtime import OnnxModel
+    from vitserve.service.engine.runtime import OnnxModel
     return OnnxModel.load(settings_for(FMNIST_MODEL))
 
 

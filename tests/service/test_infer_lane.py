@@ -11,9 +11,9 @@ import httpx
 import numpy as np
 import pytest
 
-from service.http import infer_lane
-from service.http.infer_lane import InferenceLane, RouteTemplate
-from service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.service.http import infer_lane
+from vitserve.service.http.infer_lane import InferenceLane, RouteTemplate
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
 from service_fixtures import WrappedModel, samples, serving, settings_for, until, value
 
 pytestmark = pytest.mark.anyio

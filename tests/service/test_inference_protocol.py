@@ -14,17 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
+from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
                                     take_sections, tensor_bytes, unpack_bytes)
-from service.core.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
-from service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
-from service.protocols.model_config import model_metadata, triton_config
-from service.protocols.schemas import MAX_DATA_DEPTH
-from service.http.routes.uploads import decode_content
-from service.settings import Settings
-from service.core.metrics import ServiceMetrics
-from service.core.state import INFERENCE_ENDPOINTS
-from service.protocols.statistics import triton_statistics
+from vitserve.service.core.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
+from vitserve.service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
+from vitserve.service.protocols.model_config import model_metadata, triton_config
+from vitserve.service.protocols.schemas import MAX_DATA_DEPTH
+from vitserve.service.http.routes.uploads import decode_content
+from vitserve.service.settings import Settings
+from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.core.state import INFERENCE_ENDPOINTS
+from vitserve.service.protocols.statistics import triton_statistics
 from vitserve.artifact import ModelInfo
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())

@@ -60,7 +60,7 @@ def documented_metrics() -> set[str]:
 def defined_metrics() -> set[str]:
     """Every name the service exposes: its metric families (defined once, in service/core/metrics.py) with the
     suffixes of their samples."""
-    from service.core.metrics import ServiceMetrics
+    from vitserve.service.core.metrics import ServiceMetrics
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": HISTOGRAM_SUFFIXES}
     return {family.name + suffix for family in ServiceMetrics().registry.collect() for suffix in suffixes[family.type]}
 

@@ -8,9 +8,9 @@ import logging
 import numpy as np
 import pytest
 
-from service.core.errors import ModelLoadError
-from service.engine import runtime
-from service.engine.runtime import OnnxModel, auto_precisions, choose_fastest, disagrees, load_model
+from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.engine import runtime
+from vitserve.service.engine.runtime import OnnxModel, auto_precisions, choose_fastest, disagrees, load_model
 from service_fixtures import settings_for
 
 openvino = pytest.importorskip("openvino")
@@ -34,7 +34,7 @@ def test_openvino_answers_as_onnx_runtime_at_any_size_and_explains_through_onnx_
 
 
 def test_a_precision_the_cpu_cannot_compute_is_refused_in_one_line(tiny_onnx):
-    from service.engine.openvino_runtime import cpu_capabilities
+    from vitserve.service.engine.openvino_runtime import cpu_capabilities
 
     if "BF16" in cpu_capabilities():
         pytest.skip("this CPU computes bfloat16: bf16 loads here")

@@ -25,8 +25,8 @@ from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
 
-from service.ray_serve import REPLICA_HEADER, deployment_options, local_shortfall, replica_settings  # noqa: E402
-from service.settings import Settings  # noqa: E402
+from vitserve.service.ray_serve import REPLICA_HEADER, deployment_options, local_shortfall, replica_settings  # noqa: E402
+from vitserve.service.settings import Settings  # noqa: E402
 
 REPLICAS = 2
 RAY_PATIENCE_S = 120.0  # a Ray cluster and two warmed-up replicas, on a loaded 2-core machine
@@ -75,7 +75,7 @@ def test_the_shipped_serve_config_is_valid_for_ray_and_the_rayservice_carries_it
     config = yaml.safe_load((REPO / "deploy/ray/serve-config.yaml").read_text())
     ServeDeploySchema.model_validate(config)  # Ray's own schema: what `serve deploy` checks
     (application,) = config["applications"]
-    assert application["import_path"] == "service.ray_serve:build_app"
+    assert application["import_path"] == "vitserve.service.ray_serve:build_app"
     settings = Settings(**application["args"])  # every key a vitserve setting
     assert (settings.ray_replicas, settings.ray_max_replicas) == (2, 8)
     assert deployment_options(settings)["autoscaling_config"]["max_replicas"] == 8
@@ -181,7 +181,7 @@ def test_two_replicas_answer_concurrent_requests_like_the_model_itself(ray_clust
     assert len(by_replica) == REPLICAS, by_replica  # both replicas served
     assert min(by_replica.values()) >= 5, by_replica
     # the same answers as the model run here directly, whichever replica gave them
-    from service.core.preprocess import prepare_image
+    from vitserve.service.core.preprocess import prepare_image
     for i, response in enumerate(responses[:6]):
         prepared = prepare_image(images[i], tiny_model.info, resize="fit", max_bytes=10**7, max_pixels=10**7,
                                  max_tokens=4096, keep_source=False, max_render_side=1024)

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.core.postprocess import scale_unit
-from service.core.preprocess import prepare_image
+from vitserve.service.core.postprocess import scale_unit
+from vitserve.service.core.preprocess import prepare_image
 from service_fixtures import (only_batcher, WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
                               value)
 
@@ -27,7 +27,7 @@ def settings(tiny_onnx):
 @pytest.fixture(scope="module")
 def fast_only_onnx(tiny_checkpoint, tmp_path_factory):
     """The tiny model exported without the relevance path."""
-    from export.onnx_export import export_onnx
+    from vitserve.export.onnx_export import export_onnx
 
     out = tmp_path_factory.mktemp("fast-only") / "tiny-fast.onnx"
     export_onnx(tiny_checkpoint, out, verify=False, relevance=False)
@@ -133,7 +133,7 @@ async def test_relevance_requests_batch_apart_within_their_own_limit(tiny_onnx, 
 
 
 async def test_a_model_without_the_relevance_path(fast_only_onnx):
-    from service.engine.runtime import OnnxModel
+    from vitserve.service.engine.runtime import OnnxModel
 
     settings = settings_for(fast_only_onnx)
     async with serving(settings, OnnxModel.load(settings)) as client:

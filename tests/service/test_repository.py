@@ -13,8 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from service.core.errors import InvalidModelName, ModelNotFound, RepositoryError
-from service.repository.layout import ModelRepository, VersionPolicy, check_model_name
+from vitserve.service.core.errors import InvalidModelName, ModelNotFound, RepositoryError
+from vitserve.service.repository.layout import ModelRepository, VersionPolicy, check_model_name
 from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, scrape, serving, settings_for,
                               uvicorn_server, wait_until)
 
@@ -360,9 +360,9 @@ def test_a_swap_under_load_loses_no_request(explicit_server, tiny_onnx):
 def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its_image_fits():
     from dataclasses import replace
 
-    from service.core.errors import ModelUnavailable, VersionRetired
-    from service.engine import ModelHandle
-    from service.engine.routing import RoutingTable, VersionView
+    from vitserve.service.core.errors import ModelUnavailable, VersionRetired
+    from vitserve.service.engine import ModelHandle
+    from vitserve.service.engine.routing import RoutingTable, VersionView
     from vitserve.artifact import ModelInfo
     info = ModelInfo(name="m", version="1", labels=["a", "b"], patch_size=4, image_size=(8, 8), channels=1,
                      mean=[0.5], std=[0.25])
@@ -382,8 +382,8 @@ def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its
 
 
 def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
-    from service.core.metrics import ServiceMetrics
-    from service.repository.registry import ModelRegistry
+    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.repository.registry import ModelRegistry
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
     (root / "m" / "config.json").write_text(json.dumps({"max_batch_size": 3, "intra_op_threads": 2,
                                                         "max_queue_delay_ms": 1.5, "runtime": "openvino",
@@ -421,10 +421,10 @@ def _this_thread() -> tuple[int, int]:
 @pytest.mark.parametrize("priority", ["low", "idle"])
 async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing_else_is_lowered(
         tmp_path, tiny_onnx, priority):
-    from service.core.metrics import ServiceMetrics
-    from service.engine.runtime import OnnxModel
-    from service.engine.served_model import ServedModel
-    from service.engine.threads import LOW_NICE
+    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.served_model import ServedModel
+    from vitserve.service.engine.threads import LOW_NICE
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     lowered = (min(19, base + LOW_NICE), 0) if priority == "low" else (base, os.SCHED_IDLE)
     seen = {}

@@ -59,9 +59,9 @@ async def test_without_an_admin_key_the_index_needs_the_api_key_when_one_is_set(
 @pytest.mark.parametrize("mode", ["none", "explicit", "poll"])
 @pytest.mark.parametrize("admin_key", [None, ADMIN], ids=["no-key", "admin-key"])
 async def test_grpc_repository_index_in_every_mode(repository, mode, admin_key):
-    from service.app import create_app
-    from service.grpc.generated import grpc_service_pb2 as pb
-    from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+    from vitserve.service.app import create_app
+    from vitserve.service.grpc.generated import grpc_service_pb2 as pb
+    from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
     port = free_port()
     app = create_app(mode_settings(repository, mode, admin_key=admin_key, grpc_port=port), serve_grpc=True)
     async with app.router.lifespan_context(app):

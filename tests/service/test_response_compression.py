@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import tritonclient.grpc.aio as triton_grpc_aio
 
-from service.http.compression import chosen_coding
-from service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.service.http.compression import chosen_coding
+from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
 from service_fixtures import PATIENCE_S, free_port, image_bytes, serving, settings_for, until
 
 pytestmark = pytest.mark.anyio
@@ -123,9 +123,9 @@ class CountingProxy:
 
 @pytest.mark.parametrize("algorithm", ["gzip", "deflate"])
 async def test_grpc_reads_compressed_requests_and_compresses_answers(tiny_onnx, tiny_model, algorithm):
-    from service.app import create_app
-    from service.grpc.generated import grpc_service_pb2 as pb
-    from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+    from vitserve.service.app import create_app
+    from vitserve.service.grpc.generated import grpc_service_pb2 as pb
+    from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
     port = free_port()
     settings = settings_for(tiny_onnx, grpc_port=port, grpc_response_compression=algorithm)
     app = create_app(settings, model=tiny_model, serve_grpc=True)
@@ -164,9 +164,9 @@ async def test_grpc_reads_compressed_requests_and_compresses_answers(tiny_onnx, 
 async def test_grpc_answers_are_not_compressed_by_default_nor_past_the_bound(tiny_onnx, tiny_model, overrides):
     """The default, as Triton's (--grpc-infer-response-compression-level none): only requests are inflated. With
     compression on, an answer over compress_max_bytes still goes uncompressed."""
-    from service.app import create_app
-    from service.grpc.generated import grpc_service_pb2 as pb
-    from service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+    from vitserve.service.app import create_app
+    from vitserve.service.grpc.generated import grpc_service_pb2 as pb
+    from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
     port = free_port()
     app = create_app(settings_for(tiny_onnx, grpc_port=port, **overrides), model=tiny_model, serve_grpc=True)
     array = np.zeros((8, 3, 64, 64), np.float32)

@@ -7,11 +7,11 @@ import numpy as np
 import onnx
 import pytest
 
-from service.cli import DRAIN_MARGIN_S
-from service.core.errors import ModelLoadError
-from service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
+from vitserve.service.cli import DRAIN_MARGIN_S
+from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
                              warm_up)
-from service.settings import INTERNAL, Settings
+from vitserve.service.settings import INTERNAL, Settings
 from service_fixtures import settings_for
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
@@ -97,7 +97,7 @@ def test_every_setting_is_a_serve_flag_and_flags_reach_uvicorn(tiny_onnx, privat
                  "--max-batch-size", "7",
                  "--providers", "cuda,cpu", "--tensorrt-fp16", "true", "--drain-timeout-s", "5"]) == 0
     app, kwargs, settings, metrics_dir_made = calls[0]
-    assert app == "service.app:app_from_env" and kwargs["factory"] is True
+    assert app == "vitserve.service.app:app_from_env" and kwargs["factory"] is True
     assert (kwargs["port"], kwargs["workers"], kwargs["timeout_graceful_shutdown"]) == (9123, 2, 5 + DRAIN_MARGIN_S)
     assert settings.max_batch_size == 7 and settings.providers == ["cuda", "cpu"] and settings.tensorrt_fp16
     assert metrics_dir_made  # several workers: multiprocess metrics, in a directory made for this run...
@@ -116,7 +116,7 @@ def test_serve_rejects_missing_or_garbage_model_before_starting(tmp_path, privat
 
 
 def test_settings_are_grouped_and_help_leads_with_the_common_ones(capsys):
-    from service.settings import SETTING_GROUPS
+    from vitserve.service.settings import SETTING_GROUPS
     from vitserve.cli import main
     grouped = [name for names in SETTING_GROUPS.values() for name in names]
     internal = {name for name, field in Settings.model_fields.items() if field.description == INTERNAL}
@@ -176,7 +176,7 @@ def _listening_socket(free_below: bool = False):
     """A socket listening on a port of the system's choosing (with `free_below`, one whose port - 1 is free)."""
     import socket
 
-    from service.cli import port_is_free
+    from vitserve.service.cli import port_is_free
     while True:
         taken = socket.socket()
         taken.bind(("127.0.0.1", 0))
@@ -188,7 +188,7 @@ def _listening_socket(free_below: bool = False):
 
 def test_serve_refuses_an_http_port_in_use_in_one_line_before_loading(tiny_onnx, private_environ, capsys,
                                                                        monkeypatch):
-    import service.cli
+    import vitserve.service.cli
     from vitserve.cli import main
     started = []
     monkeypatch.setattr(service.cli, "_engines", lambda settings: started.append(settings))
@@ -202,7 +202,7 @@ def test_serve_refuses_an_http_port_in_use_in_one_line_before_loading(tiny_onnx,
 
 
 def test_the_grpc_port_follows_the_http_port_unless_given():
-    from service.cli import derive_grpc_port
+    from vitserve.service.cli import derive_grpc_port
     cases = [({"VITSERVE_PORT": "8080"}, "8081"),  # two servers on --port 8000 and 8080: gRPC on 8001 and 8081
              ({"VITSERVE_PORT": "8080", "VITSERVE_GRPC_PORT": "9001"}, "9001"),
              ({"VITSERVE_PORT": "8080", "VITSERVE_GRPC_PORT": "0"}, "0"),  # no gRPC stays no gRPC
@@ -235,7 +235,7 @@ def test_serve_ray_without_ray_installed_says_how_to_get_it(tiny_onnx, private_e
 
     from vitserve.cli import main
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: importing it raises ImportError
-    monkeypatch.delitem(sys.modules, "service.ray_serve", raising=False)
+    monkeypatch.delitem(sys.modules, "vitserve.service.ray_serve", raising=False)
     assert main(["serve", "--ray", "--model", str(tiny_onnx)]) == 2
     assert "Ray Serve is not installed" in capsys.readouterr().err
 
@@ -243,7 +243,7 @@ def test_serve_ray_without_ray_installed_says_how_to_get_it(tiny_onnx, private_e
 def test_serve_ray_hands_the_settings_to_ray_and_refuses_bad_replica_counts(tiny_onnx, private_environ, capsys,
                                                                            monkeypatch):
     pytest.importorskip("ray.serve")
-    import service.ray_serve
+    import vitserve.service.ray_serve
     from vitserve.cli import main
     handed = []
     monkeypatch.setattr(service.ray_serve, "run_on_ray", lambda settings: handed.append(settings) or 0)
@@ -274,7 +274,7 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
         def get_providers(self):
             return ["CPUExecutionProvider"]
 
-    from service.engine import runtime
+    from vitserve.service.engine import runtime
     chain = [("CUDAExecutionProvider", {}), ("CPUExecutionProvider", {})]
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
         runtime.warn_on_fallback(runtime.OnnxModel(Session(), None), chain)
@@ -283,7 +283,7 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
 
 
 def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_core(tiny_onnx, monkeypatch):
-    import service.engine.runtime as runtime
+    import vitserve.service.engine.runtime as runtime
     light = load_engine_model(Settings(model_path=tiny_onnx, providers=["cpu"]))
     assert light.session.get_session_options().intra_op_num_threads == 1  # the tiny model is light
     monkeypatch.setattr(runtime, "LIGHT_MODEL_MS", 0.0)  # every model heavy

@@ -101,12 +101,12 @@ BLOCK_TORCH = textwrap.dedent("""
             return None
 
     sys.meta_path.insert(0, Blocker())
-    import service
+    import vitserve.service
     modules = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
     for name in modules:
         importlib.import_module(name)
-    from service.app import create_app
-    from service.settings import Settings
+    from vitserve.service.app import create_app
+    from vitserve.service.settings import Settings
     create_app(Settings(model_path="unused.onnx")).openapi()
     from vitserve.cli import build_parser
     build_parser().parse_args(["serve", "--model", "m.onnx"])
@@ -119,7 +119,7 @@ def test_service_imports_without_torch():
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"service.app", "service.engine.batcher", "service.engine.runtime", "service.cli", "service.http.routes.classify"} <= set(
+    assert {"vitserve.service.app", "vitserve.service.engine.batcher", "vitserve.service.engine.runtime", "vitserve.service.cli", "vitserve.service.http.routes.classify"} <= set(
         report["modules"])
     # onnx is a serving dependency since the server takes the artifact's If apart at load (graph_paths.py)
     assert report["torch"] is False and report["onnx"] is True

@@ -14,8 +14,8 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from service import tracing
-from service.app import TracingMiddleware, create_app
+from vitserve.service import tracing
+from vitserve.service.app import TracingMiddleware, create_app
 from service_fixtures import free_port, patterned_png, settings_for, until, uvicorn_server, wait_until
 
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"

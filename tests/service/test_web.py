@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from service.core.postprocess import ramp_colors
-from service.core.preprocess import fit_box, native_size
-from service.http.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
+from vitserve.service.core.postprocess import ramp_colors
+from vitserve.service.core.preprocess import fit_box, native_size
+from vitserve.service.http.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
 from service_fixtures import REPO, patterned_png, serving, settings_for, uvicorn_server
 
 SCREENSHOTS = REPO / "build" / "screenshots"
@@ -78,8 +78,8 @@ async def test_page_files_headers_and_allow_list(tiny_onnx, tiny_model):
 def test_the_api_is_routed_before_the_page(tiny_onnx):
     """Routing tries an app's routes in order: the page's and the docs' come last, so an API request never looks
     at them (and they bring no middleware: create_app adds none for them)."""
-    from service.app import create_app
-    from service.http.routes import web
+    from vitserve.service.app import create_app
+    from vitserve.service.http.routes import web
 
     routes = create_app(settings_for(tiny_onnx)).routes
     assert getattr(routes[-1], "original_router", None) is web.router
@@ -96,7 +96,7 @@ def test_every_web_file_is_package_data():
 
 def test_samples_are_fashion_mnist_test_images():
     """Each sample is the test image its name says, unchanged, with its true label."""
-    from model.data import FASHION_MNIST_LABELS, read_idx
+    from vitserve.model.data import FASHION_MNIST_LABELS, read_idx
 
     data = Path("/usr/share/datasets/fashion-mnist")
     if not (data / "t10k-images-idx3-ubyte.gz").is_file():

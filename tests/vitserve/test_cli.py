@@ -28,7 +28,7 @@ def test_a_wrong_flag_is_one_line_and_exit_2(argv, said, capsys):
 
 
 def test_debug_anywhere_shows_the_traceback(tmp_path):
-    from model.checkpoint import CheckpointError
+    from vitserve.model.checkpoint import CheckpointError
 
     for argv in (["--debug", "export", str(tmp_path), "--out", "m.onnx"],
                  ["export", str(tmp_path), "--out", "m.onnx", "--debug"]):
@@ -37,7 +37,7 @@ def test_debug_anywhere_shows_the_traceback(tmp_path):
 
 
 def test_a_missing_training_tool_names_the_install(monkeypatch, capsys):
-    import export.cli
+    import vitserve.export.cli
 
     def needs_torch(args):
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
@@ -49,7 +49,7 @@ def test_a_missing_training_tool_names_the_install(monkeypatch, capsys):
 
 
 def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
-    import export.cli
+    import vitserve.export.cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -60,13 +60,13 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
 
 
 @pytest.mark.parametrize("command, runner", [  # as docs/results.md, docs/explanations.md, docs/bench-relevance.md
-    ("evaluate accuracy models/vit-fmnist/model.onnx --sizes 28,20,24,36,44,56", "evaluation.cli.run_accuracy"),
-    ("evaluate bench --variant small --batch-sizes 1,32 --threads 2 --seconds 2", "bench.cli.run_evaluate_bench"),
+    ("evaluate accuracy models/vit-fmnist/model.onnx --sizes 28,20,24,36,44,56", "vitserve.evaluation.cli.run_accuracy"),
+    ("evaluate bench --variant small --batch-sizes 1,32 --threads 2 --seconds 2", "vitserve.bench.cli.run_evaluate_bench"),
     ("evaluate explanations models/vit-fmnist/checkpoint --data-dir /usr/share/datasets/fashion-mnist --limit 1000 "
      "--batch-size 64 --seed 0 --blur-sigma 3.0 --threads 1 --out docs/explanations.md",
-     "evaluation.explanations.run_explanations"),
+     "vitserve.evaluation.explanations.run_explanations"),
     ("evaluate relevance-cost --checkpoint models/vit-fmnist/checkpoint --batch-sizes 1,32 --threads 1,0 --rounds 9 "
-     "--seconds 1.0 --out docs/bench-relevance.md", "bench.relevance_cost.run_relevance_cost")])
+     "--seconds 1.0 --out docs/bench-relevance.md", "vitserve.bench.relevance_cost.run_relevance_cost")])
 def test_the_documented_evaluate_commands_reach_their_runners(command, runner):
     """`vitserve evaluate` gathers evaluation/'s subcommands and bench/'s: each documented line still parses."""
     from vitserve.cli import build_parser

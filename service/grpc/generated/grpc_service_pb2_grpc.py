@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from service.grpc.generated import grpc_service_pb2 as grpc__service__pb2
+from vitserve.service.grpc.generated import grpc_service_pb2 as grpc__service__pb2
 
 GRPC_GENERATED_VERSION = '1.81.1'
 GRPC_VERSION = grpc.__version__

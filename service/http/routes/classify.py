@@ -14,15 +14,15 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from service.core import inference
-from service.http.access import require_api_key
-from service.core.admission import Deadline
-from service.core.errors import InvalidParameter, ServiceError, error_body, openapi_responses
-from service.core.explanations import MAX_TARGET_CHARS, relevance_target
-from service.core.preprocess import ResizePolicy
-from service.http.routes.uploads import read_files, run_guarded, upload_within
-from service.protocols.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
-from service.core.state import ServiceState, get_admitted_state
+from vitserve.service.core import inference
+from vitserve.service.http.access import require_api_key
+from vitserve.service.core.admission import Deadline
+from vitserve.service.core.errors import InvalidParameter, ServiceError, error_body, openapi_responses
+from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
+from vitserve.service.core.preprocess import ResizePolicy
+from vitserve.service.http.routes.uploads import read_files, run_guarded, upload_within
+from vitserve.service.protocols.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
+from vitserve.service.core.state import ServiceState, get_admitted_state
 from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])

@@ -15,17 +15,17 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from service.core import inference
-from service.http.access import require_api_key
-from service.core.admission import Deadline
-from service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
-from service.engine import ModelHandle
-from service.core.errors import NotReady, openapi_responses
-from service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
-from service.protocols.model_config import model_metadata, server_document
-from service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
-from service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
-from service.core.state import ServiceState, get_admitted_state, get_ready_state, get_state
+from vitserve.service.core import inference
+from vitserve.service.http.access import require_api_key
+from vitserve.service.core.admission import Deadline
+from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from vitserve.service.engine import ModelHandle
+from vitserve.service.core.errors import NotReady, openapi_responses
+from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
+from vitserve.service.protocols.model_config import model_metadata, server_document
+from vitserve.service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
+from vitserve.service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
+from vitserve.service.core.state import ServiceState, get_admitted_state, get_ready_state, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 

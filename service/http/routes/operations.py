@@ -7,10 +7,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Response
 
-from service.http.access import require_api_key
-from service.core.errors import openapi_responses
-from service.protocols.schemas import ModelCard, ModelList, ModelVersionState
-from service.core.state import ServiceState, get_state
+from vitserve.service.http.access import require_api_key
+from vitserve.service.core.errors import openapi_responses
+from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState
+from vitserve.service.core.state import ServiceState, get_state
 
 router = APIRouter(tags=["operations"])
 

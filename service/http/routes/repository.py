@@ -9,10 +9,10 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from service.http.access import require_admin_key, require_explicit_control
-from service.core.errors import InvalidParameter, openapi_responses
-from service.repository.layout import check_model_name
-from service.core.state import ServiceState, get_ready_state
+from vitserve.service.http.access import require_admin_key, require_explicit_control
+from vitserve.service.core.errors import InvalidParameter, openapi_responses
+from vitserve.service.repository.layout import check_model_name
+from vitserve.service.core.state import ServiceState, get_ready_state
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository (v2)"], dependencies=[Depends(require_admin_key)])
 

@@ -14,10 +14,10 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from service.core.admission import Deadline, StopSignal, run_within
-from service.core.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError,
+from vitserve.service.core.admission import Deadline, StopSignal, run_within
+from vitserve.service.core.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError,
                                  UnsupportedMediaType)
-from service.core.preprocess import IMAGE_MEDIA_TYPES
+from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
 _PART_TYPES = IMAGE_MEDIA_TYPES | {"application/octet-stream", ""}
