@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.core import postprocess
-from vitserve.service.core.admission import Deadline
+from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.engine import InferenceResult, ModelHandle
-from vitserve.service.core.errors import InvalidParameter, ServiceError
+from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.core.explanations import relevance_target
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
 from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,

@@ -14,13 +14,13 @@ def interrupt_at_step(monkeypatch):
     import vitserve.model.train
 
     def arm(n: int) -> None:
-        calls, augment_batch = itertools.count(1), model.train.augment_batch
+        calls, augment_batch = itertools.count(1), vitserve.model.train.augment_batch
 
         def augment_then_interrupt(*args, **kwargs):
             if next(calls) == n:
                 os.kill(os.getpid(), signal.SIGINT)
             return augment_batch(*args, **kwargs)
 
-        monkeypatch.setattr(model.train, "augment_batch", augment_then_interrupt)
+        monkeypatch.setattr(vitserve.model.train, "augment_batch", augment_then_interrupt)
 
     return arm

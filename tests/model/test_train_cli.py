@@ -182,9 +182,9 @@ def test_building_the_parsers_does_not_import_torch():
 
 
 def test_the_configs_live_in_model_config_and_keep_their_old_homes():
-    assert model.train.TrainConfig is model.config.TrainConfig
-    assert model.train.AugmentConfig is model.augment.AugmentConfig is model.config.AugmentConfig
-    assert model.data.FASHION_MNIST_DIR == model.config.FASHION_MNIST_DIR == TrainConfig().data_dir
+    assert vitserve.model.train.TrainConfig is vitserve.model.config.TrainConfig
+    assert vitserve.model.train.AugmentConfig is vitserve.model.augment.AugmentConfig is vitserve.model.config.AugmentConfig
+    assert vitserve.model.data.FASHION_MNIST_DIR == vitserve.model.config.FASHION_MNIST_DIR == TrainConfig().data_dir
 
 
 def test_model_override_flags_have_the_vit_config_types():
@@ -329,8 +329,8 @@ def test_a_small_folder_trains_with_the_default_batch_size(tmp_path, capsys):
 
 def test_an_empty_held_out_split_writes_null_not_nan(tmp_path, capsys, monkeypatch):
     # The CLI no longer makes an empty held-out split; if one came (a library caller's data), no NaN is written.
-    data = model.data.load_image_folder(write_image_folder(tmp_path / "data", {"a": 3, "b": 3}), (8, 8), 1, 0.0)
-    monkeypatch.setattr(model.train, "load_data", lambda cfg, size: data)
+    data = vitserve.model.data.load_image_folder(write_image_folder(tmp_path / "data", {"a": 3, "b": 3}), (8, 8), 1, 0.0)
+    monkeypatch.setattr(vitserve.model.train, "load_data", lambda cfg, size: data)
     out = tmp_path / "run"
     assert main(["train", "--data", "synthetic", *TINY_FLAGS, "--epochs", "1", "--out", str(out)]) == 0
     row = json.loads(capsys.readouterr().out, parse_constant=pytest.fail)

@@ -8,10 +8,10 @@ import onnx
 import pytest
 
 from vitserve.service.cli import DRAIN_MARGIN_S
-from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
                              warm_up)
-from vitserve.service.settings import INTERNAL, Settings
+from vitserve.service.ground.settings import INTERNAL, Settings
 from service_fixtures import settings_for
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
@@ -116,7 +116,7 @@ def test_serve_rejects_missing_or_garbage_model_before_starting(tmp_path, privat
 
 
 def test_settings_are_grouped_and_help_leads_with_the_common_ones(capsys):
-    from vitserve.service.settings import SETTING_GROUPS
+    from vitserve.service.ground.settings import SETTING_GROUPS
     from vitserve.cli import main
     grouped = [name for names in SETTING_GROUPS.values() for name in names]
     internal = {name for name, field in Settings.model_fields.items() if field.description == INTERNAL}
@@ -191,7 +191,7 @@ def test_serve_refuses_an_http_port_in_use_in_one_line_before_loading(tiny_onnx,
     import vitserve.service.cli
     from vitserve.cli import main
     started = []
-    monkeypatch.setattr(service.cli, "_engines", lambda settings: started.append(settings))
+    monkeypatch.setattr(vitserve.service.cli, "_engines", lambda settings: started.append(settings))
     with _listening_socket() as taken:
         port = taken.getsockname()[1]
         assert main(["serve", "--model", str(tiny_onnx), "--port", str(port), "--grpc-port", "0"]) == 2
@@ -246,7 +246,7 @@ def test_serve_ray_hands_the_settings_to_ray_and_refuses_bad_replica_counts(tiny
     import vitserve.service.ray_serve
     from vitserve.cli import main
     handed = []
-    monkeypatch.setattr(service.ray_serve, "run_on_ray", lambda settings: handed.append(settings) or 0)
+    monkeypatch.setattr(vitserve.service.ray_serve, "run_on_ray", lambda settings: handed.append(settings) or 0)
     assert main(["serve", "--ray", "--model", str(tiny_onnx), "--ray-replicas", "3", "--ray-max-replicas", "5"]) == 0
     assert (handed[0].ray_replicas, handed[0].ray_max_replicas, handed[0].model_path) == (3, 5, tiny_onnx)
     assert "VITSERVE_RAY" not in os.environ  # --ray chooses the command; it is not a setting

@@ -106,7 +106,7 @@ BLOCK_TORCH = textwrap.dedent("""
     for name in modules:
         importlib.import_module(name)
     from vitserve.service.app import create_app
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     create_app(Settings(model_path="unused.onnx")).openapi()
     from vitserve.cli import build_parser
     build_parser().parse_args(["serve", "--model", "m.onnx"])

@@ -42,7 +42,7 @@ def test_a_missing_training_tool_names_the_install(monkeypatch, capsys):
     def needs_torch(args):
         raise ModuleNotFoundError("No module named 'torch'", name="torch")
 
-    monkeypatch.setattr(export.cli, "run_export", needs_torch)
+    monkeypatch.setattr(vitserve.export.cli, "run_export", needs_torch)
     assert main(["export", "ckpt", "--out", "m.onnx"]) == 1
     err = capsys.readouterr().err
     assert "needs torch, part of the training and export tools" in err and "make setup-dev" in err
@@ -54,7 +54,7 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
     def interrupted(args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(export.cli, "run_export", interrupted)
+    monkeypatch.setattr(vitserve.export.cli, "run_export", interrupted)
     assert main(["export", "ckpt", "--out", "m.onnx"]) == 130
     assert capsys.readouterr().err == "vitserve export: interrupted\n"
 
