@@ -127,13 +127,13 @@ def test_the_cli_takes_precision_int8_and_keeps_fp16_as_its_older_spelling():
 
 
 def test_a_labelled_set_the_export_cannot_use_is_refused_before_exporting(tmp_path, capsys):
-    """--eval without int8, or not a folder: a one-line error at once, not after the export's minute."""
+    """--eval that is not a folder: a one-line error at once, not after the export's minute."""
     import argparse
 
     from vitserve.export.cli import add_export_parser
     parser = argparse.ArgumentParser()
     add_export_parser(parser.add_subparsers())
-    for extra, message in ((["--eval", str(tmp_path)], "give --precision int8"),
+    for extra, message in ((["--eval", str(tmp_path / "none")], "not a directory"),
                            (["--precision", "int8", "--eval", str(tmp_path / "none")], "not a directory")):
         args = parser.parse_args(["export", "no-such-checkpoint", "--out", str(tmp_path / "m.onnx"), *extra])
         assert args.func(args) == 2
