@@ -98,6 +98,10 @@ def markdown(result: dict, image_name: str | None) -> str:
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['images']} | {r['count']} | {r['temperature']:.4f} | {r['ece']:.2%} | {r['nll']:.4f} | "
               f"{r['accuracy']:.2%} | {r['mean_confidence']:.2%} |" for r in result["rows"]]
+    direction = ("under-confident (its softmax too flat, as training with label smoothing makes it): T < 1 "
+                 "sharpens it" if result["temperature"] < 1 else "over-confident: T > 1 softens its softmax")
+    lines += ["", f"The model was {direction}. One temperature cannot fix every bin at once: what remains is in the "
+              "middle bins (below)."]
     lines += ["", "Reliability diagram, held-out half (answers per confidence bin and their accuracy):", "",
               "| confidence | answers before | accuracy before | answers after | accuracy after | confidence after |",
               "| --- | --- | --- | --- | --- | --- |"]
