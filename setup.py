@@ -1,17 +1,19 @@
 """The packages of the wheel: the repository keeps its layers as top-level folders (model/, export/, service/,
-evaluation/, bench/), and the wheel installs each under the one import name `vitserve` (vitserve.model,
-vitserve.service, ...), so that installing vitserve puts a single name into site-packages and a user's own
-`model.py` or `service/` neither shadows vitserve's nor is shadowed by it. Everything else is in pyproject.toml.
+evaluation/), and the wheel installs each under the one import name `vitserve` (vitserve.model, vitserve.service,
+...), so that installing vitserve puts a single name into site-packages and a user's own `model.py` or `service/`
+neither shadows vitserve's nor is shadowed by it. Everything else is in pyproject.toml.
 
-Folders without Python (the web page's) are packages too, so that their files go in as package data, as
-setuptools asks. A folder that is absent is left out: the serving images copy only vitserve/ and service/ before building the wheel.
+Folders without Python (the web page's) are packages too, so that their files go in as package data, as setuptools
+asks. A folder that is absent is left out: the serving images copy only vitserve/ and service/ before the build.
 """
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).resolve().parent
-LAYERS = ("model", "export", "evaluation", "service", "bench")
+# bench/ is not among them: the benchmark runs from a checkout (vitserve/__init__.py finds it there), and the
+# product never imports it (tests/test_layers.py), so a user's install carries none of its 6,000 lines
+LAYERS = ("model", "export", "evaluation", "service")
 
 package_dir = {"vitserve": "vitserve"}
 packages = ["vitserve"]

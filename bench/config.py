@@ -42,7 +42,7 @@ QUICK = {"batch_sizes": [1, 8], "concurrency": [1, 8], "duration_s": 1.0, "warmu
 
 def with_server_defaults(cfg: BenchConfig) -> BenchConfig:
     """Fill the batching knobs left unset with the server's own defaults, so the report states what ran."""
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     server = Settings()
     unset = {name: getattr(server, name) for name in ("max_batch_size", "max_queue_delay_ms")

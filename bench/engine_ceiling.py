@@ -53,7 +53,7 @@ def zero_cost_model(path: Path) -> Path:
 
 
 def engine_settings(model: Path, max_batch_size: int):
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     return Settings(model_path=model, runtime="onnxruntime", providers=["cpu"], intra_op_threads=1,
                     max_batch_size=max_batch_size, max_queue_size=100_000, max_queue_delay_ms=0.5,
@@ -64,7 +64,7 @@ def submitter(settings, in_flight: int, seconds: float, start_at: float, results
     """One frontend process: `in_flight` requests at a time through RemoteEngine until the window closes."""
     import resource
 
-    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.ground.metrics import ServiceMetrics
     from vitserve.service.engine.remote import RemoteEngine
 
     async def drive() -> int:

@@ -212,7 +212,7 @@ def server_model(path: Path, **settings):
     """The server's own model object (service/engine/runtime.py): the fast path's session, CUDA graphs per bucket
     unless `cuda_graphs=False`."""
     from vitserve.service.engine.runtime import OnnxModel
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     return OnnxModel.load(Settings(model_path=path, providers=["cuda", "cpu"], **settings))
 
@@ -261,7 +261,7 @@ def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Pa
 
     from vitserve.bench.measure import alternating_rounds_ms
     from vitserve.service.engine.graph_paths import split_paths
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     from vitserve.onnx_header import read_model_info
 
     import onnxruntime as ort

@@ -70,7 +70,7 @@ WEB_PINS = [
     "pydantic==2.14.4", "pydantic-core==2.50.5", "annotated-types==0.8.0", "typing-inspection==0.4.5",
     "pydantic-settings==2.16.3", "python-dotenv==1.2.4", "python-multipart==0.0.34", "fastapi-offline==1.7.7",
     "pyzmq==27.3.0", "msgspec==0.22.0", "grpcio==1.85.3", "protobuf==6.33.6",
-    # tracing is opt-in (service/tracing.py imports these lazily); api, sdk and semantic conventions are small
+    # tracing is opt-in (service/ground/tracing.py imports these lazily); api, sdk and semantic conventions are small
     "opentelemetry-api==1.45.2", "opentelemetry-sdk==1.45.2", "opentelemetry-semantic-conventions==0.66b2",
 ]
 

@@ -36,7 +36,7 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
 def load_raw_model(model_path: Path, server_env: dict[str, str]):
     """The server's own session: `service.engine.runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
     from vitserve.service.engine.runtime import OnnxModel
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     values = {k.removeprefix("VITSERVE_").lower(): v for k, v in server_env.items()}
     return OnnxModel.load(Settings(**{**values, "model_path": model_path}))
@@ -52,7 +52,7 @@ def model_summary(model, path: Path) -> dict:
 def preprocessed(model, images: list[bytes]) -> np.ndarray:
     """The server's own preprocessing of `images` (default settings, resize=fit): (n, C, H, W)."""
     from vitserve.service.core.preprocess import prepare_image
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     s = Settings()
     return np.stack([prepare_image(data, model.info, resize="fit", max_bytes=s.max_upload_bytes,

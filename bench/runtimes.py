@@ -22,7 +22,7 @@ from vitserve.bench.report import command_line, publish
 def candidates(path: Path, threads: int) -> dict:
     from vitserve.service.engine import openvino_runtime
     from vitserve.service.engine.runtime import load_model
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     base = dict(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64)
     models = {"onnxruntime": load_model(Settings(**base, runtime="onnxruntime"))}
@@ -37,7 +37,7 @@ def candidates(path: Path, threads: int) -> dict:
 def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int) -> dict:
     from vitserve.bench.measure import alternating_rounds_ms
     from vitserve.service.engine.runtime import load_model, probe_pixels
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     models = candidates(path, threads)
     reference = models["onnxruntime"]

@@ -152,7 +152,7 @@ def bare_app():
 def run_bare_server() -> None:
     """Serve `bare_app` exactly as `vitserve serve` serves its app, with settings from `VITSERVE_*`."""
     from vitserve.service.cli import serve_with_uvicorn
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     serve_with_uvicorn("vitserve.bench.servers:bare_app", Settings())
 

@@ -1,4 +1,4 @@
-"""`vitserve evaluate accuracy` and `explanations`: argument parsing only; torch loads when a command runs.
+"""`vitserve evaluate accuracy`, `calibration` and `explanations`: argument parsing only; torch loads when a command runs.
 vitserve/cli.py gathers them with the benchmarks' `evaluate` subcommands (bench/cli.py) under `vitserve evaluate`."""
 from __future__ import annotations
 
@@ -27,6 +27,26 @@ def add_accuracy_parser(commands) -> None:
     acc.add_argument("--limit", type=int, help="only the first N test images")
     acc.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
     acc.set_defaults(func=run_accuracy)
+
+
+def add_calibration_parser(commands) -> None:
+    """`vitserve evaluate calibration`, onto the subparsers of `vitserve evaluate`."""
+    cal = commands.add_parser("calibration", formatter_class=DefaultsHelpFormatter,
+                              help="how well an ONNX file's served probabilities are calibrated, before and after "
+                                   "its temperature, with a reliability diagram")
+    cal.add_argument("model", help="ONNX file from `vitserve export` (with --eval: it carries a temperature)")
+    cal.add_argument("--eval", dest="eval_dir", default="/usr/share/datasets/fashion-mnist",
+                     help="a labelled set: Fashion-MNIST's folder (its idx files) or DIR/<label>/<image>")
+    cal.add_argument("--limit", type=int, help="only the first N images")
+    cal.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    cal.add_argument("--out", help="write the Markdown here and the diagram beside it (.png)")
+    cal.set_defaults(func=run_calibration)
+
+
+def run_calibration(args) -> int:
+    from vitserve.evaluation.calibration import run
+
+    return run(args)
 
 
 def run_accuracy(args) -> int:

@@ -37,9 +37,11 @@ def add_export_parser(subparsers) -> None:
                         "quantization), for CPUs, verified by an accuracy gate against fp32 (docs/int8.md)")
     p.add_argument("--fp16", action="store_true", help="the same as --precision fp16")
     p.add_argument("--eval", dest="eval_dir", metavar="DIR",
-                   help="int8: a labelled set for the gate: Fashion-MNIST's folder (its idx files) or DIR/<label>/"
-                        "<image>; without it the gate compares top-1 on photos only")
-    p.add_argument("--eval-limit", type=positive_count, metavar="N", help="int8: at most N images of --eval")
+                   help="a labelled set: Fashion-MNIST's folder (its idx files) or DIR/<label>/<image>. The file "
+                        "gets a temperature fitted on half of it, so that the served probabilities are calibrated "
+                        "(docs/calibration.md); int8: also the gate's set (without it the gate compares top-1 on "
+                        "photos only)")
+    p.add_argument("--eval-limit", type=positive_count, metavar="N", help="at most N images of --eval")
     p.add_argument("--min-top1-agreement", type=fraction, default=0.99, metavar="F",
                    help="int8: the gate's least top-1 agreement with fp32 (0-1)")
     p.add_argument("--max-accuracy-drop", type=percentage_points, default=0.3, metavar="POINTS",
@@ -64,15 +66,12 @@ def run_export(args) -> int:
     from pathlib import Path
 
     from vitserve.export.accuracy_gate import EvalSetError
+    from vitserve.export.calibration import CalibrationError
     from vitserve.export.onnx_export import export_onnx
     from vitserve.export.verify import ExportVerificationError
     from vitserve.model.inspection import InspectionInputError
 
     precision = "fp16" if args.fp16 else args.precision
-    if args.eval_dir is not None and precision != "int8":  # checked now, not after a minute of export
-        print("vitserve export: --eval is the int8 accuracy gate's labelled set: give --precision int8 with it",
-              file=sys.stderr)
-        return 2
     if args.inspection_dir is not None and not Path(args.inspection_dir).is_dir():
         print(f"vitserve export: --inspection-dir {args.inspection_dir}: not a directory", file=sys.stderr)
         return 2
@@ -95,7 +94,7 @@ def run_export(args) -> int:
     except ExportVerificationError as e:
         print(f"export failed verification: {e}")
         return 1
-    except EvalSetError as e:
+    except (EvalSetError, CalibrationError) as e:
         print(f"vitserve export: {e}", file=sys.stderr)
         return 2
     except InspectionInputError as e:
@@ -108,6 +107,18 @@ def run_export(args) -> int:
               f"int8 --eval DIR` makes a file that serves about twice as fast here, if it passes its accuracy gate "
               f"(docs/int8.md)", file=sys.stderr)
     return 0
+
+
+def reliability_diagram(before: list[dict], after: list[dict]) -> str:
+    """The reliability diagram as text: per confidence bin, the answers in it and their accuracy, before and
+    after the temperature (a calibrated model's accuracy matches the bin's confidence)."""
+    rows = ["  confidence    answers  accuracy   | after: answers  accuracy  confidence"]
+    for b, a in zip(before, after):
+        def cell(x):
+            return "       -" if x["count"] == 0 else f"{x['count']:8d}  {x['accuracy']:7.1%}"
+        conf = "" if a["count"] == 0 else f"  {a['confidence']:9.1%}"
+        rows.append(f"  {b['low']:4.2f}-{b['high']:4.2f}  {cell(b)}   |      {cell(a)}{conf}")
+    return "\n".join(rows)
 
 
 def human_summary(summary: dict) -> str:
@@ -132,6 +143,14 @@ def human_summary(summary: dict) -> str:
         f = summary["fp16_vs_fp32"]
         lines.append(f"float16 against float32: logits within {f['max_logits_abs_diff']:.1e}, top-1 agreement "
                      f"{f['top1_agreement']:.4f} on {f['photos']} photos")
+    if "calibration" in summary:
+        c = summary["calibration"]
+        lines.append(f"calibrated: temperature {c['temperature']:.3f} fitted on {c['fit_images']} images of "
+                     f"{c['source']}; on the other {c['report_images']}: expected calibration error "
+                     f"{c['ece_before']:.2%} -> {c['ece_after']:.2%}, accuracy {c['accuracy']:.2%} unchanged")
+        lines.append(reliability_diagram(c["bins_before"], c["bins_after"]))
+    elif "uncalibrated" in summary:
+        lines.append(summary["uncalibrated"])
     if "int8_vs_fp32" in summary:
         q = summary["int8_vs_fp32"]
         accuracy = "" if q["int8_accuracy"] is None else \
@@ -149,6 +168,10 @@ def _tolerance(name: str, t: dict) -> str:
 def report_summary(report) -> dict:
     summary = {"path": str(report.path), "precision": report.precision, "opset": report.opset,
                "size_bytes": report.size_bytes, "export_seconds": round(report.export_seconds, 1)}
+    if report.calibration:
+        summary["calibration"] = report.calibration.to_json()  # with the reliability diagram's bins
+    elif report.uncalibrated:
+        summary["uncalibrated"] = report.uncalibrated
     if report.verification:
         v = report.verification
         summary["verified"] = {"cases": [[c.height, c.width, c.batch] for c in v.cases],

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -33,6 +33,7 @@ from vitserve.artifact import (INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, P
 
 if TYPE_CHECKING:
     from vitserve.export.accuracy_gate import Int8Report
+    from vitserve.export.calibration import Calibration
 
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
 
@@ -63,6 +64,8 @@ class ExportReport:
     fp16: Fp16Report | None = None  # fp16 graph vs fp32 (fp16 exports only)
     int8: "Int8Report | None" = None  # the int8 file's accuracy gate against fp32 (int8 exports only)
     relevance: RelevanceReport | None = None  # the relevance path vs PyTorch and NumPy (with the relevance path)
+    calibration: "Calibration | None" = None  # the fitted temperature and its effect (with a labelled set)
+    uncalibrated: str | None = None  # why a labelled set gave no temperature (too few images)
 
 
 def export_program(module: nn.Module, patch_size: int, example: torch.Tensor,
@@ -207,6 +210,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
 
     `precision`: fp32; fp16 (for GPUs: export/fp16.py); int8 (for CPUs: export/int8.py), verified by an accuracy
     gate against the float32 graph (export/accuracy_gate.py) on `eval_dir`'s labelled images and on photos.
+    With `eval_dir`, in every precision, the file also carries a temperature fitted on half of those images
+    (export/calibration.py): the server's probabilities are then calibrated.
     `fp16=True` is the older spelling of precision="fp16".
 
     With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
@@ -224,13 +229,25 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     say = progress or (lambda text: None)
     started = time.perf_counter()
     vit, meta = load_checkpoint(checkpoint_dir)  # (a bad checkpoint is one error line, before any progress)
-    # the int8 labelled set (calibration and gate) is read first: a folder it cannot use is an EvalSetError now, not
-    # after a minute
-    labelled = _labelled_set(vit, meta, eval_dir, eval_limit) if precision == "int8" else None
+    # the labelled set (the temperature; int8's scales and gate) is read first: a folder it cannot use is an
+    # EvalSetError now, not after a minute
+    labelled = _labelled_set(vit, meta, eval_dir, eval_limit)
     say(f"tracing {meta.name} {meta.version} into ONNX (any batch, height and width; position embeddings "
         "interpolated in the graph)")
     fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
     proto, explained = fast, None
+    calibration, uncalibrated = None, None
+    if labelled is not None:
+        from vitserve.export.calibration import MIN_IMAGES, calibrate, graph_logits
+
+        if len(labelled.labels) < MIN_IMAGES:  # an int8 gate's small set: the export goes on, uncalibrated
+            uncalibrated = (f"not calibrated: {len(labelled.labels)} labelled images, a temperature needs at least "
+                            f"{MIN_IMAGES}")
+            say(uncalibrated)
+        else:
+            say(f"fitting the temperature of the probabilities on half of {len(labelled.labels)} labelled images")
+            logits = graph_logits(checks.cpu_session(fast), labelled.images, list(meta.mean), list(meta.std))
+            calibration = calibrate(logits, labelled.labels, labelled.source)
     if precision == "fp16":
         from vitserve.export.fp16 import convert_to_fp16
 
@@ -251,6 +268,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
         if precision == "int8" and verify:
             explained = with_relevance_branch(fast, relevance_graph)  # the float32 artifact the gate compares to
     info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
+    if calibration is not None:
+        info = replace(info, temperature=calibration.temperature, calibration=calibration.summary())
     metadata = info.to_metadata()
     if inspection_images > 0:
         pixels, source = inspection_pixels(vit, meta, inspection_images, inspection_dir)
@@ -261,7 +280,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     export_seconds = time.perf_counter() - started
     opset_used = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
     report = ExportReport(out_path, info.precision, opset_used, out_path.stat().st_size,
-                          export_seconds, metadata, None)
+                          export_seconds, metadata, None, calibration=calibration, uncalibrated=uncalibrated)
     if verify:
         try:
             say("verifying ONNX Runtime against PyTorch at several sizes")

@@ -14,18 +14,20 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.engine import Engine
-from vitserve.service.core.admission import freeze_startup_objects
-from vitserve.service.core.errors import ServiceError, error_headers
-from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.ground.memory import freeze_startup_objects
+from vitserve.service.ground.errors import ServiceError
+from vitserve.service.http.errors import error_headers
+from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
 from vitserve.service.http.compression import ResponseCompression
 from vitserve.service.http.infer_lane import InferenceLane
 from vitserve.service.http.routes import classify, open_inference, operations, repository, web
 from vitserve.service.engine.runtime import InferenceModel
-from vitserve.service.settings import Settings
-from vitserve.service.core.state import ServiceState, inference_route
+from vitserve.service.ground.settings import Settings
+from vitserve.service.core.state import ServiceState
+from vitserve.service.http.dependencies import early_refusal, inference_route
 
 log = logging.getLogger("vitserve.app")
 
@@ -42,7 +44,7 @@ async def lifespan(app: FastAPI):
             await grpc_front_end.start()
         freeze_startup_objects()
         # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
-        yield {"early_refusal": state.early_refusal}
+        yield {"early_refusal": early_refusal(state)}
     finally:
         if grpc_front_end is not None:
             await grpc_front_end.stop()
@@ -104,13 +106,13 @@ def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceMode
         from vitserve.service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
         return RemoteEngine(settings, metrics)
     from vitserve.service.engine.local import LocalEngine
-    from vitserve.service.repository.registry import ModelRegistry, model_source
+    from vitserve.service.engine.registry import ModelRegistry, model_source
     return LocalEngine(settings, metrics, ModelRegistry(model_source(settings, model), settings, metrics))
 
 
 def app_from_env() -> FastAPI:
     """uvicorn's factory for worker processes: settings from the `VITSERVE_*` environment."""
-    from vitserve.service.logs import configure_logging
+    from vitserve.service.ground.logs import configure_logging
     settings = Settings()
     configure_logging(settings.log_level)
     tracing.configure(settings)

@@ -16,7 +16,7 @@ import sys
 import typing
 
 if typing.TYPE_CHECKING:
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
 ENV_PREFIX = "VITSERVE_"
 
@@ -29,7 +29,7 @@ _SERVE_TEXT = dict(usage="vitserve serve [--model MODEL.onnx | --model-repositor
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """`vitserve serve`: every setting a flag; `--help` shows the common ones, `--help-all` every group."""
-    from vitserve.service.settings import SETTING_GROUPS
+    from vitserve.service.ground.settings import SETTING_GROUPS
     more = sum(map(len, SETTING_GROUPS.values())) - len(SETTING_GROUPS["common"])
     parser = subparsers.add_parser(
         "serve", help="serve exported models over HTTP and gRPC (FastAPI + uvicorn, grpcio; dynamic batching)", **_SERVE_TEXT,
@@ -51,7 +51,7 @@ class _HelpAll(argparse.Action):
 
 
 def _add_settings(parser: argparse.ArgumentParser, everything: bool) -> None:
-    from vitserve.service.settings import SETTING_GROUPS, Settings
+    from vitserve.service.ground.settings import SETTING_GROUPS, Settings
     for title, names in SETTING_GROUPS.items():
         shown = everything or title == "common"
         group = parser.add_argument_group(f"{title} options") if shown else parser
@@ -99,9 +99,9 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from vitserve.service.core.errors import ModelLoadError, ServiceError
-    from vitserve.service.logs import configure_logging
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.errors import ModelLoadError, ServiceError
+    from vitserve.service.ground.logs import configure_logging
+    from vitserve.service.ground.settings import Settings
     from vitserve.artifact import ArtifactError
 
     for name, value in vars(args).items():
@@ -141,7 +141,7 @@ def run_serve(args: argparse.Namespace) -> int:
         return 2
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
-        from vitserve.service.core.metrics_files import prepare_multiprocess_dir
+        from vitserve.service.ground.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
     configure_logging(settings.log_level)
@@ -216,7 +216,7 @@ def _what_is_served(settings: Settings) -> str:
     """What the server will serve, said in a log line; a single file that is no vitserve model, a repository that
     is not a folder, or a repository API open to the network without a key is refused here, before any
     process starts."""
-    from vitserve.service.core.errors import ServiceError
+    from vitserve.service.ground.errors import ServiceError
     if settings.model_control_mode != "none" and settings.admin_key is None and not _loopback(settings.host):
         raise ServiceError(f"--model-control-mode {settings.model_control_mode} on {settings.host} lets anyone who "
                            f"reaches the port change what is served: set --admin-key (or VITSERVE_ADMIN_KEY), or "
@@ -246,7 +246,7 @@ def _serve_on_ray(settings: Settings) -> int:
         print(f"vitserve serve --ray: Ray Serve is not installed ({e}): pip install \"vitserve[ray]\"",
               file=sys.stderr)
         return 2
-    from vitserve.service.logs import configure_logging
+    from vitserve.service.ground.logs import configure_logging
     configure_logging(settings.log_level)
     return run_on_ray(settings)
 

@@ -39,7 +39,7 @@ class LocalPredictor:
                  target: str | None = None):
         from vitserve.service.core.explanations import relevance_target
         from vitserve.service.engine.runtime import OnnxModel
-        from vitserve.service.settings import Settings
+        from vitserve.service.ground.settings import Settings
 
         logging.getLogger("vitserve.runtime").setLevel(logging.ERROR)  # not "CUDA skipped" on every CPU run
         self.settings = Settings(model_path=model_path)
@@ -49,7 +49,7 @@ class LocalPredictor:
         self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
-        from vitserve.service.core.errors import ServiceError
+        from vitserve.service.ground.errors import ServiceError
         from vitserve.service.core.preprocess import prepare_image
         from vitserve.service.core.postprocess import encode_result  # the server's own encoding: same answers
 
@@ -67,7 +67,7 @@ class LocalPredictor:
 
             logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))
         predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
-                                          "overlay" if want_overlay else "none")
+                                          "overlay" if want_overlay else "none", info.temperature)
         return Prediction(image, [(p.label, p.score) for p in predictions],
                           base64.b64decode(heat.data) if heat is not None else None)
 
@@ -185,7 +185,7 @@ def run_predict(args) -> int:
     if args.url:
         predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout, args.map, args.target)
     else:
-        from vitserve.service.core.errors import InvalidParameter, ModelLoadError
+        from vitserve.service.ground.errors import InvalidParameter, ModelLoadError
 
         try:
             predictor = LocalPredictor(args.model, args.top_k, args.resize, args.map, args.target)

@@ -34,12 +34,12 @@ from ray import serve
 from ray.serve.metrics import Counter, Gauge, Histogram
 
 from vitserve.service.app import create_app
-from vitserve.service.core.admission import InUse
-from vitserve.service.core.errors import ServiceError
-from vitserve.service.core.metrics import Recorder, ServiceMetrics
-from vitserve.service.core.state import model_in_path
+from vitserve.service.ground.deadlines import InUse
+from vitserve.service.ground.errors import ServiceError
+from vitserve.service.ground.metrics import Recorder, ServiceMetrics
+from vitserve.service.http.dependencies import model_in_path
 from vitserve.service.repository.layout import ModelRepository, check_model_name
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.ray")
 
@@ -50,7 +50,7 @@ SHUTDOWN_MARGIN_S = 2.0
 
 
 class RayMetrics:
-    """`service.core.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
+    """`service.ground.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
 
     def recorder(self, kind: str, name: str, documentation: str, labelnames: tuple[str, ...],
                  buckets: tuple[float, ...] | None) -> Recorder:

@@ -4,7 +4,13 @@ import inside a function counts as much as one at the top, and a relative import
 - The product (model/, export/, service/, vitserve/) imports neither its benchmark (bench/) nor the evaluation
   research (evaluation/): tools stand beside the product, and may import it, never the other way.
 - service/ never imports torch: the serving images have none.
-- service/engine/ imports no web or RPC framework (fastapi, starlette, uvicorn, grpc).
+- Below the transports (service/ground/, engine/, core/, protocols/) nothing imports a web or RPC framework
+  (fastapi, starlette, uvicorn, grpc).
+- The service's floors (docs/architecture.md): the ground (service/ground/: errors, deadlines, memory, metrics,
+  settings, tracing, logs) imports nothing of the service above it; the repository's disk layout
+  (service/repository/) only the ground; the engine (service/engine/, which owns the registry) only the ground
+  and the repository's layout; the use cases (service/core/) and protocols (service/protocols/) those and each
+  other, never a transport (service/http/, service/grpc/, the entry points).
 - Every layer is imported under the one name `vitserve` (vitserve.model, vitserve.service, ...): no file imports
   `model`, `export`, `service`, `bench` or `evaluation` as a top-level package (issue 40: those names in
   site-packages shadowed a user's own `model.py`), and an install puts only `vitserve` on the path.
@@ -31,7 +37,12 @@ LAYERS = ("model", "export", "service", "evaluation", "bench")  # installed as v
 WEB_AND_RPC = ("fastapi", "starlette", "uvicorn", "grpc")
 
 # (folder, the top-level packages that nothing under it may import)
-RULES = [*((folder, TOOLS) for folder in PRODUCT), ("service", ("torch",)), ("service/engine", WEB_AND_RPC)]
+RULES = [*((folder, TOOLS) for folder in PRODUCT), ("service", ("torch",)),
+         *((f"service/{floor}", WEB_AND_RPC) for floor in ("ground", "engine", "core", "protocols"))]
+# (folder, the parts of the service it may import): a floor imports only the floors below it
+FLOORS = [("service/ground", ("ground",)), ("service/repository", ("ground", "repository")),
+          ("service/engine", ("ground", "repository", "engine")),
+          *((f"service/{floor}", ("ground", "repository", "engine", "core", "protocols")) for floor in ("core", "protocols"))]
 
 
 def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
@@ -74,6 +85,47 @@ def test_import_rule_holds(folder, banned):
     assert violations(ROOT, folder, banned) == []
 
 
+def floor_violations(root: Path, folder: str, allowed: tuple[str, ...]) -> list[str]:
+    """'path:line imports module' for every import under root/folder of a part of the service not in `allowed`."""
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        for line, module in imported_modules(path, root):
+            parts = module.split(".")
+            if parts[:2] == ["vitserve", "service"] and (len(parts) < 3 or parts[2] not in allowed):
+                found.append(f"{path.relative_to(root)}:{line} imports {module}")
+    return found
+
+
+@pytest.mark.parametrize("folder, allowed", FLOORS, ids=[f for f, _ in FLOORS])
+def test_each_floor_imports_only_the_floors_below(folder, allowed):
+    assert list((ROOT / folder).rglob("*.py")), f"{folder}/ has no Python files: the rule would hold vacuously"
+    assert floor_violations(ROOT, folder, allowed) == []
+
+
+def test_the_floor_rule_finds_a_planted_import(tmp_path):
+    planted = {"service/ground/errors.py": "from vitserve.service.http.errors import STATUS_CODES\n",
+               "service/ground/metrics.py": "from . import settings\nfrom .. import app\n",
+               "service/repository/layout.py": "from vitserve.service.engine import registry\n",
+               "service/engine/registry.py": "from vitserve.service.repository.layout import x\n"
+                                             "import vitserve.service.core.state\nfrom vitserve.service import engine\n",
+               "service/core/inference.py": "from vitserve.service.engine import Engine\n"
+                                            "from vitserve.service.http.errors import status_code\n",
+               "service/protocols/binary_tensors.py": "from vitserve.service.core import state\n"
+                                                     "from vitserve.service.grpc import messages\n"}
+    for name, text in planted.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert {folder: floor_violations(tmp_path, folder, allowed) for folder, allowed in FLOORS} == {
+        "service/ground": ["service/ground/errors.py:1 imports vitserve.service.http.errors",
+                           "service/ground/metrics.py:2 imports vitserve.service.app"],
+        "service/repository": ["service/repository/layout.py:1 imports vitserve.service.engine"],
+        # `from vitserve.service import engine` names no floor: it must be written from the floor's own package
+        "service/engine": ["service/engine/registry.py:2 imports vitserve.service.core.state",
+                           "service/engine/registry.py:3 imports vitserve.service"],
+        "service/core": ["service/core/inference.py:2 imports vitserve.service.http.errors"],
+        "service/protocols": ["service/protocols/binary_tensors.py:2 imports vitserve.service.grpc"]}
+
+
 def test_each_rule_finds_a_planted_import(tmp_path):
     """The checker itself: one forbidden import of each kind planted in a copy of the layout is found, at its line,
     however it is written; look-alike names and the product's own modules are not."""
@@ -83,6 +135,9 @@ def test_each_rule_finds_a_planted_import(tmp_path):
         "vitserve/cli.py": "import json, bench\n",
         "service/engine/batcher.py": "from .. import errors\nfrom fastapi import Request\n",
         "service/engine/runtime.py": "from grpc import aio\n",
+        "service/ground/tracing.py": "import uvicorn.config\n",
+        "service/core/state.py": "from fastapi import Request\n",
+        "service/protocols/schemas.py": "import numpy\nimport starlette.responses\n",
         "service/http/app.py": "from starlette.requests import Request\nfrom torch import nn\n",
         "service/app.py": "import benchmarks\nimport evaluations.x\nfrom vitserve.service.engine import runtime\n",
     }
@@ -98,6 +153,9 @@ def test_each_rule_finds_a_planted_import(tmp_path):
         ("service", ("torch",)): ["service/http/app.py:2 imports torch"],
         ("service/engine", WEB_AND_RPC): ["service/engine/batcher.py:2 imports fastapi",
                                           "service/engine/runtime.py:1 imports grpc"],
+        ("service/ground", WEB_AND_RPC): ["service/ground/tracing.py:1 imports uvicorn.config"],
+        ("service/core", WEB_AND_RPC): ["service/core/state.py:1 imports fastapi"],
+        ("service/protocols", WEB_AND_RPC): ["service/protocols/schemas.py:2 imports starlette.responses"],
     }
     assert imported_modules(tmp_path / "service/engine/batcher.py", tmp_path) == [
         (1, "vitserve.service.errors"), (2, "fastapi")]
@@ -141,21 +199,29 @@ def test_a_second_checkout_on_pythonpath_imports_its_own_layers(tmp_path):
     for folder in ("vitserve", "service"):
         shutil.copytree(ROOT / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copyfile(ROOT / "pyproject.toml", other / "pyproject.toml")
-    done = subprocess.run([sys.executable, "-c", "import vitserve.service.settings as s; print(s.__file__)"],
+    done = subprocess.run([sys.executable, "-c", "import vitserve.service.ground.settings as s; print(s.__file__)"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(other)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert Path(done.stdout.strip()) == other / "service" / "settings.py"
+    assert Path(done.stdout.strip()) == other / "service" / "ground" / "settings.py"
 
 
 def test_the_wheel_holds_one_top_level_name(tmp_path):
-    """`pip install .` installs what setup.py packs: every layer inside vitserve/, with the web page's files."""
+    """`pip install .` installs what setup.py packs: every layer of the product inside vitserve/, with the web
+    page's files; the benchmark stays in the checkout."""
+    # from a copy: setuptools stages a build in the tree's build/lib and would pack what an earlier build left there
+    source = tmp_path / "source"
+    for name in ("vitserve", *LAYERS):
+        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.py", "pyproject.toml", "README.md"):
+        shutil.copyfile(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                           "--wheel-dir", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=300)
+                           "--wheel-dir", str(tmp_path), str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     names = zipfile.ZipFile(next(tmp_path.glob("vitserve-*.whl"))).namelist()
     assert {name.split("/")[0] for name in names} == {"vitserve", "vitserve-0.1.0.dist-info"}
-    assert {f"vitserve/{layer}/__init__.py" for layer in LAYERS} <= set(names)
+    assert {f"vitserve/{layer}/__init__.py" for layer in LAYERS if layer != "bench"} <= set(names)
+    assert not any(name.startswith("vitserve/bench/") for name in names)
     assert {"vitserve/service/web/index.html", "vitserve/service/grpc/generated/grpc_service.proto"} <= set(names)
 
 

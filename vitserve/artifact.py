@@ -14,6 +14,7 @@ Imports numpy only, so the torch world (export) and the ONNX Runtime world (serv
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable
 
@@ -57,6 +58,11 @@ class ModelInfo:
     test_accuracy: float | None = None
     architecture: dict = field(default_factory=dict)
     maps: tuple[str, ...] = ("rollout",)
+    # Temperature scaling (export/calibration.py): served probabilities are softmax(logits / temperature); 1.0 for
+    # a file exported without a labelled set (and every older file). `calibration` says what it was fitted on and
+    # the calibration error it measured before and after, on images it was not fitted on.
+    temperature: float = 1.0
+    calibration: dict = field(default_factory=dict)
     opset: int | None = None  # read from the graph's opset_import, not from metadata
 
     @property
@@ -83,6 +89,9 @@ class ModelInfo:
         }
         if self.test_accuracy is not None:
             props["test_accuracy"] = str(float(self.test_accuracy))
+        if self.calibration:
+            props["temperature"] = repr(float(self.temperature))
+            props["calibration"] = json.dumps(self.calibration)
         return {METADATA_PREFIX + key: value for key, value in props.items()}
 
     @classmethod
@@ -100,7 +109,8 @@ class ModelInfo:
             format_version=format_version, exporter=get("exporter", str, ""),
             weights_sha256=get("weights_sha256", str, ""), test_accuracy=get("test_accuracy", float, None),
             architecture=get("architecture", json.loads, {}), opset=opset,
-            maps=tuple(str(m) for m in get("maps", json.loads, ["rollout"])))
+            maps=tuple(str(m) for m in get("maps", json.loads, ["rollout"])),
+            temperature=get("temperature", float, 1.0), calibration=get("calibration", json.loads, {}))
         info.check()
         return info
 
@@ -108,11 +118,14 @@ class ModelInfo:
         """The values agree with each other: one mean and std per channel, a patch, labels, a known precision."""
         consistent = (len(self.mean) == len(self.std) == self.channels and self.patch_size >= 1 and self.labels
                       and min(self.image_size) >= self.patch_size and all(s > 0 for s in self.std)
-                      and self.precision in PRECISIONS and "rollout" in self.maps and set(self.maps) <= set(MAPS))
+                      and self.precision in PRECISIONS and "rollout" in self.maps and set(self.maps) <= set(MAPS)
+                      and math.isfinite(self.temperature) and self.temperature > 0
+                      and isinstance(self.calibration, dict))
         if not consistent:
             raise ArtifactError(f"model metadata is inconsistent: channels={self.channels}, mean={self.mean}, "
                                 f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "
-                                f"{len(self.labels)} labels, precision={self.precision!r}, maps={list(self.maps)}")
+                                f"{len(self.labels)} labels, precision={self.precision!r}, maps={list(self.maps)}, "
+                                f"temperature={self.temperature}")
 
 
 def read_inspection(props: dict[str, str]) -> dict | None:

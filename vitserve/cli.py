@@ -12,7 +12,8 @@ from vitserve import __version__
 _COMMANDS = [
     ("vitserve.model.cli", ["add_train_parser", "add_import_parser", "add_inspect_parser"], None),
     ("vitserve.export.cli", ["add_export_parser"], None),
-    ("vitserve.evaluation.cli", ["add_accuracy_parser", "add_explanations_command"], "evaluate"),
+    ("vitserve.evaluation.cli", ["add_accuracy_parser", "add_calibration_parser", "add_explanations_command"],
+     "evaluate"),
     ("vitserve.service.cli", ["add_serve_parser"], None),
     ("vitserve.service.client", ["add_predict_parser"], None),
     ("vitserve.bench.cli", ["add_bench_parser"], None),

@@ -19,7 +19,7 @@ from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.onnx_header import read_model_info
 
 TOP_K = 5
-# vitserve's defaults (service/settings.py): max_upload_bytes, max_image_pixels, max_native_tokens
+# vitserve's defaults (service/ground/settings.py): max_upload_bytes, max_image_pixels, max_native_tokens
 LIMITS = {"max_bytes": 20 * 2**20, "max_pixels": 40_000_000, "max_tokens": 1024}
 
 

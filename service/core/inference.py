@@ -17,11 +17,11 @@ import time
 
 import numpy as np
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.core import postprocess
-from vitserve.service.core.admission import Deadline
+from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.engine import InferenceResult, ModelHandle
-from vitserve.service.core.errors import InvalidParameter, ServiceError
+from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.core.explanations import relevance_target
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
 from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,
@@ -64,7 +64,7 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
                     total=_ms(time.perf_counter() - started))
     ref = model_ref(info.name, info.version)
     if options.map == "relevance":
-        body = _explained(map_body, info.labels, logits, target)
+        body = _explained(map_body, info, logits, target)
         return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, timing_ms=timing)
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, timing_ms=timing)
 
@@ -117,16 +117,17 @@ def answering_info(state: ServiceState, handle: ModelHandle, version: str) -> Mo
     return state.engine.info(handle.name, version)
 
 
-def _explained(map_body, labels: list[str], logits, target: int) -> RelevanceGrid | RelevanceImage:
+def _explained(map_body, info: ModelInfo, logits, target: int) -> RelevanceGrid | RelevanceImage:
     """The relevance map with the class it explains (the top-1 when the client named none)."""
     index = int(logits.argmax()) if target < 0 else target  # the graph's own choice for -1: the arg max
-    explained = ExplainedClass(index=index, label=labels[index], score=float(postprocess.softmax(logits)[index]))
+    score = float(postprocess.softmax(logits, info.temperature)[index])
+    explained = ExplainedClass(index=index, label=info.labels[index], score=score)
     kind = RelevanceGrid if isinstance(map_body, RolloutGrid) else RelevanceImage
     return kind(**map_body.model_dump(), target=explained)
 
 
 async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage, logits, map_values, options):
-    args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format)
+    args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format, info.temperature)
     if options.map_format in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
         return await state.in_pool(postprocess.encode_result, *args)
     started = time.perf_counter()

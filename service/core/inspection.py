@@ -11,10 +11,10 @@ import asyncio
 from collections import OrderedDict
 from pathlib import Path
 
-from vitserve.service.core.errors import InspectionNotStored, ModelNotFound
+from vitserve.service.ground.errors import InspectionNotStored, ModelNotFound
 from vitserve.service.engine import ModelHandle
 from vitserve.service.repository.layout import ModelRepository
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ArtifactError
 from vitserve.onnx_header import read_stored_inspection
 

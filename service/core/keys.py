@@ -8,8 +8,8 @@ import hmac
 
 from pydantic import SecretStr
 
-from vitserve.service.core.errors import Forbidden, RepositoryControlDisabled, Unauthorized
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import Forbidden, RepositoryControlDisabled, Unauthorized
+from vitserve.service.ground.settings import Settings
 
 MAX_KEY_CHARS = 512  # a longer Authorization value is wrong, and is not compared
 

@@ -23,9 +23,11 @@ _RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], 
 _RAMP_LEVELS = 1024  # entries of the table `colorize` gathers from: within a level of the exact ramp (tested)
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    """(..., K) logits -> probabilities, computed stably in float64."""
-    shifted = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """(..., K) logits -> probabilities of softmax(logits / temperature), computed stably in float64. The model's
+    temperature (ModelInfo.temperature, fitted at export) makes them calibrated; it changes no ranking."""
+    scaled = logits.astype(np.float64) / temperature
+    shifted = scaled - scaled.max(axis=-1, keepdims=True)
     exp = np.exp(shifted)
     return exp / exp.sum(axis=-1, keepdims=True)
 
@@ -96,9 +98,11 @@ def png_base64(image: Image.Image) -> str:
 
 
 def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray, rollout: np.ndarray, k: int,
-                  rollout_format: RolloutFormat) -> tuple[list[Prediction], RolloutGrid | RolloutImage | None]:
-    """One image's logits and rollout -> its top-k predictions and the rollout in the asked format."""
-    probabilities = softmax(logits)
+                  rollout_format: RolloutFormat, temperature: float = 1.0
+                  ) -> tuple[list[Prediction], RolloutGrid | RolloutImage | None]:
+    """One image's logits and rollout -> its top-k predictions (probabilities at the model's temperature) and the
+    rollout in the asked format."""
+    probabilities = softmax(logits, temperature)
     predictions = [Prediction(index=i, label=labels[i], score=p)
                    for i, p in top_k(probabilities, min(k, len(labels)))]
     if rollout_format == "none":

@@ -1,4 +1,5 @@
-"""The per-process serving state, made in the app's lifespan and reached by routes through dependencies.
+"""The per-process serving state, made in the app's lifespan and reached by routes through dependencies
+(service/http/dependencies.py) and by the gRPC servicer directly.
 
 `ServiceState.start` starts the engine (`service/engine/`: in this process, a bad model stops startup; or
 the connection to an engine process); the service reports ready only while the engine is ready (warmed up).
@@ -16,20 +17,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
-from fastapi import Request
-
-from vitserve.service.core.admission import Admission, PixelBudget, StopSignal, return_large_frees_to_the_os
+from vitserve.service.core.admission import Admission, PixelBudget
+from vitserve.service.ground.deadlines import StopSignal
+from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.engine import Engine
-from vitserve.service.core.errors import NotReady, ServiceError
+from vitserve.service.ground.errors import ServiceError
 from vitserve.service.core.inspection import InspectionCache
-from vitserve.service.core.metrics import ServiceMetrics, mark_process_dead
+from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ModelInfo
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -137,15 +137,13 @@ class ServiceState:
             return 0
         return math.ceil(s.max_batch_size * s.max_batches_in_flight / max(1, s.http_workers))
 
-    def early_refusal(self, method: bytes, path: str) -> tuple[ServiceError, int] | None:
-        """For the connection (service/http/connection.py), from the request line alone: the error and Retry-After
-        seconds of an inference request that admission would refuse now, or None. Under overload a refusal
-        must cost far less than an answer, so it skips the app (routing, dependencies, middleware) entirely;
-        it is counted here as the app would count it."""
-        route = inference_route(method, path)
-        if route is None or not self.ready:
+    def refusal(self, route: str, model: str | None) -> tuple[ServiceError, int] | None:
+        """The error and Retry-After seconds of a request for `route` (one of INFERENCE_ENDPOINTS) on `model` that
+        admission would refuse now, or None; a refusal is counted here as a refused answer. For the HTTP
+        connection's early refusal (service/http/dependencies.py): under overload a refusal must cost far less
+        than an answer, so it is decided from the request line, before the app."""
+        if not self.ready:
             return None
-        model = model_in_path(path)
         refused = self.admission.refusal(self.engine.predicted_wait_s(model), self.settings.queue_wait_limit_s)
         if refused is None:
             return None
@@ -169,71 +167,7 @@ def _timed(function, *args, **kwargs):
     return result, time.perf_counter() - started
 
 
-# The dependencies are coroutines, though they wait for nothing: FastAPI runs a plain function dependency in its
-# thread pool, a thread hop per request (docs/tail-latency.md).
-async def get_state(request: Request) -> ServiceState:
-    """Dependency: the serving state, whether or not it is ready (health and metadata routes)."""
-    return request.app.state.service
-
-
 # The inference routes (the ones admission guards), by their templates.
 GRPC_INFER_ENDPOINT = "/inference.GRPCInferenceService/ModelInfer"
 INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v2/models/{name}/infer",
                                  "/v2/models/{name}/versions/{version}/infer", GRPC_INFER_ENDPOINT})
-
-
-def inference_route(method: bytes, path: str) -> str | None:
-    """The inference route a request line asks for, as the connection sees it (before routing), or None."""
-    if method != b"POST":
-        return None
-    if path in ("/v1/classify", "/v1/classify/batch"):
-        return path
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
-        return "/v2/models/{name}/versions/{version}/infer" if "/versions/" in path else "/v2/models/{name}/infer"
-    return None
-
-
-async def get_ready_state(request: Request) -> ServiceState:
-    """Dependency: the serving state once warmed up; 503 before that and while shutting down."""
-    return ready_state(request)
-
-
-def ready_state(request: Request) -> ServiceState:
-    """The serving state once warmed up; NotReady (503) before that and while shutting down."""
-    state: ServiceState = request.app.state.service
-    if not state.ready:
-        raise NotReady("the model is not ready (warming up or shutting down)")
-    return state
-
-
-def model_in_path(path: str) -> str | None:
-    """The model an inference path names (/v2/models/NAME/...), or None (/v1: a query parameter, or the only
-    model)."""
-    if path.startswith("/v2/models/"):
-        return path.split("/", 4)[3] or None
-    return None
-
-
-def requested_model(request: Request) -> str | None:
-    """The model a request names, in its path or its `model` query parameter."""
-    return request.path_params.get("name") or request.query_params.get("model")
-
-
-def admit(request: Request) -> ServiceState:
-    """The ready state, once this request is admitted (429 at once otherwise, before its body is read); it counts
-    as in flight until the caller's `state.admission.leave()`, when its route returns. The queued work it is
-    measured against is its own model's: an overloaded big model does not refuse a small one's requests."""
-    state = ready_state(request)
-    model = requested_model(request)
-    request.state.model_name = model  # for Retry-After, should the request be refused later on
-    state.admission.enter(state.engine.predicted_wait_s(model), state.settings.queue_wait_limit_s)
-    return state
-
-
-async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
-    """Dependency of the inference routes: `admit`, and in flight until the route returns."""
-    state = admit(request)
-    try:
-        yield state
-    finally:
-        state.admission.leave()

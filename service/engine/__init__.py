@@ -39,7 +39,7 @@ class InferenceResult:
     inference_s: float
     batch_size: int
     version: str = ""  # the version that ran it
-    batch_span: str = ""  # the traced ORT run that served it ("traceid-spanid", service/tracing.py), or ""
+    batch_span: str = ""  # the traced ORT run that served it ("traceid-spanid", service/ground/tracing.py), or ""
 
 
 @dataclass(frozen=True)

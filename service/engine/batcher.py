@@ -31,8 +31,8 @@ from typing import Any, Callable, Protocol, Sequence
 
 import numpy as np
 
-from vitserve.service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
-from vitserve.service import tracing
+from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from vitserve.service.ground import tracing
 from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
@@ -40,7 +40,7 @@ RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
 
 
 class BatchObserver(Protocol):
-    """Where the batcher reports plain numbers (service.core.metrics implements it)."""
+    """Where the batcher reports plain numbers (service.ground.metrics implements it)."""
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None: ...
 
@@ -66,7 +66,7 @@ class BatchResult:
     queue_s: float  # submitted -> its batch dispatched
     inference_s: float  # the run_batch call of its batch
     batch_size: int
-    batch_span: str = ""  # the traced batch ("traceid-spanid", service/tracing.py), or ""
+    batch_span: str = ""  # the traced batch ("traceid-spanid", service/ground/tracing.py), or ""
 
 
 @dataclass(eq=False)

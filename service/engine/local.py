@@ -14,10 +14,10 @@ from typing import Callable
 import numpy as np
 
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
-from vitserve.service.core.errors import VersionRetired
-from vitserve.service.core.metrics import ServiceMetrics
-from vitserve.service.repository.registry import ModelRegistry
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import VersionRetired
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.engine.registry import ModelRegistry
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import msgspec
 
-from vitserve.service.core.errors import STATUS_CODES, ServiceError
+from vitserve.service.ground.errors import KINDS, ServiceError
 
 
 class Submit(msgspec.Struct, tag="submit", array_like=True):
@@ -84,7 +84,7 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     queue_s: float
     inference_s: float
     batch_size: int
-    batch_span: str = ""  # the traced batch, for the request's span to link to (service/tracing.py)
+    batch_span: str = ""  # the traced batch, for the request's span to link to (service/ground/tracing.py)
 
 
 class Failure(msgspec.Struct, tag="failure", array_like=True):
@@ -118,16 +118,14 @@ def status_address(address: str) -> str:
 ToEngine = Submit | Cancel | Control
 FromEngine = Result | Failure | ControlReply
 
-_ERRORS: dict[str, type[ServiceError]] = {cls.code: cls for cls in STATUS_CODES}
-
 
 def failure_for(id: int, error: ServiceError) -> Failure:
     return Failure(id, error.code, str(error))
 
 
 def error_of(failure: Failure) -> ServiceError:
-    """The frontend's exception for an engine's Failure: the same class, so the same status code."""
-    return _ERRORS.get(failure.code, ServiceError)(failure.message)
+    """The frontend's exception for an engine's Failure: the same kind, found by its code."""
+    return KINDS.get(failure.code, ServiceError)(failure.message)
 
 
 class Codec:

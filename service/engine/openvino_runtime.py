@@ -17,7 +17,7 @@ import threading
 
 import numpy as np
 
-from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.ground.errors import ModelLoadError
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.runtime")

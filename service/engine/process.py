@@ -23,18 +23,18 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.engine.local import LocalEngine
 from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
                                      LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
                                      failure_for, status_address)
 from vitserve.service.engine.shm import ArenaReader
-from vitserve.service.core.admission import freeze_startup_objects
-from vitserve.service.core.errors import ClientDisconnected, ServiceError
-from vitserve.service.core.metrics import ServiceMetrics, mark_process_dead
-from vitserve.service.repository.registry import ModelRegistry, model_source
+from vitserve.service.ground.memory import freeze_startup_objects
+from vitserve.service.ground.errors import ClientDisconnected, ServiceError
+from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
+from vitserve.service.engine.registry import ModelRegistry, model_source
 from vitserve.service.engine.runtime import load_engine_model
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.engine")
 
@@ -52,7 +52,7 @@ RETIRE_GRACE_S = 0.5
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
     """Entry point of a spawned engine process. `started` (a pipe's end) gets one message once the model is
     loaded: None, or the ModelLoadError's text (then the process exits 1)."""
-    from vitserve.service.logs import configure_logging
+    from vitserve.service.ground.logs import configure_logging
     configure_logging(settings.log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:  # its name in ps and top (and how tests tell it from the HTTP workers)

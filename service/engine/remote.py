@@ -30,9 +30,9 @@ from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlRep
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.shm import ArenaFull, TensorArena
 from vitserve.service.engine.views import WorkerViews
-from vitserve.service.core.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
-from vitserve.service.core.metrics import ServiceMetrics
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.frontend")

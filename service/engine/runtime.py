@@ -16,11 +16,11 @@ from typing import Protocol
 import numpy as np
 import onnx
 
-from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
 

@@ -1,5 +1,5 @@
 """`ServedModel`: one model version being served: its ONNX Runtime session, its own dynamic batcher (shape groups,
-queue limit, learnt speed) and its warm-up. The registry (service/repository/registry.py) loads, routes to and
+queue limit, learnt speed) and its warm-up. The registry (service/engine/registry.py) loads, routes to and
 unloads these; nothing here knows of other versions.
 
 Its life: `load` (the session, in a thread; a bad file is a ModelLoadError) -> `warm_up` (every warm-up batch
@@ -20,12 +20,12 @@ import numpy as np
 
 from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.engine import InferenceResult
-from vitserve.service.core.admission import InUse
-from vitserve.service.core.errors import InferenceError, VersionRetired
-from vitserve.service.core.metrics import ModelMetrics
+from vitserve.service.ground.deadlines import InUse
+from vitserve.service.ground.errors import InferenceError, VersionRetired
+from vitserve.service.ground.metrics import ModelMetrics
 from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up
 from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")

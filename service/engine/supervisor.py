@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass
 
 from vitserve.service.engine.shm import remove_orphaned_segments
-from vitserve.service.core.errors import ModelLoadError
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.supervisor")
 

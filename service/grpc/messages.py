@@ -10,7 +10,7 @@ import numpy as np
 from google.protobuf import json_format
 from pydantic import ValidationError
 
-from vitserve.service.core.errors import InvalidParameter, PayloadTooLarge
+from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import model_config_pb2
 from vitserve.service.protocols.binary_tensors import pack_bytes

@@ -2,8 +2,8 @@
 calls the HTTP routes make (service/core/inference.py) and the answer back, so limits, deadlines, admission,
 keys and metrics are the same on both transports.
 
-Errors: every `ServiceError` becomes the gRPC status Triton would send for it (`GRPC_CODES`, by the HTTP status
-the error table gives it), its message the details; a refusal for overload is RESOURCE_EXHAUSTED with
+Errors: every `ServiceError` becomes the gRPC status Triton would send for it (`GRPC_CODES`, by its kind; no
+HTTP status on the way), its message the details; a refusal for overload is RESOURCE_EXHAUSTED with
 `retry-after` (seconds) in the trailing metadata. Keys travel as the `authorization` metadata
 (`Bearer KEY`); ServerLive, ServerReady and ServerMetadata stay open, like /v2's health routes.
 The RPCs Triton has and vitserve does not (shared memory, trace and log settings) answer UNIMPLEMENTED.
@@ -17,10 +17,11 @@ import time
 
 import grpc
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.core import inference
-from vitserve.service.core.admission import Deadline, run_within
-from vitserve.service.core.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError, status_code
+from vitserve.service.ground.deadlines import Deadline, run_within
+from vitserve.service.ground import errors
+from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
 from vitserve.service.core.keys import check_authorization, check_repository_access
 from vitserve.service.core.state import ServiceState
 from vitserve.service.grpc import messages
@@ -34,20 +35,45 @@ log = logging.getLogger("vitserve.grpc")
 
 SERVICE_NAME = "inference.GRPCInferenceService"
 StatusCode = grpc.StatusCode
-# The HTTP status of an error (service.core.errors.STATUS_CODES) -> its gRPC status, as Triton maps its errors
+# Each kind of the service's errors (service/ground/errors.py) -> its gRPC status, as Triton maps its errors
 # (INVALID_ARG -> INVALID_ARGUMENT, NOT_FOUND, UNAVAILABLE, ...). A request over a content limit (pixels, images)
-# is INVALID_ARGUMENT: sending it again cannot help, while RESOURCE_EXHAUSTED says "later".
-GRPC_CODES = {400: StatusCode.INVALID_ARGUMENT, 401: StatusCode.UNAUTHENTICATED, 403: StatusCode.PERMISSION_DENIED,
-              404: StatusCode.NOT_FOUND, 408: StatusCode.DEADLINE_EXCEEDED, 413: StatusCode.INVALID_ARGUMENT,
-              415: StatusCode.INVALID_ARGUMENT, 422: StatusCode.INVALID_ARGUMENT, 429: StatusCode.RESOURCE_EXHAUSTED,
-              499: StatusCode.CANCELLED, 500: StatusCode.INTERNAL, 503: StatusCode.UNAVAILABLE,
-              504: StatusCode.DEADLINE_EXCEEDED}
+# is INVALID_ARGUMENT: sending it again cannot help, while RESOURCE_EXHAUSTED says "later". Every kind is listed
+# (tests/service/test_errors.py): a new kind must choose its code here.
+GRPC_CODES: dict[type[ServiceError], grpc.StatusCode] = {
+    errors.ServiceError: StatusCode.INTERNAL,
+    errors.ModelLoadError: StatusCode.INVALID_ARGUMENT,  # a load asked for through the repository API failed
+    errors.ImageDecodeError: StatusCode.INVALID_ARGUMENT,
+    errors.PayloadTooLarge: StatusCode.INVALID_ARGUMENT,
+    errors.ImageTooLarge: StatusCode.INVALID_ARGUMENT,
+    errors.UnsupportedMediaType: StatusCode.INVALID_ARGUMENT,
+    errors.InvalidParameter: StatusCode.INVALID_ARGUMENT,
+    errors.ModelNotFound: StatusCode.NOT_FOUND,
+    errors.InspectionNotStored: StatusCode.NOT_FOUND,
+    errors.InvalidModelName: StatusCode.INVALID_ARGUMENT,
+    errors.ModelUnavailable: StatusCode.UNAVAILABLE,
+    errors.VersionRetired: StatusCode.UNAVAILABLE,
+    errors.RepositoryError: StatusCode.INVALID_ARGUMENT,
+    errors.RepositoryControlDisabled: StatusCode.PERMISSION_DENIED,
+    errors.Unauthorized: StatusCode.UNAUTHENTICATED,
+    errors.Forbidden: StatusCode.PERMISSION_DENIED,
+    errors.QueueFullError: StatusCode.RESOURCE_EXHAUSTED,
+    errors.Overloaded: StatusCode.RESOURCE_EXHAUSTED,
+    errors.NotReady: StatusCode.UNAVAILABLE,
+    errors.MalformedRequest: StatusCode.INVALID_ARGUMENT,
+    errors.HeadersTooLarge: StatusCode.INVALID_ARGUMENT,
+    errors.UriTooLong: StatusCode.INVALID_ARGUMENT,
+    errors.RequestTimeout: StatusCode.DEADLINE_EXCEEDED,
+    errors.DeadlineExceeded: StatusCode.DEADLINE_EXCEEDED,
+    errors.ClientDisconnected: StatusCode.CANCELLED,
+    errors.InferenceError: StatusCode.INTERNAL,
+}
 SERVER_FAULTS = frozenset({StatusCode.INTERNAL, StatusCode.UNKNOWN, StatusCode.DATA_LOSS})
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: seconds, as HTTP's Retry-After
 
 
 def grpc_code(error: ServiceError) -> grpc.StatusCode:
-    return GRPC_CODES.get(status_code(error), StatusCode.INTERNAL)
+    """The code of the error's kind, or of the nearest kind it derives from."""
+    return next(GRPC_CODES[kind] for kind in type(error).__mro__ if kind in GRPC_CODES)
 
 
 def authorization(context: grpc.aio.ServicerContext) -> str | None:

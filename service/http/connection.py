@@ -30,9 +30,9 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vitserve.service.core.errors import (HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong,
-                            error_response, status_code)
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong
+from vitserve.service.http.errors import error_response, status_code
+from vitserve.service.ground.settings import Settings
 
 try:
     import httptools

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 
-from vitserve.service.core.errors import ServiceError
-from vitserve.service.core.metrics import ServiceMetrics
-from vitserve.service.core.state import admit
+from vitserve.service.ground.errors import ServiceError
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.http.dependencies import admit
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.errors import service_error_answer, validation_error_answer
 from vitserve.service.http.routes.classify import classify_params, classify_response

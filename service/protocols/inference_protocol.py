@@ -24,7 +24,7 @@ from pydantic import ValidationError
 
 from vitserve.service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
                                               tensor_bytes, unpack_bytes)
-from vitserve.service.core.errors import InvalidParameter, PayloadTooLarge
+from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH,
                                       InferInputTensor, InferRequest, RequestedOutput, flatten_deep_data)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels

@@ -9,7 +9,7 @@ the relevance path lists a third output, `relevance`, sent only to a request tha
 from __future__ import annotations
 
 from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 PLATFORM = "onnxruntime_onnx"

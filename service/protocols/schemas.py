@@ -35,7 +35,8 @@ class ModelRef(BaseModel):
 class Prediction(BaseModel):
     index: int
     label: str
-    score: float = Field(description="softmax probability")
+    score: float = Field(description="softmax probability, calibrated when the model's file carries a temperature "
+                                     "(GET /v1/model: temperature)")
 
 
 class RolloutGrid(BaseModel):
@@ -126,6 +127,11 @@ class ModelCard(BaseModel):
                                         "file has the relevance path")
     max_batch_size: int
     max_native_tokens: int
+    temperature: float = Field(description="the scores on /v1 are softmax(logits / temperature): fitted at export "
+                                           "on held-out labelled images (1.0: the file was exported without any)")
+    calibration: dict | None = Field(description="what the temperature was fitted on and the expected calibration "
+                                                 "error it measured before and after, on images it was not fitted "
+                                                 "on; null for an uncalibrated file")
 
 
 # --- Open Inference Protocol (KServe v2) ---

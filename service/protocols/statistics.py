@@ -1,5 +1,5 @@
 """Triton's statistics extension (`GET /v2/models/{name}/stats`), read from the service's own Prometheus
-metrics: the numbers are those every process already reports (service/core/metrics.py), so with several HTTP
+metrics: the numbers are those every process already reports (service/ground/metrics.py), so with several HTTP
 workers and an engine process the answer is one view across all of them, like a scrape of /metrics.
 
 The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our units of work:

@@ -20,7 +20,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vitserve.service.core.errors import InvalidModelName, ModelNotFound, RepositoryError
+from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
 
 MODEL_FILENAME = "model.onnx"
 CONFIG_FILENAME = "config.json"

@@ -251,13 +251,22 @@ function drawDistances(distances, maxDistance) { // a dot per head at each depth
   }));
 }
 
+// The scores are softmax(logits / temperature); a file exported with a labelled set carries a fitted temperature
+// (docs/calibration.md), and its card the calibration error before and after.
+function calibrationText(card) {
+  const c = card.calibration;
+  if (!c) return "uncalibrated softmax (the file carries no temperature)";
+  return `calibrated (temperature ${card.temperature.toFixed(2)}): calibration error ` +
+    `${(100 * c.ece_before).toFixed(1)}% → ${(100 * c.ece_after).toFixed(1)}% on ${c.report_images} held-out images`;
+}
+
 function showCard(card) {
   $("model-title").textContent = `· ${card.name} ${card.version}`;
   const accuracy = card.test_accuracy === null ? "not recorded" : `${(100 * card.test_accuracy).toFixed(2)}%`;
   const fields = [["Name", card.name], ["Version", card.version], ["Classes", card.labels.length],
     ["Trained resolution", `${card.image_width}×${card.image_height} px, ${card.channels} channel(s)`],
     ["Patch size", `${card.patch_size} px`], ["Test accuracy", accuracy], ["Execution provider", card.provider],
-    ["Precision", card.precision], ["Maps", card.maps.join(", ")]];
+    ["Precision", card.precision], ["Maps", card.maps.join(", ")], ["Confidence", calibrationText(card)]];
   $("card-fields").replaceChildren(...fields.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
   $("labels-summary").textContent = `Labels (${card.labels.length})`;
   $("labels").replaceChildren(...card.labels.map((label) => element("li", label)));
@@ -389,6 +398,7 @@ function showResult(answer, resize, roundTripMs) {
     $("geometry").textContent = describeGeometry(resize, state.size, state.geometry, state.card.patch_size);
   }
   showPredictions(answer.predictions);
+  $("predictions-heading").textContent = state.card.calibration ? "Top classes (calibrated confidence)" : "Top classes";
   showTiming(answer.timing_ms, roundTripMs);
   const target = answer.relevance && answer.relevance.target;
   $("map-caption").textContent = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` :

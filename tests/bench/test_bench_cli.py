@@ -37,7 +37,7 @@ def test_flags_win_over_quick_and_quick_over_the_defaults():
 
 
 def test_unset_batching_knobs_take_the_servers_defaults():
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     server = Settings()
     filled = with_server_defaults(BenchConfig())

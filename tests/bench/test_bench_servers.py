@@ -21,7 +21,7 @@ def test_serve_and_the_bare_server_run_uvicorn_with_the_same_options(tiny_onnx, 
 
     from vitserve.service.cli import DRAIN_MARGIN_S, uvicorn_options
     from vitserve.service.http.connection import HttpLimits, LimitedHttpToolsFactory
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     from vitserve.cli import main
 
     calls = []

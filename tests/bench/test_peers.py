@@ -311,7 +311,7 @@ def test_answer_values_reads_each_servers_answer():
 
 def test_limits_and_session_options_are_vitserves_defaults():
     from vitserve.service.engine.runtime import session_options as vitserve_options
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     s = Settings()
     assert LIMITS == {"max_bytes": s.max_upload_bytes, "max_pixels": s.max_image_pixels,
@@ -327,7 +327,7 @@ def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx)
     from vitserve.bench.raw import preprocessed
     from vitserve.service.core.postprocess import encode_result
     from vitserve.service.engine.runtime import OnnxModel
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     vitserve = OnnxModel.load(Settings(model_path=tiny_onnx))
     peer = ImageClassifier(tiny_onnx)

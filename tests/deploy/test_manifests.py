@@ -180,7 +180,7 @@ def env(deployment: dict) -> dict[str, str | dict]:
 
 def test_probes_ask_routes_the_app_really_has(base):
     from vitserve.service.app import create_app
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only: no lifespan
     routes = set(app.openapi()["paths"])
     c = container(base["Deployment"])
@@ -224,7 +224,7 @@ def test_the_selectors_select_the_pods(base):
 
 
 def test_the_hpa_asks_for_what_the_adapter_serves_from_series_the_service_defines(base):
-    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.ground.metrics import ServiceMetrics
     # from the families, not their samples: a metric with model and version labels has none until a model runs
     suffixes = {"counter": ["_total"], "histogram": ["_bucket", "_count", "_sum"]}
     defined = {family.name + suffix for family in ServiceMetrics().registry.collect()
@@ -300,7 +300,7 @@ def test_kserve_grpc_runtime_exposes_the_grpc_port_as_h2c():
 # --- the model repository ---
 
 def setting_names() -> set[str]:
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     return {f"VITSERVE_{name.upper()}" for name in Settings.model_fields}
 
 
@@ -352,7 +352,7 @@ def test_the_repository_component_changes_nothing_else():
 
 def test_the_deployment_docs_call_routes_the_app_has():
     from vitserve.service.app import create_app
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     app = create_app(Settings(model_path=REPO / "models" / "vit-fmnist" / "model.onnx"))  # routes only
     routes = set(app.openapi()["paths"])
     text = (REPO / "docs" / "deployment-repository.md").read_text()
@@ -385,7 +385,7 @@ def compose_server(name: str) -> dict:
     return yaml.load((REPO / name).read_text(), ComposeLoader)["services"]["vitserve"]
 
 
-# OpenTelemetry's own variables, read by its SDK (service/tracing.py), pass through compose too
+# OpenTelemetry's own variables, read by its SDK (service/ground/tracing.py), pass through compose too
 OTEL_VARIABLES = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG", "OTEL_SERVICE_NAME"}
 
 

@@ -127,13 +127,13 @@ def test_the_cli_takes_precision_int8_and_keeps_fp16_as_its_older_spelling():
 
 
 def test_a_labelled_set_the_export_cannot_use_is_refused_before_exporting(tmp_path, capsys):
-    """--eval without int8, or not a folder: a one-line error at once, not after the export's minute."""
+    """--eval that is not a folder: a one-line error at once, not after the export's minute."""
     import argparse
 
     from vitserve.export.cli import add_export_parser
     parser = argparse.ArgumentParser()
     add_export_parser(parser.add_subparsers())
-    for extra, message in ((["--eval", str(tmp_path)], "give --precision int8"),
+    for extra, message in ((["--eval", str(tmp_path / "none")], "not a directory"),
                            (["--precision", "int8", "--eval", str(tmp_path / "none")], "not a directory")):
         args = parser.parse_args(["export", "no-such-checkpoint", "--out", str(tmp_path / "m.onnx"), *extra])
         assert args.func(args) == 2
@@ -169,7 +169,7 @@ def test_a_folder_the_gate_cannot_use_is_refused_before_tracing_in_one_line(tiny
 
 def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
     from vitserve.service.engine.runtime import OnnxModel
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"]))
     assert model.info.precision == "int8"
@@ -195,7 +195,7 @@ def test_an_int8_image_answers_the_same_alone_and_among_any_batch_mates(tiny_int
     """Static scales: each image is computed the same whatever shares its batch (dynamic quantization took its
     activation scales from the whole batch, so the same image changed class with its neighbours)."""
     from vitserve.service.engine.runtime import OnnxModel
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"], intra_op_threads=1))
     rng = np.random.default_rng(5)

@@ -24,9 +24,9 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vitserve.service.app import create_app
-from vitserve.service.core.errors import is_protocol_path
-from vitserve.service.core.metrics import ServiceMetrics
-from vitserve.service.settings import Settings
+from vitserve.service.http.errors import is_protocol_path
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.ground.settings import Settings
 
 REPO = Path(__file__).resolve().parents[2]
 # How long a test waits for something that should take milliseconds: long enough that only a hung

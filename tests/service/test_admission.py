@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from vitserve.service.core.admission import (Admission, CompletionRate, Deadline, PixelBudget, StopSignal, collect_cycles,
-                                    freeze_startup_objects, return_large_frees_to_the_os, run_within)
+from vitserve.service.core.admission import Admission, CompletionRate, PixelBudget
+from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
+from vitserve.service.ground.memory import collect_cycles, freeze_startup_objects, return_large_frees_to_the_os
 from vitserve.service.engine.batcher import DynamicBatcher
-from vitserve.service.core.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
+from vitserve.service.ground.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from vitserve.service.http.routes.uploads import read_raw_body, run_guarded
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
                               until)
 

@@ -47,7 +47,7 @@ FLAGS = ("--max-upload-bytes", str(UPLOAD_LIMIT), "--max-image-pixels", str(PIXE
 # Every answer comes within this, however loaded the machine: it catches hangs, it is not a speed target.
 ANSWER_BOUND_S = 10.0
 LATE_S = 5.0  # how late past its time a timer may fire on a busy machine before the test calls it hung
-# The code a malformed HTTP request gets (service.core.errors.MalformedRequest).
+# The code a malformed HTTP request gets (service.ground.errors.MalformedRequest).
 MALFORMED_HTTP_CODE = "invalid_request"
 
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.errors import ClientDisconnected
-from vitserve.service.core.admission import Deadline, StopSignal
+from vitserve.service.ground.errors import ClientDisconnected
+from vitserve.service.ground.deadlines import Deadline, StopSignal
 from vitserve.service.http.routes.uploads import run_guarded
 from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
                               png_declaring, serving, settings_for, until)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from vitserve.service.engine.batcher import DynamicBatcher
-from vitserve.service.core.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 from service_fixtures import PATIENCE_S, until
 
 pytestmark = pytest.mark.anyio

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
+from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.core.postprocess import encode_result
 from vitserve.service.core.preprocess import PreparedImage, peek_pixels, prepare_image
 from vitserve.artifact import ModelInfo

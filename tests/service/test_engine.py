@@ -19,9 +19,9 @@ from vitserve.service.engine.remote import RemoteEngine
 from vitserve.service.engine.shm import (ALIGNMENT, ArenaFull, ArenaReader, TensorArena, owner_pid,
                                  remove_orphaned_segments)
 from vitserve.service.engine.supervisor import EngineSupervisor, engine_devices
-from vitserve.service.core.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
-from vitserve.service.core.metrics import ServiceMetrics
-from vitserve.service.settings import Settings
+from vitserve.service.ground.errors import DeadlineExceeded, ModelLoadError, NotReady, QueueFullError
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.ground.settings import Settings
 from service_fixtures import PATIENCE_S, settings_for, until
 
 # --- the messages ---

@@ -222,7 +222,7 @@ def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
     request = service_pb2.ModelInferRequest(model_name=MODEL)
     request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 32, 32]).contents.fp32_contents.extend(
         [0.0] * 3 * 32 * 32)
-    from vitserve.service.core.errors import PayloadTooLarge
+    from vitserve.service.ground.errors import PayloadTooLarge
     with pytest.raises(PayloadTooLarge, match="raw_input_contents"):
         infer_call(request, limits)
     small = ProtocolLimits(**{**limits.__dict__, "max_json_values": 4096})

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
 from vitserve.service.http.connection import HttpLimits, LimitedHttpToolsFactory, uvicorn_http_options
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from service_fixtures import PATIENCE_S, REPO, RawConnection, free_port, trickling, wait_until
 
 LIMITS = HttpLimits(max_header_bytes=16 * 1024, max_headers=100, header_timeout_s=1.0, body_timeout_s=1.0)
@@ -340,7 +340,7 @@ def test_overload_is_refused_from_the_request_line_without_the_app_and_the_conne
     answered without routing to the app, the unread body is discarded and the connection serves on."""
     from contextlib import asynccontextmanager
 
-    from vitserve.service.core.errors import Overloaded
+    from vitserve.service.ground.errors import Overloaded
 
     overloaded, asked = threading.Event(), []
 

@@ -16,13 +16,13 @@ import pytest
 
 from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
                                     take_sections, tensor_bytes, unpack_bytes)
-from vitserve.service.core.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
+from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, triton_config
 from vitserve.service.protocols.schemas import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
-from vitserve.service.settings import Settings
-from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.ground.settings import Settings
+from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.core.state import INFERENCE_ENDPOINTS
 from vitserve.service.protocols.statistics import triton_statistics
 from vitserve.artifact import ModelInfo

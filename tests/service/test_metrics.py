@@ -9,7 +9,7 @@ import httpx
 import numpy as np
 import pytest
 
-from vitserve.service.core.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, ServiceMetrics
+from vitserve.service.ground.metrics import BATCH_SIZE_BUCKETS, LATENCY_BUCKETS, ServiceMetrics
 from service_fixtures import (WrappedModel, image_bytes, patterned_png, samples, scrape, serving, settings_for,
                               uvicorn_server, value, wait_until)
 

@@ -2,7 +2,7 @@
 
 promtool validates the Prometheus files and runs the rule unit tests. A throwaway Prometheus on loopback
 (no scrape targets) loads the shipped rules and parses every dashboard query; each query and each rule
-may name only the metrics the service defines (service/core/metrics.py), the series the rules record, and `up`.
+may name only the metrics the service defines (service/ground/metrics.py), the series the rules record, and `up`.
 The dashboard shows every metric docs/architecture.md lists. The rules judge each model apart: their unit
 tests must have a case of several models where only one model's alert fires.
 """
@@ -58,9 +58,9 @@ def documented_metrics() -> set[str]:
 
 
 def defined_metrics() -> set[str]:
-    """Every name the service exposes: its metric families (defined once, in service/core/metrics.py) with the
+    """Every name the service exposes: its metric families (defined once, in service/ground/metrics.py) with the
     suffixes of their samples."""
-    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.ground.metrics import ServiceMetrics
     suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": HISTOGRAM_SUFFIXES}
     return {family.name + suffix for family in ServiceMetrics().registry.collect() for suffix in suffixes[family.type]}
 
@@ -272,7 +272,7 @@ def test_rules_name_only_defined_metrics(loaded_rules):
     for rule in loaded_rules:
         assert rule["health"] != "err", rule
         unknown = series_names(rule["query"]) - allowed
-        assert not unknown, f"rule {rule['name']} names {unknown}, not defined in service/core/metrics.py nor recorded"
+        assert not unknown, f"rule {rule['name']} names {unknown}, not defined in service/ground/metrics.py nor recorded"
 
 
 @needs_promtool
@@ -285,7 +285,7 @@ def test_dashboard_queries_parse_and_name_only_defined_metrics(prometheus, loade
         answer = api_get(prometheus, "/api/v1/query", query=to_promql(expr))
         assert answer.get("status") == "success", f"panel {title!r}: {expr}\n{answer}"
         unknown = series_names(expr) - allowed
-        assert not unknown, f"panel {title!r} names {unknown}, not defined in service/core/metrics.py nor recorded"
+        assert not unknown, f"panel {title!r} names {unknown}, not defined in service/ground/metrics.py nor recorded"
 
 
 def test_dashboard_shows_every_documented_metric_and_three_latency_quantiles():

@@ -12,7 +12,7 @@ from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_
 
 from vitserve.service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS,
                                       MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 from service_fixtures import serving, settings_for
 
 MAX_JSON_VALUES = Settings.model_fields["max_json_values"].default

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import pytest
 
-from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine import runtime
 from vitserve.service.engine.runtime import OnnxModel, auto_precisions, choose_fastest, disagrees, load_model
 from service_fixtures import settings_for

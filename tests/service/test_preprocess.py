@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
+from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.core.preprocess import (decode_image, decode_need, fit_box, load_first_frame, native_size, normalize_image,
                                 peek_pixels, prepare_image, render_size, stored_box, to_channels)
 from vitserve.artifact import ModelInfo, normalize_pixels

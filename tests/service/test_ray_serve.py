@@ -26,7 +26,7 @@ from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
 
 from vitserve.service.ray_serve import REPLICA_HEADER, deployment_options, local_shortfall, replica_settings  # noqa: E402
-from vitserve.service.settings import Settings  # noqa: E402
+from vitserve.service.ground.settings import Settings  # noqa: E402
 
 REPLICAS = 2
 RAY_PATIENCE_S = 120.0  # a Ray cluster and two warmed-up replicas, on a loaded 2-core machine

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from vitserve.service.core.errors import InvalidModelName, ModelNotFound, RepositoryError
+from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
 from vitserve.service.repository.layout import ModelRepository, VersionPolicy, check_model_name
 from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, scrape, serving, settings_for,
                               uvicorn_server, wait_until)
@@ -360,7 +360,7 @@ def test_a_swap_under_load_loses_no_request(explicit_server, tiny_onnx):
 def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its_image_fits():
     from dataclasses import replace
 
-    from vitserve.service.core.errors import ModelUnavailable, VersionRetired
+    from vitserve.service.ground.errors import ModelUnavailable, VersionRetired
     from vitserve.service.engine import ModelHandle
     from vitserve.service.engine.routing import RoutingTable, VersionView
     from vitserve.artifact import ModelInfo
@@ -382,8 +382,8 @@ def test_a_retired_version_s_request_goes_to_the_newest_only_if_unpinned_and_its
 
 
 def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
-    from vitserve.service.core.metrics import ServiceMetrics
-    from vitserve.service.repository.registry import ModelRegistry
+    from vitserve.service.ground.metrics import ServiceMetrics
+    from vitserve.service.engine.registry import ModelRegistry
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
     (root / "m" / "config.json").write_text(json.dumps({"max_batch_size": 3, "intra_op_threads": 2,
                                                         "max_queue_delay_ms": 1.5, "runtime": "openvino",
@@ -421,7 +421,7 @@ def _this_thread() -> tuple[int, int]:
 @pytest.mark.parametrize("priority", ["low", "idle"])
 async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing_else_is_lowered(
         tmp_path, tiny_onnx, priority):
-    from vitserve.service.core.metrics import ServiceMetrics
+    from vitserve.service.ground.metrics import ServiceMetrics
     from vitserve.service.engine.runtime import OnnxModel
     from vitserve.service.engine.served_model import ServedModel
     from vitserve.service.engine.threads import LOW_NICE

@@ -18,7 +18,7 @@ import pytest
 import tritonclient.grpc as triton_grpc
 import tritonclient.http as triton
 
-from vitserve.service.core.errors import ModelNotFound
+from vitserve.service.ground.errors import ModelNotFound
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from service_fixtures import (PATIENCE_S, RawConnection, free_port, samples, serving, settings_for, uvicorn_server,
                               value)

@@ -8,10 +8,10 @@ import onnx
 import pytest
 
 from vitserve.service.cli import DRAIN_MARGIN_S
-from vitserve.service.core.errors import ModelLoadError
+from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
                              warm_up)
-from vitserve.service.settings import INTERNAL, Settings
+from vitserve.service.ground.settings import INTERNAL, Settings
 from service_fixtures import settings_for
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
@@ -116,7 +116,7 @@ def test_serve_rejects_missing_or_garbage_model_before_starting(tmp_path, privat
 
 
 def test_settings_are_grouped_and_help_leads_with_the_common_ones(capsys):
-    from vitserve.service.settings import SETTING_GROUPS
+    from vitserve.service.ground.settings import SETTING_GROUPS
     from vitserve.cli import main
     grouped = [name for names in SETTING_GROUPS.values() for name in names]
     internal = {name for name, field in Settings.model_fields.items() if field.description == INTERNAL}

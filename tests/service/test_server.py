@@ -102,11 +102,11 @@ BLOCK_TORCH = textwrap.dedent("""
 
     sys.meta_path.insert(0, Blocker())
     import vitserve.service
-    modules = [m.name for m in pkgutil.walk_packages(service.__path__, "service.")]
+    modules = [m.name for m in pkgutil.walk_packages(vitserve.service.__path__, "vitserve.service.")]
     for name in modules:
         importlib.import_module(name)
     from vitserve.service.app import create_app
-    from vitserve.service.settings import Settings
+    from vitserve.service.ground.settings import Settings
     create_app(Settings(model_path="unused.onnx")).openapi()
     from vitserve.cli import build_parser
     build_parser().parse_args(["serve", "--model", "m.onnx"])
@@ -119,7 +119,7 @@ def test_service_imports_without_torch():
     result = subprocess.run([sys.executable, "-c", BLOCK_TORCH], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert {"vitserve.service.app", "vitserve.service.engine.batcher", "vitserve.service.engine.runtime", "vitserve.service.cli", "vitserve.service.http.routes.classify"} <= set(
-        report["modules"])
+    assert {f"vitserve.service.{name}" for name in ("app", "engine.batcher", "engine.runtime", "cli",
+                                                    "http.routes.classify")} <= set(report["modules"])
     # onnx is a serving dependency since the server takes the artifact's If apart at load (graph_paths.py)
     assert report["torch"] is False and report["onnx"] is True

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTrace
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from vitserve.service import tracing
+from vitserve.service.ground import tracing
 from vitserve.service.app import TracingMiddleware, create_app
 from service_fixtures import free_port, patterned_png, settings_for, until, uvicorn_server, wait_until
 

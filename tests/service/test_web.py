@@ -7,13 +7,13 @@ process, without a browser.
 """
 from __future__ import annotations
 
+import ast
 import base64
 import fnmatch
 import io
 import json
 import re
 import shutil
-import tomllib
 from pathlib import Path
 from urllib.parse import parse_qs, urlparse
 
@@ -87,8 +87,11 @@ def test_the_api_is_routed_before_the_page(tiny_onnx):
 
 
 def test_every_web_file_is_package_data():
-    """The serving image installs a wheel: each file the page needs must match pyproject's package-data."""
-    patterns = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["service"]
+    """The serving image installs a wheel: each file the page needs must match setup.py's package data."""
+    setup_call = next(node for node in ast.walk(ast.parse((REPO / "setup.py").read_text()))
+                      if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "setup")
+    package_data = next(k.value for k in setup_call.keywords if k.arg == "package_data")
+    patterns = ast.literal_eval(package_data)["vitserve.service"]
     served = {"index.html", *WEB_FILES}
     assert {"index.html", "app.js", "app.css", "favicon.svg", "samples/samples.json"} <= served
     assert [f for f in served if not any(fnmatch.fnmatch(f"web/{f}", p) for p in patterns)] == []

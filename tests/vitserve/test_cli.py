@@ -61,6 +61,8 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
 
 @pytest.mark.parametrize("command, runner", [  # as docs/results.md, docs/explanations.md, docs/bench-relevance.md
     ("evaluate accuracy models/vit-fmnist/model.onnx --sizes 28,20,24,36,44,56", "vitserve.evaluation.cli.run_accuracy"),
+    ("evaluate calibration models/vit-fmnist/model.onnx --eval /usr/share/datasets/fashion-mnist "
+     "--out docs/calibration.md", "vitserve.evaluation.cli.run_calibration"),
     ("evaluate bench --variant small --batch-sizes 1,32 --threads 2 --seconds 2", "vitserve.bench.cli.run_evaluate_bench"),
     ("evaluate explanations models/vit-fmnist/checkpoint --data-dir /usr/share/datasets/fashion-mnist --limit 1000 "
      "--batch-size 64 --seed 0 --blur-sigma 3.0 --threads 1 --out docs/explanations.md",

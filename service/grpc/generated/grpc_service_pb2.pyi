@@ -1,4 +1,4 @@
-from service.grpc.generated import model_config_pb2 as _model_config_pb2
+from vitserve.service.grpc.generated import model_config_pb2 as _model_config_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

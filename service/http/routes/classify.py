@@ -16,13 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vitserve.service.core import inference
 from vitserve.service.http.access import require_api_key
-from vitserve.service.core.admission import Deadline
-from vitserve.service.core.errors import InvalidParameter, ServiceError, error_body, openapi_responses
+from vitserve.service.ground.deadlines import Deadline
+from vitserve.service.ground.errors import InvalidParameter, ServiceError
+from vitserve.service.http.errors import error_body, openapi_responses
 from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.core.preprocess import ResizePolicy
 from vitserve.service.http.routes.uploads import read_files, run_guarded, upload_within
 from vitserve.service.protocols.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
-from vitserve.service.core.state import ServiceState, get_admitted_state
+from vitserve.service.core.state import ServiceState
+from vitserve.service.http.dependencies import get_admitted_state
 from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])

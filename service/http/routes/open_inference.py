@@ -17,15 +17,17 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from vitserve.service.core import inference
 from vitserve.service.http.access import require_api_key
-from vitserve.service.core.admission import Deadline
+from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from vitserve.service.engine import ModelHandle
-from vitserve.service.core.errors import NotReady, openapi_responses
+from vitserve.service.ground.errors import NotReady
+from vitserve.service.http.errors import openapi_responses
 from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, server_document
 from vitserve.service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
 from vitserve.service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
-from vitserve.service.core.state import ServiceState, get_admitted_state, get_ready_state, get_state
+from vitserve.service.core.state import ServiceState
+from vitserve.service.http.dependencies import get_admitted_state, get_ready_state, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 

@@ -8,9 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Path, Query, Response
 
 from vitserve.service.http.access import require_api_key
-from vitserve.service.core.errors import openapi_responses
+from vitserve.service.http.errors import openapi_responses
 from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState
-from vitserve.service.core.state import ServiceState, get_state
+from vitserve.service.core.state import ServiceState
+from vitserve.service.http.dependencies import get_state
 
 router = APIRouter(tags=["operations"])
 
@@ -38,7 +39,8 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
                      mean=info.mean, std=info.std, precision=info.precision, provider=state.engine.provider,
                      opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
                      test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
-                     max_native_tokens=s.max_native_tokens)
+                     max_native_tokens=s.max_native_tokens, temperature=info.temperature,
+                     calibration=info.calibration or None)
 
 
 @router.get("/v1/models/{name}/inspect", dependencies=[Depends(require_api_key)],

@@ -14,9 +14,9 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from vitserve.service.core.admission import Deadline, StopSignal, run_within
-from vitserve.service.core.errors import (ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError,
-                                 UnsupportedMediaType)
+from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
+from vitserve.service.ground.errors import (
+    ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError, UnsupportedMediaType)
 from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves

@@ -21,15 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
-from vitserve.service.core.admission import collect_cycles, give_freed_memory_back
+from vitserve.service.ground.memory import collect_cycles, give_freed_memory_back
 from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.served_model import Loader, ServedModel
-from vitserve.service.core.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
-from vitserve.service.core.metrics import ServiceMetrics
+from vitserve.service.ground.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
+from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
 from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
-from vitserve.service.settings import Settings
+from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.repository")
 

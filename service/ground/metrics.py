@@ -18,7 +18,7 @@ from typing import Protocol
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client import disable_created_metrics, multiprocess
 
-from vitserve.service.core.metrics_files import multiprocess_dir
+from vitserve.service.ground.metrics_files import multiprocess_dir
 
 # 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
