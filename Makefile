@@ -11,7 +11,7 @@ PORT ?= $(or $(VITSERVE_PORT),8000)
 MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
 SERVE_MODEL ?= $(or $(VITSERVE_MODEL_PATH),$(DEFAULT_MODEL))
-TRAIN_RUN := runs/vit-fmnist
+TRAIN_RUN := training/vit-fmnist
 # The hybrid candidate for the default model (issue #26): its training state is committed between sessions
 HYBRID_RUN := training/vit-fmnist-hybrid
 TEACHER_RUN := training/fmnist-teacher

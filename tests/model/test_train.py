@@ -163,7 +163,7 @@ def test_ctrl_c_mid_epoch_saves_and_resume_continues_exactly(trained, image_fold
 
 def test_ctrl_c_during_an_evaluation_stops_at_the_epoch_end_it_saved(trained, image_folder, tmp_path, monkeypatch):
     """Pressed while epoch 2 is evaluated, Ctrl-C stops the run there; a state saved that way, stripped of what
-    states before mid-epoch saves lacked (runs/vit-fmnist's has no batch, no sums), still resumes exactly."""
+    states before mid-epoch saves lacked (training/vit-fmnist's has no batch, no sums), still resumes exactly."""
     full_out, _ = trained
     evaluate_and_save = train_module.evaluate_and_save
 
