@@ -1,4 +1,4 @@
-"""`python -m bench.decode`: what decoding an upload costs one core, per format and decoder.
+"""`python -m vitserve.bench.decode`: what decoding an upload costs one core, per format and decoder.
 
 Decoding is most of a request's CPU once the model runs on a GPU, and the formats differ several-fold (a PNG costs
 several times a JPEG of the same size). For real photos (scikit-image's) at 224x224, 640x480 and 1920x1080, encoded
@@ -116,7 +116,7 @@ def render(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.decode", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.decode", description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=0.3, help="per decoder and round")
     p.add_argument("--out", type=Path, help="write the table here (Markdown) and its JSON beside it")
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     import os
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     rows = measure(args.rounds, args.seconds)
-    publish(render(rows, command_line("python -m bench.decode", argv)), rows, args.out)
+    publish(render(rows, command_line("python -m vitserve.bench.decode", argv)), rows, args.out)
     return 0
 
 

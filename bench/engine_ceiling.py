@@ -1,4 +1,4 @@
-"""`python -m bench.engine_ceiling`: how many images per second the engine process moves when the model costs nothing.
+"""`python -m vitserve.bench.engine_ceiling`: how many images per second the engine process moves when the model costs nothing.
 
 On a GPU the model is fast and the serving machinery around it sets the pace. This takes the HTTP side away: an
 engine process (service/engine/process.py, as `vitserve serve` starts it) serves a model whose graph does almost no
@@ -152,7 +152,7 @@ def run(levels: list[tuple[int, int]], seconds: float, max_batch_size: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.engine_ceiling", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.engine_ceiling", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1x64,2x64,4x64", help="SUBMITTERSxIN_FLIGHT, comma separated")
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--max-batch-size", type=int, default=64)

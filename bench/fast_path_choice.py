@@ -1,4 +1,4 @@
-"""`python -m bench.fast_path_choice default vit-s16`: does a request that wants no map gain from a graph that
+"""`python -m vitserve.bench.fast_path_choice default vit-s16`: does a request that wants no map gain from a graph that
 computes none?
 
 For each model (`default`: the bundled checkpoint; or a random-weight preset of export/presets.py), the same

@@ -1,4 +1,4 @@
-"""`make bench-gpu` (`python -m bench.gpu`): the GPU kit, in one command. It runs every step this machine allows
+"""`make bench-gpu` (`python -m vitserve.bench.gpu`): the GPU kit, in one command. It runs every step this machine allows
 and says which it skipped and why, so it runs (and CI keeps it working) on a machine without a GPU too.
 
 1. environment: onnxruntime's version and providers, `nvidia-smi -L`, whether torch (the exporter) is there;
@@ -6,7 +6,7 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
    packages visible) and the kit again from there (`--no-install`: not; `--wheels DIR`: from that folder only, on a
    machine without a network);
 3. export: each model (the default model from its checkpoint, and the random-weight presets ViT-S/16 and ViT-B/16
-   at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m export.presets` in child processes;
+   at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m vitserve.export.presets` in child processes;
 4. verify on the provider: each file on CUDA (else the CPU) against the fp32 file on ONNX Runtime's CPU provider,
    on random images at the trained size and at a larger one: the largest logit difference relative to the
    largest |logit|, top-1 agreement, the largest rollout difference;
@@ -19,7 +19,7 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it
    (CPU runs only: the GPU steps above do not cover it yet).
 
-On a lent machine without a network, `bench/gpu-lent.sh` runs it in one call with what `python -m bench.gpu_wheels`
+On a lent machine without a network, `bench/gpu-lent.sh` runs it in one call with what `python -m vitserve.bench.gpu_wheels`
 prepared (docs/bench-gpu.md).
 
 Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
@@ -350,7 +350,7 @@ def bench_served(path: Path, provider: str, cfg: GpuKitConfig, batch_sizes: list
                             duration_s=duration_s, raw_duration_s=duration_s / 2, pairs=10, bare="off",
                             max_batch_size=max(batch_sizes), time_limit_s=900, log_dir=cfg.work / "logs",
                             out=cfg.work / f"{path.stem}-{name}.md")
-    report = run_bench(bench_cfg, overrides, command="python -m bench.gpu")
+    report = run_bench(bench_cfg, overrides, command="python -m vitserve.bench.gpu")
     return {"provider": report["model"]["provider"],
             "raw": [{k: r[k] for k in ("batch_size", "images_per_s", "p50_ms")} for r in report["raw"]],
             "served": [{k: r.get(k) for k in ("batching", "concurrency", "requests_per_s", "p50_ms", "p99_ms")}
@@ -426,7 +426,7 @@ def render(kit: Kit, cfg: GpuKitConfig) -> str:
     lines = ["# The GPU kit", "",
              "What `make bench-gpu` did on the machine below. Without a GPU it is a check that the kit works, not a "
              "result: the GPU figures come from a run on a GPU.", "",
-             f"`python -m bench.gpu` ({json.dumps(config_strings(cfg))})",
+             f"`python -m vitserve.bench.gpu` ({json.dumps(config_strings(cfg))})",
              "", f"Machine: {env.get('gpus') or 'no GPU (nvidia-smi absent or silent)'}; onnxruntime "
                  f"{env.get('onnxruntime')} with {', '.join(env.get('providers', []))}{unloadable(env)}; "
                  f"Python {env.get('python')}; "
@@ -465,7 +465,7 @@ def step_tables(step: Step) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     d = GpuKitConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.gpu", description=__doc__.split("\n\n")[0])
     for name, default in asdict(d).items():
         if isinstance(default, bool):
             p.add_argument("--no-" + name.replace("_", "-"), dest=name, action="store_false")

@@ -1,4 +1,4 @@
-"""`python -m bench.gpu_wheels --out .whl`: a folder of wheels that lets a lent GPU machine without a network run
+"""`python -m vitserve.bench.gpu_wheels --out .whl`: a folder of wheels that lets a lent GPU machine without a network run
 vitserve on onnxruntime-gpu's CUDAExecutionProvider.
 
 Why this exists: the lent machine (x86-64, H100 = sm_90, CPython 3.12, torch with NVIDIA's CUDA 13 / cuDNN 9 pip
@@ -385,7 +385,7 @@ def carry_wrk(wrk: Path, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m bench.gpu_wheels")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], prog="python -m vitserve.bench.gpu_wheels")
     ap.add_argument("--out", type=Path, default=Path(".whl"), help="the folder of wheels to carry (emptied first)")
     ap.add_argument("--cache", type=Path, default=CACHE, help="downloaded wheels, kept between runs")
     ap.add_argument("--seed", type=Path, action="append", default=[],

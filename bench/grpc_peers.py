@@ -8,14 +8,14 @@ measurement is perf_analyzer's window (`--measurement-interval`; its stability c
 three windows rarely agree within its 10% default, and the rounds are what is compared). Requests per second
 and the p50/p99 latency perf_analyzer reports; the ratios are each round's, and their median is reported.
 
-    python -m bench.grpc_peers --perf-analyzer /path/to/perf_analyzer --out docs/bench-grpc.md
+    python -m vitserve.bench.grpc_peers --perf-analyzer /path/to/perf_analyzer --out docs/bench-grpc.md
 
 perf_analyzer asks for every output the model's configuration lists; a vitserve model with the relevance path
 lists `relevance`, whose backward pass costs several forward passes, while Triton's `vit-tensor` answers logits
 and rollout. The same work on both sides needs a model without it:
 
     vitserve export models/vit-fmnist/checkpoint --out build/bench-models/vit-fmnist-fast.onnx --no-relevance
-    python -m bench.grpc_peers --model build/bench-models/vit-fmnist-fast.onnx --perf-analyzer ...
+    python -m vitserve.bench.grpc_peers --model build/bench-models/vit-fmnist-fast.onnx --perf-analyzer ...
 
 perf_analyzer: the `tritonclient==2.51.0` wheel's binary, with Debian's libb64-0d and a libcudart.so.12 on
 LD_LIBRARY_PATH (docs/open-inference-protocol.md says how).
@@ -103,7 +103,7 @@ def summary(result: dict) -> str:
         return sorted((r for r in rows if r["path"] == path and r["concurrency"] == level), key=lambda r: r["round"])
 
     lines = [f"# gRPC side by side: vitserve against Triton ({result['when']})", "",
-             f"`python -m bench.grpc_peers` on {result['machine']['cpu']}, {result['machine']['cores']} cores, "
+             f"`python -m vitserve.bench.grpc_peers` on {result['machine']['cpu']}, {result['machine']['cores']} cores, "
              f"model {result['model']}: perf_analyzer 2.51.0 closed loop, `pixel_values` raw tensors, "
              f"{result['rounds']} rounds alternating the servers' order, {result['window_ms']} ms windows.", "",
              "| clients | path | req/s per round | median req/s | p50 ms (median) | p99 ms (median) |",
@@ -132,7 +132,7 @@ def summary(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.grpc_peers", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.grpc_peers", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("build/bench-models/vit-fmnist-fast.onnx"))
     p.add_argument("--perf-analyzer", required=True, help="the perf_analyzer binary")
     p.add_argument("--concurrency", type=lambda s: [int(v) for v in s.split(",")], default=[1, 32])

@@ -1,4 +1,4 @@
-"""`python -m bench.int8_choice CHECKPOINT --eval DIR`: which int8 quantization to ship, measured.
+"""`python -m vitserve.bench.int8_choice CHECKPOINT --eval DIR`: which int8 quantization to ship, measured.
 
 Candidates from the same float32 graph (the fast path: logits and rollout), against it, on a labelled set:
 - `static QDQ (shipped)`: export/int8.py's quantize_int8, weights and activations int8 per channel, activation
@@ -92,7 +92,7 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.int8_choice", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.int8_choice", description=__doc__.split("\n\n")[0])
     p.add_argument("checkpoint")
     p.add_argument("--eval", required=True, dest="eval_dir")
     p.add_argument("--calibration-images", type=int, default=512)

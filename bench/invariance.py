@@ -1,4 +1,4 @@
-"""`python -m bench.invariance --model FILE [--model FILE ...]`: batch invariance measured through a real server.
+"""`python -m vitserve.bench.invariance --model FILE [--model FILE ...]`: batch invariance measured through a real server.
 
 Same input, same answer (docs/architecture.md, "Batch invariance"): for each model file, `vitserve serve` is started
 as a user starts it and sent the first `--images` Fashion-MNIST test images as PNGs (the `image` input of `/v2`,
@@ -116,7 +116,7 @@ def render(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.invariance", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vitserve.bench.invariance", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", action="append", type=Path, required=True, help="a model file (repeatable)")
     parser.add_argument("--images", type=int, default=2000, help="Fashion-MNIST test images (default 2000)")
     parser.add_argument("--max-burst", type=int, default=32, help="largest burst of concurrent requests")
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     pngs = idx_pngs(args.test_images, args.images)
     rows = [run_file(path, pngs, args.max_burst, args.seed, args.runtime, args.queue_delay_ms,
                      args.precision_hint) for path in args.model]
-    publish(render(rows, command_line("python -m bench.invariance", argv)), rows, args.out)
+    publish(render(rows, command_line("python -m vitserve.bench.invariance", argv)), rows, args.out)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python -m bench.paths`: one server, the same image on each of vitserve's HTTP ways in, side by side.
+"""`python -m vitserve.bench.paths`: one server, the same image on each of vitserve's HTTP ways in, side by side.
 
 Paths: `classify` (`POST /v1/classify`, the PNG as the body), `classify-multipart` (the PNG as the form field `file`),
 `v2-image` (`/v2/models/{m}/infer`, the PNG as the binary BYTES input `image`, outputs binary). All answer top
@@ -103,7 +103,7 @@ def render(rows: list[dict], command: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.paths", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vitserve.bench.paths", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/vit-fmnist/model.onnx"))
     parser.add_argument("--concurrency", default="8,32,64", help="wrk connections per level")
     parser.add_argument("--rounds", type=int, default=3)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     rows = run(args.model, [int(c) for c in args.concurrency.split(",")], args.rounds, args.duration, args.workers,
                Path("build/bench/paths"))
-    publish(render(rows, command_line("python -m bench.paths", argv)), rows, args.out)
+    publish(render(rows, command_line("python -m vitserve.bench.paths", argv)), rows, args.out)
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 perf_analyzer sends every input the model's metadata lists unless `--input-data` names the ones to send; for
 a BYTES input its `b64` content is the serialised tensor (each element's 4-byte length, then its bytes).
 
-    python -m bench.perf_analyzer_inputs --model models/vit-fmnist/model.onnx --out build/perf-analyzer
+    python -m vitserve.bench.perf_analyzer_inputs --model models/vit-fmnist/model.onnx --out build/perf-analyzer
     perf_analyzer -m vit-fmnist -u 127.0.0.1:8000 -i http --input-data build/perf-analyzer/pixels.json
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ def perf_analyzer_inputs(model_path: Path, count: int = 4) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.perf_analyzer_inputs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vitserve.bench.perf_analyzer_inputs", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/vit-fmnist/model.onnx"))
     parser.add_argument("--out", type=Path, default=Path("build/perf-analyzer"))
     parser.add_argument("--count", type=int, default=4, help="distinct images (default 4)")

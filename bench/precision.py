@@ -1,7 +1,7 @@
-"""`python -m bench.precision`: float32 against int8 files of the same model, raw ONNX Runtime on the server's
+"""`python -m vitserve.bench.precision`: float32 against int8 files of the same model, raw ONNX Runtime on the server's
 session options, batch 1 and 8, alternating rounds (this machine's speed drifts: only ratios within a round count).
 
-    python -m bench.precision --pair models/vit-fmnist/model.onnx,models/vit-fmnist/model-int8.onnx \\
+    python -m vitserve.bench.precision --pair models/vit-fmnist/model.onnx,models/vit-fmnist/model-int8.onnx \\
                               --pair vit-s16,vit-s16-int8
 
 Each pair: both files loaded, then `rounds` rounds in which each runs every batch size for `seconds` (the order
@@ -43,7 +43,7 @@ def compare(fp32: OnnxModel, int8: OnnxModel, batches: list[int], rounds: int, s
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.precision", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.precision", description=__doc__.split("\n\n")[0])
     p.add_argument("--pair", action="append", required=True, help="FP32,INT8: files or bench presets")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--rounds", type=int, default=7)
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     lines = ["# float32 against int8, raw ONNX Runtime", "",
-             f"`python -m bench.precision {' '.join('--pair ' + x for x in args.pair)} --batches {args.batches} "
+             f"`python -m vitserve.bench.precision {' '.join('--pair ' + x for x in args.pair)} --batches {args.batches} "
              f"--rounds {args.rounds} --seconds {args.seconds} --threads {args.threads}`", "",
              "| model | batch | fp32 ms | int8 ms | speed-up (per-round range) |", "|---|---|---|---|---|"]
     results = {}

@@ -1,4 +1,4 @@
-"""`python -m bench.ray_repository`: two models on Ray Serve, three ways, side by side in one run.
+"""`python -m vitserve.bench.ray_repository`: two models on Ray Serve, three ways, side by side in one run.
 
 - `replicated`: one deployment of R replicas, each holding every model of the repository (`--ray-models-per-replica
   0`, the default);
@@ -158,7 +158,7 @@ def run(cfg: RayRepositoryBenchConfig) -> dict:
 
 def render(report: dict) -> str:
     lines = ["# Two models on Ray Serve: replicated, multiplexed, one deployment per model", "",
-             f"`python -m bench.ray_repository` ({json.dumps(report['config'])}). Medians over the rounds; "
+             f"`python -m vitserve.bench.ray_repository` ({json.dumps(report['config'])}). Medians over the rounds; "
              "answered (2xx) requests per second per model, wrk's p99 in brackets.", "",
              "| layout | even: a | even: b | skewed: a | skewed: b | replicas' RSS (MiB) |",
              "|---|---|---|---|---|---|"]
@@ -170,7 +170,7 @@ def render(report: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     d = RayRepositoryBenchConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.ray_repository", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.ray_repository", description=__doc__.split("\n\n")[0])
     for name, default in asdict(d).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     cfg = RayRepositoryBenchConfig(**vars(p.parse_args(argv)))

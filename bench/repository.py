@@ -286,7 +286,7 @@ async def _flood(url: str, cfg: RepositoryBenchConfig, body: bytes, root: Path) 
 def render(report: Report) -> str:
     s, m, i, o = report.swap, report.memory, report.idle_model, report.isolation
     lines = ["# Serving a repository: live swaps, memory, a second model", "",
-             f"`python -m bench.repository` ({json.dumps(report.config)})", ""]
+             f"`python -m vitserve.bench.repository` ({json.dumps(report.config)})", ""]
     if s:
         lines += ["## Swap under load", "",
                   f"{s['swaps']} loads of a new version of `small` (the old one unloaded by the latest-1 policy) "
@@ -350,7 +350,7 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
 
 def main(argv: list[str] | None = None) -> int:
     d = RepositoryBenchConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.repository", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.repository", description=__doc__.split("\n\n")[0])
     for name, default in asdict(d).items():
         p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     p.add_argument("--parts", default="swap,memory,idle,isolation", help="which measurements, comma-separated")

@@ -1,4 +1,4 @@
-"""`python -m bench.runtimes FILE...`: every runtime and precision this CPU can run, on the same files, side by side.
+"""`python -m vitserve.bench.runtimes FILE...`: every runtime and precision this CPU can run, on the same files, side by side.
 
 For each file, the server's own model objects (`service.engine.runtime.load_model`, as `--runtime onnxruntime` and
 `--runtime openvino` with each precision hint OpenVINO can compute here), raw (no server), at each batch size at the
@@ -90,7 +90,7 @@ def cpu_name() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.runtimes", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.runtimes", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--rounds", type=int, default=5)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     reports = [compare(path, batches, args.rounds, args.seconds, args.threads) for path in args.files]
-    publish(render(reports, command_line("python -m bench.runtimes", argv)), reports, args.out)
+    publish(render(reports, command_line("python -m vitserve.bench.runtimes", argv)), reports, args.out)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Servers under test, each in its own process on 127.0.0.1: `vitserve serve` as a user starts it, and the bare
 endpoint, started through the very function `vitserve serve` uses (`service.cli.serve_with_uvicorn`).
 
-`python -m bench.servers` runs the bare endpoint with settings from `VITSERVE_*` variables.
+`python -m vitserve.bench.servers` runs the bare endpoint with settings from `VITSERVE_*` variables.
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m evaluation.self_supervision`: does masked-patch pre-training help when labels are few? (issue #26)
+"""`python -m vitserve.evaluation.self_supervision`: does masked-patch pre-training help when labels are few? (issue #26)
 
 Fashion-MNIST, the default model's architecture. One pre-training run on all training images without their
 labels (`vitserve train --pretrain masked-patch`), then for each seed two fine-tunes on the same `--label-fraction`
@@ -7,7 +7,7 @@ of the labels (the seed picks the share and the initialisation): one from the pr
 images after its last epoch, and the mean difference. Runs go to --out (build/self-supervision); a finished run
 is not run again (each one is resumable: --resume), so an interrupted experiment continues where it stopped.
 
-    python -m evaluation.self_supervision --seeds 0 1 2 --report docs/self-supervision.md
+    python -m vitserve.evaluation.self_supervision --seeds 0 1 2 --report docs/self-supervision.md
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m evaluation.self_supervision", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.evaluation.self_supervision", description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--label-fraction", type=float, default=0.1)
     p.add_argument("--pretrain-epochs", type=int, default=4)

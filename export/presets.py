@@ -3,7 +3,7 @@
 The one place that makes them: benchmarks (speed does not depend on the weights), the Docker test's stand-in
 for a default model not trained yet, and the test suite's tiny models.
 
-    python -m export.presets NAME OUT.onnx [--verify]
+    python -m vitserve.export.presets NAME OUT.onnx [--verify]
 
 `vitserve bench --model NAME` runs it in a child process, so that the serving world never imports torch.
 """
@@ -78,7 +78,7 @@ def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m export.presets", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m vitserve.export.presets", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("name", choices=sorted(PRESETS))
     parser.add_argument("out", type=Path, help="the ONNX file to write")

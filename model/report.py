@@ -1,6 +1,6 @@
 """A short Markdown training report from a run directory (checkpoint/config.json + log.csv).
 
-`python -m model.report RUN_DIR [--out REPORT.md]`; `make model` writes the default model's report.
+`python -m vitserve.model.report RUN_DIR [--out REPORT.md]`; `make model` writes the default model's report.
 """
 from __future__ import annotations
 

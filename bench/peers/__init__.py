@@ -1,4 +1,4 @@
-"""`vitserve bench --mode peers` (`python -m bench.peers`, `make bench-peers`): vitserve side by side with the
+"""`vitserve bench --mode peers` (`python -m vitserve.bench.peers`, `make bench-peers`): vitserve side by side with the
 servers a user would pick instead, Triton Inference Server (through nvidia-pytriton) and LitServe.
 
 Each peer runs in its own virtual environment (build/peers/venv-*, made by `venvs` with pinned versions) and does

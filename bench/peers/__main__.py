@@ -1,4 +1,4 @@
-"""`python -m bench.peers`: see bench/peers/cli.py."""
+"""`python -m vitserve.bench.peers`: see bench/peers/cli.py."""
 import sys
 
 from vitserve.bench.peers.cli import main

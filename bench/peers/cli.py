@@ -1,4 +1,4 @@
-"""`python -m bench.peers` flags onto `PeersConfig` (a flag left out keeps the field's default, or `--quick`'s), and
+"""`python -m vitserve.bench.peers` flags onto `PeersConfig` (a flag left out keeps the field's default, or `--quick`'s), and
 `vitserve bench --mode peers`, which takes the bench command's shared flags (--model, --out, --concurrency,
 --duration, --warmup, --rounds, --time-limit, --quick, --cache-dir, --log-dir) onto the same object."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def _names(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     d = PeersConfig()
-    p = argparse.ArgumentParser(prog="python -m bench.peers", description=(
+    p = argparse.ArgumentParser(prog="python -m vitserve.bench.peers", description=(
         "vitserve side by side with Triton Inference Server (nvidia-pytriton) and LitServe: same model, same "
         "per-image work, same bodies, Debian's wrk, alternating rounds. Writes Markdown and JSON."))
     p.add_argument("--models", type=_names, metavar="M,M", help=f"ONNX artifacts or presets (default "

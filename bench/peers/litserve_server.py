@@ -9,7 +9,7 @@ vitserve's per-image work (bench/peers/image_classifier.py): decode_request prep
 ORT call per batch, encode_response answers top 5 and the rollout grid in vitserve's JSON shape.
 
 Run in the LitServe venv (bench/peers/venvs.py) with the repository on PYTHONPATH:
-`python -m bench.peers.litserve_server --model M --port P`.
+`python -m vitserve.bench.peers.litserve_server --model M --port P`.
 """
 from __future__ import annotations
 

@@ -3,9 +3,9 @@
 - vitserve: `vitserve serve --model M --host 127.0.0.1 --port P` (bench/servers.py `serve_argv`), its defaults
   but for the log level (warning: no access log line per request; neither peer writes one); the working tree's
   code, or a commit's exported by `export_commit`.
-- Triton: `python -m bench.peers.triton_server` in the Triton venv, the repository on PYTHONPATH and the venv
+- Triton: `python -m vitserve.bench.peers.triton_server` in the Triton venv, the repository on PYTHONPATH and the venv
   Python's library directory on LD_LIBRARY_PATH (the Python backend stub links libpython).
-- LitServe: `python -m bench.peers.litserve_server` in the LitServe venv, the repository on PYTHONPATH.
+- LitServe: `python -m vitserve.bench.peers.litserve_server` in the LitServe venv, the repository on PYTHONPATH.
 
 Each runs in its own session (process group): a stop is SIGTERM, then after `grace_s` SIGKILL to the group, since
 neither peer's children are sure to go with their parent (LitServe 0.2's workers outlive a SIGTERM). A server

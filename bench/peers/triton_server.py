@@ -10,7 +10,7 @@ Two models over the same ONNX file:
   vitserve's /v2 infer answers.
 
 Both batch dynamically: max batch 16, queue delay 5 ms. Run in the Triton venv (bench/peers/venvs.py) with the
-repository on PYTHONPATH: `python -m bench.peers.triton_server --model M --http-port P --grpc-port G
+repository on PYTHONPATH: `python -m vitserve.bench.peers.triton_server --model M --http-port P --grpc-port G
 --metrics-port Q`. SIGTERM stops Triton and exits 0.
 """
 from __future__ import annotations

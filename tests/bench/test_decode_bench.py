@@ -1,4 +1,4 @@
-"""`python -m bench.decode`: every decoder gives the model's input from the same bytes, and the table says what each
+"""`python -m vitserve.bench.decode`: every decoder gives the model's input from the same bytes, and the table says what each
 cost (a short run on one small photo)."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m bench.engine_ceiling`: the zero-cost model is a real artifact the server loads, and a short level
+"""`python -m vitserve.bench.engine_ceiling`: the zero-cost model is a real artifact the server loads, and a short level
 through a real engine process counts images and CPU."""
 from __future__ import annotations
 

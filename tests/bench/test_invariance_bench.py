@@ -1,4 +1,4 @@
-"""`python -m bench.invariance`: the same images alone and in concurrent bursts through a real server, with the
+"""`python -m vitserve.bench.invariance`: the same images alone and in concurrent bursts through a real server, with the
 server's own statistics proving that the bursts were batched."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`python -m bench.paths`: each HTTP path answers the same image, and the server's CPU per request is split between
+"""`python -m vitserve.bench.paths`: each HTTP path answers the same image, and the server's CPU per request is split between
 its frontend and its engine processes."""
 from __future__ import annotations
 

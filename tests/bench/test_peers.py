@@ -387,7 +387,7 @@ def _fake_report() -> dict:
               "triton": {"image": [{"round": 1, "ok": False, "status": 503, "error": "not ready"},
                                    {"round": 2, **right}]}}
     rows[2]["status_sample"] = {"200": 40, "429": 7}
-    return {"command": "python -m bench.peers", "settings": {**PeersConfig().__dict__, "servers": servers},
+    return {"command": "python -m vitserve.bench.peers", "settings": {**PeersConfig().__dict__, "servers": servers},
             "environment": {"date": "2026-01-01 00:00 UTC", "cpu": "AMD EPYC", "cpus": 2, "python": "3.11.7",
                             "onnxruntime": "1.32.0", "wrk": "wrk 4.1.0", "commit": "abc", "uncommitted_files": 0,
                             "loadavg_start": "0.5 / 0.5 / 0.5", "loadavg_end": "1.0 / 1.0 / 1.0",

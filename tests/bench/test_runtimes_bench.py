@@ -1,4 +1,4 @@
-"""`python -m bench.runtimes`: each runtime this CPU can run, timed on the same file, with its answers' distance from
+"""`python -m vitserve.bench.runtimes`: each runtime this CPU can run, timed on the same file, with its answers' distance from
 ONNX Runtime float32 and what `--runtime auto` picks."""
 from __future__ import annotations
 
