@@ -88,12 +88,13 @@ model-distilled: $(VENV)/.dev-installed
 		--epochs 6 --lr 1.5e-4 --min-lr 1e-6 --warmup-epochs 0.25 --seed 1 --name vit-fmnist --version 2 \
 		--out $(DISTILLED_RUN) --resume --no-progress $(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
 
-# --eval: the temperature of the served probabilities, fitted on half of Fashion-MNIST's test split and measured on
-# the other half (docs/calibration.md)
+# --eval: the temperature of the served probabilities and the OOD score's statistics, fitted on half of
+# Fashion-MNIST's test split and measured on the other half (docs/calibration.md, docs/ood-served.md)
 FASHION_MNIST ?= /usr/share/datasets/fashion-mnist
 export-default: $(VENV)/.dev-installed
 	$(BIN)/vitserve export $(MODEL_DIR)/checkpoint --out $(DEFAULT_MODEL) --eval $(FASHION_MNIST)
 	$(BIN)/vitserve evaluate calibration $(DEFAULT_MODEL) --eval $(FASHION_MNIST) --out docs/calibration.md
+	$(BIN)/python -m vitserve.evaluation.ood --served --model $(DEFAULT_MODEL) --data-dir $(FASHION_MNIST) --out docs/ood-served.md
 
 # Rewrites the committed report on purpose; `vitserve bench` alone writes under build/bench/.
 bench: $(VENV)/.dev-installed

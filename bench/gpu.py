@@ -234,7 +234,7 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
     rows, worst_logits, worst_rollout, agree, total = [], 0.0, 0.0, 0, 0
     for batch in batch_sizes:
         x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
-        (l1, r1), (l0, r0) = graphs.run(x), dynamic.run(x)
+        (l1, r1, *_), (l0, r0, *_) = graphs.run(x), dynamic.run(x)
         worst_logits = max(worst_logits, float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
         worst_rollout = max(worst_rollout, float(np.abs(r1 - r0).max()))
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch

@@ -117,7 +117,7 @@ class ServerUnderTest:
         """The server's effective `Settings`, read by the checkout's own code with the same variables and flags."""
         flags = {a[2:].replace("-", "_").upper(): v for a, v in zip(server_args[::2], server_args[1::2])}
         env = {**os.environ, **self.env(overrides), **{f"VITSERVE_{k}": v for k, v in flags.items()}}
-        code = "from service.settings import Settings; print(Settings().model_dump_json())"
+        code = SETTINGS_READER
         argv = [self.python, "-P", "-c", code] if self.checkout else [sys.executable, "-c", code]
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}
@@ -127,6 +127,19 @@ class ServerUnderTest:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         return ServerProcess(self.argv(model_path, port, cfg.server_args), port, env=self.env(overrides),
                              log_path=cfg.log_dir / f"{log_name}.log")
+
+
+# Run by the checkout's own Python: its Settings under whichever name its layout gives them (this one's; before the
+# ground floor, vitserve.service.settings; before the one import name, service.settings).
+SETTINGS_READER = """
+for name in ("vitserve.service.ground.settings", "vitserve.service.settings", "service.settings"):
+    try:
+        Settings = __import__(name, fromlist=["Settings"]).Settings
+        break
+    except ImportError:
+        continue
+print(Settings().model_dump_json())
+"""
 
 
 def _git(where: Path, *args: str) -> str | None:

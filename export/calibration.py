@@ -138,8 +138,16 @@ def calibrate(logits: np.ndarray, labels: np.ndarray, source: str, seed: int = S
 def graph_logits(session, images: np.ndarray, mean: list[float], std: list[float], batch: int = 250) -> np.ndarray:
     """The float32 graph's logits for uint8 (N, C, H, W) images, through an ONNX Runtime session of its fast
     path (inputs: the pixels only)."""
-    from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
+    from vitserve.artifact import OUTPUT_NAMES
 
-    return np.concatenate([session.run([OUTPUT_NAMES[0]], {INPUT_NAME: normalize_pixels(images[i:i + batch], mean,
-                                                                                         std)})[0]
-                           for i in range(0, len(images), batch)])
+    return graph_outputs(session, images, mean, std, [OUTPUT_NAMES[0]], batch)[0]
+
+
+def graph_outputs(session, images: np.ndarray, mean: list[float], std: list[float], names: list[str],
+                  batch: int = 250) -> list[np.ndarray]:
+    """The named outputs of the graph's fast path for uint8 (N, C, H, W) images, each over all N images."""
+    from vitserve.artifact import INPUT_NAME, normalize_pixels
+
+    runs = [session.run(names, {INPUT_NAME: normalize_pixels(images[i:i + batch], mean, std)})
+            for i in range(0, len(images), batch)]
+    return [np.concatenate([run[k] for run in runs]) for k in range(len(names))]

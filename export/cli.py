@@ -39,8 +39,9 @@ def add_export_parser(subparsers) -> None:
     p.add_argument("--eval", dest="eval_dir", metavar="DIR",
                    help="a labelled set: Fashion-MNIST's folder (its idx files) or DIR/<label>/<image>. The file "
                         "gets a temperature fitted on half of it, so that the served probabilities are calibrated "
-                        "(docs/calibration.md); int8: also the gate's set (without it the gate compares top-1 on "
-                        "photos only)")
+                        "(docs/calibration.md), and an out-of-distribution score fitted on the same half, its "
+                        "threshold on the other (docs/ood.md); int8: also the gate's set (without it the gate "
+                        "compares top-1 on photos only)")
     p.add_argument("--eval-limit", type=positive_count, metavar="N", help="at most N images of --eval")
     p.add_argument("--min-top1-agreement", type=fraction, default=0.99, metavar="F",
                    help="int8: the gate's least top-1 agreement with fp32 (0-1)")
@@ -139,10 +140,18 @@ def human_summary(summary: dict) -> str:
         lines.append(f"relevance path verified: within {r['max_relevance_rel_diff']:.1e} of the largest |relevance| "
                      f"(tolerance {r['tolerance']['relevance']['rtol']:g}); at most {r['tolerance_used']:.0%} of "
                      f"every tolerance")
+    if "embedding_verified" in summary:
+        e = summary["embedding_verified"]
+        sizes = sorted({f"{h}x{w}" for h, w, _, _ in e["cases"]})
+        paths = sorted({path for *_, path in e["cases"]})
+        lines.append(f"embedding verified against PyTorch's class token at {', '.join(sizes)} ({' and '.join(paths)} "
+                     f"path{'s' if len(paths) > 1 else ''}): within {e['max_rel_diff']:.1e} of the largest |value| "
+                     f"(tolerance {e['tolerance']['rtol']:g})")
     if "fp16_vs_fp32" in summary:
         f = summary["fp16_vs_fp32"]
-        lines.append(f"float16 against float32: logits within {f['max_logits_abs_diff']:.1e}, top-1 agreement "
-                     f"{f['top1_agreement']:.4f} on {f['photos']} photos")
+        lines.append(f"float16 against float32: logits within {f['max_logits_abs_diff']:.1e}, embedding within "
+                     f"{f['max_embedding_abs_diff']:.1e}, top-1 agreement {f['top1_agreement']:.4f} on {f['photos']} "
+                     f"photos")
     if "calibration" in summary:
         c = summary["calibration"]
         lines.append(f"calibrated: temperature {c['temperature']:.3f} fitted on {c['fit_images']} images of "
@@ -151,6 +160,10 @@ def human_summary(summary: dict) -> str:
         lines.append(reliability_diagram(c["bins_before"], c["bins_after"]))
     elif "uncalibrated" in summary:
         lines.append(summary["uncalibrated"])
+    if "ood" in summary:
+        lines.append(_ood_line(summary["ood"], summary.get("ood_verified")))
+    elif "no_ood" in summary:
+        lines.append(summary["no_ood"])
     if "int8_vs_fp32" in summary:
         q = summary["int8_vs_fp32"]
         accuracy = "" if q["int8_accuracy"] is None else \
@@ -159,6 +172,17 @@ def human_summary(summary: dict) -> str:
                      f"{q['top1_agreement']:.2%}{accuracy}, rollout Spearman {q['rollout_spearman']['mean']:.4f}")
     lines.append(f"next: vitserve serve --model {summary['path']}")
     return "\n".join(lines)
+
+
+def _ood_line(ood: dict, verified: dict | None) -> str:
+    line = (f"out-of-distribution score: squared Mahalanobis distance to the nearest class mean (rank {ood['rank']}), "
+            f"fitted on {ood['fit_images']} images of {ood['source']}; threshold {ood['threshold']:.4g}, the 99th "
+            f"percentile of {ood['threshold_images']} other images' scores, {ood['false_alarm_rate']:.2%} false alarms "
+            f"on {ood['check_images']} images neither saw")
+    if verified:
+        line += (f"; in the graph within {verified['max_rel_diff']:.1e} of NumPy's largest score (tolerance "
+                 f"{verified['tolerance']['rtol']:g})")
+    return line
 
 
 def _tolerance(name: str, t: dict) -> str:
@@ -172,6 +196,10 @@ def report_summary(report) -> dict:
         summary["calibration"] = report.calibration.to_json()  # with the reliability diagram's bins
     elif report.uncalibrated:
         summary["uncalibrated"] = report.uncalibrated
+    if report.ood:
+        summary["ood"] = report.ood.summary
+    elif report.no_ood:
+        summary["no_ood"] = report.no_ood
     if report.verification:
         v = report.verification
         summary["verified"] = {"cases": [[c.height, c.width, c.batch] for c in v.cases],
@@ -179,6 +207,10 @@ def report_summary(report) -> dict:
                                "tolerances": {"logits": asdict(v.logits_tolerance),
                                               "rollout": asdict(v.rollout_tolerance)},
                                "tolerance_used": v.tolerance_used}
+    if report.embedding:
+        summary["embedding_verified"] = _output_check(report.embedding)
+    if report.ood_verification:
+        summary["ood_verified"] = _output_check(report.ood_verification)
     if report.relevance:
         r = report.relevance
         summary["relevance_verified"] = {"cases": [[c.height, c.width, c.batch] for c in r.cases],
@@ -189,7 +221,9 @@ def report_summary(report) -> dict:
         f = report.fp16
         summary["fp16_vs_fp32"] = {"max_logits_abs_diff": f.logits_max_abs_diff, "logits_tolerance": f.logits_tolerance,
                                    "rollout_tolerance": f.rollout_tolerance,
-                                   "max_rollout_abs_diff": f.rollout_max_abs_diff, "photos": f.photos,
+                                   "max_rollout_abs_diff": f.rollout_max_abs_diff,
+                                   "max_embedding_abs_diff": f.embedding_max_abs_diff,
+                                   "embedding_tolerance": f.embedding_tolerance, "photos": f.photos,
                                    "near_ties": f.ties, "top1_agreement": f.top1_agreement}
     if report.int8:
         q = report.int8
@@ -202,3 +236,10 @@ def report_summary(report) -> dict:
                                    {"mean": q.relevance_spearman_mean, "min": q.relevance_spearman_min},
                                    "gate": q.gate}
     return summary
+
+
+def _output_check(report) -> dict:
+    """An output's check (export/verify.py OutputReport) as JSON: its cases [height, width, batch, path]."""
+    return {"cases": [[c.height, c.width, c.batch, c.path] for c in report.cases],
+            "max_rel_diff": report.max_rel_diff, "tolerance": asdict(report.tolerance),
+            "tolerance_used": report.tolerance_used}

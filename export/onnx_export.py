@@ -1,5 +1,6 @@
-"""Checkpoint -> ONNX: dynamic batch, height and width, logits and in-graph attention rollout (and, in the same
-file, the class-specific relevance path: export/relevance_graph.py).
+"""Checkpoint -> ONNX: dynamic batch, height and width, logits, in-graph attention rollout and the embedding (and, in
+the same file, the class-specific relevance path: export/relevance_graph.py; with a labelled set, the OOD score:
+export/ood_graph.py).
 
 `torch.export.export` runs first, with `Dim` dynamic shapes (height and width as multiples of the
 patch), so a violated shape constraint raises here instead of `torch.onnx.export` silently
@@ -24,32 +25,35 @@ from torch.export import Dim
 
 from vitserve.export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
 from vitserve.export.rollout import attention_rollout
-from vitserve.export.verify import (ExportVerificationError, Fp16Report, RelevanceReport, VerificationReport,
-                           require_symbolic_input)
+from vitserve.export.verify import (ExportVerificationError, Fp16Report, OutputReport, RelevanceReport,
+                                    VerificationReport, require_symbolic_input)
 from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from vitserve.model.vit import VisionTransformer
-from vitserve.artifact import (INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, PRECISIONS, RELEVANCE_NAME,
-                               TARGET_NAME, TOP1_TARGET, ModelInfo, normalize_pixels)
+from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, PRECISIONS,
+                               RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, ModelInfo, normalize_pixels)
 
 if TYPE_CHECKING:
     from vitserve.export.accuracy_gate import Int8Report
     from vitserve.export.calibration import Calibration
+    from vitserve.export.ood import OodScore
 
 MAX_SINGLE_FILE_BYTES = 2**31 - 1  # protobuf's limit; larger models need ONNX external data
+FAST_OUTPUTS = (*OUTPUT_NAMES, EMBEDDING_NAME)
 
 
 class ViTWithRollout(nn.Module):
-    """What the artifact computes: pixels (B, C, H, W) -> (logits (B, K), rollout (B, H/P, W/P))."""
+    """What the artifact's fast path computes: pixels (B, C, H, W) -> (logits (B, K), rollout (B, H/P, W/P),
+    embedding (B, D): the class token after the final LayerNorm, what the head reads)."""
 
     def __init__(self, vit: VisionTransformer):
         super().__init__()
         self.vit = vit
 
-    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits, attentions = self.vit.forward_with_attention(pixel_values)
+    def forward(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        tokens, attentions = self.vit.forward_features(pixel_values, return_attention=True)  # (B, N, D)
         patch = self.vit.cfg.patch_size
         grid = (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)  # symbolic under export
-        return logits, attention_rollout(attentions, grid)
+        return self.vit.forward_head(tokens), attention_rollout(attentions, grid), tokens[:, 0]
 
 
 @dataclass
@@ -66,6 +70,10 @@ class ExportReport:
     relevance: RelevanceReport | None = None  # the relevance path vs PyTorch and NumPy (with the relevance path)
     calibration: "Calibration | None" = None  # the fitted temperature and its effect (with a labelled set)
     uncalibrated: str | None = None  # why a labelled set gave no temperature (too few images)
+    embedding: OutputReport | None = None  # the embedding output vs PyTorch's class token
+    ood: "OodScore | None" = None  # the OOD score's fit (with a labelled set)
+    no_ood: str | None = None  # why a labelled set gave no OOD score (too few images, or of a class)
+    ood_verification: OutputReport | None = None  # the in-graph score vs NumPy's from the same embedding
 
 
 def export_program(module: nn.Module, patch_size: int, example: torch.Tensor,
@@ -117,7 +125,7 @@ def _quiet_exporter():
 
 
 def relevance_onnx(vit: VisionTransformer, opset: int | None = None) -> onnx.ModelProto:
-    """The relevance path alone (pixels, target class -> logits, rollout, relevance) as ONNX."""
+    """The relevance path alone (pixels, target class -> logits, rollout, relevance, embedding) as ONNX."""
     from vitserve.export.relevance_graph import BRANCH_OUTPUTS, trace_relevance
 
     example = example_input(vit)
@@ -164,7 +172,7 @@ def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str, 
         image_size=tuple(cfg.image_size), channels=cfg.in_channels, mean=list(meta.mean), std=list(meta.std),
         precision=precision, exporter=f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(vit.state_dict()), architecture=cfg.to_dict(),
-        test_accuracy=None if accuracy is None else float(accuracy), maps=maps)
+        test_accuracy=None if accuracy is None else float(accuracy), maps=maps, embedding_size=cfg.embed_dim)
 
 
 def strip_debug_metadata(proto: onnx.ModelProto) -> None:
@@ -210,8 +218,10 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
 
     `precision`: fp32; fp16 (for GPUs: export/fp16.py); int8 (for CPUs: export/int8.py), verified by an accuracy
     gate against the float32 graph (export/accuracy_gate.py) on `eval_dir`'s labelled images and on photos.
-    With `eval_dir`, in every precision, the file also carries a temperature fitted on half of those images
-    (export/calibration.py): the server's probabilities are then calibrated.
+    Every file outputs the embedding (the class token the head reads). With `eval_dir`, in every precision, the file
+    also carries a temperature fitted on half of those images (export/calibration.py): the server's probabilities are
+    then calibrated; and the OOD score, fitted on the same half (export/ood.py, computed in the graph:
+    export/ood_graph.py), with its threshold taken on the other half.
     `fp16=True` is the older spelling of precision="fp16".
 
     With `relevance` the file also carries the relevance path (export/relevance_graph.py), in float32 even in a
@@ -229,25 +239,14 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     say = progress or (lambda text: None)
     started = time.perf_counter()
     vit, meta = load_checkpoint(checkpoint_dir)  # (a bad checkpoint is one error line, before any progress)
-    # the labelled set (the temperature; int8's scales and gate) is read first: a folder it cannot use is an
-    # EvalSetError now, not after a minute
+    # the labelled set (the temperature, the OOD statistics; int8's scales and gate) is read first: a folder it
+    # cannot use is an EvalSetError now, not after a minute
     labelled = _labelled_set(vit, meta, eval_dir, eval_limit)
     say(f"tracing {meta.name} {meta.version} into ONNX (any batch, height and width; position embeddings "
         "interpolated in the graph)")
-    fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), OUTPUT_NAMES, opset)
+    fast = to_onnx(ViTWithRollout(vit), vit.cfg.patch_size, example_input(vit), FAST_OUTPUTS, opset)
     proto, explained = fast, None
-    calibration, uncalibrated = None, None
-    if labelled is not None:
-        from vitserve.export.calibration import MIN_IMAGES, calibrate, graph_logits
-
-        if len(labelled.labels) < MIN_IMAGES:  # an int8 gate's small set: the export goes on, uncalibrated
-            uncalibrated = (f"not calibrated: {len(labelled.labels)} labelled images, a temperature needs at least "
-                            f"{MIN_IMAGES}")
-            say(uncalibrated)
-        else:
-            say(f"fitting the temperature of the probabilities on half of {len(labelled.labels)} labelled images")
-            logits = graph_logits(checks.cpu_session(fast), labelled.images, list(meta.mean), list(meta.std))
-            calibration = calibrate(logits, labelled.labels, labelled.source)
+    fits = LabelledFits() if labelled is None else fit_on_labelled(fast, labelled, meta, say)
     if precision == "fp16":
         from vitserve.export.fp16 import convert_to_fp16
 
@@ -256,9 +255,9 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     elif precision == "int8":
         from vitserve.export.int8 import quantize_int8
 
-        calibration, labelled, calibrated_on = calibration_split(vit, meta, labelled)
+        batches, labelled, calibrated_on = calibration_split(vit, meta, labelled)
         say(f"quantizing the Linear layers to int8, activation scales calibrated on {calibrated_on}")
-        proto = quantize_int8(fast, calibration)
+        proto = quantize_int8(fast, batches)
     if relevance:
         from vitserve.export.relevance_graph import with_relevance_branch
 
@@ -267,9 +266,15 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
         proto = with_relevance_branch(proto, relevance_graph)
         if precision == "int8" and verify:
             explained = with_relevance_branch(fast, relevance_graph)  # the float32 artifact the gate compares to
+    if fits.ood is not None:
+        from vitserve.export.ood_graph import with_ood_score
+
+        proto = with_ood_score(proto, fits.ood)  # after the If: both paths score their own embedding
     info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
-    if calibration is not None:
-        info = replace(info, temperature=calibration.temperature, calibration=calibration.summary())
+    if fits.calibration is not None:
+        info = replace(info, temperature=fits.calibration.temperature, calibration=fits.calibration.summary())
+    if fits.ood is not None:
+        info = replace(info, ood=fits.ood.summary)
     metadata = info.to_metadata()
     if inspection_images > 0:
         pixels, source = inspection_pixels(vit, meta, inspection_images, inspection_dir)
@@ -279,12 +284,15 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
     save_model(proto, out_path)
     export_seconds = time.perf_counter() - started
     opset_used = next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
-    report = ExportReport(out_path, info.precision, opset_used, out_path.stat().st_size,
-                          export_seconds, metadata, None, calibration=calibration, uncalibrated=uncalibrated)
+    report = ExportReport(out_path, info.precision, opset_used, out_path.stat().st_size, export_seconds, metadata,
+                          None, calibration=fits.calibration, uncalibrated=fits.uncalibrated, ood=fits.ood,
+                          no_ood=fits.no_ood)
     if verify:
         try:
             say("verifying ONNX Runtime against PyTorch at several sizes")
-            report.verification = checks.verify_against_torch(str(out_path) if precision == "fp32" else fast, vit)
+            float32 = str(out_path) if precision == "fp32" else fast
+            report.verification = checks.verify_against_torch(float32, vit)
+            report.embedding = checks.verify_embedding(float32, vit)
             if precision == "fp16":
                 say("checking the float16 file against float32")
                 report.fp16 = checks.verify_fp16(str(out_path), fast, vit, meta)
@@ -295,12 +303,50 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
             if relevance:
                 say("verifying the relevance path against PyTorch")
                 report.relevance = checks.verify_relevance(str(out_path), vit)
+            if fits.ood is not None:
+                say("verifying the in-graph OOD score against NumPy's from the same embeddings")
+                report.ood_verification = checks.verify_ood_score(str(out_path), vit)
             checks.check_artifact(str(out_path), metadata)
         except ExportVerificationError as e:
             rejected = out_path.with_name(out_path.name + ".rejected")
             out_path.replace(rejected)  # never leave an unverified model where a server would load it
             raise ExportVerificationError(f"{e} (the rejected model was moved to {rejected})") from e
     return report
+
+
+@dataclass
+class LabelledFits:
+    """What a labelled set fitted (export/calibration.py, export/ood.py), or why it could not."""
+
+    calibration: "Calibration | None" = None
+    uncalibrated: str | None = None
+    ood: "OodScore | None" = None
+    no_ood: str | None = None
+
+
+def fit_on_labelled(fast: onnx.ModelProto, labelled, meta: CheckpointMeta, say) -> LabelledFits:
+    """The temperature and the OOD statistics, each fitted on the same seeded half of the labelled set, from the
+    float32 fast graph's logits and embeddings (through ONNX Runtime, as the server computes them). A set too small
+    for one leaves it out, with the reason, and the export goes on (an int8 gate's small set)."""
+    from vitserve.export.calibration import MIN_IMAGES, calibrate, graph_outputs
+    from vitserve.export.ood import OodFitError, fit_ood_score
+    from vitserve.export.verify import cpu_session
+
+    fits, count = LabelledFits(), len(labelled.labels)
+    logits, embeddings = graph_outputs(cpu_session(fast), labelled.images, list(meta.mean), list(meta.std),
+                                       [OUTPUT_NAMES[0], EMBEDDING_NAME])
+    if count < MIN_IMAGES:
+        fits.uncalibrated = f"not calibrated: {count} labelled images, a temperature needs at least {MIN_IMAGES}"
+        say(fits.uncalibrated)
+    else:
+        say(f"fitting the temperature and the out-of-distribution statistics on half of {count} labelled images")
+        fits.calibration = calibrate(logits, labelled.labels, labelled.source)
+    try:
+        fits.ood = fit_ood_score(embeddings, labelled.labels, list(meta.labels), labelled.source)
+    except OodFitError as e:
+        fits.no_ood = str(e)
+        say(fits.no_ood)
+    return fits
 
 
 def _labelled_set(vit: VisionTransformer, meta: CheckpointMeta, eval_dir, eval_limit):

@@ -45,14 +45,16 @@ def relevance_rollout(attentions: list[torch.Tensor], gradients: list[torch.Tens
 
 
 def class_token_maps(vit, tokens: torch.Tensor, target: torch.Tensor):
-    """From embedded tokens: logits, and the class token's rollout and relevance over the patches, flat.
+    """From embedded tokens: logits, the class token's rollout and relevance over the patches (flat), and its
+    embedding.
 
     Args:
         vit: a model.vit.VisionTransformer.
         tokens: (B, N, D) embedded tokens (`vit.embed`); gradients stop here, attention is all they reach.
         target: (B,) int64 class per image; `TOP1` (-1) explains the predicted class.
     Returns:
-        logits (B, K), rollout (B, N - 1), relevance (B, N - 1), all detached.
+        logits (B, K), rollout (B, N - 1), relevance (B, N - 1) and the embedding (B, D) (the class token after the
+        final LayerNorm, what the head reads), all detached.
     """
     with torch.enable_grad():
         # Gradients are taken w.r.t. the attention, whatever the parameters' requires_grad (a frozen model too).
@@ -60,7 +62,8 @@ def class_token_maps(vit, tokens: torch.Tensor, target: torch.Tensor):
         for block in vit.blocks:
             x, attn = block(x, return_attention=True)
             attentions.append(attn)
-        logits = vit.forward_head(vit.norm(x))
+        normed = vit.norm(x)  # (B, N, D)
+        logits = vit.forward_head(normed)
         chosen = torch.where(target < 0, logits.argmax(dim=-1), target)  # (B,)
         # Images are independent, so the gradient of the sum is each image's own gradient.
         score = logits.gather(1, chosen[:, None]).sum()
@@ -68,7 +71,8 @@ def class_token_maps(vit, tokens: torch.Tensor, target: torch.Tensor):
     attentions = [a.detach() for a in attentions]
     flat_grid = (1, attentions[0].shape[-1] - 1)
     rollout = attention_rollout(attentions, flat_grid)[:, 0]  # (B, N - 1)
-    return logits.detach(), rollout, relevance_rollout(attentions, [g.detach() for g in gradients])
+    relevance = relevance_rollout(attentions, [g.detach() for g in gradients])
+    return logits.detach(), rollout, relevance, normed[:, 0].detach()
 
 
 def explain(vit, pixels: torch.Tensor, target: torch.Tensor | None = None):
@@ -80,5 +84,5 @@ def explain(vit, pixels: torch.Tensor, target: torch.Tensor | None = None):
         target = torch.full((pixels.shape[0],), TOP1, dtype=torch.long)
     patch = vit.cfg.patch_size
     grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
-    logits, rollout, relevance = class_token_maps(vit, vit.embed(pixels).detach(), target)
+    logits, rollout, relevance, _ = class_token_maps(vit, vit.embed(pixels).detach(), target)
     return logits, rollout.reshape(-1, *grid), relevance.reshape(-1, *grid)

@@ -9,7 +9,8 @@ operations. The traced module is then exported like the fast model.
 Joining: ONNX Runtime runs every node of a graph whatever outputs are asked for (measured: a graph with two
 independent chains costs the same for one output as for both), so the two paths cannot simply share a graph. The
 artifact's graph is one `If` on whether `target_class` has elements: the else branch is the fast graph (logits,
-rollout; relevance empty), the then branch the relevance graph (logits, rollout, relevance). `target_class` has
+rollout, embedding; relevance empty), the then branch the relevance graph (logits, rollout, relevance, embedding).
+Nodes after the `If` read its outputs whichever branch ran (export/ood_graph.py's score). `target_class` has
 an empty default, so a caller that feeds only pixels (any server of format 1) gets the fast path, and the fast
 path pays one `If` and nothing of the gradient graph. Weights the branches share are stored once, at the top.
 """
@@ -24,13 +25,14 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from vitserve.export.relevance import class_token_maps
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 
-BRANCH_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME)
+BRANCH_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME)  # each branch's, and the `If`'s, in this order
 
 
 class ViTWithRelevance(nn.Module):
-    """(pixels (B, C, H, W), target (B,) int64) -> logits (B, K), rollout and relevance (B, H/P, W/P)."""
+    """(pixels (B, C, H, W), target (B,) int64) -> logits (B, K), rollout and relevance (B, H/P, W/P), embedding
+    (B, D)."""
 
     def __init__(self, vit, traced_maps: nn.Module):
         super().__init__()
@@ -38,10 +40,10 @@ class ViTWithRelevance(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, target_class: torch.Tensor):
         tokens = self.vit.embed(pixel_values)  # (B, N, D)
-        logits, rollout, relevance = self.traced_maps(tokens, target_class)  # maps (B, N - 1)
+        logits, rollout, relevance, embedding = self.traced_maps(tokens, target_class)  # maps (B, N - 1)
         patch = self.vit.cfg.patch_size
         grid = (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)  # symbolic under export
-        return logits, rollout.reshape(-1, grid[0], grid[1]), relevance.reshape(-1, grid[0], grid[1])
+        return logits, rollout.reshape(-1, grid[0], grid[1]), relevance.reshape(-1, grid[0], grid[1]), embedding
 
 
 def trace_relevance(vit, example_pixels: torch.Tensor) -> ViTWithRelevance:
@@ -72,6 +74,7 @@ def with_relevance_branch(fast: onnx.ModelProto, relevance: onnx.ModelProto) -> 
     empty = numpy_helper.from_array(np.zeros((0, 0, 0), np.float32), "fast/relevance")
     fast.graph.node.append(helper.make_node("Constant", [], ["fast/relevance"], value=empty))
     fast.graph.output.append(helper.make_tensor_value_info("fast/relevance", TensorProto.FLOAT, [0, 0, 0]))
+    _order_outputs(fast.graph, [f"fast/{name}" for name in BRANCH_OUTPUTS])  # a branch's outputs are the If's
     for branch in (fast.graph, relevance.graph):
         del branch.input[:]  # a branch reads the outer graph's inputs by name
     no_target = numpy_helper.from_array(np.zeros((0,), np.int64), TARGET_NAME)
@@ -84,6 +87,7 @@ def with_relevance_branch(fast: onnx.ModelProto, relevance: onnx.ModelProto) -> 
     outputs = [_output(fast, f"fast/{name}", name) for name in OUTPUT_NAMES]
     outputs.append(helper.make_tensor_value_info(RELEVANCE_NAME, TensorProto.FLOAT,
                                                  ["explained", "explained_height", "explained_width"]))
+    outputs.append(_output(fast, f"fast/{EMBEDDING_NAME}", EMBEDDING_NAME))
     graph = helper.make_graph(nodes, fast.graph.name or "vit", [pixels, _target_input()], outputs,
                               [*shared, no_target])
     opsets = {o.domain: o.version for o in [*relevance.opset_import, *fast.opset_import]}
@@ -112,6 +116,15 @@ def _output(model: onnx.ModelProto, branch_name: str, name: str) -> onnx.ValueIn
     value.CopyFrom(next(o for o in model.graph.output if o.name == branch_name))
     value.name = name
     return value
+
+
+def _order_outputs(graph: onnx.GraphProto, names: list[str]) -> None:
+    by_name = {o.name: o for o in graph.output}
+    ordered = [onnx.ValueInfoProto() for _ in names]
+    for value, name in zip(ordered, names):
+        value.CopyFrom(by_name[name])
+    del graph.output[:]
+    graph.output.extend(ordered)
 
 
 def _target_input() -> onnx.ValueInfoProto:

@@ -1,4 +1,5 @@
-"""Export is verified, not trusted: structure, symbolic dims, ONNX Runtime vs PyTorch, rollout and relevance vs NumPy.
+"""Export is verified, not trusted: structure, symbolic dims, ONNX Runtime vs PyTorch, rollout and relevance vs NumPy,
+the embedding vs PyTorch's class token and the OOD score vs NumPy's.
 
 Every check raises ExportVerificationError with the numbers that failed; the reports carry the
 numbers that passed, so the caller can print them.
@@ -11,11 +12,13 @@ import numpy as np
 import onnx
 import torch
 
+from vitserve.export.ood import nearest_class_distance
+from vitserve.export.ood_graph import stored_ood_arrays
 from vitserve.export.relevance import explain
 from vitserve.export.rollout import attention_rollout
 from vitserve.export.rollout_reference import numpy_attention_rollout, numpy_relevance
-from vitserve.artifact import (INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo,
-                               normalize_pixels)
+from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME,
+                               ArtifactError, ModelInfo, normalize_pixels)
 
 # Every check compares two computations of the same numbers in different orders (ONNX Runtime's kernels against
 # PyTorch's, fp16 against fp32), and rounding makes their difference grow with the size of what is compared:
@@ -51,12 +54,19 @@ ROLLOUT_TOLERANCE = Tolerance(atol=1e-5, rtol=1e-4)  # rollout values lie in [0,
 # so the tolerance is relative alone (measured: 2.5e-6 of the largest |relevance| on the default model, up to
 # 1.6e-5 on the hybrid above).
 RELEVANCE_TOLERANCE = Tolerance(atol=0.0, rtol=1e-4)
+# The embedding (the class token after the final LayerNorm) vs PyTorch eager, at the trained size and twice it: a
+# LayerNorm output's scale is its weight's, whatever the image, so the tolerance is relative alone.
+EMBEDDING_TOLERANCE = Tolerance(atol=0.0, rtol=1e-5)
+# The in-graph OOD score vs NumPy's (float64) from the same embedding output and the file's stored arrays: only
+# float32 rounding of one projection and a sum of squares between them.
+OOD_SCORE_TOLERANCE = Tolerance(atol=0.0, rtol=1e-4)
 # float16 graph vs float32: logits within FP16_LOGITS_RTOL of the largest |logit| (at least 1), rollout within
 # FP16_ROLLOUT_TOLERANCE, and the same top-1 class on real photos wherever the float32 top-2 margin exceeds the
 # logits tolerance (closer calls are ties that fp16 rounding may legitimately flip). float16 keeps 11 bits, about
 # 5e-4 of a value: its relative tolerances are twenty times that.
 FP16_LOGITS_RTOL = 1e-2
 FP16_ROLLOUT_TOLERANCE = Tolerance(atol=2e-3, rtol=1e-2)
+FP16_EMBEDDING_TOLERANCE = Tolerance(atol=0.0, rtol=1e-2)
 BATCH_SIZES = (1, 3)
 
 
@@ -147,6 +157,46 @@ class Fp16Report:
     ties: int = 0  # photos whose fp32 top-2 margin was within tolerance (not counted against agreement)
     sizes: list[tuple[int, int]] = field(default_factory=list)
     rollout_tolerance: float = FP16_ROLLOUT_TOLERANCE.atol  # FP16_ROLLOUT_TOLERANCE at the largest fp32 rollout value
+    embedding_max_abs_diff: float = 0.0
+    embedding_tolerance: float = 0.0  # FP16_EMBEDDING_TOLERANCE at the largest |fp32 embedding value|
+
+
+@dataclass
+class OutputCase:
+    """One output of one path of the graph at one input, against its reference."""
+
+    height: int
+    width: int
+    batch: int
+    path: str  # "fast" (pixels alone) or "relevance" (target classes fed)
+    max_abs_diff: float
+    largest: float  # the reference's largest |value|
+    bound: float  # the tolerance there
+
+    @property
+    def max_rel_diff(self) -> float:
+        return self.max_abs_diff / max(self.largest, 1e-30)
+
+    @property
+    def tolerance_used(self) -> float:
+        return self.max_abs_diff / max(self.bound, 1e-30)
+
+
+@dataclass
+class OutputReport:
+    """One output (EMBEDDING_NAME, OOD_SCORE_NAME) checked in every path at every case."""
+
+    output: str
+    cases: list[OutputCase]
+    tolerance: Tolerance
+
+    @property
+    def max_rel_diff(self) -> float:
+        return max(c.max_rel_diff for c in self.cases)
+
+    @property
+    def tolerance_used(self) -> float:
+        return max(c.tolerance_used for c in self.cases)
 
 
 def verification_sizes(image_size: tuple[int, int], patch: int) -> list[tuple[int, int]]:
@@ -190,9 +240,12 @@ def check_graph(model: str | onnx.ModelProto) -> onnx.ModelProto:
         raise ExportVerificationError(f"input dims are {named}, the contract names them batch, height, width")
     inputs, outputs = [i.name for i in proto.graph.input], [o.name for o in proto.graph.output]
     contracts = ([[INPUT_NAME], list(OUTPUT_NAMES)], [[INPUT_NAME, TARGET_NAME], [*OUTPUT_NAMES, RELEVANCE_NAME]])
-    if [inputs, outputs] not in contracts:
+    optional = [EMBEDDING_NAME, OOD_SCORE_NAME]  # after the required outputs, in this order where present
+    if not any(inputs == i and outputs[:len(o)] == o and outputs[len(o):] == optional[:len(outputs) - len(o)]
+               for i, o in contracts):
         raise ExportVerificationError(f"the graph maps {inputs} to {outputs}; the contract says "
-                                      f"{' or '.join(f'{i} to {o}' for i, o in contracts)}")
+                                      f"{' or '.join(f'{i} to {o}' for i, o in contracts)}, then optionally "
+                                      f"{optional} in that order")
     return proto
 
 
@@ -207,10 +260,16 @@ def check_artifact(path: str, metadata: dict[str, str]) -> None:
         info = ModelInfo.from_metadata(stored)
     except ArtifactError as e:
         raise ExportVerificationError(f"a server would refuse this file: {e}") from e
-    has_relevance = RELEVANCE_NAME in [o.name for o in proto.graph.output]
+    outputs = [o.name for o in proto.graph.output]
+    has_relevance = RELEVANCE_NAME in outputs
     if info.explains_classes != has_relevance:
         raise ExportVerificationError(f"the metadata lists the maps {list(info.maps)} but the graph "
                                       f"{'has' if has_relevance else 'lacks'} the relevance output")
+    extras = tuple(o for o in outputs if o in (EMBEDDING_NAME, OOD_SCORE_NAME))
+    if extras != info.extra_outputs:
+        raise ExportVerificationError(f"the metadata describes the optional outputs {list(info.extra_outputs)} "
+                                      f"(embedding_size {info.embedding_size}, ood {bool(info.ood)}) but the graph "
+                                      f"has {list(extras)}")
 
 
 def cpu_session(model: str | bytes | onnx.ModelProto, threads: int = 0):
@@ -324,6 +383,72 @@ def verify_relevance(model: str | bytes | onnx.ModelProto, vit, sizes: list[tupl
     return report
 
 
+def extra_output_sizes(image_size: tuple[int, int]) -> list[tuple[int, int]]:
+    """The trained size and twice it: the embedding and the OOD score are checked at both."""
+    return [tuple(image_size), (2 * image_size[0], 2 * image_size[1])]
+
+
+def path_feeds(session, x: np.ndarray, num_classes: int) -> list[tuple[str, dict]]:
+    """(path, feeds) for each path the graph has: pixels alone (fast), and with target classes (relevance)."""
+    feeds = [("fast", {INPUT_NAME: x})]
+    # ONNX Runtime lists an input with a default (the target's, empty) among the overridable initializers
+    if TARGET_NAME in {i.name for i in [*session.get_inputs(), *session.get_overridable_initializers()]}:
+        feeds.append(("relevance", {INPUT_NAME: x, TARGET_NAME: relevance_targets(len(x), num_classes)}))
+    return feeds
+
+
+def output_case(x: np.ndarray, path: str, actual: np.ndarray, reference: np.ndarray,
+                tolerance: Tolerance) -> OutputCase:
+    if actual.shape != reference.shape:
+        raise ExportVerificationError(f"input {x.shape}, {path} path: an output of shape {actual.shape}, expected "
+                                      f"{reference.shape}")
+    return OutputCase(x.shape[2], x.shape[3], x.shape[0], path, float(np.abs(actual - reference).max()),
+                      float(np.abs(reference).max()), tolerance.bound(reference))
+
+
+def checked(report: OutputReport, what: str) -> OutputReport:
+    bad = [c for c in report.cases if c.tolerance_used > 1]
+    if bad:
+        raise ExportVerificationError(f"{what} beyond {report.tolerance} (each case's bound beside its difference): "
+                                      f"{bad}")
+    return report
+
+
+def verify_embedding(model: str | bytes | onnx.ModelProto, vit,
+                     batches: tuple[int, ...] = BATCH_SIZES) -> OutputReport:
+    """The embedding output of every path the graph has vs PyTorch's class token after the final LayerNorm
+    (`forward_features(x)[0][:, 0]`), at the trained size and twice it."""
+    cfg = vit.cfg
+    session = cpu_session(model)
+    cases = []
+    for i, (size, batch) in enumerate((s, b) for s in extra_output_sizes(cfg.image_size) for b in batches):
+        x = random_pixels(batch, cfg.in_channels, size, seed=200 + i)
+        with torch.no_grad():
+            reference = vit.forward_features(torch.from_numpy(x))[0][:, 0].numpy()  # (B, D)
+        for path, feeds in path_feeds(session, x, cfg.num_classes):
+            (embedding,) = session.run([EMBEDDING_NAME], feeds)
+            cases.append(output_case(x, path, embedding, reference, EMBEDDING_TOLERANCE))
+    return checked(OutputReport(EMBEDDING_NAME, cases, EMBEDDING_TOLERANCE),
+                   "the embedding output differs from PyTorch's class token")
+
+
+def verify_ood_score(path: str, vit, batches: tuple[int, ...] = BATCH_SIZES) -> OutputReport:
+    """The OOD score output of every path the file has vs NumPy's from its embedding output and the arrays the file
+    stores (export/ood.py `nearest_class_distance`), at the trained size and twice it."""
+    cfg = vit.cfg
+    projection, projected_means = stored_ood_arrays(onnx.load(path))
+    session = cpu_session(path)
+    cases = []
+    for i, (size, batch) in enumerate((s, b) for s in extra_output_sizes(cfg.image_size) for b in batches):
+        x = random_pixels(batch, cfg.in_channels, size, seed=300 + i)
+        for name, feeds in path_feeds(session, x, cfg.num_classes):
+            embedding, score = session.run([EMBEDDING_NAME, OOD_SCORE_NAME], feeds)
+            reference = nearest_class_distance(embedding, projection, projected_means)
+            cases.append(output_case(x, name, score, reference, OOD_SCORE_TOLERANCE))
+    return checked(OutputReport(OOD_SCORE_NAME, cases, OOD_SCORE_TOLERANCE),
+                   "the in-graph OOD score differs from NumPy's")
+
+
 # skimage.data images that ship with scikit-image (no download): natural photos, colour and grey.
 COLOUR_PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "hubble_deep_field", "immunohistochemistry", "retina")
 GREY_PHOTOS = ("camera", "moon", "coins", "page", "text", "clock", "grass", "gravel", "brick", "cell")
@@ -356,14 +481,17 @@ def verify_fp16(fp16_model: str | bytes | onnx.ModelProto, fp32_model: str | byt
     cfg = vit.cfg
     sizes = verification_sizes(cfg.image_size, cfg.patch_size)
     runs = []  # (fp16 logits, fp32 logits, is_photo)
-    rollout_diff = rollout_scale = 0.0
+    rollout_diff = rollout_scale = embedding_diff = embedding_scale = 0.0
+    names = [*OUTPUT_NAMES, EMBEDDING_NAME]
     for i, size in enumerate(sizes):
         photos = photo_batch(cfg.in_channels, size, meta.mean, meta.std)
         for x, is_photo in ((random_pixels(3, cfg.in_channels, size, seed=100 + i), False), (photos, True)):
             feeds = {INPUT_NAME: x}
-            (l16, r16), (l32, r32) = half.run(list(OUTPUT_NAMES), feeds), full.run(list(OUTPUT_NAMES), feeds)
+            (l16, r16, e16), (l32, r32, e32) = half.run(names, feeds), full.run(names, feeds)
             rollout_diff = max(rollout_diff, float(np.abs(r16 - r32).max()))
             rollout_scale = max(rollout_scale, float(np.abs(r32).max()))
+            embedding_diff = max(embedding_diff, float(np.abs(e16 - e32).max()))
+            embedding_scale = max(embedding_scale, float(np.abs(e32).max()))
             runs.append((l16, l32, is_photo))
     tolerance = FP16_LOGITS_RTOL * max(1.0, max(float(np.abs(l32).max()) for _, l32, _ in runs))
     logits_diff = max(float(np.abs(l16 - l32).max()) for l16, l32, _ in runs)
@@ -372,8 +500,11 @@ def verify_fp16(fp16_model: str | bytes | onnx.ModelProto, fp32_model: str | byt
     clear = (top2[:, 1] - top2[:, 0]) > tolerance  # photos whose fp32 decision is not a near-tie
     agree = int((l16.argmax(1) == l32.argmax(1))[clear].sum())
     report = Fp16Report(logits_diff, rollout_diff, tolerance, agree / max(1, int(clear.sum())), len(l32),
-                        int((~clear).sum()), sizes, FP16_ROLLOUT_TOLERANCE.bound(np.array(rollout_scale)))
-    if logits_diff > tolerance or rollout_diff > report.rollout_tolerance or agree != int(clear.sum()):
+                        int((~clear).sum()), sizes, FP16_ROLLOUT_TOLERANCE.bound(np.array(rollout_scale)),
+                        embedding_diff, FP16_EMBEDDING_TOLERANCE.bound(np.array(embedding_scale)))
+    if (logits_diff > tolerance or rollout_diff > report.rollout_tolerance
+            or embedding_diff > report.embedding_tolerance or agree != int(clear.sum())):
         raise ExportVerificationError(f"fp16 graph differs from fp32 beyond logits {tolerance:.3g} / rollout "
-                                      f"{report.rollout_tolerance:.3g} / top-1 agreement on photos: {report}")
+                                      f"{report.rollout_tolerance:.3g} / embedding {report.embedding_tolerance:.3g} / "
+                                      f"top-1 agreement on photos: {report}")
     return report

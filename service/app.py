@@ -23,7 +23,7 @@ from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
 from vitserve.service.http.compression import ResponseCompression
 from vitserve.service.http.infer_lane import InferenceLane
-from vitserve.service.http.routes import classify, open_inference, operations, repository, web
+from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
 from vitserve.service.engine.runtime import InferenceModel
 from vitserve.service.ground.settings import Settings
 from vitserve.service.core.state import ServiceState
@@ -76,7 +76,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     if tracing.enabled():  # installed only when on: off, tracing costs nothing per request
         app.add_middleware(TracingMiddleware)
     # the web page and the docs last: routing an API request never looks at their routes
-    for router in (classify.router, repository.router, open_inference.router, operations.router, web.router):
+    for router in (classify.router, embed.router, repository.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
     app.openapi = partial(openapi_document, app)
     return app

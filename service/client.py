@@ -61,11 +61,11 @@ class LocalPredictor:
         except ServiceError as e:
             return Prediction(image, error=f"{e.code}: {e}")
         if self.target is None:
-            logits, shown = self.model.run(prepared.pixels[None])  # (1, K), (1, h, w)
+            logits, shown = self.model.run(prepared.pixels[None])[:2]  # (1, K), (1, h, w)
         else:
             import numpy as np
 
-            logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))
+            logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))[:3]
         predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
                                           "overlay" if want_overlay else "none", info.temperature)
         return Prediction(image, [(p.label, p.score) for p in predictions],

@@ -25,6 +25,14 @@ OUTPUT_NAMES = ("logits", "rollout")
 TARGET_NAME = "target_class"
 RELEVANCE_NAME = "relevance"
 TOP1_TARGET = -1
+# Optional outputs, after the required ones (in this order, where present), in the fast path and the relevance path:
+# the image embedding, the class token after the final LayerNorm and before the head, float32 [batch, D] (files
+# exported since issue #42; ModelInfo.embedding_size says D, 0: absent); and the out-of-distribution score, float32
+# [batch], the squared Mahalanobis distance of the embedding to the nearest class mean, computed in the graph from
+# statistics fitted at export (files exported with --eval; ModelInfo.ood says how it was fitted and its threshold).
+EMBEDDING_NAME = "embedding"
+OOD_SCORE_NAME = "ood_score"
+OPTIONAL_OUTPUTS = (EMBEDDING_NAME, OOD_SCORE_NAME)
 MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; every model computes rollout
 # Bump when a reader of the old format would misread a new file; readers refuse newer versions.
 FORMAT_VERSION = 1
@@ -63,11 +71,26 @@ class ModelInfo:
     # the calibration error it measured before and after, on images it was not fitted on.
     temperature: float = 1.0
     calibration: dict = field(default_factory=dict)
+    embedding_size: int = 0  # D of the EMBEDDING_NAME output; 0: the file has none
+    # The OOD_SCORE_NAME output's fit: {"score": "mahalanobis", "threshold": t (the held-out images' 99th
+    # percentile), "quantiles": {"0.5": ..., "0.9": ..., "0.99": ..., "0.999": ...}, "fit_images": n,
+    # "heldout_images": m, "source": ..., "rank": r of the projection}; empty: the file has no OOD score
+    ood: dict = field(default_factory=dict)
     opset: int | None = None  # read from the graph's opset_import, not from metadata
 
     @property
     def num_classes(self) -> int:
         return len(self.labels)
+
+    @property
+    def extra_outputs(self) -> tuple[str, ...]:
+        """The optional outputs the file's graph has, in their order after the required ones."""
+        return ((EMBEDDING_NAME,) if self.embedding_size else ()) + ((OOD_SCORE_NAME,) if self.ood else ())
+
+    def output_names(self, relevance: bool = False) -> tuple[str, ...]:
+        """The outputs one run of a path returns, in order: the fast path's, or with `relevance` the relevance
+        path's (its map after the required outputs); the optional outputs last."""
+        return (*OUTPUT_NAMES, *((RELEVANCE_NAME,) if relevance else ()), *self.extra_outputs)
 
     @property
     def explains_classes(self) -> bool:
@@ -92,6 +115,10 @@ class ModelInfo:
         if self.calibration:
             props["temperature"] = repr(float(self.temperature))
             props["calibration"] = json.dumps(self.calibration)
+        if self.embedding_size:
+            props["embedding_size"] = str(self.embedding_size)
+        if self.ood:
+            props["ood"] = json.dumps(self.ood)
         return {METADATA_PREFIX + key: value for key, value in props.items()}
 
     @classmethod
@@ -110,7 +137,8 @@ class ModelInfo:
             weights_sha256=get("weights_sha256", str, ""), test_accuracy=get("test_accuracy", float, None),
             architecture=get("architecture", json.loads, {}), opset=opset,
             maps=tuple(str(m) for m in get("maps", json.loads, ["rollout"])),
-            temperature=get("temperature", float, 1.0), calibration=get("calibration", json.loads, {}))
+            temperature=get("temperature", float, 1.0), calibration=get("calibration", json.loads, {}),
+            embedding_size=get("embedding_size", int, 0), ood=get("ood", json.loads, {}))
         info.check()
         return info
 
@@ -120,7 +148,8 @@ class ModelInfo:
                       and min(self.image_size) >= self.patch_size and all(s > 0 for s in self.std)
                       and self.precision in PRECISIONS and "rollout" in self.maps and set(self.maps) <= set(MAPS)
                       and math.isfinite(self.temperature) and self.temperature > 0
-                      and isinstance(self.calibration, dict))
+                      and isinstance(self.calibration, dict) and self.embedding_size >= 0
+                      and isinstance(self.ood, dict) and (not self.ood or self.embedding_size > 0))
         if not consistent:
             raise ArtifactError(f"model metadata is inconsistent: channels={self.channels}, mean={self.mean}, "
                                 f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "

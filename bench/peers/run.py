@@ -174,7 +174,7 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
     info = session.info
     png = make_images("png", info.image_size, info.channels, 1, cfg.seed)[0]
     pixels = preprocessed(session, [png])  # (1, C, H, W)
-    logits, rollout = session.run(pixels)
+    logits, rollout = session.run(pixels)[:2]  # the optional outputs (embedding, ood_score) after them
     print(f"raw ONNX Runtime session, batch sizes {cfg.raw_batch_sizes}", flush=True)
     raw = bench_raw(session.run, pixels, cfg.raw_batch_sizes, cfg.raw_duration_s)
     for r in raw:

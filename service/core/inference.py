@@ -24,12 +24,13 @@ from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.core.explanations import relevance_target
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
-from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ModelRef, RelevanceGrid, RelevanceImage,
-                                       RolloutGrid, Timing)
+from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ImageEmbedding, ModelRef, OodScore,
+                                                RelevanceGrid, RelevanceImage, RolloutGrid, Timing)
 from vitserve.service.core.state import INFERENCE_ENDPOINTS, ServiceState
 from vitserve.service.protocols.model_config import triton_config
 from vitserve.service.protocols.statistics import triton_statistics
-from vitserve.artifact import OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.artifact import (EMBEDDING_NAME, OOD_SCORE_NAME, OPTIONAL_OUTPUTS, OUTPUT_NAMES, RELEVANCE_NAME,
+                               ModelInfo)
 
 
 def route(state: ServiceState, name: str | None, version: str | None = None, request=None) -> ModelHandle:
@@ -55,18 +56,49 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
                                                         options.map_format == "overlay")
     result = await submit(state, handle, prepared.pixels, deadline, target)
     info = answering_info(state, handle, result.version)
-    logits, rollout, *relevance = result.output  # the relevance path adds the relevance map
-    shown = relevance[0] if options.map == "relevance" else rollout
+    outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
+    logits = outputs[OUTPUT_NAMES[0]]
+    shown = outputs[RELEVANCE_NAME] if options.map == "relevance" else outputs[OUTPUT_NAMES[1]]
     with tracing.stage("encode"):
         (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, postprocess_s)
     timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
                     total=_ms(time.perf_counter() - started))
+    ood = _ood(state, info, outputs.get(OOD_SCORE_NAME))
     ref = model_ref(info.name, info.version)
     if options.map == "relevance":
         body = _explained(map_body, info, logits, target)
-        return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, timing_ms=timing)
-    return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, timing_ms=timing)
+        return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, ood=ood,
+                                timing_ms=timing)
+    return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, timing_ms=timing)
+
+
+async def embed_image(state: ServiceState, handle: ModelHandle, data: bytes, resize: ResizePolicy,
+                      deadline: Deadline, normalize: bool) -> ImageEmbedding:
+    """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
+    score, on the fast path. The caller checks first that the version's file has the embedding output."""
+    with tracing.stage("decode"):
+        prepared, preprocess_s = await state.preprocess(data, handle.info, resize, False)
+    result = await submit(state, handle, prepared.pixels, deadline, None)
+    info = answering_info(state, handle, result.version)
+    outputs = dict(zip(info.output_names(), result.output))
+    vector = outputs[EMBEDDING_NAME].astype(np.float64)
+    norm = float(np.linalg.norm(vector))
+    if normalize and norm > 0:
+        vector = vector / norm
+    state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, 0.0)
+    return ImageEmbedding(embedding=vector.tolist(), norm=norm, ood=_ood(state, info, outputs.get(OOD_SCORE_NAME)),
+                          model=model_ref(info.name, info.version))
+
+
+def _ood(state: ServiceState, info: ModelInfo, score) -> OodScore | None:
+    """An image's out-of-distribution score against its model's threshold (the held-out images' 99th percentile,
+    fitted at export), observed in the model's drift histogram; None for a file without the score."""
+    if score is None or not info.ood:
+        return None
+    threshold = float(info.ood["threshold"])
+    state.metrics.for_model(info.name, info.version).ood_score(float(score) / threshold)
+    return OodScore(score=round(float(score), 4), threshold=round(threshold, 4), outside=bool(score > threshold))
 
 
 def protocol_work(state: ServiceState, handle: ModelHandle, call, deadline: Deadline, started: float):
@@ -74,6 +106,10 @@ def protocol_work(state: ServiceState, handle: ModelHandle, call, deadline: Dead
     service.protocols.inference_protocol.InferCall, from /v2 or gRPC), and the deadline it runs under: the
     request's, shortened by the call's own `timeout` parameter."""
     target = relevance_target(call.target, handle.info) if call.explains else None
+    missing = [o.name for o in call.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in handle.info.extra_outputs]
+    if missing:
+        raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "
+                               f"without it (outputs: {', '.join(handle.info.output_names(handle.info.explains_classes))})")
     if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
         deadline = Deadline(min(deadline.at, started + call.timeout_s))
     if call.images is not None:
@@ -139,7 +175,7 @@ async def run_pixel_tensors(state: ServiceState, handle: ModelHandle, pixels: np
     """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
     request, named, and the others are dropped."""
     results = await _each(list(pixels), lambda image: submit(state, handle, image, deadline, target))
-    return _stacked(results)
+    return _stacked(state, handle, results, target is not None)
 
 
 async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: list[bytes], resize: ResizePolicy,
@@ -153,7 +189,7 @@ async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: l
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
                           lambda pixels: submit(state, handle, pixels, deadline, target))
-    return {**_stacked(results), "prepare_s": [seconds for _, seconds in prepared]}
+    return {**_stacked(state, handle, results, target is not None), "prepare_s": [seconds for _, seconds in prepared]}
 
 
 async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
@@ -197,12 +233,11 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-def _stacked(results: list[InferenceResult]) -> dict:
-    """The images' outputs by name: logits, rollout, and from the relevance path relevance; and the versions
-    that ran them."""
-    names = (*OUTPUT_NAMES, RELEVANCE_NAME)
-    stacked = {name: np.stack([r.output[i] for r in results])
-               for i, name in enumerate(names[:len(results[0].output)])}
+def _stacked(state: ServiceState, handle: ModelHandle, results: list[InferenceResult], explained: bool) -> dict:
+    """The images' outputs by name (logits, rollout, from the relevance path relevance, then the file's optional
+    outputs), and the versions that ran them (one version: a request is routed once)."""
+    names = answering_info(state, handle, results[0].version).output_names(relevance=explained)
+    stacked = {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names)}
     return {**stacked, "versions": [r.version for r in results]}
 
 

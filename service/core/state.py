@@ -169,5 +169,5 @@ def _timed(function, *args, **kwargs):
 
 # The inference routes (the ones admission guards), by their templates.
 GRPC_INFER_ENDPOINT = "/inference.GRPCInferenceService/ModelInfer"
-INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v2/models/{name}/infer",
+INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v1/embed", "/v2/models/{name}/infer",
                                  "/v2/models/{name}/versions/{version}/infer", GRPC_INFER_ENDPOINT})

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 
 _GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
 
 @dataclass
 class ModelPaths:
-    fast: onnx.ModelProto  # pixels -> logits, rollout
-    relevance: onnx.ModelProto | None  # pixels, target_class -> logits, rollout, relevance; None: no such path
+    fast: onnx.ModelProto  # pixels -> logits, rollout (then embedding, ood_score where the file has them)
+    relevance: onnx.ModelProto | None  # pixels, target_class -> logits, rollout, relevance (...); None: no such path
     input_dims: list[str | int]  # the pixel input's dimensions: a name where symbolic (batch, height, width)
 
 
@@ -38,8 +38,10 @@ def split_paths(model: onnx.ModelProto) -> ModelPaths:
     if switch is None:
         return ModelPaths(model, None, dims)
     branches = {a.name: a.g for a in switch.attribute}
-    fast = _inline(model, switch, branches["else_branch"], keep=OUTPUT_NAMES)
-    relevance = _inline(model, switch, branches["then_branch"], keep=(*OUTPUT_NAMES, RELEVANCE_NAME))
+    present = {o.name for o in model.graph.output}
+    extras = tuple(name for name in (EMBEDDING_NAME, OOD_SCORE_NAME) if name in present)
+    fast = _inline(model, switch, branches["else_branch"], keep=(*OUTPUT_NAMES, *extras))
+    relevance = _inline(model, switch, branches["then_branch"], keep=(*OUTPUT_NAMES, RELEVANCE_NAME, *extras))
     return ModelPaths(fast, relevance, dims)
 
 
@@ -56,15 +58,19 @@ def _relevance_switch(graph: onnx.GraphProto) -> onnx.NodeProto | None:
 
 def _inline(model: onnx.ModelProto, switch: onnx.NodeProto, branch: onnx.GraphProto,
             keep: tuple[str, ...]) -> onnx.ModelProto:
-    """The outer graph with `switch` replaced by `branch`'s nodes, pruned to the outputs named in `keep`."""
+    """The outer graph with `switch` replaced by `branch`'s nodes (in its place: outer nodes after the `If`, such as
+    the OOD score's, read its outputs), pruned to the outputs named in `keep`."""
     renamed = dict(zip([o.name for o in branch.output], switch.output))  # the branch's outputs take the If's names
-    nodes = [n for n in model.graph.node if n is not switch]
+    outer = list(model.graph.node)
+    at = next(i for i, n in enumerate(outer) if n is switch)
+    inlined_nodes = []
     for original in branch.node:
         node = onnx.NodeProto()
         node.CopyFrom(original)
         node.input[:] = [renamed.get(name, name) for name in node.input]
         node.output[:] = [renamed.get(name, name) for name in node.output]
-        nodes.append(node)
+        inlined_nodes.append(node)
+    nodes = [*outer[:at], *inlined_nodes, *outer[at + 1:]]
     nodes = _live(nodes, set(keep))
     used = {name for node in nodes for name in node.input}
     inputs = [i for i in model.graph.input if i.name in used]

@@ -46,7 +46,7 @@ class OpenVinoModel:
     def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = f"OpenVINO/CPU/{precision}"
-        self._outputs = [compiled.output(i) for i in range(len(compiled.outputs))]
+        self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
         self._requests = threading.local()  # an InferRequest is not safe to share between threads
         self.relevance = relevance
 
@@ -70,16 +70,15 @@ class OpenVinoModel:
             raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not bf16")
         return cls(compiled, info, precision, relevance)
 
-    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
         request = getattr(self._requests, "request", None)
         if request is None:
             request = self._requests.request = self.compiled.create_infer_request()
         results = request.infer({0: np.ascontiguousarray(pixel_values, np.float32)})
         # copies: the request's output buffers are reused by its next call
-        logits, rollout = (np.array(results[output]) for output in self._outputs)
-        return logits, rollout
+        return tuple(np.array(results[output]) for output in self._outputs)
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         if self.relevance is None:
             raise ModelLoadError(f"{self.info.name} has no relevance path")
         return self.relevance.explain(pixel_values, targets)

@@ -21,7 +21,7 @@ from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, 
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
+from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
@@ -153,14 +153,13 @@ class OnnxModel:
                  info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
 
-    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The fast path: the outputs `info.output_names()` names (logits, rollout, then the file's optional ones)."""
         if self.captured is not None and self.captured.covers(pixel_values):
-            logits, rollout = self.captured.run(pixel_values)
-            return logits, rollout
-        logits, rollout = self._run(self.session, OUTPUT_NAMES, {INPUT_NAME: pixel_values})
-        return logits, rollout
+            return tuple(self.captured.run(pixel_values))
+        return tuple(self._run(self.session, self.info.output_names(), {INPUT_NAME: pixel_values}))
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
         return self.relevance.explain(pixel_values, targets)
 
@@ -209,11 +208,10 @@ class RelevancePath:
                          time.perf_counter() - started)
             return self._session
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        logits, rollout, relevance = run_session(self.session(), (*OUTPUT_NAMES, RELEVANCE_NAME),
-                                                 {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)},
-                                                 self._device)
-        return logits, rollout, relevance
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The outputs `info.output_names(relevance=True)` names: logits, rollout, relevance, the optional ones."""
+        return tuple(run_session(self.session(), self.info.output_names(relevance=True),
+                                 {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)}, self._device))
 
 
 def read_artifact(path: Path) -> tuple[ModelInfo, ModelPaths]:
@@ -270,14 +268,15 @@ def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settin
     """The fast path's CUDA graphs, one per batch bucket at the trained size where it beats the dynamic session;
     None (with a warning) where ORT will not capture this graph."""
     image = (model.info.channels, *model.info.image_size)
-    probe = model._run(model.session, OUTPUT_NAMES, {INPUT_NAME: np.zeros((1, *image), np.float32)})
-    outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(OUTPUT_NAMES, probe)]
+    names = model.info.output_names()
+    probe = model._run(model.session, names, {INPUT_NAME: np.zeros((1, *image), np.float32)})
+    outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(names, probe)]
     try:
         return CudaGraphBuckets.build(
             lambda overrides, extra: new_session(fast, settings, chain, path, overrides, extra, from_branch),
             INPUT_NAME,
             dims, image, outputs, bucket_sizes(settings.max_batch_size), settings.cuda_device_id,
-            run_dynamic=lambda pixels: model._run(model.session, OUTPUT_NAMES, {INPUT_NAME: pixels}))
+            run_dynamic=lambda pixels: model._run(model.session, names, {INPUT_NAME: pixels}))
     except Exception as e:  # noqa: BLE001 - ORT's refusal: the dynamic session still serves every batch
         log.warning("CUDA graphs not used for %s: %s", path, str(e).splitlines()[0][:300])
         return None
@@ -296,9 +295,9 @@ def _check_signature(session, info: ModelInfo, path: Path, has_relevance_path: b
     """`session` is the fast path's."""
     inputs = {i.name: i for i in session.get_inputs()}
     outputs = {o.name for o in session.get_outputs()}
-    if INPUT_NAME not in inputs or not set(OUTPUT_NAMES) <= outputs:
-        raise ModelLoadError(f"{path} must take '{INPUT_NAME}' and return {list(OUTPUT_NAMES)}; it takes "
-                             f"{sorted(inputs)} and returns {sorted(outputs)}")
+    if INPUT_NAME not in inputs or not set(info.output_names()) <= outputs:
+        raise ModelLoadError(f"{path} must take '{INPUT_NAME}' and return {list(info.output_names())} (its "
+                             f"metadata says so); it takes {sorted(inputs)} and returns {sorted(outputs)}")
     if info.explains_classes and not has_relevance_path:
         raise ModelLoadError(f"{path}: its metadata lists the relevance map, but the graph has no relevance path "
                              f"(an If on '{TARGET_NAME}' whose branch returns '{RELEVANCE_NAME}')")
@@ -417,7 +416,7 @@ def disagrees(model: InferenceModel, reference: InferenceModel) -> str:
     """Why `model` may not stand in for `reference` (ONNX Runtime float32), or "": the same top-1 on every probe
     image whose reference top-2 margin is clear (over 5% of its largest |logit|), logits within 5% of the largest."""
     pixels = probe_pixels(model.info)
-    (got, _), (want, _) = model.run(pixels), reference.run(pixels)
+    got, want = model.run(pixels)[0], reference.run(pixels)[0]  # the logits
     scale = max(1.0, float(np.abs(want).max()))
     top2 = np.sort(want, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale

@@ -24,6 +24,7 @@ from vitserve.service.ground.metrics_files import multiprocess_dir
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
                    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+OOD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
 class ServiceMetrics:
@@ -61,6 +62,12 @@ class ServiceMetrics:
                                   buckets=LATENCY_BUCKETS)
         self.batch_size = metric(Histogram, "vitserve_batch_size", "Images per ONNX Runtime call", per_model,
                                  buckets=BATCH_SIZE_BUCKETS)
+        # Each image's OOD score over its model's threshold (docs/ood.md): a ratio, so that one set of buckets fits
+        # every model; above 1 is "outside", which about 1% of in-distribution images are. Drift is a window
+        # whose share above 1 grows (docker/prometheus/rules/vitserve.rules.yml).
+        self.ood_score = metric(Histogram, "vitserve_ood_score_ratio", "Each answered image's out-of-distribution "
+                                "score divided by its model's threshold (the held-out images' 99th percentile)",
+                                per_model, buckets=OOD_RATIO_BUCKETS)
         self.images = metric(Counter, "vitserve_images", "Images run through the model", per_model)
         # By batch size, for the Open Inference Protocol's statistics extension (service/protocols/statistics.py); the
         # label has at most max_batch_size values.
@@ -228,6 +235,11 @@ class ModelMetrics:
         self._batch_size, self._images = child(m.batch_size), child(m.images)
         self._last, self._depth = child(m.last_inference), child(m.queue_depth_gauge)
         self._ready = child(m.model_ready)
+        self._ood = child(m.ood_score)
+
+    def ood_score(self, ratio: float) -> None:
+        """One image's OOD score over its model's threshold."""
+        self._ood.observe(ratio)
 
     def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
         """One image's input prepared, and its result encoded."""

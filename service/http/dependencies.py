@@ -23,7 +23,7 @@ def inference_route(method: bytes, path: str) -> str | None:
     """The inference route a request line asks for, as the connection sees it (before routing), or None."""
     if method != b"POST":
         return None
-    if path in ("/v1/classify", "/v1/classify/batch"):
+    if path in ("/v1/classify", "/v1/classify/batch", "/v1/embed"):
         return path
     if path.startswith("/v2/models/") and path.endswith("/infer"):
         return "/v2/models/{name}/versions/{version}/infer" if "/versions/" in path else "/v2/models/{name}/infer"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 PLATFORM = "onnxruntime_onnx"
 # The protocol's extensions vitserve serves, on HTTP and gRPC alike
@@ -36,7 +36,10 @@ def model_metadata(info: ModelInfo, versions: list[str] | None = None) -> ModelM
 def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
     """Each output's dims without the batch dimension."""
     maps = [OUTPUT_NAMES[1], *([RELEVANCE_NAME] if info.explains_classes else [])]
-    return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps)]
+    # the optional outputs: the embedding (D,) and the OOD score, one value an image (Triton's dims [1])
+    extras = {EMBEDDING_NAME: [info.embedding_size], OOD_SCORE_NAME: [1]}
+    return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps),
+            *((name, extras[name]) for name in info.extra_outputs)]
 
 
 def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema
 from pydantic_core import PydanticCustomError
 
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
 # The protocol's second input: encoded images (JPEG, PNG, ...), one BYTES element per batch item, decoded and
 # preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
@@ -82,13 +82,39 @@ class Timing(BaseModel):
     total: float
 
 
+class OodScore(BaseModel):
+    score: float = Field(description="the squared Mahalanobis distance of the image's embedding to the nearest class "
+                                     "mean of the model's training distribution (fitted at export; docs/ood.md)")
+    threshold: float = Field(description="the held-out images' 99th percentile: about 1% of in-distribution images "
+                                         "score above it")
+    outside: bool = Field(description="score above the threshold: the image looks unlike what the model was "
+                                      "trained on, and its answer deserves less trust")
+
+
 class ClassifyResponse(BaseModel):
     model: ModelRef
     predictions: list[Prediction]
     rollout: RolloutGrid | RolloutImage | None = Field(description="map=rollout (the default): the attention rollout")
     relevance: RelevanceGrid | RelevanceImage | None = Field(
         None, description="map=relevance: the relevance of the explained class (`target`)")
+    ood: OodScore | None = Field(None, description="how far the image is from the training distribution; null for a "
+                                                   "model file exported without it (`vitserve export --eval`)")
     timing_ms: Timing
+
+
+class ImageEmbedding(BaseModel):
+    model: ModelRef = Field(description="the version that ran the image")
+    embedding: list[float] = Field(description="the class token after the final LayerNorm, before the head (the "
+                                               "model's card gives its size); L2-normalised with normalize=true")
+    norm: float = Field(description="its L2 norm before any normalisation")
+    ood: OodScore | None = Field(None, description="how far the image is from the training distribution; null for "
+                                                   "a model file exported without it")
+
+
+class EmbedResponse(BaseModel):
+    model: ModelRef
+    results: list[ImageEmbedding | ErrorResponse] = Field(description="one per image (the body, or each `file` "
+                                                                      "field in order)")
 
 
 class BatchResponse(BaseModel):
@@ -127,6 +153,10 @@ class ModelCard(BaseModel):
                                         "file has the relevance path")
     max_batch_size: int
     max_native_tokens: int
+    embedding_size: int = Field(description="the size of its embedding (POST /v1/embed, the `embedding` output); "
+                                            "0: its file was exported without one")
+    ood: dict | None = Field(description="its out-of-distribution score's fit (threshold, held-out quantiles); null: "
+                                         "its file has no OOD score")
     temperature: float = Field(description="the scores on /v1 are softmax(logits / temperature): fitted at export "
                                            "on held-out labelled images (1.0: the file was exported without any)")
     calibration: dict | None = Field(description="what the temperature was fitted on and the expected calibration "
@@ -265,7 +295,7 @@ class InferInputTensor(_StrictRequest):
 
 
 class RequestedOutput(_StrictRequest):
-    name: Literal[(*OUTPUT_NAMES, RELEVANCE_NAME)]
+    name: Literal[(*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)]
     parameters: Parameters | None = None
 
 

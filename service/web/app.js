@@ -251,6 +251,17 @@ function drawDistances(distances, maxDistance) { // a dot per head at each depth
   }));
 }
 
+// How far the image is from what the model was trained on (docs/ood.md): hidden for a file without the score.
+function showOod(ood) {
+  const line = $("ood");
+  line.hidden = !ood;
+  if (!ood) return;
+  line.textContent = (ood.outside ? "Unlike the training images: trust this answer less. " :
+    "Like the training images. ") + `Out-of-distribution score ${ood.score.toFixed(1)} ` +
+    `(threshold ${ood.threshold.toFixed(1)}, which about 1% of held-out images exceed).`;
+  line.className = ood.outside ? "warning" : "";
+}
+
 // The scores are softmax(logits / temperature); a file exported with a labelled set carries a fitted temperature
 // (docs/calibration.md), and its card the calibration error before and after.
 function calibrationText(card) {
@@ -266,7 +277,8 @@ function showCard(card) {
   const fields = [["Name", card.name], ["Version", card.version], ["Classes", card.labels.length],
     ["Trained resolution", `${card.image_width}×${card.image_height} px, ${card.channels} channel(s)`],
     ["Patch size", `${card.patch_size} px`], ["Test accuracy", accuracy], ["Execution provider", card.provider],
-    ["Precision", card.precision], ["Maps", card.maps.join(", ")], ["Confidence", calibrationText(card)]];
+    ["Precision", card.precision], ["Maps", card.maps.join(", ")], ["Confidence", calibrationText(card)],
+    ["Embedding", card.embedding_size ? `${card.embedding_size} values (POST v1/embed)` : "none in this file"]];
   $("card-fields").replaceChildren(...fields.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
   $("labels-summary").textContent = `Labels (${card.labels.length})`;
   $("labels").replaceChildren(...card.labels.map((label) => element("li", label)));
@@ -399,6 +411,7 @@ function showResult(answer, resize, roundTripMs) {
   }
   showPredictions(answer.predictions);
   $("predictions-heading").textContent = state.card.calibration ? "Top classes (calibrated confidence)" : "Top classes";
+  showOod(answer.ood);
   showTiming(answer.timing_ms, roundTripMs);
   const target = answer.relevance && answer.relevance.target;
   $("map-caption").textContent = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` :

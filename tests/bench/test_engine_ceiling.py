@@ -19,7 +19,7 @@ def test_the_zero_cost_model_is_an_artifact_that_computes_its_means(tmp_path):
     model = OnnxModel.load(Settings(model_path=path, providers=["cpu"], runtime="onnxruntime"))
     assert model.info.name == "zero" and model.info.image_size == IMAGE[1:]
     pixels = np.arange(3 * 64, dtype=np.float32).reshape(3, *IMAGE)
-    logits, rollout = model.run(pixels)
+    logits, rollout, *_ = model.run(pixels)
     np.testing.assert_allclose(logits, np.repeat(pixels.mean(axis=(1, 2, 3))[:, None], 2, axis=1))
     assert rollout.shape == (3, 1, 1)
 

@@ -71,7 +71,7 @@ def test_report_artifacts_and_checks(cli_run):
         "checkpoint": None, "name": "tiny-vit", "version": "7", "height": 32, "width": 32, "channels": 3,
         "patch_size": 8}
     assert report["checks"] == [{"threads": 1, "logits_max_abs_diff": report["checks"][0]["logits_max_abs_diff"],
-                                 "fast_path_outputs": ["logits", "rollout"], "relevance_shape": [2, 4, 4]}]
+                                 "fast_path_outputs": ["logits", "rollout", "embedding"], "relevance_shape": [2, 4, 4]}]
     assert report["checks"][0]["logits_max_abs_diff"] < 1e-5
     assert report["command"] == shlex.join(["vitserve", "evaluate", *argv])
 

@@ -1,9 +1,12 @@
 """Tiny ONNX models, each exported (and verified) once per session."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
+from PIL import Image
 
 NONSQUARE_LABELS = ["a", "b", "c", "d"]
+TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -46,3 +49,25 @@ def tiny_model(tiny_checkpoint):
     from vitserve.model.checkpoint import load_checkpoint
 
     return load_checkpoint(tiny_checkpoint)[0]
+
+
+@pytest.fixture(scope="session")
+def calibration_folder(tmp_path_factory):
+    """DIR/<label>/<image> for the tiny model, 40 images a label: enough for a temperature and an OOD score."""
+    root = tmp_path_factory.mktemp("calibration")
+    rng = np.random.default_rng(1)
+    for label in TINY_LABELS:
+        (root / label).mkdir()
+        for i in range(40):
+            Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(root / label / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def calibrated_export(tiny_checkpoint, calibration_folder, tmp_path_factory):
+    """The tiny model exported with `calibration_folder` as its labelled set: a temperature and an OOD score, both
+    paths, verified."""
+    from vitserve.export.onnx_export import export_onnx
+
+    return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "calibrated.onnx",
+                       eval_dir=calibration_folder, inspection_images=0)

@@ -6,13 +6,10 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from PIL import Image
 
 from vitserve.artifact import ModelInfo
 from vitserve.export.calibration import (MIN_IMAGES, CalibrationError, calibrate, fit_temperature, halves,
                                          negative_log_likelihood, reliability, softmax)
-
-TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
 
 
 def overconfident(count: int, temperature: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -64,26 +61,6 @@ def test_too_few_images_cannot_calibrate():
     logits, labels = overconfident(MIN_IMAGES - 1, 2.0)
     with pytest.raises(CalibrationError, match=f"at least {MIN_IMAGES}"):
         calibrate(logits, labels, "small")
-
-
-@pytest.fixture(scope="module")
-def calibration_folder(tmp_path_factory):
-    """DIR/<label>/<image> for the tiny model, 40 images a label: enough for a temperature."""
-    root = tmp_path_factory.mktemp("calibration")
-    rng = np.random.default_rng(1)
-    for label in TINY_LABELS:
-        (root / label).mkdir()
-        for i in range(40):
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(root / label / f"{i}.png")
-    return root
-
-
-@pytest.fixture(scope="module")
-def calibrated_export(tiny_checkpoint, calibration_folder, tmp_path_factory):
-    from vitserve.export.onnx_export import export_onnx
-
-    return export_onnx(tiny_checkpoint, tmp_path_factory.mktemp("onnx") / "calibrated.onnx", verify=False,
-                       eval_dir=calibration_folder, inspection_images=0)
 
 
 def test_the_export_stores_the_temperature_it_fitted(calibrated_export, calibration_folder):

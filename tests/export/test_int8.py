@@ -57,6 +57,12 @@ def test_the_int8_file_has_int8_linear_weights_and_passes_its_gate(tiny_int8_exp
     assert q[1].shape == f[1].shape and np.abs(q[0] - f[0]).max() < 0.1 * max(1.0, np.abs(f[0]).max())
     info = ModelInfo.from_metadata({p.key: p.value for p in proto.metadata_props})
     assert info.precision == "int8" and info.explains_classes
+    # the embedding survives quantization, near float32's; 12 labelled images are too few for an OOD score
+    (q_embedding,), (f_embedding,) = (cpu_session(str(path)).run(["embedding"], {INPUT_NAME: x})
+                                      for path in (report.path, tiny_export.path))
+    assert q_embedding.shape == (4, 32) and np.abs(q_embedding - f_embedding).max() < 0.1 * np.abs(f_embedding).max()
+    assert [o.name for o in proto.graph.output][-1] == "embedding" and info.extra_outputs == ("embedding",)
+    assert report.no_ood == "no OOD score: 12 labelled images, fitting one needs at least 100"
 
 
 def test_an_int8_file_that_misses_the_gate_is_refused_and_moved_aside(tiny_checkpoint, labelled_folder, tmp_path,
@@ -174,9 +180,9 @@ def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_i
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"]))
     assert model.info.precision == "int8"
     pixels = np.zeros((2, 3, 48, 32), np.float32)  # another resolution than the trained one
-    logits, rollout = model.run(pixels)
+    logits, rollout = model.run(pixels)[:2]  # then the file's optional outputs (its embedding)
     assert logits.shape == (2, len(TINY_LABELS)) and rollout.shape == (2, 6, 4)
-    _, _, relevance = model.explain(pixels, np.array([-1, 1]))
+    relevance = model.explain(pixels, np.array([-1, 1]))[2]
     assert relevance.shape == (2, 6, 4) and np.isfinite(relevance).all()
 
 

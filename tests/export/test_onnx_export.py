@@ -32,9 +32,10 @@ def test_interface_is_the_contract(tiny_export):
     assert proto.graph.input[1].type.tensor_type.elem_type == onnx.TensorProto.INT64
     (default,) = [t for t in proto.graph.initializer if t.name == "target_class"]  # optional: empty by default
     assert list(default.dims) == [0]
-    outputs = {o.name: dims(o) for o in proto.graph.output}
-    assert outputs == {"logits": ["batch", 3], "rollout": ["batch", "height/8", "width/8"],
-                       "relevance": ["explained", "explained_height", "explained_width"]}
+    outputs = [(o.name, dims(o)) for o in proto.graph.output]
+    assert outputs == [("logits", ["batch", 3]), ("rollout", ["batch", "height/8", "width/8"]),
+                       ("relevance", ["explained", "explained_height", "explained_width"]),
+                       ("embedding", ["batch", 32])]  # no ood_score: exported without a labelled set
     assert all(v.type.tensor_type.elem_type == onnx.TensorProto.FLOAT
                for v in [proto.graph.input[0], *proto.graph.output])
     assert tiny_export.metadata["vitserve.maps"] == '["rollout", "relevance"]'
@@ -67,7 +68,8 @@ def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
         mean=[0.5] * 3, std=[0.25] * 3, precision="fp32",
         exporter=f"vitserve 0.1.0, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(tiny_model.state_dict()), test_accuracy=0.5,
-        architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset, maps=("rollout", "relevance"))
+        architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset, maps=("rollout", "relevance"),
+        embedding_size=32)
     assert ModelInfo.from_metadata(props, tiny_export.opset) == info
 
 
@@ -77,6 +79,10 @@ def test_export_report_covers_required_cases(tiny_export):
     assert sizes == {(32, 32), (48, 48), (16, 16), (40, 56)}  # trained, larger, smaller, non-square
     assert {c.batch for c in v.cases} == {1, 3}
     assert v.max_logits_diff <= 1e-4 and v.max_rollout_diff <= 1e-5
+    e = tiny_export.embedding
+    assert {(c.height, c.width, c.batch, c.path) for c in e.cases} == {
+        (s, s, b, p) for s in (32, 64) for b in (1, 3) for p in ("fast", "relevance")}
+    assert e.max_rel_diff <= 1e-5 and tiny_export.ood is tiny_export.ood_verification is None
     assert tiny_export.precision == "fp32" and tiny_export.opset >= 18
 
 
@@ -173,6 +179,7 @@ def test_fp16_export(tiny_fp16_export, tiny_export):
     assert initializers[source].data_type == onnx.TensorProto.FLOAT
     assert report.fp16.top1_agreement == 1.0 and report.fp16.photos >= 17 * 4
     assert report.fp16.logits_max_abs_diff <= report.fp16.logits_tolerance
+    assert report.fp16.embedding_max_abs_diff <= report.fp16.embedding_tolerance
     matmul_weights = {i for n in fast.node if n.op_type in ("MatMul", "Gemm") for i in n.input if i in initializers}
     assert matmul_weights and {initializers[i].data_type for i in matmul_weights} == {onnx.TensorProto.FLOAT16}
     relevance = branch(proto, "then_branch")
@@ -205,5 +212,7 @@ def test_cli_export_tells_its_progress_and_what_to_run_next(tiny_checkpoint, tmp
     lines = printed.out.strip().splitlines()
     assert lines[0].startswith(f"exported {out}: fp32, opset ") and "verified against PyTorch at" in lines[1]
     assert "relevance path verified" in lines[2] and lines[-1] == f"next: vitserve serve --model {out}"
+    assert lines[3].startswith("embedding verified against PyTorch's class token at 32x32, 64x64 (fast and relevance "
+                               "paths): within ")
     assert main(["export", str(tiny_checkpoint), "--out", str(out), "--no-verify", "--quiet"]) == 0
     assert not capsys.readouterr().err.count("[")

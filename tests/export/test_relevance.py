@@ -116,6 +116,6 @@ def test_export_without_relevance_keeps_the_fast_contract(tiny_checkpoint, tmp_p
     report = export_onnx(tiny_checkpoint, tmp_path / "fast.onnx", relevance=False)
     proto = onnx.load(str(report.path))
     assert [i.name for i in proto.graph.input] == ["pixel_values"]
-    assert [o.name for o in proto.graph.output] == ["logits", "rollout"]
+    assert [o.name for o in proto.graph.output] == ["logits", "rollout", "embedding"]
     assert not any(n.op_type == "If" for n in proto.graph.node)
     assert report.relevance is None and read_model_info(report.path).maps == ("rollout",)

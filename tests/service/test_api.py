@@ -32,7 +32,8 @@ async def test_classify_raw_body_every_format(settings, tiny_model, fmt, content
         response = await classify(client, image_bytes(fmt), content_type)
     assert response.status_code == 200, response.text
     body = response.json()
-    assert set(body) == {"model", "predictions", "rollout", "relevance", "timing_ms"} and body["relevance"] is None
+    assert set(body) == {"model", "predictions", "rollout", "relevance", "ood", "timing_ms"} and body["relevance"] is None
+    assert body["ood"] is None  # the tiny model was exported without a labelled set
     assert body["model"] == {"name": "tiny-vit", "version": "7"}
     assert [set(p) for p in body["predictions"]] == [{"index", "label", "score"}] * 3  # top_k 5 capped at 3 classes
     assert {p["label"] for p in body["predictions"]} == {"cat", "dog", "bird"}
@@ -226,7 +227,7 @@ async def test_model_card(settings, tiny_model):
 
 async def test_open_inference_protocol(settings, tiny_model):
     pixels = np.random.default_rng(0).normal(size=(2, 3, 32, 48)).astype(np.float32)
-    logits, rollout = tiny_model.run(pixels)
+    logits, rollout, *_ = tiny_model.run(pixels)
     request = {"id": "r1", "inputs": [{"name": "pixel_values", "shape": list(pixels.shape), "datatype": "FP32",
                                        "data": pixels.ravel().tolist()}]}
     async with serving(settings, tiny_model) as client:
@@ -247,7 +248,7 @@ async def test_open_inference_protocol(settings, tiny_model):
     assert metadata["name"] == "tiny-vit" and metadata["versions"] == ["7"]
     assert metadata["inputs"] == [{"name": "pixel_values", "datatype": "FP32", "shape": [-1, 3, -1, -1]},
                                   {"name": "image", "datatype": "BYTES", "shape": [-1, 1]}]
-    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout", "relevance"]
+    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout", "relevance", "embedding"]
     assert answer["model_name"] == "tiny-vit" and answer["id"] == "r1"
     out = {o["name"]: o for o in answer["outputs"]}
     assert out["logits"]["shape"] == [2, 3] and out["rollout"]["shape"] == [2, 4, 6]

@@ -10,7 +10,7 @@ from vitserve.service.engine.cuda_graphs import bucket_sizes
 from vitserve.service.engine.graph_paths import split_paths, symbolic_dims
 from vitserve.service.engine.runtime import OnnxModel
 from service_fixtures import settings_for
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 
 ort = pytest.importorskip("onnxruntime")
 
@@ -24,10 +24,10 @@ def whole_file_session(path):
 def test_the_file_splits_into_a_fast_graph_without_control_flow_and_a_relevance_graph(tiny_onnx):
     paths = split_paths(onnx.load(str(tiny_onnx)))
     fast, relevance = paths.fast.graph, paths.relevance.graph
-    assert [o.name for o in fast.output] == list(OUTPUT_NAMES)
+    assert [o.name for o in fast.output] == [*OUTPUT_NAMES, EMBEDDING_NAME]
     assert [i.name for i in fast.input] == [INPUT_NAME]
     assert "If" not in {n.op_type for n in fast.node} and "If" not in {n.op_type for n in relevance.node}
-    assert [o.name for o in relevance.output] == [*OUTPUT_NAMES, RELEVANCE_NAME]
+    assert [o.name for o in relevance.output] == [*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME]
     assert [i.name for i in relevance.input] == [INPUT_NAME, TARGET_NAME]
     assert TARGET_NAME not in {t.name for t in relevance.initializer}  # required, not the empty default
     # the fast graph carries none of the gradient graph's weights or nodes
@@ -42,11 +42,14 @@ def test_the_file_splits_into_a_fast_graph_without_control_flow_and_a_relevance_
 def test_the_split_paths_answer_as_the_file_does_bit_for_bit(tiny_onnx, batch, height, width):
     model, whole = OnnxModel.load(settings_for(tiny_onnx)), whole_file_session(tiny_onnx)
     x = np.random.default_rng(batch * height).standard_normal((batch, 3, height, width)).astype(np.float32)
-    for mine, theirs in zip(model.run(x), whole.run(list(OUTPUT_NAMES), {INPUT_NAME: x})):
+    ran = model.run(x)
+    assert len(ran) == 3  # logits, rollout, embedding
+    for mine, theirs in zip(ran, whole.run([*OUTPUT_NAMES, EMBEDDING_NAME], {INPUT_NAME: x})):
         assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
     targets = np.arange(batch, dtype=np.int64) % 4 - 1  # -1 (the top-1) and classes 0-2
     explained = model.explain(x, targets)
-    expected = whole.run([*OUTPUT_NAMES, RELEVANCE_NAME], {INPUT_NAME: x, TARGET_NAME: targets})
+    expected = whole.run([*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME], {INPUT_NAME: x, TARGET_NAME: targets})
+    assert len(explained) == len(expected) == 4
     for mine, theirs in zip(explained, expected):
         assert mine.shape == theirs.shape and np.array_equal(mine, theirs)
 

@@ -75,7 +75,7 @@ def assert_error(response, status: int, code: str, *names: str) -> None:
 
 async def assert_serves_good_request(client, tiny_model) -> None:
     """A good request, sent with no Content-Type (as tritonclient does), is answered with the model's outputs."""
-    logits, rollout = tiny_model.run(PIXELS)
+    logits, rollout, *_ = tiny_model.run(PIXELS)
     response = await client.post(INFER, content=body())
     assert response.status_code == 200, response.text
     answer = response.json()
@@ -260,9 +260,9 @@ async def test_body_at_the_limit_is_read(settings, tiny_model):
 async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
     """Nested data (fully or partly), integers, parameters within the limits, an id at its longest, any
     Content-Type (the JSON is read whatever the header says)."""
-    logits, _ = tiny_model.run(PIXELS)
+    logits, *_ = tiny_model.run(PIXELS)
     integers = np.arange(768).reshape(SHAPE) % 5 - 2
-    int_logits, _ = tiny_model.run(integers.astype(np.float32))
+    int_logits, _, *_ = tiny_model.run(integers.astype(np.float32))
     longest_id = "i" * MAX_ID_CHARS
     parameters = {"binary_data_output": False, "priority": 1, "timeout": 2_500_000, "tag": "t" * MAX_PARAMETER_STRING_CHARS}
     async with serving(settings, tiny_model) as client:
@@ -280,7 +280,7 @@ async def test_what_the_protocol_allows_is_accepted(settings, tiny_model):
 async def test_data_nested_any_way_within_the_depth_limit_is_read_in_row_major_order(settings, tiny_model):
     """Triton reads `data` flat, nested as the shape, nested deeper, or unevenly: any nesting whose values count
     as the shape says. Each gives the flat request's answer; one list deeper than the limit is 400."""
-    logits, _ = tiny_model.run(PIXELS)
+    logits, *_ = tiny_model.run(PIXELS)
     ragged = [VALUES[:400], [VALUES[400:500], [VALUES[500:]]]]  # lists of different lengths and depths
     per_value = np.array(VALUES, dtype=object).reshape(*SHAPE, 1).tolist()  # [1, 3, 16, 16, 1]: one list more
     shapes = {"flat": VALUES, "as-the-shape": nested(VALUES), "one-level-deeper": per_value,

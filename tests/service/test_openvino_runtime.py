@@ -22,13 +22,13 @@ def test_openvino_answers_as_onnx_runtime_at_any_size_and_explains_through_onnx_
     assert model.provider == "OpenVINO/CPU/fp32" and model.info == reference.info
     for shape in [(1, 3, 32, 32), (5, 3, 32, 32), (2, 3, 48, 40)]:
         x = np.random.default_rng(sum(shape)).standard_normal(shape).astype(np.float32)
-        (logits, rollout), (want_logits, want_rollout) = model.run(x), reference.run(x)
+        (logits, rollout, *_), (want_logits, want_rollout, *_) = model.run(x), reference.run(x)
         assert logits.shape == want_logits.shape and rollout.shape == want_rollout.shape
         np.testing.assert_allclose(logits, want_logits, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(rollout, want_rollout, rtol=1e-4, atol=1e-5)
     x = np.zeros((2, 3, 32, 32), np.float32)
     assert not model.relevance.made
-    _, _, relevance = model.explain(x, np.array([-1, 1]))
+    _, _, relevance, *_ = model.explain(x, np.array([-1, 1]))
     assert relevance.shape == (2, 4, 4) and model.relevance.made
     np.testing.assert_array_equal(relevance, reference.explain(x, np.array([-1, 1]))[2])
 
@@ -58,7 +58,7 @@ class Scripted:
         self.reference, self.info, self.permute, self.provider = reference, reference.info, permute, "x"
 
     def run(self, pixels):
-        logits, rollout = self.reference.run(pixels)
+        logits, rollout, *_ = self.reference.run(pixels)
         return (logits[:, ::-1] if self.permute else logits), rollout
 
 

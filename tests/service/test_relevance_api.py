@@ -37,7 +37,7 @@ def fast_only_onnx(tiny_checkpoint, tmp_path_factory):
 def expected_relevance(model, data: bytes, target: int) -> tuple[np.ndarray, np.ndarray]:
     """The model's own relevance path on the server's preprocessing: (logits (K,), relevance scaled to [0, 1])."""
     pixels = prepare_image(data, model.info, resize="fit", max_bytes=2**20, max_pixels=2**20, max_tokens=64).pixels[None]
-    logits, _, relevance = model.explain(pixels, np.array([target]))
+    logits, _, relevance, *_ = model.explain(pixels, np.array([target]))
     return logits[0], scale_unit(relevance[0])
 
 
@@ -146,7 +146,7 @@ async def test_a_model_without_the_relevance_path(fast_only_onnx):
     assert fast.status_code == 200 and fast.json()["rollout"] is not None
     assert_error(refused, 422, "invalid_parameter")
     assert "without the relevance path" in refused.json()["error"]["message"]
-    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout"]
+    assert [o["name"] for o in metadata["outputs"]] == ["logits", "rollout", "embedding"]
     assert_error(v2, 400, "invalid_parameter")
 
 

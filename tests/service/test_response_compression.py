@@ -149,7 +149,7 @@ async def test_grpc_reads_compressed_requests_and_compresses_answers(tiny_onnx, 
             tensor = triton_grpc_aio.InferInput("pixel_values", list(array.shape), "FP32")
             tensor.set_data_from_numpy(array)
             squeezed = await client.infer("tiny-vit", [tensor], compression_algorithm=algorithm)
-    logits, rollout = tiny_model.run(array)
+    logits, rollout, *_ = tiny_model.run(array)
     np.testing.assert_allclose(squeezed.as_numpy("logits"), logits, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(squeezed.as_numpy("rollout"), rollout, rtol=1e-5, atol=1e-6)
     # zeros in: eight identical items out, which compress well; uncompressed, the wire carries more than the

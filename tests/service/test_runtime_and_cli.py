@@ -53,7 +53,7 @@ def test_session_options_follow_settings():
 def test_model_runs_at_several_resolutions(tiny_model):
     warm_up(tiny_model, [1, 2])
     for batch, height, width in ((1, 32, 32), (3, 16, 48), (2, 40, 24)):
-        logits, rollout = tiny_model.run(np.zeros((batch, 3, height, width), np.float32))
+        logits, rollout, *_ = tiny_model.run(np.zeros((batch, 3, height, width), np.float32))
         assert logits.shape == (batch, 3) and rollout.shape == (batch, height // 8, width // 8)
     assert tiny_model.provider == "CPUExecutionProvider" and tiny_model.info.name == "tiny-vit"
 

@@ -140,7 +140,8 @@ def test_model_metadata_lists_both_inputs(client, version):
     assert inputs["pixel_values"]["shape"] == [-1, 3, -1, -1]
     assert inputs["image"]["shape"][0] == -1
     assert [(t["name"], t["datatype"], t["shape"]) for t in metadata["outputs"]] == [
-        ("logits", "FP32", [-1, 3]), ("rollout", "FP32", [-1, -1, -1]), ("relevance", "FP32", [-1, -1, -1])]
+        ("logits", "FP32", [-1, 3]), ("rollout", "FP32", [-1, -1, -1]), ("relevance", "FP32", [-1, -1, -1]),
+        ("embedding", "FP32", [-1, 32])]
 
 
 @pytest.mark.parametrize("version", ["", VERSION])
@@ -151,7 +152,8 @@ def test_model_config_is_the_servers_own(client, version):
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["input"]] == [
         ("pixel_values", "TYPE_FP32", [3, -1, -1]), ("image", "TYPE_STRING", [1])]
     assert [(t["name"], t["data_type"], t["dims"]) for t in config["output"]] == [
-        ("logits", "TYPE_FP32", [3]), ("rollout", "TYPE_FP32", [-1, -1]), ("relevance", "TYPE_FP32", [-1, -1])]
+        ("logits", "TYPE_FP32", [3]), ("rollout", "TYPE_FP32", [-1, -1]), ("relevance", "TYPE_FP32", [-1, -1]),
+        ("embedding", "TYPE_FP32", [32])]
 
 
 def test_metadata_shapes_are_the_config_dims_with_a_batch_dimension(client):
