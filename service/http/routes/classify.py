@@ -5,8 +5,6 @@ route to a model version, then decode -> submit -> encode per image) and the res
 """
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 from typing import Annotated
 
@@ -18,17 +16,16 @@ from vitserve.service.core import inference
 from vitserve.service.http.access import require_api_key
 from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
-from vitserve.service.http.errors import error_body, openapi_responses
+from vitserve.service.http.errors import openapi_responses
 from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.core.preprocess import ResizePolicy
-from vitserve.service.http.routes.uploads import read_files, run_guarded, upload_within
-from vitserve.service.protocols.schemas import (BatchResponse, ClassifyResponse, ErrorResponse, MapFormat, MapKind, RolloutFormat)
+from vitserve.service.http.routes.uploads import each_file, read_files, run_guarded, upload_within
+from vitserve.service.protocols.schemas import BatchResponse, ClassifyResponse, MapFormat, MapKind, RolloutFormat
 from vitserve.service.core.state import ServiceState
 from vitserve.service.http.dependencies import get_admitted_state
 from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
-log = logging.getLogger("vitserve.classify")
 
 _IMAGE_BODY = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
@@ -137,20 +134,8 @@ async def classify_batch(request: Request, query: Annotated[ClassifyQuery, Query
     params.check_against(handle.info)
     files = await upload(request, state, deadline, max_files=state.settings.max_batch_files)
 
-    async def one(data: bytes | ServiceError) -> ClassifyResponse | ErrorResponse:
-        try:
-            if isinstance(data, ServiceError):
-                raise data
-            return await inference.classify_image(state, handle, data, params, started, deadline)
-        except ServiceError as e:
-            error = e
-        except Exception as e:  # a bug shows in this file's answer and the log, never in its neighbours'
-            log.exception("unexpected error on one file of a batch")
-            error = ServiceError(f"internal error: {type(e).__name__}")
-        state.metrics.rejected_request(error.code)
-        return ErrorResponse.model_validate(error_body(error.code, str(error)))
-
-    work = asyncio.gather(*(one(f) for f in files))
+    work = each_file(state, files, lambda data: inference.classify_image(state, handle, data, params, started, deadline),
+                     "a batch")
     results = await run_guarded(request, work, deadline, state.stopping)
     return BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
 

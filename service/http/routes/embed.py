@@ -7,7 +7,6 @@ image, in order.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from typing import Annotated
@@ -22,10 +21,10 @@ from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import get_admitted_state
-from vitserve.service.http.errors import error_body, openapi_responses
+from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.classify import upload
-from vitserve.service.http.routes.uploads import run_guarded
-from vitserve.service.protocols.schemas import EmbedResponse, ErrorResponse, ImageEmbedding
+from vitserve.service.http.routes.uploads import each_file, run_guarded
+from vitserve.service.protocols.schemas import EmbedResponse
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
 log = logging.getLogger("vitserve.embed")
@@ -65,19 +64,8 @@ async def embed(request: Request, query: Annotated[EmbedQuery, Query()],
         work = inference.embed_image(state, handle, files[0], query.resize, deadline, query.normalize)
         return EmbedResponse(model=ref, results=[await run_guarded(request, work, deadline, state.stopping)])
 
-    async def one(data: bytes | ServiceError) -> ImageEmbedding | ErrorResponse:
-        try:
-            if isinstance(data, ServiceError):
-                raise data
-            return await inference.embed_image(state, handle, data, query.resize, deadline, query.normalize)
-        except ServiceError as e:
-            error = e
-        except Exception as e:  # a bug shows in this image's answer and the log, never in its neighbours'
-            log.exception("unexpected error on one image of an embed request")
-            error = ServiceError(f"internal error: {type(e).__name__}")
-        state.metrics.rejected_request(error.code)
-        return ErrorResponse.model_validate(error_body(error.code, str(error)))
-
-    results = await run_guarded(request, asyncio.gather(*(one(f) for f in files)), deadline, state.stopping)
+    work = each_file(state, files, lambda data: inference.embed_image(state, handle, data, query.resize, deadline,
+                                                                     query.normalize), "an embed request")
+    results = await run_guarded(request, work, deadline, state.stopping)
     log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - started) * 1000)
     return EmbedResponse(model=ref, results=results)

@@ -7,6 +7,8 @@ byte is read, and a chunked body is counted as it streams in. A client that hang
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import zlib
 
 from fastapi import Request
@@ -18,6 +20,10 @@ from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
 from vitserve.service.ground.errors import (
     ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError, UnsupportedMediaType)
 from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
+from vitserve.service.http.errors import error_body
+from vitserve.service.protocols.schemas import ErrorResponse
+
+log = logging.getLogger("vitserve.uploads")
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
 _PART_TYPES = IMAGE_MEDIA_TYPES | {"application/octet-stream", ""}
@@ -155,3 +161,22 @@ async def upload_within(request: Request, reading, deadline: Deadline, stop: Sto
     """`reading` (of the request's body) within the request's deadline: a slower upload is the client's (408)."""
     timeout = RequestTimeout("the upload did not finish within the request's deadline")
     return await run_guarded(request, reading, deadline, stop, watch_disconnect=False, on_timeout=timeout)
+
+
+async def each_file(state, files: list, work, what: str) -> list:
+    """`work(data)` for every uploaded file at once, each answer in its place: a file's own error (a read that
+    failed, or the work's) becomes its entry in /v1's error shape and is counted, never its neighbours' failure."""
+    async def one(data):
+        try:
+            if isinstance(data, ServiceError):
+                raise data
+            return await work(data)
+        except ServiceError as e:
+            error = e
+        except Exception as e:  # a bug shows in this file's answer and the log, never in its neighbours'
+            log.exception("unexpected error on one file of %s", what)
+            error = ServiceError(f"internal error: {type(e).__name__}")
+        state.metrics.rejected_request(error.code)
+        return ErrorResponse.model_validate(error_body(error.code, str(error)))
+
+    return await asyncio.gather(*(one(f) for f in files))
