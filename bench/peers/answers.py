@@ -45,24 +45,26 @@ def answer_values(server: str, path: str, body: bytes, header_length: str | None
             "scores": np.array([p["score"] for p in doc["predictions"]]), "grid": [rollout["height"], rollout["width"]]}
 
 
-def compare(values: dict, logits: np.ndarray, grid: list[int]) -> dict:
-    """`values` (answer_values) against the raw session's logits (K,) and rollout grid (h, w)."""
+def compare(values: dict, logits: np.ndarray, grid: list[int], temperature: float = 1.0) -> dict:
+    """`values` (answer_values) against the raw session's logits (K,) and rollout grid (h, w). Scores may be plain
+    softmax (the peers, an older vitserve) or softmax(logits / temperature), the file's calibrated scores."""
     if "logits" in values:
         top1, difference = int(np.argmax(values["logits"])), float(np.max(np.abs(values["logits"] - logits)))
     else:
-        probabilities = softmax(logits)
         top1 = int(values["indices"][0])
-        difference = float(np.max(np.abs(values["scores"] - probabilities[values["indices"]])))
+        difference = min(float(np.max(np.abs(values["scores"] - softmax(logits / t)[values["indices"]])))
+                         for t in {1.0, temperature})
     ok = top1 == int(np.argmax(logits)) and difference <= TOLERANCE and values["grid"] == grid
     return {"ok": bool(ok), "top1": top1, "max_abs_diff": difference, "grid": values["grid"]}
 
 
 def check(server: str, path: str, url: str, request: PeerRequest, logits: np.ndarray, grid: list[int],
-          timeout_s: float = 120.0) -> dict:
+          temperature: float = 1.0, timeout_s: float = 120.0) -> dict:
     status, body, header_length = post(url, request, timeout_s)
     if status != 200:
         return {"ok": False, "status": status, "error": body[:300].decode(errors="replace")}
     try:
-        return {"status": status, **compare(answer_values(server, path, body, header_length), logits, grid)}
+        return {"status": status, **compare(answer_values(server, path, body, header_length), logits, grid,
+                                            temperature)}
     except (ValueError, KeyError, TypeError, IndexError) as e:
         return {"ok": False, "status": status, "error": f"{type(e).__name__}: {e}"}

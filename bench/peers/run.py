@@ -48,6 +48,7 @@ class ModelUnderTest:
     concurrency: list[int]
     duration_s: int  # measured wrk run per level
     work_dir: Path
+    temperature: float = 1.0  # the file's (vitserve serves softmax(logits / T) on /v1 since issue #42)
 
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
@@ -107,7 +108,7 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
                        ("image",) if compute_bound else PATHS,
                        cfg.compute_bound_concurrency if compute_bound else cfg.concurrency,
                        max(cfg.duration_s, cfg.compute_bound_duration_s) if compute_bound else cfg.duration_s,
-                       cfg.work_dir / "requests" / model_path.stem)
+                       cfg.work_dir / "requests" / model_path.stem, model["temperature"])
     kind = "compute" if compute_bound else "HTTP"
     print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({kind}-bound); "
           f"paths {', '.join(m.paths)} at {m.concurrency} connections, {m.duration_s} s each", flush=True)
@@ -140,7 +141,8 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
             continue
         with running:
             requests = {p: request_for(server, p, running, m) for p, _ in levels}
-            answers = {p: {"round": round_ + 1, **check(server, p, running.url, r, m.logits, m.grid)}
+            answers = {p: {"round": round_ + 1,
+                           **check(server, p, running.url, r, m.logits, m.grid, m.temperature)}
                        for p, r in requests.items()}  # every round: a failure may be passing
             for path, result in answers.items():
                 checks.setdefault(server, {}).setdefault(path, []).append(result)
@@ -180,7 +182,8 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
     for r in raw:
         print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms",
               flush=True)
-    model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:])}
+    model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:]),
+             "temperature": info.temperature}
     return model, raw
 
 

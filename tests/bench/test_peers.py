@@ -284,6 +284,9 @@ def test_compare_top_scores_against_the_softmax_of_the_reference():
     assert result["ok"] and result["top1"] == 1 and result["max_abs_diff"] < 1e-12
     wrong_order = {**right, "indices": np.array([3, 1, 0]), "scores": probabilities[[3, 1, 0]]}
     assert not compare(wrong_order, logits, [2, 2])["ok"]
+    # vitserve's calibrated scores are softmax(logits / T): right for the file's temperature, wrong for another
+    calibrated = {**right, "scores": softmax(logits / 0.7)[[1, 3, 0]]}
+    assert not compare(calibrated, logits, [2, 2])["ok"] and compare(calibrated, logits, [2, 2], 0.7)["ok"]
 
 
 def test_answer_values_reads_each_servers_answer():
