@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import pytest
 
 # Tests run beside long jobs on two cores; one intra-op thread keeps them predictable.
@@ -96,4 +97,24 @@ def tiny_onnx(tiny_checkpoint, tmp_path_factory):
 
     out = tmp_path_factory.mktemp("onnx") / "tiny.onnx"
     export_onnx(tiny_checkpoint, out, verify=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_onnx_other(tiny_onnx, tmp_path_factory):
+    """The tiny ViT's graph and labels with other weights (every float weight moved by seeded noise of half its
+    spread): another version that disagrees now and then (shadow versions' tests). Made from the exported file
+    with onnx, as exporting a second model would cost the suite as much again."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(tiny_onnx))
+    rng = np.random.default_rng(1)
+    for index, tensor in enumerate(model.graph.initializer):
+        weights = numpy_helper.to_array(tensor)
+        if weights.dtype == np.float32 and weights.size > 1:
+            moved = weights + rng.normal(0, 0.5 * (weights.std() or 1), weights.shape).astype(np.float32)
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(moved, tensor.name))
+    out = tmp_path_factory.mktemp("tiny-other") / "tiny-other.onnx"
+    onnx.save(model, str(out))
     return out

@@ -110,4 +110,7 @@ class Engine(Protocol):
     async def unload(self, name: str) -> None:
         """Stop routing to every version of `name`, let its admitted requests finish, then free it."""
 
+    async def shadow_report(self, name: str) -> dict:
+        """Model `name`'s shadow comparisons (service/engine/shadow.py); ModelNotFound when it has none."""
+
     async def close(self, timeout_s: float) -> None: ...

@@ -69,7 +69,13 @@ class LocalEngine:
         async with served.admitted():
             result = await served.submit(pixels, timeout_s, target)
         result.version = version
+        shadow = self.registry.shadows.get(name)
+        if shadow is not None and target is None:  # the relevance path is an explanation, not an answer to compare
+            shadow.offer(version, pixels, result.output, served.info)
         return result
+
+    async def shadow_report(self, name: str) -> dict:
+        return self.registry.shadow_report(name)
 
     def predicted_wait_s(self, name: str | None = None) -> float:
         return self.registry.predicted_wait_s(name)

@@ -40,7 +40,7 @@ class Cancel(msgspec.Struct, tag="cancel", array_like=True):
 
 class Control(msgspec.Struct, tag="control", array_like=True):
     id: int
-    op: str  # "index", "load" or "unload"
+    op: str  # "index", "load", "unload" or "shadow" (the model's shadow report)
     model: str = ""
 
 
@@ -57,6 +57,7 @@ class LoadedVersion(msgspec.Struct, array_like=True):
     metadata: dict[str, str]  # ModelInfo.to_metadata() of the version as served (its name and version)
     opset: int | None
     batching: dict[str, int | float]  # its own batching limits (config.json)
+    shadow: bool = False  # its model's shadow version: routed to only when named
 
 
 class RepositoryIndex(msgspec.Struct, array_like=True):
@@ -71,6 +72,7 @@ class ControlReply(msgspec.Struct, tag="control_reply", array_like=True):
     index: RepositoryIndex
     code: str = ""  # empty: it worked; else a ServiceError's code
     message: str = ""
+    report: dict = msgspec.field(default_factory=dict)  # op "shadow": the model's shadow report
 
 
 class Tensor(msgspec.Struct, array_like=True):

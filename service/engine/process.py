@@ -184,22 +184,25 @@ class EngineServer:
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""
         code = message = ""
+        report = {}
         try:
             if control.op == "load":
                 await self.engine.load(control.model)
             elif control.op == "unload":
                 await self.engine.unload(control.model)
+            elif control.op == "shadow":
+                report = await self.engine.shadow_report(control.model)
         except ServiceError as e:
             code, message = e.code, str(e)
         except Exception as e:  # a bug here must not hang the frontend's request
             log.exception("unexpected error on a repository request")
             code, message = "internal_error", f"engine error: {type(e).__name__}"
-        self._answer(router, frontend, ControlReply(control.id, self.repository_index(), code, message))
+        self._answer(router, frontend, ControlReply(control.id, self.repository_index(), code, message, report))
 
     def repository_index(self) -> RepositoryIndex:
         registry = self.engine.registry
         rows = [IndexRow(e.name, e.version, e.state, e.reason) for e in registry.index()]
-        loaded = [LoadedVersion(n, v, view.info.to_metadata(), view.info.opset, view.batching)
+        loaded = [LoadedVersion(n, v, view.info.to_metadata(), view.info.opset, view.batching, view.shadow)
                   for (n, v), view in registry.table.versions.items() if view.info is not None]
         return RepositoryIndex(registry.generation, rows, loaded, dict(registry.model_problems))
 

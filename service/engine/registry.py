@@ -25,6 +25,7 @@ from vitserve.service.ground.memory import collect_cycles, give_freed_memory_bac
 from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.served_model import Loader, ServedModel
+from vitserve.service.engine.shadow import Shadow
 from vitserve.service.ground.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
@@ -83,6 +84,7 @@ class VersionRecord:
     reason: str = ""
     served: ServedModel | None = None
     file: VersionFile | None = None
+    shadow: bool = False  # the model's shadow version (its config.json's `shadow`)
 
 
 @dataclass
@@ -109,6 +111,7 @@ class ModelRegistry:
         self._poll_memory = _PollMemory()
         self._background: set[asyncio.Task] = set()
         self._table: RoutingTable | None = None
+        self.shadows: dict[str, Shadow] = {}  # model -> its shadow version's comparisons, while it has one
 
     # --- routing ---
     def route(self, name: str | None, version: str | None = None) -> ModelHandle:
@@ -119,7 +122,7 @@ class ModelRegistry:
         """The versions' states and metadata as routing sees them (rebuilt after every change)."""
         if self._table is None:
             self._table = RoutingTable({key: VersionView(r.state, r.reason, r.served.info if r.served else None,
-                                                         r.served.batching if r.served else {})
+                                                         r.served.batching if r.served else {}, r.shadow)
                                         for key, r in self.records.items()}, dict(self.model_problems))
         return self._table
 
@@ -155,6 +158,14 @@ class ModelRegistry:
     def live_versions(self) -> set[tuple[str, str]]:
         return self.table.live()
 
+    def shadow_report(self, name: str) -> dict:
+        """Model `name`'s shadow comparisons so far; ModelNotFound when it has no shadow version."""
+        shadow = self.shadows.get(name)
+        if shadow is None:
+            self.table.route(name)  # a model that is not served at all says so first
+            raise ModelNotFound(f"model {name!r} has no shadow version (its config.json names none)")
+        return shadow.report()
+
     # --- changes ---
     async def load(self, name: str, *, warm: bool = True, strict: bool = True) -> None:
         """Serve the versions `name`'s policy picks. `strict`: a picked version folder without a usable file fails
@@ -173,26 +184,45 @@ class ModelRegistry:
             if unusable:
                 log.warning("model %s: %s; serving the versions that have one", name, "; ".join(unusable.values()))
             wanted = entry.wanted()
-            if not wanted:
+            if not entry.serves():
                 why = "; ".join(entry.problems.values()) or "no version folders"
+                if entry.shadow_version in wanted:
+                    why = f"its only version is the shadow version {entry.shadow_version}"
                 raise ModelLoadError(f"model {name!r} has no version to serve: {why}")
             failures = [await self._load_version(entry, v, warm) for v in wanted]
             failures = [f for f in failures if f]
             if failures:
                 raise ModelLoadError(f"model {name!r}: " + "; ".join(failures) + " (what was serving still is)")
+            await self._set_shadow(entry)
             for (n, v), record in list(self.records.items()):
                 if n == name and v not in wanted and record.state in (READY, LOADING):
                     await self._retire(record, f"version {v} is no longer in the version policy")
+
+    async def _set_shadow(self, entry: ModelEntry) -> None:
+        """Compare with the shadow the config names now (a changed config starts the comparison afresh)."""
+        current = self.shadows.get(entry.name)
+        config = entry.config.shadow if entry.shadow_version else None
+        if current is not None and current.config == config:
+            return
+        if current is not None:
+            await self.shadows.pop(entry.name).close()
+        if config is not None:
+            workers = entry.config.max_batch_size or self.settings.max_batch_size
+            self.shadows[entry.name] = Shadow(entry.name, config, self.serving, self.metrics, workers)
 
     async def _load_version(self, entry: ModelEntry, version: str, warm: bool = True) -> str | None:
         """Bring `version` up and route to it once warmed up; the reason it failed, or None. Without `warm`
         (startup), it is left LOADING with its session: `warm_up_loading` finishes the job."""
         key, file = (entry.name, version), entry.versions[version]
+        shadow = version == entry.shadow_version
         current = self.records.get(key)
         if current is not None and current.state == READY and current.file == file:
-            return None  # unchanged: nothing to do
+            if current.shadow != shadow:  # promoted from shadow, or made one: routing changes, the session stays
+                current.shadow = shadow
+                self._changed()
+            return None  # the same file: nothing to load
         if current is None or current.state != READY:
-            self.records[key] = VersionRecord(entry.name, version, LOADING, file=file)
+            self.records[key] = VersionRecord(entry.name, version, LOADING, file=file, shadow=shadow)
             self._changed()
         try:
             served = await self._bring_up(entry, version, file, warm)
@@ -203,10 +233,11 @@ class ModelRegistry:
             if current is not None and current.state == READY:
                 current.reason = f"reload failed: {reason}"  # the old file goes on serving
             else:
-                self.records[key] = VersionRecord(entry.name, version, UNAVAILABLE, reason, file=file)
+                self.records[key] = VersionRecord(entry.name, version, UNAVAILABLE, reason, file=file, shadow=shadow)
             self._changed()
             return f"version {version}: {reason}"
-        self.records[key] = VersionRecord(entry.name, version, READY if warm else LOADING, served=served, file=file)
+        self.records[key] = VersionRecord(entry.name, version, READY if warm else LOADING, served=served, file=file,
+                                          shadow=shadow)
         self._changed()
         if current is not None and current.served is not None:  # a changed file replaced in place
             self._in_background(self._close(current.served))
@@ -215,9 +246,10 @@ class ModelRegistry:
     async def _bring_up(self, entry: ModelEntry, version: str, file: VersionFile, warm: bool) -> ServedModel:
         given = getattr(self.source, "model", None)
         settings = self._settings_for(entry, file.path)
+        shadow = entry.config.shadow if version == entry.shadow_version else None
         served = ServedModel(entry.name, version, settings, self.metrics.for_model(entry.name, version),
                              model=given, loader=self._loader, maps=entry.config.maps,
-                             cpu_priority=entry.config.cpu_priority)
+                             cpu_priority=shadow.cpu_priority if shadow else entry.config.cpu_priority)
         async with self._one_load:
             try:
                 await served.load()
@@ -249,6 +281,8 @@ class ModelRegistry:
             records = [r for (n, _), r in self.records.items() if n == name]
             if not records and name not in self.source.names():
                 raise ModelNotFound(f"no model named {name!r}")
+            if name in self.shadows:
+                await self.shadows.pop(name).close()
             for record in records:
                 if record.state in (READY, LOADING):
                     await self._retire(record, "unloaded")
@@ -351,6 +385,8 @@ class ModelRegistry:
     async def close(self, timeout_s: float) -> None:
         if self._poller:
             self._poller.cancel()
+        for shadow in self.shadows.values():
+            await shadow.close()
         serving = [r for r in self.records.values() if r.served is not None]
         for record in serving:
             record.state = UNLOADING

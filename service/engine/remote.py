@@ -202,6 +202,16 @@ class RemoteEngine:
     async def unload(self, name: str) -> None:
         await self._control_all("unload", name)
 
+    async def shadow_report(self, name: str) -> dict:
+        """Model `name`'s shadow comparisons, as its engine counted them (the first engine's, with several)."""
+        links = [link for link in self._links if link.status is not None]
+        if not links:
+            raise NotReady("no inference engine is reachable")
+        reply = await self._control(links[0], "shadow", name)
+        if reply.code:
+            raise error_of(Failure(reply.id, reply.code, reply.message))
+        return reply.report
+
     async def _control_all(self, op: str, name: str) -> None:
         """Ask every engine; the first failure is raised (as the engine's error), after all have answered. Done,
         it answers once every HTTP worker routes with its outcome: the client's next request may reach any."""
@@ -275,7 +285,8 @@ class RemoteEngine:
                 version = loaded.get((row.model, row.version))
                 info = ModelInfo.from_metadata(version.metadata, version.opset) if version else None
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
-                                                            version.batching if version else {})
+                                                            version.batching if version else {},
+                                                            version.shadow if version else False)
         table = RoutingTable(views, dict(index.problems))
         retired = self.table.live() - table.live()
         self._index, self.table = index, table

@@ -3,7 +3,7 @@ one over what it holds; a frontend in another process keeps one over the index i
 route by the same rules:
 
 - a named version: that version if it is ready (404 if unknown, 503 with its state and reason if not ready);
-- no version: the newest ready one;
+- no version: the newest ready one that is not the model's shadow (service/engine/shadow.py);
 - no model: the only model, when the server has one (a request to a server of several must name one).
 """
 from __future__ import annotations
@@ -22,6 +22,7 @@ class VersionView:
     reason: str = ""
     info: ModelInfo | None = None  # while loaded
     batching: dict = field(default_factory=dict)  # its own batching limits (from its config.json)
+    shadow: bool = False  # its model's shadow version: routed to only when a client names it
 
 
 @dataclass
@@ -40,7 +41,7 @@ class RoutingTable:
         name = self.only_model() if name is None else check_model_name(name)
         versions = self._versions_of(name)
         if version is None:
-            ready = [v for v in newest_first(versions) if versions[v].state == READY]
+            ready = [v for v in newest_first(versions) if versions[v].state == READY and not versions[v].shadow]
             if not ready:
                 states = ", ".join(f"{v} {versions[v].state.lower()}" for v in newest_first(versions))
                 raise ModelUnavailable(f"model {name!r} has no ready version ({states})")

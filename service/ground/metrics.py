@@ -24,6 +24,9 @@ from vitserve.service.ground.metrics_files import multiprocess_dir
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
                    0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
+# Jensen-Shannon divergence in bits (0 same, 1 disjoint): a retrained version moves most images by under 0.01
+JS_DIVERGENCE_BUCKETS = (0.0001, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
+RANK_CORRELATION_BUCKETS = (-0.5, 0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 OOD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 
@@ -69,6 +72,22 @@ class ServiceMetrics:
                                 "score divided by its model's threshold (the held-out images' 99th percentile)",
                                 per_model, buckets=OOD_RATIO_BUCKETS)
         self.images = metric(Counter, "vitserve_images", "Images run through the model", per_model)
+        # A shadow version (service/engine/shadow.py): labelled by the served version that answered and the shadow
+        # that ran the copy, so a promotion's evidence is per pair. Retired with the served version's series.
+        pair = [*per_model, "shadow_version"]
+        self.shadow_copies = metric(Counter, "vitserve_shadow_copies", "Copies of answered requests offered to a "
+                                    "shadow version, by outcome (compared, dropped: its queue was full, failed)",
+                                    [*pair, "outcome"])
+        self.shadow_agreements = metric(Counter, "vitserve_shadow_top1_agreements", "Compared copies whose top-1 "
+                                        "class was the same on both versions", pair)
+        self.shadow_js_divergence = metric(Histogram, "vitserve_shadow_js_divergence", "Jensen-Shannon divergence "
+                                           "(bits) of the two versions' served probabilities", pair,
+                                           buckets=JS_DIVERGENCE_BUCKETS)
+        self.shadow_map_correlation = metric(Histogram, "vitserve_shadow_map_rank_correlation", "Spearman rank "
+                                             "correlation of the two versions' rollout maps", pair,
+                                             buckets=RANK_CORRELATION_BUCKETS)
+        self.shadow_latency = metric(Histogram, "vitserve_shadow_latency_seconds", "From a copy's offer to the "
+                                     "shadow's result (its queue wait included)", pair, buckets=LATENCY_BUCKETS)
         # By batch size, for the Open Inference Protocol's statistics extension (service/protocols/statistics.py); the
         # label has at most max_batch_size values.
         self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size",
@@ -143,6 +162,22 @@ class ServiceMetrics:
 
     def load_failed(self, model: str) -> None:
         self.model_load_failures.labels(model).inc()
+
+    def shadow_copy(self, model: str, version: str, shadow_version: str, outcome: str) -> None:
+        """A copy for the shadow that was not compared: dropped or failed."""
+        self.labelled(model, version, self.shadow_copies, (model, version, shadow_version, outcome)).inc()
+
+    def shadow_compared(self, model: str, version: str, shadow_version: str, agreed: bool,
+                        js_divergence: float | None, map_rank_correlation: float | None, latency_s: float) -> None:
+        pair = (model, version, shadow_version)
+        self.labelled(model, version, self.shadow_copies, (*pair, "compared")).inc()
+        agreements = self.labelled(model, version, self.shadow_agreements, pair)
+        agreements.inc(1 if agreed else 0)  # made even at 0: the ratio's numerator exists from the first copy
+        if js_divergence is not None:
+            self.labelled(model, version, self.shadow_js_divergence, pair).observe(js_divergence)
+        if map_rank_correlation is not None:
+            self.labelled(model, version, self.shadow_map_correlation, pair).observe(map_rank_correlation)
+        self.labelled(model, version, self.shadow_latency, pair).observe(latency_s)
 
     def labelled(self, model: str, version: str, metric, values: tuple):
         """`metric.labels(*values)`, remembered as one of the (model, version)'s series."""

@@ -133,6 +133,33 @@ class ModelList(BaseModel):
     models: list[ModelVersionState]
 
 
+class ShadowPair(BaseModel):
+    """One served version compared with the shadow version (service/engine/shadow.py), since the shadow was set."""
+
+    version: str = Field(description="the served version that answered")
+    shadow_version: str
+    offered: int = Field(description="answered requests sampled for a copy")
+    dropped: int = Field(description="copies dropped because the shadow's queue was full")
+    failed: int = Field(description="copies the shadow could not run")
+    compared: int
+    top1_agreement: float | None = Field(description="share of compared images with the same top-1 class")
+    mean_js_divergence: float | None = Field(description="mean Jensen-Shannon divergence (bits, 0..1) of the two "
+                                                         "versions' served probabilities")
+    mean_map_rank_correlation: float | None = Field(description="mean Spearman rank correlation of the two "
+                                                                "rollout maps")
+    shadow_latency_ms: dict[str, float] = Field(description="p50, p90, p99 of offer to shadow result, over the last "
+                                                            "10,000 copies")
+
+
+class ShadowReport(BaseModel):
+    model: str
+    shadow_version: str
+    fraction: float = Field(description="the share of answered requests copied")
+    queued: int = Field(description="copies waiting now")
+    max_queue_size: int
+    pairs: list[ShadowPair]
+
+
 class ModelCard(BaseModel):
     name: str
     version: str

@@ -84,6 +84,21 @@ class VersionPolicy(BaseModel):
         return ordered[:self.latest.num_versions]
 
 
+class ShadowConfig(BaseModel):
+    """A version that gets a copy of a share of the model's requests after they are answered, to be compared with
+    the version that answered them (service/engine/shadow.py, docs/shadow.md). It is loaded beside the versions
+    the policy serves and routed to only when a client names it."""
+
+    model_config = ConfigDict(extra="forbid")
+    version: int = Field(ge=1, le=10**18 - 1, description="the shadow version's folder")
+    fraction: float = Field(1.0, gt=0, le=1, description="the share of answered requests copied to it")
+    # A copy waits here for the shadow's batcher; a full queue drops the copy (counted), never the request.
+    max_queue_size: int = Field(64, ge=1, le=10_000)
+    # Below the served versions by default: on a busy machine the copies get the cycles the answers leave.
+    cpu_priority: Literal["normal", "low", "idle"] = Field("idle", description="the shadow's compute threads")
+    timeout_s: float = Field(30.0, gt=0, le=600, description="how long one copy may wait and run")
+
+
 class ModelConfig(BaseModel):
     """`ROOT/<model>/config.json`: what a model's file cannot say. Unset fields take the server's settings."""
 
@@ -108,6 +123,7 @@ class ModelConfig(BaseModel):
     cpu_priority: Literal["normal", "low", "idle"] = Field("normal", description="this model's compute threads: "
                                                            "normal (as the server), low (nice +10), idle (only "
                                                            "the cycles nothing else wants)")
+    shadow: ShadowConfig | None = None
 
 
 @dataclass(frozen=True)
@@ -131,10 +147,18 @@ class ModelEntry:
     fixed: bool = False  # a single file: its version comes from its metadata, no policy applies
 
     def wanted(self) -> list[str]:
-        """The versions to serve, highest first."""
+        """The versions to load, highest first: those the policy picks, and the shadow version if there is one."""
         if self.fixed:
             return list(self.versions)
-        return self.config.version_policy.choose(list(self.versions))
+        return self._picked(list(self.versions))
+
+    def serves(self) -> list[str]:
+        """The versions routed to when a client names none: what the policy picks, never the shadow."""
+        return [v for v in self.wanted() if v != self.shadow_version]
+
+    @property
+    def shadow_version(self) -> str | None:
+        return str(self.config.shadow.version) if self.config.shadow and not self.fixed else None
 
     def unusable_wanted(self) -> dict[str, str]:
         """The version folders the policy picks out of all of them that hold no usable file, and why: a version
@@ -142,7 +166,13 @@ class ModelEntry:
         if self.fixed:
             return {}
         folders = list(self.versions) + [v for v in self.problems if v]
-        return {v: self.problems[v] for v in self.config.version_policy.choose(folders) if v in self.problems}
+        return {v: self.problems[v] for v in self._picked(folders) if v in self.problems}
+
+    def _picked(self, folders: list[str]) -> list[str]:
+        """The policy's choice out of `folders` other than the shadow's, then the shadow's, newest first."""
+        shadow = self.shadow_version
+        picked = self.config.version_policy.choose([v for v in folders if v != shadow])
+        return sorted(picked + ([shadow] if shadow in folders else []), key=int, reverse=True)
 
 
 class ModelRepository:

@@ -1,5 +1,6 @@
 """GET /v1/models (what is served), /v1/model (one version's card, and its execution provider),
-/v1/models/{name}/inspect (what the model learned: the paper's Figure 7), /metrics."""
+/v1/models/{name}/inspect (what the model learned: the paper's Figure 7), /v1/models/{name}/shadow (how far its
+shadow version agrees), /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -9,7 +10,7 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.errors import openapi_responses
-from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState
+from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState, ShadowReport
 from vitserve.service.core.state import ServiceState
 from vitserve.service.http.dependencies import get_state
 
@@ -54,6 +55,17 @@ async def inspect_model(state: Annotated[ServiceState, Depends(get_state)],
     position embeddings, and the mean attention distance of each head at each depth, in pixels. Computed by
     `vitserve export` from the float32 weights and stored in the file (default: the newest ready version)."""
     return await state.inspections.get(state.settings, state.engine.route(name, version))
+
+
+@router.get("/v1/models/{name}/shadow", response_model=ShadowReport, dependencies=[Depends(require_api_key)],
+            responses=openapi_responses(401, 403, 404, 503))
+async def shadow_report(state: Annotated[ServiceState, Depends(get_state)],
+                        name: Annotated[str, Path(max_length=64)]) -> ShadowReport:
+    """How far model `name`'s shadow version agrees with the versions that answer, over the copies compared since
+    its config named it: top-1 agreement, the mean Jensen-Shannon divergence of the served probabilities, the mean
+    rank correlation of the rollout maps, the shadow's latency, and the copies dropped or failed (docs/shadow.md).
+    404 when the model has no shadow version."""
+    return ShadowReport.model_validate(await state.engine.shadow_report(name))
 
 
 @router.get("/metrics", response_class=Response,
