@@ -117,6 +117,11 @@ class DynamicBatcher:
         return self._queued
 
     @property
+    def busy(self) -> bool:
+        """Whether it has images queued or a batch running."""
+        return self._queued > 0 or self._active > 0
+
+    @property
     def queued_cost(self) -> int:
         """Input values of the images queued."""
         return self._queued_costs[False] + self._queued_costs[True]

@@ -207,8 +207,14 @@ class ModelRegistry:
         if current is not None:
             await self.shadows.pop(entry.name).close()
         if config is not None:
-            workers = entry.config.max_batch_size or self.settings.max_batch_size
-            self.shadows[entry.name] = Shadow(entry.name, config, self.serving, self.metrics, workers)
+            batch_size = entry.config.max_batch_size or self.settings.max_batch_size
+            self.shadows[entry.name] = Shadow(entry.name, config, self.serving, self.metrics, batch_size,
+                                              busy=lambda: self._serving_busy(entry.name))
+
+    def _serving_busy(self, name: str) -> bool:
+        """Whether a version of `name` other than its shadow has work queued or running."""
+        return any(r.served is not None and r.served.busy for (n, _), r in self.records.items()
+                   if n == name and not r.shadow)
 
     async def _load_version(self, entry: ModelEntry, version: str, warm: bool = True) -> str | None:
         """Bring `version` up and route to it once warmed up; the reason it failed, or None. Without `warm`

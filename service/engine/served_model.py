@@ -112,6 +112,11 @@ class ServedModel:
         return InferenceResult(result.output, result.queue_s, result.inference_s, result.batch_size,
                                batch_span=result.batch_span)
 
+    @property
+    def busy(self) -> bool:
+        """Whether it has work queued or running now."""
+        return self.batcher is not None and self.batcher.busy
+
     def predicted_wait_s(self) -> float:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0
 

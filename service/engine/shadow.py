@@ -3,10 +3,13 @@
 A model's config.json may name a shadow version (service/repository/layout.py `ShadowConfig`). The registry loads
 it beside the served versions, but routing never sends it a request the client did not pin to it. Instead, after a
 served version has answered a fast-path request, a sampled share of those requests (`fraction`) is offered here: a
-copy of the image and the primary's outputs go into a bounded queue, and workers run the copy on the shadow
-version afterwards. The answer has already gone, so the copy can neither delay nor fail it. The queue is bounded,
-so a full queue drops the copy (counted) and never holds the request back. The shadow's compute threads run at a
-lower CPU priority (`cpu_priority`, idle by default), so its work uses the cycles the answers leave over.
+copy of the image and the primary's outputs go into a bounded queue, and a worker runs the copy on the shadow
+version afterwards. The answer has already gone, so the copy cannot fail it; and the copy cannot delay the answers
+that come after it either: copies are sent to the shadow only while no served version of the model has work
+queued or running (then as many as one shadow batch holds, at once), and the shadow's compute threads run at a
+lower CPU priority (`cpu_priority`, idle by default). A busy model lets its copies wait; its bounded queue then
+fills and drops new copies (counted), as does a copy that waited longer than `timeout_s`. Under saturation a shadow
+therefore sees a sample of the traffic, never a cost (docs/bench-shadow.md measures both).
 
 Every compared copy gives, per (served version, shadow version) pair:
 - top-1 agreement: both name the same class (compared by label, so a version with other labels still compares);
@@ -38,6 +41,8 @@ from vitserve.service.repository.layout import ShadowConfig
 log = logging.getLogger("vitserve.engine")
 
 LATENCIES_KEPT = 10_000  # per pair, for the report's quantiles: the recent past, in bounded memory
+IDLE_POLL_S = 0.005  # how often waiting copies look whether the served versions are idle: a gap shorter than
+# this is rarely headroom, and a busy engine is not woken hundreds of times a second to find it still busy
 
 
 def served_probabilities(logits: np.ndarray, temperature: float) -> np.ndarray:
@@ -130,13 +135,13 @@ ServingLookup = Callable[[str, str], object]  # (model, version) -> ServedModel,
 
 class Shadow:
     def __init__(self, name: str, config: ShadowConfig, serving: ServingLookup, metrics: ServiceMetrics,
-                 workers: int, seed: int | None = None):
+                 batch_size: int, busy: Callable[[], bool] = lambda: False, seed: int | None = None):
         self.name, self.version, self.config = name, str(config.version), config
-        self._serving, self._metrics = serving, metrics
+        self._serving, self._metrics, self._busy = serving, metrics, busy  # busy: the served versions have work
         self._queue: asyncio.Queue[Copy] = asyncio.Queue(config.max_queue_size)
         self._random = random.Random(seed)
-        self._worker_count = max(1, workers)  # copies in flight: as many as one shadow batch can hold
-        self._workers: list[asyncio.Task] = []
+        self._batch_size = max(1, batch_size)  # copies sent at once: as many as one shadow batch holds
+        self._worker: asyncio.Task | None = None
         self.pairs: dict[str, PairStats] = {}
 
     def offer(self, version: str, pixels: np.ndarray, outputs: tuple, info: ModelInfo) -> None:
@@ -152,20 +157,30 @@ class Shadow:
         # The pixels may be a view of a frontend's shared memory, reused once the answer has gone: copied
         copy = Copy(version, np.array(pixels), dict(zip(info.output_names(), outputs)), info, time.perf_counter())
         self._queue.put_nowait(copy)
-        if not self._workers:
-            self._workers = [asyncio.create_task(self._work(), name=f"shadow-{self.name}-{i}")
-                             for i in range(self._worker_count)]
+        if self._worker is None:
+            self._worker = asyncio.create_task(self._work(), name=f"shadow-{self.name}")
 
     async def _work(self) -> None:
         while True:
-            copy = await self._queue.get()
-            try:
-                await self._run(copy)
-            except (ServiceError, asyncio.TimeoutError) as e:
-                self._failed(copy, str(e) or type(e).__name__)
-            except Exception:  # a bug in one comparison must not end the worker
-                log.exception("shadow copy of %s version %s failed", self.name, copy.version)
-                self._failed(copy, "internal error")
+            batch = [await self._queue.get()]
+            while self._busy():
+                await asyncio.sleep(IDLE_POLL_S)
+            while len(batch) < self._batch_size and not self._queue.empty():
+                batch.append(self._queue.get_nowait())
+            await asyncio.gather(*(self._one(copy) for copy in batch))
+
+    async def _one(self, copy: Copy) -> None:
+        if time.perf_counter() - copy.offered_at > self.config.timeout_s:  # stale: it waited out a busy spell
+            self.pairs.setdefault(copy.version, PairStats()).dropped += 1
+            self._metrics.shadow_copy(self.name, copy.version, self.version, "dropped")
+            return
+        try:
+            await self._run(copy)
+        except (ServiceError, asyncio.TimeoutError) as e:
+            self._failed(copy, str(e) or type(e).__name__)
+        except Exception:  # a bug in one comparison must not end the worker
+            log.exception("shadow copy of %s version %s failed", self.name, copy.version)
+            self._failed(copy, "internal error")
 
     async def _run(self, copy: Copy) -> None:
         served = self._serving(self.name, self.version)
@@ -203,7 +218,7 @@ class Shadow:
 
     async def close(self) -> None:
         """Stop comparing: queued copies are dropped (the answers they copy went long ago)."""
-        for worker in self._workers:
-            worker.cancel()
-        await asyncio.gather(*self._workers, return_exceptions=True)
-        self._workers = []
+        if self._worker is not None:
+            self._worker.cancel()
+            await asyncio.gather(self._worker, return_exceptions=True)
+            self._worker = None

@@ -7,6 +7,7 @@ as failed; promotion is a config change and a load; the report reaches a fronten
 process)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -194,13 +195,12 @@ def test_a_full_queue_drops_copies_and_the_fraction_samples(tiny_model):
 
     async def offer_many(fraction: float, queue: int, count: int) -> Shadow:
         shadow = Shadow("m", ShadowConfig(version=2, fraction=fraction, max_queue_size=queue),
-                        lambda name, version: _Served(info), metrics, workers=1, seed=7)
+                        lambda name, version: _Served(info), metrics, batch_size=1, seed=7)
         for _ in range(count):  # no await between offers: the worker cannot take one off the queue meanwhile
             shadow.offer("1", np.zeros((3, 32, 32), np.float32), one, info)
         await shadow.close()
         return shadow
 
-    import asyncio
     full = asyncio.run(offer_many(1.0, 3, 10))
     assert (full.pairs["1"].offered, full.pairs["1"].dropped) == (10, 7)
     sampled = asyncio.run(offer_many(0.25, 1000, 400))
@@ -216,12 +216,29 @@ async def test_a_copy_the_shadow_cannot_run_is_counted_as_failed(tiny_model):
 
     def gone(name, version):
         raise VersionRetired("model 'm' version 2 is no longer served")
-    shadow = Shadow("m", ShadowConfig(version=2), gone, ServiceMetrics(), workers=2, seed=0)
+    shadow = Shadow("m", ShadowConfig(version=2), gone, ServiceMetrics(), batch_size=2, seed=0)
     outputs = tuple(o[0] for o in tiny_model.run(np.zeros((1, 3, 32, 32), np.float32)))
     for _ in range(5):
         shadow.offer("1", np.zeros((3, 32, 32), np.float32), outputs, info)
     await until(lambda: shadow.pairs["1"].failed == 5, "five failed copies")
     assert shadow.report()["pairs"][0]["compared"] == 0
+    await shadow.close()
+
+
+async def test_copies_wait_while_a_served_version_is_busy(tiny_model):
+    info, busy, asked = tiny_model.info, [True], []
+
+    def lookup(name, version):
+        asked.append(version)
+        raise VersionRetired("gone")
+    shadow = Shadow("m", ShadowConfig(version=2), lookup, ServiceMetrics(), batch_size=4, busy=lambda: busy[0])
+    outputs = tuple(o[0] for o in tiny_model.run(np.zeros((1, 3, 32, 32), np.float32)))
+    for _ in range(6):
+        shadow.offer("1", np.zeros((3, 32, 32), np.float32), outputs, info)
+    await asyncio.sleep(0.2)
+    assert asked == [] and shadow.report()["queued"] == 5  # the worker holds one, waiting; none has run
+    busy[0] = False
+    await until(lambda: shadow.pairs["1"].failed == 6, "every copy tried once the model is idle")
     await shadow.close()
 
 
