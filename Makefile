@@ -98,7 +98,7 @@ export-default: $(VENV)/.dev-installed
 
 # Rewrites the committed report on purpose; `vitserve bench` alone writes under build/bench/.
 bench: $(VENV)/.dev-installed
-	$(BIN)/vitserve bench --model $(DEFAULT_MODEL) --out docs/bench.md
+	$(BIN)/vitserve bench --model $(DEFAULT_MODEL) --out docs/results/bench.md
 
 # Builds the images (offline, on a local debootstrapped base) and checks each from inside a container.
 docker-test:
@@ -108,13 +108,13 @@ clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
 # vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; rewrites the committed
-# docs/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
+# docs/results/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
 # when absent. PEERS_ARGS adds flags, e.g. PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
 # The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, CUDA graphs against the
 # dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
 # utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
 # GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags. On a lent GPU machine
-# without a network: `make gpu-wheels` here, then `bash bench/gpu-lent.sh OUT` there (docs/bench-gpu.md).
+# without a network: `make gpu-wheels` here, then `bash bench/gpu-lent.sh OUT` there (docs/results/bench-gpu.md).
 .PHONY: bench-gpu gpu-wheels
 bench-gpu: $(VENV)/.dev-installed
 	$(BIN)/python -m vitserve.bench.gpu $(GPU_ARGS)
@@ -125,7 +125,7 @@ gpu-wheels: $(VENV)/.dev-installed
 .PHONY: bench-peers
 bench-peers: $(VENV)/.dev-installed
 	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }
-	$(BIN)/python -m vitserve.bench.peers --out docs/bench-peers.md $(PEERS_ARGS)
+	$(BIN)/python -m vitserve.bench.peers --out docs/results/bench-peers.md $(PEERS_ARGS)
 
 # Triton's gRPC protocol (service/grpc/generated/*.proto, copied unchanged from triton-inference-server/common
 # at 83adf7c) compiled into the checked-in Python stubs; the serving image needs no compiler. protoc writes

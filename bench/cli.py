@@ -51,7 +51,7 @@ def add_bench_parser(subparsers) -> None:
                         "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
                         "for minutes, memory and file descriptors; oip: the Open Inference Protocol's request "
                         "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side; peers: "
-                        "side by side with Triton and LitServe under wrk (bench/peers/cli.py, docs/bench-peers.md)")
+                        "side by side with Triton and LitServe under wrk (bench/peers/cli.py, docs/results/bench-peers.md)")
     d = BenchConfig()  # for the help text only: a flag not given stays None, and the field's default holds
     p.add_argument("--model", metavar="MODEL", help=f"an ONNX artifact, or a preset made on first use with random "
                                                     f"weights (needs torch): {', '.join(PRESETS)} (default {d.model})")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU kit on a lent GPU machine without a network, in one call (docs/bench-gpu.md, "How to run it").
+# The GPU kit on a lent GPU machine without a network, in one call (docs/results/bench-gpu.md, "How to run it").
 #
 # On the machine with a network first: `python -m vitserve.bench.gpu_wheels --out .whl` (onnxruntime-gpu slimmed to the
 # H100's code, the web stack's wheels) and Debian's wrk with its libluajit in .whl/bin and .whl/lib. The lent

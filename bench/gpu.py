@@ -20,7 +20,7 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
    (CPU runs only: the GPU steps above do not cover it yet).
 
 On a lent machine without a network, `bench/gpu-lent.sh` runs it in one call with what `python -m vitserve.bench.gpu_wheels`
-prepared (docs/bench-gpu.md).
+prepared (docs/results/bench-gpu.md).
 
 Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
 measured (at batch 1 and 8, a few seconds), as a check that the kit works, not as a result.
@@ -61,7 +61,7 @@ class GpuKitConfig:
     gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (a lent machine's minutes are few)
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
-    out: Path = Path("build/gpu/bench-gpu.md")  # docs/bench-gpu.md is a lent GPU run's, written up by hand
+    out: Path = Path("build/gpu/bench-gpu.md")  # docs/results/bench-gpu.md is a lent GPU run's, written up by hand
 
 
 @dataclass
@@ -328,7 +328,7 @@ def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
 
     wrk = cfg.wrk or shutil.which("wrk")
     if not wrk:
-        return Step("", "skipped", "no wrk (carry Debian's binary and its libluajit; docs/bench-gpu.md)")
+        return Step("", "skipped", "no wrk (carry Debian's binary and its libluajit; docs/results/bench-gpu.md)")
     # gRPC off: the kit carries no grpcio (7 MiB of the 64 a lent machine takes), and wrk speaks HTTP
     env = {"VITSERVE_PROVIDERS": "cuda,cpu", "VITSERVE_MAX_BATCH_SIZE": "64", "VITSERVE_MAX_QUEUE_SIZE": "1024",
            "VITSERVE_MAX_REQUESTS_IN_FLIGHT": "256", "VITSERVE_GRPC_PORT": "0"}

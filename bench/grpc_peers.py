@@ -8,7 +8,7 @@ measurement is perf_analyzer's window (`--measurement-interval`; its stability c
 three windows rarely agree within its 10% default, and the rounds are what is compared). Requests per second
 and the p50/p99 latency perf_analyzer reports; the ratios are each round's, and their median is reported.
 
-    python -m vitserve.bench.grpc_peers --perf-analyzer /path/to/perf_analyzer --out docs/bench-grpc.md
+    python -m vitserve.bench.grpc_peers --perf-analyzer /path/to/perf_analyzer --out docs/results/bench-grpc.md
 
 perf_analyzer asks for every output the model's configuration lists; a vitserve model with the relevance path
 lists `relevance`, whose backward pass costs several forward passes, while Triton's `vit-tensor` answers logits

@@ -46,7 +46,7 @@ class ShadowBenchConfig:
     fractions: str = "0.1,1"
     shadow_priority: str = "idle"  # the shadow's cpu_priority in its config.json
     agreement_images: int = 1000
-    out: Path = Path("docs/bench-shadow.md")
+    out: Path = Path("docs/results/bench-shadow.md")
     cache_dir: Path = Path("build/bench/models")
 
 

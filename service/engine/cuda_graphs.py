@@ -1,7 +1,7 @@
 """CUDA graphs for the fast path: one static session per batch bucket at the trained image size.
 
 A ViT's forward is hundreds of small kernels; at small batches the GPU waits for the CPU to launch them (the default
-model took 1.86 ms at batch 1 on an H100, docs/bench-gpu-first-run.md). ONNX Runtime can capture a session's kernels
+model took 1.86 ms at batch 1 on an H100, docs/results/bench-gpu-first-run.md). ONNX Runtime can capture a session's kernels
 once and replay them as one CUDA graph (`enable_cuda_graph`), but only when every node runs on CUDA with fixed
 shapes and fixed input and output addresses. The artifact's graph has symbolic batch, height and width, and its
 shape arithmetic (the position embeddings' resampling to the image's grid) then runs on the CPU. So each bucket gets

@@ -9,7 +9,7 @@ that come after it either: copies are sent to the shadow only while no served ve
 queued or running (then as many as one shadow batch holds, at once), and the shadow's compute threads run at a
 lower CPU priority (`cpu_priority`, idle by default). A busy model lets its copies wait; its bounded queue then
 fills and drops new copies (counted), as does a copy that waited longer than `timeout_s`. Under saturation a shadow
-therefore sees a sample of the traffic, never a cost (docs/bench-shadow.md measures both).
+therefore sees a sample of the traffic, never a cost (docs/results/bench-shadow.md measures both).
 
 Every compared copy gives, per (served version, shadow version) pair:
 - top-1 agreement: both name the same class (compared by label, so a version with other labels still compares);

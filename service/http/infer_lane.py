@@ -4,7 +4,7 @@ Protocol's `POST /v2/models/{name}[/versions/{version}]/infer` and `POST /v1/cla
 At 32 clients on two cores, FastAPI's own work around them (matching the path against every route, solving the
 route's dependencies, validating the answer against its response model, its exception and exit-stack layers)
 was about a fifth of an HTTP worker's CPU (docs/tail-latency.md), and made /v1/classify cost an HTTP worker 30%
-more CPU than the same image sent to /v2 (docs/bench-paths.md). This pure ASGI middleware sits inside the app's
+more CPU than the same image sent to /v2 (docs/results/bench-paths.md). This pure ASGI middleware sits inside the app's
 middleware (request metrics, tracing, the handler of last resort for a bug's 500) and in front of the router: it
 takes those requests and does what the routes' dependencies do, with the same functions (the API key, the query
 parameters' pydantic model, readiness, admission), then the routes' own work (`open_inference.infer_response`,

@@ -110,7 +110,7 @@ class ModelConfig(BaseModel):
     maps: list[Literal["rollout", "relevance"]] | None = Field(None, description="maps offered (default: all the "
                                                                                 "file computes)")
     # Models share the cores: a heavy one with a thread per core takes them all while its batch runs, and a light
-    # one beside it waits (docs/bench-repository.md). Fewer threads for the heavy one bound that.
+    # one beside it waits (docs/results/bench-repository.md). Fewer threads for the heavy one bound that.
     intra_op_threads: int | None = Field(None, ge=1, le=256, description="ONNX Runtime threads of one call of "
                                                                          "this model (default: the server's)")
     # Fewer threads still leave the heavy model a share of every core it runs on. A lower priority gives the cores

@@ -21,7 +21,7 @@ def test_a_default_run_writes_under_build_not_over_committed_docs():
     assert cfg.out == Path("build/bench/bench.md")
     for path in (cfg.out, cfg.log_dir, cfg.cache_dir):
         assert path.parts[0] == "build" and "docs" not in path.parts
-    assert _config("--out", "docs/bench.md").out == Path("docs/bench.md")  # `make bench` asks for it
+    assert _config("--out", "docs/results/bench.md").out == Path("docs/results/bench.md")  # `make bench` asks for it
 
 
 def test_flags_win_over_quick_and_quick_over_the_defaults():

@@ -159,9 +159,9 @@ def test_oip_flags_land_on_its_own_config_and_the_other_modes_refuse_them():
     quick = oip_config_from_args(_args("--quick", "--rounds", "1"))
     assert (quick.concurrency, quick.duration_s, quick.rounds) == (OIP_QUICK["concurrency"], OIP_QUICK["duration_s"], 1)
     cfg = oip_config_from_args(_args("--encodings", "json,binary", "--concurrency", "1,8", "--duration", "2",
-                                     "--model", "vit-s16", "--out", "docs/bench-oip.md", "--serve-flags", "--x 1"))
+                                     "--model", "vit-s16", "--out", "docs/results/bench-oip.md", "--serve-flags", "--x 1"))
     assert (cfg.encodings, cfg.concurrency, cfg.duration_s) == (["json", "binary"], [1, 8], 2.0)
-    assert (cfg.model, cfg.out, cfg.server_args) == ("vit-s16", Path("docs/bench-oip.md"), ["--x", "1"])
+    assert (cfg.model, cfg.out, cfg.server_args) == ("vit-s16", Path("docs/results/bench-oip.md"), ["--x", "1"])
     with pytest.raises(SystemExit, match="unknown --encodings"):
         oip_config_from_args(_args("--encodings", "json,grpc"))
     with pytest.raises(SystemExit, match="--mode oip does not use batch_sizes, rate"):

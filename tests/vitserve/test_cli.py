@@ -59,7 +59,7 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
     assert capsys.readouterr().err == "vitserve export: interrupted\n"
 
 
-@pytest.mark.parametrize("command, runner", [  # as docs/results.md, docs/explanations.md, docs/bench-relevance.md
+@pytest.mark.parametrize("command, runner", [  # as docs/results.md, docs/explanations.md, docs/results/bench-relevance.md
     ("evaluate accuracy models/vit-fmnist/model.onnx --sizes 28,20,24,36,44,56", "vitserve.evaluation.cli.run_accuracy"),
     ("evaluate calibration models/vit-fmnist/model.onnx --eval /usr/share/datasets/fashion-mnist "
      "--out docs/calibration.md", "vitserve.evaluation.cli.run_calibration"),
@@ -68,7 +68,7 @@ def test_an_interrupt_is_exit_130_without_a_traceback(monkeypatch, capsys):
      "--batch-size 64 --seed 0 --blur-sigma 3.0 --threads 1 --out docs/explanations.md",
      "vitserve.evaluation.explanations.run_explanations"),
     ("evaluate relevance-cost --checkpoint models/vit-fmnist/checkpoint --batch-sizes 1,32 --threads 1,0 --rounds 9 "
-     "--seconds 1.0 --out docs/bench-relevance.md", "vitserve.bench.relevance_cost.run_relevance_cost")])
+     "--seconds 1.0 --out docs/results/bench-relevance.md", "vitserve.bench.relevance_cost.run_relevance_cost")])
 def test_the_documented_evaluate_commands_reach_their_runners(command, runner):
     """`vitserve evaluate` gathers evaluation/'s subcommands and bench/'s: each documented line still parses."""
     from vitserve.cli import build_parser
