@@ -1,22 +1,21 @@
-"""Triton's gRPC messages (package `inference`) to and from the plain data the HTTP protocol already speaks:
-a `ModelInferRequest` becomes the same `InferRequest` and binary section that a /v2 body with binary tensors
-parses into, so one parser (service/protocols/inference_protocol.py) holds every rule and limit for both; the
-answers are the same dictionaries and models the /v2 routes send, written as messages. No grpc here: protobuf
-messages only.
+"""Triton's gRPC messages (package `inference`) to and from the protocol's plain data: a `ModelInferRequest` is read
+field by field into the same `InferCall` a /v2 body makes (`checked_call` holds /v2's limits for a request no JSON
+parser has seen, then the one `build_call` both share), its input's values always one binary section (raw, or the
+typed contents packed as raw); the answers are the same dictionaries and models the /v2 routes send, written as
+messages. No grpc here, and none of HTTP's request models: protobuf messages only.
 """
 from __future__ import annotations
 
 import numpy as np
 from google.protobuf import json_format
-from pydantic import ValidationError
 
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import model_config_pb2
 from vitserve.service.protocols.binary_tensors import pack_bytes
-from vitserve.service.protocols.inference_protocol import (InferCall, ProtocolLimits, call_from_request, output_arrays,
-                                                  raw_bytes, validation_problems)
-from vitserve.service.protocols.schemas import InferRequest, ModelMetadata
+from vitserve.service.protocols.inference_protocol import (InferCall, ProtocolLimits, TensorInput, checked_call,
+                                                           output_arrays, raw_bytes)
+from vitserve.service.protocols.schemas import ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
 CONTENTS_FIELDS = {"FP32": "fp32_contents", "UINT8": "uint_contents", "BYTES": "bytes_contents"}
@@ -48,19 +47,10 @@ def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCa
         section = _typed_section(tensor, typed, limits.max_json_values)
     else:
         raise InvalidParameter("inputs.0 has no contents and there is no raw_input_contents")
-    document = {
-        **({"id": request.id} if request.id else {}),
-        **({"parameters": parameter_values(request.parameters)} if request.parameters else {}),
-        "inputs": [{"name": tensor.name, "datatype": tensor.datatype, "shape": list(tensor.shape),
-                    "parameters": {**parameter_values(tensor.parameters), "binary_data_size": len(section)}}],
-        **({"outputs": [{"name": o.name, **({"parameters": parameter_values(o.parameters)} if o.parameters else {})}
-                        for o in request.outputs]} if request.outputs else {}),
-    }
-    try:
-        parsed = InferRequest.model_validate(document)
-    except ValidationError as e:
-        raise InvalidParameter(validation_problems(e)) from None
-    return call_from_request(parsed, memoryview(section), limits)
+    tensor_in = TensorInput(tensor.name, tensor.datatype, list(tensor.shape))
+    outputs = [(o.name, parameter_values(o.parameters)) for o in request.outputs] if request.outputs else None
+    return checked_call(request.id, parameter_values(request.parameters), tensor_in,
+                        parameter_values(tensor.parameters), memoryview(section), outputs, limits)
 
 
 def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:

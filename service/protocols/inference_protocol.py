@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,8 +26,10 @@ from pydantic import ValidationError
 from vitserve.service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
                                               tensor_bytes, unpack_bytes)
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
-from vitserve.service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH,
-                                      InferInputTensor, InferRequest, RequestedOutput, flatten_deep_data)
+from vitserve.service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, INPUT_DATATYPES, MAX_ABS_PIXEL_VALUE,
+                                                MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
+                                                MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS, MAX_SHAPE_RANK,
+                                                REQUESTABLE_OUTPUTS, InferRequest, flatten_deep_data)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
 
 RESIZE_POLICIES = ("fit", "native")
@@ -97,8 +100,7 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
 
 
 def call_from_request(request: InferRequest, binary: memoryview | bytes, limits: ProtocolLimits) -> InferCall:
-    """A validated request and the bytes of its binary sections (b"" when none) -> the call it makes. The gRPC
-    front end comes in here too, its raw input as the one binary section (service/grpc/messages.py)."""
+    """A validated /v2 JSON request and the bytes of its binary sections (b"" when none) -> the call it makes."""
     tensor = request.inputs[0]
     size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
     if size is not None and size < 0:
@@ -111,17 +113,79 @@ def call_from_request(request: InferRequest, binary: memoryview | bytes, limits:
         raise InvalidParameter("inputs.0 has both `data` and parameters.binary_data_size; send one")
     if size is None and tensor.data is None:
         raise InvalidParameter("inputs.0 has no `data` and no parameters.binary_data_size")
-    call = InferCall(id=request.id, outputs=requested_outputs(request))
-    _read_request_parameters(request.parameters or {}, call)
+    outputs = None if request.outputs is None else [(o.name, o.parameters) for o in request.outputs]
+    return build_call(request.id, request.parameters, tensor, section if size is not None else None, outputs, limits)
+
+
+@dataclass(frozen=True)
+class TensorInput:
+    """The request's one input as a transport without JSON carries it: its values are in a binary section."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    data: None = None
+
+
+def checked_call(id: str, parameters: dict, tensor: TensorInput, tensor_parameters: dict, section: memoryview,
+                 outputs: list[tuple[str, dict]] | None, limits: ProtocolLimits) -> InferCall:
+    """The call a request makes that no JSON parser has checked (gRPC's ModelInfer, read from its protobuf): the
+    same limits as /v2's `InferRequest` (service.protocols.schemas), then the same call."""
+    if len(id) > MAX_ID_CHARS:
+        raise InvalidParameter(f"id: at most {MAX_ID_CHARS} characters, got {len(id)}")
+    _check_parameters(parameters, "parameters")
+    _check_parameters(tensor_parameters, "inputs.0.parameters")
+    if tensor.name not in (INPUT_NAME, IMAGE_INPUT_NAME):
+        raise InvalidParameter(f"inputs.0.name: must be {INPUT_NAME!r} or {IMAGE_INPUT_NAME!r}, got "
+                               f"{tensor.name[:40]!r}")
+    if tensor.datatype not in INPUT_DATATYPES:
+        raise InvalidParameter(f"inputs.0.datatype: must be one of {', '.join(INPUT_DATATYPES)}, got "
+                               f"{tensor.datatype[:20]!r}")
+    if not 1 <= len(tensor.shape) <= MAX_SHAPE_RANK or not all(1 <= d <= MAX_DIM for d in tensor.shape):
+        raise InvalidParameter(f"inputs.0.shape: 1 to {MAX_SHAPE_RANK} dimensions of 1 to {MAX_DIM}, got "
+                               f"{tensor.shape[:8]}")
+    if outputs is not None:
+        if len(outputs) > MAX_OUTPUTS:
+            raise InvalidParameter(f"outputs: at most {MAX_OUTPUTS}, got {len(outputs)}")
+        for i, (name, output_parameters) in enumerate(outputs):
+            if name not in REQUESTABLE_OUTPUTS:
+                raise InvalidParameter(f"outputs.{i}.name: must be one of {', '.join(REQUESTABLE_OUTPUTS)}, got "
+                                       f"{name[:40]!r}")
+            _check_parameters(output_parameters, f"outputs.{i}.parameters")
+    return build_call(id or None, parameters, tensor, section, outputs, limits)
+
+
+def _check_parameters(parameters: dict, where: str) -> None:
+    """`Parameters`' limits (service.protocols.schemas): how many, key length, and each value a boolean, a finite
+    number or a short string."""
+    if len(parameters) > MAX_PARAMETERS:
+        raise InvalidParameter(f"{where}: at most {MAX_PARAMETERS} entries, got {len(parameters)}")
+    for key, value in parameters.items():
+        if len(key) > MAX_PARAMETER_KEY_CHARS:
+            raise InvalidParameter(f"{where}: a key is at most {MAX_PARAMETER_KEY_CHARS} characters, got "
+                                   f"{key[:29]!r}...")
+        fits = (type(value) in (bool, int) or (type(value) is float and math.isfinite(value))
+                or (type(value) is str and len(value) <= MAX_PARAMETER_STRING_CHARS))
+        if not fits:
+            raise InvalidParameter(f"{where}.{_dotted((key,))}: a parameter must be a boolean, a finite number or a "
+                                   f"string of at most {MAX_PARAMETER_STRING_CHARS} characters")
+
+
+def build_call(id: str | None, parameters: dict | None, tensor, section: memoryview | None,
+               outputs: list[tuple[str, dict | None]] | None, limits: ProtocolLimits) -> InferCall:
+    """Checked parts -> the call: `tensor` has the input's name, datatype, shape and JSON `data`; `section` its
+    values when they came as bytes (None: in `data`); `outputs` (name, parameters) as named, None for all."""
+    call = InferCall(id=id, outputs=requested_outputs(parameters, outputs))
+    _read_request_parameters(parameters or {}, call)
     if call.target is not None and not call.explains:
         raise InvalidParameter("parameters.target names the class the relevance output explains: request the "
                                "relevance output")
     if tensor.name == IMAGE_INPUT_NAME:
-        call.images = _images(tensor, section if size is not None else None, limits)
+        call.images = _images(tensor, section, limits)
     else:
-        if "resize" in (request.parameters or {}):
+        if "resize" in (parameters or {}):
             raise InvalidParameter("parameters.resize applies to the `image` input, not to pixel_values")
-        call.pixels = _pixels(tensor, section if size is not None else None, limits)
+        call.pixels = _pixels(tensor, section, limits)
     return call
 
 
@@ -146,21 +210,21 @@ def parse_header(header: bytes, max_values: int) -> InferRequest:
         raise InvalidParameter(validation_problems(e)) from None
 
 
-def requested_outputs(request: InferRequest) -> list[OutputRequest]:
+def requested_outputs(parameters: dict | None, named: list[tuple[str, dict | None]] | None) -> list[OutputRequest]:
     """What to send back: the outputs named (in their order), or all; binary per output, or for every output
     with the request's `binary_data_output` (an output's own `binary_data` wins)."""
-    all_binary = _parameter(request.parameters, "binary_data_output", bool, "parameters") or False
-    named = request.outputs if request.outputs is not None else [RequestedOutput(name=n) for n in OUTPUT_NAMES]
-    if len({o.name for o in named}) != len(named):
+    all_binary = _parameter(parameters, "binary_data_output", bool, "parameters") or False
+    named = named if named is not None else [(name, None) for name in OUTPUT_NAMES]
+    if len({name for name, _ in named}) != len(named):
         raise InvalidParameter("outputs: an output is named more than once")
     chosen = []
-    for i, output in enumerate(named):
+    for i, (name, output_parameters) in enumerate(named):
         where = f"outputs.{i}"
-        binary = _parameter(output.parameters, "binary_data", bool, where)
-        count = _parameter(output.parameters, "classification", int, where) or 0
+        binary = _parameter(output_parameters, "binary_data", bool, where)
+        count = _parameter(output_parameters, "classification", int, where) or 0
         if count < 0:
             raise InvalidParameter(f"{where}.parameters.classification must be at least 0, got {count}")
-        chosen.append(OutputRequest(output.name, all_binary if binary is None else binary, count))
+        chosen.append(OutputRequest(name, all_binary if binary is None else binary, count))
     return chosen
 
 
@@ -195,7 +259,7 @@ def _parameter(parameters: dict | None, key: str, kind: type, where: str):
 _KIND_NAMES = {bool: "a boolean", int: "an integer", str: "a string"}
 
 
-def _pixels(tensor: InferInputTensor, section: memoryview | None, limits: ProtocolLimits) -> np.ndarray:
+def _pixels(tensor, section: memoryview | None, limits: ProtocolLimits) -> np.ndarray:
     """`pixel_values` as (B, C, H, W) float32 from JSON data or its binary section: the shape checked against the
     model before the values are read. FP32: normalised pixels, checked for range (before the count: a value out of
     range is the clearer message). UINT8: raw 0-255 pixels, normalised here with the model's mean and std (a
@@ -266,7 +330,7 @@ def _check_pixel_range(values: np.ndarray) -> None:
                                f"normalised pixels (finite, magnitude at most {MAX_ABS_PIXEL_VALUE:g})")
 
 
-def _images(tensor: InferInputTensor, section: memoryview | None, limits: ProtocolLimits) -> list[bytes]:
+def _images(tensor, section: memoryview | None, limits: ProtocolLimits) -> list[bytes]:
     """`image`: B encoded images, shape [B] or [B, 1], from binary BYTES or base64 JSON strings."""
     if tensor.datatype != "BYTES":
         raise InvalidParameter(f"inputs.0 ({IMAGE_INPUT_NAME}) must have datatype BYTES, got {tensor.datatype}")

@@ -214,7 +214,10 @@ MAX_PARAMETERS = 16  # entries per `parameters` object; the protocol's own (prio
 MAX_PARAMETER_KEY_CHARS = 64
 MAX_PARAMETER_STRING_CHARS = 256
 MAX_INPUTS = 1  # one of pixel_values (the model's own input) or image
-MAX_OUTPUTS = len(OUTPUT_NAMES) + 1  # one request per model output (relevance too); naming one twice adds nothing
+INPUT_DATATYPES = ("FP32", "UINT8", "BYTES")
+# Every output a request may name: the fast path's, the relevance path's, and the file's optional ones
+REQUESTABLE_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+MAX_OUTPUTS = len(REQUESTABLE_OUTPUTS)  # one request per output; naming one twice adds nothing
 MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width); image is (batch,) or (batch, 1)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
 # Normalised pixels ((x/255 - mean) / std) lie within a few units of zero; a value past this is no image, and near
@@ -315,14 +318,14 @@ class _StrictRequest(BaseModel):
 class InferInputTensor(_StrictRequest):
     name: Literal[INPUT_NAME, IMAGE_INPUT_NAME]
     shape: Annotated[list[Dim], Field(min_length=1, max_length=MAX_SHAPE_RANK)]
-    datatype: Literal["FP32", "UINT8", "BYTES"]
+    datatype: Literal[INPUT_DATATYPES]
     parameters: Parameters | None = None
     data: TensorData | None = Field(None, description="absent when `parameters.binary_data_size` says the values "
                                                       "follow the JSON (binary tensor extension)")
 
 
 class RequestedOutput(_StrictRequest):
-    name: Literal[(*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)]
+    name: Literal[REQUESTABLE_OUTPUTS]
     parameters: Parameters | None = None
 
 

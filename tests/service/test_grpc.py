@@ -212,6 +212,60 @@ def test_typed_and_raw_together_or_neither_are_invalid(server):
             assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in caught.value.details()
 
 
+def _raw_request(**changes) -> service_pb2.ModelInferRequest:
+    """A valid raw ModelInferRequest for one trained-size image, then `changes` applied to it."""
+    request = service_pb2.ModelInferRequest(model_name=MODEL, raw_input_contents=[b"\0" * 4 * 3 * 32 * 32])
+    tensor = request.inputs.add(name="pixel_values", datatype="FP32", shape=[1, 3, 32, 32])
+    for key, value in changes.get("parameters", {}).items():
+        request.parameters[key].CopyFrom(value)
+    if "id" in changes:
+        request.id = changes["id"]
+    if "name" in changes:
+        tensor.name = changes["name"]
+    if "datatype" in changes:
+        tensor.datatype = changes["datatype"]
+    if "shape" in changes:
+        del tensor.shape[:]
+        tensor.shape.extend(changes["shape"])
+    for name in changes.get("outputs", []):
+        request.outputs.add(name=name)
+    return request
+
+
+def test_the_protobuf_is_held_to_v2s_limits_without_its_json_models(server):
+    """gRPC reads ModelInfer field by field (service/protocols/inference_protocol.py `checked_call`), with the
+    limits /v2's pydantic models hold for JSON: each one refused, naming the field."""
+    from vitserve.service.protocols.schemas import (MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
+                                                    MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
+    string = service_pb2.InferParameter
+    cases = [
+        ({"id": "x" * (MAX_ID_CHARS + 1)}, f"at most {MAX_ID_CHARS}"),
+        ({"parameters": {f"p{i}": string(int64_param=i) for i in range(MAX_PARAMETERS + 1)}},
+         f"at most {MAX_PARAMETERS} entries"),
+        ({"parameters": {"k" * (MAX_PARAMETER_KEY_CHARS + 1): string(bool_param=True)}}, "a key is at most"),
+        ({"parameters": {"p": string(string_param="x" * (MAX_PARAMETER_STRING_CHARS + 1))}}, "parameters.p"),
+        ({"parameters": {"p": string(double_param=float("nan"))}}, "finite number"),
+        ({"parameters": {"p": string()}}, "a parameter must be"),
+        ({"name": "attention"}, "inputs.0.name"),
+        ({"datatype": "INT64"}, "inputs.0.datatype"),
+        ({"shape": [1, 3, 32, 0]}, "inputs.0.shape"),
+        ({"shape": [1, 3, 32, MAX_DIM + 1]}, "inputs.0.shape"),
+        ({"shape": [1, 1, 3, 32, 32]}, "inputs.0.shape"),
+        ({"outputs": ["attention"]}, "outputs.0.name"),
+        ({"outputs": ["logits"] * (MAX_OUTPUTS + 1)}, f"at most {MAX_OUTPUTS}"),
+    ]
+    channel, calls = stub(server[1])
+    with channel:
+        for changes, words in cases:
+            with pytest.raises(grpc.RpcError) as caught:
+                calls.ModelInfer(_raw_request(**changes), timeout=PATIENCE_S)
+            assert caught.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (changes, caught.value)
+            assert words in caught.value.details(), (words, caught.value.details())
+        answer = calls.ModelInfer(_raw_request(outputs=["logits", "rollout", "relevance", "embedding"]),
+                                  timeout=PATIENCE_S)  # every output the file has, in one request
+        assert [o.name for o in answer.outputs] == ["logits", "rollout", "relevance", "embedding"]
+
+
 def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
     """Typed values convert one by one on the event loop: past the JSON value limit they are refused, naming the
     raw form, before any is converted."""

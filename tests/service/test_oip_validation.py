@@ -10,7 +10,7 @@ import pytest
 
 from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
-from vitserve.service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS,
+from vitserve.service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
                                       MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
 from vitserve.service.ground.settings import Settings
 from service_fixtures import serving, settings_for
@@ -104,7 +104,8 @@ BAD_REQUESTS = [
     pytest.param(body(inputs="nope"), ("inputs", "valid array"), id="inputs-not-list"),
     pytest.param(body(outputs=[{"name": "attention"}]), ("outputs.0.name", "logits", "rollout"),
                  id="unknown-output"),
-    pytest.param(body(outputs=[{"name": "logits"}] * 4), ("outputs", "at most 3"), id="too-many-outputs"),
+    pytest.param(body(outputs=[{"name": "logits"}] * (MAX_OUTPUTS + 1)), ("outputs", f"at most {MAX_OUTPUTS}"),
+                 id="too-many-outputs"),
     pytest.param(body(parameters={f"p{i}": i for i in range(MAX_PARAMETERS + 1)}),
                  ("parameters", f"at most {MAX_PARAMETERS}"), id="too-many-parameters"),
     pytest.param(body(parameters={"p": "x" * (MAX_PARAMETER_STRING_CHARS + 1)}),
