@@ -30,6 +30,7 @@ import numpy as np
 
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
+from vitserve.bench.report import publish
 from vitserve.bench.repository import AUTH, ENGINE_NAME, Server, place
 
 MODEL = "vit-fmnist"
@@ -298,9 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = ShadowBenchConfig(**vars(p.parse_args(argv)))
     report = run(cfg)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
-    cfg.out.write_text(render(report) + "\n")
-    cfg.out.with_suffix(".json").write_text(json.dumps(asdict(report), indent=1) + "\n")
-    print(render(report))
+    publish(render(report) + "\n", asdict(report), cfg.out)
     return 0
 
 

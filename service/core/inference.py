@@ -108,8 +108,9 @@ def protocol_work(state: ServiceState, handle: ModelHandle, call, deadline: Dead
     target = relevance_target(call.target, handle.info) if call.explains else None
     missing = [o.name for o in call.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in handle.info.extra_outputs]
     if missing:
+        outputs = ", ".join(handle.info.output_names(handle.info.explains_classes))
         raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "
-                               f"without it (outputs: {', '.join(handle.info.output_names(handle.info.explains_classes))})")
+                               f"without it (outputs: {outputs})")
     if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
         deadline = Deadline(min(deadline.at, started + call.timeout_s))
     if call.images is not None:

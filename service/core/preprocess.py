@@ -21,7 +21,8 @@ from typing import Iterator, Literal
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitserve.service.ground.errors import (ImageDecodeError, ImageTooLarge, PayloadTooLarge, ServiceError, UnsupportedMediaType)
+from vitserve.service.ground.errors import (ImageDecodeError, ImageTooLarge, PayloadTooLarge, ServiceError,
+                                            UnsupportedMediaType)
 from vitserve.artifact import ModelInfo
 
 ResizePolicy = Literal["fit", "native"]

@@ -25,8 +25,8 @@ import zmq
 import zmq.asyncio
 
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
-from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, RepositoryIndex,
-                                     Result, Submit, error_of, status_address)
+from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure,
+                                              RepositoryIndex, Result, Submit, error_of, status_address)
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.shm import ArenaFull, TensorArena
 from vitserve.service.engine.views import WorkerViews

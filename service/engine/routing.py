@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitserve.service.ground.errors import (InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable, VersionRetired)
+from vitserve.service.ground.errors import (InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable,
+                                            VersionRetired)
 from vitserve.service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
 from vitserve.service.repository.layout import check_model_name, check_version
 from vitserve.artifact import ModelInfo

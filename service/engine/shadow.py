@@ -100,7 +100,7 @@ class PairStats:
     """Exact counts and sums for one (served version, shadow version) pair."""
 
     offered: int = 0  # sampled copies
-    dropped: int = 0  # the queue was full
+    dropped: int = 0  # the queue was full, or the copy waited past timeout_s
     failed: int = 0  # the shadow could not run it (not ready, an error, a timeout, another input geometry)
     compared: int = 0
     agreed: int = 0

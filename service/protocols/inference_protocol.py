@@ -23,13 +23,13 @@ from dataclasses import dataclass, field
 import numpy as np
 from pydantic import ValidationError
 
-from vitserve.service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes, split_body, take_sections,
-                                              tensor_bytes, unpack_bytes)
+from vitserve.service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes,
+                                                       split_body, take_sections, tensor_bytes, unpack_bytes)
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, INPUT_DATATYPES, MAX_ABS_PIXEL_VALUE,
-                                                MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
-                                                MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS, MAX_SHAPE_RANK,
-                                                REQUESTABLE_OUTPUTS, InferRequest, flatten_deep_data)
+                                                MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
+                                                MAX_PARAMETER_KEY_CHARS, MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS,
+                                                MAX_SHAPE_RANK, REQUESTABLE_OUTPUTS, InferRequest, flatten_deep_data)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
 
 RESIZE_POLICIES = ("fit", "native")
