@@ -26,7 +26,9 @@ LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 
 BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 256)
 # Jensen-Shannon divergence in bits (0 same, 1 disjoint): a retrained version moves most images by under 0.01
 JS_DIVERGENCE_BUCKETS = (0.0001, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)
-RANK_CORRELATION_BUCKETS = (-0.5, 0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
+# Rank correlation of two maps: at or below 0.25 (negative ones too) is no agreement worth telling apart. Ray's
+# histograms (service/ray_serve.py mirrors every metric into them) take positive boundaries only.
+RANK_CORRELATION_BUCKETS = (0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98, 0.99, 1.0)
 OOD_RATIO_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0, 1.25, 1.5, 2.0, 3.0, 5.0, 10.0)
 
 

@@ -123,6 +123,17 @@ class RecordingMirror:
         return lambda value, tags: self.updates.append((kind, name, value, dict(tags)))
 
 
+def test_every_histogram_has_positive_increasing_boundaries_as_rays_histograms_require():
+    """service/ray_serve.py mirrors each metric into a Ray histogram, which refuses a boundary at or below zero:
+    the replica would fail to start (a shadow's rank-correlation buckets once began at -0.5)."""
+    mirror = RecordingMirror()
+    ServiceMetrics(mirror=mirror)
+    histograms = {name: buckets for name, (kind, _, buckets) in mirror.declared.items() if kind == "histogram"}
+    assert "vitserve_shadow_map_rank_correlation" in histograms
+    for name, buckets in histograms.items():
+        assert all(b > 0 for b in buckets) and list(buckets) == sorted(set(buckets)), name
+
+
 def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update():
     mirror = RecordingMirror()
     metrics = ServiceMetrics(mirror=mirror)
