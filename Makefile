@@ -93,6 +93,8 @@ model-distilled: $(VENV)/.dev-installed
 FASHION_MNIST ?= /usr/share/datasets/fashion-mnist
 export-default: $(VENV)/.dev-installed
 	$(BIN)/vitserve export $(MODEL_DIR)/checkpoint --out $(DEFAULT_MODEL) --eval $(FASHION_MNIST)
+	$(BIN)/vitserve export $(MODEL_DIR)/checkpoint --out $(MODEL_DIR)/model-int8.onnx --precision int8 \
+		--eval $(FASHION_MNIST) --json > $(MODEL_DIR)/model-int8.export.json
 	$(BIN)/vitserve evaluate calibration $(DEFAULT_MODEL) --eval $(FASHION_MNIST) --out docs/calibration.md
 	$(BIN)/python -m vitserve.evaluation.ood --served --model $(DEFAULT_MODEL) --data-dir $(FASHION_MNIST) --out docs/ood-served.md
 
