@@ -118,3 +118,24 @@ def tiny_onnx_other(tiny_onnx, tmp_path_factory):
     out = tmp_path_factory.mktemp("tiny-other") / "tiny-other.onnx"
     onnx.save(model, str(out))
     return out
+
+
+def write_labelled_folder(root, count: int, seed: int, size=lambda i: (32, 32)):
+    """ROOT/<label>/<i>.png, `count` seeded random RGB images for each of the tiny model's labels (image i of
+    size(i) = (height, width)): the labelled set `vitserve export --eval` reads. Returns `root`."""
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    for label in TINY_LABELS:
+        (root / label).mkdir()
+        for i in range(count):
+            Image.fromarray(rng.integers(0, 256, (*size(i), 3), np.uint8)).save(root / label / f"{i}.png")
+    return root
+
+
+@pytest.fixture(scope="session")
+def labelled_folder_writer():
+    """`write_labelled_folder`, for the tests of every folder (a conftest's functions are not importable by name
+    from folders that have their own conftest)."""
+    return write_labelled_folder
+

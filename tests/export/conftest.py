@@ -1,12 +1,9 @@
 """Tiny ONNX models, each exported (and verified) once per session."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from PIL import Image
 
 NONSQUARE_LABELS = ["a", "b", "c", "d"]
-TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
 
 
 @pytest.fixture(scope="session")
@@ -52,15 +49,9 @@ def tiny_model(tiny_checkpoint):
 
 
 @pytest.fixture(scope="session")
-def calibration_folder(tmp_path_factory):
+def calibration_folder(tmp_path_factory, labelled_folder_writer):
     """DIR/<label>/<image> for the tiny model, 40 images a label: enough for a temperature and an OOD score."""
-    root = tmp_path_factory.mktemp("calibration")
-    rng = np.random.default_rng(1)
-    for label in TINY_LABELS:
-        (root / label).mkdir()
-        for i in range(40):
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(root / label / f"{i}.png")
-    return root
+    return labelled_folder_writer(tmp_path_factory.mktemp("calibration"), 40, seed=1)
 
 
 @pytest.fixture(scope="session")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from PIL import Image
 
 TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
 from vitserve.export.accuracy_gate import EvalSetError, load_labelled_set, spearman
@@ -15,14 +14,9 @@ from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo
 
 
 @pytest.fixture(scope="module")
-def labelled_folder(tmp_path_factory):
+def labelled_folder(tmp_path_factory, labelled_folder_writer):
     """DIR/<label>/<image> for the tiny model's labels, 4 images each, of different sizes."""
-    root = tmp_path_factory.mktemp("eval")
-    rng = np.random.default_rng(0)
-    for label in TINY_LABELS:
-        (root / label).mkdir()
-        for i in range(4):
-            Image.fromarray(rng.integers(0, 256, (20 + 4 * i, 30, 3), np.uint8)).save(root / label / f"{i}.png")
+    root = labelled_folder_writer(tmp_path_factory.mktemp("eval"), 4, seed=0, size=lambda i: (20 + 4 * i, 30))
     (root / TINY_LABELS[0] / "notes.txt").write_text("not an image: skipped")
     return root
 

@@ -7,27 +7,20 @@ import base64
 import numpy as np
 import onnx
 import pytest
-from PIL import Image
 
 from vitserve.artifact import ModelInfo
 from service_fixtures import classify, image_bytes, patterned_png, samples, serving, settings_for, value
 
 pytestmark = pytest.mark.anyio
 
-TINY_LABELS = ["cat", "dog", "bird"]  # tests/conftest.py's tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
-def ood_onnx(tiny_checkpoint, tmp_path_factory):
+def ood_onnx(tiny_checkpoint, tmp_path_factory, labelled_folder_writer):
     """The tiny model exported with a labelled set: it has the embedding and the OOD score."""
     from vitserve.export.onnx_export import export_onnx
 
-    root = tmp_path_factory.mktemp("labelled")
-    rng = np.random.default_rng(2)
-    for label in TINY_LABELS:
-        (root / label).mkdir()
-        for i in range(40):
-            Image.fromarray(rng.integers(0, 256, (32, 32, 3), np.uint8)).save(root / label / f"{i}.png")
+    root = labelled_folder_writer(tmp_path_factory.mktemp("labelled"), 40, seed=2)
     out = tmp_path_factory.mktemp("ood") / "model.onnx"
     export_onnx(tiny_checkpoint, out, verify=False, eval_dir=root, inspection_images=0)
     return out
