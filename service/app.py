@@ -22,6 +22,7 @@ from vitserve.service.http.errors import error_headers
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
 from vitserve.service.http.compression import ResponseCompression
+from vitserve.service.http import infer_lane
 from vitserve.service.http.infer_lane import InferenceLane
 from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
 from vitserve.service.engine.runtime import InferenceModel
@@ -83,11 +84,13 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
 
 
 def openapi_document(app: FastAPI) -> dict:
-    """FastAPI's document, without the 422 `HTTPValidationError` it adds to every route with a path parameter:
+    """FastAPI's document of the app's routes and the infer lane's, without the 422 `HTTPValidationError` it adds to every route with a path parameter:
     a path parameter here is a plain string that cannot fail, and the service never sends that shape (each
     route declares the errors it really answers, in its protocol's shape)."""
     if app.openapi_schema is None:
-        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        # the infer lane's paths are not the router's: their declarations document them (service/http/infer_lane.py)
+        routes = [*infer_lane.documented_routes(), *app.routes]
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
         for methods in spec["paths"].values():
             for operation in methods.values():
                 answer = operation["responses"].get("422", {})

@@ -1,31 +1,33 @@
-"""The inference core: a request's life, whatever transport brought it. The /v1 and /v2 routes (and a gRPC
-front end next) only translate their transport into these calls and the results back.
+"""The use cases of an inference call, whatever transport brought it: each takes the admitted, routed `Call`
+(service/core/pipeline.py) and the transport's request as plain data, and records the stages' metrics and spans.
 
-    route(state, name, version)                  -> the model version to run (404 / 503 when there is none)
-    classify_image(state, handle, data, ...)     -> decode -> submit to that version's batcher -> top-k and map
-    run_pixel_tensors(state, handle, pixels, ...) -> each image submitted -> the outputs stacked by name
-    run_encoded_images(state, handle, images, ...) -> decode each, then as above
+    classify(call, data, options)          -> decode -> submit to the version's batcher -> top-k and map
+    embed(call, data, resize, normalize)   -> decode -> submit -> the class token's vector and OOD score
+    infer(call, protocol_call, parse_s, encode) -> an Open Inference Protocol call (HTTP's /v2 or gRPC's, parsed
+                                              by service/protocols/inference_protocol.py) -> its encoded answer
 
-Admission (before the body is read) is the dependency `service.core.state.get_admitted_state`; the deadline is the
-request's own (`service.core.admission.Deadline`). An image runs on the version it was routed to, or (unpinned) on
-the newest ready one if its version was unloaded meanwhile: the answer names the version that ran it.
+An image runs on the version it was routed to, or (unpinned) on the newest ready one if its version was unloaded
+meanwhile: the answer names the version that ran it, and so does `call.served`.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
 from vitserve.service.ground import tracing
 from vitserve.service.core import postprocess
+from vitserve.service.core.pipeline import Call
 from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.core.explanations import relevance_target
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
-from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ImageEmbedding, ModelRef, OodScore,
-                                                RelevanceGrid, RelevanceImage, RolloutGrid, Timing)
+from vitserve.service.protocols.schemas import (ClassifyResponse, ExplainedClass, ImageEmbedding, MapKind, ModelRef,
+                                                OodScore, RelevanceGrid, RelevanceImage, RolloutFormat, RolloutGrid,
+                                                Timing)
 from vitserve.service.core.state import INFERENCE_ENDPOINTS, ServiceState
 from vitserve.service.protocols.model_config import triton_config
 from vitserve.service.protocols.statistics import triton_statistics
@@ -33,29 +35,30 @@ from vitserve.artifact import (EMBEDDING_NAME, OOD_SCORE_NAME, OPTIONAL_OUTPUTS,
                                ModelInfo)
 
 
-def route(state: ServiceState, name: str | None, version: str | None = None, request=None) -> ModelHandle:
-    """The version a request for model `name` (None: the only model) runs on; with the transport's request, it is
-    remembered there for the request's metrics."""
-    handle = state.engine.route(name, version)
-    if request is not None:
-        request.state.served = (handle.name, handle.version)
-    return handle
+@dataclass(frozen=True)
+class ClassifyOptions:
+    """What a classify call asks for, as plain values (HTTP's query parameters make it:
+    service/http/routes/classify.py)."""
+
+    top_k: int = 5
+    map: MapKind = "rollout"
+    map_format: RolloutFormat = "grid"
+    resize: ResizePolicy = "fit"
+    target_index: int | None = None  # map=relevance: the class to explain (-1: the top-1)
 
 
 def model_ref(name: str, version: str) -> ModelRef:
     return ModelRef(name=name, version=version)
 
 
-async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, options, started: float,
-                         deadline: Deadline) -> ClassifyResponse:
-    """One encoded image -> its top classes and its map. `options` has top_k, map, map_format, resize and the
-    resolved target_index (service.http.routes.classify.ClassifyParams)."""
-    target = options.target_index
+async def classify(call: Call, data: bytes, options: ClassifyOptions) -> ClassifyResponse:
+    """One encoded image -> its top classes and its map."""
+    state, handle, target = call.state, call.handle, options.target_index
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize,
                                                         options.map_format == "overlay")
-    result = await submit(state, handle, prepared.pixels, deadline, target)
-    info = answering_info(state, handle, result.version)
+    result = await submit(state, handle, prepared.pixels, call.deadline, target)
+    info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
     shown = outputs[RELEVANCE_NAME] if options.map == "relevance" else outputs[OUTPUT_NAMES[1]]
@@ -63,7 +66,7 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
         (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, postprocess_s)
     timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
-                    total=_ms(time.perf_counter() - started))
+                    total=_ms(time.perf_counter() - call.started))
     ood = _ood(state, info, outputs.get(OOD_SCORE_NAME))
     ref = model_ref(info.name, info.version)
     if options.map == "relevance":
@@ -73,14 +76,21 @@ async def classify_image(state: ServiceState, handle: ModelHandle, data: bytes, 
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, timing_ms=timing)
 
 
-async def embed_image(state: ServiceState, handle: ModelHandle, data: bytes, resize: ResizePolicy,
-                      deadline: Deadline, normalize: bool) -> ImageEmbedding:
+def check_embeds(handle: ModelHandle) -> None:
+    """Refused before the upload is read: a file exported before embeddings existed has no embedding output."""
+    if not handle.info.embedding_size:
+        raise InvalidParameter(f"{handle.name} {handle.version} has no embedding output: its file was exported "
+                               f"before embeddings existed (export it again with vitserve export)")
+
+
+async def embed(call: Call, data: bytes, resize: ResizePolicy, normalize: bool) -> ImageEmbedding:
     """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
-    score, on the fast path. The caller checks first that the version's file has the embedding output."""
+    score, on the fast path (`check_embeds` first)."""
+    state, handle = call.state, call.handle
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, resize, False)
-    result = await submit(state, handle, prepared.pixels, deadline, None)
-    info = answering_info(state, handle, result.version)
+    result = await submit(state, handle, prepared.pixels, call.deadline, None)
+    info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
     norm = float(np.linalg.norm(vector))
@@ -101,38 +111,37 @@ def _ood(state: ServiceState, info: ModelInfo, score) -> OodScore | None:
     return OodScore(score=round(float(score), 4), threshold=round(threshold, 4), outside=bool(score > threshold))
 
 
-def protocol_work(state: ServiceState, handle: ModelHandle, call, deadline: Deadline, started: float):
-    """An Open Inference Protocol call's work (its images through the version's batcher; `call` a parsed
-    service.protocols.inference_protocol.InferCall, from /v2 or gRPC), and the deadline it runs under: the
-    request's, shortened by the call's own `timeout` parameter."""
-    target = relevance_target(call.target, handle.info) if call.explains else None
-    missing = [o.name for o in call.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in handle.info.extra_outputs]
+async def infer(call: Call, request, parse_s: float, encode):
+    """An Open Inference Protocol call (`request`, a parsed service.protocols.inference_protocol.InferCall, from
+    /v2 or gRPC) through the routed version's batcher, within the call's deadline shortened by the request's own
+    `timeout` parameter; returns `encode(info, tensors)`, with `info` the metadata of the version that ran it (a
+    request is routed once: its images ran on one version). The call's stage metrics are recorded here."""
+    state, handle = call.state, call.handle
+    target = relevance_target(request.target, handle.info) if request.explains else None
+    extra = handle.info.extra_outputs
+    missing = [o.name for o in request.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in extra]
     if missing:
         outputs = ", ".join(handle.info.output_names(handle.info.explains_classes))
         raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "
                                f"without it (outputs: {outputs})")
-    if call.timeout_s is not None:  # the client's own timeout can only make the deadline earlier
-        deadline = Deadline(min(deadline.at, started + call.timeout_s))
-    if call.images is not None:
-        return run_encoded_images(state, handle, call.images, call.resize, deadline, target), deadline
-    return run_pixel_tensors(state, handle, call.pixels, deadline, target), deadline
-
-
-def encode_protocol_answer(state: ServiceState, handle: ModelHandle, call, tensors: dict, parse_s: float, encode):
-    """`encode(info)` of a finished protocol call, with `info` the metadata of the version that ran it (a request is
-    routed once: its images ran on one version); the call's stage metrics recorded. Returns (info, answer)."""
-    info = answering_info(state, handle, tensors["versions"][0])
+    call.shorten(request.timeout_s)  # the client's own timeout can only make the deadline earlier
+    if request.images is not None:
+        work = run_encoded_images(call, request.images, request.resize, target)
+    else:
+        work = run_pixel_tensors(call, request.pixels, target)
+    tensors = await call.run(work)
+    info = answering_info(call, tensors["versions"][0])
     encoding = time.perf_counter()
     with tracing.stage("encode"):
-        answer = encode(info)
+        answer = encode(info, tensors)
     encode_s = time.perf_counter() - encoding
     stages = state.metrics.for_model(info.name, info.version)
-    if call.images is None:
-        stages.tensor_stages(call.batch, parse_s, encode_s)
+    if request.images is None:
+        stages.tensor_stages(request.batch, parse_s, encode_s)
     else:
         for prepare_s in tensors["prepare_s"]:
-            stages.image_stages(prepare_s, encode_s / call.batch)
-    return info, answer
+            stages.image_stages(prepare_s, encode_s / request.batch)
+    return answer
 
 
 def model_configuration(state: ServiceState, handle: ModelHandle) -> dict:
@@ -146,12 +155,14 @@ async def model_statistics(state: ServiceState, versions: list[tuple[str, str]])
     return [triton_statistics(families, name, version, INFERENCE_ENDPOINTS) for name, version in versions]
 
 
-def answering_info(state: ServiceState, handle: ModelHandle, version: str) -> ModelInfo:
-    """The metadata of `version`, the one that ran a request's images: the routed one, unless it was retired
-    meanwhile."""
+def answering_info(call: Call, version: str) -> ModelInfo:
+    """The metadata of `version`, the one that ran a call's images: the routed one, unless it was retired
+    meanwhile (then the call says so)."""
+    handle = call.handle
     if not version or version == handle.version:
         return handle.info
-    return state.engine.info(handle.name, version)
+    call.ran_on(handle.name, version)
+    return call.state.engine.info(handle.name, version)
 
 
 def _explained(map_body, info: ModelInfo, logits, target: int) -> RelevanceGrid | RelevanceImage:
@@ -171,26 +182,26 @@ async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage,
     return postprocess.encode_result(*args), time.perf_counter() - started
 
 
-async def run_pixel_tensors(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
-                            target: int | None) -> dict[str, np.ndarray]:
+async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None) -> dict[str, np.ndarray]:
     """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
     request, named, and the others are dropped."""
-    results = await _each(list(pixels), lambda image: submit(state, handle, image, deadline, target))
-    return _stacked(state, handle, results, target is not None)
+    state, handle = call.state, call.handle
+    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target))
+    return _stacked(call, results, target is not None)
 
 
-async def run_encoded_images(state: ServiceState, handle: ModelHandle, images: list[bytes], resize: ResizePolicy,
-                             deadline: Deadline, target: int | None) -> dict:
+async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePolicy, target: int | None) -> dict:
     """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
     the request, named by its index, and the others' work is cancelled."""
+    state, handle = call.state, call.handle
     prepared = await _each(images, lambda data: _decode(state, data, handle.info, resize))
     shapes = {p.pixels.shape for p, _ in prepared}
     if len(shapes) > 1:
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(state, handle, pixels, deadline, target))
-    return {**_stacked(state, handle, results, target is not None), "prepare_s": [seconds for _, seconds in prepared]}
+                          lambda pixels: submit(state, handle, pixels, call.deadline, target))
+    return {**_stacked(call, results, target is not None), "prepare_s": [seconds for _, seconds in prepared]}
 
 
 async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
@@ -234,10 +245,10 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-def _stacked(state: ServiceState, handle: ModelHandle, results: list[InferenceResult], explained: bool) -> dict:
+def _stacked(call: Call, results: list[InferenceResult], explained: bool) -> dict:
     """The images' outputs by name (logits, rollout, from the relevance path relevance, then the file's optional
     outputs), and the versions that ran them (one version: a request is routed once)."""
-    names = answering_info(state, handle, results[0].version).output_names(relevance=explained)
+    names = answering_info(call, results[0].version).output_names(relevance=explained)
     stacked = {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names)}
     return {**stacked, "versions": [r.version for r in results]}
 

@@ -25,7 +25,6 @@ from vitserve.service.core.admission import Admission, PixelBudget
 from vitserve.service.ground.deadlines import StopSignal
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.engine import Engine
-from vitserve.service.ground.errors import ServiceError
 from vitserve.service.core.inspection import InspectionCache
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
@@ -136,26 +135,6 @@ class ServiceState:
         if not s.overload_keeps_batches:
             return 0
         return math.ceil(s.max_batch_size * s.max_batches_in_flight / max(1, s.http_workers))
-
-    def refusal(self, route: str, model: str | None) -> tuple[ServiceError, int] | None:
-        """The error and Retry-After seconds of a request for `route` (one of INFERENCE_ENDPOINTS) on `model` that
-        admission would refuse now, or None; a refusal is counted here as a refused answer. For the HTTP
-        connection's early refusal (service/http/dependencies.py): under overload a refusal must cost far less
-        than an answer, so it is decided from the request line, before the app."""
-        if not self.ready:
-            return None
-        refused = self.admission.refusal(self.engine.predicted_wait_s(model), self.settings.queue_wait_limit_s)
-        if refused is None:
-            return None
-        self.metrics.rejected_request(refused.code)
-        self.metrics.request_started()
-        self.metrics.request_done(route, 429, 0.0)
-        return refused, self.retry_after_s(model)
-
-    def retry_after_s(self, model: str | None = None) -> int:
-        """Seconds a refused client should wait: the time the model's queued work needs to run (at least the
-        setting)."""
-        return max(self.settings.retry_after_s, math.ceil(self.engine.predicted_wait_s(model)))
 
     async def in_pool(self, function, *args):
         return await asyncio.get_running_loop().run_in_executor(self.pool, partial(_timed, function, *args))

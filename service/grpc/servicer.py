@@ -18,8 +18,7 @@ import time
 import grpc
 
 from vitserve.service.ground import tracing
-from vitserve.service.core import inference
-from vitserve.service.ground.deadlines import Deadline, run_within
+from vitserve.service.core import inference, pipeline
 from vitserve.service.ground import errors
 from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
 from vitserve.service.core.keys import check_authorization, check_repository_access
@@ -126,7 +125,7 @@ def rpc(*, open_: bool = False, traced: bool = False):
                                        served.get("version", ""))
             trailing = ()
             if code is StatusCode.RESOURCE_EXHAUSTED:
-                trailing = ((RETRY_AFTER_KEY, str(state.retry_after_s(served.get("requested")))),)
+                trailing = ((RETRY_AFTER_KEY, str(pipeline.retry_after_s(state, served.get("requested")))),)
             await context.abort(code, str(error), trailing_metadata=trailing)
         return handler
     return wrap
@@ -200,33 +199,21 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     # --- inference ---
     @rpc(traced=True)
     async def ModelInfer(self, request: pb.ModelInferRequest, context, served) -> pb.ModelInferResponse:
-        """As POST /v2/models/{name}/infer: admitted first (RESOURCE_EXHAUSTED at once when full), then parsed,
-        run through the model version's batcher within the deadline (the server's, shortened by the call's gRPC
-        deadline and its `timeout` parameter), and encoded."""
-        state, started = self.state, time.perf_counter()
-        if not state.ready:
-            raise NotReady("the model is not ready (warming up or shutting down)")
+        """As POST /v2/models/{name}/infer, through the same call pipeline: admitted first (RESOURCE_EXHAUSTED at
+        once when full), routed, its protobuf read into the protocol's call (service/grpc/messages.py, no HTTP
+        model on the way), run within the deadline (the server's, shortened by the call's gRPC deadline and its
+        `timeout` parameter), and encoded."""
+        state = self.state
         _check_names(request.model_name, request.model_version)
         served["requested"] = request.model_name
-        state.admission.enter(state.engine.predicted_wait_s(request.model_name), state.settings.queue_wait_limit_s)
-        try:
-            handle = self._route(request.model_name, request.model_version)
-            served.update(name=handle.name, version=handle.version)
-            deadline = Deadline.after(state.settings.request_timeout_s)
-            left = context.time_remaining()
-            if left is not None:  # the client's deadline can only make the server's earlier
-                deadline = Deadline(min(deadline.at, started + left))
-            call = messages.infer_call(request, limits_for(state.settings, handle.info))
-            parse_s = time.perf_counter() - started
-            work, deadline = inference.protocol_work(state, handle, call, deadline, started)
-            tensors = await run_within(work, deadline, state.stopping)
-        finally:
-            state.admission.leave()
-        info, response = inference.encode_protocol_answer(
-            state, handle, call, tensors, parse_s,
-            lambda info: messages.infer_response(call, info.name, info.version, tensors, info.labels))
-        served.update(name=info.name, version=info.version)
-        return response
+        with pipeline.admit(state, request.model_name, on_route=lambda n, v: served.update(name=n, version=v)) as call:
+            handle = call.route(request.model_name, request.model_version or None)
+            call.shorten(context.time_remaining())
+            parsed = messages.infer_call(request, limits_for(state.settings, handle.info))
+            parse_s = time.perf_counter() - call.started
+            return await inference.infer(
+                call, parsed, parse_s,
+                lambda info, tensors: messages.infer_response(parsed, info.name, info.version, tensors, info.labels))
 
     # --- the model repository extension (the admin key; explicit mode for load and unload) ---
     @rpc(open_=True)

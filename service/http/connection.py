@@ -17,6 +17,16 @@ A refusal is one `{"error": {"code", "message"}}` response with `Connection: clo
 Time is kept by one event-loop timer per connection that is re-armed only when it lapses (`_expect_bytes`): no
 threads, no work per byte, and no timer made or cancelled per request.
 
+**The one adapter to uvicorn's internals.** uvicorn has no public way to hold these limits: its options bound the
+head only under h11 (`h11_max_incomplete_event_size`), and neither a head deadline nor a body gap exists (asked
+since 2018: uvicorn issue 157, "--timeout-request-start", "--timeout-request-complete", still open; PRs 1684 and
+2019, header limits for httptools, closed unmerged; other projects do the same as this module, e.g.
+xorbitsai/inference PR 5213). ASGI middleware cannot help: it runs once the head has been parsed. So this module
+is the only place that reaches inside uvicorn, and `UVICORN_SURFACE` lists all it touches; tests/service/
+test_uvicorn_contract.py checks that surface against the installed uvicorn (and that it is the pinned version),
+and tests/service/test_http_protocol.py checks the behaviour over real sockets. Lifting the pin is: move it,
+run those two, and adjust this module where the surface moved.
+
 `uvicorn_http_options(settings)` gives the `uvicorn.run` options. uvicorn pickles its `Config` into worker
 processes, so the protocol is a module-level class made by a picklable factory, not a class built on the fly.
 Without httptools (a dependency, but not every platform has a wheel) uvicorn's h11 protocol serves instead, with
@@ -40,6 +50,23 @@ try:
 except ImportError:  # pragma: no cover - see `uvicorn_http_options`
     httptools = None
     HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
+
+
+# Everything this module uses of uvicorn beyond its public options (see the docstring): the protocol's methods
+# it overrides or calls, the attributes it reads or sets, and the request cycle's. Checked by
+# tests/service/test_uvicorn_contract.py against the installed uvicorn.
+UVICORN_SURFACE = {
+    "module": ("STATUS_LINE", "HttpToolsProtocol", "RequestResponseCycle"),
+    "protocol_methods": ("__init__", "connection_made", "connection_lost", "data_received", "on_message_begin",
+                         "on_header", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
+                         "_unset_keepalive_if_required", "_should_upgrade", "handle_websocket_upgrade",
+                         "_unsupported_upgrade_warning", "send_400_response", "timeout_keep_alive_handler"),
+    "protocol_attributes": ("parser", "cycle", "app", "app_state", "url", "headers", "transport", "loop",
+                            "timeout_keep_alive", "timeout_keep_alive_task", "server_state", "logger"),
+    "cycle_methods": ("receive",),
+    "cycle_attributes": ("more_body", "body", "response_complete", "response_started", "disconnected",
+                         "message_event", "keep_alive"),
+}
 
 
 @dataclass(frozen=True)

@@ -1,13 +1,18 @@
-"""How HTTP reaches the serving state: FastAPI's dependencies (the state; the ready state; the admitted state,
-in flight until the route returns), the path helpers that read an inference request's route and model from its
-request line, and the connection's early refusal built from them.
+"""How HTTP reaches the serving state and enters the call pipeline (service/core/pipeline.py): FastAPI's
+dependencies (the state; the ready state; the admitted call, in flight until the route returns), `admitted_call`
+(the one way every HTTP inference request is admitted, by the infer lane and by that dependency), the path helpers
+that read an inference request's route and model from its request line, and the connection's early refusal built
+from them.
 """
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractContextManager
 
 from fastapi import Request
 
+from vitserve.service.core import pipeline
+from vitserve.service.core.pipeline import Call
 from vitserve.service.core.state import ServiceState
 from vitserve.service.ground.errors import NotReady, ServiceError
 
@@ -43,7 +48,7 @@ def early_refusal(state: ServiceState) -> Callable[[bytes, str], tuple[ServiceEr
     seconds of an inference request that admission would refuse now, or None."""
     def refuse(method: bytes, path: str) -> tuple[ServiceError, int] | None:
         route = inference_route(method, path)
-        return None if route is None else state.refusal(route, model_in_path(path))
+        return None if route is None else pipeline.would_refuse(state, route, model_in_path(path))
     return refuse
 
 
@@ -65,21 +70,28 @@ def requested_model(request: Request) -> str | None:
     return request.path_params.get("name") or request.query_params.get("model")
 
 
-def admit(request: Request) -> ServiceState:
-    """The ready state, once this request is admitted (429 at once otherwise, before its body is read); it counts
-    as in flight until the caller's `state.admission.leave()`, when its route returns. The queued work it is
-    measured against is its own model's: an overloaded big model does not refuse a small one's requests."""
-    state = ready_state(request)
+def admitted_call(request: Request) -> AbstractContextManager[Call]:
+    """The request's call through the pipeline, once admitted (NotReady or Overloaded at once otherwise, before its
+    body is read), in flight until the `with` block ends. The version it is routed to is remembered on the
+    request for its metrics and span; the model it names, for Retry-After should it be refused later on."""
     model = requested_model(request)
-    request.state.model_name = model  # for Retry-After, should the request be refused later on
-    state.admission.enter(state.engine.predicted_wait_s(model), state.settings.queue_wait_limit_s)
-    return state
+    request.state.model_name = model
+
+    def remember(name: str, version: str) -> None:
+        request.state.served = (name, version)
+
+    return pipeline.admit(request.app.state.service, model, on_route=remember,
+                          watch_client=lambda: client_gone(request))
 
 
-async def get_admitted_state(request: Request) -> AsyncIterator[ServiceState]:
-    """Dependency of the inference routes: `admit`, and in flight until the route returns."""
-    state = admit(request)
-    try:
-        yield state
-    finally:
-        state.admission.leave()
+async def client_gone(request: Request) -> None:
+    """Completes when the client hangs up; only once its body has been read, when the next ASGI message can only
+    be the disconnect."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def get_admitted_call(request: Request) -> AsyncIterator[Call]:
+    """Dependency of the FastAPI inference routes: `admitted_call`, in flight until the route returns."""
+    with admitted_call(request) as call:
+        yield call

@@ -19,6 +19,7 @@ from vitserve.service.ground.errors import (
     RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, Unauthorized, UnsupportedMediaType,
     UriTooLong, VersionRetired)
 from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.core.pipeline import retry_after_s
 
 
 # The single domain-error -> status-code table (most specific class first is not needed: exact types).
@@ -141,7 +142,7 @@ def service_error_answer(request: Request, metrics: ServiceMetrics, exc: Service
     """A domain error: its status from the error table; a 429's Retry-After is the model's it was refused for."""
     status = status_code(exc)
     model = getattr(request.state, "model_name", None)  # set on admission
-    headers = error_headers(status, request.app.state.service.retry_after_s(model))
+    headers = error_headers(status, retry_after_s(request.app.state.service, model))
     return error_answer(request, metrics, status, exc.code, str(exc), headers)
 
 

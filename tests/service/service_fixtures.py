@@ -16,6 +16,7 @@ import time
 import zlib
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, NamedTuple
 
 import httpx
@@ -24,6 +25,8 @@ from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
 from vitserve.service.app import create_app
+from vitserve.service.core.pipeline import Call
+from vitserve.service.http.dependencies import client_gone
 from vitserve.service.http.errors import is_protocol_path
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.settings import Settings
@@ -321,3 +324,10 @@ def trickling(connections: list[RawConnection], piece: bytes, every_s: float = 0
     finally:
         stop.set()
         thread.join(PATIENCE_S)
+
+
+async def run_as_call(request, work, deadline, stop, *, watch: bool = True, on_timeout=None):
+    """`work` as the pipeline runs an HTTP call's work (`Call.run`): within its deadline and the server's drain,
+    watching the client's connection (`request.receive`) with `watch`."""
+    call = Call(SimpleNamespace(stopping=stop), None, deadline, watch_client=lambda: client_gone(request))
+    return await call.run(work, on_timeout=on_timeout, watch=watch)

@@ -17,9 +17,9 @@ from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
 from vitserve.service.ground.memory import collect_cycles, freeze_startup_objects, return_large_frees_to_the_os
 from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.ground.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
-from vitserve.service.http.routes.uploads import read_raw_body, run_guarded
+from vitserve.service.http.routes.uploads import read_raw_body
 from vitserve.service.ground.settings import Settings
-from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
+from service_fixtures import (run_as_call, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
                               until)
 
 pytestmark = pytest.mark.anyio
@@ -84,16 +84,16 @@ async def _forever(cancelled: asyncio.Event):
 async def test_guarded_work_past_its_deadline_is_cancelled():
     cancelled = asyncio.Event()
     with pytest.raises(DeadlineExceeded):
-        await run_guarded(_Connected(), _forever(cancelled), Deadline.after(0.05), StopSignal())
+        await run_as_call(_Connected(), _forever(cancelled), Deadline.after(0.05), StopSignal())
     await asyncio.wait_for(cancelled.wait(), 5)
     with pytest.raises(RequestTimeout):
-        await run_guarded(_Connected(), _forever(asyncio.Event()), Deadline.after(0.01), StopSignal(),
-                          watch_disconnect=False, on_timeout=RequestTimeout("slow upload"))
+        await run_as_call(_Connected(), _forever(asyncio.Event()), Deadline.after(0.01), StopSignal(),
+                          watch=False, on_timeout=RequestTimeout("slow upload"))
 
 
 async def test_guarded_work_is_answered_not_ready_when_the_drain_runs_out():
     stop, cancelled = StopSignal(), asyncio.Event()
-    work = asyncio.ensure_future(run_guarded(_Connected(), _forever(cancelled), Deadline.after(60), stop))
+    work = asyncio.ensure_future(run_as_call(_Connected(), _forever(cancelled), Deadline.after(60), stop))
     await asyncio.sleep(0)
     stop.set()
     with pytest.raises(NotReady, match="shut down"):

@@ -12,8 +12,7 @@ from PIL import Image
 
 from vitserve.service.ground.errors import ClientDisconnected
 from vitserve.service.ground.deadlines import Deadline, StopSignal
-from vitserve.service.http.routes.uploads import run_guarded
-from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
+from service_fixtures import (run_as_call, only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
                               png_declaring, serving, settings_for, until)
 
 pytestmark = pytest.mark.anyio
@@ -317,7 +316,7 @@ async def test_disconnected_client_work_is_cancelled():
             raise
 
     with pytest.raises(ClientDisconnected):
-        await run_guarded(GoneRequest(), queued_work(), Deadline.after(PATIENCE_S), StopSignal())
+        await run_as_call(GoneRequest(), queued_work(), Deadline.after(PATIENCE_S), StopSignal())
     assert started.is_set()
     await asyncio.wait_for(cancelled.wait(), PATIENCE_S)  # the work sees its cancellation on its next turn
     assert cancelled.is_set()

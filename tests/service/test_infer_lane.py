@@ -1,18 +1,18 @@
-"""The infer lane (service/http/infer_lane.py): it takes POST .../infer before FastAPI's router, and answers every
-request as the FastAPI route does (the same statuses, headers and bytes, errors included); it admits, checks keys
-and counts as the route's dependencies do; a bug in it is a 500 in the protocol's shape, and the server goes on."""
+"""The infer lane (service/http/infer_lane.py), the one door of POST .../infer and POST /v1/classify: it answers
+them before FastAPI's router (which has no route for them), in the protocol's shapes, errors and other methods
+included; it checks keys, admits through the call pipeline and counts under the routes' templates; the OpenAPI
+document still describes its paths; a bug in it is a 500 in the protocol's shape, and the server goes on."""
 from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import asynccontextmanager
 
 import httpx
 import numpy as np
 import pytest
 
 from vitserve.service.http import infer_lane
-from vitserve.service.http.infer_lane import InferenceLane, RouteTemplate
+from vitserve.service.http.infer_lane import RouteTemplate
 from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
 from service_fixtures import WrappedModel, samples, serving, settings_for, until, value
 
@@ -35,19 +35,11 @@ def binary_body(pixels=PIXELS) -> tuple[bytes, dict]:
     return header + pixels.tobytes(), {HEADER_LENGTH: str(len(header)), "content-type": "application/octet-stream"}
 
 
-@asynccontextmanager
-async def served(settings, model=None, *, lane: bool):
-    async with serving(settings, model) as client:
-        if not lane:  # before the first request builds the middleware stack
-            client.app.user_middleware = [m for m in client.app.user_middleware if m.cls is not InferenceLane]
-        yield client
-
-
 def answer_of(response: httpx.Response) -> tuple:
     return response.status_code, {h: response.headers.get(h) for h in HEADERS_COMPARED}, response.content
 
 
-async def test_the_lane_answers_every_request_as_the_fastapi_route_does(tiny_onnx):
+async def test_the_lane_answers_every_request_in_the_protocol_s_shape(tiny_onnx):
     binary, binary_headers = binary_body()
     requests = [
         ("POST", "/v2/models/tiny-vit/infer", binary, binary_headers),
@@ -59,31 +51,49 @@ async def test_the_lane_answers_every_request_as_the_fastapi_route_does(tiny_onn
         ("POST", "/v2/models/tiny-vit/infer", b"", {}),  # 400
         ("POST", "/v2/models/tiny-vit/infer", json_body(np.zeros((1, 3, 16, 17), np.float32)), {}),  # 400
         ("POST", "/v2/models/tiny-vit/infer", b"[" * 70_000, {}),  # past max_json_body_bytes: 413
-        ("GET", "/v2/models/tiny-vit/infer", b"", {}),  # not the lane's: FastAPI's 405 both times
-        ("POST", "/v2/models/tiny-vit/infer/more", json_body(), {}),  # nor this: 404
+        ("GET", "/v2/models/tiny-vit/infer", b"", {}),  # the lane's path, another method: 405
+        ("PUT", "/v1/classify", b"", {}),  # 405
+        ("POST", "/v2/models/tiny-vit/infer/more", json_body(), {}),  # not the lane's, nor any route's: 404
     ]
-    answers = {}
-    for lane in (True, False):
-        async with served(settings_for(tiny_onnx, max_json_body_bytes=64 * 1024), lane=lane) as client:
-            answers[lane] = [answer_of(await client.request(method, path, content=body, headers=headers))
-                             for method, path, body, headers in requests]
-    statuses = [status for status, _, _ in answers[True]]
-    assert statuses == [200, 200, 200, 404, 404, 400, 400, 400, 413, 405, 404]
-    assert answers[True] == answers[False]
+    async with serving(settings_for(tiny_onnx, max_json_body_bytes=64 * 1024)) as client:
+        answers = [await client.request(method, path, content=body, headers=headers)
+                   for method, path, body, headers in requests]
+    assert [a.status_code for a in answers] == [200, 200, 200, 404, 404, 400, 400, 400, 413, 405, 405, 404]
+    assert answers[1].json()["id"] == "r7" and answers[1].json()["model_version"] == "7"
+    assert answers[0].headers[HEADER_LENGTH] and answers[0].headers["content-type"] == "application/octet-stream"
+    for refused in answers[3:9]:  # the protocol's shape: a message, and vitserve's code
+        assert set(refused.json()) == {"error", "code"}
+    assert [a.json()["code"] for a in answers[3:9]] == ["model_not_found"] * 2 + ["invalid_parameter"] * 3 + [
+        "payload_too_large"]
+    assert answers[9].headers["allow"] == answers[10].headers["allow"] == "POST"
+    assert answers[9].json() == {"error": "Method Not Allowed", "code": "method_not_allowed"}
+    assert answers[10].json() == {"error": {"code": "method_not_allowed", "message": "Method Not Allowed"}}
 
 
-async def test_the_lane_wants_the_api_key_as_the_route_does(tiny_onnx):
+async def test_the_lane_is_the_one_door_and_the_openapi_document_describes_it(tiny_onnx):
+    lane_paths = {"/v1/classify": "post", "/v2/models/{name}/infer": "post",
+                  "/v2/models/{name}/versions/{version}/infer": "post"}
+    async with serving(settings_for(tiny_onnx)) as client:
+        routed = {getattr(route, "path", None) for route in client.app.routes}
+        spec = (await client.get("/openapi.json")).json()
+    assert not routed & set(lane_paths)  # FastAPI's router never sees them
+    for path, method in lane_paths.items():
+        operation = spec["paths"][path][method]
+        assert "200" in operation["responses"] and "429" in operation["responses"]
+    assert "requestBody" in spec["paths"]["/v2/models/{name}/infer"]["post"]
+    assert {p["name"] for p in spec["paths"]["/v1/classify"]["post"]["parameters"]} >= {"top_k", "map", "model"}
+
+
+async def test_the_lane_wants_the_api_key(tiny_onnx):
     body = json_body(PIXELS[:1])
-    answers = {}
-    for lane in (True, False):
-        async with served(settings_for(tiny_onnx, api_key="k1"), lane=lane) as client:
-            refused = await client.post("/v2/models/tiny-vit/infer", content=body)
-            wrong = await client.post("/v2/models/tiny-vit/infer", content=body, headers={"Authorization": "Bearer k2"})
-            right = await client.post("/v2/models/tiny-vit/infer", content=body, headers={"Authorization": "Bearer k1"})
-            answers[lane] = [answer_of(r) for r in (refused, wrong, right)]
-    assert [a[0] for a in answers[True]] == [401, 403, 200]  # no key, a wrong key, the key
-    assert answers[True][0][1]["www-authenticate"] == 'Bearer realm="vitserve"'
-    assert answers[True] == answers[False]
+    async with serving(settings_for(tiny_onnx, api_key="k1")) as client:
+        refused = await client.post("/v2/models/tiny-vit/infer", content=body)
+        wrong = await client.post("/v2/models/tiny-vit/infer", content=body, headers={"Authorization": "Bearer k2"})
+        right = await client.post("/v2/models/tiny-vit/infer", content=body, headers={"Authorization": "Bearer k1"})
+        classify_refused = await client.post("/v1/classify", content=b"x", headers={"content-type": "image/png"})
+    assert [r.status_code for r in (refused, wrong, right, classify_refused)] == [401, 403, 200, 401]
+    assert refused.headers["www-authenticate"] == 'Bearer realm="vitserve"'
+    assert refused.json()["code"] == "unauthorized" and classify_refused.json()["error"]["code"] == "unauthorized"
 
 
 async def test_the_lane_takes_the_infer_routes_and_they_are_counted_under_their_templates(tiny_onnx):

@@ -1,11 +1,12 @@
-"""POST /v1/classify and /v1/classify/batch: image -> top-k classes and an explanation map; GET /v1/models.
+"""POST /v1/classify and /v1/classify/batch: image -> top-k classes and an explanation map.
 
-The routes translate HTTP (query parameters, the upload) into the inference core's calls (service/core/inference.py:
-route to a model version, then decode -> submit -> encode per image) and the results back.
+HTTP's side of a classify call: the query parameters (`ClassifyQuery`, then `ClassifyParams`, which makes the use
+case's `ClassifyOptions`), the upload, and the answer; the call itself is the pipeline's (service/core/pipeline.py,
+service/core/inference.py `classify`). `POST /v1/classify` has one door, the infer lane (service/http/infer_lane.py),
+which runs `classify_response`; its declaration here (`lane_documentation`) only documents it in the OpenAPI.
 """
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query, Request, Response
@@ -13,19 +14,21 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vitserve.service.core import inference
+from vitserve.service.core.inference import ClassifyOptions
+from vitserve.service.core.pipeline import Call
 from vitserve.service.http.access import require_api_key
-from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.core.preprocess import ResizePolicy
-from vitserve.service.http.routes.uploads import each_file, read_files, run_guarded, upload_within
+from vitserve.service.http.routes.uploads import each_file, read_files, upload_within
 from vitserve.service.protocols.schemas import BatchResponse, ClassifyResponse, MapFormat, MapKind, RolloutFormat
-from vitserve.service.core.state import ServiceState
-from vitserve.service.http.dependencies import get_admitted_state
+from vitserve.service.http.dependencies import get_admitted_call
 from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
+# Declarations of the infer lane's paths, for the OpenAPI document only: the app never routes to them.
+lane_documentation = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
 
 _IMAGE_BODY = {"requestBody": {"required": True, "content": {
     "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
@@ -92,33 +95,29 @@ class ClassifyParams:
             raise InvalidParameter("target names the class to explain: it needs map=relevance")
         self.top_k, self.target, self.resize = query.top_k, query.target, query.resize
         self.model, self.version = query.model, query.version
-        self.target_index: int | None = None  # set by `check_against`
 
-    def check_against(self, info: ModelInfo) -> None:
-        """Resolve the class to explain with the model's labels (before any upload is read)."""
-        if self.map == "relevance":
-            self.target_index = relevance_target(self.target, info)
+    def options_for(self, info: ModelInfo) -> ClassifyOptions:
+        """The use case's options, the class to explain resolved with the model's labels (before any upload is
+        read)."""
+        target_index = relevance_target(self.target, info) if self.map == "relevance" else None
+        return ClassifyOptions(self.top_k, self.map, self.map_format, self.resize, target_index)
 
 
-@router.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
-             responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504))
-async def classify(request: Request, query: Annotated[ClassifyQuery, Query()],
-                   state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
+@lane_documentation.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
+                         responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504))
+async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
     """Classify one image sent as the raw body (image content type) or as multipart field `file`."""
-    return await classify_response(request, state, ClassifyParams(request, query))
+    raise NotImplementedError("the infer lane answers POST /v1/classify (service/http/infer_lane.py)")
 
 
-async def classify_response(request: Request, state: ServiceState, params: ClassifyParams) -> Response:
-    """A /v1/classify request's life: route it, read its image, run it, and its answer as JSON. The route's own
-    work, and all of the infer lane's."""
-    started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
-    handle = inference.route(state, params.model, params.version, request)
-    params.check_against(handle.info)
-    files = await upload(request, state, deadline, max_files=1)
+async def classify_response(request: Request, call: Call, params: ClassifyParams) -> Response:
+    """A /v1/classify call's HTTP side, once admitted: route it, read its image, run it, and its answer as JSON."""
+    handle = call.route(params.model, params.version)
+    options = params.options_for(handle.info)
+    files = await upload(request, call, max_files=1)
     if isinstance(files[0], ServiceError):
         raise files[0]
-    answer = await run_guarded(request, inference.classify_image(state, handle, files[0], params, started, deadline),
-                               deadline, state.stopping)
+    answer = await call.run(inference.classify(call, files[0], options))
     # Serialised by the model that made it: FastAPI would validate the answer against it once more first.
     return Response(answer.model_dump_json(), media_type="application/json")
 
@@ -126,21 +125,18 @@ async def classify_response(request: Request, state: ServiceState, params: Class
 @router.post("/v1/classify/batch", response_model=BatchResponse, openapi_extra=_BATCH_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 503, 504))
 async def classify_batch(request: Request, query: Annotated[ClassifyQuery, Query()],
-                         state: Annotated[ServiceState, Depends(get_admitted_state)]) -> BatchResponse:
+                         call: Annotated[Call, Depends(get_admitted_call)]) -> BatchResponse:
     """Classify several `file` fields; one result or one error per file, in order."""
     params = ClassifyParams(request, query)
-    started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
-    handle = inference.route(state, params.model, params.version, request)
-    params.check_against(handle.info)
-    files = await upload(request, state, deadline, max_files=state.settings.max_batch_files)
-
-    work = each_file(state, files, lambda data: inference.classify_image(state, handle, data, params, started, deadline),
-                     "a batch")
-    results = await run_guarded(request, work, deadline, state.stopping)
+    handle = call.route(params.model, params.version)
+    options = params.options_for(handle.info)
+    files = await upload(request, call, max_files=call.state.settings.max_batch_files)
+    work = each_file(call.state, files, lambda data: inference.classify(call, data, options), "a batch")
+    results = await call.run(work)
     return BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
 
 
-async def upload(request: Request, state: ServiceState, deadline: Deadline, max_files: int) -> list:
-    """The request's image files, read within its deadline."""
-    reading = read_files(request, max_bytes=state.settings.max_upload_bytes, max_files=max_files)
-    return await upload_within(request, reading, deadline, state.stopping)
+async def upload(request: Request, call: Call, max_files: int) -> list:
+    """The request's image files, read within its call's deadline."""
+    reading = read_files(request, max_bytes=call.state.settings.max_upload_bytes, max_files=max_files)
+    return await upload_within(call, reading)

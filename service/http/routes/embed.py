@@ -16,14 +16,13 @@ from pydantic import BaseModel, Field
 
 from vitserve.service.core import inference
 from vitserve.service.core.preprocess import ResizePolicy
-from vitserve.service.core.state import ServiceState
-from vitserve.service.ground.deadlines import Deadline
-from vitserve.service.ground.errors import InvalidParameter, ServiceError
+from vitserve.service.core.pipeline import Call
+from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import get_admitted_state
+from vitserve.service.http.dependencies import get_admitted_call
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.classify import upload
-from vitserve.service.http.routes.uploads import each_file, run_guarded
+from vitserve.service.http.routes.uploads import each_file
 from vitserve.service.protocols.schemas import EmbedResponse
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
@@ -48,24 +47,21 @@ class EmbedQuery(BaseModel):
 @router.post("/v1/embed", response_model=EmbedResponse, openapi_extra=_EMBED_BODY,
              responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 503, 504))
 async def embed(request: Request, query: Annotated[EmbedQuery, Query()],
-                state: Annotated[ServiceState, Depends(get_admitted_state)]) -> EmbedResponse:
+                call: Annotated[Call, Depends(get_admitted_call)]) -> EmbedResponse:
     """The embedding of each image: the raw body, or each multipart `file` field in order."""
-    started, deadline = time.perf_counter(), Deadline.after(state.settings.request_timeout_s)
-    handle = inference.route(state, query.model, query.version, request)
-    if not handle.info.embedding_size:  # refused before the upload is read
-        raise InvalidParameter(f"{handle.name} {handle.version} has no embedding output: its file was exported "
-                               f"before embeddings existed (export it again with vitserve export)")
-    files = await upload(request, state, deadline, max_files=state.settings.max_batch_files)
+    handle = call.route(query.model, query.version)
+    inference.check_embeds(handle)
+    files = await upload(request, call, max_files=call.state.settings.max_batch_files)
     ref = inference.model_ref(handle.name, handle.version)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         # one image as the body: its error is the request's, with its status, as on /v1/classify
         if isinstance(files[0], ServiceError):
             raise files[0]
-        work = inference.embed_image(state, handle, files[0], query.resize, deadline, query.normalize)
-        return EmbedResponse(model=ref, results=[await run_guarded(request, work, deadline, state.stopping)])
+        return EmbedResponse(model=ref, results=[await call.run(inference.embed(call, files[0], query.resize,
+                                                                                query.normalize))])
 
-    work = each_file(state, files, lambda data: inference.embed_image(state, handle, data, query.resize, deadline,
-                                                                     query.normalize), "an embed request")
-    results = await run_guarded(request, work, deadline, state.stopping)
-    log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - started) * 1000)
+    work = each_file(call.state, files, lambda data: inference.embed(call, data, query.resize, query.normalize),
+                     "an embed request")
+    results = await call.run(work)
+    log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - call.started) * 1000)
     return EmbedResponse(model=ref, results=results)

@@ -17,17 +17,17 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from vitserve.service.core import inference
 from vitserve.service.http.access import require_api_key
-from vitserve.service.ground.deadlines import Deadline
+from vitserve.service.core.pipeline import Call
 from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from vitserve.service.engine import ModelHandle
 from vitserve.service.ground.errors import NotReady
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, server_document
-from vitserve.service.http.routes.uploads import decode_content, read_raw_body, run_guarded, upload_within
+from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
 from vitserve.service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
 from vitserve.service.core.state import ServiceState
-from vitserve.service.http.dependencies import get_admitted_state, get_ready_state, get_state
+from vitserve.service.http.dependencies import get_ready_state, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
@@ -145,21 +145,26 @@ async def versioned_statistics(name: str, version: str, state: Annotated[Service
 _INFER_RESPONSES = {**_INFER_ANSWER, **_errors(400, 404, 408, 413, 415, 429, 500, 503, 504)}
 
 
-@router.post(MODEL + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
-async def infer(name: str, request: Request, state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
+# The infer routes' one door is the infer lane (service/http/infer_lane.py), which runs `infer_response`; these
+# declarations document it in the OpenAPI only: the app never routes to them.
+lane_documentation = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"],
+                               dependencies=[Depends(require_api_key)])
+
+
+@lane_documentation.post(MODEL + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
+async def infer(name: str, request: Request) -> Response:
     """Run `pixel_values` (B, C, H, W), normalised FP32, or `image` (B encoded images); return `logits` (B, K)
     and `rollout` (B, H/P, W/P), or the top classes of `logits` (classification extension).
 
-    The body is read here as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
+    The body is read as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
     binary tensors), decompressed if its Content-Encoding says so, and parsed whatever its Content-Type
     (tritonclient sends none, or application/octet-stream)."""
-    return await infer_response(request, state, name, None)
+    raise NotImplementedError("the infer lane answers this path (service/http/infer_lane.py)")
 
 
-@router.post(VERSIONED + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
-async def versioned_infer(name: str, version: str, request: Request,
-                          state: Annotated[ServiceState, Depends(get_admitted_state)]) -> Response:
-    return await infer_response(request, state, name, version)
+@lane_documentation.post(VERSIONED + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
+async def versioned_infer(name: str, version: str, request: Request) -> Response:
+    raise NotImplementedError("the infer lane answers this path (service/http/infer_lane.py)")
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
@@ -173,27 +178,24 @@ async def _statistics(state: ServiceState, name: str, version: str | None) -> di
     return {"model_stats": await inference.model_statistics(state, versions)}
 
 
-async def infer_response(request: Request, state: ServiceState, name: str, version: str | None) -> Response:
-    """A request's life: route it, read and parse its body, run its images through the version's batcher,
-    encode the outputs. The infer routes' own work, and all of the infer lane's (service/http/infer_lane.py)."""
-    started, handle = time.perf_counter(), inference.route(state, name, version, request)
-    deadline = Deadline.after(state.settings.request_timeout_s)
-    call, parse_s = await _read_call(request, state, handle, deadline)
-    work, deadline = inference.protocol_work(state, handle, call, deadline, started)
-    tensors = await run_guarded(request, work, deadline, state.stopping)
-    _, (body, headers) = inference.encode_protocol_answer(
-        state, handle, call, tensors, parse_s,
-        lambda info: encode_response(call, info.name, info.version, tensors, info.labels))
+async def infer_response(request: Request, call: Call, name: str, version: str | None) -> Response:
+    """An infer call's HTTP side, once admitted: route it, read and parse its body, run it through the pipeline's
+    `infer`, and its encoded answer."""
+    handle = call.route(name, version)
+    parsed, parse_s = await _read_call(request, call, handle)
+    body, headers = await inference.infer(
+        call, parsed, parse_s, lambda info, tensors: encode_response(parsed, info.name, info.version, tensors,
+                                                                     info.labels))
     return Response(body, headers=headers)
 
 
-async def _read_call(request: Request, state: ServiceState, handle: ModelHandle,
-                     deadline: Deadline) -> tuple[InferCall, float]:
+async def _read_call(request: Request, call: Call, handle: ModelHandle) -> tuple[InferCall, float]:
     """The request's body, read within its limit and deadline, decompressed and parsed; and the parse's seconds."""
+    state = call.state
     s = state.settings
     header_length = request.headers.get(HEADER_LENGTH)
     limit = s.max_binary_body_bytes if header_length is not None else s.max_json_body_bytes
-    body = await upload_within(request, read_raw_body(request, limit), deadline, state.stopping)
+    body = await upload_within(call, read_raw_body(request, limit))
     started = time.perf_counter()
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop

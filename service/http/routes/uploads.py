@@ -1,5 +1,4 @@
-"""A request's I/O: its body (raw, or multipart `file` fields) within the byte limits, and its work run under
-its deadline, its client's connection and the server's drain.
+"""A request's I/O: its body (raw, or multipart `file` fields) within the byte limits and its call's deadline.
 
 Byte limits hold however the body comes: a declared Content-Length over the limit is refused before any
 byte is read, and a chunked body is counted as it streams in. A client that hangs up mid-upload is a
@@ -16,7 +15,7 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
+from vitserve.service.core.pipeline import Call
 from vitserve.service.ground.errors import (
     ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError, UnsupportedMediaType)
 from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
@@ -143,24 +142,10 @@ async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
     return await upload.read()
 
 
-async def run_guarded(request: Request, awaitable, deadline: Deadline, stop: StopSignal, *,
-                      watch_disconnect: bool = True, on_timeout: ServiceError | None = None):
-    """`service.core.admission.run_within`, also cancelled when the client disconnects (ClientDisconnected;
-    watched only once the body has been read)."""
-    disconnected = _disconnected(request) if watch_disconnect else None
-    return await run_within(awaitable, deadline, stop, disconnected=disconnected, on_timeout=on_timeout)
-
-
-async def _disconnected(request: Request) -> None:
-    # The body has been read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def upload_within(request: Request, reading, deadline: Deadline, stop: StopSignal):
-    """`reading` (of the request's body) within the request's deadline: a slower upload is the client's (408)."""
+async def upload_within(call: Call, reading):
+    """`reading` (of the request's body) within the call's deadline: a slower upload is the client's (408)."""
     timeout = RequestTimeout("the upload did not finish within the request's deadline")
-    return await run_guarded(request, reading, deadline, stop, watch_disconnect=False, on_timeout=timeout)
+    return await call.run(reading, on_timeout=timeout, watch=False)
 
 
 async def each_file(state, files: list, work, what: str) -> list:

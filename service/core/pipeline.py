@@ -1,0 +1,106 @@
+"""One inference call's way through the service, whatever transport brought it:
+
+    admit -> deadline -> resolve the model version -> (the transport reads its body) -> decode -> submit -> encode
+
+Every transport enters it the same way, with `admit`: the HTTP infer lane (POST /v2/.../infer and /v1/classify),
+the FastAPI routes of /v1/classify/batch and /v1/embed (through their `get_admitted_call` dependency), and gRPC's
+ModelInfer. What each transport still owns is its protocol: reading its body, its error shapes and codes, its
+request metrics and server span (the HTTP middleware's and the gRPC frame's, over every route, not only these).
+
+    with admit(state, model_named_by_the_request, on_route=remember, watch_client=...) as call:
+        call.route(name, version)            # ModelNotFound, ModelUnavailable, ...: before any body byte is read
+        call.shorten(client_seconds_left)    # the client's own deadline (gRPC's), never later than the server's
+        body = await call.run(reading, on_timeout=RequestTimeout(...), watch=False)
+        answer = await inference.classify(call, data, options)  # or embed, infer
+    call.served                              # (name, version) of the version that ran it, also given to on_route
+
+The use cases (service/core/inference.py) take the `Call` and record the stages' metrics and spans once, for every
+transport. The early refusal (`would_refuse`) lets a transport refuse from its first bytes what `admit` would
+refuse (HTTP's connection does, before the app), counted as a refused answer.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from vitserve.service.core.state import ServiceState
+from vitserve.service.engine import ModelHandle
+from vitserve.service.ground.deadlines import Deadline, run_within
+from vitserve.service.ground.errors import NotReady, ServiceError
+
+
+@dataclass
+class Call:
+    """An admitted inference call: in flight from `admit` until its `with` block ends."""
+
+    state: ServiceState
+    requested: str | None  # the model the request named (None: the only one), for Retry-After and routing
+    deadline: Deadline
+    on_route: Callable[[str, str], None] | None = None  # the transport's record of the version for its metrics
+    watch_client: Callable[[], Awaitable] | None = None  # completes when the client hangs up (the transport's)
+    started: float = field(default_factory=time.perf_counter)
+    handle: ModelHandle | None = None
+    served: tuple[str, str] = ("", "")
+
+    def route(self, name: str | None, version: str | None) -> ModelHandle:
+        """The version this call runs on (None: the only model; its newest ready version)."""
+        self.handle = self.state.engine.route(name, version)
+        self.ran_on(self.handle.name, self.handle.version)
+        return self.handle
+
+    def ran_on(self, name: str, version: str) -> None:
+        """The version that answered (the routed one, unless it was retired while the call waited)."""
+        self.served = (name, version)
+        if self.on_route is not None:
+            self.on_route(name, version)
+
+    def shorten(self, seconds_left: float | None) -> None:
+        """The client's own deadline (seconds from the call's start) can only make the server's earlier."""
+        if seconds_left is not None:
+            self.deadline = Deadline(min(self.deadline.at, self.started + seconds_left))
+
+    async def run(self, awaitable, *, on_timeout: ServiceError | None = None, watch: bool = True):
+        """`awaitable` within the call's deadline and the server's drain; with `watch`, also cancelled when the
+        client hangs up (once its body has been read: until then the transport's read sees it)."""
+        disconnected = self.watch_client() if watch and self.watch_client is not None else None
+        return await run_within(awaitable, self.deadline, self.state.stopping, disconnected=disconnected,
+                                on_timeout=on_timeout)
+
+
+@contextmanager
+def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str, str], None] | None = None,
+          watch_client: Callable[[], Awaitable] | None = None) -> Iterator[Call]:
+    """The call, once admitted: NotReady (warming up, shutting down) or Overloaded at once otherwise, before its
+    body is read. The queued work it is measured against is its own model's: an overloaded big model does not
+    refuse a small one's requests. The deadline (request_timeout_s) starts here."""
+    if not state.ready:
+        raise NotReady("the model is not ready (warming up or shutting down)")
+    state.admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
+    try:
+        yield Call(state, requested, Deadline.after(state.settings.request_timeout_s), on_route, watch_client)
+    finally:
+        state.admission.leave()
+
+
+def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> tuple[ServiceError, int] | None:
+    """The error and Retry-After seconds of a call that `admit` would refuse now for overload, or None; a refusal
+    is counted here as a refused answer on `endpoint`. For a transport that can answer before it has the request
+    (HTTP's connection, from the request line): under overload a refusal must cost far less than an answer."""
+    if not state.ready:
+        return None
+    refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
+    if refused is None:
+        return None
+    state.metrics.rejected_request(refused.code)
+    state.metrics.request_started()
+    state.metrics.request_done(endpoint, 429, 0.0)
+    return refused, retry_after_s(state, requested)
+
+
+def retry_after_s(state: ServiceState, requested: str | None = None) -> int:
+    """Seconds a refused client should wait: the time the model's queued work needs to run (at least the
+    setting)."""
+    return max(state.settings.retry_after_s, math.ceil(state.engine.predicted_wait_s(requested)))
