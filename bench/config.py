@@ -1,7 +1,7 @@
 """One bench run's settings, and the only place their defaults are written (the command line overrides them)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 LOOPBACK = "127.0.0.1"
@@ -53,3 +53,9 @@ def with_server_defaults(cfg: BenchConfig) -> BenchConfig:
 THROUGHPUT_ONLY = ("batch_sizes", "concurrency", "inputs", "max_batch_size", "max_queue_delay_ms", "pairs", "bare",
                    "duration_s", "warmup_s", "raw_duration_s", "time_limit_s")
 OIP_ONLY = ("encodings",)
+
+
+def add_config_flags(parser, defaults) -> None:
+    """One `--flag` per field of a bench's config dataclass (`defaults`), typed and defaulted by its value."""
+    for name, default in asdict(defaults).items():
+        parser.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)

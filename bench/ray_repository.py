@@ -27,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+from vitserve.bench.config import add_config_flags
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, parse_wrk, write_script, wrk_argv
 from vitserve.bench.repository import place, sample_png
@@ -171,8 +172,7 @@ def render(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     d = RayRepositoryBenchConfig()
     p = argparse.ArgumentParser(prog="python -m vitserve.bench.ray_repository", description=__doc__.split("\n\n")[0])
-    for name, default in asdict(d).items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    add_config_flags(p, d)
     cfg = RayRepositoryBenchConfig(**vars(p.parse_args(argv)))
     if shutil.which("wrk") is None:
         raise SystemExit("wrk is needed (apt-get install wrk)")

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import httpx
 
+from vitserve.bench.config import add_config_flags
 from vitserve.bench.presets import resolve_model
 from vitserve.bench.servers import free_port
 
@@ -351,8 +352,7 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
 def main(argv: list[str] | None = None) -> int:
     d = RepositoryBenchConfig()
     p = argparse.ArgumentParser(prog="python -m vitserve.bench.repository", description=__doc__.split("\n\n")[0])
-    for name, default in asdict(d).items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    add_config_flags(p, d)
     p.add_argument("--parts", default="swap,memory,idle,isolation", help="which measurements, comma-separated")
     args = vars(p.parse_args(argv))
     parts = args.pop("parts").split(",")

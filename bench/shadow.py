@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from vitserve.bench.config import add_config_flags
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import publish
@@ -201,7 +202,7 @@ def agreement(server: Server, root: Path, primary: Path, shadow: Path, count: in
 
 def render(report: Report) -> str:
     cfg = report.config
-    lines = [f"# A shadow version's cost and figures (`python -m vitserve.bench.shadow`)", "",
+    lines = ["# A shadow version's cost and figures (`python -m vitserve.bench.shadow`)", "",
              f"Machine: {report.machine}. Served version 1: `{cfg['primary']}`; shadow version 2: `{cfg['shadow']}`. "
              f"{cfg['clients']} wrk connections (closed loop) on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{cfg['seconds']} s per arm after a 2 s settling run, arms alternating over {cfg['rounds']} rounds on "
@@ -294,8 +295,7 @@ def run(cfg: ShadowBenchConfig) -> Report:
 def main(argv: list[str] | None = None) -> int:
     d = ShadowBenchConfig()
     p = argparse.ArgumentParser(prog="python -m vitserve.bench.shadow", description=__doc__.split("\n\n")[0])
-    for name, default in asdict(d).items():
-        p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
+    add_config_flags(p, d)
     cfg = ShadowBenchConfig(**vars(p.parse_args(argv)))
     report = run(cfg)
     cfg.out.parent.mkdir(parents=True, exist_ok=True)
