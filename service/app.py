@@ -4,7 +4,6 @@ batcher, the thread pool) is made in the lifespan and reached through `service.c
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import asynccontextmanager
 from functools import partial
 
@@ -17,6 +16,7 @@ from starlette.exceptions import HTTPException
 from vitserve.service.ground import tracing
 from vitserve.service.engine import Engine
 from vitserve.service.ground.memory import freeze_startup_objects
+from vitserve.service.ground.requests import RequestRecord
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.errors import error_headers
 from vitserve.service.ground.metrics import ServiceMetrics
@@ -73,9 +73,7 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     # around the lane, so its answers are compressed too; inside the metrics, which then count its time
     app.add_middleware(ResponseCompression, min_bytes=settings.compress_min_bytes,
                        max_bytes=settings.compress_max_bytes)
-    app.add_middleware(RequestMetricsMiddleware, metrics=metrics)
-    if tracing.enabled():  # installed only when on: off, tracing costs nothing per request
-        app.add_middleware(TracingMiddleware)
+    app.add_middleware(RequestRecordMiddleware, metrics=metrics, traced=tracing.enabled())
     # the web page and the docs last: routing an API request never looks at their routes
     for router in (classify.router, embed.router, repository.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
@@ -143,20 +141,28 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
         return error_answer(request, metrics, 500, "internal_error", "internal server error", error_headers(500, 0))
 
 
-class TracingMiddleware:
-    """Pure ASGI middleware, installed only with tracing on: a SERVER span for each inference request (never
-    health, metrics or the web page), the child of the caller's W3C `traceparent` header when it sent one."""
+class RequestRecordMiddleware:
+    """Pure ASGI middleware, the outermost: each HTTP request's record (service/ground/requests.py): in flight, its
+    duration by route template, status and the version that ran it; with tracing on (`traced`), an inference
+    request (never health, metrics or the web page) also gets a SERVER span, the child of the caller's W3C
+    `traceparent` header when it sent one. Off, tracing costs nothing per request."""
 
-    def __init__(self, app):
-        self.app = app
+    def __init__(self, app, metrics: ServiceMetrics, traced: bool = False):
+        self.app, self.metrics, self.traced = app, metrics, traced
 
     async def __call__(self, scope, receive, send):
-        route = inference_route(scope["method"].encode(), scope["path"]) if scope["type"] == "http" else None
-        if route is None:
+        if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        route = inference_route(scope["method"].encode(), scope["path"]) if self.traced else None
+        if route is None:
+            return await self._recorded(scope, receive, send, None)
         carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]
                    if key in (b"traceparent", b"tracestate")}
         attributes = {"http.request.method": scope["method"], "http.route": route, "url.path": scope["path"][:256]}
+        with tracing.server_span(f"{scope['method']} {route}", carrier, attributes) as span:
+            await self._recorded(scope, receive, send, span)
+
+    async def _recorded(self, scope, receive, send, span):
         status = 500
 
         async def send_with_status(message):
@@ -165,38 +171,13 @@ class TracingMiddleware:
                 status = message["status"]
             await send(message)
 
-        with tracing.server_span(f"{scope['method']} {route}", carrier, attributes) as span:
-            try:
-                await self.app(scope, receive, send_with_status)
-            finally:
-                model, version = scope.get("state", {}).get("served", ("", ""))  # set by routing, if it ran
-                span.set_attribute("http.response.status_code", status)
-                tracing.record_outcome(span, status, status >= 500, model, version)
-
-
-class RequestMetricsMiddleware:
-    """Pure ASGI middleware: requests in flight, and each request's duration by route template and status."""
-
-    def __init__(self, app, metrics: ServiceMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status, started = 500, time.perf_counter()
-
-        async def send_with_status(message):
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        self.metrics.request_started()
+        record = RequestRecord(self.metrics, span)
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            route = scope.get("route")
-            endpoint = getattr(route, "path", None) or "unmatched"
-            # the model version the request was routed to (service/core/inference.py `route`), if any
+            endpoint = getattr(scope.get("route"), "path", None) or "unmatched"
+            # the model version the request ran on (set by the call pipeline's routing), if any
             model, version = scope.get("state", {}).get("served", ("", ""))
-            self.metrics.request_done(endpoint, status, time.perf_counter() - started, model, version)
+            if span is not None:
+                span.set_attribute("http.response.status_code", status)
+            record.done(endpoint, status, fault=status >= 500, model=model, version=version)

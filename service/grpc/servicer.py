@@ -20,6 +20,7 @@ import grpc
 from vitserve.service.ground import tracing
 from vitserve.service.core import inference, pipeline
 from vitserve.service.ground import errors
+from vitserve.service.ground.requests import RequestRecord
 from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
 from vitserve.service.core.keys import check_authorization, check_repository_access
 from vitserve.service.core.state import ServiceState
@@ -100,8 +101,8 @@ def rpc(*, open_: bool = False, traced: bool = False):
             return await framed(self, request, context, None)
 
         async def framed(self: "InferenceServicer", request, context: grpc.aio.ServicerContext, span):
-            state, started, served = self.state, time.perf_counter(), {}
-            state.metrics.request_started()
+            state, served = self.state, {}
+            record = RequestRecord(state.metrics, span)
             code, error = StatusCode.OK, None
             try:
                 if not open_:
@@ -119,10 +120,8 @@ def rpc(*, open_: bool = False, traced: bool = False):
                 log.exception("unhandled error in %s", endpoint)
                 code, error = StatusCode.INTERNAL, ServiceError("internal server error")
             finally:
-                state.metrics.request_done(endpoint, code.name, time.perf_counter() - started,
-                                           served.get("name", ""), served.get("version", ""), protocol="grpc")
-                tracing.record_outcome(span, code.name, code in SERVER_FAULTS, served.get("name", ""),
-                                       served.get("version", ""))
+                record.done(endpoint, code.name, fault=code in SERVER_FAULTS, model=served.get("name", ""),
+                            version=served.get("version", ""), protocol="grpc")
             trailing = ()
             if code is StatusCode.RESOURCE_EXHAUSTED:
                 trailing = ((RETRY_AFTER_KEY, str(pipeline.retry_after_s(state, served.get("requested")))),)

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from vitserve.service.ground import tracing
-from vitserve.service.app import TracingMiddleware, create_app
+from vitserve.service.app import RequestRecordMiddleware, create_app
 from service_fixtures import free_port, patterned_png, settings_for, until, uvicorn_server, wait_until
 
 TRACE_ID, PARENT_ID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
@@ -134,7 +134,8 @@ def test_off_nothing_is_installed(tiny_onnx, tiny_model, monkeypatch):
     settings = settings_for(tiny_onnx)
     assert not tracing.configure(settings) and not tracing.enabled()
     app = create_app(settings, model=tiny_model)
-    assert not any(m.cls is TracingMiddleware for m in app.user_middleware)
+    [record] = [m for m in app.user_middleware if m.cls is RequestRecordMiddleware]
+    assert record.kwargs["traced"] is False  # no span, nor a look at the path for one, per request
     monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", "http://127.0.0.1:9")
     monkeypatch.setenv("OTEL_SDK_DISABLED", "true")
     assert not tracing.configure(settings)
