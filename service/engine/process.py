@@ -47,6 +47,9 @@ IDLE_STATUS_INTERVAL_S = 0.5
 # A retiring version still runs what frontends routed to it before they heard of the change (a status interval,
 # then an index request): many intervals, so a busy frontend's loop has time too.
 RETIRE_GRACE_S = 0.5
+# Messages taken without waiting after each awaited receive: enough to empty the socket under load, few enough that
+# the loop's other work (answers, the batcher) runs between rounds.
+DRAIN_AT_ONCE = 256
 
 
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
@@ -98,6 +101,7 @@ class EngineServer:
         # frontend (a frame each) at the end of the loop's turn, instead of one message, and one wake-up of the
         # frontend's ZeroMQ thread and event loop, per image.
         self.outbox: dict[bytes, list[bytes]] = {}
+        self.direct: zmq.Socket | None = None
 
     async def run(self, stop, parent_pid: int, started) -> None:
         context = zmq.asyncio.Context()
@@ -105,6 +109,7 @@ class EngineServer:
         for socket in (router, publisher):
             socket.setsockopt(zmq.LINGER, 0)
         router.bind(self.address)
+        self.direct = zmq.Socket.shadow(router)  # the same libzmq socket, its plain non-blocking calls
         publisher.bind(status_address(self.address))
         self.engine.on_ready = self.engine.metrics.set_ready
         self.engine.registry.on_change = lambda: self._status_soon(publisher)
@@ -137,20 +142,31 @@ class EngineServer:
             await asyncio.sleep(0.1)
 
     async def _receive(self, router) -> None:
+        """Every frontend message, as it comes. After each awaited receive, what else has arrived is taken at once
+        through `self.direct`, the same socket without pyzmq's asyncio layer: that layer makes a future and a poller
+        event per message, about 15% of the engine's time at its ceiling (docs/results/bench-engine-ceiling.md)."""
         while True:
-            frontend, payload = await router.recv_multipart()
-            message = self.codec.to_engine.decode(payload)
-            self.work_arrived.set()
-            key = (frontend, message.id)
-            if isinstance(message, Cancel):
-                task = self.running.get(key)
-                if task is not None:
-                    task.cancel()
-                continue
-            work = self._control if isinstance(message, Control) else self._run
-            task = asyncio.create_task(work(router, frontend, message))
-            self.running[key] = task
-            task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
+            self._take(*await router.recv_multipart(), router)
+            for _ in range(DRAIN_AT_ONCE):
+                try:
+                    frontend, payload = self.direct.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self._take(frontend, payload, router)
+
+    def _take(self, frontend: bytes, payload: bytes, router) -> None:
+        message = self.codec.to_engine.decode(payload)
+        self.work_arrived.set()
+        key = (frontend, message.id)
+        if isinstance(message, Cancel):
+            task = self.running.get(key)
+            if task is not None:
+                task.cancel()
+            return
+        work = self._control if isinstance(message, Control) else self._run
+        task = asyncio.create_task(work(router, frontend, message))
+        self.running[key] = task
+        task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
 
     async def _run(self, router, frontend: bytes, submit: Submit) -> None:
         """One image: read in place, run in some batch, answered with its result or its own error."""
@@ -176,6 +192,9 @@ class EngineServer:
         self.outbox.setdefault(frontend, []).append(self.codec.encode(reply))
 
     def _send_answers(self, router) -> None:
+        """The loop turn's answers, one message per frontend, through the asyncio socket: it re-reads the socket's
+        events after a send, which a send on `self.direct` would not, and a POLLIN edge consumed by a send would
+        leave the receive waiting forever."""
         outbox, self.outbox = self.outbox, {}
         for frontend, frames in outbox.items():
             sent = router.send_multipart([frontend, *frames])  # a ROUTER never blocks: it drops for a gone peer
