@@ -125,7 +125,7 @@ def markdown(result: dict, image_name: str | None) -> str:
     if "spread" in result:
         low, high = result["spread"]
         oracle = result["oracle"]
-        lines += ["", f"How far one temperature can go here: the held-out half's ECE after the stored temperature has a "
+        lines += ["", "How far one temperature can go here: the held-out half's ECE after the stored temperature has a "
                       f"95% bootstrap interval of {low:.2%}-{high:.2%} (500 resamples of its images), and the "
                       f"temperature that would be best on the held-out half itself (an oracle, fitted on the very "
                       f"images it is scored on) is {oracle['temperature']:.2f}, with an ECE of {oracle['ece']:.2%}: "

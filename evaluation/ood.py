@@ -629,11 +629,12 @@ def served_check(model_path: Path, data_dir: Path, count: int, noise_count: int,
     return "\n".join(lines)
 
 
-def wilson_interval(hits: int, count: int, z: float = 1.96) -> tuple[float, float]:
-    """The 95% Wilson score interval of a proportion."""
-    p, n = hits / count, count
-    centre, spread = (p + z * z / (2 * n)) / (1 + z * z / n), z * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - spread / (1 + z * z / n)), min(1.0, centre + spread / (1 + z * z / n))
+def wilson_interval(hits: int, count: int) -> tuple[float, float]:
+    """The 95% Wilson score interval of a proportion (SciPy's)."""
+    from scipy.stats import binomtest
+
+    interval = binomtest(hits, count).proportion_ci(confidence_level=0.95, method="wilson")
+    return float(interval.low), float(interval.high)
 
 
 def alert_false_alarms(samples: dict[str, np.ndarray], threshold: float, seed: int, draws: int = 20_000) -> list[str]:

@@ -23,7 +23,6 @@ from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
 from vitserve.service.http.compression import ResponseCompression
 from vitserve.service.http import infer_lane
-from vitserve.service.http.infer_lane import InferenceLane
 from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
 from vitserve.service.engine.runtime import InferenceModel
 from vitserve.service.ground.settings import Settings
@@ -69,7 +68,8 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
     app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
-    app.add_middleware(InferenceLane, metrics=metrics)  # innermost: inside the metrics and tracing middleware
+    # innermost: inside the request record's middleware
+    app.add_middleware(infer_lane.InferenceLane, metrics=metrics)
     # around the lane, so its answers are compressed too; inside the metrics, which then count its time
     app.add_middleware(ResponseCompression, min_bytes=settings.compress_min_bytes,
                        max_bytes=settings.compress_max_bytes)
@@ -82,9 +82,9 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
 
 
 def openapi_document(app: FastAPI) -> dict:
-    """FastAPI's document of the app's routes and the infer lane's, without the 422 `HTTPValidationError` it adds to every route with a path parameter:
-    a path parameter here is a plain string that cannot fail, and the service never sends that shape (each
-    route declares the errors it really answers, in its protocol's shape)."""
+    """FastAPI's document of the app's routes and the infer lane's, without the 422 `HTTPValidationError` it adds to
+    every route with a path parameter: a path parameter here is a plain string that cannot fail, and the service
+    never sends that shape (each route declares the errors it really answers, in its protocol's shape)."""
     if app.openapi_schema is None:
         # the infer lane's paths are not the router's: their declarations document them (service/http/infer_lane.py)
         routes = [*infer_lane.documented_routes(), *app.routes]

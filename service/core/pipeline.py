@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from vitserve.service.core.state import ServiceState
 from vitserve.service.engine import ModelHandle
 from vitserve.service.ground.deadlines import Deadline, run_within
-from vitserve.service.ground.errors import NotReady, ServiceError
+from vitserve.service.ground.errors import ServiceError
 
 
 @dataclass
@@ -76,8 +76,7 @@ def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str
     """The call, once admitted: NotReady (warming up, shutting down) or Overloaded at once otherwise, before its
     body is read. The queued work it is measured against is its own model's: an overloaded big model does not
     refuse a small one's requests. The deadline (request_timeout_s) starts here."""
-    if not state.ready:
-        raise NotReady("the model is not ready (warming up or shutting down)")
+    state.require_ready()
     state.admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
     try:
         yield Call(state, requested, Deadline.after(state.settings.request_timeout_s), on_route, watch_client)

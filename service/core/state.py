@@ -23,6 +23,7 @@ from functools import partial
 
 from vitserve.service.core.admission import Admission, PixelBudget
 from vitserve.service.ground.deadlines import StopSignal
+from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.engine import Engine
 from vitserve.service.core.inspection import InspectionCache
@@ -55,6 +56,11 @@ class ServiceState:
     def ready(self) -> bool:
         """Serving: the engine is ready (loaded, warmed up, reachable) and this process is not shutting down."""
         return self.engine.ready and not self.draining
+
+    def require_ready(self) -> None:
+        """NotReady (503, UNAVAILABLE) unless `ready`: warming up or shutting down."""
+        if not self.ready:
+            raise NotReady("the model is not ready (warming up or shutting down)")
 
     async def start(self) -> None:
         s = self.settings

@@ -14,7 +14,7 @@ from fastapi import Request
 from vitserve.service.core import pipeline
 from vitserve.service.core.pipeline import Call
 from vitserve.service.core.state import ServiceState
-from vitserve.service.ground.errors import NotReady, ServiceError
+from vitserve.service.ground.errors import ServiceError
 
 
 # The dependencies are coroutines, though they wait for nothing: FastAPI runs a plain function dependency in its
@@ -60,8 +60,7 @@ async def get_ready_state(request: Request) -> ServiceState:
 def ready_state(request: Request) -> ServiceState:
     """The serving state once warmed up; NotReady (503) before that and while shutting down."""
     state: ServiceState = request.app.state.service
-    if not state.ready:
-        raise NotReady("the model is not ready (warming up or shutting down)")
+    state.require_ready()
     return state
 
 

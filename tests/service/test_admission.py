@@ -19,8 +19,8 @@ from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.ground.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from vitserve.service.http.routes.uploads import read_raw_body
 from vitserve.service.ground.settings import Settings
-from service_fixtures import (run_as_call, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, serving, settings_for,
-                              until)
+from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, run_as_call, serving,
+                              settings_for, until)
 
 pytestmark = pytest.mark.anyio
 

@@ -12,8 +12,8 @@ from PIL import Image
 
 from vitserve.service.ground.errors import ClientDisconnected
 from vitserve.service.ground.deadlines import Deadline, StopSignal
-from service_fixtures import (run_as_call, only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
-                              png_declaring, serving, settings_for, until)
+from service_fixtures import (only_batcher, PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, patterned_png,
+                              png_declaring, run_as_call, serving, settings_for, until)
 
 pytestmark = pytest.mark.anyio
 PNG = {"content-type": "image/png"}

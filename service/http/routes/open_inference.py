@@ -20,7 +20,6 @@ from vitserve.service.http.access import require_api_key
 from vitserve.service.core.pipeline import Call
 from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from vitserve.service.engine import ModelHandle
-from vitserve.service.ground.errors import NotReady
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, server_document
@@ -79,8 +78,7 @@ async def live() -> dict:
 @router.get("/health/ready", responses=_errors(503))
 @router.head("/health/ready", responses=_errors(503))
 async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    if not state.ready:
-        raise NotReady("the model is not ready (warming up or shutting down)")
+    state.require_ready()
     return {"ready": True}
 
 
@@ -181,16 +179,17 @@ async def _statistics(state: ServiceState, name: str, version: str | None) -> di
 async def infer_response(request: Request, call: Call, name: str, version: str | None) -> Response:
     """An infer call's HTTP side, once admitted: route it, read and parse its body, run it through the pipeline's
     `infer`, and its encoded answer."""
-    handle = call.route(name, version)
-    parsed, parse_s = await _read_call(request, call, handle)
+    call.route(name, version)
+    parsed, parse_s = await _read_call(request, call)
     body, headers = await inference.infer(
         call, parsed, parse_s, lambda info, tensors: encode_response(parsed, info.name, info.version, tensors,
                                                                      info.labels))
     return Response(body, headers=headers)
 
 
-async def _read_call(request: Request, call: Call, handle: ModelHandle) -> tuple[InferCall, float]:
-    """The request's body, read within its limit and deadline, decompressed and parsed; and the parse's seconds."""
+async def _read_call(request: Request, call: Call) -> tuple[InferCall, float]:
+    """The routed call's body, read within its limit and deadline, decompressed and parsed; and the parse's
+    seconds."""
     state = call.state
     s = state.settings
     header_length = request.headers.get(HEADER_LENGTH)
@@ -200,7 +199,7 @@ async def _read_call(request: Request, call: Call, handle: ModelHandle) -> tuple
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    return parse_infer_request(body, header_length, limits_for(s, handle.info)), time.perf_counter() - started
+    return parse_infer_request(body, header_length, limits_for(s, call.handle.info)), time.perf_counter() - started
 
 
 def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelHandle:
