@@ -14,6 +14,13 @@ Kept in float32:
 - the attention MatMuls (query x key, weights x value): both sides are activations, and the attention
   probabilities are what the rollout is made of;
 - the patch embedding (a Conv) and the position-embedding interpolation, which take no MatMul;
+- the classifier head, the Linear layer whose output is a graph output (the logits). Its input, the embedding, is a
+  graph output too, so ONNX Runtime cannot fuse its quantize-dequantize pairs into an integer Gemm: it ran the head
+  in float32 on weights dequantized at every call, with a kernel chosen by the batch's row count, and then rounded
+  the logits to the output's int8 steps (0.027 on the default model). An image at a step's edge moved a step with
+  its batch size: 2 of 2,000 test images through the server, 4 of 10,000 in-process (issue 38). In float32 with
+  constant weights the head computes each row the same at any batch size, as the float32 file does, for 0.1% of the
+  model's multiply-adds;
 - the layers named in `keep_float`.
 The graph's interface stays float32.
 """
@@ -46,11 +53,17 @@ def linear_nodes(proto: onnx.ModelProto) -> list[str]:
             and n.input[1] in weights]
 
 
+def output_linear_nodes(proto: onnx.ModelProto) -> set[str]:
+    """The Linear layers whose output is one of the graph's outputs: the classifier head."""
+    outputs = {o.name for o in proto.graph.output}
+    return {n.name for n in proto.graph.node if n.op_type in LINEAR_OP_TYPES and set(n.output) & outputs}
+
+
 def quantize_int8(proto: onnx.ModelProto, calibration: np.ndarray | list[np.ndarray],
                   keep_float: list[str] | tuple[str, ...] = ()) -> onnx.ModelProto:
     """An int8 copy of `proto` (static QDQ quantization of its Linear layers, weights per channel, activation scales
     calibrated on `calibration`: normalised pixels (N, C, H, W), or a list of such arrays of different sizes), leaving
-    `keep_float`'s nodes in float32."""
+    the head (`output_linear_nodes`) and `keep_float`'s nodes in float32."""
     from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
 
     groups = [calibration] if isinstance(calibration, np.ndarray) else list(calibration)
@@ -66,7 +79,8 @@ def quantize_int8(proto: onnx.ModelProto, calibration: np.ndarray | list[np.ndar
         def get_next(self):
             return next(self.batches, None)
 
-    nodes = [name for name in linear_nodes(proto) if name not in set(keep_float)]
+    kept = set(keep_float) | output_linear_nodes(proto)
+    nodes = [name for name in linear_nodes(proto) if name not in kept]
     with tempfile.TemporaryDirectory(prefix="vitserve-int8-") as directory, _without_preprocessing_advice():
         source, out = Path(directory) / "fp32.onnx", Path(directory) / "int8.onnx"
         onnx.save(proto, str(source))  # the calibrator runs the graph from a file
