@@ -35,6 +35,11 @@ from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, Not
 from vitserve.service.ground import tracing
 from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 
+# A batch this small is copied together on the event loop (tens of microseconds): the hop to a thread for it cost
+# more than the copy (7% of an engine process's time at its ceiling, docs/results/bench-engine-ceiling.md). A larger
+# one is copied on a thread, so the loop keeps answering meanwhile.
+STACK_INLINE_BYTES = 256 * 1024
+
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
 RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
 
@@ -150,26 +155,43 @@ class DynamicBatcher:
 
     async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
         """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
+        future = self.enqueue(array, timeout_s, target)
+        try:
+            return await future
+        except asyncio.CancelledError:
+            future.cancel()  # a cancelled future is skipped when its batch is assembled
+            raise
+
+    def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None) -> asyncio.Future:
+        """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
+        item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
+        from the futures' callbacks (service/engine/process.py). Raises NotReady or QueueFullError at once."""
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
-        now = time.perf_counter()
-        item = _Item(array, asyncio.get_running_loop().create_future(), now, now + timeout_s, target)
+        loop, now = asyncio.get_running_loop(), time.perf_counter()
+        item = _Item(array, loop.create_future(), now, now + timeout_s, target)
         self._groups.setdefault((array.shape, array.dtype.str, item.targeted), deque()).append(item)
         self._set_queued(self._queued + 1, {**self._queued_costs,
                                             item.targeted: self._queued_costs[item.targeted] + array.size})
         self._wakeup.set()
-        try:
-            done, _ = await asyncio.wait({item.future}, timeout=timeout_s)
-            if not done and not item.dispatched:  # still queued at its deadline: it never runs
-                self._expire(item)
-                self._wakeup.set()
-            return await item.future
-        except asyncio.CancelledError:
-            item.future.cancel()  # a cancelled future is skipped when its batch is assembled
+        # A timer, not `asyncio.wait(timeout=)`: that makes a waiter future and callbacks per image besides the timer,
+        # a measurable share of an engine process's time at its ceiling (docs/results/bench-engine-ceiling.md).
+        expiry = loop.call_later(timeout_s, self._expire_if_queued, item)
+        item.future.add_done_callback(lambda future: self._item_done(future, expiry))
+        return item.future
+
+    def _item_done(self, future: asyncio.Future, expiry: asyncio.TimerHandle) -> None:
+        expiry.cancel()
+        if future.cancelled():
             self._wakeup.set()  # let the loop drop it from the queue (and the depth gauge) now
-            raise
+
+    def _expire_if_queued(self, item: _Item) -> None:
+        """At an item's deadline: one still queued never runs; one in a running batch gets its result."""
+        if not item.dispatched:
+            self._expire(item)
+            self._wakeup.set()
 
     def _expire(self, item: _Item) -> None:
         if not item.future.done():
@@ -274,8 +296,10 @@ class DynamicBatcher:
             loop, stacking = asyncio.get_running_loop(), time.perf_counter()
             if len(batch) == 1:  # a lone request (an idle model) pays no thread hop for a copy
                 stacked = batch[0].array[None]  # (1, ...)
+            elif sum(item.array.nbytes for item in batch) <= STACK_INLINE_BYTES:
+                stacked = np.stack([item.array for item in batch])  # (B, ...)
             else:
-                stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])  # (B, ...)
+                stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
             started, started_ns = time.perf_counter(), tracing.now_ns()

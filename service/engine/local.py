@@ -64,15 +64,45 @@ class LocalEngine:
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
                      target: int | None) -> InferenceResult:
-        """Run one image on exactly this version (an engine process serves its frontends' submits with it)."""
+        """Run one image on exactly this version."""
         served = self.registry.serving(name, version)
         async with served.admitted():
             result = await served.submit(pixels, timeout_s, target)
-        result.version = version
-        shadow = self.registry.shadows.get(name)
-        if shadow is not None and target is None:  # the relevance path is an explanation, not an answer to compare
-            shadow.offer(version, pixels, result.output, served.info)
+        self._offer_shadow(served, pixels, result, target)
         return result
+
+    def begin_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float, target: int | None,
+                 done: Callable[[InferenceResult | BaseException], None]) -> asyncio.Future:
+        """`run_on` with no task and no coroutine per image, for an engine process at its ceiling: the image is
+        queued now (routing errors and a full queue raise here) and `done` gets its InferenceResult, or its error
+        (CancelledError when the returned future was cancelled), from the batch's callback."""
+        served = self.registry.serving(name, version)
+        served.check_open()
+        served.requests.hold()
+        try:
+            future = served.batcher.enqueue(pixels, timeout_s, target)
+        except BaseException:
+            served.requests.release()
+            raise
+
+        def finished(future: asyncio.Future) -> None:
+            served.requests.release()
+            if future.cancelled():
+                done(asyncio.CancelledError())
+            elif future.exception() is not None:
+                done(future.exception())
+            else:
+                result = served.result_of(future.result())
+                self._offer_shadow(served, pixels, result, target)
+                done(result)
+
+        future.add_done_callback(finished)
+        return future
+
+    def _offer_shadow(self, served, pixels: np.ndarray, result: InferenceResult, target: int | None) -> None:
+        shadow = self.registry.shadows.get(served.name)
+        if shadow is not None and target is None:  # the relevance path is an explanation, not an answer to compare
+            shadow.offer(served.version, pixels, result.output, served.info)
 
     async def shadow_report(self, name: str) -> dict:
         return self.registry.shadow_report(name)

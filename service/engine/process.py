@@ -94,7 +94,7 @@ class EngineServer:
         self.incarnation = uuid.uuid4().hex[:12]
         self.codec = Codec()
         self.arenas = ArenaReader()
-        self.running: dict[tuple[bytes, int], asyncio.Task] = {}  # (frontend, id) -> its image's work
+        self.running: dict[tuple[bytes, int], asyncio.Future] = {}  # (frontend, id) -> its work (cancellable)
         self.work_arrived = asyncio.Event()  # a frontend's message since the status publisher last looked
         self.stopping = False
         # Answers not sent yet, by frontend: a batch's answers finish together and go out as one message per
@@ -159,30 +159,45 @@ class EngineServer:
         self.work_arrived.set()
         key = (frontend, message.id)
         if isinstance(message, Cancel):
-            task = self.running.get(key)
-            if task is not None:
-                task.cancel()
-            return
-        work = self._control if isinstance(message, Control) else self._run
-        task = asyncio.create_task(work(router, frontend, message))
-        self.running[key] = task
-        task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
+            work = self.running.get(key)
+            if work is not None:
+                work.cancel()
+        elif isinstance(message, Submit):
+            self._submit(router, frontend, message)
+        else:
+            task = asyncio.create_task(self._control(router, frontend, message))
+            self.running[key] = task
+            task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
 
-    async def _run(self, router, frontend: bytes, submit: Submit) -> None:
-        """One image: read in place, run in some batch, answered with its result or its own error."""
+    def _submit(self, router, frontend: bytes, submit: Submit) -> None:
+        """One image: read in place and queued for a batch; its batch's callback answers it (`_finish`). No task
+        or coroutine per image: at the engine's ceiling they were most of its time per image
+        (docs/results/bench-engine-ceiling.md)."""
+        key = (frontend, submit.id)
         try:
             pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
-            result = await self.engine.run_on(submit.model, submit.version, pixels, submit.timeout_s, submit.target)
-            reply = Result(submit.id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes())
-                                       for o in result.output], result.queue_s, result.inference_s,
-                           result.batch_size, result.batch_span)
+            self.running[key] = self.engine.begin_on(
+                submit.model, submit.version, pixels, submit.timeout_s, submit.target,
+                lambda outcome: self._finish(router, frontend, submit.id, outcome))
         except ServiceError as e:
-            reply = failure_for(submit.id, e)
-        except asyncio.CancelledError:  # the frontend's client went away; the frontend still waits for the slot
-            reply = failure_for(submit.id, ClientDisconnected("cancelled by the frontend"))
+            self._answer(router, frontend, failure_for(submit.id, e))
         except Exception as e:  # a bug here must not hang the frontend's request
             log.exception("unexpected error on an engine request")
-            reply = Failure(submit.id, "inference_failed", f"engine error: {type(e).__name__}")
+            self._answer(router, frontend, Failure(submit.id, "inference_failed", f"engine error: {type(e).__name__}"))
+
+    def _finish(self, router, frontend: bytes, id: int, outcome) -> None:
+        """An image's answer: its result, or its own error."""
+        self.running.pop((frontend, id), None)
+        if isinstance(outcome, ServiceError):
+            reply = failure_for(id, outcome)
+        elif isinstance(outcome, asyncio.CancelledError):  # the frontend's client went away; it still waits
+            reply = failure_for(id, ClientDisconnected("cancelled by the frontend"))
+        elif isinstance(outcome, BaseException):
+            log.error("unexpected error on an engine request", exc_info=outcome)
+            reply = Failure(id, "inference_failed", f"engine error: {type(outcome).__name__}")
+        else:
+            reply = Result(id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes()) for o in outcome.output],
+                           outcome.queue_s, outcome.inference_s, outcome.batch_size, outcome.batch_span)
         self._answer(router, frontend, reply)
 
     def _answer(self, router, frontend: bytes, reply) -> None:

@@ -102,15 +102,21 @@ class ServedModel:
     @asynccontextmanager
     async def admitted(self):
         """A request's hold on this version from routing to answer: `close` waits for every hold to end."""
-        if self.closing:
-            raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
+        self.check_open()
         async with self.requests.held():
             yield self
 
+    def check_open(self) -> None:
+        if self.closing:
+            raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
+
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> InferenceResult:
-        result = await self.batcher.submit(pixels, timeout_s, target)
-        return InferenceResult(result.output, result.queue_s, result.inference_s, result.batch_size,
-                               batch_span=result.batch_span)
+        return self.result_of(await self.batcher.submit(pixels, timeout_s, target))
+
+    def result_of(self, batched) -> InferenceResult:
+        """The batcher's BatchResult as the image's InferenceResult, naming this version."""
+        return InferenceResult(batched.output, batched.queue_s, batched.inference_s, batched.batch_size,
+                               version=self.version, batch_span=batched.batch_span)
 
     @property
     def busy(self) -> bool:

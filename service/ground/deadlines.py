@@ -132,14 +132,21 @@ class InUse:
 
     @contextlib.asynccontextmanager
     async def held(self):
-        self.count += 1
-        self._idle.clear()
+        self.hold()
         try:
             yield
         finally:
-            self.count -= 1
-            if self.count == 0:
-                self._idle.set()
+            self.release()
+
+    def hold(self) -> None:
+        """One more holder; each `hold` is ended by one `release` (`held` pairs them around a block)."""
+        self.count += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.count -= 1
+        if self.count == 0:
+            self._idle.set()
 
     async def released(self, timeout_s: float) -> bool:
         """Wait (up to `timeout_s`) until no one holds it; whether that happened."""
