@@ -2,7 +2,8 @@
 
 A frontend (DEALER socket) sends `Submit` for each image, naming the model version it was routed to: the pixels
 themselves are in the frontend's shared-memory arena (`service/engine/shm.py`); the message says where. It may
-send `Cancel` for an image whose client went away. The engine (ROUTER socket) answers every `Submit` exactly
+send `Cancel` for an image whose client went away. What a frontend has to send at the end of its loop's turn
+travels as one multipart message, a `Submit` or `Cancel` a frame. The engine (ROUTER socket) answers every `Submit` exactly
 once, with `Result` or `Failure` (the answers it has for one frontend at the end of its loop's turn travel as one
 multipart message, an answer a frame: a batch's answers wake the frontend once), and publishes `EngineStatus` on a
 PUB socket several times a second: readiness, which engine incarnation is running (a restarted engine has a new

@@ -146,13 +146,19 @@ class EngineServer:
         through `self.direct`, the same socket without pyzmq's asyncio layer: that layer makes a future and a poller
         event per message, about 15% of the engine's time at its ceiling (docs/results/bench-engine-ceiling.md)."""
         while True:
-            self._take(*await router.recv_multipart(), router)
+            self._take_all(await router.recv_multipart(), router)
             for _ in range(DRAIN_AT_ONCE):
                 try:
-                    frontend, payload = self.direct.recv_multipart(zmq.NOBLOCK)
+                    self._take_all(self.direct.recv_multipart(zmq.NOBLOCK), router)
                 except zmq.Again:
                     break
-                self._take(frontend, payload, router)
+
+    def _take_all(self, frames: list[bytes], router) -> None:
+        """A frontend's message: its identity, then a frame per Submit, Cancel or Control (a frontend sends its
+        loop turn's together: service/engine/remote.py)."""
+        frontend = frames[0]
+        for payload in frames[1:]:
+            self._take(frontend, payload, router)
 
     def _take(self, frontend: bytes, payload: bytes, router) -> None:
         message = self.codec.to_engine.decode(payload)

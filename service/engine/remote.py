@@ -63,6 +63,9 @@ class _Link:
     sent_cost: int = 0  # input values sent since that status (its queue as this frontend knows it)
     pending: dict[int, _Pending] = field(default_factory=dict)
     controls: dict[int, asyncio.Future] = field(default_factory=dict)
+    # This loop turn's Submits (with their id) and Cancels (None), sent together when the turn ends: one ZeroMQ
+    # message, a frame each, instead of one message and one pass through pyzmq's asyncio layer per image.
+    outbox: list[tuple[int | None, bytes]] = field(default_factory=list)
 
     @property
     def ready(self) -> bool:
@@ -96,6 +99,7 @@ class RemoteEngine:
         self._links: list[_Link] = []
         self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
+        self._late: set[asyncio.Future] = set()  # sends retried while an engine reconnects (`_send_late`)
         self.views: WorkerViews | None = None
 
     @property
@@ -175,16 +179,14 @@ class RemoteEngine:
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         message = Submit(id, handle.name, handle.version, self.arena.name, offset, pixels.shape, pixels.dtype.str,
                          timeout_s, target)
-        if not await self._send(link, self.codec.encode(message), min(timeout_s, RECONNECT_GRACE_S)):
-            self.arena.release(offset, pixels.nbytes)
-            raise NotReady("the inference engine is not reachable")
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
+        self._post(link, id, self.codec.encode(message))
         try:
             result = await future
         except asyncio.CancelledError:
             if id in link.pending:  # the engine drops it (or its result) and still answers, freeing the region
-                self._send_quietly(link, Cancel(id))
+                self._post(link, None, self.codec.encode(Cancel(id)))
             raise
         result.version = handle.version
         return result
@@ -240,7 +242,7 @@ class RemoteEngine:
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         link.controls[id] = future
         try:
-            if not await self._send(link, self.codec.encode(Control(id, op, name)), RECONNECT_GRACE_S):
+            if not await self._send(link, [self.codec.encode(Control(id, op, name))], RECONNECT_GRACE_S):
                 raise NotReady("the inference engine is not reachable")
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         except asyncio.TimeoutError:
@@ -296,23 +298,51 @@ class RemoteEngine:
         self._update_ready()
 
     @staticmethod
-    async def _send(link: _Link, payload: bytes, grace_s: float) -> bool:
+    async def _send(link: _Link, frames: list[bytes], grace_s: float) -> bool:
         """Send now, or within `grace_s` while the connection is being made: after an engine restarts, its status
         (another socket) can arrive before this socket has reconnected."""
         give_up = time.monotonic() + grace_s
         while True:
             try:
-                await link.requests.send(payload, flags=zmq.NOBLOCK)
+                await link.requests.send_multipart(frames, flags=zmq.NOBLOCK)
                 return True
             except zmq.Again:
                 if time.monotonic() >= give_up:
                     return False
                 await asyncio.sleep(0.005)
 
-    def _send_quietly(self, link: _Link, message) -> None:
-        """Send without waiting (from a cancelled task, which cannot await); a failure is nobody's to report."""
-        sent = link.requests.send(self.codec.encode(message), flags=zmq.NOBLOCK)
-        sent.add_done_callback(lambda done: done.cancelled() or done.exception())
+    def _post(self, link: _Link, id: int | None, payload: bytes) -> None:
+        """Send `payload` (a Submit with its `id`, or a Cancel) with the rest of this loop turn's (`_Link.outbox`)."""
+        if not link.outbox:
+            asyncio.get_running_loop().call_soon(self._flush, link)
+        link.outbox.append((id, payload))
+
+    def _flush(self, link: _Link) -> None:
+        posted, link.outbox = link.outbox, []
+        if not posted:  # failed meanwhile (`_fail_pending`)
+            return
+        sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
+        sent.add_done_callback(lambda done: self._flushed(link, posted, done))
+
+    def _flushed(self, link: _Link, posted: list[tuple[int | None, bytes]], done: asyncio.Future) -> None:
+        if done.cancelled() or done.exception() is None:
+            return
+        # not connected (IMMEDIATE: nothing is queued for an engine that is not): try again for a while
+        retry = asyncio.ensure_future(self._send_late(link, posted))
+        self._late.add(retry)
+        retry.add_done_callback(self._late.discard)
+
+    async def _send_late(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
+        """Posted messages the socket refused: sent within the reconnection grace, or their images fail (503)."""
+        posted = [(id, payload) for id, payload in posted if id is None or id in link.pending]  # not failed since
+        if await self._send(link, [payload for _, payload in posted], RECONNECT_GRACE_S):
+            return
+        for id, _ in posted:
+            pending = link.pending.pop(id, None) if id is not None else None
+            if pending is not None:
+                self.arena.release(pending.offset, pending.nbytes)
+                if not pending.future.done():
+                    pending.future.set_exception(NotReady("the inference engine is not reachable"))
 
     async def _answers(self, link: _Link) -> None:
         while True:
@@ -374,6 +404,7 @@ class RemoteEngine:
             if not pending.future.done():
                 pending.future.set_exception(NotReady(message))
         link.pending.clear()
+        link.outbox.clear()  # their regions are free again: the engine must not read them
 
     def _update_ready(self) -> None:
         ready = any(link.ready for link in self._links)
@@ -391,7 +422,7 @@ class RemoteEngine:
         self.ready = False
         if self.views is not None:
             self.views.withdraw()
-        for task in self._tasks:
+        for task in [*self._tasks, *self._late]:
             task.cancel()
         for link in self._links:
             self._fail_pending(link, "shutting down")
