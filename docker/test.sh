@@ -200,7 +200,9 @@ def png(pixels):
 status, body = call("/v2/health/ready")
 assert status == 200, status
 card = json.loads(call("/v1/model")[1])
-assert card["provider"] == "CPUExecutionProvider", card["provider"]
+# On the CPU, `--runtime auto` times ONNX Runtime and OpenVINO on this machine at start and keeps the faster (by 10%):
+# either is right, and under load (a test suite beside this one) OpenVINO fp32 has won.
+assert card["provider"] == "CPUExecutionProvider" or card["provider"].startswith("OpenVINO/CPU"), card["provider"]
 assert card["name"] == os.environ["NAME"], (card["name"], os.environ["NAME"])
 print(f"    ok: /v1/model: {card['name']} {card['version']} on {card['provider']}, {len(card['labels'])} labels")
 
