@@ -3,12 +3,12 @@
 A frontend (DEALER socket) sends `Submit` for each image, naming the model version it was routed to: the pixels
 themselves are in the frontend's shared-memory arena (`service/engine/shm.py`); the message says where. It may
 send `Cancel` for an image whose client went away. What a frontend has to send at the end of its loop's turn
-travels as one multipart message, a `Submit` or `Cancel` a frame. The engine (ROUTER socket) answers every `Submit` exactly
-once, with `Result` or `Failure` (the answers it has for one frontend at the end of its loop's turn travel as one
-multipart message, an answer a frame: a batch's answers wake the frontend once), and publishes `EngineStatus` on a
-PUB socket several times a second: readiness, which engine incarnation is running (a restarted engine has a new
-one), the repository's generation (it changes whenever a version's state does) and each version's queue, for the
-frontends' admission.
+travels as one multipart message, a `Submit` or `Cancel` a frame. The engine (ROUTER socket) answers every
+`Submit` exactly once, with `Result` or `Failure` (the answers it has for one frontend at the end of its loop's
+turn travel as one multipart message, an answer a frame: a batch's answers wake the frontend once), and publishes
+`EngineStatus` on a PUB socket several times a second: readiness, which engine incarnation is running (a restarted
+engine has a new one), the repository's generation (it changes whenever a version's state does) and each version's
+queue, for the frontends' admission.
 
 `Control` asks the engine for its repository index, or to load or unload a model; it gets one `ControlReply`
 with the outcome and the index after it (every version's state, and the metadata of those loaded, which the

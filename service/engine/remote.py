@@ -321,11 +321,18 @@ class RemoteEngine:
         posted, link.outbox = link.outbox, []
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
-        sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
+        try:
+            sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
+        except zmq.ZMQError:  # the socket is closed (shutting down)
+            self._fail_posted(link, posted)
+            return
         sent.add_done_callback(lambda done: self._flushed(link, posted, done))
 
     def _flushed(self, link: _Link, posted: list[tuple[int | None, bytes]], done: asyncio.Future) -> None:
         if done.cancelled() or done.exception() is None:
+            return
+        if not isinstance(done.exception(), zmq.Again):  # the socket is closed (shutting down)
+            self._fail_posted(link, posted)
             return
         # not connected (IMMEDIATE: nothing is queued for an engine that is not): try again for a while
         retry = asyncio.ensure_future(self._send_late(link, posted))
@@ -335,8 +342,16 @@ class RemoteEngine:
     async def _send_late(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
         """Posted messages the socket refused: sent within the reconnection grace, or their images fail (503)."""
         posted = [(id, payload) for id, payload in posted if id is None or id in link.pending]  # not failed since
-        if await self._send(link, [payload for _, payload in posted], RECONNECT_GRACE_S):
+        if not posted:
             return
+        try:
+            if await self._send(link, [payload for _, payload in posted], RECONNECT_GRACE_S):
+                return
+        except zmq.ZMQError:  # the socket closed meanwhile
+            pass
+        self._fail_posted(link, posted)
+
+    def _fail_posted(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
         for id, _ in posted:
             pending = link.pending.pop(id, None) if id is not None else None
             if pending is not None:

@@ -80,3 +80,19 @@ def test_an_engine_not_reachable_within_the_grace_fails_each_image_with_503_and_
             await engine.close(1.0)
 
     asyncio.run(main())
+
+
+def test_an_image_posted_to_a_socket_closed_before_the_turn_ends_fails_with_503_and_frees_its_memory(tmp_path):
+    async def main():
+        engine, link = _engine_with_link(f"ipc://{tmp_path}/engine")
+        try:
+            submit = await _submit(engine, link, np.ones((1, 4, 4), np.float32))
+            await asyncio.sleep(0)  # posted: the turn's flush is scheduled
+            link.requests.close(linger=0)
+            with pytest.raises(NotReady, match="not reachable"):
+                await asyncio.wait_for(submit, 5)
+            assert engine.arena.free_bytes == engine.arena.size and not link.pending
+        finally:
+            await engine.close(1.0)
+
+    asyncio.run(main())
