@@ -112,13 +112,17 @@ class CudaGraphBuckets:
         return self.buckets[self.bucket_for(len(pixel_values))].run(pixel_values)
 
 
-def median_ms(call, calls: int, statistic=np.median) -> float:
-    """The median ms (or another `statistic`'s) of `calls` calls of `call()`, after one that is not counted (it sets
-    things up)."""
+def median_ms(call, calls: int) -> float:
+    """The median ms of `calls` calls of `call()`, after one that is not counted (it sets things up)."""
+    return float(np.median(call_times_ms(call, calls)))
+
+
+def call_times_ms(call, calls: int) -> list[float]:
+    """The ms of each of `calls` calls of `call()`, after one that is not counted (it sets things up)."""
     call()
     times = []
     for _ in range(calls):
         started = time.perf_counter()
         call()
         times.append((time.perf_counter() - started) * 1000)
-    return float(statistic(times))
+    return times

@@ -8,6 +8,7 @@ once they are loaded and warmed up.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Callable
 
@@ -64,12 +65,14 @@ class LocalEngine:
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
                      target: int | None) -> InferenceResult:
-        """Run one image on exactly this version."""
-        served = self.registry.serving(name, version)
-        async with served.admitted():
-            result = await served.submit(pixels, timeout_s, target)
-        self._offer_shadow(served, pixels, result, target)
-        return result
+        """Run one image on exactly this version: `begin_on`, awaited."""
+        answer = asyncio.get_running_loop().create_future()
+        queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer))
+        try:
+            return await answer
+        except asyncio.CancelledError:
+            queued.cancel()  # dropped from its queue if it has not run
+            raise
 
     def begin_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float, target: int | None,
                  done: Callable[[InferenceResult | BaseException], None]) -> asyncio.Future:
@@ -138,3 +141,13 @@ class LocalEngine:
         if self._warming is not None:
             await asyncio.shield(self._warming)
         return self.ready
+
+
+def _settle(answer: asyncio.Future, outcome: InferenceResult | BaseException) -> None:
+    """`begin_on`'s outcome into the future `run_on` awaits (unless it was cancelled first)."""
+    if answer.done():
+        return
+    if isinstance(outcome, BaseException):
+        answer.set_exception(outcome)
+    else:
+        answer.set_result(outcome)

@@ -321,17 +321,13 @@ class RemoteEngine:
         posted, link.outbox = link.outbox, []
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
-        try:
-            sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
-        except zmq.ZMQError:  # the socket is closed (shutting down)
-            self._fail_posted(link, posted)
-            return
+        sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
         sent.add_done_callback(lambda done: self._flushed(link, posted, done))
 
     def _flushed(self, link: _Link, posted: list[tuple[int | None, bytes]], done: asyncio.Future) -> None:
         if done.cancelled() or done.exception() is None:
             return
-        if not isinstance(done.exception(), zmq.Again):  # the socket is closed (shutting down)
+        if not isinstance(done.exception(), zmq.Again):  # the socket is closed (shutting down): pyzmq says so here
             self._fail_posted(link, posted)
             return
         # not connected (IMMEDIATE: nothing is queued for an engine that is not): try again for a while
@@ -355,9 +351,13 @@ class RemoteEngine:
         for id, _ in posted:
             pending = link.pending.pop(id, None) if id is not None else None
             if pending is not None:
-                self.arena.release(pending.offset, pending.nbytes)
-                if not pending.future.done():
-                    pending.future.set_exception(NotReady("the inference engine is not reachable"))
+                self._give_up(pending, "the inference engine is not reachable")
+
+    def _give_up(self, pending: _Pending, message: str) -> None:
+        """An image the engine will not answer: its region freed, its caller told (503)."""
+        self.arena.release(pending.offset, pending.nbytes)
+        if not pending.future.done():
+            pending.future.set_exception(NotReady(message))
 
     async def _answers(self, link: _Link) -> None:
         while True:
@@ -415,9 +415,7 @@ class RemoteEngine:
             if not control.done():
                 control.set_exception(NotReady(message))
         for pending in link.pending.values():
-            self.arena.release(pending.offset, pending.nbytes)
-            if not pending.future.done():
-                pending.future.set_exception(NotReady(message))
+            self._give_up(pending, message)
         link.pending.clear()
         link.outbox.clear()  # their regions are free again: the engine must not read them
 

@@ -17,7 +17,7 @@ import numpy as np
 import onnx
 
 from vitserve.service.ground.errors import ModelLoadError
-from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, median_ms
+from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
 from vitserve.service.ground.settings import Settings
@@ -460,7 +460,7 @@ def batch_one_ms(model: InferenceModel, calls: int = 9) -> float:
     LIGHT_MODEL_MS; the fastest of 9, 3.0 and 7.8 ms. A server that misjudges takes the other thread count, and
     answers that differ in their last bits from another start's (1.9e-6 in a logit)."""
     pixels = np.zeros((1, model.info.channels, *model.info.image_size), np.float32)
-    return median_ms(lambda: model.run(pixels), calls, statistic=min)
+    return min(call_times_ms(lambda: model.run(pixels), calls))
 
 
 def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:
