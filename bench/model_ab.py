@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 
+from vitserve.machine import process_tree_cpu_seconds
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import publish
@@ -51,9 +52,12 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
         for count in clients:
             target = f"{url}/v1/classify"
             run_wrk(wrk_argv(wrk, target, count, 2, 30, script), 60)
+            cpu_before = process_tree_cpu_seconds(process.pid)
             result = run_wrk(wrk_argv(wrk, target, count, seconds, 30, script), seconds + 60)
+            answers = max(result["ok_per_s"] * seconds, 1.0)
             rows.append({"round": round_, "file": label, "clients": count, "ok_per_s": result["ok_per_s"],
                          "p50_ms": result.get("p50_ms"), "p99_ms": result.get("p99_ms"),
+                         "cpu_ms": (process_tree_cpu_seconds(process.pid) - cpu_before) / answers * 1e3,
                          "non_2xx": result["non_2xx"]})
         return rows
     finally:
@@ -65,13 +69,15 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str
     lines = [f"# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
              f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
-             "| round | file | clients | answers/s | p50 ms | p99 ms | non-2xx |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| round | file | clients | answers/s | p50 ms | p99 ms | server CPU ms / answer | non-2xx |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['round']} | {r['file']} | {r['clients']} | {r['ok_per_s']:.1f} | {r['p50_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['non_2xx']} |" for r in rows]
-    lines += ["", "B against A, medians over the rounds of the same round's ratio:", "",
-              "| clients | answers/s | p50 | p99 |", "| --- | --- | --- | --- |"]
+              f"{r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | {r['non_2xx']} |" for r in rows]
+    lines += ["", "B against A, medians over the rounds of the same round's ratio (server CPU: all its processes, "
+                  "the HTTP workers and the engine, over the measured window, per answer):", "",
+              "| clients | answers/s | p50 | p99 | server CPU / answer |", "| --- | --- | --- | --- | --- |"]
     for count in sorted({r["clients"] for r in rows}):
-        ratios = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms")}
+        ratios = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms", "cpu_ms")}
         for round_ in sorted({r["round"] for r in rows}):
             pair = {r["file"]: r for r in rows if (r["round"], r["clients"]) == (round_, count)}
             for key in ratios:

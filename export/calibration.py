@@ -1,13 +1,21 @@
-"""Temperature scaling at export (Guo et al. 2017, "On Calibration of Modern Neural Networks"): one number T,
+"""Temperature scaling at export (Guo et al. 2017, "On Calibration of Modern Neural Networks"): a temperature T,
 fitted on held-out labelled images, that turns the logits' softmax into probabilities that mean what they say (of
-the answers given with 80% confidence, about 80% right). Dividing every logit by the same T > 0 changes no
-ranking: top-1, top-k and accuracy stay exactly as they were; only the scores move.
+the answers given with 80% confidence, about 80% right). Dividing an answer's logits by a T > 0 changes none of
+its ranking: top-1, top-k and accuracy stay exactly as they were; only the scores move.
 
-The labelled set (`vitserve export --eval DIR`) is split in two by a seeded shuffle: T is fitted on one half
-(`fit`) by minimising the negative log-likelihood, and the expected calibration error before and after is
-measured on the other half (`report`), so the figures in the file and in the report come from images T never saw.
-The logits are the float32 graph's (the one every precision is verified against), through ONNX Runtime, as the
-server computes them.
+Two fits, both by minimising the negative log-likelihood: one number T for every answer (`fit_temperature`), and
+a temperature per answer set by the entropy of its raw softmax (`fit_entropy_temperature`; the form is
+vitserve.artifact.EntropyTemperature), in the spirit of the sample-dependent temperatures of Balanya et al. 2022
+(arXiv 2208.00461) and Joy et al. 2023 (arXiv 2207.06211). One T moves every confidence the same way; a model
+trained with label smoothing, like the default one, is under-confident where it is sure and over-confident in the
+middle at once, which the curve fixes and one T cannot (docs/calibration.md: 1.55% against 1.37% on the same
+held-out images). The curve has the single T as its special case (c1 = c2 = 0) and is fitted from it; the file
+stores both, the server uses the curve. It needs `MIN_CURVE_IMAGES` to fit three numbers, fewer gets one T.
+
+The labelled set (`vitserve export --eval DIR`) is split in two by a seeded shuffle: both are fitted on one half
+(`fit`), and the expected calibration error before and after is measured on the other half (`report`), so the
+figures in the file and in the report come from images the fit never saw. The logits are the float32 graph's (the
+one every precision is verified against), through ONNX Runtime, as the server computes them.
 
 numpy and scipy only (the export install has both); the server reads the stored T through vitserve/artifact.py.
 """
@@ -17,12 +25,15 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from vitserve.artifact import TEMPERATURE_BOUNDS, EntropyTemperature, entropy, softmax
+
 BINS = 15  # equal-width confidence bins, as Guo et al. report ECE
 SEED = 0
 MIN_IMAGES = 100  # fewer and the halves' estimates are noise (the export then leaves the file uncalibrated)
-# log T is searched within these bounds: T from 0.05 to 20 covers any network's over- or under-confidence; a fit
-# at a bound says the labelled set does not fit the model (its labels, or its images)
-LOG_T_BOUNDS = (float(np.log(0.05)), float(np.log(20.0)))
+MIN_CURVE_IMAGES = 1000  # fit-half images the entropy curve's three numbers need; fewer: one temperature
+# log T is searched within the temperatures a file may use; a fit at a bound says the labelled set does not fit the
+# model (its labels, or its images)
+LOG_T_BOUNDS = tuple(float(np.log(t)) for t in TEMPERATURE_BOUNDS)
 
 
 class CalibrationError(ValueError):
@@ -45,12 +56,14 @@ class Calibration:
     """The fitted temperature and what it did, measured on the half it was not fitted on."""
 
     source: str
-    temperature: float
+    temperature: float  # the single T (kept in the file for readers that know no curve)
+    temperature_by_entropy: dict | None  # EntropyTemperature.to_json(), the served calibration; None: one T
     fit_images: int
     report_images: int
     accuracy: float  # top-1 on the report half: the same before and after, by construction
     ece_before: float
-    ece_after: float
+    ece_after: float  # with the served calibration (the curve where there is one)
+    ece_single_temperature: float  # with the single T, for comparison
     nll_before: float
     nll_after: float
     bins_before: tuple[ReliabilityBin, ...]
@@ -60,20 +73,19 @@ class Calibration:
         return asdict(self)
 
     def summary(self) -> dict:
-        """What the file's metadata keeps (vitserve.calibration): the figures, without the bins."""
-        return {key: value for key, value in self.to_json().items() if not key.startswith("bins_")}
+        """What the file's metadata keeps (vitserve.calibration): the figures, without the bins (and without the
+        curve, which has its own key)."""
+        return {key: value for key, value in self.to_json().items()
+                if not key.startswith("bins_") and key != "temperature_by_entropy"}
+
+    @property
+    def curve(self) -> EntropyTemperature | None:
+        return None if self.temperature_by_entropy is None else EntropyTemperature.from_json(self.temperature_by_entropy)
 
 
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """(N, K) logits -> probabilities of softmax(logits / T), in float64."""
-    scaled = np.asarray(logits, np.float64) / temperature
-    scaled -= scaled.max(axis=1, keepdims=True)
-    exp = np.exp(scaled)
-    return exp / exp.sum(axis=1, keepdims=True)
-
-
-def negative_log_likelihood(logits: np.ndarray, labels: np.ndarray, temperature: float) -> float:
-    scaled = np.asarray(logits, np.float64) / temperature
+def negative_log_likelihood(logits: np.ndarray, labels: np.ndarray, temperature: float | np.ndarray) -> float:
+    """Mean -log p(label) under softmax(logits / temperature); one temperature, or one per row."""
+    scaled = np.asarray(logits, np.float64) / np.expand_dims(np.asarray(temperature, np.float64), -1)
     shifted = scaled - scaled.max(axis=1, keepdims=True)
     log_norm = np.log(np.exp(shifted).sum(axis=1))
     return float(np.mean(log_norm - shifted[np.arange(len(labels)), labels]))
@@ -110,6 +122,28 @@ def fit_temperature(logits: np.ndarray, labels: np.ndarray) -> float:
     return float(np.exp(found.x))
 
 
+def fit_entropy_temperature(logits: np.ndarray, labels: np.ndarray, start: float) -> EntropyTemperature:
+    """The curve (vitserve.artifact.EntropyTemperature) that minimises the negative log-likelihood of `labels`,
+    searched from the single temperature `start` (c0 = log start, c1 = c2 = 0), so it is never worse on these
+    images than that T."""
+    from scipy.optimize import minimize
+
+    raw = entropy(softmax(logits))
+    mean, std = float(raw.mean()), float(raw.std()) or 1.0
+    standard = (raw - mean) / std
+    low, high = float(standard.min()), float(standard.max())
+
+    def loss(c: np.ndarray) -> float:
+        log_t = np.clip(c[0] + c[1] * standard + c[2] * standard * standard, *LOG_T_BOUNDS)
+        return negative_log_likelihood(logits, labels, np.exp(log_t))
+
+    found = minimize(loss, np.array([np.log(start), 0.0, 0.0]), method="Nelder-Mead",
+                     options={"xatol": 1e-7, "fatol": 1e-10, "maxiter": 4000})
+    best = found.x if found.fun <= loss(np.array([np.log(start), 0.0, 0.0])) else [np.log(start), 0.0, 0.0]
+    return EntropyTemperature(mean=round(mean, 8), std=round(std, 8), low=round(low, 6), high=round(high, 6),
+                              coefficients=tuple(round(float(c), 8) for c in best))
+
+
 def halves(count: int, seed: int = SEED) -> tuple[np.ndarray, np.ndarray]:
     """(fit indices, report indices): a seeded shuffle cut in two, each sorted."""
     order = np.random.default_rng(seed).permutation(count)
@@ -122,16 +156,20 @@ def calibrate(logits: np.ndarray, labels: np.ndarray, source: str, seed: int = S
     if len(labels) < MIN_IMAGES:
         raise CalibrationError(f"{source}: {len(labels)} labelled images; calibrating needs at least {MIN_IMAGES}")
     fit, report = halves(len(labels), seed)
-    temperature = fit_temperature(logits[fit], labels[fit])
-    before, after = softmax(logits[report]), softmax(logits[report], temperature)
+    temperature = round(fit_temperature(logits[fit], labels[fit]), 6)
+    curve = fit_entropy_temperature(logits[fit], labels[fit], temperature) if len(fit) >= MIN_CURVE_IMAGES else None
+    served = temperature if curve is None else curve.temperatures(logits[report])
+    before, after = softmax(logits[report]), softmax(logits[report], served)
     ece_before, bins_before = reliability(before, labels[report])
     ece_after, bins_after = reliability(after, labels[report])
     return Calibration(
-        source=source, temperature=round(temperature, 6), fit_images=len(fit), report_images=len(report),
+        source=source, temperature=temperature, temperature_by_entropy=None if curve is None else curve.to_json(),
+        fit_images=len(fit), report_images=len(report),
         accuracy=float((before.argmax(axis=1) == labels[report]).mean()),
         ece_before=ece_before, ece_after=ece_after,
+        ece_single_temperature=reliability(softmax(logits[report], temperature), labels[report])[0],
         nll_before=negative_log_likelihood(logits[report], labels[report], 1.0),
-        nll_after=negative_log_likelihood(logits[report], labels[report], temperature),
+        nll_after=negative_log_likelihood(logits[report], labels[report], served),
         bins_before=tuple(bins_before), bins_after=tuple(bins_after))
 
 

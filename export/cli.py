@@ -154,9 +154,13 @@ def human_summary(summary: dict) -> str:
                      f"photos")
     if "calibration" in summary:
         c = summary["calibration"]
-        lines.append(f"calibrated: temperature {c['temperature']:.3f} fitted on {c['fit_images']} images of "
-                     f"{c['source']}; on the other {c['report_images']}: expected calibration error "
-                     f"{c['ece_before']:.2%} -> {c['ece_after']:.2%}, accuracy {c['accuracy']:.2%} unchanged")
+        how = f"temperature {c['temperature']:.3f}" if c.get("temperature_by_entropy") is None else \
+            f"a temperature per answer by its entropy (one temperature: {c['temperature']:.3f})"
+        single = "" if c.get("temperature_by_entropy") is None else \
+            f" (one temperature: {c['ece_single_temperature']:.2%})"
+        lines.append(f"calibrated: {how} fitted on {c['fit_images']} images of {c['source']}; on the other "
+                     f"{c['report_images']}: expected calibration error {c['ece_before']:.2%} -> {c['ece_after']:.2%}"
+                     f"{single}, accuracy {c['accuracy']:.2%} unchanged")
         lines.append(reliability_diagram(c["bins_before"], c["bins_after"]))
     elif "uncalibrated" in summary:
         lines.append(summary["uncalibrated"])

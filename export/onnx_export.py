@@ -272,7 +272,8 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
         proto = with_ood_score(proto, fits.ood)  # after the If: both paths score their own embedding
     info = artifact_info(meta, vit, precision, MAPS if relevance else ("rollout",))
     if fits.calibration is not None:
-        info = replace(info, temperature=fits.calibration.temperature, calibration=fits.calibration.summary())
+        info = replace(info, temperature=fits.calibration.temperature, calibration=fits.calibration.summary(),
+                       temperature_by_entropy=fits.calibration.curve)
     if fits.ood is not None:
         info = replace(info, ood=fits.ood.summary)
     metadata = info.to_metadata()

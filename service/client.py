@@ -67,7 +67,7 @@ class LocalPredictor:
 
             logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))[:3]
         predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
-                                          "overlay" if want_overlay else "none", info.temperature)
+                                          "overlay" if want_overlay else "none", info.temperature_for(logits[0]))
         return Prediction(image, [(p.label, p.score) for p in predictions],
                           base64.b64decode(heat.data) if heat is not None else None)
 

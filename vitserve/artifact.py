@@ -47,6 +47,70 @@ class ArtifactError(ValueError):
     """The file's `vitserve.*` metadata is missing, malformed, inconsistent or from a newer format."""
 
 
+def softmax(logits: np.ndarray, temperature: float | np.ndarray = 1.0) -> np.ndarray:
+    """(..., K) logits -> softmax(logits / temperature) in float64, stably. `temperature` is one number or one per
+    row, shape (...); any positive temperature keeps each row's ranking."""
+    scaled = np.asarray(logits, np.float64) / np.expand_dims(np.asarray(temperature, np.float64), -1)
+    scaled = scaled - scaled.max(axis=-1, keepdims=True)
+    exp = np.exp(scaled)
+    return exp / exp.sum(axis=-1, keepdims=True)
+
+
+def entropy(probabilities: np.ndarray) -> np.ndarray:
+    """(..., K) -> the entropy of each distribution in nats, shape (...)."""
+    p = np.asarray(probabilities, np.float64)
+    return -np.sum(p * np.log(np.where(p > 0, p, 1.0)), axis=-1)
+
+
+# The temperatures a calibration may use: from 0.05 to 20 covers any network's over- or under-confidence (the
+# export's search stays within them, and a per-answer temperature is held within them whatever a file says, so no
+# answer's logits are divided by 0 or by infinity).
+TEMPERATURE_BOUNDS = (0.05, 20.0)
+
+
+@dataclass(frozen=True)
+class EntropyTemperature:
+    """A temperature per answer, set by how unsure the raw softmax is (export/calibration.py fits it): T(z) =
+    exp(c0 + c1 u + c2 u^2), where u is the entropy of softmax(z) standardised by the fit images' `mean` and `std`,
+    and held within the fit images' range [`low`, `high`] so an answer unlike any of them gets the edge's
+    temperature, never an extrapolated one. One temperature cannot make a label-smoothed model's middle
+    confidences and its top ones honest at once (docs/calibration.md); dividing each answer's logits by its own
+    positive T still changes none of its ranking."""
+
+    mean: float
+    std: float
+    low: float
+    high: float
+    coefficients: tuple[float, float, float]
+
+    def temperatures(self, logits: np.ndarray) -> np.ndarray:
+        """(..., K) logits -> their temperatures, shape (...)."""
+        u = np.clip((entropy(softmax(logits)) - self.mean) / self.std, self.low, self.high)
+        c0, c1, c2 = self.coefficients
+        return np.exp(np.clip(c0 + c1 * u + c2 * u * u, *np.log(TEMPERATURE_BOUNDS)))
+
+    def to_json(self) -> dict:
+        return {"mean": self.mean, "std": self.std, "low": self.low, "high": self.high,
+                "coefficients": list(self.coefficients)}
+
+    @classmethod
+    def from_json(cls, value: dict) -> "EntropyTemperature":
+        """The stored form back; anything else (missing keys, not numbers, a non-positive std, low > high, values
+        that are not finite) is an ArtifactError."""
+        try:
+            curve = cls(mean=float(value["mean"]), std=float(value["std"]), low=float(value["low"]),
+                        high=float(value["high"]), coefficients=tuple(float(c) for c in value["coefficients"]))
+        except (TypeError, KeyError, ValueError) as e:
+            raise ArtifactError(f"vitserve.temperature_by_entropy: {value!r} is not a temperature curve ({e})") \
+                from None
+        numbers = (curve.mean, curve.std, curve.low, curve.high, *curve.coefficients)
+        if len(curve.coefficients) != 3 or not all(math.isfinite(x) for x in numbers) or curve.std <= 0 \
+                or curve.low > curve.high:
+            raise ArtifactError(f"vitserve.temperature_by_entropy: {value!r} is not a temperature curve "
+                                "(3 finite coefficients, a positive std, low <= high)")
+        return curve
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """Everything a server knows about a model, as written in the artifact's metadata."""
@@ -66,11 +130,14 @@ class ModelInfo:
     test_accuracy: float | None = None
     architecture: dict = field(default_factory=dict)
     maps: tuple[str, ...] = ("rollout",)
-    # Temperature scaling (export/calibration.py): served probabilities are softmax(logits / temperature); 1.0 for
-    # a file exported without a labelled set (and every older file). `calibration` says what it was fitted on and
-    # the calibration error it measured before and after, on images it was not fitted on.
+    # Calibration (export/calibration.py): served probabilities are softmax(logits / T), T from
+    # `temperature_by_entropy` (one per answer) where the file has it, else `temperature` (one number; 1.0 for a
+    # file exported without a labelled set, and every older file). A calibrated file carries both, so a reader
+    # that knows only `temperature` still serves calibrated scores. `calibration` says what they were fitted on and
+    # the calibration error measured before and after, on images they were not fitted on.
     temperature: float = 1.0
     calibration: dict = field(default_factory=dict)
+    temperature_by_entropy: EntropyTemperature | None = None
     embedding_size: int = 0  # D of the EMBEDDING_NAME output; 0: the file has none
     # The OOD_SCORE_NAME output's fit: {"score": "mahalanobis", "threshold": t (the held-out images' 99th
     # percentile), "quantiles": {"0.5": ..., "0.9": ..., "0.99": ..., "0.999": ...}, "fit_images": n,
@@ -97,6 +164,16 @@ class ModelInfo:
         """Whether the graph has the relevance path (class-specific maps)."""
         return RELEVANCE_NAME in self.maps
 
+    def temperature_for(self, logits: np.ndarray) -> float | np.ndarray:
+        """The temperature /v1 divides these (..., K) logits by: one per row with a curve, else the file's one."""
+        if self.temperature_by_entropy is None:
+            return self.temperature
+        return self.temperature_by_entropy.temperatures(logits)
+
+    def probabilities(self, logits: np.ndarray) -> np.ndarray:
+        """(..., K) logits -> the calibrated probabilities /v1 serves, float64."""
+        return softmax(logits, self.temperature_for(logits))
+
     def with_opset(self, opset: int | None) -> "ModelInfo":
         return replace(self, opset=opset)
 
@@ -115,6 +192,8 @@ class ModelInfo:
         if self.calibration:
             props["temperature"] = repr(float(self.temperature))
             props["calibration"] = json.dumps(self.calibration)
+        if self.temperature_by_entropy is not None:
+            props["temperature_by_entropy"] = json.dumps(self.temperature_by_entropy.to_json())
         if self.embedding_size:
             props["embedding_size"] = str(self.embedding_size)
         if self.ood:
@@ -138,6 +217,7 @@ class ModelInfo:
             architecture=get("architecture", json.loads, {}), opset=opset,
             maps=tuple(str(m) for m in get("maps", json.loads, ["rollout"])),
             temperature=get("temperature", float, 1.0), calibration=get("calibration", json.loads, {}),
+            temperature_by_entropy=get("temperature_by_entropy", _entropy_temperature, None),
             embedding_size=get("embedding_size", int, 0), ood=get("ood", json.loads, {}))
         info.check()
         return info
@@ -155,6 +235,13 @@ class ModelInfo:
                                 f"std={self.std}, patch_size={self.patch_size}, image_size={self.image_size}, "
                                 f"{len(self.labels)} labels, precision={self.precision!r}, maps={list(self.maps)}, "
                                 f"temperature={self.temperature}")
+
+
+def _entropy_temperature(text: str) -> EntropyTemperature:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ArtifactError(f"vitserve.temperature_by_entropy: {text!r} is not a JSON object")
+    return EntropyTemperature.from_json(value)
 
 
 def read_inspection(props: dict[str, str]) -> dict | None:

@@ -168,14 +168,15 @@ def answering_info(call: Call, version: str) -> ModelInfo:
 def _explained(map_body, info: ModelInfo, logits, target: int) -> RelevanceGrid | RelevanceImage:
     """The relevance map with the class it explains (the top-1 when the client named none)."""
     index = int(logits.argmax()) if target < 0 else target  # the graph's own choice for -1: the arg max
-    score = float(postprocess.softmax(logits, info.temperature)[index])
+    score = float(info.probabilities(logits)[index])
     explained = ExplainedClass(index=index, label=info.labels[index], score=score)
     kind = RelevanceGrid if isinstance(map_body, RolloutGrid) else RelevanceImage
     return kind(**map_body.model_dump(), target=explained)
 
 
 async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage, logits, map_values, options):
-    args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format, info.temperature)
+    args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format,
+            info.temperature_for(logits))
     if options.map_format in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
         return await state.in_pool(postprocess.encode_result, *args)
     started = time.perf_counter()

@@ -14,6 +14,7 @@ from functools import cache
 import numpy as np
 from PIL import Image
 
+from vitserve.artifact import softmax
 from vitserve.service.core.preprocess import PreparedImage
 from vitserve.service.protocols.schemas import Prediction, RolloutFormat, RolloutGrid, RolloutImage
 
@@ -21,15 +22,6 @@ from vitserve.service.protocols.schemas import Prediction, RolloutFormat, Rollou
 _RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],
                   [251, 185, 56], [245, 105, 24], [122, 4, 3]], np.float32)
 _RAMP_LEVELS = 1024  # entries of the table `colorize` gathers from: within a level of the exact ramp (tested)
-
-
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """(..., K) logits -> probabilities of softmax(logits / temperature), computed stably in float64. The model's
-    temperature (ModelInfo.temperature, fitted at export) makes them calibrated; it changes no ranking."""
-    scaled = logits.astype(np.float64) / temperature
-    shifted = scaled - scaled.max(axis=-1, keepdims=True)
-    exp = np.exp(shifted)
-    return exp / exp.sum(axis=-1, keepdims=True)
 
 
 def top_k(probabilities: np.ndarray, k: int) -> list[tuple[int, float]]:
@@ -100,8 +92,8 @@ def png_base64(image: Image.Image) -> str:
 def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray, rollout: np.ndarray, k: int,
                   rollout_format: RolloutFormat, temperature: float = 1.0
                   ) -> tuple[list[Prediction], RolloutGrid | RolloutImage | None]:
-    """One image's logits and rollout -> its top-k predictions (probabilities at the model's temperature) and the
-    rollout in the asked format."""
+    """One image's logits and rollout -> its top-k predictions (probabilities at `temperature`, the model's for
+    these logits: ModelInfo.temperature_for) and the rollout in the asked format."""
     probabilities = softmax(logits, temperature)
     predictions = [Prediction(index=i, label=labels[i], score=p)
                    for i, p in top_k(probabilities, min(k, len(labels)))]

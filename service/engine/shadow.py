@@ -14,7 +14,7 @@ therefore sees a sample of the traffic, never a cost (docs/results/bench-shadow.
 Every compared copy gives, per (served version, shadow version) pair:
 - top-1 agreement: both name the same class (compared by label, so a version with other labels still compares);
 - the probability shift: the Jensen-Shannon divergence (base 2, between 0 and 1) of the two versions' served
-  probabilities (softmax(logits / T), each file's own temperature, what /v1 answers), when both have the same labels;
+  probabilities (each file's own calibration, what /v1 answers), when both have the same labels;
 - map agreement: Spearman's rank correlation of the two rollout maps, when both maps have the same grid;
 - the shadow's latency: from the offer to the shadow's result (its queue wait included).
 The counts and sums are kept exactly here (`report`, GET /v1/models/{name}/shadow) and exported to Prometheus
@@ -43,14 +43,6 @@ log = logging.getLogger("vitserve.engine")
 LATENCIES_KEPT = 10_000  # per pair, for the report's quantiles: the recent past, in bounded memory
 IDLE_POLL_S = 0.005  # how often waiting copies look whether the served versions are idle: a gap shorter than
 # this is rarely headroom, and a busy engine is not woken hundreds of times a second to find it still busy
-
-
-def served_probabilities(logits: np.ndarray, temperature: float) -> np.ndarray:
-    """softmax(logits / T) in float64, as /v1 serves it."""
-    scaled = np.asarray(logits, np.float64) / temperature
-    scaled -= scaled.max()
-    exp = np.exp(scaled)
-    return exp / exp.sum()
 
 
 def js_divergence(p: np.ndarray, q: np.ndarray) -> float:
@@ -87,8 +79,8 @@ def compare(primary: dict[str, np.ndarray], primary_info: ModelInfo, shadow: dic
         shadow_info.labels[int(np.argmax(shadow["logits"]))]
     divergence = None
     if list(primary_info.labels) == list(shadow_info.labels):
-        divergence = js_divergence(served_probabilities(primary["logits"], primary_info.temperature),
-                                   served_probabilities(shadow["logits"], shadow_info.temperature))
+        divergence = js_divergence(primary_info.probabilities(primary["logits"]),
+                                   shadow_info.probabilities(shadow["logits"]))
     maps = primary.get("rollout"), shadow.get("rollout")
     correlation = rank_correlation(*maps) if maps[0] is not None and maps[1] is not None and \
         np.shape(maps[0]) == np.shape(maps[1]) else None

@@ -262,12 +262,14 @@ function showOod(ood) {
   line.className = ood.outside ? "warning" : "";
 }
 
-// The scores are softmax(logits / temperature); a file exported with a labelled set carries a fitted temperature
-// (docs/calibration.md), and its card the calibration error before and after.
+// The scores are softmax(logits / temperature); a file exported with a labelled set carries a fitted temperature,
+// one per answer where it has a curve (docs/calibration.md), and its card the calibration error before and after.
 function calibrationText(card) {
   const c = card.calibration;
   if (!c) return "uncalibrated softmax (the file carries no temperature)";
-  return `calibrated (temperature ${card.temperature.toFixed(2)}): calibration error ` +
+  const how = card.temperature_by_entropy ? "a temperature per answer, by its uncertainty" :
+    `temperature ${card.temperature.toFixed(2)}`;
+  return `calibrated (${how}): calibration error ` +
     `${(100 * c.ece_before).toFixed(1)}% → ${(100 * c.ece_after).toFixed(1)}% on ${c.report_images} held-out images`;
 }
 

@@ -6,14 +6,14 @@ from pathlib import Path
 from vitserve.bench.model_ab import render
 
 
-def row(round_: int, file: str, clients: int, rate: float, p50: float, p99: float) -> dict:
+def row(round_: int, file: str, clients: int, rate: float, p50: float, p99: float, cpu: float = 5.0) -> dict:
     return {"round": round_, "file": file, "clients": clients, "ok_per_s": rate, "p50_ms": p50, "p99_ms": p99,
-            "non_2xx": 0}
+            "cpu_ms": cpu, "non_2xx": 0}
 
 
 def test_b_is_compared_with_the_same_rounds_a_and_the_medians_are_taken():
-    rows = [row(1, "A", 32, 100, 10, 20), row(1, "B", 32, 90, 11, 30), row(2, "B", 32, 200, 20, 40),
-            row(2, "A", 32, 200, 20, 40), row(3, "A", 32, 100, 10, 20), row(3, "B", 32, 95, 12, 22)]
+    rows = [row(1, "A", 32, 100, 10, 20), row(1, "B", 32, 90, 11, 30, 6.0), row(2, "B", 32, 200, 20, 40),
+            row(2, "A", 32, 200, 20, 40), row(3, "A", 32, 100, 10, 20, 4.0), row(3, "B", 32, 95, 12, 22)]
     text = render(Path("a.onnx"), Path("b.onnx"), rows, 3, 10)
-    assert "| 32 | 0.950x | 1.100x | 1.100x |" in text
+    assert "| 32 | 0.950x | 1.100x | 1.100x | 1.200x |" in text
     assert text.count("| 32 | ") == 7  # six arms and the summary row

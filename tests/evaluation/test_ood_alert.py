@@ -16,6 +16,8 @@ def test_the_alert_share_is_the_prometheus_objective():
     rules = (REPO / "docker/prometheus/rules/objectives.rules.yml").read_text()
     objective = re.search(r"record: vitserve:ood_outside_ratio_objective\s+expr: vector\(([0-9.]+)\)", rules)
     assert objective and float(objective.group(1)) == ood.DRIFT_ALERT_SHARE
+    minimum = re.search(r"record: vitserve:ood_alert_min_images\s+expr: vector\(([0-9]+)\)", rules)
+    assert minimum and int(minimum.group(1)) == ood.DRIFT_ALERT_MIN_IMAGES
 
 
 def test_windows_fire_as_the_share_above_the_threshold_says():

@@ -3,13 +3,16 @@ finds a known temperature, the error is measured on the half it was not fitted o
 (tests/service/test_calibrated_scores.py: what the server answers with it)."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import onnx
 import pytest
 
-from vitserve.artifact import ModelInfo
-from vitserve.export.calibration import (MIN_IMAGES, CalibrationError, calibrate, fit_temperature, halves,
-                                         negative_log_likelihood, reliability, softmax)
+from vitserve.artifact import ArtifactError, EntropyTemperature, ModelInfo, entropy, softmax
+from vitserve.export.calibration import (MIN_CURVE_IMAGES, MIN_IMAGES, CalibrationError, calibrate,
+                                         fit_entropy_temperature, fit_temperature, halves, negative_log_likelihood,
+                                         reliability)
 
 
 def overconfident(count: int, temperature: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -33,12 +36,75 @@ def test_calibrating_lowers_the_error_on_the_other_half_and_changes_no_answer():
     logits, labels = overconfident(4_000, 3.0)
     result = calibrate(logits, labels, "synthetic")
     assert result.fit_images == result.report_images == 2_000
-    assert result.ece_before > 0.10 and result.ece_after < 0.03 and result.nll_after < result.nll_before
+    assert result.ece_before > 0.10 and result.ece_after < 0.04 and result.nll_after < result.nll_before
     assert sum(b.count for b in result.bins_after) == sum(b.count for b in result.bins_before) == 2_000
     _, report = halves(4_000)
     assert np.array_equal(softmax(logits[report]).argmax(1), softmax(logits[report], result.temperature).argmax(1))
     assert result.summary().keys() == {"source", "temperature", "fit_images", "report_images", "accuracy",
-                                       "ece_before", "ece_after", "nll_before", "nll_after"}
+                                       "ece_before", "ece_after", "ece_single_temperature", "nll_before", "nll_after"}
+    served = result.curve.temperatures(logits[report])
+    assert np.array_equal(softmax(logits[report]).argmax(1), softmax(logits[report], served).argmax(1))
+    # one temperature made these logits: the curve finds about that one, flat
+    assert np.exp(result.curve.coefficients[0]) == pytest.approx(3.0, rel=0.1)
+    assert np.median(served) == pytest.approx(3.0, rel=0.1)
+
+
+def unsure_where_overconfident(count: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Labels drawn from softmax(true logits); the served logits are the true ones where the answer is clear and
+    3x them where it is not: one temperature cannot undo both, a temperature by entropy can."""
+    rng = np.random.default_rng(seed)
+    true = rng.normal(0.0, 1.0, (count, 10)) * rng.choice([1.0, 6.0], (count, 1))
+    labels = np.array([rng.choice(10, p=p) for p in softmax(true)])
+    clear = softmax(true).max(1) > 0.6
+    return np.where(clear[:, None], true, true * 3.0), labels
+
+
+def test_a_temperature_per_answer_fixes_what_one_temperature_cannot():
+    logits, labels = unsure_where_overconfident(8_000)
+    result = calibrate(logits, labels, "synthetic")
+    _, report = halves(8_000)
+    assert result.temperature_by_entropy is not None
+    one = negative_log_likelihood(logits[report], labels[report], result.temperature)
+    assert result.nll_after < one - 0.005 and result.ece_after < 0.8 * result.ece_single_temperature
+    served = result.curve.temperatures(logits[report])
+    assert served.max() / served.min() > 1.5  # unsure answers are cooled down more than sure ones
+    assert np.array_equal(softmax(logits[report]).argmax(1), softmax(logits[report], served).argmax(1))
+
+
+def test_the_curve_starts_from_one_temperature_and_never_fits_worse_than_it():
+    logits, labels = overconfident(3_000, 2.0, seed=3)
+    start = fit_temperature(logits, labels)
+    curve = fit_entropy_temperature(logits, labels, start)
+    assert negative_log_likelihood(logits, labels, curve.temperatures(logits)) <= \
+        negative_log_likelihood(logits, labels, start) + 1e-12
+
+
+def test_an_answer_unlike_the_fitted_ones_gets_the_edge_temperature_not_an_extrapolated_one():
+    curve = EntropyTemperature(mean=0.6, std=0.25, low=-1.0, high=2.0, coefficients=(0.0, 0.3, -0.2))
+    very_sure, uniform = np.array([[40.0, 0, 0, 0]]), np.zeros((1, 4))  # entropies ~0 and log 4, far outside
+    edge_low, edge_high = np.exp(0.3 * -1.0 - 0.2), np.exp(0.3 * 2.0 - 0.2 * 4)
+    assert curve.temperatures(very_sure)[0] == pytest.approx(edge_low)
+    assert curve.temperatures(uniform)[0] == pytest.approx(edge_high)
+    inside = np.array([[3.0, 0.2, 0.1, 0.0]])
+    u = (entropy(softmax(inside))[0] - 0.6) / 0.25
+    assert -1.0 < u < 2.0 and curve.temperatures(inside)[0] == pytest.approx(np.exp(0.3 * u - 0.2 * u * u))
+
+
+def test_a_curve_that_would_divide_by_zero_or_infinity_is_held_within_the_bounds():
+    from vitserve.artifact import TEMPERATURE_BOUNDS
+
+    logits = np.array([[3.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    for c0, bound in ((-900.0, TEMPERATURE_BOUNDS[0]), (900.0, TEMPERATURE_BOUNDS[1])):
+        curve = EntropyTemperature(mean=0.5, std=0.2, low=-3.0, high=3.0, coefficients=(c0, 0.0, 0.0))
+        assert curve.temperatures(logits) == pytest.approx([bound, bound], rel=1e-12)
+        assert np.isfinite(softmax(logits, curve.temperatures(logits))).all()
+
+
+def test_a_small_labelled_set_gets_one_temperature_only():
+    logits, labels = overconfident(2 * MIN_CURVE_IMAGES - 2, 2.0)
+    result = calibrate(logits, labels, "small")
+    assert result.temperature_by_entropy is None and result.curve is None
+    assert result.ece_after == result.ece_single_temperature
 
 
 def test_the_halves_are_disjoint_seeded_and_cover_every_image():
@@ -70,6 +136,7 @@ def test_the_export_stores_the_temperature_it_fitted(calibrated_export, calibrat
     assert info.temperature == report.calibration.temperature > 0
     assert info.calibration == report.calibration.summary()
     assert info.calibration["fit_images"] == info.calibration["report_images"] == 60
+    assert info.temperature_by_entropy is None and "vitserve.temperature_by_entropy" not in info.to_metadata()
     assert str(calibration_folder) in info.calibration["source"]
 
 
@@ -87,6 +154,23 @@ def test_a_temperature_that_is_not_positive_is_refused(calibrated_export):
     for bad in ("0", "-1.5", "nan", "inf"):
         with pytest.raises(ArtifactError, match="temperature"):
             ModelInfo.from_metadata({**props, "vitserve.temperature": bad})
+
+
+def test_the_curve_survives_the_file_and_a_malformed_one_is_refused(calibrated_export):
+    props = dict(calibrated_export.metadata)
+    curve = EntropyTemperature(mean=0.6, std=0.2, low=-1.0, high=5.0, coefficients=(-0.35, 0.16, -0.03))
+    info = ModelInfo.from_metadata(props)
+    again = ModelInfo.from_metadata({**props, **replace(info, temperature_by_entropy=curve).to_metadata()})
+    assert again.temperature_by_entropy == curve
+    logits = np.array([[2.0, 1.0, 0.5], [9.0, 0.0, 0.0]])
+    assert np.allclose(again.probabilities(logits), softmax(logits, curve.temperatures(logits)))
+    for bad in ("[]", "{}", '{"mean": 0, "std": 0, "low": 0, "high": 1, "coefficients": [0, 0, 0]}',
+                '{"mean": 0, "std": 1, "low": 2, "high": 1, "coefficients": [0, 0, 0]}',
+                '{"mean": 0, "std": 1, "low": 0, "high": 1, "coefficients": [0, 0]}',
+                '{"mean": 0, "std": 1, "low": 0, "high": 1, "coefficients": [0, "x", 0]}',
+                '{"mean": NaN, "std": 1, "low": 0, "high": 1, "coefficients": [0, 0, 0]}', "not json"):
+        with pytest.raises(ArtifactError, match="temperature_by_entropy"):
+            ModelInfo.from_metadata({**props, "vitserve.temperature_by_entropy": bad})
 
 
 def test_the_export_command_prints_the_reliability_diagram(tiny_checkpoint, calibration_folder, tmp_path, capsys):

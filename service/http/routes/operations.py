@@ -41,6 +41,8 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
                      opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
                      test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
                      max_native_tokens=s.max_native_tokens, temperature=info.temperature,
+                     temperature_by_entropy=None if info.temperature_by_entropy is None
+                     else info.temperature_by_entropy.to_json(),
                      embedding_size=info.embedding_size, ood=info.ood or None,
                      calibration=info.calibration or None)
 
