@@ -66,6 +66,7 @@ def entropy(probabilities: np.ndarray) -> np.ndarray:
 # export's search stays within them, and a per-answer temperature is held within them whatever a file says, so no
 # answer's logits are divided by 0 or by infinity).
 TEMPERATURE_BOUNDS = (0.05, 20.0)
+_LOG_T_LOW, _LOG_T_HIGH = (math.log(t) for t in TEMPERATURE_BOUNDS)
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,30 @@ class EntropyTemperature:
     high: float
     coefficients: tuple[float, float, float]
 
-    def temperatures(self, logits: np.ndarray) -> np.ndarray:
-        """(..., K) logits -> their temperatures, shape (...)."""
-        u = np.clip((entropy(softmax(logits)) - self.mean) / self.std, self.low, self.high)
+    def temperatures(self, logits: np.ndarray) -> np.ndarray | float:
+        """(..., K) logits -> their temperatures, shape (...); one answer's (K,) logits -> its temperature, a float.
+        With z the logits less their maximum and S = sum(exp z), the entropy of softmax(z) is
+        log S - sum(exp(z) z) / S."""
+        z = np.asarray(logits, np.float64)
+        if z.ndim == 1:  # every /v1 answer, on the request path: plain floats take a fifth of NumPy's time on ten
+            return self._temperature(z.tolist())
+        z = z - z.max(axis=-1, keepdims=True)
+        exp = np.exp(z)
+        total = exp.sum(axis=-1)
+        raw_entropy = np.log(total) - (exp * z).sum(axis=-1) / total
+        u = np.minimum(np.maximum((raw_entropy - self.mean) / self.std, self.low), self.high)
         c0, c1, c2 = self.coefficients
-        return np.exp(np.clip(c0 + c1 * u + c2 * u * u, *np.log(TEMPERATURE_BOUNDS)))
+        return np.exp(np.minimum(np.maximum(c0 + u * (c1 + c2 * u), _LOG_T_LOW), _LOG_T_HIGH))
+
+    def _temperature(self, logits: list[float]) -> float:
+        top = max(logits)
+        shifted = [x - top for x in logits]
+        exp = [math.exp(x) for x in shifted]
+        total = math.fsum(exp)
+        raw_entropy = math.log(total) - math.fsum(e * x for e, x in zip(exp, shifted)) / total
+        u = min(max((raw_entropy - self.mean) / self.std, self.low), self.high)
+        c0, c1, c2 = self.coefficients
+        return math.exp(min(max(c0 + u * (c1 + c2 * u), _LOG_T_LOW), _LOG_T_HIGH))
 
     def to_json(self) -> dict:
         return {"mean": self.mean, "std": self.std, "low": self.low, "high": self.high,

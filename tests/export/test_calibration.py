@@ -90,6 +90,19 @@ def test_an_answer_unlike_the_fitted_ones_gets_the_edge_temperature_not_an_extra
     assert -1.0 < u < 2.0 and curve.temperatures(inside)[0] == pytest.approx(np.exp(0.3 * u - 0.2 * u * u))
 
 
+def test_one_answer_gets_the_temperature_it_gets_in_a_batch_and_the_formula_s():
+    curve = EntropyTemperature(mean=0.6, std=0.25, low=-1.5, high=4.0, coefficients=(-0.35, 0.16, -0.033))
+    rng = np.random.default_rng(5)
+    logits = (rng.normal(size=(500, 10)) * rng.uniform(0.05, 40, (500, 1))).astype(np.float32)
+    u = np.clip((entropy(softmax(logits)) - 0.6) / 0.25, -1.5, 4.0)
+    formula = np.exp(-0.35 + 0.16 * u - 0.033 * u * u)
+    batch = curve.temperatures(logits)
+    alone = [curve.temperatures(row) for row in logits]
+    assert all(isinstance(t, float) for t in alone)
+    assert np.allclose(batch, formula, rtol=1e-12) and np.allclose(alone, formula, rtol=1e-12)
+    assert curve.temperatures(logits[:0]).shape == (0,)
+
+
 def test_a_curve_that_would_divide_by_zero_or_infinity_is_held_within_the_bounds():
     from vitserve.artifact import TEMPERATURE_BOUNDS
 
@@ -97,6 +110,7 @@ def test_a_curve_that_would_divide_by_zero_or_infinity_is_held_within_the_bounds
     for c0, bound in ((-900.0, TEMPERATURE_BOUNDS[0]), (900.0, TEMPERATURE_BOUNDS[1])):
         curve = EntropyTemperature(mean=0.5, std=0.2, low=-3.0, high=3.0, coefficients=(c0, 0.0, 0.0))
         assert curve.temperatures(logits) == pytest.approx([bound, bound], rel=1e-12)
+        assert curve.temperatures(logits[0]) == pytest.approx(bound, rel=1e-12)
         assert np.isfinite(softmax(logits, curve.temperatures(logits))).all()
 
 
