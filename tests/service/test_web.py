@@ -374,6 +374,15 @@ def test_the_default_model_from_a_sample_by_keyboard(page):
             page.inner_text("#card-fields")
         assert "Like the training images. Out-of-distribution score" in page.inner_text("#ood")
         page.screenshot(path=SCREENSHOTS / "web-calibrated.png", full_page=True)
+        # a photo is no garment: the answer says so beside its (cooled) confidence
+        from skimage import data as skimage_data
+
+        buffer = io.BytesIO()
+        Image.fromarray(skimage_data.astronaut()).save(buffer, "PNG")
+        photo = answered(page, lambda: upload(page, "astronaut.png", buffer.getvalue(), "image/png"))
+        assert photo["body"]["ood"]["outside"] is True
+        assert "Unlike the training images" in page.inner_text("#ood")
+        page.screenshot(path=SCREENSHOTS / "web-ood.png", full_page=True)
 
 
 @pytest.fixture(scope="module")
