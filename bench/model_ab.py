@@ -66,7 +66,7 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
 
 
 def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str:
-    lines = [f"# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
+    lines = ["# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
              f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
              "| round | file | clients | answers/s | p50 ms | p99 ms | server CPU ms / answer | non-2xx |",

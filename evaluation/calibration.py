@@ -152,7 +152,8 @@ def markdown(result: dict, image_name: str | None) -> str:
     lines = [INTRODUCTION, f"Model: {result['name']}, `{result['model']}`; labelled set: {result['set']}; stored "
              f"temperature {result['temperature']:.4f}" + ("" if result["curve"] is None else
                                                            f"; stored curve `{json.dumps(result['curve'])}`") + ".", "",
-             "| images | count | calibration | expected calibration error (15 bins) | NLL | accuracy | mean confidence |",
+             "| images | count | calibration | expected calibration error (15 bins) | NLL | accuracy "
+             "| mean confidence |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['images']} | {r['count']} | {r['calibration']} | {r['ece']:.2%} | {r['nll']:.4f} | "
               f"{r['accuracy']:.2%} | {r['mean_confidence']:.2%} |" for r in result["rows"]]
@@ -169,8 +170,8 @@ def markdown(result: dict, image_name: str | None) -> str:
                   f"same way; what remains after it is in the middle bins (below), which the per-answer "
                   f"temperature reaches."]
     splits = result["splits"]
-    lines += ["", "Whether that holds beyond the export's one split: both fits redone on other seeded halves of the same "
-                  "set, each scored on the half it did not see:", "",
+    lines += ["", "Whether that holds beyond the export's one split: both fits redone on other seeded halves of the "
+                  "same set, each scored on the half it did not see:", "",
               "| seed | ECE, one temperature | ECE, per answer | NLL, one temperature | NLL, per answer |",
               "| --- | --- | --- | --- | --- |"]
     lines += [f"| {r['seed']} | {r['ece_one']:.2%} | {r['ece_curve']:.2%} | {r['nll_one']:.4f} | {r['nll_curve']:.4f} |"
@@ -181,7 +182,8 @@ def markdown(result: dict, image_name: str | None) -> str:
               f"The per-answer temperature has the lower NLL in {sum(r['nll_curve'] < r['nll_one'] for r in splits)} "
               f"of {len(splits)} splits and the lower ECE in {sum(r['ece_curve'] < r['ece_one'] for r in splits)}."]
     ways = list(result["diagram"])
-    lines += ["", "Reliability diagram, held-out half (answers per confidence bin and their accuracy, by calibration):", "",
+    lines += ["", "Reliability diagram, held-out half (answers per confidence bin and their accuracy, by "
+                  "calibration):", "",
               "| confidence | " + " | ".join(f"{w}: answers | accuracy | confidence" for w in ways) + " |",
               "| --- |" + " --- | --- | --- |" * len(ways)]
     for i, b in enumerate(result["diagram"][ways[0]]):

@@ -80,7 +80,8 @@ class Calibration:
 
     @property
     def curve(self) -> EntropyTemperature | None:
-        return None if self.temperature_by_entropy is None else EntropyTemperature.from_json(self.temperature_by_entropy)
+        curve = self.temperature_by_entropy
+        return None if curve is None else EntropyTemperature.from_json(curve)
 
 
 def negative_log_likelihood(logits: np.ndarray, labels: np.ndarray, temperature: float | np.ndarray) -> float:
