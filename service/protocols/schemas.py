@@ -160,6 +160,17 @@ class ShadowReport(BaseModel):
     pairs: list[ShadowPair]
 
 
+class TemperatureCurve(BaseModel):
+    """A temperature per answer (docs/calibration.md): T = exp(c0 + c1 u + c2 u^2), u the entropy of the answer's
+    raw softmax standardised by `mean` and `std` and held within [`low`, `high`]."""
+
+    mean: float = Field(description="the fit images' mean entropy of the raw softmax (nats)")
+    std: float = Field(description="their standard deviation")
+    low: float = Field(description="the smallest standardised entropy among the fit images")
+    high: float = Field(description="the largest")
+    coefficients: list[float] = Field(description="c0, c1, c2")
+
+
 class ModelCard(BaseModel):
     name: str
     version: str
@@ -184,10 +195,9 @@ class ModelCard(BaseModel):
                                             "0: its file was exported without one")
     ood: dict | None = Field(description="its out-of-distribution score's fit (threshold, held-out quantiles); null: "
                                          "its file has no OOD score")
-    temperature_by_entropy: dict | None = Field(
-        default=None, description="the scores on /v1 are softmax(logits / T) with T = exp(c0 + c1 u + c2 u^2) per "
-                                  "answer, u the entropy of its raw softmax standardised by `mean` and `std` and held "
-                                  "within [`low`, `high`] (docs/calibration.md); null: `temperature` for every answer")
+    temperature_by_entropy: TemperatureCurve | None = Field(
+        default=None, description="the scores on /v1 are softmax(logits / T) with this T per answer; null: "
+                                  "`temperature` for every answer")
     temperature: float = Field(description="the scores on /v1 are softmax(logits / temperature): fitted at export "
                                            "on held-out labelled images (1.0: the file was exported without any)")
     calibration: dict | None = Field(description="what the temperature was fitted on and the expected calibration "

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.errors import openapi_responses
-from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState, ShadowReport
+from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState, ShadowReport, TemperatureCurve
 from vitserve.service.core.state import ServiceState
 from vitserve.service.http.dependencies import get_state
 
@@ -42,7 +42,7 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
                      test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
                      max_native_tokens=s.max_native_tokens, temperature=info.temperature,
                      temperature_by_entropy=None if info.temperature_by_entropy is None
-                     else info.temperature_by_entropy.to_json(),
+                     else TemperatureCurve(**info.temperature_by_entropy.to_json()),
                      embedding_size=info.embedding_size, ood=info.ood or None,
                      calibration=info.calibration or None)
 
