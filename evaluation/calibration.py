@@ -15,8 +15,8 @@ import numpy as np
 
 from vitserve.artifact import ModelInfo, softmax
 from vitserve.export.accuracy_gate import load_labelled_set
-from vitserve.export.calibration import (BINS, fit_entropy_temperature, fit_temperature, graph_logits, halves,
-                                         negative_log_likelihood, reliability)
+from vitserve.export.calibration import (BINS, calibrate, graph_logits, halves, negative_log_likelihood,
+                                         reliability)
 from vitserve.export.verify import cpu_session
 
 
@@ -56,14 +56,10 @@ def other_splits(logits: np.ndarray, labels: np.ndarray, seeds: range = range(8)
     curve's gain over one temperature holds beyond the one split the export used."""
     rows = []
     for seed in seeds:
-        fit, report = halves(len(labels), seed)
-        temperature = fit_temperature(logits[fit], labels[fit])
-        curve = fit_entropy_temperature(logits[fit], labels[fit], temperature)
-        row = {"seed": seed}
-        for way, t in (("one", temperature), ("curve", curve.temperatures(logits[report]))):
-            row[f"ece_{way}"] = reliability(softmax(logits[report], t), labels[report])[0]
-            row[f"nll_{way}"] = negative_log_likelihood(logits[report], labels[report], t)
-        rows.append(row)
+        result, (_, report) = calibrate(logits, labels, "a split", seed), halves(len(labels), seed)
+        rows.append({"seed": seed, "ece_one": result.ece_single_temperature, "ece_curve": result.ece_after,
+                     "nll_one": negative_log_likelihood(logits[report], labels[report], result.temperature),
+                     "nll_curve": result.nll_after})
     return rows
 
 

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vitserve.artifact import TEMPERATURE_BOUNDS, EntropyTemperature, entropy, softmax
+from vitserve.artifact import (TEMPERATURE_BOUNDS, EntropyTemperature, curve_log_temperatures, softmax,
+                               softmax_entropy)
 
 BINS = 15  # equal-width confidence bins, as Guo et al. report ECE
 SEED = 0
@@ -129,14 +130,13 @@ def fit_entropy_temperature(logits: np.ndarray, labels: np.ndarray, start: float
     images than that T."""
     from scipy.optimize import minimize
 
-    raw = entropy(softmax(logits))
+    raw = softmax_entropy(logits)
     mean, std = float(raw.mean()), float(raw.std()) or 1.0
-    standard = (raw - mean) / std
+    standard = (raw - mean) / std  # within [low, high] by construction: the served curve's clip changes nothing here
     low, high = float(standard.min()), float(standard.max())
 
     def loss(c: np.ndarray) -> float:
-        log_t = np.clip(c[0] + c[1] * standard + c[2] * standard * standard, *LOG_T_BOUNDS)
-        return negative_log_likelihood(logits, labels, np.exp(log_t))
+        return negative_log_likelihood(logits, labels, np.exp(curve_log_temperatures(c, standard)))
 
     found = minimize(loss, np.array([np.log(start), 0.0, 0.0]), method="Nelder-Mead",
                      options={"xatol": 1e-7, "fatol": 1e-10, "maxiter": 4000})

@@ -56,10 +56,14 @@ def softmax(logits: np.ndarray, temperature: float | np.ndarray = 1.0) -> np.nda
     return exp / exp.sum(axis=-1, keepdims=True)
 
 
-def entropy(probabilities: np.ndarray) -> np.ndarray:
-    """(..., K) -> the entropy of each distribution in nats, shape (...)."""
-    p = np.asarray(probabilities, np.float64)
-    return -np.sum(p * np.log(np.where(p > 0, p, 1.0)), axis=-1)
+def softmax_entropy(logits: np.ndarray) -> np.ndarray:
+    """(..., K) logits -> the entropy of softmax(logits) in nats, shape (...). With z the logits less their
+    maximum and S = sum(exp z), it is log S - sum(exp(z) z) / S: no log of a probability that underflowed to 0."""
+    z = np.asarray(logits, np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    exp = np.exp(z)
+    total = exp.sum(axis=-1)
+    return np.log(total) - (exp * z).sum(axis=-1) / total
 
 
 # The temperatures a calibration may use: from 0.05 to 20 covers any network's over- or under-confidence (the
@@ -67,6 +71,13 @@ def entropy(probabilities: np.ndarray) -> np.ndarray:
 # answer's logits are divided by 0 or by infinity).
 TEMPERATURE_BOUNDS = (0.05, 20.0)
 _LOG_T_LOW, _LOG_T_HIGH = (math.log(t) for t in TEMPERATURE_BOUNDS)
+
+
+def curve_log_temperatures(coefficients, u: np.ndarray) -> np.ndarray:
+    """log T = c0 + c1 u + c2 u^2 of standardised entropies `u`, held within TEMPERATURE_BOUNDS: the curve's one
+    formula, for the file's curve (EntropyTemperature) and for the export's search over coefficients alike."""
+    c0, c1, c2 = coefficients
+    return np.minimum(np.maximum(c0 + u * (c1 + c2 * u), _LOG_T_LOW), _LOG_T_HIGH)
 
 
 @dataclass(frozen=True)
@@ -85,21 +96,15 @@ class EntropyTemperature:
     coefficients: tuple[float, float, float]
 
     def temperatures(self, logits: np.ndarray) -> np.ndarray | float:
-        """(..., K) logits -> their temperatures, shape (...); one answer's (K,) logits -> its temperature, a float.
-        With z the logits less their maximum and S = sum(exp z), the entropy of softmax(z) is
-        log S - sum(exp(z) z) / S."""
+        """(..., K) logits -> their temperatures, shape (...); one answer's (K,) logits -> its temperature, a float."""
         z = np.asarray(logits, np.float64)
         if z.ndim == 1:  # every /v1 answer, on the request path: plain floats take a fifth of NumPy's time on ten
             return self._temperature(z.tolist())
-        z = z - z.max(axis=-1, keepdims=True)
-        exp = np.exp(z)
-        total = exp.sum(axis=-1)
-        raw_entropy = np.log(total) - (exp * z).sum(axis=-1) / total
-        u = np.minimum(np.maximum((raw_entropy - self.mean) / self.std, self.low), self.high)
-        c0, c1, c2 = self.coefficients
-        return np.exp(np.minimum(np.maximum(c0 + u * (c1 + c2 * u), _LOG_T_LOW), _LOG_T_HIGH))
+        u = np.minimum(np.maximum((softmax_entropy(z) - self.mean) / self.std, self.low), self.high)
+        return np.exp(curve_log_temperatures(self.coefficients, u))
 
     def _temperature(self, logits: list[float]) -> float:
+        """`temperatures` of one answer, the same steps in floats (softmax_entropy, then the curve)."""
         top = max(logits)
         shifted = [x - top for x in logits]
         exp = [math.exp(x) for x in shifted]

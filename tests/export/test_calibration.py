@@ -9,10 +9,16 @@ import numpy as np
 import onnx
 import pytest
 
-from vitserve.artifact import ArtifactError, EntropyTemperature, ModelInfo, entropy, softmax
+from vitserve.artifact import ArtifactError, EntropyTemperature, ModelInfo, softmax
 from vitserve.export.calibration import (MIN_CURVE_IMAGES, MIN_IMAGES, CalibrationError, calibrate,
                                          fit_entropy_temperature, fit_temperature, halves, negative_log_likelihood,
                                          reliability)
+
+
+def entropy(probabilities: np.ndarray) -> np.ndarray:
+    """The textbook -sum p log p, per row: the reference the served form (log-sum-exp) is checked against."""
+    p = np.asarray(probabilities, np.float64)
+    return -np.sum(p * np.log(np.where(p > 0, p, 1.0)), axis=-1)
 
 
 def overconfident(count: int, temperature: float, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
