@@ -18,12 +18,13 @@ from pathlib import Path
 
 import httpx
 
-from vitserve.machine import process_tree_cpu_seconds
+from vitserve.machine import process_cpu_seconds, process_tree
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import publish
 from vitserve.bench.servers import free_port
 from vitserve.bench.shadow import machine, png, test_images
+from vitserve.service.engine.process import PROCESS_NAME as ENGINE_PROCESS_NAME
 
 
 def serve(model: Path) -> tuple[subprocess.Popen, str]:
@@ -45,6 +46,23 @@ def serve(model: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"vitserve serve --model {model} was not ready in 300 s")
 
 
+def engine_and_frontend_cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds of the server's engine processes (named PROCESS_NAME) and of the rest of its tree (the
+    supervisor and HTTP workers): which side of the process boundary a difference in cost lies on."""
+    engine = frontend = 0.0
+    for child in process_tree(pid):
+        try:
+            name = Path(f"/proc/{child}/comm").read_text().strip()
+        except OSError:
+            continue  # gone meanwhile
+        seconds = process_cpu_seconds(child)
+        if name == ENGINE_PROCESS_NAME:
+            engine += seconds
+        else:
+            frontend += seconds
+    return engine, frontend
+
+
 def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path, wrk: str, round_: int) -> list[dict]:
     process, url = serve(model)
     try:
@@ -52,12 +70,16 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
         for count in clients:
             target = f"{url}/v1/classify"
             run_wrk(wrk_argv(wrk, target, count, 2, 30, script), 60)
-            cpu_before = process_tree_cpu_seconds(process.pid)
+            engine_before, frontend_before = engine_and_frontend_cpu_seconds(process.pid)
             result = run_wrk(wrk_argv(wrk, target, count, seconds, 30, script), seconds + 60)
             answers = max(result["ok_per_s"] * seconds, 1.0)
+            engine_after, frontend_after = engine_and_frontend_cpu_seconds(process.pid)
+            engine_ms = (engine_after - engine_before) / answers * 1e3
+            frontend_ms = (frontend_after - frontend_before) / answers * 1e3
             rows.append({"round": round_, "file": label, "clients": count, "ok_per_s": result["ok_per_s"],
                          "p50_ms": result.get("p50_ms"), "p99_ms": result.get("p99_ms"),
-                         "cpu_ms": (process_tree_cpu_seconds(process.pid) - cpu_before) / answers * 1e3,
+                         "cpu_ms": engine_ms + frontend_ms, "engine_cpu_ms": engine_ms,
+                         "frontend_cpu_ms": frontend_ms,
                          "non_2xx": result["non_2xx"]})
         return rows
     finally:
@@ -69,16 +91,20 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str
     lines = ["# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
              f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
-             "| round | file | clients | answers/s | p50 ms | p99 ms | server CPU ms / answer | non-2xx |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| round | file | clients | answers/s | p50 ms | p99 ms | server CPU ms / answer | engine | frontend "
+             "| non-2xx |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['round']} | {r['file']} | {r['clients']} | {r['ok_per_s']:.1f} | {r['p50_ms']:.2f} | "
-              f"{r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | {r['non_2xx']} |" for r in rows]
-    lines += ["", "B against A, medians over the rounds of the same round's ratio (server CPU: all its processes, "
-                  "the HTTP workers and the engine, over the measured window, per answer):", "",
-              "| clients | answers/s | p50 | p99 | server CPU / answer |", "| --- | --- | --- | --- | --- |"]
+              f"{r['p99_ms']:.2f} | {r['cpu_ms']:.3f} | {r['engine_cpu_ms']:.3f} | {r['frontend_cpu_ms']:.3f} | "
+              f"{r['non_2xx']} |" for r in rows]
+    lines += ["", "B against A, medians over the rounds of the same round's ratio (server CPU: all its processes "
+                  "over the measured window, per answer; engine: the engine process, which runs the model; "
+                  "frontend: the supervisor and the HTTP workers):", "",
+              "| clients | answers/s | p50 | p99 | server CPU / answer | engine | frontend |",
+              "| --- | --- | --- | --- | --- | --- | --- |"]
     spreads = []
     for count in sorted({r["clients"] for r in rows}):
-        ratios = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms", "cpu_ms")}
+        ratios = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms", "cpu_ms", "engine_cpu_ms", "frontend_cpu_ms")}
         for round_ in sorted({r["round"] for r in rows}):
             pair = {r["file"]: r for r in rows if (r["round"], r["clients"]) == (round_, count)}
             for key in ratios:
@@ -88,7 +114,8 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str
                                                     for v in ratios.values()) + " |")
     lines += ["", "How far those medians can be trusted: a 95% interval of each (the rounds resampled 2,000 times). A "
                   "difference is resolved only where the interval leaves 1.0x out; run more rounds to narrow it:", "",
-              "| clients | answers/s | p50 | p99 | server CPU / answer |", "| --- | --- | --- | --- | --- |", *spreads]
+              "| clients | answers/s | p50 | p99 | server CPU / answer | engine | frontend |",
+              "| --- | --- | --- | --- | --- | --- | --- |", *spreads]
     return "\n".join(lines) + "\n"
 
 
