@@ -5,15 +5,25 @@ Each round starts `vitserve serve --model FILE` for A, then for B (B first in ev
 Debian's wrk at every client count on /v1/classify (one Fashion-MNIST test image as PNG): 2 s settling, then the
 measured window. Reports answers/s, p50 and p99 per arm, and B's medians over the rounds as ratios to the same
 round's A. Writes a Markdown report and its JSON.
+
+With `--profile-seconds N`, after the rounds each file is served once more at the largest client count while
+py-spy samples every process of the server for N seconds (outside the measured rounds: the sampler costs CPU):
+the report then says where B's time goes that A's does not, as each function's share of the samples of the
+engine and of the frontend, the functions whose share moved most first.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import re
+import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -87,7 +97,104 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
         process.wait(60)
 
 
-def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str:
+# A py-spy raw line: "frame;frame;... COUNT", a frame "function (path:line)"
+_FRAME_LINE = re.compile(r":\d+\)$")
+PROFILE_ROWS = 12
+
+
+def process_role(pid: int) -> str | None:
+    """"engine" or "frontend" (the supervisor and HTTP workers), None for a process gone meanwhile."""
+    try:
+        return "engine" if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_PROCESS_NAME else "frontend"
+    except OSError:
+        return None
+
+
+def inclusive_shares(raw: str) -> tuple[Counter, int]:
+    """py-spy's raw (collapsed) stacks -> (samples in which each function is on the stack, at any depth, counted
+    once per sample; all samples). A function is its name and file, its line dropped, so a function's lines add
+    up."""
+    counts, total = Counter(), 0
+    for line in raw.splitlines():
+        stack, _, number = line.rpartition(" ")
+        if not stack or not number.isdigit():
+            continue
+        samples = int(number)
+        total += samples
+        for frame in {_FRAME_LINE.sub(")", f) for f in stack.split(";")}:
+            counts[frame] += samples
+    return counts, total
+
+
+def profile_arm(model: Path, label: str, clients: int, seconds: int, script: Path, wrk: str, spy: str,
+                directory: Path) -> dict:
+    """Serve `model` under wrk at `clients` while py-spy samples each of the server's processes for `seconds`:
+    {"file", "roles": {role: {"total": samples, "functions": {function: samples}}}}."""
+    process, url = serve(model)
+    try:
+        target = f"{url}/v1/classify"
+        run_wrk(wrk_argv(wrk, target, clients, 2, 30, script), 60)
+        load = subprocess.Popen(wrk_argv(wrk, target, clients, seconds + 3, 30, script), stdout=subprocess.DEVNULL)
+        time.sleep(1)
+        samplers = []
+        for pid in process_tree(process.pid):
+            role, raw = process_role(pid), directory / f"{label}-{pid}.txt"
+            if role is not None:
+                samplers.append((role, raw, subprocess.Popen(
+                    [spy, "record", "--pid", str(pid), "--duration", str(seconds), "--rate", "100", "--format",
+                     "raw", "--nonblocking", "--output", str(raw)], stdout=subprocess.DEVNULL,
+                    stderr=subprocess.PIPE)))
+        roles: dict[str, dict] = {}
+        for role, raw, sampler in samplers:
+            _, err = sampler.communicate(timeout=seconds + 60)
+            if sampler.returncode != 0 and not raw.exists():
+                raise SystemExit(f"py-spy could not sample {role} process: {err.decode(errors='replace')[-500:]}")
+            counts, total = inclusive_shares(raw.read_text() if raw.exists() else "")
+            into = roles.setdefault(role, {"total": 0, "functions": Counter()})
+            into["total"] += total
+            into["functions"].update(counts)
+        load.wait(seconds + 60)
+        return {"file": label, "roles": {r: {"total": v["total"], "functions": dict(v["functions"])}
+                                         for r, v in roles.items()}}
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def share_moves(a: dict, b: dict) -> list[tuple[str, float, float, float]]:
+    """(function, A's share, B's share, z) of every function sampled in either, the most certain moves first: z is
+    the two-proportion z statistic of the shares (the pooled share's binomial noise), so a function that appears
+    only in B (a new output's code) outranks the wrappers whose shares move a few per cent with the noise."""
+    moves = []
+    for function in set(a["functions"]) | set(b["functions"]):
+        share_a, share_b = a["functions"].get(function, 0) / a["total"], b["functions"].get(function, 0) / b["total"]
+        pooled = (a["functions"].get(function, 0) + b["functions"].get(function, 0)) / (a["total"] + b["total"])
+        noise = math.sqrt(pooled * (1 - pooled) * (1 / a["total"] + 1 / b["total"]))
+        moves.append((function, share_a, share_b, (share_b - share_a) / noise if noise else 0.0))
+    return sorted(moves, key=lambda m: (-abs(m[3]), m[0]))
+
+
+def render_profile(profiles: list[dict], clients: int, seconds: int) -> list[str]:
+    """Per role, the functions whose share of the samples moved most certainly between A and B."""
+    by_file = {p["file"]: p["roles"] for p in profiles}
+    lines = ["", f"## Where the time goes: py-spy, {seconds} s per file at {clients} clients", "",
+             "Each function's share of its processes' samples (the function anywhere on the stack), A and B, served "
+             "once more after the rounds with py-spy sampling at 100 Hz (outside the measured rounds). The "
+             f"{PROFILE_ROWS} moves least likely to be sampling noise first: z is the difference over its binomial "
+             "standard error (|z| under 2 is within the noise).", ""]
+    for role in ("frontend", "engine"):
+        a, b = by_file["A"].get(role), by_file["B"].get(role)
+        if not a or not b or not a["total"] or not b["total"]:
+            continue
+        lines += [f"{role}: {a['total']:,} samples of A, {b['total']:,} of B", "",
+                  "| function | A | B | B - A | z |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += [f"| `{f}` | {share_a:.2%} | {share_b:.2%} | {share_b - share_a:+.2%} | {z:+.1f} |"
+                  for f, share_a, share_b, z in share_moves(a, b)[:PROFILE_ROWS]]
+        lines.append("")
+    return lines
+
+
+def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profile: list[str] = ()) -> str:
     lines = ["# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
              f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
@@ -115,7 +222,7 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int) -> str
     lines += ["", "How far those medians can be trusted: a 95% interval of each (the rounds resampled 2,000 times). A "
                   "difference is resolved only where the interval leaves 1.0x out; run more rounds to narrow it:", "",
               "| clients | answers/s | p50 | p99 | server CPU / answer | engine | frontend |",
-              "| --- | --- | --- | --- | --- | --- | --- |", *spreads]
+              "| --- | --- | --- | --- | --- | --- | --- |", *spreads, *profile]
     return "\n".join(lines) + "\n"
 
 
@@ -137,8 +244,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("build/bench/model-ab.md"))
+    p.add_argument("--profile-seconds", type=int, default=0,
+                   help="after the rounds, sample each file's server with py-spy for this long (default 0: not)")
     args = p.parse_args(argv)
-    clients, wrk, rows = [int(c) for c in args.clients.split(",")], find_wrk(), []
+    clients, wrk, rows, profiles = [int(c) for c in args.clients.split(",")], find_wrk(), [], []
+    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    if args.profile_seconds and spy is None:
+        p.error("--profile-seconds needs py-spy (pip install py-spy)")
     with tempfile.TemporaryDirectory(prefix="vitserve-bench-ab-") as directory:
         script = write_script(Path(directory), "ab", PeerRequest("/v1/classify", png(test_images(1)[0]),
                                                                  {"Content-Type": "image/png"}))
@@ -147,9 +261,14 @@ def main(argv: list[str] | None = None) -> int:
             for label, model in order:
                 rows += arm(model, label, clients, args.seconds, script, wrk, round_)
                 print(rows[-1], flush=True)
+        if args.profile_seconds:
+            for label, model in [("A", args.a), ("B", args.b)]:
+                profiles.append(profile_arm(model, label, max(clients), args.profile_seconds, script, wrk, spy,
+                                            Path(directory)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    publish(render(args.a, args.b, rows, args.rounds, args.seconds), {"a": str(args.a), "b": str(args.b),
-                                                                       "rows": rows}, args.out)
+    profile = render_profile(profiles, max(clients), args.profile_seconds) if profiles else []
+    publish(render(args.a, args.b, rows, args.rounds, args.seconds, profile),
+            {"a": str(args.a), "b": str(args.b), "rows": rows, "profiles": profiles}, args.out)
     return 0
 
 
