@@ -220,7 +220,9 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profil
         spreads.append(f"| {count} | " + " | ".join("{:.3f}-{:.3f}x".format(*median_interval(v))
                                                     for v in ratios.values()) + " |")
     lines += ["", "How far those medians can be trusted: a 95% interval of each (the rounds resampled 2,000 times). A "
-                  "difference is resolved only where the interval leaves 1.0x out; run more rounds to narrow it:", "",
+                  "difference is resolved only where the interval leaves 1.0x out; run more rounds to narrow it. The "
+                  "resampling sees the rounds' spread, not drift that favours one arm: a file against a copy of "
+                  "itself shows how far this machine moves with no difference at all:", "",
               "| clients | answers/s | p50 | p99 | server CPU / answer | engine | frontend |",
               "| --- | --- | --- | --- | --- | --- | --- |", *spreads, *profile]
     return "\n".join(lines) + "\n"
