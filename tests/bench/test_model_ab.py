@@ -70,7 +70,12 @@ def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx,
     if spy is None:
         pytest.skip("py-spy is not installed (pip install py-spy)")
     script = write_script(tmp_path, "ab", PeerRequest("/v1/classify", _png(), {"Content-Type": "image/png"}))
-    profile = profile_arm(tiny_onnx, "A", 4, 2, script, find_wrk(), spy, tmp_path)
+    try:
+        profile = profile_arm(tiny_onnx, "A", 4, 2, script, find_wrk(), spy, tmp_path)
+    except SystemExit as e:  # a container without ptrace rights: py-spy cannot attach to any process
+        if "ermission" in str(e) or "ptrace" in str(e):
+            pytest.skip(f"py-spy may not attach here: {e}")
+        raise
     engine, frontend = profile["roles"]["engine"], profile["roles"]["frontend"]
     assert engine["total"] > 0 and frontend["total"] > 0
     # each process's own code, by role: the batcher in the engine, the route in the HTTP workers
