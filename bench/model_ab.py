@@ -56,21 +56,23 @@ def serve(model: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"vitserve serve --model {model} was not ready in 300 s")
 
 
+def process_role(pid: int) -> str | None:
+    """"engine" (a process named the engine's PROCESS_NAME) or "frontend" (the supervisor and HTTP workers), None
+    for a process gone meanwhile: which side of the process boundary a cost lies on."""
+    try:
+        return "engine" if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_PROCESS_NAME else "frontend"
+    except OSError:
+        return None
+
+
 def engine_and_frontend_cpu_seconds(pid: int) -> tuple[float, float]:
-    """CPU seconds of the server's engine processes (named PROCESS_NAME) and of the rest of its tree (the
-    supervisor and HTTP workers): which side of the process boundary a difference in cost lies on."""
-    engine = frontend = 0.0
+    """CPU seconds of the server's engine processes and of the rest of its tree (`process_role`)."""
+    seconds = {"engine": 0.0, "frontend": 0.0}
     for child in process_tree(pid):
-        try:
-            name = Path(f"/proc/{child}/comm").read_text().strip()
-        except OSError:
-            continue  # gone meanwhile
-        seconds = process_cpu_seconds(child)
-        if name == ENGINE_PROCESS_NAME:
-            engine += seconds
-        else:
-            frontend += seconds
-    return engine, frontend
+        role = process_role(child)
+        if role is not None:
+            seconds[role] += process_cpu_seconds(child)
+    return seconds["engine"], seconds["frontend"]
 
 
 def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path, wrk: str, round_: int) -> list[dict]:
@@ -102,12 +104,9 @@ _FRAME_LINE = re.compile(r":\d+\)$")
 PROFILE_ROWS = 12
 
 
-def process_role(pid: int) -> str | None:
-    """"engine" or "frontend" (the supervisor and HTTP workers), None for a process gone meanwhile."""
-    try:
-        return "engine" if Path(f"/proc/{pid}/comm").read_text().strip() == ENGINE_PROCESS_NAME else "frontend"
-    except OSError:
-        return None
+def find_py_spy() -> str | None:
+    """py-spy beside this Python (the dev extras install it there), else on PATH; None without it."""
+    return shutil.which("py-spy", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
 
 
 def inclusive_shares(raw: str) -> tuple[Counter, int]:
@@ -250,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="after the rounds, sample each file's server with py-spy for this long (default 0: not)")
     args = p.parse_args(argv)
     clients, wrk, rows, profiles = [int(c) for c in args.clients.split(",")], find_wrk(), [], []
-    spy = shutil.which("py-spy", path=f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}")
+    spy = find_py_spy()
     if args.rounds < 1:
         p.error("--rounds must be at least 1")
     if args.profile_seconds and spy is None:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -62,14 +61,16 @@ def test_the_profile_table_puts_the_most_certain_moves_first_per_role():
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
 def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx, tmp_path):
-    from vitserve.bench.model_ab import profile_arm
+    from vitserve.bench.load import make_images
+    from vitserve.bench.model_ab import find_py_spy, profile_arm
     from vitserve.bench.peers.bodies import PeerRequest
     from vitserve.bench.peers.wrk import find_wrk, write_script
 
-    spy = shutil.which("py-spy", path=str(Path(sys.executable).parent))
+    spy = find_py_spy()
     if spy is None:
         pytest.skip("py-spy is not installed (pip install py-spy)")
-    script = write_script(tmp_path, "ab", PeerRequest("/v1/classify", _png(), {"Content-Type": "image/png"}))
+    image = make_images("png", (32, 32), channels=3, count=1)[0]
+    script = write_script(tmp_path, "ab", PeerRequest("/v1/classify", image, {"Content-Type": "image/png"}))
     try:
         profile = profile_arm(tiny_onnx, "A", 4, 2, script, find_wrk(), spy, tmp_path)
     except SystemExit as e:  # a container without ptrace rights: py-spy cannot attach to any process
@@ -83,13 +84,3 @@ def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx,
     assert not any("service/core/inference.py" in f for f in engine["functions"])
     assert "classify (service/core/inference.py)" in frontend["functions"]
 
-
-def _png() -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32, 3), np.uint8)).save(out, "PNG")
-    return out.getvalue()
