@@ -266,7 +266,6 @@ def main(argv: list[str] | None = None) -> int:
             for label, model in [("A", args.a), ("B", args.b)]:
                 profiles.append(profile_arm(model, label, max(clients), args.profile_seconds, script, wrk, spy,
                                             Path(directory)))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     profile = render_profile(profiles, max(clients), args.profile_seconds) if profiles else []
     publish(render(args.a, args.b, rows, args.rounds, args.seconds, profile),
             {"a": str(args.a), "b": str(args.b), "rows": rows, "profiles": profiles}, args.out)

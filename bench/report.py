@@ -21,9 +21,11 @@ def write_report(report: dict, out: Path) -> list[Path]:
 
 
 def publish(text: str, data, out: Path | None) -> None:
-    """A table-only bench's Markdown printed, and with `out` written there with the JSON it was made from beside it."""
+    """A table-only bench's Markdown printed, and with `out` written there (its folder made if need be) with the
+    JSON it was made from beside it."""
     print(text)
     if out:
+        out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text)
         out.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
 

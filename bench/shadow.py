@@ -298,7 +298,6 @@ def main(argv: list[str] | None = None) -> int:
     add_config_flags(p, d)
     cfg = ShadowBenchConfig(**vars(p.parse_args(argv)))
     report = run(cfg)
-    cfg.out.parent.mkdir(parents=True, exist_ok=True)
     publish(render(report) + "\n", asdict(report), cfg.out)
     return 0
 

@@ -65,3 +65,15 @@ def test_bench_without_matplotlib_still_writes_the_table(tmp_path, monkeypatch, 
     assert [p.name for p in paths] == ["bench.md", "bench.json"]
     assert "matplotlib is not installed" in capsys.readouterr().err
     assert "![latency" not in (tmp_path / "bench.md").read_text()
+
+
+def test_a_table_bench_writes_its_report_into_a_folder_it_makes(tmp_path, capsys):
+    # the invariance bench once measured for minutes, then failed on an --out whose folder did not exist yet
+    import json
+
+    from vitserve.bench.report import publish
+
+    out = tmp_path / "not" / "yet" / "report.md"
+    publish("| a |\n", [{"a": 1}], out)
+    assert out.read_text() == "| a |\n" and json.loads(out.with_suffix(".json").read_text()) == [{"a": 1}]
+    assert capsys.readouterr().out == "| a |\n\n"
