@@ -56,7 +56,8 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
     auto = load_model(Settings(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64,
                                runtime="auto"))
     return {"file": str(path), "model": f"{info.name} {info.version} ({info.precision})", "rows": rows,
-            "max_logit_diff_vs_onnxruntime": differences, "auto_picks": auto.provider}
+            "max_logit_diff_vs_onnxruntime": differences, "largest_logit": float(np.abs(want).max()),
+            "auto_picks": auto.provider}
 
 
 def render(reports: list[dict], command: str) -> str:

@@ -39,6 +39,13 @@ def cpu_capabilities() -> set[str]:
     return set(ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES"))
 
 
+def compiled_precision(compiled) -> str:
+    """The precision OpenVINO compiled for, in its short spelling ("f32", "bf16"): the property is an `ov.Type`,
+    whose str() is "<Type: 'bfloat16'>" and whose to_string() is the short name."""
+    ran = compiled.get_property("INFERENCE_PRECISION_HINT")
+    return ran.to_string() if hasattr(ran, "to_string") else str(ran)
+
+
 class OpenVinoModel:
     """The fast path compiled by OpenVINO for the CPU at a precision; `explain` runs ONNX Runtime's relevance path
     (`relevance`: service.engine.runtime.RelevancePath)."""
@@ -65,9 +72,9 @@ class OpenVinoModel:
             compiled = core.compile_model(core.read_model(fast_graph), "CPU", config)
         except Exception as e:  # OpenVINO raises RuntimeError with the converter's message
             raise ModelLoadError(f"OpenVINO cannot compile {info.name} {info.version}: {str(e)[:500]}") from e
-        ran = str(compiled.get_property("INFERENCE_PRECISION_HINT"))
-        if precision == "bf16" and "bf16" not in ran:
-            raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not bf16")
+        ran = compiled_precision(compiled)
+        if ran != PRECISION_HINTS[precision]:
+            raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not {PRECISION_HINTS[precision]}")
         return cls(compiled, info, precision, relevance)
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -22,6 +22,8 @@ def test_the_table_times_every_candidate_and_says_what_auto_picks(tiny_onnx, tmp
     if openvino_runtime.available():
         assert "openvino fp32" in names
     assert report["max_logit_diff_vs_onnxruntime"]["onnxruntime"] == 0.0
-    assert all(diff < 1e-3 for diff in report["max_logit_diff_vs_onnxruntime"].values())
+    for candidate, diff in report["max_logit_diff_vs_onnxruntime"].items():
+        # float32 agrees to rounding; bfloat16 keeps 8 bits of mantissa: within auto's gate (5% of the largest logit)
+        assert diff < (0.05 * max(1.0, report["largest_logit"]) if candidate.endswith("bf16") else 1e-3), candidate
     assert report["auto_picks"] in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
     assert "`--runtime auto` picks" in out.read_text()

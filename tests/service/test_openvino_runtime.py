@@ -44,6 +44,21 @@ def test_a_precision_the_cpu_cannot_compute_is_refused_in_one_line(tiny_onnx):
         load_model(settings_for(tiny_onnx, runtime="onnxruntime", precision_hint="bf16"))
 
 
+def test_bf16_compiles_to_bfloat16_where_the_cpu_has_it(tiny_onnx):
+    from vitserve.service.engine import openvino_runtime
+
+    if "BF16" not in openvino_runtime.cpu_capabilities():
+        pytest.skip("this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX)")
+    model = load_model(settings_for(tiny_onnx, runtime="openvino", precision_hint="bf16"))
+    assert model.provider == "OpenVINO/CPU/bf16"
+    assert openvino_runtime.compiled_precision(model.compiled) == "bf16"
+    x = runtime.probe_pixels(model.info)
+    got, want = model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0]
+    # bfloat16 really ran (float32 agrees to 1e-6 here), and within auto's gate
+    assert 1e-4 < np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
+    assert disagrees(model, OnnxModel.load(settings_for(tiny_onnx))) == ""
+
+
 def test_auto_tries_bf16_only_where_the_cpu_has_it_and_a_hint_narrows_it():
     assert auto_precisions("auto", {"FP32", "INT8"}) == ["fp32"]
     assert auto_precisions("auto", {"FP32", "BF16"}) == ["fp32", "bf16"]
@@ -88,5 +103,8 @@ def test_auto_loads_a_runtime_that_agrees_and_names_it(tiny_onnx, caplog):
     assert model.provider in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
     assert "runtime auto chose" in caplog.text
     x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
-    np.testing.assert_allclose(model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0], rtol=1e-4,
-                               atol=1e-4)
+    got, want = model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0]
+    if model.provider.endswith("bf16"):  # bfloat16's 8-bit mantissa: auto's own gate
+        assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
+    else:
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
