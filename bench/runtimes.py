@@ -6,6 +6,10 @@ trained resolution: images/s from the median of alternating rounds, so the machi
 alike. Beside the speed, each candidate's largest logit difference from ONNX Runtime on the same file (float32, or
 the file's int8 layers) on the probe images
 (`service.engine.runtime.probe_pixels`), and what `--runtime auto` picks for the file on this machine.
+
+`--accuracy DIR` (a Fashion-MNIST IDX directory, for files trained on it): each candidate's accuracy on the whole
+test split, its top-1 agreement with ONNX Runtime float32, and the Spearman correlation of its rollout maps with
+float32's (mean and minimum over every image): what a reduced precision costs, beside what it gains.
 """
 from __future__ import annotations
 
@@ -34,7 +38,8 @@ def candidates(path: Path, threads: int) -> dict:
     return models
 
 
-def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int) -> dict:
+def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int,
+            accuracy_dir: Path | None = None) -> dict:
     from vitserve.bench.measure import alternating_rounds_ms
     from vitserve.service.engine.runtime import load_model, probe_pixels
     from vitserve.service.ground.settings import Settings
@@ -57,7 +62,34 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
                                runtime="auto"))
     return {"file": str(path), "model": f"{info.name} {info.version} ({info.precision})", "rows": rows,
             "max_logit_diff_vs_onnxruntime": differences, "largest_logit": float(np.abs(want).max()),
-            "auto_picks": auto.provider}
+            "auto_picks": auto.provider, "accuracy": accuracy(models, accuracy_dir) if accuracy_dir else {}}
+
+
+def accuracy(models: dict, directory: Path, batch: int = 64) -> dict:
+    """Each candidate on the labelled test split of `directory` against ONNX Runtime float32 (`models`' first)."""
+    from vitserve.artifact import normalize_pixels
+    from vitserve.export.accuracy_gate import spearman
+    from vitserve.model.data import read_idx
+
+    info = next(iter(models.values())).info
+    images, labels = (read_idx(directory / f"t10k-{kind}-idx{dims}-ubyte.gz") for kind, dims in (("images", 3),
+                                                                                               ("labels", 1)))
+    if (info.channels, *info.image_size) != (1, *images.shape[1:]):
+        raise SystemExit(f"--accuracy: {info.name} takes {info.channels}x{info.image_size}, the set is "
+                         f"1x{images.shape[1:]}")
+    pixels = normalize_pixels(images[:, None], info.mean, info.std, channel_axis=1)
+    outputs = {}
+    for name, model in models.items():
+        runs = [model.run(pixels[i:i + batch]) for i in range(0, len(pixels), batch)]
+        outputs[name] = tuple(np.concatenate([r[k] for r in runs]) for k in (0, 1))  # logits, rollout
+    want_logits, want_rollout = next(iter(outputs.values()))
+    result = {}
+    for name, (logits, rollout) in outputs.items():
+        rho = spearman(rollout, want_rollout)
+        result[name] = {"images": len(labels), "accuracy": float((logits.argmax(1) == labels).mean()),
+                        "top1_agreement": float((logits.argmax(1) == want_logits.argmax(1)).mean()),
+                        "rollout_spearman_mean": float(rho.mean()), "rollout_spearman_min": float(rho.min())}
+    return result
 
 
 def render(reports: list[dict], command: str) -> str:
@@ -76,6 +108,14 @@ def render(reports: list[dict], command: str) -> str:
             lines.append(f"| {r['batch']} | {r['candidate']} | {r['ms']:.2f} | {r['images_per_s']:,.1f} | "
                          f"{diff:.2g} |")
         lines.append("")
+        if report.get("accuracy"):
+            lines += [f"On the {next(iter(report['accuracy'].values()))['images']:,} test images:", "",
+                      "| candidate | accuracy | top-1 agreement with onnxruntime | rollout Spearman, mean | min |",
+                      "|---|---|---|---|---|"]
+            lines += [f"| {name} | {a['accuracy']:.2%} | {a['top1_agreement']:.2%} | "
+                      f"{a['rollout_spearman_mean']:.4f} | {a['rollout_spearman_min']:.4f} |"
+                      for name, a in report["accuracy"].items()]
+            lines.append("")
     return "\n".join(lines)
 
 
@@ -97,10 +137,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--seconds", type=float, default=0.5, help="per candidate and round")
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: every core)")
+    p.add_argument("--accuracy", type=Path, metavar="DIR", help="a Fashion-MNIST IDX directory: each candidate's "
+                   "accuracy, agreement and rollout correlation on its test split")
     p.add_argument("--out", type=Path, help="the Markdown report; its JSON beside it")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
-    reports = [compare(path, batches, args.rounds, args.seconds, args.threads) for path in args.files]
+    reports = [compare(path, batches, args.rounds, args.seconds, args.threads, args.accuracy)
+               for path in args.files]
     publish(render(reports, command_line("python -m vitserve.bench.runtimes", argv)), reports, args.out)
     return 0
 

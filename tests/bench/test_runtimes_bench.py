@@ -27,3 +27,38 @@ def test_the_table_times_every_candidate_and_says_what_auto_picks(tiny_onnx, tmp
         assert diff < (0.05 * max(1.0, report["largest_logit"]) if candidate.endswith("bf16") else 1e-3), candidate
     assert report["auto_picks"] in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
     assert "`--runtime auto` picks" in out.read_text()
+
+
+def test_accuracy_scores_each_candidate_on_the_test_split_against_the_first(tmp_path):
+    import gzip
+    import struct
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from vitserve.bench.runtimes import accuracy
+
+    rng = np.random.default_rng(0)
+    images = rng.integers(0, 256, (40, 6, 6), dtype=np.uint8)
+    labels = (images.reshape(40, -1).mean(1) > 127).astype(np.uint8)
+    for name, array in (("t10k-images-idx3-ubyte.gz", images), ("t10k-labels-idx1-ubyte.gz", labels)):
+        header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+        (tmp_path / name).write_bytes(gzip.compress(header + array.tobytes()))
+    info = SimpleNamespace(name="toy", channels=1, image_size=(6, 6), mean=[0.5], std=[0.5])
+
+    def model(flip_every: int):  # logits from the mean brightness; every `flip_every`-th answer swapped
+        def run(pixels):
+            mean = pixels.reshape(len(pixels), -1).mean(1)
+            logits = np.stack([-mean, mean], 1)
+            if flip_every:
+                logits[::flip_every] = logits[::flip_every, ::-1]
+            rollout = pixels[:, 0, ::2, ::2] * (-1 if flip_every else 1)  # reversed maps: rank correlation -1
+            return logits, rollout
+        return SimpleNamespace(info=info, run=run)
+
+    result = accuracy({"reference": model(0), "worse": model(4)}, tmp_path, batch=8)
+    assert result["reference"] == {"images": 40, "accuracy": 1.0, "top1_agreement": 1.0,
+                                   "rollout_spearman_mean": 1.0, "rollout_spearman_min": 1.0}
+    # every 4th of each batch of 8 flipped: 2 of 8
+    assert result["worse"]["top1_agreement"] == 0.75 and result["worse"]["accuracy"] == 0.75
+    assert result["worse"]["rollout_spearman_mean"] == pytest.approx(-1.0)
