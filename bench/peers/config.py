@@ -7,20 +7,33 @@ from pathlib import Path
 SERVERS = ("vitserve", "triton", "litserve")
 # vitserve on Ray Serve (`vitserve serve --ray`) with one and two replicas: on request only (`--servers`)
 RAY_SERVERS = {"vitserve-ray1": 1, "vitserve-ray2": 2}
-# vitserve with a runtime other than its default (`VITSERVE_RUNTIME`): runtimes side by side, served
-RUNTIME_SERVERS = {"vitserve-openvino": "openvino"}
+# vitserve on a runtime and precision other than its default (`auto`): runtimes side by side, served
+RUNTIME_SERVERS = {"vitserve-openvino": {"VITSERVE_RUNTIME": "openvino"},
+                   "vitserve-onnxruntime": {"VITSERVE_RUNTIME": "onnxruntime"},
+                   "vitserve-bf16": {"VITSERVE_RUNTIME": "openvino", "VITSERVE_PRECISION_HINT": "bf16"}}
+# Triton with the model on OpenVINO at a precision (its Python backend compiles the file's fast graph, as vitserve's
+# OpenVINO runtime does): the same runtime and precision as vitserve's, side by side
+TRITON_OPENVINO = {"triton-bf16": "bf16", "triton-openvino": "fp32"}
+# answers in bfloat16: checked against float32 within bfloat16's tolerance (bench/peers/answers.py)
+BF16_SERVERS = {"vitserve-bf16", "triton-bf16"}
 # vitserve from `baseline_commit`, beside the working tree's in the same run: a change's before and after
 BASELINE = "vitserve-base"
-KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, BASELINE)
+KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO, BASELINE)
+# the req/s ratios the report gives, where both servers ran: (numerator, denominator)
+RATIOS = (("vitserve", "triton"), ("vitserve", BASELINE), ("vitserve-bf16", "triton-bf16"),
+          ("vitserve-bf16", "vitserve-onnxruntime"), ("vitserve-openvino", "triton-openvino"))
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")
 SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), BASELINE: PATHS,
-                **{s: PATHS for s in (*RAY_SERVERS, *RUNTIME_SERVERS)}}
+                **{s: PATHS for s in (*RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO)}}
 
 
 def family(server: str) -> str:
-    """The server whose requests and answers `server` has: vitserve's on Ray or another runtime are vitserve's."""
+    """The server whose requests and answers `server` has: vitserve's on Ray or another runtime are vitserve's,
+    Triton's on OpenVINO Triton's."""
+    if server in TRITON_OPENVINO:
+        return "triton"
     return "vitserve" if server in RAY_SERVERS or server in RUNTIME_SERVERS or server == BASELINE else server
 
 

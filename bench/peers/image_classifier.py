@@ -60,14 +60,21 @@ def unit_grid(rollout: np.ndarray) -> np.ndarray:
 
 
 class ImageClassifier:
-    """One ONNX Runtime session over a vitserve artifact, and the work around it."""
+    """One ONNX Runtime session over a vitserve artifact, and the work around it; with `openvino_precision`, the
+    artifact's fast graph compiled by OpenVINO at that precision instead, as vitserve's OpenVINO runtime compiles it
+    (service/engine/openvino_runtime.py: the `If` taken apart, the latency hint, every core)."""
 
-    def __init__(self, model_path: str | Path, workers: int = 1):
+    def __init__(self, model_path: str | Path, workers: int = 1, openvino_precision: str | None = None):
         import onnxruntime as ort
 
         self.info = read_model_info(model_path)
-        self.session = ort.InferenceSession(str(model_path), sess_options=session_options(workers),
-                                            providers=["CPUExecutionProvider"])
+        self.session = self.compiled = None
+        if openvino_precision:
+            self.compiled = openvino_fast_graph(model_path, openvino_precision)
+            self.request = self.compiled.create_infer_request()  # the Python backend calls from one thread
+        else:
+            self.session = ort.InferenceSession(str(model_path), sess_options=session_options(workers),
+                                                providers=["CPUExecutionProvider"])
 
     def prepare(self, data: bytes) -> np.ndarray:
         """Encoded image -> (C, H, W) float32, exactly as vitserve's /v1/classify prepares it (resize=fit)."""
@@ -75,6 +82,9 @@ class ImageClassifier:
 
     def run(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, C, H, W) -> logits (B, K) and rollout (B, h, w): one call."""
+        if self.compiled is not None:
+            results = self.request.infer({0: np.ascontiguousarray(pixels, np.float32)})
+            return tuple(np.array(results[self.compiled.output(name)]) for name in OUTPUT_NAMES)
         logits, rollout = self.session.run(list(OUTPUT_NAMES), {INPUT_NAME: pixels})
         return logits, rollout
 
@@ -86,3 +96,16 @@ class ImageClassifier:
                                 for i, s in zip(indices, scores)],
                 "rollout": {"height": grid.shape[0], "width": grid.shape[1],
                             "values": [[round(float(v), 6) for v in row] for row in grid]}}
+
+
+def openvino_fast_graph(model_path: str | Path, precision: str):
+    """The artifact's fast graph (service/engine/graph_paths.py, which needs only `onnx`) compiled by OpenVINO."""
+    import onnx
+    import openvino as ov
+
+    from vitserve.service.engine.graph_paths import split_paths
+
+    core = ov.Core()
+    fast = split_paths(onnx.load(str(model_path))).fast
+    config = {"INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision], "PERFORMANCE_HINT": "LATENCY"}
+    return core.compile_model(core.read_model(fast.SerializeToString()), "CPU", config)

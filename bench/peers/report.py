@@ -3,11 +3,14 @@ from __future__ import annotations
 
 import statistics
 
+from vitserve.bench.peers.config import RATIOS
 from vitserve.bench.reliability import number, table
 
 LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)",
-          "vitserve-base": "vitserve (baseline commit)", "vitserve-openvino": "vitserve on OpenVINO"}
+          "vitserve-base": "vitserve (baseline commit)", "vitserve-openvino": "vitserve on OpenVINO",
+          "vitserve-onnxruntime": "vitserve on ONNX Runtime", "vitserve-bf16": "vitserve on OpenVINO bf16",
+          "triton-bf16": "Triton on OpenVINO bf16", "triton-openvino": "Triton on OpenVINO"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 
@@ -29,13 +32,18 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
                                      "rounds": len(mine), "non_2xx": sum(r["non_2xx"] for r in mine),
                                      "socket_errors": sum(sum(r["socket_errors"].values()) for r in mine)}
             if len(entry) > 2:
-                mine = entry.get("vitserve")
-                for other in ("triton", "vitserve-base"):
-                    theirs = entry.get(other)
-                    entry[f"vitserve_over_{other.replace('-', '_')}"] = (
-                        mine["ok_per_s"] / theirs["ok_per_s"] if mine and theirs and theirs["ok_per_s"] else None)
+                for numerator, denominator in RATIOS:
+                    mine, theirs = entry.get(numerator), entry.get(denominator)
+                    if numerator == "vitserve" or (mine and theirs):  # vitserve's own: None says a peer was missing
+                        entry[ratio_key(numerator, denominator)] = (
+                            mine["ok_per_s"] / theirs["ok_per_s"] if mine and theirs and theirs["ok_per_s"] else None)
                 out.append(entry)
     return out
+
+
+def ratio_key(numerator: str, denominator: str) -> str:
+    """"vitserve_over_triton": the summary's key for numerator's req/s over denominator's."""
+    return f"{numerator}_over_{denominator}".replace("-", "_")
 
 
 def render(report: dict) -> str:
@@ -222,10 +230,8 @@ def _cell(value: dict | None) -> str:
 
 def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:
     """Each server's medians; the ratio to Triton, and to the baseline commit when it ran."""
-    ratios = [(key, title) for key, title, server in (("vitserve_over_triton", "vitserve / Triton", "triton"),
-                                                      ("vitserve_over_vitserve_base", "vitserve / baseline",
-                                                       "vitserve-base"))
-              if server in servers] or [("vitserve_over_triton", "vitserve / Triton")]
+    ratios = [(ratio_key(a, b), f"{LABELS[a]} / {LABELS[b]}") for a, b in RATIOS if a in servers and b in servers] \
+        or [("vitserve_over_triton", "vitserve / Triton")]
     rows = [[PATH_LABELS[e["path"]], str(e["connections"]), *(_cell(e.get(s)) for s in servers),
              *(number(e.get(key), ".2f") for key, _ in ratios)] for e in summary]
     header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers), *(t for _, t in ratios)]

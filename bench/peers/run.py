@@ -21,7 +21,8 @@ import numpy as np
 from vitserve.bench.load import make_images
 from vitserve.bench.peers.answers import check, post
 from vitserve.bench.peers.bodies import PeerRequest, peer_request
-from vitserve.bench.peers.config import BASELINE, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS, PeersConfig, family
+from vitserve.bench.peers.config import (BASELINE, BF16_SERVERS, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS,
+                                         TRITON_OPENVINO, PeersConfig, family)
 from vitserve.bench.peers.report import summarise
 from vitserve.bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
@@ -53,7 +54,8 @@ class ModelUnderTest:
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
-    pythons = {p: ensure_venv(cfg.work_dir, p, cfg.venv_python) for p in cfg.servers if family(p) != "vitserve"}
+    pythons = {family(p): ensure_venv(cfg.work_dir, family(p), cfg.venv_python) for p in cfg.servers
+               if family(p) != "vitserve"}
     source = None
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
@@ -67,8 +69,8 @@ def run_peers(cfg: PeersConfig, command: str) -> dict:
     budget = Budget(cfg.time_limit_s)
     models = [measure_model(cfg, name, wrk, pythons, source, budget) for name in cfg.models]
     env["loadavg_end"] = load_average()
-    env["triton_version"] = next((m["servers"]["triton"]["server_metadata"].get("version") for m in models
-                                  if "triton" in m["servers"]), None)
+    env["triton_version"] = next((facts["server_metadata"].get("version") for m in models
+                                  for server, facts in m["servers"].items() if family(server) == "triton"), None)
     return {"command": command, "environment": env, "settings": asdict(cfg), "models": models}
 
 
@@ -142,7 +144,8 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
         with running:
             requests = {p: request_for(server, p, running, m) for p, _ in levels}
             answers = {p: {"round": round_ + 1,
-                           **check(server, p, running.url, r, m.logits, m.grid, m.temperature)}
+                           **check(family(server), p, running.url, r, m.logits, m.grid, m.temperature,
+                                   bf16=server in BF16_SERVERS)}
                        for p, r in requests.items()}  # every round: a failure may be passing
             for path, result in answers.items():
                 checks.setdefault(server, {}).setdefault(path, []).append(result)
@@ -207,9 +210,10 @@ def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source:
     if server in RAY_SERVERS:
         return vitserve_spec(model_path, source, ray_replicas=RAY_SERVERS[server])
     if server in RUNTIME_SERVERS:
-        return vitserve_spec(model_path, source, runtime=RUNTIME_SERVERS[server])
-    if server == "triton":
-        return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]))
+        return vitserve_spec(model_path, source, runtime=(server, RUNTIME_SERVERS[server]))
+    if family(server) == "triton":
+        return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]), TRITON_OPENVINO.get(server),
+                           server)
     return litserve_spec(model_path, pythons["litserve"])
 
 
@@ -225,7 +229,7 @@ def request_for_size(server: str, path: str, m: ModelUnderTest) -> bytes:
 def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
     """How the server was started, and what it says it is."""
     facts = {"argv": spec.argv, "env": spec.env}
-    if server == "triton":
+    if family(server) == "triton":
         facts["server_metadata"] = _get_json(running.url + "/v2")
     if family(server) == "vitserve":
         facts["model"] = _get_json(running.url + "/v1/model")

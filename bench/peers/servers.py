@@ -47,11 +47,12 @@ class ServerSpec:
 
 
 def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | None = None,
-                  grpc: bool = False, runtime: str | None = None) -> ServerSpec:
+                  grpc: bool = False, runtime: tuple[str, dict[str, str]] | None = None) -> ServerSpec:
     """`vitserve serve`, with the code in `source` (first on PYTHONPATH) when given; with `ray_replicas`,
     `vitserve serve --ray` with that many replicas (a local Ray cluster of its own); with `grpc`, its gRPC port
     second in `ports` (otherwise none: an older commit's server, which has no gRPC, ignores the variable); with
-    `runtime`, that runtime instead of the server's default (`VITSERVE_RUNTIME`)."""
+    `runtime` (a name, and its variables: `VITSERVE_RUNTIME`, `VITSERVE_PRECISION_HINT`), that runtime and
+    precision instead of the server's default."""
     port, grpc_port = _distinct_free_ports(2) if grpc else (free_port(), 0)
     env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": str(grpc_port),
            **({"PYTHONPATH": str(source.resolve())} if source else {})}
@@ -62,8 +63,8 @@ def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | N
         env["RAY_USAGE_STATS_ENABLED"] = "0"
         name = f"vitserve-ray{ray_replicas}"
     if runtime:
-        env["VITSERVE_RUNTIME"] = runtime
-        name = f"vitserve-{runtime}"
+        name, variables = runtime
+        env.update(variables)
     if source:  # -P: the working directory (this repository) must not come first on the path and shadow `source`
         argv.insert(1, "-P")
     return ServerSpec(name, argv, [port, *([grpc_port] if grpc else [])], ["/v2/health/ready"], env)
@@ -85,14 +86,17 @@ def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
     return dest, sha
 
 
-def triton_spec(model: Path, python: Path, library_dir: str) -> ServerSpec:
+def triton_spec(model: Path, python: Path, library_dir: str, openvino_precision: str | None = None,
+                name: str = "triton") -> ServerSpec:
+    """Triton (pytriton) serving `model` on ONNX Runtime, or with `openvino_precision` on OpenVINO at it."""
     http, grpc, metrics = _distinct_free_ports(3)
     argv = [str(python), "-m", "vitserve.bench.peers.triton_server", "--model", str(model.resolve()), "--http-port", str(http),
-            "--grpc-port", str(grpc), "--metrics-port", str(metrics)]
+            "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+            *(["--openvino-precision", openvino_precision] if openvino_precision else [])]
     path = os.pathsep.join(p for p in (library_dir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     # tritonserver is ready before pytriton has loaded the models into it
     ready = [f"/v2/models/{name}/ready" for name in (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL)]
-    return ServerSpec("triton", argv, [http, grpc, metrics], ["/v2/health/ready", *ready],
+    return ServerSpec(name, argv, [http, grpc, metrics], ["/v2/health/ready", *ready],
                       {"PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": path})
 
 

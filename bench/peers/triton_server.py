@@ -9,7 +9,8 @@ Two models over the same ONNX file:
 - `vit-tensor`: input `pixel_values`, FP32 [C, -1, -1]; outputs `logits` FP32 [K] and `rollout` FP32 [h, w], as
   vitserve's /v2 infer answers.
 
-Both batch dynamically: max batch 16, queue delay 5 ms. Run in the Triton venv (bench/peers/venvs.py) with the
+Both batch dynamically: max batch 16, queue delay 5 ms. `--openvino-precision fp32|bf16`: the model on OpenVINO
+instead of ONNX Runtime (bench/peers/image_classifier.py), for a side by side at vitserve's runtime and precision. Run in the Triton venv (bench/peers/venvs.py) with the
 repository on PYTHONPATH: `python -m vitserve.bench.peers.triton_server --model M --http-port P --grpc-port G
 --metrics-port Q`. SIGTERM stops Triton and exits 0.
 """
@@ -49,11 +50,12 @@ def infer_functions(classifier: ImageClassifier):
     return infer_image, infer_tensor
 
 
-def serve(model_path: str, http_port: int, grpc_port: int, metrics_port: int) -> None:
+def serve(model_path: str, http_port: int, grpc_port: int, metrics_port: int,
+          openvino_precision: str | None = None) -> None:
     from pytriton.model_config import DynamicBatcher, ModelConfig, Tensor
     from pytriton.triton import Triton, TritonConfig, TritonSecurityConfig
 
-    classifier = ImageClassifier(model_path)
+    classifier = ImageClassifier(model_path, openvino_precision=openvino_precision)
     infer_image, infer_tensor = infer_functions(classifier)
     channels, classes = classifier.info.channels, classifier.info.num_classes
     config = ModelConfig(max_batch_size=MAX_BATCH_SIZE,
@@ -80,11 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--http-port", type=int, required=True)
     p.add_argument("--grpc-port", type=int, required=True)
     p.add_argument("--metrics-port", type=int, required=True)
+    p.add_argument("--openvino-precision", choices=["fp32", "bf16"],
+                   help="run the model on OpenVINO at this precision (default: ONNX Runtime, float32)")
     args = p.parse_args(argv)
     # SIGTERM unwinds through `with Triton()`, which stops tritonserver and the proxy (an unhandled SIGTERM
     # would leave them running)
     signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(0))
-    serve(args.model, args.http_port, args.grpc_port, args.metrics_port)
+    serve(args.model, args.http_port, args.grpc_port, args.metrics_port, args.openvino_precision)
     return 0
 
 

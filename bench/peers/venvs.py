@@ -14,12 +14,14 @@ from pathlib import Path
 REQUIREMENTS = {
     # the wheel ships the real `tritonserver` binary and its Python backend
     "triton": ["nvidia-pytriton==0.7.0", "tritonclient==2.73.0", "pyzmq==27.3.0", "grpcio==1.85.1",
-               "numpy==1.26.4", "pillow==13.0.0", "onnxruntime==1.32.0"],
+               "numpy==1.26.4", "pillow==13.0.0", "onnxruntime==1.32.0",
+               # `--openvino-precision`: the fast graph taken apart with onnx, compiled by OpenVINO
+               "onnx==1.23.2", "openvino==2026.4.1"],
     # python-multipart: Starlette's form parser, which LitServe's form handling needs
     "litserve": ["litserve==0.2.19", "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pyzmq==27.3.0",
                  "python-multipart==0.0.34", "numpy==2.4.6", "pillow==13.0.0", "onnxruntime==1.32.0"],
 }
-VERSIONS_OF = {"triton": ["nvidia-pytriton", "tritonclient", "numpy", "onnxruntime"],
+VERSIONS_OF = {"triton": ["nvidia-pytriton", "tritonclient", "numpy", "onnxruntime", "openvino"],
                "litserve": ["litserve", "fastapi", "uvicorn", "numpy", "onnxruntime"]}
 
 

@@ -346,6 +346,20 @@ def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx)
     assert answer["rollout"] == grid.model_dump()
 
 
+def test_the_peer_on_openvino_runs_the_files_fast_graph_as_vitserves_openvino_runtime_does(tiny_onnx):
+    pytest.importorskip("openvino")
+    from vitserve.service.engine.runtime import load_model
+    from vitserve.service.ground.settings import Settings
+
+    peer, reference = ImageClassifier(tiny_onnx), ImageClassifier(tiny_onnx, openvino_precision="fp32")
+    vitserve = load_model(Settings(model_path=tiny_onnx, runtime="openvino", precision_hint="fp32"))
+    x = np.random.default_rng(4).standard_normal((3, 3, 32, 32)).astype(np.float32)
+    logits, rollout = reference.run(x)
+    np.testing.assert_array_equal(logits, vitserve.run(x)[0])
+    np.testing.assert_array_equal(rollout, vitserve.run(x)[1])
+    np.testing.assert_allclose(logits, peer.run(x)[0], atol=1e-4)
+
+
 def test_peer_venvs_are_pinned_and_hold_no_torch():
     for peer, requirements in REQUIREMENTS.items():
         assert all("==" in r for r in requirements), peer
@@ -490,3 +504,42 @@ def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_reque
                                                                                         "vitserve-openvino"]
     assert family("vitserve-openvino") == "vitserve" and SERVED_PATHS["vitserve-openvino"] == SERVED_PATHS["vitserve"]
     assert LABELS["vitserve-openvino"] == "vitserve on OpenVINO"
+    bf16 = server_spec("vitserve-bf16", tmp_path / "m.onnx", {}, None)
+    assert bf16.name == "vitserve-bf16"
+    assert (bf16.env["VITSERVE_RUNTIME"], bf16.env["VITSERVE_PRECISION_HINT"]) == ("openvino", "bf16")
+
+
+def test_triton_on_openvino_is_tritons_requests_at_a_precision(tmp_path):
+    from vitserve.bench.peers.config import family
+    from vitserve.bench.peers.run import server_spec
+    import sys
+    python = Path(sys.executable)  # its library directory is asked of it
+    spec = server_spec("triton-bf16", tmp_path / "m.onnx", {"triton": python}, None)
+    assert spec.name == "triton-bf16" and spec.argv[0] == str(python)
+    assert spec.argv[spec.argv.index("--openvino-precision") + 1] == "bf16"
+    assert "--openvino-precision" not in server_spec("triton", tmp_path / "m.onnx", {"triton": python}, None).argv
+    assert family("triton-bf16") == "triton" and SERVED_PATHS["triton-bf16"] == SERVED_PATHS["triton"]
+
+
+def test_the_ratios_pair_servers_of_one_runtime_and_precision():
+    rows = [_row("vitserve-bf16", 1, 300, 3), _row("triton-bf16", 1, 200, 5), _row("vitserve-onnxruntime", 1, 100, 9)]
+    (entry,) = summarise(rows, ["vitserve-bf16", "triton-bf16", "vitserve-onnxruntime"], ["image"], [8])
+    assert entry["vitserve_bf16_over_triton_bf16"] == pytest.approx(1.5)
+    assert entry["vitserve_bf16_over_vitserve_onnxruntime"] == pytest.approx(3.0)
+    assert entry["vitserve_over_triton"] is None  # neither ran
+    report = _fake_report()
+    report["settings"]["servers"] = ["vitserve-bf16", "triton-bf16", "vitserve-onnxruntime"]
+    report["models"][0].update(rounds=rows, summary=[entry])
+    text = render(report)
+    assert "vitserve on OpenVINO bf16 / Triton on OpenVINO bf16" in text and "| 1.50 | 3.00 |" in text
+
+
+def test_a_bf16_answer_is_checked_within_bfloat16s_tolerance(pixels):
+    from vitserve.bench.peers.answers import BF16_TOLERANCE, scale
+
+    logits = np.array([4.0, -2.0, 1.0])
+    moved = {"logits": logits + 0.1, "grid": [2, 2]}  # 2.5% of the largest logit: bf16's rounding, not fp32's
+    assert not compare(moved, logits, [2, 2])["ok"]
+    assert compare(moved, logits, [2, 2], tolerance=BF16_TOLERANCE * scale(logits))["ok"]
+    assert not compare({"logits": logits[::-1], "grid": [2, 2]}, logits, [2, 2],
+                       tolerance=BF16_TOLERANCE * scale(logits))["ok"]  # another class is wrong at any precision
