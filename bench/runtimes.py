@@ -10,6 +10,12 @@ the file's int8 layers) on the probe images
 `--accuracy DIR` (a Fashion-MNIST IDX directory, for files trained on it): each candidate's accuracy on the whole
 test split, its top-1 agreement with ONNX Runtime float32, and the Spearman correlation of its rollout maps with
 float32's (mean and minimum over every image): what a reduced precision costs, beside what it gains.
+
+`--peak`: how much of the chip's matrix arithmetic each file's fastest run uses. The file's FLOPs per image are
+counted in its fast graph at the trained size (every MatMul and convolution, 2 FLOPs a multiply-add, after OpenVINO
+has made the shapes static); the chip's peak is measured, as the best of OpenVINO's own 2048 x 2048 x 2048
+MatMul at each precision on every core: what this chip's matrix units deliver to a large GEMM, not a data-sheet
+figure (which needs the clock under load and each instruction's issue rate, neither of which this machine shows).
 """
 from __future__ import annotations
 
@@ -65,6 +71,63 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
             "auto_picks": auto.provider, "accuracy": accuracy(models, accuracy_dir) if accuracy_dir else {}}
 
 
+def graph_gflops(path: Path) -> float:
+    """GFLOPs of one image through the file's fast graph at its trained size: 2 x multiply-adds of every MatMul and
+    convolution (the rest, softmax and norms, is a few per cent and not matrix work)."""
+    import openvino as ov
+
+    from vitserve.service.engine.runtime import read_artifact
+
+    info, paths = read_artifact(path)
+    model = ov.Core().read_model(paths.fast.SerializeToString())
+    model.reshape({model.inputs[0].get_any_name(): [1, info.channels, *info.image_size]})
+    flops = 0
+    for op in model.get_ordered_ops():
+        kind = op.get_type_name()
+        if kind == "MatMul":
+            a = list(op.get_input_shape(0))
+            depth = a[-2] if op.get_attributes().get("transpose_a") else a[-1]
+            flops += 2 * int(np.prod(list(op.get_output_shape(0)))) * depth
+        elif kind in ("Convolution", "GroupConvolution"):
+            weights = list(op.get_input_shape(1))  # (out, in, kh, kw) or grouped (g, out/g, in/g, kh, kw)
+            flops += 2 * int(np.prod(list(op.get_output_shape(0)))) * int(np.prod(weights[-3:]))
+    return flops / 1e9
+
+
+def matmul_peak_gflops(precision: str, threads: int, size: int = 2048, rounds: int = 5) -> float:
+    """The best GFLOP/s of OpenVINO's `size`-cubed MatMul at `precision` on this CPU (a large GEMM: what the matrix
+    units deliver when nothing else limits them)."""
+    import openvino as ov
+    from openvino import opset13 as ops
+
+    from vitserve.bench.measure import timed_calls
+
+    a = ops.parameter([size, size], ov.Type.f32)
+    b = ops.constant(np.random.default_rng(0).standard_normal((size, size)).astype(np.float32))
+    config = {"INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision], "PERFORMANCE_HINT": "LATENCY"}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = str(threads)
+    compiled = ov.Core().compile_model(ov.Model([ops.matmul(a, b, False, False)], [a]), "CPU", config)
+    request = compiled.create_infer_request()
+    x = np.random.default_rng(1).standard_normal((size, size)).astype(np.float32)
+    best = min(min(timed_calls(lambda: request.infer({0: x}), 0.5)) for _ in range(rounds))
+    return 2 * size ** 3 / best / 1e9
+
+
+def peak_fraction(report: dict, path: Path, peaks: dict[str, float]) -> dict:
+    """Each OpenVINO candidate's best images/s as GFLOP/s, and as a fraction of the measured peak at its precision."""
+    gflops = graph_gflops(path)
+    out = {"gflops_per_image": gflops, "candidates": {}}
+    for name in {r["candidate"] for r in report["rows"]}:
+        precision = "bf16" if name.endswith("bf16") else "fp32"
+        best = max((r for r in report["rows"] if r["candidate"] == name), key=lambda r: r["images_per_s"])
+        achieved = best["images_per_s"] * gflops
+        out["candidates"][name] = {"batch": best["batch"], "images_per_s": best["images_per_s"],
+                                   "gflop_per_s": achieved, "peak_gflop_per_s": peaks[precision],
+                                   "fraction": achieved / peaks[precision]}
+    return out
+
+
 def accuracy(models: dict, directory: Path, batch: int = 64) -> dict:
     """Each candidate on the labelled test split of `directory` against ONNX Runtime float32 (`models`' first)."""
     from vitserve.artifact import normalize_pixels
@@ -108,6 +171,17 @@ def render(reports: list[dict], command: str) -> str:
             lines.append(f"| {r['batch']} | {r['candidate']} | {r['ms']:.2f} | {r['images_per_s']:,.1f} | "
                          f"{diff:.2g} |")
         lines.append("")
+        if report.get("peak"):
+            peak = report["peak"]
+            lines += [f"Matrix arithmetic used: {peak['gflops_per_image']:.2f} GFLOP per image (the fast graph's MatMuls "
+                      "and convolutions at the trained size), at each candidate's best batch, against this CPU's "
+                      "measured peak at its precision (OpenVINO's 2048-cubed MatMul, every core):", "",
+                      "| candidate | batch | images/s | GFLOP/s | peak GFLOP/s | fraction of peak |",
+                      "|---|---|---|---|---|---|"]
+            lines += [f"| {name} | {c['batch']} | {c['images_per_s']:,.1f} | {c['gflop_per_s']:,.0f} | "
+                      f"{c['peak_gflop_per_s']:,.0f} | {c['fraction']:.0%} |"
+                      for name, c in sorted(peak["candidates"].items())]
+            lines.append("")
         if report.get("accuracy"):
             lines += [f"On the {next(iter(report['accuracy'].values()))['images']:,} test images:", "",
                       "| candidate | accuracy | top-1 agreement with onnxruntime | rollout Spearman, mean | min |",
@@ -139,11 +213,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: every core)")
     p.add_argument("--accuracy", type=Path, metavar="DIR", help="a Fashion-MNIST IDX directory: each candidate's "
                    "accuracy, agreement and rollout correlation on its test split")
+    p.add_argument("--peak", action="store_true", help="each candidate's share of this CPU's measured matrix peak "
+                   "(needs openvino)")
     p.add_argument("--out", type=Path, help="the Markdown report; its JSON beside it")
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     reports = [compare(path, batches, args.rounds, args.seconds, args.threads, args.accuracy)
                for path in args.files]
+    if args.peak:
+        from vitserve.service.engine import openvino_runtime
+
+        precisions = ["fp32"] + (["bf16"] if "BF16" in openvino_runtime.cpu_capabilities() else [])
+        peaks = {precision: matmul_peak_gflops(precision, args.threads) for precision in precisions}
+        for path, report in zip(args.files, reports):
+            report["peak"] = peak_fraction(report, path, peaks)
     publish(render(reports, command_line("python -m vitserve.bench.runtimes", argv)), reports, args.out)
     return 0
 

@@ -62,3 +62,22 @@ def test_accuracy_scores_each_candidate_on_the_test_split_against_the_first(tmp_
     # every 4th of each batch of 8 flipped: 2 of 8
     assert result["worse"]["top1_agreement"] == 0.75 and result["worse"]["accuracy"] == 0.75
     assert result["worse"]["rollout_spearman_mean"] == pytest.approx(-1.0)
+
+
+def test_graph_flops_count_the_vits_matrix_work(tiny_onnx):
+    pytest.importorskip("openvino")
+    from vitserve.bench.runtimes import graph_gflops
+
+    # the tiny ViT: 16 patches of 3x8x8 into 32 dims, 17 tokens, 2 blocks of 2 heads, an MLP of 64
+    patches = 16 * 32 * (3 * 8 * 8)
+    block = 17 * 32 * 96 + 2 * (2 * 17 * 17 * 16) + 17 * 32 * 32 + 2 * 17 * 32 * 64
+    transformer = 2 * (patches + 2 * block)
+    # beyond it only the head, the rollout's 17x17 products and the OOD score's projection: a few per cent
+    assert transformer <= graph_gflops(tiny_onnx) * 1e9 <= 1.1 * transformer
+
+
+def test_the_matmul_peak_is_a_plausible_rate():
+    pytest.importorskip("openvino")
+    from vitserve.bench.runtimes import matmul_peak_gflops
+
+    assert 1 < matmul_peak_gflops("fp32", threads=1, size=256, rounds=1) < 1e4

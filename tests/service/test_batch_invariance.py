@@ -1,5 +1,6 @@
 """Same input, same answer: an image's logits do not depend on which requests the batcher put beside it, for every
-precision the server ships (fp32, and int8 with its static scales; docs/architecture.md, "Batch invariance")."""
+runtime and precision the server ships (ONNX Runtime fp32, int8 with its static scales, OpenVINO fp32, and bf16 on a
+CPU that computes it; docs/architecture.md, "Batch invariance")."""
 from __future__ import annotations
 
 import asyncio
@@ -34,13 +35,22 @@ async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
     return np.asarray(output["data"], np.float32).reshape(output["shape"])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "openvino-fp32", "openvino-bf16"])
 async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8):
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.runtime import load_model
 
-    path = tiny_onnx if precision == "fp32" else tiny_int8
-    settings = settings_for(path, max_batch_size=8, max_queue_delay_ms=20)
-    model = WrappedModel(OnnxModel.load(settings))
+    path = tiny_int8 if precision == "int8" else tiny_onnx
+    runtime = {}
+    if precision.startswith("openvino"):
+        pytest.importorskip("openvino")
+        from vitserve.service.engine import openvino_runtime
+
+        hint = precision.split("-")[1]
+        if hint == "bf16" and "BF16" not in openvino_runtime.cpu_capabilities():
+            pytest.skip("this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX)")
+        runtime = {"runtime": "openvino", "precision_hint": hint}
+    settings = settings_for(path, max_batch_size=8, max_queue_delay_ms=20, **runtime)
+    model = WrappedModel(load_model(settings))
     rng = np.random.default_rng(11)
     watched = rng.standard_normal((12, 3, 32, 32)).astype(np.float32)
     # neighbours of another range: a scale taken from the batch (dynamic int8) would follow them
