@@ -181,7 +181,8 @@ def render(reports: list[dict], command: str) -> str:
             lines += [f"| {name} | {c['batch']} | {c['images_per_s']:,.1f} | {c['gflop_per_s']:,.0f} | "
                       f"{c['peak_gflop_per_s']:,.0f} | {c['fraction']:.0%} |"
                       for name, c in sorted(peak["candidates"].items())]
-            lines.append("")
+            lines += ["", "The probe GEMM is a lower bound of the peak: a fraction over 100% says the model's own matrix "
+                      "shapes ran faster than the 2048-cubed probe, not that the chip exceeded its peak.", ""]
         if report.get("accuracy"):
             lines += [f"On the {next(iter(report['accuracy'].values()))['images']:,} test images:", "",
                       "| candidate | accuracy | top-1 agreement with onnxruntime | rollout Spearman, mean | min |",
