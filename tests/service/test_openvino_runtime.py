@@ -108,3 +108,38 @@ def test_auto_loads_a_runtime_that_agrees_and_names_it(tiny_onnx, caplog):
         assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
     else:
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_compiling_leaves_the_threads_signal_stack_as_it_was(tiny_onnx):
+    """OpenVINO's compile_model installs an alternate signal stack on the calling thread and leaves it; dropped with
+    the model, the next SIGINT (CPython's handlers use SA_ONSTACK) crashed the process with SIGSEGV."""
+    import ctypes
+    import gc
+    import os
+    import signal
+    import sys
+
+    from vitserve.service.engine.openvino_runtime import _SignalStack
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("sigaltstack through libc: Linux")
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def signal_stack() -> tuple:
+        now = _SignalStack()
+        assert libc.sigaltstack(None, ctypes.byref(now)) == 0
+        return (now.ss_sp, now.ss_size) if not now.ss_flags & 2 else None
+
+    before = signal_stack()
+    model = load_model(settings_for(tiny_onnx, runtime="auto"))
+    model.run(np.zeros((2, 3, 32, 32), np.float32))
+    assert signal_stack() == before
+    del model
+    gc.collect()
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        os.kill(os.getpid(), signal.SIGINT)  # with the stack left dangling this killed the test process
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert caught == [True]
