@@ -143,9 +143,9 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
             continue
         with running:
             requests = {p: request_for(server, p, running, m) for p, _ in levels}
+            bf16 = computes_bf16(server, running)
             answers = {p: {"round": round_ + 1,
-                           **check(family(server), p, running.url, r, m.logits, m.grid, m.temperature,
-                                   bf16=server in BF16_SERVERS)}
+                           **check(family(server), p, running.url, r, m.logits, m.grid, m.temperature, bf16=bf16)}
                        for p, r in requests.items()}  # every round: a failure may be passing
             for path, result in answers.items():
                 checks.setdefault(server, {}).setdefault(path, []).append(result)
@@ -215,6 +215,14 @@ def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source:
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]), TRITON_OPENVINO.get(server),
                            server)
     return litserve_spec(model_path, pythons["litserve"])
+
+
+def computes_bf16(server: str, running: RunningServer) -> bool:
+    """Whether `server` answers in bfloat16: named so, or vitserve whose `auto` chose it on this CPU (its card's
+    provider, e.g. OpenVINO/CPU/bf16)."""
+    if server in BF16_SERVERS:
+        return True
+    return family(server) == "vitserve" and _get_json(running.url + "/v1/model").get("provider", "").endswith("bf16")
 
 
 def request_for(server: str, path: str, running: RunningServer, m: ModelUnderTest) -> PeerRequest:

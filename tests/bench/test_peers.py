@@ -543,3 +543,16 @@ def test_a_bf16_answer_is_checked_within_bfloat16s_tolerance(pixels):
     assert compare(moved, logits, [2, 2], tolerance=BF16_TOLERANCE * scale(logits))["ok"]
     assert not compare({"logits": logits[::-1], "grid": [2, 2]}, logits, [2, 2],
                        tolerance=BF16_TOLERANCE * scale(logits))["ok"]  # another class is wrong at any precision
+
+
+def test_vitserve_whose_auto_chose_bf16_is_checked_as_bf16(monkeypatch):
+    from types import SimpleNamespace
+
+    from vitserve.bench.peers import run
+
+    cards = {"http://a": {"provider": "OpenVINO/CPU/bf16"}, "http://b": {"provider": "CPUExecutionProvider"}}
+    monkeypatch.setattr(run, "_get_json", lambda url: cards[url.removesuffix("/v1/model")])
+    assert run.computes_bf16("vitserve", SimpleNamespace(url="http://a"))
+    assert not run.computes_bf16("vitserve", SimpleNamespace(url="http://b"))
+    assert run.computes_bf16("triton-bf16", SimpleNamespace(url="http://b"))  # named so: no card to read
+    assert not run.computes_bf16("triton", SimpleNamespace(url="http://b"))
