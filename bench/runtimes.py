@@ -101,14 +101,13 @@ def matmul_peak_gflops(precision: str, threads: int, size: int = 2048, rounds: i
     from openvino import opset13 as ops
 
     from vitserve.bench.measure import timed_calls
+    from vitserve.service.engine.openvino_runtime import PRECISION_HINTS, signal_stack_kept
 
     a = ops.parameter([size, size], ov.Type.f32)
     b = ops.constant(np.random.default_rng(0).standard_normal((size, size)).astype(np.float32))
-    config = {"INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision], "PERFORMANCE_HINT": "LATENCY"}
+    config = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision], "PERFORMANCE_HINT": "LATENCY"}
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
-    from vitserve.service.engine.openvino_runtime import signal_stack_kept
-
     with signal_stack_kept():
         compiled = ov.Core().compile_model(ov.Model([ops.matmul(a, b, False, False)], [a]), "CPU", config)
     request = compiled.create_infer_request()

@@ -5,7 +5,9 @@ and the rollout grid scaled to [0, 1] (as service/core/postprocess.py computes t
 It runs inside the peers' own virtual environments (Triton's, LitServe's), which hold numpy, Pillow and onnxruntime
 and nothing of vitserve's serving stack: so this module imports only `service.core.preprocess` and `vitserve.onnx_header`
 (both pure), and writes down vitserve's default limits and session options instead of importing `service.settings`
-(pydantic). tests/bench/test_peers.py holds them equal to vitserve's.
+(pydantic). tests/bench/test_peers.py holds them equal to vitserve's. With `openvino_precision` (Triton's venv holds
+onnx and openvino for it) the model is compiled by vitserve's own `OpenVinoModel.compile` and `graph_paths`, which
+import no more of the serving stack than its error classes.
 """
 from __future__ import annotations
 
@@ -61,17 +63,15 @@ def unit_grid(rollout: np.ndarray) -> np.ndarray:
 
 class ImageClassifier:
     """One ONNX Runtime session over a vitserve artifact, and the work around it; with `openvino_precision`, the
-    artifact's fast graph compiled by OpenVINO at that precision instead, as vitserve's OpenVINO runtime compiles it
-    (service/engine/openvino_runtime.py: the `If` taken apart, the latency hint, every core)."""
+    artifact's fast graph compiled by vitserve's OpenVINO runtime at that precision instead (every core)."""
 
     def __init__(self, model_path: str | Path, workers: int = 1, openvino_precision: str | None = None):
         import onnxruntime as ort
 
         self.info = read_model_info(model_path)
-        self.session = self.compiled = None
+        self.session = self.openvino = None
         if openvino_precision:
-            self.compiled = openvino_fast_graph(model_path, openvino_precision)
-            self.request = self.compiled.create_infer_request()  # the Python backend calls from one thread
+            self.openvino = openvino_model(model_path, self.info, openvino_precision)
         else:
             self.session = ort.InferenceSession(str(model_path), sess_options=session_options(workers),
                                                 providers=["CPUExecutionProvider"])
@@ -82,9 +82,9 @@ class ImageClassifier:
 
     def run(self, pixels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(B, C, H, W) -> logits (B, K) and rollout (B, h, w): one call."""
-        if self.compiled is not None:
-            results = self.request.infer({0: np.ascontiguousarray(pixels, np.float32)})
-            return tuple(np.array(results[self.compiled.output(name)]) for name in OUTPUT_NAMES)
+        if self.openvino is not None:
+            logits, rollout, *_ = self.openvino.run(pixels)  # the file's optional outputs after these two
+            return logits, rollout
         logits, rollout = self.session.run(list(OUTPUT_NAMES), {INPUT_NAME: pixels})
         return logits, rollout
 
@@ -98,14 +98,12 @@ class ImageClassifier:
                             "values": [[round(float(v), 6) for v in row] for row in grid]}}
 
 
-def openvino_fast_graph(model_path: str | Path, precision: str):
-    """The artifact's fast graph (service/engine/graph_paths.py, which needs only `onnx`) compiled by OpenVINO."""
+def openvino_model(model_path: str | Path, info, precision: str):
+    """The artifact's fast graph compiled as vitserve compiles it (service/engine/openvino_runtime.py), every core."""
     import onnx
-    import openvino as ov
 
     from vitserve.service.engine.graph_paths import split_paths
+    from vitserve.service.engine.openvino_runtime import OpenVinoModel
 
-    core = ov.Core()
-    fast = split_paths(onnx.load(str(model_path))).fast
-    config = {"INFERENCE_PRECISION_HINT": {"fp32": "f32", "bf16": "bf16"}[precision], "PERFORMANCE_HINT": "LATENCY"}
-    return core.compile_model(core.read_model(fast.SerializeToString()), "CPU", config)
+    return OpenVinoModel.compile(split_paths(onnx.load(str(model_path))).fast.SerializeToString(), info, precision,
+                                 threads=0)

@@ -95,7 +95,7 @@ def triton_spec(model: Path, python: Path, library_dir: str, openvino_precision:
             *(["--openvino-precision", openvino_precision] if openvino_precision else [])]
     path = os.pathsep.join(p for p in (library_dir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     # tritonserver is ready before pytriton has loaded the models into it
-    ready = [f"/v2/models/{name}/ready" for name in (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL)]
+    ready = [f"/v2/models/{model_name}/ready" for model_name in (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL)]
     return ServerSpec(name, argv, [http, grpc, metrics], ["/v2/health/ready", *ready],
                       {"PYTHONPATH": str(REPO), "LD_LIBRARY_PATH": path})
 

@@ -351,13 +351,13 @@ def test_the_peer_on_openvino_runs_the_files_fast_graph_as_vitserves_openvino_ru
     from vitserve.service.engine.runtime import load_model
     from vitserve.service.ground.settings import Settings
 
-    peer, reference = ImageClassifier(tiny_onnx), ImageClassifier(tiny_onnx, openvino_precision="fp32")
+    onnxruntime_peer, openvino_peer = ImageClassifier(tiny_onnx), ImageClassifier(tiny_onnx, openvino_precision="fp32")
     vitserve = load_model(Settings(model_path=tiny_onnx, runtime="openvino", precision_hint="fp32"))
     x = np.random.default_rng(4).standard_normal((3, 3, 32, 32)).astype(np.float32)
-    logits, rollout = reference.run(x)
+    logits, rollout = openvino_peer.run(x)
     np.testing.assert_array_equal(logits, vitserve.run(x)[0])
     np.testing.assert_array_equal(rollout, vitserve.run(x)[1])
-    np.testing.assert_allclose(logits, peer.run(x)[0], atol=1e-4)
+    np.testing.assert_allclose(logits, onnxruntime_peer.run(x)[0], atol=1e-4)
 
 
 def test_peer_venvs_are_pinned_and_hold_no_torch():
