@@ -1,10 +1,11 @@
 """`python -m vitserve.evaluation.embeddings --out docs/embeddings.md`: are the served embeddings good for search?
 
 Each of Fashion-MNIST's 10,000 test images is embedded by the served file (its `embedding` output, through ONNX
-Runtime as the server runs it), and so is each of the 60,000 training images; the test image's nearest training
-image (cosine similarity of the L2-normalised vectors, as `POST /v1/embed?normalize=true` gives them) should share
-its label. The figure to beat is the classifier's own accuracy: neighbours agreeing more often than that would be a
-surprise, far less often would say the vector is a poor one to search by.
+Runtime as the server runs it, or `--runtime openvino --precision-hint bf16` as `auto` may choose), and so is each
+of the 60,000 training images; the test image's nearest training image (cosine similarity of the L2-normalised
+vectors, as `POST /v1/embed?normalize=true` gives them) should share its label. The figure to beat is the
+classifier's own accuracy: neighbours agreeing more often than that would be a surprise, far less often would say
+the vector is a poor one to search by.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitserve.artifact import EMBEDDING_NAME, OUTPUT_NAMES, ModelInfo
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, ModelInfo
 from vitserve.export.calibration import graph_outputs
 from vitserve.export.verify import cpu_session
 from vitserve.model.data import read_idx
@@ -29,9 +30,30 @@ def nearest(queries: np.ndarray, keys: np.ndarray, chunk: int = 1000) -> np.ndar
     return np.concatenate([np.argmax(queries[i:i + chunk] @ keys.T, axis=1) for i in range(0, len(queries), chunk)])
 
 
-def measure(model: Path, data_dir: Path, threads: int) -> dict:
-    session = cpu_session(str(model), threads=threads)
-    info = ModelInfo.from_metadata(session.get_modelmeta().custom_metadata_map)
+class ServedRuntime:
+    """A runtime as the server loads it (service/engine/runtime.py), with an ONNX Runtime session's `run`."""
+
+    def __init__(self, model: Path, runtime: str, precision_hint: str, threads: int):
+        from vitserve.service.engine.runtime import load_model
+        from vitserve.service.ground.settings import Settings
+
+        self.model = load_model(Settings(model_path=model, providers=["cpu"], runtime=runtime,
+                                         precision_hint=precision_hint, intra_op_threads=threads))
+        self.info = self.model.info
+
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        outputs = dict(zip(self.info.output_names(), self.model.run(feeds[INPUT_NAME])))
+        return [outputs[name] for name in names]
+
+
+def measure(model: Path, data_dir: Path, threads: int, runtime: str = "onnxruntime",
+            precision_hint: str = "auto") -> dict:
+    if runtime == "onnxruntime":
+        session = cpu_session(str(model), threads=threads)
+        info = ModelInfo.from_metadata(session.get_modelmeta().custom_metadata_map)
+    else:
+        session = ServedRuntime(model, runtime, precision_hint, threads)
+        info = session.info
     if not info.embedding_size:
         raise SystemExit(f"{model} has no {EMBEDDING_NAME} output: export it again")
 
@@ -46,7 +68,8 @@ def measure(model: Path, data_dir: Path, threads: int) -> dict:
     embedded_s = time.perf_counter() - started
     neighbour = nearest(unit(test_vectors), unit(train_vectors))
     agreement = float(np.mean(train_labels[neighbour] == test_labels))
-    return {"model": str(model), "name": f"{info.name} {info.version} ({info.precision})", "dim": info.embedding_size,
+    runs_on = getattr(getattr(session, "model", None), "provider", "ONNX Runtime/CPU/fp32")
+    return {"model": str(model), "name": f"{info.name} {info.version} ({info.precision})", "runs_on": runs_on, "dim": info.embedding_size,
             "train": len(train), "test": len(test), "agreement": agreement,
             "accuracy": float(np.mean(test_logits.argmax(1) == test_labels)),
             "per_class": {label: float(np.mean(train_labels[neighbour[test_labels == i]] == i))
@@ -56,7 +79,8 @@ def measure(model: Path, data_dir: Path, threads: int) -> dict:
 
 def markdown(result: dict) -> str:
     lines = ["# Embeddings: nearest neighbours", "", __doc__.split("\n\n", 1)[1].strip(), "",
-             f"Model {result['name']}, `{result['model']}`, {result['dim']}-d embeddings; {result['test']:,} test "
+             f"Model {result['name']}, `{result['model']}`, on {result.get('runs_on', 'ONNX Runtime/CPU/fp32')}, "
+             f"{result['dim']}-d embeddings; {result['test']:,} test "
              f"images against {result['train']:,} training images; {result['seconds']:.0f} s on this machine "
              f"(embedding: {result['embedded_s']:.0f} s).", "",
              "| measure | value |", "| --- | --- |",
@@ -74,10 +98,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vitserve.evaluation.embeddings", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, default=Path("models/vit-fmnist/model.onnx"))
     p.add_argument("--data-dir", type=Path, default=Path("/usr/share/datasets/fashion-mnist"))
-    p.add_argument("--threads", type=int, default=0, help="ONNX Runtime intra-op threads (0: its default)")
+    p.add_argument("--threads", type=int, default=0, help="intra-op threads (0: the runtime's default)")
+    p.add_argument("--runtime", choices=["onnxruntime", "openvino"], default="onnxruntime")
+    p.add_argument("--precision-hint", choices=["auto", "fp32", "bf16"], default="auto",
+                   help="with --runtime openvino")
     p.add_argument("--out", type=Path, help="write the Markdown here too")
     args = p.parse_args(argv)
-    text = markdown(measure(args.model, args.data_dir, args.threads))
+    text = markdown(measure(args.model, args.data_dir, args.threads, args.runtime, args.precision_hint))
     print(text)
     if args.out:
         args.out.write_text(text)
