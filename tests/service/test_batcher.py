@@ -89,6 +89,28 @@ async def test_an_idle_model_takes_a_lone_request_at_once_and_a_busy_one_batches
     await batcher.close()
 
 
+async def test_a_batch_that_is_not_full_stays_open_while_another_runs_and_a_full_one_waits_behind_it():
+    """With two batches in flight, the second used to close after the delay and queue for the runner while later
+    arrivals missed it: an 8-client loop then split for good into half batches taking turns (issue 38)."""
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.01, dispatch_when_idle=True, max_batches_in_flight=2)
+    recorder.gate.clear()
+    first = asyncio.ensure_future(batcher.submit(item(1), 10))  # runs at once, then blocks in the model
+    await until(lambda: recorder.started == [[1.0]], "the first batch running")
+    waiting = []
+    for value in (2, 3, 4):  # each arrives long after the one before has waited its 10 ms delay
+        waiting.append(asyncio.ensure_future(batcher.submit(item(value), 10)))
+        await asyncio.sleep(0.05)
+    assert batcher.queued == 3  # still open: none taken while the runner is busy
+    full = [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in (5, 6, 7)]  # 4, 5 ... fill one batch
+    await until(lambda: batcher.queued == 2, "a full batch taken to wait behind the running one")
+    recorder.gate.set()
+    results = await asyncio.wait_for(asyncio.gather(first, *waiting, *full), PATIENCE_S)
+    assert recorder.batches == [[1.0], [2.0, 3.0, 4.0, 5.0], [6.0, 7.0]]
+    assert [r.batch_size for r in results] == [1, 4, 4, 4, 4, 2, 2]
+    await batcher.close()
+
+
 async def test_items_of_different_shapes_never_share_a_batch():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=0.2)
