@@ -108,7 +108,8 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(5.0, ge=0)
     max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
-    dispatch_when_idle: bool = Field(True, description="with no batch in flight, run a request at once instead of "
+    dispatch_when_idle: bool = Field(True, description="with no batch in flight, run the queued requests at once "
+                                                       "when they are as many as the last batch, instead of "
                                                        "waiting max_queue_delay_ms for company")
     request_timeout_ms: float = Field(10_000, gt=0, description="deadline of a whole request from its headers: "
                                                                 "upload, decode, queue, inference, rendering")
