@@ -111,6 +111,33 @@ async def test_a_batch_that_is_not_full_stays_open_while_another_runs_and_a_full
     await batcher.close()
 
 
+async def test_an_idle_model_waits_for_the_clients_its_last_batch_answered_but_never_for_a_lone_client():
+    """After a batch of 3, an idle model holds the first of its clients coming back until the other two arrive (not
+    the first alone: that split a closed loop into groups taking turns); a lone client after a batch of one, or
+    one whose company does not come within the queue delay, is not held longer than that."""
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=1.0, dispatch_when_idle=True, max_batches_in_flight=2)
+    lone = await asyncio.wait_for(batcher.submit(item(1), 10), PATIENCE_S)
+    assert lone.batch_size == 1 and lone.queue_s < 0.5  # the last batch had one image: at once
+    recorder.gate.clear()
+    first = asyncio.ensure_future(batcher.submit(item(2), 10))
+    await until(lambda: len(recorder.started) == 2, "a batch running")
+    group = [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in (3, 4, 5)]
+    await until(lambda: batcher.queued == 3, "three queued behind it")
+    recorder.gate.set()
+    await asyncio.wait_for(asyncio.gather(first, *group), PATIENCE_S)
+    assert recorder.batches[-1] == [3.0, 4.0, 5.0]
+    back = [asyncio.ensure_future(batcher.submit(item(6), 10))]
+    await asyncio.sleep(0.05)
+    assert batcher.queued == 1  # held: the last batch had three
+    back += [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in (7, 8)]
+    results = await asyncio.wait_for(asyncio.gather(*back), PATIENCE_S)
+    assert recorder.batches[-1] == [6.0, 7.0, 8.0] and all(r.queue_s < 0.9 for r in results)
+    alone = await asyncio.wait_for(batcher.submit(item(9), 10), PATIENCE_S)  # nobody follows it
+    assert alone.batch_size == 1 and 0.5 < alone.queue_s < 5  # held about the delay after the runner freed
+    await batcher.close()
+
+
 async def test_items_of_different_shapes_never_share_a_batch():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=0.2)
