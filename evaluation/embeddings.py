@@ -51,9 +51,10 @@ def measure(model: Path, data_dir: Path, threads: int, runtime: str = "onnxrunti
     if runtime == "onnxruntime":
         session = cpu_session(str(model), threads=threads)
         info = ModelInfo.from_metadata(session.get_modelmeta().custom_metadata_map)
+        runs_on = "ONNX Runtime/CPU/fp32"
     else:
         session = ServedRuntime(model, runtime, precision_hint, threads)
-        info = session.info
+        info, runs_on = session.info, session.model.provider
     if not info.embedding_size:
         raise SystemExit(f"{model} has no {EMBEDDING_NAME} output: export it again")
 
@@ -68,8 +69,8 @@ def measure(model: Path, data_dir: Path, threads: int, runtime: str = "onnxrunti
     embedded_s = time.perf_counter() - started
     neighbour = nearest(unit(test_vectors), unit(train_vectors))
     agreement = float(np.mean(train_labels[neighbour] == test_labels))
-    runs_on = getattr(getattr(session, "model", None), "provider", "ONNX Runtime/CPU/fp32")
-    return {"model": str(model), "name": f"{info.name} {info.version} ({info.precision})", "runs_on": runs_on, "dim": info.embedding_size,
+    return {"model": str(model), "name": f"{info.name} {info.version} ({info.precision})", "runs_on": runs_on,
+            "dim": info.embedding_size,
             "train": len(train), "test": len(test), "agreement": agreement,
             "accuracy": float(np.mean(test_logits.argmax(1) == test_labels)),
             "per_class": {label: float(np.mean(train_labels[neighbour[test_labels == i]] == i))
@@ -79,10 +80,9 @@ def measure(model: Path, data_dir: Path, threads: int, runtime: str = "onnxrunti
 
 def markdown(result: dict) -> str:
     lines = ["# Embeddings: nearest neighbours", "", __doc__.split("\n\n", 1)[1].strip(), "",
-             f"Model {result['name']}, `{result['model']}`, on {result.get('runs_on', 'ONNX Runtime/CPU/fp32')}, "
-             f"{result['dim']}-d embeddings; {result['test']:,} test "
-             f"images against {result['train']:,} training images; {result['seconds']:.0f} s on this machine "
-             f"(embedding: {result['embedded_s']:.0f} s).", "",
+             f"Model {result['name']}, `{result['model']}`, on {result['runs_on']}, {result['dim']}-d embeddings; "
+             f"{result['test']:,} test images against {result['train']:,} training images; "
+             f"{result['seconds']:.0f} s on this machine (embedding: {result['embedded_s']:.0f} s).", "",
              "| measure | value |", "| --- | --- |",
              f"| test images whose nearest training image shares their label | **{result['agreement']:.2%}** |",
              f"| the classifier's own accuracy on them | {result['accuracy']:.2%} |", "",
@@ -104,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="with --runtime openvino")
     p.add_argument("--out", type=Path, help="write the Markdown here too")
     args = p.parse_args(argv)
+    if args.threads < 0:
+        p.error("--threads must be 0 (the runtime's default) or more")
     text = markdown(measure(args.model, args.data_dir, args.threads, args.runtime, args.precision_hint))
     print(text)
     if args.out:

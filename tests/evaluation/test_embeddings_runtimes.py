@@ -20,3 +20,15 @@ def test_a_served_runtime_answers_by_output_name_as_an_onnx_runtime_session_does
     for got, want in zip(served.run(names, feeds), session.run(names, feeds)):
         assert got.shape == want.shape
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("argv, message", [(["--threads", "-1"], "--threads must be 0"),
+                                           (["--runtime", "tensorrt"], "invalid choice: 'tensorrt'"),
+                                           (["--precision-hint", "int4"], "invalid choice: 'int4'")])
+def test_a_wrong_flag_is_a_one_line_error(argv, message, capsys):
+    from vitserve.evaluation.embeddings import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
