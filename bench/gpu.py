@@ -59,6 +59,9 @@ class GpuKitConfig:
     served_duration_s: int = 5
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
     gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (a lent machine's minutes are few)
+    # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
+    # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
+    served_variants: str = ""
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
     out: Path = Path("build/gpu/bench-gpu.md")  # docs/results/bench-gpu.md is a lent GPU run's, written up by hand
@@ -321,8 +324,26 @@ def jpeg_for(info) -> bytes:
     return out.getvalue()
 
 
-def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
-    """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores."""
+def served_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
+    """`--served-variants` as (name, environment overlay) pairs; [("", {})] when there are none."""
+    variants = []
+    for part in filter(None, (p.strip() for p in spec.split(";"))):
+        name, _, settings = part.partition(":")
+        overlay = {}
+        for setting in filter(None, (s.strip() for s in settings.split(","))):
+            key, eq, value = setting.partition("=")
+            if not eq or not key.startswith("VITSERVE_"):
+                raise ValueError(f"--served-variants: {setting!r} is not VITSERVE_NAME=value")
+            overlay[key] = value
+        if not name.strip():
+            raise ValueError(f"--served-variants: {part!r} has no name before ':'")
+        variants.append((name.strip(), overlay))
+    return variants or [("", {})]
+
+
+def served_with_wrk(path: Path, cfg: GpuKitConfig, overlay: dict[str, str] | None = None) -> dict:
+    """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores; `overlay`
+    changes the server's settings for a comparison."""
     from vitserve.bench.gpu_served import served_levels
     from vitserve.onnx_header import read_model_info
 
@@ -331,7 +352,7 @@ def served_with_wrk(path: Path, cfg: GpuKitConfig) -> dict:
         return Step("", "skipped", "no wrk (carry Debian's binary and its libluajit; docs/results/bench-gpu.md)")
     # gRPC off: the kit carries no grpcio (7 MiB of the 64 a lent machine takes), and wrk speaks HTTP
     env = {"VITSERVE_PROVIDERS": "cuda,cpu", "VITSERVE_MAX_BATCH_SIZE": "64", "VITSERVE_MAX_QUEUE_SIZE": "1024",
-           "VITSERVE_MAX_REQUESTS_IN_FLIGHT": "256", "VITSERVE_GRPC_PORT": "0"}
+           "VITSERVE_MAX_REQUESTS_IN_FLIGHT": "256", "VITSERVE_GRPC_PORT": "0", **(overlay or {})}
     return served_levels(path, jpeg_for(read_model_info(path)), [int(c) for c in cfg.served_concurrency.split(",")],
                          cfg.served_duration_s, env, wrk, cfg.work)
 
@@ -395,7 +416,9 @@ def run(cfg: GpuKitConfig) -> Kit:
                              batch_sizes, duration, cfg.work)
                 if "served" in steps and (not cfg.served_files
                                           or f"{model}:{precision}" in cfg.served_files.split(",")):
-                    kit.step(f"{model} {precision}: served, wrk, JPEG", served_with_wrk, path, cfg)
+                    for variant, overlay in served_variants(cfg.served_variants):
+                        kit.step(f"{model} {precision}: served, wrk, JPEG" + (f" ({variant})" if variant else ""),
+                                 served_with_wrk, path, cfg, overlay)
                 continue
             if precision == "fp16":
                 kit.steps.append(Step(f"{model} fp16: raw and served", "skipped", "float16 is for GPUs: on the CPU "
@@ -472,6 +495,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             p.add_argument("--" + name.replace("_", "-"), type=type(default), default=default)
     cfg = GpuKitConfig(**vars(p.parse_args(argv)))
+    try:
+        served_variants(cfg.served_variants)  # a mistyped variant fails now, not after minutes of exports
+    except ValueError as e:
+        p.error(str(e))
     import onnxruntime as ort
     if cfg.install and CUDA not in ort.get_available_providers() and shutil.which("nvidia-smi"):
         rerun = install_and_rerun(cfg, [a for a in argv if a != "--no-install"])

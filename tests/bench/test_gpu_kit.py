@@ -76,3 +76,17 @@ def test_onnxruntime_gpu_installs_from_a_folder_of_wheels_on_a_machine_without_a
     offline = pip_install(python, "/mnt/wheels")
     assert offline[-1] == "onnxruntime-gpu" and offline[offline.index("--find-links") + 1] == "/mnt/wheels"
     assert "--no-index" in offline  # nothing fetched from PyPI
+
+
+def test_served_variants_name_each_settings_overlay_and_refuse_what_is_not_a_setting():
+    from vitserve.bench.gpu import main, served_variants
+
+    assert served_variants("") == [("", {})]
+    assert served_variants("kit:; greedy:VITSERVE_DISPATCH_WHEN_IDLE=false,VITSERVE_MAX_QUEUE_DELAY_MS=0") == [
+        ("kit", {}), ("greedy", {"VITSERVE_DISPATCH_WHEN_IDLE": "false", "VITSERVE_MAX_QUEUE_DELAY_MS": "0"})]
+    for wrong in ("x:PATH=/tmp", "x:VITSERVE_MAX_BATCH_SIZE", ":VITSERVE_MAX_BATCH_SIZE=8"):
+        with pytest.raises(ValueError):
+            served_variants(wrong)
+    with pytest.raises(SystemExit) as exit_:  # before any export starts
+        main(["--served-variants", "x:PATH=/tmp"])
+    assert exit_.value.code == 2
