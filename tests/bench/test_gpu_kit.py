@@ -90,3 +90,16 @@ def test_served_variants_name_each_settings_overlay_and_refuse_what_is_not_a_set
     with pytest.raises(SystemExit) as exit_:  # before any export starts
         main(["--served-variants", "x:PATH=/tmp"])
     assert exit_.value.code == 2
+
+
+def test_a_served_level_reports_the_servers_own_account_of_its_batches():
+    from vitserve.bench.gpu_served import server_stages
+
+    before = {"vitserve_batches_total": 10, "vitserve_images_total": 100, "vitserve_batch_seconds_total": 1.0,
+              "vitserve_queue_wait_seconds_sum": 0.5, "vitserve_queue_wait_seconds_count": 100}
+    after = {"vitserve_batches_total": 30, "vitserve_images_total": 1380, "vitserve_batch_seconds_total": 1.5,
+             "vitserve_batch_stack_seconds_total": 0.04, "vitserve_queue_wait_seconds_sum": 3.06,
+             "vitserve_queue_wait_seconds_count": 1380}
+    assert server_stages(before, after, 2.0) == {"mean_batch": 64.0, "runner_busy": 0.25, "call_ms": 25.0,
+                                                 "stack_ms": 2.0, "queue_wait_ms": 2.0}
+    assert server_stages(after, after, 2.0) == {}  # no batch ran: nothing to say
