@@ -222,27 +222,34 @@ def server_model(path: Path, **settings):
 
 def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
     """The fast path with and without CUDA graphs, as the server runs it: their answers side by side (the captured
-    bucket must agree with the dynamic session) and images/s at each batch size, alternating rounds."""
+    bucket must agree with the dynamic session), and each fed float32 pixels or uint8 ones normalised on the device
+    (service/engine/pixels.py: the same answers, bit for bit, expected), images/s at each batch size, alternating
+    rounds."""
+    from vitserve.artifact import normalize_pixels
     from vitserve.bench.measure import alternating_rounds_ms
 
     largest = max(batch_sizes)
     started = time.monotonic()
-    graphs = server_model(path, max_batch_size=largest)
+    graphs = server_model(path, max_batch_size=largest, pixel_transport="uint8")
     capture_s = time.monotonic() - started
-    dynamic = server_model(path, max_batch_size=largest, cuda_graphs=False)
+    dynamic = server_model(path, max_batch_size=largest, cuda_graphs=False, pixel_transport="uint8")
     if graphs.captured is None:
         return {"captured": False, "detail": "ORT refused to capture (see the log)"}
     info = graphs.info
     rng = np.random.default_rng(0)
-    rows, worst_logits, worst_rollout, agree, total = [], 0.0, 0.0, 0, 0
+    rows, worst_logits, worst_rollout, worst_raw, agree, total = [], 0.0, 0.0, 0.0, 0, 0
     for batch in batch_sizes:
-        x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
+        raw = rng.integers(0, 256, (batch, info.channels, *info.image_size), dtype=np.uint8)
+        x = normalize_pixels(raw, info.mean, info.std)
         (l1, r1, *_), (l0, r0, *_) = graphs.run(x), dynamic.run(x)
         worst_logits = max(worst_logits, float(np.abs(l1 - l0).max() / max(1.0, np.abs(l0).max())))
         worst_rollout = max(worst_rollout, float(np.abs(r1 - r0).max()))
+        for model, floats in ((graphs, l1), (dynamic, l0)):
+            worst_raw = max(worst_raw, float(np.abs(model.run(raw)[0] - floats).max()))
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch
-        ms = alternating_rounds_ms({"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x)}, rounds=5,
-                                   seconds=seconds / 5)
+        ms = alternating_rounds_ms({"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x),
+                                    "graphs_uint8": lambda: graphs.run(raw), "dynamic_uint8": lambda: dynamic.run(raw)},
+                                   rounds=5, seconds=seconds / 5)
         row = {"batch_size": batch}
         for name, times in ms.items():
             median = float(np.median(times))
@@ -253,6 +260,7 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
     return {"captured": True, "buckets": sorted(graphs.captured.buckets), "load_and_capture_s": round(capture_s, 1),
             "load_timings": load_timings,
             "max_logits_diff_relative": worst_logits, "max_rollout_diff": worst_rollout,
+            "uint8_vs_float32_max_logits_diff": worst_raw,
             "top1_agreement": agree / total, "rows": rows}
 
 

@@ -300,6 +300,13 @@ def _metadata_reader(props: dict[str, str]) -> Callable[..., Any]:
     return get
 
 
+def normalization_table(mean: list[float], std: list[float]) -> np.ndarray:
+    """(C, 256) float32: what `normalize_pixels` makes of each 8-bit value per channel, with its arithmetic, so a
+    gather from it is bit-identical to the reference (the service's preprocessing and the engine's, tested)."""
+    levels = np.arange(256, dtype=np.float32) / np.float32(255.0)  # (256,)
+    return ((levels[None, :] - np.asarray(mean, np.float32)[:, None]) / np.asarray(std, np.float32)[:, None])
+
+
 def normalize_pixels(pixels: np.ndarray, mean: list[float], std: list[float], channel_axis: int = 1) -> np.ndarray:
     """uint8 pixels -> the graph's float32 input: `(x / 255 - mean) / std` per channel, in float32 arithmetic.
 

@@ -23,7 +23,7 @@ from PIL import Image, UnidentifiedImageError
 
 from vitserve.service.ground.errors import (ImageDecodeError, ImageTooLarge, PayloadTooLarge, ServiceError,
                                             UnsupportedMediaType)
-from vitserve.artifact import ModelInfo
+from vitserve.artifact import ModelInfo, normalization_table
 
 ResizePolicy = Literal["fit", "native"]
 # Pillow format names we accept (MPO is the multi-picture JPEG many phones write).
@@ -47,7 +47,8 @@ _ALPHA_MODES = frozenset({"LA", "La", "PA", "RGBA", "RGBa"})
 
 @dataclass
 class PreparedImage:
-    pixels: np.ndarray  # (C, H, W) float32, normalised, H and W multiples of the patch size
+    # (C, H, W), H and W multiples of the patch size: float32 normalised, or uint8 as decoded (`raw_pixels`)
+    pixels: np.ndarray
     source: Image.Image | None  # the upright input in model channels at `render_size` (kept for overlays)
     crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) of the input (`size`) that `pixels` covers
     size: tuple[int, int]  # (width, height) of the upright input, as its header declares
@@ -277,9 +278,14 @@ def normalize_image(image: Image.Image, mean: list[float], std: list[float]) -> 
     array = np.asarray(image)
     if array.ndim == 2:
         array = array[:, :, None]
-    levels = np.arange(256, dtype=np.float32)[:, None] / 255.0  # (256, 1)
-    table = (levels - np.asarray(mean, np.float32)) / np.asarray(std, np.float32)  # (256, C)
-    return np.stack([table[:, c].take(array[:, :, c]) for c in range(array.shape[2])])  # (C, H, W)
+    table = normalization_table(mean, std)  # (C, 256)
+    return np.stack([table[c].take(array[:, :, c]) for c in range(array.shape[2])])  # (C, H, W)
+
+
+def image_channels(image: Image.Image) -> np.ndarray:
+    """(H, W[, C]) uint8 -> (C, H, W) uint8: the pixels as an engine that normalises them itself takes them."""
+    array = np.asarray(image)
+    return array[None] if array.ndim == 2 else np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
 def stored_box(box: tuple[int, int, int, int], size: tuple[int, int], orientation: int) -> tuple[int, ...]:
@@ -300,9 +306,11 @@ def resize_upright(image: Image.Image, size: tuple[int, int], box: tuple[float, 
 
 
 def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_bytes: int, max_pixels: int,
-                  max_tokens: int, keep_source: bool = False, max_render_side: int = 1024) -> PreparedImage:
+                  max_tokens: int, keep_source: bool = False, max_render_side: int = 1024,
+                  raw_pixels: bool = False) -> PreparedImage:
     """Decode, convert, resize by policy and normalise one image; keep the source (for overlays) at the render size,
-    the input's size bounded to a longest side of `max_render_side`.
+    the input's size bounded to a longest side of `max_render_side`. `raw_pixels`: leave the pixels uint8, for an
+    engine that normalises them where it runs the model (a GPU: a quarter of the bytes to gather and copy).
 
     The geometry is planned on the header's size, before decoding, so a JPEG can decode scaled down. The decode is
     the same whether or not the source is kept (its need includes the render size either way), so the rollout
@@ -322,4 +330,5 @@ def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_byt
         resized = resize_upright(image, target, model_box, orientation)
         whole = (0, 0, image.width, image.height)
         source = resize_upright(image, render, whole, orientation) if keep_source else None
-    return PreparedImage(normalize_image(resized, info.mean, info.std), source, box, (width, height), render)
+    pixels = image_channels(resized) if raw_pixels else normalize_image(resized, info.mean, info.std)
+    return PreparedImage(pixels, source, box, (width, height), render)

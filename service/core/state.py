@@ -28,6 +28,7 @@ from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.engine import Engine
 from vitserve.service.core.inspection import InspectionCache
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
+from vitserve.service.engine.pixels import engine_normalises
 from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ModelInfo
@@ -127,7 +128,8 @@ class ServiceState:
         pool = self.large_pool if pixels > s.large_image_pixels else self.pool
         job = pool.submit(_timed, prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
-                          max_render_side=s.max_rollout_image_side)
+                          max_render_side=s.max_rollout_image_side,
+                          raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
         # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
         # memory its thread still holds.
         job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self.pixels.release, reserved))

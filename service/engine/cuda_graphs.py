@@ -36,26 +36,32 @@ class CapturedBucket:
     """One batch size's static session, its device buffers and its IOBinding."""
 
     def __init__(self, session, input_name: str, batch: int, input_shape: tuple[int, ...],
-                 outputs: list[tuple[str, tuple[int, ...], type]], device_id: int):
+                 outputs: list[tuple[str, tuple[int, ...], type]], device_id: int, device: str = "cuda"):
+        """`device`: where the buffers live ("cpu" only in tests: the same binding without a GPU)."""
         import onnxruntime as ort
 
         self.session, self.batch, self.lock = session, batch, threading.Lock()
-        self.input = ort.OrtValue.ortvalue_from_shape_and_type(input_shape, np.float32, "cuda", device_id)
+        self.input = ort.OrtValue.ortvalue_from_shape_and_type(input_shape, np.float32, device, device_id)
         self.binding = session.io_binding()
         self.binding.bind_ortvalue_input(input_name, self.input)
         self.outputs = []
         for name, item_shape, dtype in outputs:
-            value = ort.OrtValue.ortvalue_from_shape_and_type([batch, *item_shape], dtype, "cuda", device_id)
+            value = ort.OrtValue.ortvalue_from_shape_and_type([batch, *item_shape], dtype, device, device_id)
             self.binding.bind_ortvalue_output(name, value)
             self.outputs.append(value)
 
-    def run(self, pixel_values: np.ndarray) -> list[np.ndarray]:
+    def run(self, pixel_values: np.ndarray, fill=None) -> list[np.ndarray]:
+        """`fill(pixels, device_input)`: writes raw pixels into the bucket's input on the device (the engine's
+        normaliser: service/engine/pixels.py); None: `pixel_values` are the float32 input itself."""
         count = len(pixel_values)
         if count < self.batch:  # zero images fill the bucket; their rows are dropped below
-            padding = np.zeros((self.batch - count, *pixel_values.shape[1:]), np.float32)
+            padding = np.zeros((self.batch - count, *pixel_values.shape[1:]), pixel_values.dtype)
             pixel_values = np.concatenate([pixel_values, padding])
         with self.lock:  # one set of device buffers per bucket
-            self.input.update_inplace(np.ascontiguousarray(pixel_values, np.float32))
+            if fill is None:
+                self.input.update_inplace(np.ascontiguousarray(pixel_values, np.float32))
+            else:
+                fill(pixel_values, self.input)
             self.session.run_with_iobinding(self.binding)  # the first call captures, later calls replay
             return [value.numpy()[:count] for value in self.outputs]
 
@@ -108,8 +114,8 @@ class CudaGraphBuckets:
         return (tuple(pixel_values.shape[1:]) == self.image_shape and len(pixel_values) > 0
                 and self.bucket_for(len(pixel_values)) in self.buckets)
 
-    def run(self, pixel_values: np.ndarray) -> list[np.ndarray]:
-        return self.buckets[self.bucket_for(len(pixel_values))].run(pixel_values)
+    def run(self, pixel_values: np.ndarray, fill=None) -> list[np.ndarray]:
+        return self.buckets[self.bucket_for(len(pixel_values))].run(pixel_values, fill)
 
 
 def median_ms(call, calls: int) -> float:

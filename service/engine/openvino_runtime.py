@@ -111,6 +111,7 @@ class OpenVinoModel:
     def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = f"OpenVINO/CPU/{precision}"
+        self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
         self._bfloat16 = [output.get_element_type().to_string() == "bf16" for output in self._outputs]
         self._requests = threading.local()  # an InferRequest is not safe to share between threads

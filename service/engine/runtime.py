@@ -20,13 +20,14 @@ from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
+from vitserve.service.engine.pixels import GPU_PROVIDERS, DeviceNormaliser, PixelTable, engine_normalises
 from vitserve.service.ground.settings import Settings
 from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
 
-_GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+
 _ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider",
                        "cpu": "CPUExecutionProvider"}
 
@@ -34,7 +35,8 @@ _ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExe
 class InferenceModel(Protocol):
     """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w));
     and, for a model whose `info.explains_classes`, the relevance path: pixels and a target class per image (B,)
-    (-1: the top-1) -> (logits, rollout, relevance (B, h, w))."""
+    (-1: the top-1) -> (logits, rollout, relevance (B, h, w)). Pixels are float32, normalised; a model whose
+    `takes_raw_pixels` is true also takes them uint8 on the fast path (service/engine/pixels.py)."""
 
     info: ModelInfo
     provider: str
@@ -127,10 +129,16 @@ class OnnxModel:
         # On a GPU, bind the input and outputs (ORT's CUDA EP docs, "IOBinding"): ORT copies the input to the
         # device once, before the graph runs, and the outputs back once, instead of per node that needs them on
         # the host. On the CPU there is nothing to copy. None: decide by the provider.
-        self.io_binding = self.provider in _GPU_PROVIDERS if io_binding is None else io_binding
-        self._device = "cuda" if self.provider in _GPU_PROVIDERS else "cpu"
+        self.io_binding = self.provider in GPU_PROVIDERS if io_binding is None else io_binding
+        self._device = "cuda" if self.provider in GPU_PROVIDERS else "cpu"
         self.relevance = RelevancePath(make_relevance, info, self._device if self.io_binding else None)
         self.captured = captured  # CudaGraphBuckets or None
+        self.normaliser = None  # a DeviceNormaliser where this model takes uint8 pixels (service/engine/pixels.py)
+
+    @property
+    def takes_raw_pixels(self) -> bool:
+        """`run` takes (B, C, H, W) uint8 pixels and normalises them on the model's device."""
+        return self.normaliser is not None
 
     @classmethod
     def load(cls, settings: Settings, artifact: "tuple[ModelInfo, ModelPaths] | None" = None) -> "OnnxModel":
@@ -147,6 +155,10 @@ class OnnxModel:
         del paths  # the relevance graph is read again from the file if a request ever asks for it
         model = cls(session, info, make_relevance=relevance)
         warn_on_fallback(model, chain)
+        if engine_normalises(settings.pixel_transport, model.provider):
+            graph = PixelTable(info.mean, info.std).graph().SerializeToString()
+            model.normaliser = DeviceNormaliser(new_session(graph, settings, chain, path), model._device,
+                                                settings.cuda_device_id if model._device == "cuda" else 0)
         if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
@@ -154,10 +166,18 @@ class OnnxModel:
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
-        """The fast path: the outputs `info.output_names()` names (logits, rollout, then the file's optional ones)."""
+        """The fast path: the outputs `info.output_names()` names (logits, rollout, then the file's optional ones).
+        `pixel_values` float32 normalised, or uint8 where the model `takes_raw_pixels`."""
+        raw = pixel_values.dtype == np.uint8
+        if raw and self.normaliser is None:
+            raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
         if self.captured is not None and self.captured.covers(pixel_values):
-            return tuple(self.captured.run(pixel_values))
-        return tuple(self._run(self.session, self.info.output_names(), {INPUT_NAME: pixel_values}))
+            return tuple(self.captured.run(pixel_values, self.normaliser.to_device if raw else None))
+        names = self.info.output_names()
+        if raw:  # normalised into device memory and bound there: nothing float32 crosses to the device
+            return tuple(run_session(self.session, names, {INPUT_NAME: self.normaliser.to_device(pixel_values)},
+                                     self._device))
+        return tuple(self._run(self.session, names, {INPUT_NAME: pixel_values}))
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
@@ -171,13 +191,16 @@ class OnnxModel:
 
 
 def run_session(session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray], device: str | None) -> list:
-    """One ORT call; with a `device` ("cuda"), through an IOBinding: the inputs bound from host memory, the outputs
-    left on the device until the one copy back."""
+    """One ORT call; with a `device` ("cuda"), through an IOBinding: the inputs bound from host memory (or, given as
+    OrtValues, where they already are), the outputs left on the device until the one copy back."""
     if device is None:
         return session.run(list(outputs), feeds)
     binding = session.io_binding()
     for name, array in feeds.items():
-        binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        if isinstance(array, np.ndarray):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array))
+        else:
+            binding.bind_ortvalue_input(name, array)
     for name in outputs:
         binding.bind_output(name, device)
     session.run_with_iobinding(binding)
@@ -247,7 +270,7 @@ def new_session(model: bytes, settings: Settings, chain: list[tuple[str, dict]],
     options = session_options(settings)
     for name, value in (overrides or {}).items():
         options.add_free_dimension_override_by_name(name, value)
-    provider_options = [{**opts, **(extra_options or {})} if name in _GPU_PROVIDERS else opts for name, opts in chain]
+    provider_options = [{**opts, **(extra_options or {})} if name in GPU_PROVIDERS else opts for name, opts in chain]
     try:
         return ort.InferenceSession(model, sess_options=options, providers=[name for name, _ in chain],
                                     provider_options=provider_options,
@@ -464,7 +487,9 @@ def batch_one_ms(model: InferenceModel, calls: int = 9) -> float:
 
 
 def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:
-    """Run each batch size once at the trained resolution, so the first real request pays no set-up cost."""
+    """Run each batch size once at the trained resolution, so the first real request pays no set-up cost: in the
+    pixels' type the frontends will send (a model that `takes_raw_pixels` gets uint8 ones)."""
     height, width = model.info.image_size
+    dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
     for batch in batch_sizes:
-        model.run(np.zeros((batch, model.info.channels, height, width), np.float32))
+        model.run(np.zeros((batch, model.info.channels, height, width), dtype))

@@ -23,6 +23,7 @@ from vitserve.service.engine import InferenceResult
 from vitserve.service.ground.deadlines import InUse
 from vitserve.service.ground.errors import InferenceError, VersionRetired
 from vitserve.service.ground.metrics import ModelMetrics
+from vitserve.service.engine.pixels import PixelTable
 from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up
 from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
 from vitserve.service.ground.settings import Settings
@@ -45,6 +46,7 @@ class ServedModel:
         self._maps = maps  # the maps this model offers (its config), None: all its file computes
         self.cpu_priority = cpu_priority  # of the threads that load and run it (service/engine/threads.py)
         self._info: ModelInfo | None = None
+        self._pixel_table: PixelTable | None = None
         self.batcher: DynamicBatcher | None = None
         self.ready = False
         self.closing = False
@@ -130,6 +132,11 @@ class ServedModel:
         """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
+        if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(self.model, "takes_raw_pixels",
+                                                                                 False)):
+            # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
+            self._pixel_table = self._pixel_table or PixelTable(self.model.info.mean, self.model.info.std)
+            pixel_values = self._pixel_table.host(pixel_values)
         if targets is None:
             outputs = self.model.run(pixel_values)
         else:

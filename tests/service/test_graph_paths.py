@@ -97,7 +97,7 @@ def test_a_batch_runs_captured_only_where_its_bucket_was_kept():
         def __init__(self, size):
             self.size = size
 
-        def run(self, pixels):
+        def run(self, pixels, fill=None):
             return [np.full((len(pixels), 1), self.size)]
 
     graphs = CudaGraphBuckets({1: Bucket(1), 2: Bucket(2)}, [4, 1, 2], (3, 32, 32), {4: (2.0, 1.0)})
