@@ -56,7 +56,10 @@ class PixelTable:
             [helper.make_tensor_value_info(INPUT_NAME, TensorProto.FLOAT, dims)],
             initializer=[numpy_helper.from_array(self.table.reshape(-1), "table"),
                          numpy_helper.from_array(offsets, "channel_offsets")])
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", NORMALISER_OPSET)])
+        opsets = [helper.make_opsetid("", NORMALISER_OPSET)]
+        # the oldest IR version the opset allows, not the onnx package's newest: onnx 1.23 writes IR 14 by default,
+        # which onnxruntime-gpu 1.31 refuses (the first GPU run of this graph failed so)
+        return helper.make_model(graph, opset_imports=opsets, ir_version=helper.find_min_ir_version_for(opsets))
 
 
 class DeviceNormaliser:

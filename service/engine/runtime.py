@@ -156,9 +156,7 @@ class OnnxModel:
         model = cls(session, info, make_relevance=relevance)
         warn_on_fallback(model, chain)
         if engine_normalises(settings.pixel_transport, model.provider):
-            graph = PixelTable(info.mean, info.std).graph().SerializeToString()
-            model.normaliser = DeviceNormaliser(new_session(graph, settings, chain, path), model._device,
-                                                settings.cuda_device_id if model._device == "cuda" else 0)
+            model.normaliser = _normaliser(info, settings, chain, path, model._device)
         if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
@@ -284,6 +282,19 @@ def _relevance_session(path: Path, settings: Settings, chain: list[tuple[str, di
     if relevance is None:
         raise ModelLoadError(f"{path} no longer has the relevance path (the file changed since it was loaded)")
     return new_session(relevance.SerializeToString(), settings, chain, path, from_branch=True)
+
+
+def _normaliser(info: ModelInfo, settings: Settings, chain: list[tuple[str, dict]], path: Path,
+                device: str) -> DeviceNormaliser | None:
+    """The session that normalises uint8 pixels on the model's device; None (with a warning) where the runtime
+    will not take its graph: the engine then normalises raw pixels on the host, slower but the same answers."""
+    try:
+        graph = PixelTable(info.mean, info.std).graph().SerializeToString()
+        session = new_session(graph, settings, chain, path)
+    except ModelLoadError as e:
+        log.warning("uint8 pixels of %s are normalised on the host: %s", path, str(e).splitlines()[0][:300])
+        return None
+    return DeviceNormaliser(session, device, settings.cuda_device_id if device == "cuda" else 0)
 
 
 def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settings: Settings,

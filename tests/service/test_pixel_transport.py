@@ -127,3 +127,27 @@ def test_a_bucket_filled_on_its_device_from_raw_pixels_answers_as_one_given_norm
                                              model.run(floats)):
         assert len(from_raw) == 3 and np.array_equal(from_raw, from_floats)
         np.testing.assert_allclose(from_raw, direct, rtol=1e-5, atol=1e-6)  # padded rows change nothing
+
+
+def test_the_normaliser_graph_is_written_for_older_runtimes_and_its_refusal_falls_back_to_the_host(
+        tiny_onnx, monkeypatch, caplog):
+    """onnx 1.23 writes IR 14 unless told; onnxruntime-gpu 1.31 takes up to 13 and refused the graph on the first GPU
+    run, which stopped the model loading. Now the graph carries its opset's IR version, and a refusal costs speed,
+    never the model."""
+    from vitserve.service.engine import runtime
+    from vitserve.service.engine.pixels import PixelTable
+
+    assert PixelTable([0.5], [0.5]).graph().ir_version <= 9  # what onnxruntime 1.15 (2023) and later load
+
+    original = PixelTable.graph
+
+    def unloadable(table):
+        model = original(table)
+        model.ir_version = 99
+        return model
+
+    monkeypatch.setattr(runtime.PixelTable, "graph", unloadable)
+    with caplog.at_level("WARNING", logger="vitserve.runtime"):
+        model = runtime.OnnxModel.load(settings_for(tiny_onnx, pixel_transport="uint8"))
+    assert not model.takes_raw_pixels
+    assert any("normalised on the host" in r.getMessage() for r in caplog.records)
