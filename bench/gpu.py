@@ -13,8 +13,9 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 5. on a GPU, for each file (`--gpu-steps`): CUDA graphs against the dynamic session, as the server runs them
    (service/engine/cuda_graphs.py: their answers side by side, images/s per batch size, each bucket's load-time
    timing); the maps-free graph with ONNX Runtime's transformer fusions against the rollout graph; and served: a
-   real `vitserve serve` loaded by wrk pinned to cores of its own, the GPU's utilisation sampled per level
-   (bench/gpu_served.py);
+   real `vitserve serve` loaded by wrk pinned to cores of its own, the GPU's utilisation sampled per level and
+   the server's own account of its batches read from /metrics (bench/gpu_served.py), once per
+   `--served-variants` settings overlay;
 6. without a GPU: `vitserve bench` (raw against served) on the CPU, as a check of the kit;
 7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it
    (CPU runs only: the GPU steps above do not cover it yet).
