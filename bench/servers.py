@@ -83,12 +83,19 @@ class ServerProcess:
                                    f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._every_worker_ready():
                         return
             except OSError:
                 pass
             time.sleep(0.1)
         raise RuntimeError(f"server not ready after {self.startup_timeout_s:.0f} s{self._log_tail()}")
+
+    def _every_worker_ready(self) -> bool:
+        """A vitserve server is ready when its first worker is; a measurement waits for all of them, or the
+        connections it opens land on the few already up (on a lent GPU machine 6 of 14 took the first level's).
+        A server without these metrics (a peer, the bare app) counts as ready."""
+        workers = scrape_metrics(self.port, WORKER_METRICS)
+        return len(workers) < 2 or workers["vitserve_http_workers_ready"] >= workers["vitserve_http_workers"]
 
     def _log_tail(self) -> str:
         if not self.log_path or not self.log_path.exists():
@@ -112,6 +119,9 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+WORKER_METRICS = ("vitserve_http_workers_ready", "vitserve_http_workers")
 
 
 def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:

@@ -65,7 +65,8 @@ class ServiceState:
 
     async def start(self) -> None:
         s = self.settings
-        self.engine.on_ready = lambda ready: self.metrics.set_ready(ready and not self.draining)
+        self.engine.on_ready = lambda ready: self.metrics.set_worker_ready(ready and not self.draining)
+        self.metrics.set_workers(s.http_workers)
         await self.engine.start()  # the engine that holds the model reports it (metrics.set_model)
         self.pool = ThreadPoolExecutor(s.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
@@ -99,12 +100,12 @@ class ServiceState:
             return
         self.draining = True
         self.drain_begun.set()
-        self.metrics.set_ready(False)
+        self.metrics.set_worker_ready(False)
         asyncio.get_running_loop().call_later(self.settings.drain_timeout_s, self.stopping.set)
 
     async def stop(self) -> None:
         self.draining = True
-        self.metrics.set_ready(False)
+        self.metrics.set_worker_ready(False)
         for number, handler in self._previous_handlers.items():
             signal.signal(number, handler)
         if self.admission:

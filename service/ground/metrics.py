@@ -108,6 +108,13 @@ class ServiceMetrics:
                                 multiprocess_mode="livesum")
         self.ready = metric(Gauge, "vitserve_ready", "1 when the server is ready: its engine reachable and the models "
                             "it starts with loaded and warmed up (min over workers)", multiprocess_mode="livemin")
+        # Workers start one by one (14 on a 16-core GPU machine, seconds apart): the first ready one makes the server
+        # ready, while connections opened meanwhile all land on the workers already up. These two say how many
+        # take requests, for an operator and for a benchmark that must not measure a server half started.
+        self.workers_ready = metric(Gauge, "vitserve_http_workers_ready", "HTTP worker processes ready to take "
+                                    "requests", multiprocess_mode="livesum")
+        self.workers = metric(Gauge, "vitserve_http_workers", "HTTP worker processes the server runs",
+                              multiprocess_mode="livemax")
         self.model_ready = metric(Gauge, "vitserve_model_ready", "1 while a model version is loaded, warmed up and "
                                   "routed to", per_model, multiprocess_mode="livemax")
         # By model only: a failed version is not loaded, so it has no series of its own to carry a 0
@@ -157,6 +164,14 @@ class ServiceMetrics:
 
     def set_ready(self, ready: bool) -> None:
         self.ready.set(1 if ready else 0)
+
+    def set_worker_ready(self, ready: bool) -> None:
+        """An HTTP worker's readiness: counted in `vitserve_http_workers_ready` too (an engine process's is not)."""
+        self.set_ready(ready)
+        self.workers_ready.set(1 if ready else 0)
+
+    def set_workers(self, count: int) -> None:
+        self.workers.set(count)
 
     def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
         values = (name, version, provider, str(opset if opset is not None else ""))

@@ -47,3 +47,16 @@ def test_server_settings_are_the_overrides_plus_batching_and_loopback():
     assert off == {"VITSERVE_MAX_QUEUE_SIZE": "9", "VITSERVE_MAX_BATCH_SIZE": "1",
                    "VITSERVE_REQUEST_TIMEOUT_MS": "120000.0", "VITSERVE_HOST": "127.0.0.1",
                    "VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0"}
+
+
+def test_a_server_counts_as_ready_once_every_worker_is(monkeypatch):
+    """The first ready worker makes /v2/health/ready answer; a measurement waits for the rest (a peer without the
+    gauges counts as ready)."""
+    from vitserve.bench import servers
+
+    server = servers.ServerProcess(["true"], 1)
+    for scraped, ready in (({"vitserve_http_workers_ready": 6.0, "vitserve_http_workers": 14.0}, False),
+                           ({"vitserve_http_workers_ready": 14.0, "vitserve_http_workers": 14.0}, True),
+                           ({}, True)):
+        monkeypatch.setattr(servers, "scrape_metrics", lambda port, names, scraped=scraped: scraped)
+        assert server._every_worker_ready() is ready

@@ -192,9 +192,7 @@ def scrape(base_url: str) -> dict[tuple, float]:
 def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | None = None,
                    ready_timeout_s: float = PATIENCE_S):
     """`vitserve serve` in a real process on a free port; yields (base_url, process) once every worker is
-    warmed up; always stopped. With several workers, their ready gauges in the metrics directory are how the
-    test knows that they all are: PROMETHEUS_MULTIPROC_DIR in `env`, or the one the server makes in TMPDIR."""
-    named = (env or {}).get("PROMETHEUS_MULTIPROC_DIR")
+    warmed up (the server's own count of ready workers says so); always stopped."""
     port = free_port()
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
@@ -210,16 +208,8 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
         try:
             if httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code != 200:
                 return False  # the worker that answered is still warming up
-            if workers == 1:
-                return True
-            made = sorted(Path((env or {}).get("TMPDIR", "/tmp")).glob("vitserve-metrics-*"))
-            metrics_dir = Path(named) if named else made[-1] if made else None
-            if metrics_dir is None:
-                return False
-            # Each worker writes its ready gauge (0) as it starts. Files first, then the scrape: its minimum
-            # over the workers then covers every one of them.
-            pids = {p.stem.rsplit("_", 1)[-1] for p in metrics_dir.glob("gauge_livemin_*.db")}
-            return len(pids) >= workers and value(scrape(base_url), "vitserve_ready") == 1  # (+ the engine)
+            m = scrape(base_url)
+            return value(m, "vitserve_http_workers") == workers and value(m, "vitserve_http_workers_ready") == workers
         except httpx.TransportError:
             return False  # not listening yet
 

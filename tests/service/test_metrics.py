@@ -100,6 +100,7 @@ def test_multiprocess_mode_aggregates_two_workers(tiny_onnx, tmp_path):
         assert value(m, "vitserve_images_total") == 12 and value(m, "vitserve_batch_size_sum") == 12
         assert value(m, "vitserve_requests_rejected_total", reason="invalid_image") == 1
         assert value(m, "vitserve_ready") == 1
+        assert value(m, "vitserve_http_workers") == 2 and value(m, "vitserve_http_workers_ready") == 2
         assert len([k for k in m if k[0] == "vitserve_model_info"]) == 1
     assert not (directory / "counter_999999.db").exists()
 
