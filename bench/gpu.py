@@ -63,6 +63,7 @@ class GpuKitConfig:
     # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
     # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
     served_variants: str = ""
+    served_rounds: int = 1  # each variant this many times, the order reversed every other round (speed drifts)
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
     out: Path = Path("build/gpu/bench-gpu.md")  # docs/results/bench-gpu.md is a lent GPU run's, written up by hand
@@ -350,6 +351,14 @@ def served_variants(spec: str) -> list[tuple[str, dict[str, str]]]:
     return variants or [("", {})]
 
 
+def served_schedule(spec: str, rounds: int) -> list[tuple[int, str, dict[str, str]]]:
+    """(round, name, overlay) in the order they run: every variant each round, reversed every other round (ABBA),
+    so a drift of the machine's speed weighs on each alike."""
+    variants = served_variants(spec)
+    return [(r + 1, name, overlay) for r in range(max(1, rounds))
+            for name, overlay in (variants if r % 2 == 0 else variants[::-1])]
+
+
 def served_with_wrk(path: Path, cfg: GpuKitConfig, overlay: dict[str, str] | None = None) -> dict:
     """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores; `overlay`
     changes the server's settings for a comparison."""
@@ -425,8 +434,9 @@ def run(cfg: GpuKitConfig) -> Kit:
                              batch_sizes, duration, cfg.work)
                 if "served" in steps and (not cfg.served_files
                                           or f"{model}:{precision}" in cfg.served_files.split(",")):
-                    for variant, overlay in served_variants(cfg.served_variants):
-                        kit.step(f"{model} {precision}: served, wrk, JPEG" + (f" ({variant})" if variant else ""),
+                    for round_, variant, overlay in served_schedule(cfg.served_variants, cfg.served_rounds):
+                        label = ", ".join(filter(None, (variant, f"round {round_}" if cfg.served_rounds > 1 else "")))
+                        kit.step(f"{model} {precision}: served, wrk, JPEG" + (f" ({label})" if label else ""),
                                  served_with_wrk, path, cfg, overlay)
                 continue
             if precision == "fp16":

@@ -87,6 +87,10 @@ def test_served_variants_name_each_settings_overlay_and_refuse_what_is_not_a_set
     for wrong in ("x:PATH=/tmp", "x:VITSERVE_MAX_BATCH_SIZE", ":VITSERVE_MAX_BATCH_SIZE=8"):
         with pytest.raises(ValueError):
             served_variants(wrong)
+    from vitserve.bench.gpu import served_schedule
+
+    assert [(r, name) for r, name, _ in served_schedule("a:;b:VITSERVE_X=1", 3)] == [
+        (1, "a"), (1, "b"), (2, "b"), (2, "a"), (3, "a"), (3, "b")]
     with pytest.raises(SystemExit) as exit_:  # before any export starts
         main(["--served-variants", "x:PATH=/tmp"])
     assert exit_.value.code == 2
