@@ -56,7 +56,7 @@ def test_a_model_that_normalises_on_its_device_answers_raw_pixels_as_it_answers_
 def test_a_model_without_a_normaliser_refuses_raw_pixels_rather_than_reading_them_as_values(tiny_onnx):
     from vitserve.service.engine.runtime import OnnxModel
 
-    model = OnnxModel.load(settings_for(tiny_onnx))  # auto, on the CPU: float32 transport
+    model = OnnxModel.load(settings_for(tiny_onnx, pixel_transport="auto"))  # on the CPU: float32 transport
     assert not model.takes_raw_pixels
     with pytest.raises(TypeError, match="float32"):
         model.run(np.zeros((1, model.info.channels, 32, 32), np.uint8))
