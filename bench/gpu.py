@@ -355,7 +355,7 @@ def served_schedule(spec: str, rounds: int) -> list[tuple[int, str, dict[str, st
     """(round, name, overlay) in the order they run: every variant each round, reversed every other round (ABBA),
     so a drift of the machine's speed weighs on each alike."""
     variants = served_variants(spec)
-    return [(r + 1, name, overlay) for r in range(max(1, rounds))
+    return [(r + 1, name, overlay) for r in range(rounds)
             for name, overlay in (variants if r % 2 == 0 else variants[::-1])]
 
 
@@ -518,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         served_variants(cfg.served_variants)  # a mistyped variant fails now, not after minutes of exports
     except ValueError as e:
         p.error(str(e))
+    if cfg.served_rounds < 1:
+        p.error(f"--served-rounds: {cfg.served_rounds} is not a count of rounds (1 or more)")
     import onnxruntime as ort
     if cfg.install and CUDA not in ort.get_available_providers() and shutil.which("nvidia-smi"):
         rerun = install_and_rerun(cfg, [a for a in argv if a != "--no-install"])

@@ -27,7 +27,8 @@ def engine_normalises(pixel_transport: str, provider: str) -> bool:
 
 
 class PixelTable:
-    """A model's normalisation (its file's mean and std per channel) as a (C, 256) table: `host` applies it on the CPU, `graph` as an ONNX graph."""
+    """A model's normalisation (its file's mean and std per channel) as a (C, 256) table: `host` applies it on the
+    CPU, `graph` as an ONNX graph."""
 
     def __init__(self, mean: list[float], std: list[float]):
         self.channels = len(mean)

@@ -94,6 +94,9 @@ def test_served_variants_name_each_settings_overlay_and_refuse_what_is_not_a_set
     with pytest.raises(SystemExit) as exit_:  # before any export starts
         main(["--served-variants", "x:PATH=/tmp"])
     assert exit_.value.code == 2
+    with pytest.raises(SystemExit) as exit_:
+        main(["--served-rounds", "0"])
+    assert exit_.value.code == 2
 
 
 def test_a_served_level_reports_the_servers_own_account_of_its_batches():
