@@ -63,6 +63,9 @@ class GpuKitConfig:
     # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
     # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
     served_variants: str = ""
+    # config fields changed in the random-weight presets' export, "depth=2": a block's cost measured without the
+    # whole model's export (ViT-B/16's is 109 s of a lent machine's minutes); the default model is left as trained
+    preset_overrides: str = ""
     served_rounds: int = 1  # each variant this many times, the order reversed every other round (speed drifts)
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
@@ -164,9 +167,11 @@ def install_and_rerun(cfg: GpuKitConfig, argv: list[str]) -> int | None:
     return subprocess.run([str(python), "-m", "vitserve.bench.gpu", *argv, "--no-install"]).returncode
 
 
-def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAULT_CHECKPOINT) -> Path:
-    """The model at `precision` as an ONNX file in `work` (made once)."""
-    out = work / f"{model}-{precision}.onnx"
+def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAULT_CHECKPOINT,
+                overrides: str = "") -> Path:
+    """The model at `precision` as an ONNX file in `work` (made once); a preset with `overrides` ("depth=2,...")."""
+    pieces = [item for item in overrides.split(",") if item] if model != "default" else []
+    out = work / f"{'-'.join([model, *[p.replace('=', '') for p in pieces], precision])}.onnx"
     if out.exists():
         return out
     work.mkdir(parents=True, exist_ok=True)
@@ -175,7 +180,8 @@ def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAU
         argv = [sys.executable, "-m", "vitserve.cli", "export", str(checkpoint), "--out", str(partial),
                 "--precision", precision]
     else:
-        argv = [sys.executable, "-m", "vitserve.export.presets", model, str(partial), "--precision", precision]
+        argv = [sys.executable, "-m", "vitserve.export.presets", model, str(partial), "--precision", precision,
+                *[arg for piece in pieces for arg in ("--override", piece)]]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=3600)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} exited {done.returncode}: {(done.stdout + done.stderr)[-1500:]}")
@@ -267,55 +273,67 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
 
 
 def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Path) -> dict:
-    """A logits-only graph of the fast path through ONNX Runtime's transformer optimizer (fused attention) against
-    the fast path with its rollout, each a dynamic CUDA session with IOBinding, images/s per batch size."""
+    """The fast path with its rollout against two maps-free graphs, each a dynamic CUDA session with IOBinding,
+    images/s per batch size in alternating rounds (ONNX Runtime's own profiler would time each CUDA kernel's launch,
+    not its run, so the graphs' difference is the measure):
+    - maps_free: the fast graph without the rollout, through ONNX Runtime's transformer optimizer (`model_type="vit"`:
+      SkipLayerNormalization and BiasGelu; it finds none of this export's attention);
+    - attention: the same with each block's attention one MultiHeadAttention (service/engine/attention_fusion.py),
+      flash or memory-efficient attention on the GPU."""
     import onnx
     from onnxruntime.transformers.optimizer import optimize_model
 
+    from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
     from vitserve.bench.measure import alternating_rounds_ms
-    from vitserve.service.engine.graph_paths import split_paths
-    from vitserve.service.ground.settings import Settings
     from vitserve.onnx_header import read_model_info
-
-    import onnxruntime as ort
-
-    from vitserve.service.engine.runtime import OnnxModel, new_session, provider_chain
+    from vitserve.service.engine.attention_fusion import count_fused, fuse_attention
+    from vitserve.service.engine.graph_paths import prune_outputs, split_paths
+    from vitserve.service.engine.runtime import run_session
 
     info = read_model_info(path)
     fast = split_paths(onnx.load(str(path))).fast
-    del fast.graph.output[1:]  # logits only: the rollout's chain is dead code to the optimizer
-    plain = work / f"{path.stem}-logits.onnx"
-    onnx.save(fast, str(plain))
-    fused = optimize_model(str(plain), model_type="vit", num_heads=int(info.architecture.get("num_heads", 0)),
-                           hidden_size=int(info.architecture.get("embed_dim", 0)), use_gpu=True,
-                           only_onnxruntime=False)
-    fused_path = work / f"{path.stem}-logits-fused.onnx"
-    fused.save_model_to_file(str(fused_path))
-    ops = {}
-    for node in fused.model.graph.node:
-        ops[node.op_type] = ops.get(node.op_type, 0) + 1
-    rollout = server_model(path, cuda_graphs=False)
-    settings = Settings(model_path=fused_path, providers=["cuda", "cpu"])
-    chain = provider_chain(settings, ort.get_available_providers())
-    fused_session = new_session(fused_path.read_bytes(), settings, chain, fused_path)
-    binder = OnnxModel(fused_session, info)
+    maps_free = prune_outputs(fast, {OUTPUT_NAMES[1]})  # the rollout
+    graphs = {"rollout": fast, "maps_free": maps_free, "attention": fuse_attention(maps_free)}
+    files, fused_ops = {}, {}
+    for name, graph in graphs.items():
+        plain = work / f"{path.stem}-{name}.onnx"
+        onnx.save(graph, str(plain))
+        if name == "rollout":  # the server's own graph, as the server loads it
+            files[name] = plain
+            continue
+        optimized = optimize_model(str(plain), model_type="vit", num_heads=int(info.architecture.get("num_heads", 0)),
+                                   hidden_size=int(info.architecture.get("embed_dim", 0)), use_gpu=True,
+                                   only_onnxruntime=False)
+        files[name] = work / f"{path.stem}-{name}-optimized.onnx"
+        optimized.save_model_to_file(str(files[name]))
+        counts: dict[str, int] = {}
+        for node in optimized.model.graph.node:
+            counts[node.op_type] = counts.get(node.op_type, 0) + 1
+        fused_ops[name] = {k: v for k, v in counts.items() if k in (
+            "Attention", "MultiHeadAttention", "SkipLayerNormalization", "BiasGelu", "FastGelu", "LayerNormalization",
+            "Softmax")}
+    fused_ops["attention"]["blocks_fused"] = count_fused(graphs["attention"])
+    sessions = {name: session(file, CUDA) for name, file in files.items()}
+    device = "cuda" if sessions["rollout"].get_providers()[0] == CUDA else None
     rng = np.random.default_rng(0)
     rows = []
     for batch in batch_sizes:
         x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
-        fused_logits = binder._run(fused_session, ("logits",), {"pixel_values": x})[0]
-        logits = rollout.run(x)[0]
-        ms = alternating_rounds_ms({"fused": lambda: binder._run(fused_session, ("logits",), {"pixel_values": x}),
-                                    "rollout": lambda: rollout.run(x)}, rounds=5, seconds=seconds / 5)
-        row = {"batch_size": batch, "max_logits_diff_relative": float(np.abs(fused_logits - logits).max() /
-                                                                      max(1.0, np.abs(logits).max())),
-               "top1_agreement": float((fused_logits.argmax(1) == logits.argmax(1)).mean())}
+        calls = {name: (lambda s=s, g=graphs[name]: run_session(s, tuple(o.name for o in g.graph.output),
+                                                                   {INPUT_NAME: x}, device))
+                 for name, s in sessions.items()}  # every output each graph has: the rollout's cost is the point
+        answers = {name: call()[0] for name, call in calls.items()}
+        reference = answers["rollout"]
+        ms = alternating_rounds_ms(calls, rounds=5, seconds=seconds / 5)
+        row: dict = {"batch_size": batch}
         for name, times in ms.items():
             median = float(np.median(times))
             row.update({f"{name}_ms": median, f"{name}_images_per_s": batch * 1000 / median})
+        for name in ("maps_free", "attention"):
+            row[f"{name}_max_logits_diff_relative"] = float(np.abs(answers[name] - reference).max()
+                                                            / max(1.0, np.abs(reference).max()))
+            row[f"{name}_top1_agreement"] = float((answers[name].argmax(1) == reference.argmax(1)).mean())
         rows.append(row)
-    fused_ops = {k: v for k, v in ops.items() if k in ("Attention", "MultiHeadAttention", "SkipLayerNormalization",
-                                                        "BiasGelu", "FastGelu", "LayerNormalization")}
     return {"fused_ops": fused_ops, "rows": rows}
 
 
@@ -411,45 +429,46 @@ def run(cfg: GpuKitConfig) -> Kit:
             kit.steps.append(Step(f"{skipped}: every step", "skipped", "no CUDA provider: the CPU run is a check "
                                                                        "of the kit, on the default model only"))
     for model in models:
+        name = model if model == "default" or not cfg.preset_overrides else f"{model}[{cfg.preset_overrides}]"
         files = {}
         for precision in precisions:
             if not env.get("torch"):
-                kit.steps.append(Step(f"{model} {precision}: export", "skipped", "torch is not installed here"))
+                kit.steps.append(Step(f"{name} {precision}: export", "skipped", "torch is not installed here"))
                 continue
-            made = kit.step(f"{model} {precision}: export", lambda m=model, p=precision: {"path": str(
-                export_file(m, p, cfg.work, cfg.checkpoint))})
+            made = kit.step(f"{name} {precision}: export", lambda m=model, p=precision: {"path": str(
+                export_file(m, p, cfg.work, cfg.checkpoint, cfg.preset_overrides))})
             if made.status == "ran":
                 files[precision] = Path(made.result["path"])
         reference = files.get("fp32")
         for precision, path in files.items():
             if reference is not None:
-                kit.step(f"{model} {precision}: verify on {provider}", verify_on, path, reference, provider)
+                kit.step(f"{name} {precision}: verify on {provider}", verify_on, path, reference, provider)
             if on_gpu:
                 steps = cfg.gpu_steps.split(",")
                 if "graphs" in steps:
-                    kit.step(f"{model} {precision}: CUDA graphs vs dynamic, raw", cuda_graphs_raw, path, batch_sizes,
+                    kit.step(f"{name} {precision}: CUDA graphs vs dynamic, raw", cuda_graphs_raw, path, batch_sizes,
                              duration)
                 if "fused" in steps:
-                    kit.step(f"{model} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path,
+                    kit.step(f"{name} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path,
                              batch_sizes, duration, cfg.work)
                 if "served" in steps and (not cfg.served_files
                                           or f"{model}:{precision}" in cfg.served_files.split(",")):
                     for round_, variant, overlay in served_schedule(cfg.served_variants, cfg.served_rounds):
                         label = ", ".join(filter(None, (variant, f"round {round_}" if cfg.served_rounds > 1 else "")))
-                        kit.step(f"{model} {precision}: served, wrk, JPEG" + (f" ({label})" if label else ""),
+                        kit.step(f"{name} {precision}: served, wrk, JPEG" + (f" ({label})" if label else ""),
                                  served_with_wrk, path, cfg, overlay)
                 continue
             if precision == "fp16":
-                kit.steps.append(Step(f"{model} fp16: raw and served", "skipped", "float16 is for GPUs: on the CPU "
+                kit.steps.append(Step(f"{name} fp16: raw and served", "skipped", "float16 is for GPUs: on the CPU "
                                                                                     "it measures nothing of use"))
                 continue
-            kit.step(f"{model} {precision}: raw and served on {provider}", bench_served, path, provider, cfg,
+            kit.step(f"{name} {precision}: raw and served on {provider}", bench_served, path, provider, cfg,
                      batch_sizes, concurrency, duration)
             if TENSORRT in env.get("providers", []):
-                kit.step(f"{model} {precision}: raw and served on TensorRT", bench_served, path, TENSORRT, cfg,
+                kit.step(f"{name} {precision}: raw and served on TensorRT", bench_served, path, TENSORRT, cfg,
                          batch_sizes, concurrency, duration)
             else:
-                kit.steps.append(Step(f"{model} {precision}: TensorRT", "skipped",
+                kit.steps.append(Step(f"{name} {precision}: TensorRT", "skipped",
                                       "no TensorrtExecutionProvider in this onnxruntime build"))
     return kit
 

@@ -10,6 +10,7 @@ for a default model not trained yet, and the test suite's tiny models.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,8 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the ONNX file to write")
     parser.add_argument("--verify", action="store_true", help="verify against PyTorch, as `vitserve export` does")
     parser.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32")
+    parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
+                        help="a model.vit config field changed, e.g. depth=2 (a block's cost without the whole "
+                             "model's export time); repeatable")
     args = parser.parse_args(argv)
-    report = export_random_model(PRESETS[args.name], args.out, verify=args.verify, precision=args.precision)
+    spec = PRESETS[args.name]
+    if args.override:
+        overrides = dict(spec.overrides)
+        for item in args.override:
+            field_name, sep, value = item.partition("=")
+            if not sep or not value.lstrip("-").isdigit():
+                parser.error(f"--override takes FIELD=INTEGER, not {item!r}")
+            overrides[field_name] = int(value)
+        spec = dataclasses.replace(spec, overrides=overrides)
+    report = export_random_model(spec, args.out, verify=args.verify, precision=args.precision)
     print(report.path)
     return 0
 

@@ -89,6 +89,21 @@ def _inline(model: onnx.ModelProto, switch: onnx.NodeProto, branch: onnx.GraphPr
     return inlined
 
 
+def prune_outputs(model: onnx.ModelProto, drop: set[str]) -> onnx.ModelProto:
+    """A copy of `model` without the outputs named in `drop`, and without the nodes and weights nothing else reads."""
+    pruned = onnx.ModelProto()
+    pruned.CopyFrom(model)
+    kept = [o for o in pruned.graph.output if o.name not in drop]
+    nodes = _live(list(pruned.graph.node), {o.name for o in kept})
+    used = {name for node in nodes for name in node.input}
+    initializers = [t for t in pruned.graph.initializer if t.name in used]
+    for field, values in ((pruned.graph.output, kept), (pruned.graph.node, nodes),
+                          (pruned.graph.initializer, initializers)):
+        del field[:]
+        field.extend(values)
+    return pruned
+
+
 def _live(nodes: list[onnx.NodeProto], wanted: set[str]) -> list[onnx.NodeProto]:
     """The nodes that the `wanted` values depend on, in their original (topological) order."""
     needed, live = set(wanted), []
