@@ -246,6 +246,7 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
     info = graphs.info
     rng = np.random.default_rng(0)
     rows, worst_logits, worst_rollout, worst_raw, agree, total = [], 0.0, 0.0, 0.0, 0, 0
+    worst_maps_free, agree_maps_free = 0.0, 0
     for batch in batch_sizes:
         raw = rng.integers(0, 256, (batch, info.channels, *info.image_size), dtype=np.uint8)
         x = normalize_pixels(raw, info.mean, info.std)
@@ -255,9 +256,14 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
         for model, floats in ((graphs, l1), (dynamic, l0)):
             worst_raw = max(worst_raw, float(np.abs(model.run(raw)[0] - floats).max()))
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch
-        ms = alternating_rounds_ms({"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x),
-                                    "graphs_uint8": lambda: graphs.run(raw), "dynamic_uint8": lambda: dynamic.run(raw)},
-                                   rounds=5, seconds=seconds / 5)
+        calls = {"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x),
+                 "graphs_uint8": lambda: graphs.run(raw), "dynamic_uint8": lambda: dynamic.run(raw)}
+        if graphs.run_without_maps is not None:  # the maps-free graph as the server runs it (map=none)
+            calls["maps_free_uint8"] = lambda: graphs.run_without_maps(raw)
+            lean = graphs.run_without_maps(raw)[0]
+            worst_maps_free = max(worst_maps_free, float(np.abs(lean - l1).max() / max(1.0, np.abs(l1).max())))
+            agree_maps_free += int((lean.argmax(1) == l1.argmax(1)).sum())
+        ms = alternating_rounds_ms(calls, rounds=5, seconds=seconds / 5)
         row = {"batch_size": batch}
         for name, times in ms.items():
             median = float(np.median(times))
@@ -269,7 +275,11 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
             "load_timings": load_timings,
             "max_logits_diff_relative": worst_logits, "max_rollout_diff": worst_rollout,
             "uint8_vs_float32_max_logits_diff": worst_raw,
-            "top1_agreement": agree / total, "rows": rows}
+            "top1_agreement": agree / total,
+            "maps_free": {"served": graphs.lean_path is not None,
+                          "captured": graphs.lean_path is not None and graphs.lean_path.captured is not None,
+                          "max_logits_diff_relative": worst_maps_free, "top1_agreement": agree_maps_free / total},
+            "rows": rows}
 
 
 def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Path) -> dict:

@@ -57,7 +57,7 @@ async def classify(call: Call, data: bytes, options: ClassifyOptions) -> Classif
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize,
                                                         options.map_format == "overlay")
-    result = await submit(state, handle, prepared.pixels, call.deadline, target)
+    result = await submit(state, handle, prepared.pixels, call.deadline, target, maps=options.map != "none")
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
@@ -89,7 +89,7 @@ async def embed(call: Call, data: bytes, resize: ResizePolicy, normalize: bool) 
     state, handle = call.state, call.handle
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, resize, False)
-    result = await submit(state, handle, prepared.pixels, call.deadline, None)
+    result = await submit(state, handle, prepared.pixels, call.deadline, None, maps=False)
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
@@ -125,10 +125,12 @@ async def infer(call: Call, request, parse_s: float, encode):
         raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "
                                f"without it (outputs: {outputs})")
     call.shorten(request.timeout_s)  # the client's own timeout can only make the deadline earlier
+    # no outputs named: every output is sent, the rollout too
+    maps = not request.outputs or any(o.name == OUTPUT_NAMES[1] for o in request.outputs)
     if request.images is not None:
-        work = run_encoded_images(call, request.images, request.resize, target)
+        work = run_encoded_images(call, request.images, request.resize, target, maps)
     else:
-        work = run_pixel_tensors(call, request.pixels, target)
+        work = run_pixel_tensors(call, request.pixels, target, maps)
     tensors = await call.run(work)
     info = answering_info(call, tensors["versions"][0])
     encoding = time.perf_counter()
@@ -183,15 +185,17 @@ async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage,
     return postprocess.encode_result(*args), time.perf_counter() - started
 
 
-async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None) -> dict[str, np.ndarray]:
-    """Run every image of the tensor (on the relevance path with a `target`); the first that fails fails the
-    request, named, and the others are dropped."""
+async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
+                            maps: bool = True) -> dict[str, np.ndarray]:
+    """Run every image of the tensor (on the relevance path with a `target`; `maps` False: the rollout is not
+    needed, engine.submit); the first that fails fails the request, named, and the others are dropped."""
     state, handle = call.state, call.handle
-    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target))
+    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target, maps))
     return _stacked(call, results, target is not None)
 
 
-async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePolicy, target: int | None) -> dict:
+async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePolicy, target: int | None,
+                             maps: bool = True) -> dict:
     """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
     the request, named by its index, and the others' work is cancelled."""
     state, handle = call.state, call.handle
@@ -201,15 +205,16 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(state, handle, pixels, call.deadline, target))
+                          lambda pixels: submit(state, handle, pixels, call.deadline, target, maps))
     return {**_stacked(call, results, target is not None), "prepare_s": [seconds for _, seconds in prepared]}
 
 
 async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
-                 target: int | None) -> InferenceResult:
-    """One image through the engine; traced, its queue and inference spans."""
+                 target: int | None, maps: bool = True) -> InferenceResult:
+    """One image through the engine (`maps` False: its answer needs no rollout); traced, its queue and inference
+    spans."""
     submitted_ns = tracing.now_ns()
-    result = await state.engine.submit(handle, pixels, deadline.remaining(), target)
+    result = await state.engine.submit(handle, pixels, deadline.remaining(), target, maps)
     tracing.engine_spans(submitted_ns, result)
     return result
 

@@ -11,6 +11,10 @@ time on its own thread), so the next batch is stacked while the current one runs
 assembled behind the running one: one that is not full stays open to newcomers until the runner is free,
 as Triton's dynamic batcher forms a batch when a model instance is free.
 
+An item may also be `light`: it needs less of the computation than the others (the engine: no maps). Light items
+batch with the rest of their group (splitting them off would make both batches smaller); a batch whose items are
+all light is run as `run_batch(stacked, targets, light=True)`, the cheaper computation.
+
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
 waits for at most the batches already in flight, not for the whole burst.
@@ -25,6 +29,7 @@ A cancelled `submit` (e.g. the client went away) is dropped before it runs.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -42,8 +47,9 @@ from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 # one is copied on a thread, so the loop keeps answering meanwhile.
 STACK_INLINE_BYTES = 256 * 1024
 
-# (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions)
-RunBatch = Callable[[np.ndarray, np.ndarray | None], Sequence[Any]]
+# (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions);
+# for a batch of light items only, also `light=True`
+RunBatch = Callable[..., Sequence[Any]]
 
 
 class BatchObserver(Protocol):
@@ -83,6 +89,7 @@ class _Item:
     enqueued: float
     deadline: float
     target: int | None = None
+    light: bool = False  # needs only the cheaper computation (module doc)
     dispatched: float = field(default=0.0)
 
     @property
@@ -157,16 +164,18 @@ class DynamicBatcher:
     def start(self) -> None:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
 
-    async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None) -> BatchResult:
+    async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None,
+                     light: bool = False) -> BatchResult:
         """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
-        future = self.enqueue(array, timeout_s, target)
+        future = self.enqueue(array, timeout_s, target, light)
         try:
             return await future
         except asyncio.CancelledError:
             future.cancel()  # a cancelled future is skipped when its batch is assembled
             raise
 
-    def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None) -> asyncio.Future:
+    def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None,
+                light: bool = False) -> asyncio.Future:
         """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
         item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
         from the futures' callbacks (service/engine/process.py). Raises NotReady or QueueFullError at once."""
@@ -175,7 +184,7 @@ class DynamicBatcher:
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         loop, now = asyncio.get_running_loop(), time.perf_counter()
-        item = _Item(array, loop.create_future(), now, now + timeout_s, target)
+        item = _Item(array, loop.create_future(), now, now + timeout_s, target, light)
         self._groups.setdefault((array.shape, array.dtype.str, item.targeted), deque()).append(item)
         self._set_queued(self._queued + 1, {**self._queued_costs,
                                             item.targeted: self._queued_costs[item.targeted] + array.size})
@@ -326,13 +335,14 @@ class DynamicBatcher:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
+            light = {"light": True} if all(item.light for item in batch) else {}
             started, started_ns = time.perf_counter(), tracing.now_ns()
             stack_seconds = started - stacking
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
                 # batch is queueing, not inference.
-                outputs, seconds = await loop.run_in_executor(self._runner, _timed_call, self._run_batch, stacked,
-                                                              targets)
+                outputs, seconds = await loop.run_in_executor(
+                    self._runner, functools.partial(_timed_call, self._run_batch, stacked, targets, **light))
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
             except Exception as e:
@@ -386,7 +396,7 @@ class DynamicBatcher:
         self._runner.shutdown(wait=False)
 
 
-def _timed_call(function: Callable, *args) -> tuple[Any, float]:
+def _timed_call(function: Callable, *args, **kwargs) -> tuple[Any, float]:
     started = time.perf_counter()
-    result = function(*args)
+    result = function(*args, **kwargs)
     return result, time.perf_counter() - started

@@ -156,17 +156,17 @@ class RemoteEngine:
         return self.table.ready_versions(name)
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None) -> InferenceResult:
+                     target: int | None = None, maps: bool = True) -> InferenceResult:
         try:
-            return await self._submit(handle, pixels, timeout_s, target)
+            return await self._submit(handle, pixels, timeout_s, target, maps)
         except VersionRetired:
             if handle.pinned:
                 raise
             await self._refresh_index()  # the engine has a newer index than this frontend routed with
-            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target)
+            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target, maps)
 
     async def _submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                      target: int | None) -> InferenceResult:
+                      target: int | None, maps: bool) -> InferenceResult:
         links = [link for link in self._links if link.ready]
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
@@ -178,7 +178,7 @@ class RemoteEngine:
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         message = Submit(id, handle.name, handle.version, self.arena.name, offset, pixels.shape, pixels.dtype.str,
-                         timeout_s, target)
+                         timeout_s, target, maps)
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
         self._post(link, id, self.codec.encode(message))

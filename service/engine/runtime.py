@@ -17,6 +17,7 @@ import numpy as np
 import onnx
 
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.engine.attention_fusion import count_fused, maps_free
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
@@ -134,6 +135,13 @@ class OnnxModel:
         self.relevance = RelevancePath(make_relevance, info, self._device if self.io_binding else None)
         self.captured = captured  # CudaGraphBuckets or None
         self.normaliser = None  # a DeviceNormaliser where this model takes uint8 pixels (service/engine/pixels.py)
+        self.lean_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
+
+    @property
+    def run_without_maps(self):
+        """`MapsFreePath.run` (`run`'s outputs, the rollout empty) where this model serves the maps-free graph, else
+        None: what the engine calls for a batch that needs no map."""
+        return self.lean_path.run if self.lean_path is not None else None
 
     @property
     def takes_raw_pixels(self) -> bool:
@@ -152,15 +160,17 @@ class OnnxModel:
         _check_signature(session, info, path, split)
         relevance = None if paths.relevance is None else functools.partial(_relevance_session, path, settings,
                                                                             chain)
-        del paths  # the relevance graph is read again from the file if a request ever asks for it
         model = cls(session, info, make_relevance=relevance)
         warn_on_fallback(model, chain)
         if engine_normalises(settings.pixel_transport, model.provider):
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
         if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
+        if serves_maps_free(settings.maps_free, model.provider):
+            model.lean_path = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
+        del paths  # the relevance graph is read again from the file if a request ever asks for it
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
-                 info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
+                  info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
@@ -186,6 +196,69 @@ class OnnxModel:
 
     def _run(self, session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return run_session(session, outputs, feeds, self._device if self.io_binding else None)
+
+
+def serves_maps_free(setting: str, provider: str) -> bool:
+    """Whether a model on `provider` gets the maps-free graph (the `maps_free` setting: auto means on a GPU)."""
+    return setting == "on" or (setting == "auto" and provider in GPU_PROVIDERS)
+
+
+class MapsFreePath:
+    """The fast graph without the rollout, attention fused (service/engine/attention_fusion.py), for batches that
+    need no map: its own session and, on CUDA, its own captured buckets. `run` returns what `OnnxModel.run` does,
+    the rollout empty ((B, 0)), so every consumer indexes the outputs as ever; pixels as `OnnxModel.run` takes
+    them (uint8 where the model normalises on the device)."""
+
+    def __init__(self, model: "OnnxModel", session, names: tuple[str, ...], captured=None):
+        self.model, self.session, self.names, self.captured = model, session, names, captured
+
+    @classmethod
+    def load(cls, model: "OnnxModel", info: ModelInfo, fast: onnx.ModelProto, dims, settings: Settings,
+             chain: list[tuple[str, dict]], path: Path, from_branch: bool) -> "MapsFreePath | None":
+        """The path, checked against the fast graph on probe images; None (with a warning) where the graph cannot
+        be made or its answers differ: the fast graph then runs every batch, as without it."""
+        started = time.perf_counter()
+        rollout = info.output_names()[1]
+        graph = maps_free(fast, (rollout,))
+        names = tuple(name for name in info.output_names() if name != rollout)
+        try:
+            graph_bytes = graph.SerializeToString()
+            session = new_session(graph_bytes, settings, chain, path, from_branch=from_branch)
+            lean = cls(model, session, names)
+            pixels = probe_pixels(info)
+            disagreement = logits_disagree(lean.run(pixels)[0], model.run(pixels)[0])
+        except ModelLoadError as e:
+            log.warning("no maps-free graph for %s: %s", path, str(e).splitlines()[0][:300])
+            return None
+        if disagreement:
+            log.warning("no maps-free graph for %s: its answers differ from the rollout graph's: %s", path,
+                        disagreement)
+            return None
+        if model.captured is not None:
+            lean.captured = _capture(model, graph_bytes, dims, settings, chain, path, from_branch, names,
+                                     lambda pixels: lean.run_dynamic(pixels))
+        log.info("maps-free graph for %s: %d blocks' attention fused, ready in %.2f s%s", path, count_fused(graph),
+                 time.perf_counter() - started, " with CUDA graphs" if lean.captured else "")
+        return lean
+
+    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
+        model = self.model
+        raw = pixel_values.dtype == np.uint8
+        if self.captured is not None and self.captured.covers(pixel_values):
+            outputs = self.captured.run(pixel_values, model.normaliser.to_device if raw else None)
+        else:
+            outputs = self.run_dynamic(pixel_values)
+        rollout = np.empty((len(pixel_values), 0), np.float32)
+        return (outputs[0], rollout, *outputs[1:])
+
+    def run_dynamic(self, pixel_values: np.ndarray) -> list[np.ndarray]:
+        model = self.model
+        if pixel_values.dtype == np.uint8:
+            if model.normaliser is None:
+                raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
+            return run_session(self.session, self.names, {INPUT_NAME: model.normaliser.to_device(pixel_values)},
+                               model._device)
+        return model._run(self.session, self.names, {INPUT_NAME: pixel_values})
 
 
 def run_session(session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray], device: str | None) -> list:
@@ -298,19 +371,22 @@ def _normaliser(info: ModelInfo, settings: Settings, chain: list[tuple[str, dict
 
 
 def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settings: Settings,
-             chain: list[tuple[str, dict]], path: Path, from_branch: bool):
-    """The fast path's CUDA graphs, one per batch bucket at the trained size where it beats the dynamic session;
-    None (with a warning) where ORT will not capture this graph."""
+             chain: list[tuple[str, dict]], path: Path, from_branch: bool, names: tuple[str, ...] | None = None,
+             run_dynamic=None):
+    """The fast path's CUDA graphs (or, with `names` and `run_dynamic`, another graph's of the same input: the
+    maps-free one), one per batch bucket at the trained size where it beats the dynamic session; None (with a
+    warning) where ORT will not capture this graph."""
     image = (model.info.channels, *model.info.image_size)
-    names = model.info.output_names()
-    probe = model._run(model.session, names, {INPUT_NAME: np.zeros((1, *image), np.float32)})
+    names = names or model.info.output_names()
+    run_dynamic = run_dynamic or (lambda pixels: model._run(model.session, names, {INPUT_NAME: pixels}))
+    probe = run_dynamic(np.zeros((1, *image), np.float32))
     outputs = [(name, value.shape[1:], value.dtype.type) for name, value in zip(names, probe)]
     try:
         return CudaGraphBuckets.build(
             lambda overrides, extra: new_session(fast, settings, chain, path, overrides, extra, from_branch),
             INPUT_NAME,
             dims, image, outputs, bucket_sizes(settings.max_batch_size), settings.cuda_device_id,
-            run_dynamic=lambda pixels: model._run(model.session, names, {INPUT_NAME: pixels}))
+            run_dynamic=run_dynamic)
     except Exception as e:  # noqa: BLE001 - ORT's refusal: the dynamic session still serves every batch
         log.warning("CUDA graphs not used for %s: %s", path, str(e).splitlines()[0][:300])
         return None
@@ -447,10 +523,15 @@ def probe_pixels(info: ModelInfo, count: int = 16) -> np.ndarray:
 
 
 def disagrees(model: InferenceModel, reference: InferenceModel) -> str:
-    """Why `model` may not stand in for `reference` (ONNX Runtime float32), or "": the same top-1 on every probe
-    image whose reference top-2 margin is clear (over 5% of its largest |logit|), logits within 5% of the largest."""
+    """Why `model` may not stand in for `reference` (ONNX Runtime float32), or "" (`logits_disagree` on the probe
+    images)."""
     pixels = probe_pixels(model.info)
-    got, want = model.run(pixels)[0], reference.run(pixels)[0]  # the logits
+    return logits_disagree(model.run(pixels)[0], reference.run(pixels)[0])
+
+
+def logits_disagree(got: np.ndarray, want: np.ndarray) -> str:
+    """Why logits `got` may not stand in for `want`, or "": the same top-1 on every image whose reference top-2
+    margin is clear (over 5% of its largest |logit|), logits within 5% of the largest."""
     scale = max(1.0, float(np.abs(want).max()))
     top2 = np.sort(want, axis=1)[:, -2:]
     clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale
@@ -499,8 +580,13 @@ def batch_one_ms(model: InferenceModel, calls: int = 9) -> float:
 
 def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:
     """Run each batch size once at the trained resolution, so the first real request pays no set-up cost: in the
-    pixels' type the frontends will send (a model that `takes_raw_pixels` gets uint8 ones)."""
+    pixels' type the frontends will send (a model that `takes_raw_pixels` gets uint8 ones), on each graph the
+    model serves (the maps-free one too, where it has one)."""
     height, width = model.info.image_size
     dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
+    without_maps = getattr(model, "run_without_maps", None)
     for batch in batch_sizes:
-        model.run(np.zeros((batch, model.info.channels, height, width), dtype))
+        pixels = np.zeros((batch, model.info.channels, height, width), dtype)
+        model.run(pixels)
+        if without_maps is not None:
+            without_maps(pixels)

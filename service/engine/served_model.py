@@ -112,8 +112,9 @@ class ServedModel:
         if self.closing:
             raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
 
-    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None) -> InferenceResult:
-        return self.result_of(await self.batcher.submit(pixels, timeout_s, target))
+    async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None,
+                     maps: bool = True) -> InferenceResult:
+        return self.result_of(await self.batcher.submit(pixels, timeout_s, target, light=not maps))
 
     def result_of(self, batched) -> InferenceResult:
         """The batcher's BatchResult as the image's InferenceResult, naming this version."""
@@ -128,16 +129,21 @@ class ServedModel:
     def predicted_wait_s(self) -> float:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0
 
-    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None) -> list:
+    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None, light: bool = False) -> list:
         """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
+        `light`: no image of the batch needs its rollout; a model with a maps-free graph runs that (the rollout
+        then empty, (0,), the other outputs as ever).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
         if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(self.model, "takes_raw_pixels",
                                                                                  False)):
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
             self._pixel_table = self._pixel_table or PixelTable(self.model.info.mean, self.model.info.std)
             pixel_values = self._pixel_table.host(pixel_values)
-        if targets is None:
+        without_maps = getattr(self.model, "run_without_maps", None) if light else None
+        if targets is None and without_maps is not None:
+            outputs = without_maps(pixel_values)
+        elif targets is None:
             outputs = self.model.run(pixel_values)
         else:
             outputs = self.model.explain(pixel_values, targets)

@@ -21,14 +21,16 @@ class Recorder:
     def __init__(self):
         self.started: list[list[float]] = []  # batches that entered run_batch, held at the gate or not
         self.targets: list[list[int] | None] = []  # each batch's targets (None: an untargeted batch)
+        self.light: list[bool] = []  # each batch: run as light (every item light)
         self.batches: list[list[float]] = []  # batches that ran
         self.fail_when = lambda values: False
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None):
+    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, light: bool = False):
         values = [float(x.ravel()[0]) for x in stacked]
         self.started.append(values)
+        self.light.append(light)
         self.targets.append(None if targets is None else targets.tolist())
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never opened the gate")
@@ -249,6 +251,18 @@ async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit
     assert [r.output for r in results] == [0, 10, 20, 100, 110, 120]
     runs = sorted(zip(recorder.batches, recorder.targets), key=lambda run: run[0])
     assert runs == [([0.0, 1.0, 2.0], None), ([10.0, 11.0], [-1, 0]), ([12.0], [1])]
+    await batcher.close()
+
+
+async def test_light_items_batch_with_the_rest_and_only_an_all_light_batch_runs_light():
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.5)
+    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i != 2) for i in range(4)))
+    light = await asyncio.gather(*(batcher.submit(item(i), 10, light=True) for i in range(4)))
+    targeted = await asyncio.gather(*(batcher.submit(item(i), 10, target=-1, light=True) for i in range(4)))
+    assert [r.batch_size for r in mixed + light + targeted] == [4] * 12  # light items split no batch
+    assert recorder.light == [False, True, True]
+    assert recorder.targets[2] == [-1] * 4  # a targeted batch keeps its targets; light is the engine's to honour
     await batcher.close()
 
 

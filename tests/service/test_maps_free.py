@@ -1,0 +1,165 @@
+"""The maps-free graph (service/engine/attention_fusion.py) and the batches that run it: requests that ask for no map
+get the answers the rollout graph gives, and every request that asks for a map still gets one."""
+from __future__ import annotations
+
+import base64
+import logging
+
+import numpy as np
+import onnx
+import pytest
+
+from service_fixtures import classify, patterned_png, serving, settings_for
+
+pytest.importorskip("onnxruntime")
+
+
+def _fast_graph(path):
+    from vitserve.service.engine.graph_paths import split_paths
+
+    return split_paths(onnx.load(str(path))).fast
+
+
+def _session(graph):
+    import onnxruntime as ort
+
+    return ort.InferenceSession(graph.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def test_every_block_attention_is_fused_and_answers_as_the_rollout_graph_at_any_size(tiny_onnx):
+    from vitserve.onnx_header import read_model_info
+    from vitserve.service.engine.attention_fusion import count_fused, maps_free
+
+    info = read_model_info(tiny_onnx)
+    fast = _fast_graph(tiny_onnx)
+    lean = maps_free(fast, ("rollout",))
+    assert count_fused(lean) == int(info.architecture["depth"]) > 0
+    assert "rollout" not in [o.name for o in lean.graph.output]
+    assert not any(n.op_type == "Softmax" for n in lean.graph.node)  # the long way is gone, not left beside it
+    full, fused = _session(fast), _session(lean)
+    names = [o.name for o in lean.graph.output]
+    rng = np.random.default_rng(0)
+    for shape in [(1, info.channels, *info.image_size), (3, info.channels, 48, 32), (2, info.channels, 16, 64)]:
+        x = rng.standard_normal(shape).astype(np.float32)
+        want = dict(zip([o.name for o in fast.graph.output], full.run(None, {"pixel_values": x})))
+        for name, got in zip(names, fused.run(names, {"pixel_values": x})):
+            np.testing.assert_allclose(got, want[name], rtol=1e-4, atol=1e-5)
+
+
+def test_attention_whose_probabilities_are_read_elsewhere_is_left_unfused(tiny_onnx):
+    """With the rollout kept, each block's probabilities feed the rollout too: fusing would lose them."""
+    from vitserve.service.engine.attention_fusion import count_fused, fuse_attention
+
+    fast = _fast_graph(tiny_onnx)
+    assert count_fused(fuse_attention(fast)) == 0
+    assert fuse_attention(fast) is fast
+
+
+def test_a_block_that_differs_from_the_pattern_is_left_as_it_is(tiny_onnx):
+    """A scale computed at run time instead of a constant: that block is not rewritten, and the graph still runs."""
+    from vitserve.service.engine.attention_fusion import count_fused, fuse_attention
+    from vitserve.service.engine.graph_paths import prune_outputs
+
+    lean = prune_outputs(_fast_graph(tiny_onnx), {"rollout"})
+    muls = [n for n in lean.graph.node if n.op_type == "Mul" and any(
+        r.op_type == "MatMul" and r.input[0] == n.output[0] for r in lean.graph.node)]
+    first = muls[0]
+    computed = first.input[1] + "/computed"
+    lean.graph.node.insert(list(lean.graph.node).index(first), onnx.helper.make_node(
+        "Identity", [first.input[1]], [computed]))
+    first.input[1] = computed
+    fused = fuse_attention(lean)
+    assert count_fused(fused) == len(muls) - 1
+    x = np.random.default_rng(1).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    np.testing.assert_allclose(_session(fused).run(["logits"], {"pixel_values": x})[0],
+                               _session(lean).run(["logits"], {"pixel_values": x})[0], rtol=1e-4, atol=1e-5)
+
+
+def test_the_model_serves_the_maps_free_graph_where_the_setting_says(tiny_onnx):
+    from vitserve.service.engine.runtime import OnnxModel, serves_maps_free
+
+    assert serves_maps_free("auto", "CUDAExecutionProvider") and serves_maps_free("on", "CPUExecutionProvider")
+    assert not serves_maps_free("auto", "CPUExecutionProvider") and not serves_maps_free("off", "CUDAExecutionProvider")
+    assert OnnxModel.load(settings_for(tiny_onnx, maps_free="auto")).run_without_maps is None  # on the CPU
+    model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
+    x = np.random.default_rng(2).standard_normal((3, model.info.channels, 40, 24)).astype(np.float32)
+    with_maps, without = model.run(x), model.run_without_maps(x)
+    assert len(with_maps) == len(without) and without[1].shape == (3, 0)  # the rollout's place kept, empty
+    for index in [0, *range(2, len(without))]:
+        np.testing.assert_allclose(without[index], with_maps[index], rtol=1e-4, atol=1e-5)
+
+
+def test_a_maps_free_graph_that_answers_differently_is_not_served(tiny_onnx, monkeypatch, caplog):
+    """The fused graph is checked against the rollout graph at load: one that disagrees (here, its head's weights
+    negated) costs speed, never answers."""
+    from vitserve.service.engine import runtime
+    from vitserve.service.engine.attention_fusion import maps_free
+
+    def broken(fast, drop):
+        graph = maps_free(fast, drop)
+        for tensor in graph.graph.initializer:
+            if "head" in tensor.name and "weight" in tensor.name:
+                values = -onnx.numpy_helper.to_array(tensor)
+                tensor.CopyFrom(onnx.numpy_helper.from_array(values, tensor.name))
+        return graph
+
+    monkeypatch.setattr(runtime, "maps_free", broken)
+    with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
+        model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
+    assert model.lean_path is None and model.run_without_maps is None
+    assert "answers differ" in caplog.text
+
+
+class PathRecordingModel:
+    """The real model, recording which graph ran each batch."""
+
+    def __init__(self, model):
+        self.inner, self.info, self.provider = model, model.info, model.provider
+        self.paths: list[str] = []
+
+    def run(self, pixel_values):
+        self.paths.append("rollout")
+        return self.inner.run(pixel_values)
+
+    def run_without_maps(self, pixel_values):
+        self.paths.append("maps-free")
+        return self.inner.run_without_maps(pixel_values)
+
+    def explain(self, pixel_values, targets):
+        self.paths.append("relevance")
+        return self.inner.explain(pixel_values, targets)
+
+
+@pytest.mark.anyio
+async def test_requests_without_maps_run_the_maps_free_graph_and_answer_as_the_rollout_graph(tiny_onnx):
+    from vitserve.service.engine.runtime import load_model
+
+    settings = settings_for(tiny_onnx, maps_free="on", warmup_batch_sizes=[])
+    model = PathRecordingModel(load_model(settings))
+    image = patterned_png((48, 40))
+    async with serving(settings, model) as client:
+        assert model.paths == ["rollout", "maps-free"] * 2  # warm-up: both graphs, at batch 1 and the largest
+        model.paths.clear()
+        with_map = (await classify(client, image, top_k=3, map="rollout")).json()
+        assert model.paths == ["rollout"]
+        without = (await classify(client, image, top_k=3, map="none")).json()
+        assert model.paths[-1] == "maps-free" and without["rollout"] is None
+        for got, want in zip(without["predictions"], with_map["predictions"]):
+            assert got["label"] == want["label"] and got["score"] == pytest.approx(want["score"], abs=1e-5)
+        explained = await classify(client, image, top_k=3, map="relevance")
+        assert explained.status_code == 200 and model.paths[-1] == "relevance"
+
+        embedded = await client.post("/v1/embed", content=image, headers={"content-type": "image/png"})
+        assert embedded.status_code == 200, embedded.text
+        assert model.paths[-1] == "maps-free"
+
+        body = {"inputs": [{"name": "image", "shape": [1], "datatype": "BYTES",
+                            "data": [base64.b64encode(image).decode()]}]}
+        only_logits = await client.post("/v2/models/tiny-vit/infer", json={**body, "outputs": [{"name": "logits"}]})
+        assert only_logits.status_code == 200, only_logits.text
+        assert model.paths[-1] == "maps-free"
+        assert [o["name"] for o in only_logits.json()["outputs"]] == ["logits"]
+        every_output = await client.post("/v2/models/tiny-vit/infer", json=body)
+        assert every_output.status_code == 200 and model.paths[-1] == "rollout"
+        rollout = next(o for o in every_output.json()["outputs"] if o["name"] == "rollout")
+        assert rollout["shape"][1:] != [0] and len(rollout["data"]) > 0
