@@ -37,7 +37,9 @@ class InferenceModel(Protocol):
     """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w));
     and, for a model whose `info.explains_classes`, the relevance path: pixels and a target class per image (B,)
     (-1: the top-1) -> (logits, rollout, relevance (B, h, w)). Pixels are float32, normalised; a model whose
-    `takes_raw_pixels` is true also takes them uint8 on the fast path (service/engine/pixels.py)."""
+    `takes_raw_pixels` is true also takes them uint8 on the fast path (service/engine/pixels.py). A model may also
+    have `run_without_maps`, `run`'s outputs with the rollout empty (B, 0), for batches that need no map (None or
+    absent: `run` serves them)."""
 
     info: ModelInfo
     provider: str
