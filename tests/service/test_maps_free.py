@@ -163,3 +163,32 @@ async def test_requests_without_maps_run_the_maps_free_graph_and_answer_as_the_r
         assert every_output.status_code == 200 and model.paths[-1] == "rollout"
         rollout = next(o for o in every_output.json()["outputs"] if o["name"] == "rollout")
         assert rollout["shape"][1:] != [0] and len(rollout["data"]) > 0
+
+
+def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(tiny_onnx):
+    """The captured path's binding (service/engine/cuda_graphs.py) over the maps-free session, its buffers on the
+    CPU: a short batch padded to its bucket, from float32 pixels and from uint8 ones normalised into the bucket's
+    input, the rows as the dynamic session's, the rollout's place empty."""
+    import onnxruntime as ort
+
+    from vitserve.artifact import normalize_pixels
+    from vitserve.service.engine.cuda_graphs import CapturedBucket, CudaGraphBuckets
+    from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable
+    from vitserve.service.engine.runtime import OnnxModel
+
+    model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
+    lean, info = model.lean_path, model.info
+    image = (info.channels, *info.image_size)
+    raw = np.random.default_rng(6).integers(0, 256, (3, *image), dtype=np.uint8)
+    floats = normalize_pixels(raw, info.mean, info.std)
+    dynamic = model.run_without_maps(floats)
+    probe = lean.run_dynamic(floats[:1])
+    bucket = CapturedBucket(lean.session, "pixel_values", 4, (4, *image),
+                            [(n, p.shape[1:], p.dtype.type) for n, p in zip(lean.names, probe)], 0, device="cpu")
+    lean.captured = CudaGraphBuckets({4: bucket}, [4], image)
+    table = PixelTable(info.mean, info.std).graph().SerializeToString()
+    model.normaliser = DeviceNormaliser(ort.InferenceSession(table, providers=["CPUExecutionProvider"]), "cpu")
+    for captured in (model.run_without_maps(floats), model.run_without_maps(raw)):
+        assert len(captured) == len(dynamic) and captured[1].shape == (3, 0)
+        for got, want in zip(captured, dynamic):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
