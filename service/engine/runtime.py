@@ -221,16 +221,16 @@ class MapsFreePath:
         be made or its answers differ: the fast graph then runs every batch, as without it."""
         started = time.perf_counter()
         rollout = info.output_names()[1]
-        graph = maps_free(fast, (rollout,))
         names = tuple(name for name in info.output_names() if name != rollout)
         try:
+            graph = maps_free(fast, (rollout,))
             graph_bytes = graph.SerializeToString()
             session = new_session(graph_bytes, settings, chain, path, from_branch=from_branch)
             lean = cls(model, session, names)
             pixels = probe_pixels(info)
             disagreement = logits_disagree(lean.run(pixels)[0], model.run(pixels)[0])
-        except ModelLoadError as e:
-            log.warning("no maps-free graph for %s: %s", path, str(e).splitlines()[0][:300])
+        except Exception as e:  # noqa: BLE001 - the rewrite's or the runtime's: an optimisation never stops a load
+            log.warning("no maps-free graph for %s: %s", path, str(e).splitlines()[0][:300] if str(e) else repr(e))
             return None
         if disagreement:
             log.warning("no maps-free graph for %s: its answers differ from the rollout graph's: %s", path,

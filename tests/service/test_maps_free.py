@@ -192,3 +192,16 @@ def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(
         assert len(captured) == len(dynamic) and captured[1].shape == (3, 0)
         for got, want in zip(captured, dynamic):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_maps_free_graph_that_cannot_be_made_costs_speed_not_the_model(tiny_onnx, monkeypatch, caplog):
+    from vitserve.service.engine import runtime
+
+    def failing(fast, drop):
+        raise ValueError("a graph this rewrite did not expect")
+
+    monkeypatch.setattr(runtime, "maps_free", failing)
+    with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
+        model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
+    assert model.run_without_maps is None and "did not expect" in caplog.text
+    assert model.run(np.zeros((1, model.info.channels, *model.info.image_size), np.float32))[0].shape[0] == 1
