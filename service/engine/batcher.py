@@ -11,9 +11,11 @@ time on its own thread), so the next batch is stacked while the current one runs
 assembled behind the running one: one that is not full stays open to newcomers until the runner is free,
 as Triton's dynamic batcher forms a batch when a model instance is free.
 
-An item may also be `light`: it needs less of the computation than the others (the engine: no maps). Light items
-batch with the rest of their group (splitting them off would make both batches smaller); a batch whose items are
-all light is run as `run_batch(stacked, targets, light=True)`, the cheaper computation.
+An item may also be `light`: it needs less of the computation than the others (the engine: no maps). With
+`light_batches`, light items batch apart from the rest, and their batches run as `run_batch(stacked, targets,
+light=True)`, the cheaper computation. Apart, not mixed in: the cheaper computation may round differently, and an
+item's answer must not depend on what its batch-mates asked for. Without `light_batches` (a model with one
+computation) the flag is ignored, and nothing splits the batches.
 
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
@@ -48,7 +50,7 @@ from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 STACK_INLINE_BYTES = 256 * 1024
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions);
-# for a batch of light items only, also `light=True`
+# for a batch of light items, also `light=True`
 RunBatch = Callable[..., Sequence[Any]]
 
 
@@ -102,8 +104,9 @@ class DynamicBatcher:
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
                  max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
-                 trace_attributes: dict | None = None):
+                 trace_attributes: dict | None = None, light_batches: bool = False):
         self._run_batch = run_batch
+        self.light_batches = light_batches  # light items batch apart and run light (module doc)
         self._trace_attributes = trace_attributes or {}  # on each batch's span, when tracing is on
         self.max_batch_size = max_batch_size
         self.max_targeted_batch_size = max_targeted_batch_size or max_batch_size
@@ -112,7 +115,7 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
         self._observer = observer or _NullObserver()
-        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # (shape, targeted) -> items, oldest first
+        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # (shape, dtype, targeted, light) -> items, oldest first
         self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
         self._queued_costs = {False: 0, True: 0}  # targeted -> input values queued
@@ -184,8 +187,8 @@ class DynamicBatcher:
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         loop, now = asyncio.get_running_loop(), time.perf_counter()
-        item = _Item(array, loop.create_future(), now, now + timeout_s, target, light)
-        self._groups.setdefault((array.shape, array.dtype.str, item.targeted), deque()).append(item)
+        item = _Item(array, loop.create_future(), now, now + timeout_s, target, light and self.light_batches)
+        self._groups.setdefault((array.shape, array.dtype.str, item.targeted, item.light), deque()).append(item)
         self._set_queued(self._queued + 1, {**self._queued_costs,
                                             item.targeted: self._queued_costs[item.targeted] + array.size})
         self._wakeup.set()
@@ -300,7 +303,7 @@ class DynamicBatcher:
             else:
                 del self._groups[shape]
         costs = {False: 0, True: 0}
-        for (_, _, targeted), group in self._groups.items():
+        for (_, _, targeted, _), group in self._groups.items():
             costs[targeted] += sum(item.array.size for item in group)
         self._set_queued(sum(len(g) for g in self._groups.values()), costs)
 
@@ -335,7 +338,7 @@ class DynamicBatcher:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
-            light = {"light": True} if all(item.light for item in batch) else {}
+            light = {"light": True} if batch[0].light else {}  # one group: all or none
             started, started_ns = time.perf_counter(), tracing.now_ns()
             stack_seconds = started - stacking
             try:

@@ -88,6 +88,7 @@ class ServedModel:
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
                                       runner_priority=self.cpu_priority,
+                                      light_batches=getattr(self.model, "run_without_maps", None) is not None,
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
@@ -132,8 +133,8 @@ class ServedModel:
     def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None, light: bool = False) -> list:
         """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
-        `light`: no image of the batch needs its rollout; a model with a maps-free graph runs that (the rollout
-        then empty, (0,), the other outputs as ever).
+        `light`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
+        maps-free graph); that graph runs them (the rollout then empty, (0,), the other outputs as ever).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
         if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(self.model, "takes_raw_pixels",
                                                                                  False)):

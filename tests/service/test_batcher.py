@@ -254,15 +254,21 @@ async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit
     await batcher.close()
 
 
-async def test_light_items_batch_with_the_rest_and_only_an_all_light_batch_runs_light():
+async def test_light_items_batch_apart_and_run_light_where_the_model_has_a_light_computation():
+    """Apart: an item's answer must not depend on what its batch-mates asked for (the light computation may round
+    differently). A batcher without light batches ignores the flag, and mixed items share batches."""
     recorder = Recorder()
-    batcher = make(recorder, max_queue_delay_s=0.5)
-    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i != 2) for i in range(4)))
-    light = await asyncio.gather(*(batcher.submit(item(i), 10, light=True) for i in range(4)))
-    targeted = await asyncio.gather(*(batcher.submit(item(i), 10, target=-1, light=True) for i in range(4)))
-    assert [r.batch_size for r in mixed + light + targeted] == [4] * 12  # light items split no batch
-    assert recorder.light == [False, True, True]
-    assert recorder.targets[2] == [-1] * 4  # a targeted batch keeps its targets; light is the engine's to honour
+    batcher = make(recorder, max_queue_delay_s=0.2, light_batches=True)
+    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i % 2 == 0) for i in range(8)))
+    assert sorted(r.batch_size for r in mixed) == [4] * 8
+    runs = sorted(zip(recorder.batches, recorder.light))
+    assert runs == [([0.0, 2.0, 4.0, 6.0], True), ([1.0, 3.0, 5.0, 7.0], False)]
+    await batcher.close()
+
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.2)  # one computation: light means nothing
+    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i % 2 == 0) for i in range(8)))
+    assert sorted(len(b) for b in recorder.batches) == [4, 4] and recorder.light == [False, False]
     await batcher.close()
 
 
