@@ -69,13 +69,14 @@ def random_checkpoint(spec: RandomModel, out_dir: str | Path, seed: int = 0) -> 
 
 
 def export_random_model(spec: RandomModel, out_path: str | Path, *, verify: bool = False, seed: int = 0,
-                        precision: str = "fp32"):
-    """`spec` with random weights, exported to `out_path`; returns the ExportReport."""
+                        precision: str = "fp32", relevance: bool = True):
+    """`spec` with random weights, exported to `out_path` (`relevance`: with the relevance path); returns the
+    ExportReport."""
     from vitserve.export.onnx_export import export_onnx
 
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = random_checkpoint(spec, Path(tmp) / "checkpoint", seed)
-        return export_onnx(checkpoint, out_path, verify=verify, precision=precision)
+        return export_onnx(checkpoint, out_path, verify=verify, precision=precision, relevance=relevance)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the ONNX file to write")
     parser.add_argument("--verify", action="store_true", help="verify against PyTorch, as `vitserve export` does")
     parser.add_argument("--precision", choices=("fp32", "fp16", "int8"), default="fp32")
+    parser.add_argument("--no-relevance", dest="relevance", action="store_false",
+                        help="leave the relevance path out (map=relevance then unavailable): ViT-B/16 at depth 2 "
+                             "exports in 6.7 s instead of 21.3")
     parser.add_argument("--override", action="append", default=[], metavar="FIELD=VALUE",
                         help="a model.vit config field changed, e.g. depth=2 (a block's cost without the whole "
                              "model's export time); repeatable")
@@ -98,7 +102,8 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--override takes FIELD=INTEGER, not {item!r}")
             overrides[field_name] = int(value)
         spec = dataclasses.replace(spec, overrides=overrides)
-    report = export_random_model(spec, args.out, verify=args.verify, precision=args.precision)
+    report = export_random_model(spec, args.out, verify=args.verify, precision=args.precision,
+                                 relevance=args.relevance)
     print(report.path)
     return 0
 

@@ -55,6 +55,17 @@ def test_the_kit_exports_in_a_child_process_and_says_why_it_failed(tiny_checkpoi
     assert export_file("default", "fp32", tmp_path / "work", tmp_path / "no-such-checkpoint") == made  # made once
 
 
+def test_a_preset_is_exported_with_its_overrides_and_without_the_relevance_path_the_kit_does_not_use(tmp_path):
+    pytest.importorskip("torch")
+    from vitserve.bench.gpu import export_file
+    from vitserve.onnx_header import read_model_info
+
+    made = export_file("vit-fmnist-random", "fp32", tmp_path, overrides="depth=1", fast_only=True)
+    assert made.name == "vit-fmnist-random-depth1-fast-fp32.onnx"
+    info = read_model_info(made)
+    assert int(info.architecture["depth"]) == 1 and not info.explains_classes
+
+
 def test_a_provider_counts_only_when_a_session_really_starts_on_it():
     """onnxruntime-gpu lists CUDA and TensorRT on a machine without their libraries or a GPU and then runs on the CPU
     with a warning: the kit probes with a one-node session, so that its CPU run is not taken for a GPU run."""
