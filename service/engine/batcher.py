@@ -57,7 +57,8 @@ RunBatch = Callable[..., Sequence[Any]]
 class BatchObserver(Protocol):
     """Where the batcher reports plain numbers (service.ground.metrics implements it)."""
 
-    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None: ...
+    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False,
+                   light: bool = False) -> None: ...
 
     def queue_wait(self, seconds: float) -> None: ...
 
@@ -65,7 +66,8 @@ class BatchObserver(Protocol):
 
 
 class _NullObserver:
-    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False) -> None:
+    def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False,
+                   light: bool = False) -> None:
         pass
 
     def queue_wait(self, seconds: float) -> None:
@@ -357,7 +359,7 @@ class DynamicBatcher:
                 self._resolve(item, output, seconds, len(batch), span)
             self._last_size = len(batch)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
-            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted)
+            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, bool(light))
         finally:
             self._active -= 1
             if not self._active:

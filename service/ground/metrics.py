@@ -62,6 +62,8 @@ class ServiceMetrics:
                                           buckets=LATENCY_BUCKETS)
         self.relevance_images = metric(Counter, "vitserve_relevance_images", "Images run through the relevance path",
                                        per_model)
+        self.maps_free_images = metric(Counter, "vitserve_maps_free_images", "Images run through the maps-free graph "
+                                       "(requests that asked for no map, on a model that has the graph)", per_model)
         self.postprocess = metric(Histogram, "vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
                                   "rollout rendering, or its share of a tensor response", per_model,
                                   buckets=LATENCY_BUCKETS)
@@ -284,6 +286,7 @@ class ModelMetrics:
         self._queue_wait, self._preprocess = child(m.queue_wait_seconds), child(m.preprocess)
         self._postprocess, self._inference = child(m.postprocess), child(m.inference)
         self._relevance, self._relevance_images = child(m.relevance_inference), child(m.relevance_images)
+        self._maps_free_images = child(m.maps_free_images)
         self._batch_size, self._images = child(m.batch_size), child(m.images)
         self._last, self._depth = child(m.last_inference), child(m.queue_depth_gauge)
         self._ready = child(m.model_ready)
@@ -304,12 +307,14 @@ class ModelMetrics:
             self.image_stages(parse_s / images, encode_s / images)
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float,
-                   targeted: bool = False) -> None:  # service.engine.batcher.BatchObserver
+                   targeted: bool = False, light: bool = False) -> None:  # service.engine.batcher.BatchObserver
         if targeted:
             self._relevance.observe(seconds)
             self._relevance_images.inc(size)
         else:
             self._inference.observe(seconds)
+        if light:
+            self._maps_free_images.inc(size)
         self._batch_size.observe(size)
         self._images.inc(size)
         m, labels = self.service, (self.model, self.version, str(size))

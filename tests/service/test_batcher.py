@@ -223,7 +223,7 @@ async def test_observer_gets_plain_numbers():
         def __init__(self):
             self.batches, self.depths, self.waits = [], [], []
 
-        def batch_done(self, size, seconds, stack_seconds, targeted):
+        def batch_done(self, size, seconds, stack_seconds, targeted, light=False):
             self.batches.append((size, targeted))
 
         def queue_wait(self, seconds):

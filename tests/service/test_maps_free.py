@@ -9,7 +9,7 @@ import numpy as np
 import onnx
 import pytest
 
-from service_fixtures import classify, patterned_png, serving, settings_for
+from service_fixtures import classify, patterned_png, samples, scrape, serving, settings_for, uvicorn_server, value
 
 pytest.importorskip("onnxruntime")
 
@@ -163,6 +163,8 @@ async def test_requests_without_maps_run_the_maps_free_graph_and_answer_as_the_r
         assert every_output.status_code == 200 and model.paths[-1] == "rollout"
         rollout = next(o for o in every_output.json()["outputs"] if o["name"] == "rollout")
         assert rollout["shape"][1:] != [0] and len(rollout["data"]) > 0
+        metrics = samples((await client.get("/metrics")).text)
+    assert value(metrics, "vitserve_maps_free_images_total") == 3  # map=none, embed, /v2 logits only
 
 
 def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(tiny_onnx):
@@ -205,3 +207,22 @@ def test_a_maps_free_graph_that_cannot_be_made_costs_speed_not_the_model(tiny_on
         model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
     assert model.run_without_maps is None and "did not expect" in caplog.text
     assert model.run(np.zeros((1, model.info.channels, *model.info.image_size), np.float32))[0].shape[0] == 1
+
+
+def test_a_server_process_runs_requests_without_maps_on_the_maps_free_graph(tiny_onnx):
+    """Through `vitserve serve` as users start it: the request's need crosses from the HTTP worker to the engine
+    process (the engine's `Submit` message), and the maps-free graph's images are counted."""
+    import httpx
+
+    image = patterned_png((48, 40))
+    with uvicorn_server(tiny_onnx, "--maps-free", "on") as (base_url, _):
+        answers = {}
+        for kind in ("rollout", "none", "none"):
+            response = httpx.post(f"{base_url}/v1/classify", params={"map": kind, "top_k": 3}, content=image,
+                                  headers={"content-type": "image/png"}, timeout=30)
+            assert response.status_code == 200, response.text
+            answers[kind] = response.json()
+        metrics = scrape(base_url)
+    assert value(metrics, "vitserve_maps_free_images_total") == 2
+    assert answers["none"]["rollout"] is None and answers["rollout"]["rollout"] is not None
+    assert [p["label"] for p in answers["none"]["predictions"]] == [p["label"] for p in answers["rollout"]["predictions"]]
