@@ -102,8 +102,13 @@ def main(argv: list[str] | None = None) -> int:
                 parser.error(f"--override takes FIELD=INTEGER, not {item!r}")
             overrides[field_name] = int(value)
         spec = dataclasses.replace(spec, overrides=overrides)
-    report = export_random_model(spec, args.out, verify=args.verify, precision=args.precision,
-                                 relevance=args.relevance)
+    try:
+        report = export_random_model(spec, args.out, verify=args.verify, precision=args.precision,
+                                     relevance=args.relevance)
+    except TypeError as e:  # ViTConfig's own refusal of a field it does not have
+        if not args.override:
+            raise
+        parser.error(f"--override: {e}")
     print(report.path)
     return 0
 

@@ -121,3 +121,14 @@ def test_a_served_level_reports_the_servers_own_account_of_its_batches():
     assert server_stages(before, after, 2.0) == {"mean_batch": 64.0, "runner_busy": 0.25, "call_ms": 25.0,
                                                  "stack_ms": 2.0, "queue_wait_ms": 2.0}
     assert server_stages(after, after, 2.0) == {}  # no batch ran: nothing to say
+
+
+@pytest.mark.parametrize("override,why", [("depth=two", "FIELD=INTEGER"), ("depht=2", "unexpected keyword")])
+def test_a_mistyped_preset_override_is_a_one_line_error(override, why, tmp_path, capsys):
+    pytest.importorskip("torch")
+    from vitserve.export.presets import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["vit-fmnist-random", str(tmp_path / "x.onnx"), "--override", override])
+    assert exit_.value.code == 2 and why in capsys.readouterr().err
+    assert not (tmp_path / "x.onnx").exists()
