@@ -55,8 +55,7 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
                 constants[node.output[0]] = value
     outputs = {o.name for o in graph.output}
 
-    replaced: dict[int, list[onnx.NodeProto]] = {}  # position of the block's last node -> the nodes in its place
-    dropped: set[int] = set()
+    replaced: dict[str, list[onnx.NodeProto]] = {}  # the block's last value -> the nodes that now make it
     new_initializers: list[onnx.TensorProto] = []
     for softmax in graph.node:
         if softmax.op_type != "Softmax":
@@ -73,18 +72,13 @@ def fuse_attention(model: onnx.ModelProto) -> onnx.ModelProto:
                                  name=f"fused_attention_{index}/Split")
         attention = helper.make_node("MultiHeadAttention", [q, k, v], [final_reshape.output[0]], domain=MS_DOMAIN,
                                      num_heads=heads, scale=scale, name=f"fused_attention_{index}/MultiHeadAttention")
-        position = next(i for i, n in enumerate(graph.node) if n is final_reshape)
-        replaced[position] = [split, attention]
-        dropped.add(position)
+        replaced[final_reshape.output[0]] = [split, attention]  # in the final Reshape's place
     if not replaced:
         return model
 
     nodes: list[onnx.NodeProto] = []
-    for position, node in enumerate(graph.node):
-        if position in replaced:
-            nodes.extend(replaced[position])
-        elif position not in dropped:
-            nodes.append(node)
+    for node in graph.node:  # a value has one producer: the final Reshape is the only node to swap for its block's
+        nodes.extend(replaced.get(node.output[0], [node]) if node.output else [node])
     fused = onnx.ModelProto()
     fused.CopyFrom(model)
     del fused.graph.node[:]

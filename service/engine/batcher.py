@@ -117,7 +117,8 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
         self._observer = observer or _NullObserver()
-        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()  # (shape, dtype, targeted, light) -> items, oldest first
+        # (shape, dtype, targeted, light) -> items, oldest first
+        self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
         self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
         self._queued_costs = {False: 0, True: 0}  # targeted -> input values queued
@@ -340,14 +341,16 @@ class DynamicBatcher:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
-            light = {"light": True} if batch[0].light else {}  # one group: all or none
+            light = batch[0].light  # one group: all or none
+            # `light` only when set: a run_batch with one computation need not take it
+            options = {"light": True} if light else {}
             started, started_ns = time.perf_counter(), tracing.now_ns()
             stack_seconds = started - stacking
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
                 # batch is queueing, not inference.
                 outputs, seconds = await loop.run_in_executor(
-                    self._runner, functools.partial(_timed_call, self._run_batch, stacked, targets, **light))
+                    self._runner, functools.partial(_timed_call, self._run_batch, stacked, targets, **options))
                 if len(outputs) != len(batch):
                     raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
             except Exception as e:
@@ -359,7 +362,7 @@ class DynamicBatcher:
                 self._resolve(item, output, seconds, len(batch), span)
             self._last_size = len(batch)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
-            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, bool(light))
+            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, light)
         finally:
             self._active -= 1
             if not self._active:

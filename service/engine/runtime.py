@@ -178,16 +178,19 @@ class OnnxModel:
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
         """The fast path: the outputs `info.output_names()` names (logits, rollout, then the file's optional ones).
         `pixel_values` float32 normalised, or uint8 where the model `takes_raw_pixels`."""
+        return tuple(self.run_graph(self.session, self.info.output_names(), self.captured, pixel_values))
+
+    def run_graph(self, session, names: tuple[str, ...], captured, pixel_values: np.ndarray) -> list[np.ndarray]:
+        """`names` of one of this model's graphs (its dynamic `session`, its `captured` buckets or None), on pixels
+        as `run` takes them."""
         raw = pixel_values.dtype == np.uint8
         if raw and self.normaliser is None:
             raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
-        if self.captured is not None and self.captured.covers(pixel_values):
-            return tuple(self.captured.run(pixel_values, self.normaliser.to_device if raw else None))
-        names = self.info.output_names()
+        if captured is not None and captured.covers(pixel_values):
+            return captured.run(pixel_values, self.normaliser.to_device if raw else None)
         if raw:  # normalised into device memory and bound there: nothing float32 crosses to the device
-            return tuple(run_session(self.session, names, {INPUT_NAME: self.normaliser.to_device(pixel_values)},
-                                     self._device))
-        return tuple(self._run(self.session, names, {INPUT_NAME: pixel_values}))
+            return run_session(session, names, {INPUT_NAME: self.normaliser.to_device(pixel_values)}, self._device)
+        return self._run(session, names, {INPUT_NAME: pixel_values})
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
@@ -238,29 +241,18 @@ class MapsFreePath:
             return None
         if model.captured is not None:
             lean.captured = _capture(model, graph_bytes, dims, settings, chain, path, from_branch, names,
-                                     lambda pixels: lean.run_dynamic(pixels))
+                                     lean.run_dynamic)
         log.info("maps-free graph for %s: %d blocks' attention fused, ready in %.2f s%s", path, count_fused(graph),
                  time.perf_counter() - started, " with CUDA graphs" if lean.captured else "")
         return lean
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
-        model = self.model
-        raw = pixel_values.dtype == np.uint8
-        if self.captured is not None and self.captured.covers(pixel_values):
-            outputs = self.captured.run(pixel_values, model.normaliser.to_device if raw else None)
-        else:
-            outputs = self.run_dynamic(pixel_values)
+        outputs = self.model.run_graph(self.session, self.names, self.captured, pixel_values)
         rollout = np.empty((len(pixel_values), 0), np.float32)
         return (outputs[0], rollout, *outputs[1:])
 
     def run_dynamic(self, pixel_values: np.ndarray) -> list[np.ndarray]:
-        model = self.model
-        if pixel_values.dtype == np.uint8:
-            if model.normaliser is None:
-                raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
-            return run_session(self.session, self.names, {INPUT_NAME: model.normaliser.to_device(pixel_values)},
-                               model._device)
-        return model._run(self.session, self.names, {INPUT_NAME: pixel_values})
+        return self.model.run_graph(self.session, self.names, None, pixel_values)
 
 
 def run_session(session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray], device: str | None) -> list:

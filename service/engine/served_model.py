@@ -141,13 +141,12 @@ class ServedModel:
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
             self._pixel_table = self._pixel_table or PixelTable(self.model.info.mean, self.model.info.std)
             pixel_values = self._pixel_table.host(pixel_values)
-        without_maps = getattr(self.model, "run_without_maps", None) if light else None
-        if targets is None and without_maps is not None:
-            outputs = without_maps(pixel_values)
-        elif targets is None:
-            outputs = self.model.run(pixel_values)
-        else:
+        if targets is not None:
             outputs = self.model.explain(pixel_values, targets)
+        elif light:
+            outputs = self.model.run_without_maps(pixel_values)
+        else:
+            outputs = self.model.run(pixel_values)
         if any(output.shape[0] != len(pixel_values) for output in outputs):
             raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
         finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])
