@@ -251,8 +251,11 @@ def run_on_ray(settings: Settings) -> int:
     SIGINT, then take the application down (and the local cluster with it)."""
     import ray
     started_here = settings.ray_address is None and not os.environ.get("RAY_ADDRESS")
-    local = {"_metrics_export_port": settings.ray_metrics_export_port} if started_here else {}
-    ray.init(address=settings.ray_address, include_dashboard=False, logging_level=logging.WARNING, **local)
+    options = {"address": settings.ray_address, "include_dashboard": False, "logging_level": logging.WARNING}
+    if started_here:
+        start_local_cluster(ray, {**options, "_metrics_export_port": settings.ray_metrics_export_port})
+    else:
+        ray.init(**options)
     if started_here and (shortfall := local_shortfall(settings, ray.cluster_resources())):
         log.error("cannot deploy: %s", shortfall)
         ray.shutdown()
@@ -277,6 +280,47 @@ def run_on_ray(settings: Settings) -> int:
         if started_here:
             serve.shutdown()
         ray.shutdown()
+
+
+LOCAL_START_ATTEMPTS = 3
+_LOCAL_START_TIMEOUT = "timed out during startup"  # what Ray raises (a bare Exception) when its raylet is late
+
+
+def start_local_cluster(ray, options: dict, attempts: int = LOCAL_START_ATTEMPTS) -> None:
+    """`ray.init` of a local cluster, retried when the node misses its start: Ray waits a fixed 30 s for the new
+    raylet to register with the GCS (`raylet_start_wait_time_s` in ray/_private/node.py, no setting), which a loaded
+    machine can miss. What a failed attempt started (GCS, raylet, agents; Ray keeps no handle on them once its
+    Node raised) is stopped before the next, so attempts never pile up."""
+    import psutil
+    me = psutil.Process()
+    for attempt in range(1, attempts + 1):
+        before = {child.pid for child in me.children(recursive=True)}
+        try:
+            ray.init(**options)
+            return
+        except Exception as error:  # noqa: BLE001 - Ray raises this one as a bare Exception; the rest re-raised
+            if _LOCAL_START_TIMEOUT not in str(error) or attempt == attempts:
+                raise
+            log.warning("Ray's local cluster did not start (attempt %d of %d: %s); stopping what it started and "
+                        "trying again", attempt, attempts, error)
+            stop_processes([child for child in me.children(recursive=True) if child.pid not in before])
+
+
+def stop_processes(processes, grace_s: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL to whatever is still there after `grace_s`."""
+    import psutil
+    for process in processes:
+        try:
+            process.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(processes, timeout=grace_s)
+    for process in alive:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def _only_model(repository) -> str | None:

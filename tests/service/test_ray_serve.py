@@ -25,11 +25,12 @@ from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
 
-from vitserve.service.ray_serve import REPLICA_HEADER, deployment_options, local_shortfall, replica_settings  # noqa: E402
+from vitserve.service.ray_serve import (REPLICA_HEADER, deployment_options, local_shortfall,  # noqa: E402
+                                        replica_settings, start_local_cluster)
 from vitserve.service.ground.settings import Settings  # noqa: E402
 
 REPLICAS = 2
-RAY_PATIENCE_S = 120.0  # a Ray cluster and two warmed-up replicas, on a loaded 2-core machine
+RAY_PATIENCE_S = 180.0  # a Ray cluster (a retried start included: 30 s more) and two warmed-up replicas, loaded 2 cores
 
 
 # --- the deployment from the settings (no cluster) ---
@@ -63,6 +64,43 @@ def test_a_local_cluster_too_small_for_the_replicas_is_refused_before_deploying(
         "3 replica(s) of 1 CPU(s) need 3; this machine has 2: lower --ray-replicas or --ray-replica-cpus")
     assert local_shortfall(Settings(ray_replicas=1, ray_replica_gpus=1), {"CPU": 8.0}) == (
         "1 replica(s) of 1 GPU(s) need 1; this machine has 0: lower --ray-replicas or --ray-replica-gpus")
+
+
+class _LateRaylet:
+    """A `ray` whose first `init` starts a process (a raylet that never registered, say) and raises what Ray raises
+    when its fixed 30 s wait runs out; later calls start nothing and succeed."""
+
+    def __init__(self, failures: int, error: str = "The current node timed out during startup. This could happen "
+                                                      "because some of the raylet failed to startup"):
+        self.failures, self.error, self.calls, self.started = failures, error, [], []
+
+    def init(self, **options):
+        self.calls.append(options)
+        if len(self.calls) <= self.failures:
+            self.started.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"]))
+            raise Exception(self.error)
+
+
+def test_a_local_cluster_that_misses_rays_start_wait_is_stopped_and_started_again():
+    ray = _LateRaylet(failures=1)
+    start_local_cluster(ray, {"address": None, "_metrics_export_port": 1234})
+    assert ray.calls == [{"address": None, "_metrics_export_port": 1234}] * 2
+    (stray,) = ray.started
+    assert stray.poll() is not None  # what the failed attempt left running was stopped before the second
+
+
+def test_a_local_cluster_start_gives_up_after_its_attempts_and_other_errors_are_not_retried():
+    ray = _LateRaylet(failures=5)
+    with pytest.raises(Exception, match="timed out during startup"):
+        start_local_cluster(ray, {}, attempts=2)
+    assert len(ray.calls) == 2
+    assert ray.started[0].poll() is not None
+    ray.started[-1].kill()  # the last attempt's leftovers are Ray's reaper's (it fate-shares with the server)
+    other = _LateRaylet(failures=1, error="Ray has not been started yet")
+    with pytest.raises(Exception, match="not been started"):
+        start_local_cluster(other, {})
+    assert len(other.calls) == 1
+    other.started[0].kill()
 
 
 def test_max_replicas_below_replicas_is_refused():
