@@ -17,6 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
+from vitserve.service.ground.processes import pid_alive
+
 ALIGNMENT = 64  # bytes: a cache line, and more than any dtype needs
 NAME_PREFIX = "vitserve"
 
@@ -105,23 +107,13 @@ def owner_pid(name: str) -> int | None:
     return int(parts[1]) if len(parts) == 3 and parts[0] == NAME_PREFIX and parts[1].isdigit() else None
 
 
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        pass
-    return True
-
-
 def remove_orphaned_segments(shm_dir: str = "/dev/shm") -> list[str]:
     """Unlink our segments whose maker is gone (an HTTP worker killed before it could): their pages would stay
     in /dev/shm until the server stops. Returns the names removed."""
     removed = []
     for path in Path(shm_dir).glob(f"{NAME_PREFIX}-*-*"):
         pid = owner_pid(path.name)
-        if pid is not None and not alive(pid):
+        if pid is not None and not pid_alive(pid):
             path.unlink(missing_ok=True)
             removed.append(path.name)
     return removed
@@ -138,7 +130,7 @@ class ArenaReader:
         if segment is None:
             for known in list(self._segments):  # a new worker: a good moment to unmap those that are gone
                 pid = owner_pid(known)
-                if pid is not None and not alive(pid):
+                if pid is not None and not pid_alive(pid):
                     self.forget(known)
             # Python 3.11 registers a segment it only attaches to with the resource tracker too. The tracker is
             # the one `vitserve serve` started and its frontends share (spawned processes inherit it), so this

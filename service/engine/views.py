@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from vitserve.service.ground.processes import pid_alive
+
 
 class WorkerViews:
     def __init__(self, engine_address: str):
@@ -40,7 +42,7 @@ class WorkerViews:
         for path in self.folder.iterdir():
             if not path.name.isdigit():
                 continue
-            if not _alive(int(path.name)):
+            if not pid_alive(int(path.name)):
                 path.unlink(missing_ok=True)  # a worker that died without withdrawing
                 continue
             try:
@@ -55,13 +57,3 @@ class WorkerViews:
         """This worker stops serving: nobody waits for it."""
         if self.folder is not None:
             (self.folder / str(os.getpid())).unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)  # signal 0: does the process exist?
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        return True
-    return True

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, G
 from prometheus_client import disable_created_metrics, multiprocess
 
 from vitserve.service.ground.metrics_files import multiprocess_dir
+from vitserve.service.ground.processes import pid_alive
 
 # 100 us .. 60 s: resolves sub-millisecond stages and multi-second overloads alike.
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1,
@@ -339,12 +340,8 @@ def forget_dead_workers(directory: str) -> None:
     pids = {int(p.stem.rsplit("_", 1)[-1]) for p in Path(directory).glob("gauge_live*_*.db")
             if p.stem.rsplit("_", 1)[-1].isdigit()}
     for pid in pids - {os.getpid()}:
-        try:
-            os.kill(pid, 0)  # signal 0: does the process exist?
-        except ProcessLookupError:
+        if not pid_alive(pid):
             multiprocess.mark_process_dead(pid)
-        except PermissionError:  # alive, another user's: not ours to judge
-            pass
 
 
 def mark_process_dead(pid: int) -> None:

@@ -197,6 +197,11 @@ class Settings(BaseSettings):
                                                             "slower clients get 408 and are disconnected")
     body_timeout_s: float = Field(10.0, gt=0, description="longest pause between two pieces of a request body; "
                                                           "a slower client gets 408")
+    max_requests_per_connection: int = Field(
+        0, ge=0, description="close a keep-alive connection after this many requests (its last answer says "
+                             "Connection: close, as nginx's keepalive_requests and Envoy's "
+                             "max_requests_per_connection), so that clients behind a connection-level (L4) load "
+                             "balancer spread again over the replicas; 0: never")
 
     # Ray Serve (`vitserve serve --ray`, service/ray_serve.py): Ray's proxy serves HTTP at host:port, replicas
     # each hold one session and batcher; the settings above apply in every replica
@@ -313,7 +318,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                "admin_key", "api_key", "runtime", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
                "request_timeout_ms", "log_level"),
     "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
-               "header_timeout_s", "body_timeout_s", "grpc_max_concurrent_streams", "grpc_max_metadata_bytes",
+               "header_timeout_s", "body_timeout_s", "max_requests_per_connection",
+               "grpc_max_concurrent_streams", "grpc_max_metadata_bytes",
                "compress_min_bytes", "compress_max_bytes", "grpc_response_compression"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
     "tracing": ("otlp_endpoint", "trace_sample_ratio"),

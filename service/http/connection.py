@@ -77,11 +77,12 @@ class HttpLimits:
     max_headers: int = 100
     header_timeout_s: float = 10.0
     body_timeout_s: float = 10.0
+    max_requests_per_connection: int = 0  # 0: a connection serves requests until its client closes it
 
     @classmethod
     def from_settings(cls, settings: Settings) -> HttpLimits:
         return cls(settings.max_header_bytes, settings.max_headers, settings.header_timeout_s,
-                   settings.body_timeout_s)
+                   settings.body_timeout_s, settings.max_requests_per_connection)
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unparsed_in_body = 0  # bytes read since the last body byte that no on_body delivered: trailers
         self._trailer_bytes = 0
         self._refused = False  # the parser has stopped: input is dropped until the connection closes
+        self._requests = 0  # begun on this connection
         # the one wait on the client at a time (head, body, or the rest of a body already answered)
         self._deadline: float | None = None
         self._on_timeout: Callable[[], None] | None = None
@@ -218,6 +220,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if self.cycle is not earlier:  # else the request is upgrading (websockets): no cycle of ours
             self.cycle.__class__ = _BodyTimedCycle
             self.cycle.protocol = self
+            self._requests += 1
+            if self._requests == self.limits.max_requests_per_connection:
+                self.cycle.keep_alive = False  # uvicorn adds `Connection: close` to the answer and closes after it
 
     def _overload_refusal(self):
         """Under overload a 429 must cost far less than an answer, or the server cannot even refuse at twice its

@@ -237,6 +237,22 @@ def test_keep_alive_requests_share_one_connection(served):
         assert not client.answered(0.1)  # still open
 
 
+def test_a_connection_closes_after_max_requests_per_connection_and_the_next_one_is_served():
+    """As nginx's keepalive_requests: the third answer says Connection: close and the connection closes after it,
+    so that a client behind a connection-level balancer lands again; a new connection is served as ever."""
+    with uvicorn_in_thread(make_app(), HttpLimits(max_requests_per_connection=3)) as (port, _):
+        with RawConnection(port) as client:
+            for i in range(3):
+                client.send(post_head("/echo", 2) + b"ab" if i == 1 else get("/"))
+                answer = client.response()
+                assert answer.status == 200
+                assert answer.headers.get("connection") == ("close" if i == 2 else None)
+            assert client.closed()
+        with RawConnection(port) as client:
+            client.send(get("/"))
+            assert client.response().status == 200
+
+
 def test_pipelined_requests_are_answered_in_order(served):
     port, _ = served
     with RawConnection(port) as client:
@@ -291,10 +307,11 @@ def test_trickling_clients_do_not_slow_a_normal_request():
 
 def test_the_options_travel_to_worker_processes():
     """uvicorn pickles its Config into each worker; the protocol factory pickles, and compares by value."""
-    settings = Settings(max_header_bytes=4096, max_headers=20, header_timeout_s=3, body_timeout_s=4)
+    settings = Settings(max_header_bytes=4096, max_headers=20, header_timeout_s=3, body_timeout_s=4,
+                        max_requests_per_connection=1000)
     options = uvicorn_http_options(settings)
     assert options == uvicorn_http_options(settings)
-    assert options == {"http": LimitedHttpToolsFactory(HttpLimits(4096, 20, 3.0, 4.0))}
+    assert options == {"http": LimitedHttpToolsFactory(HttpLimits(4096, 20, 3.0, 4.0, 1000))}
     assert pickle.loads(pickle.dumps(options)) == options
 
 
