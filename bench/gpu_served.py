@@ -18,15 +18,8 @@ from pathlib import Path
 
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import parse_wrk, write_script
-from vitserve.bench.servers import ServerProcess, free_port, scrape_metrics, serve_argv
-
-# The server's own account of where a level's time went (service/ground/metrics.py), differenced over the level
-STAGE_METRICS = ("vitserve_batches_total", "vitserve_images_total", "vitserve_batch_seconds_total",
-                 "vitserve_batch_stack_seconds_total", "vitserve_queue_wait_seconds_sum",
-                 "vitserve_queue_wait_seconds_count", "vitserve_preprocess_seconds_sum",
-                 "vitserve_preprocess_seconds_count", "vitserve_postprocess_seconds_sum",
-                 "vitserve_postprocess_seconds_count")
-
+from vitserve.bench.servers import (STAGE_METRICS, ServerProcess, free_port, scrape_metrics, serve_argv,
+                                   server_stages)
 
 def split_cores(client_cores: int) -> tuple[list[int], list[int]]:
     """(server cores, client cores) out of this process's affinity: the client takes the last ones."""
@@ -69,25 +62,6 @@ class GpuSampler:
         inner = util if len(util) < 5 else sorted(s[0] for s in self.samples[1:-1])
         return {"gpu_util_mean": sum(inner) / len(inner), "gpu_util_median": inner[len(inner) // 2],
                 "gpu_memory_mib_max": max(s[1] for s in self.samples), "gpu_util_samples": len(self.samples)}
-
-
-def server_stages(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
-    """A level's batches as the server counted them: mean batch size, how busy the engine's runner was (its calls'
-    time over the level's wall time: near 1, the runner is the limit; well below, the requests' way to it is), ms per
-    call and per stack, and per image the queue wait, preprocessing and postprocessing. Empty without the figures."""
-    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STAGE_METRICS}
-    batches = delta["vitserve_batches_total"]
-    if batches <= 0 or wall_s <= 0:
-        return {}
-    stages = {"mean_batch": round(delta["vitserve_images_total"] / batches, 1),
-              "runner_busy": round(delta["vitserve_batch_seconds_total"] / wall_s, 2),
-              "call_ms": round(1000 * delta["vitserve_batch_seconds_total"] / batches, 2),
-              "stack_ms": round(1000 * delta["vitserve_batch_stack_seconds_total"] / batches, 2)}
-    for stage in ("queue_wait", "preprocess", "postprocess"):
-        count = delta[f"vitserve_{stage}_seconds_count"]
-        if count > 0:
-            stages[f"{stage}_ms"] = round(1000 * delta[f"vitserve_{stage}_seconds_sum"] / count, 2)
-    return stages
 
 
 def numeric(line: str) -> bool:

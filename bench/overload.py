@@ -17,6 +17,7 @@ reported with the CPU each party used.
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, NamedTuple
@@ -27,7 +28,7 @@ from vitserve.bench.measure import CpuSnapshot, latency_summary
 from vitserve.bench.presets import resolve_model
 from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSampler, alternated, contention, number,
                                preamble, servers_under_test, table, verdict)
-from vitserve.bench.servers import free_port
+from vitserve.bench.servers import STAGE_METRICS, free_port, scrape_metrics, server_stages
 
 TIMEOUT = "timeout"
 CONNECTION_ERROR = "connection error"
@@ -316,12 +317,15 @@ def saturation(server: ServerUnderTest, model_path: Path, payloads: list[bytes],
     levels = []
     with server.start(model_path, port, cfg, overrides, f"{cfg.mode}-saturation-{server.slug}"):
         for clients in cfg.saturation_clients:
+            before, started = scrape_metrics(port, STAGE_METRICS), time.monotonic()
             r = asyncio.run(closed_loop(LOOPBACK, port, payloads, clients, warmup_s=1.0, duration_s=cfg.saturation_s,
                                         timeout_s=120.0))
+            stages = server_stages(before, scrape_metrics(port, STAGE_METRICS), time.monotonic() - started)
             settle(port, payloads[0], 120.0)
             answered = r["completed"] + sum(r["errors"].values())  # 200s and the rest (a mix with bad inputs)
             levels.append({**{k: r[k] for k in ("concurrency", "completed", "errors", "window_s", "requests_per_s",
-                                                "p50_ms", "p99_ms")}, "answered_per_s": answered / r["window_s"]})
+                                                "p50_ms", "p99_ms")}, "answered_per_s": answered / r["window_s"],
+                           "stages": stages})
             print(f"  {clients} clients: {r['requests_per_s']:.1f} req/s answered 200 "
                   f"({levels[-1]['answered_per_s']:.1f} answered), p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms",
                   flush=True)
@@ -348,19 +352,26 @@ async def _overload(pid: int, port: int, payloads: list[bytes], rate: float, dea
     load = OpenLoop(LOOPBACK, port, [Request("png", p) for p in payloads], rate, cfg.overload_s, timeout_s,
                     warmup_s=cfg.overload_warmup_s, max_connections=cfg.max_connections)
     edges: dict[str, CpuSnapshot] = {}
+    counters: dict[str, asyncio.Future] = {}  # the server's own counters at the window's edges (off the send loop)
+
+    def at_edge(edge: str) -> None:
+        edges[edge] = CpuSnapshot.take(pid)
+        counters[edge] = asyncio.ensure_future(asyncio.to_thread(scrape_metrics, port, STAGE_METRICS))
+
     async with TreeSampler(pid, 0.5) as memory:
-        await load.send(on_window=lambda edge: edges.__setitem__(edge, CpuSnapshot.take(pid)))
+        await load.send(on_window=at_edge)
         stopped = asyncio.get_running_loop().time()
         probes = asyncio.create_task(one_at_a_time(port, payloads, cfg.probes, timeout_s))
         await load.drain()
         probe_answers = await probes
+    stages = server_stages(await counters["start"], await counters["end"], load.window_s)
     unloaded_ms = latency_summary([a.latency_s for a in unloaded if a.outcome == "200"])
     lag_ms = latency_summary(load.lags)
     return {"rate": rate, **load_summary(load.answers, load.window_s), "unloaded": unloaded_ms,
             "recovery": recovery(probe_answers, stopped, unloaded_ms["p99_ms"]),
             "generator": {"lag_p50_ms": lag_ms["p50_ms"], "lag_p99_ms": lag_ms["p99_ms"],
                           "lag_max_ms": max(load.lags) * 1000.0, "warmup_requests": len(load.warmup_answers)},
-            "cpu": edges["start"].usage(edges["end"]), "peak_rss_mb": memory.peak_rss_mb}
+            "cpu": edges["start"].usage(edges["end"]), "peak_rss_mb": memory.peak_rss_mb, "stages": stages}
 
 
 def recovery(probes: list[Answer], stopped: float, unloaded_p99_ms: float) -> dict:
@@ -418,7 +429,11 @@ def render_overload(report: dict) -> str:
     lines = [*preamble(report, "open loop at twice saturation"), _method(report), "",
              "## Saturation (closed loop)", "", *_saturation_table(report["calibration"]), "",
              "## Open loop: outcomes", "", *_outcome_table(report["runs"]), "",
-             "## Open loop: latency (ms)", "", *_latency_table(report["runs"]), ""]
+             "## Open loop: latency (ms)", "", *_latency_table(report["runs"]), "",
+             "## The engine's batches (the server's /metrics)", "", *_stages_table(report), "",
+             "*images per batch* and *runner busy* (its calls' time over the wall time) as the server counted them: "
+             "under overload, the admitted work against what saturation kept the engine doing. *ms per image*: a "
+             "call's time over its images.", ""]
     for r in report["runs"]:
         lines += [f"### Targets: {r['server']}, round {r['round']}", "", *target_lines(r["targets"]),
                   f"- recovery probes (ms, in order): {', '.join(map(str, r['recovery']['probes_ms']))}", ""]
@@ -447,6 +462,21 @@ def _saturation_table(calibration: list[dict]) -> list[str]:
              number(level["requests_per_s"]), number(level["p50_ms"], ".2f"), number(level["p99_ms"], ".2f"),
              str(sum(level["errors"].values()))] for c in calibration for level in c["levels"]]
     return table(["server", "clients", "req/s", "p50 ms", "p99 ms", "errors"], rows, text_columns=2)
+
+
+def _stages_table(report: dict) -> list[str]:
+    phases = [(c["server"], f"saturation, {level['concurrency']} clients", level.get("stages", {}))
+              for c in report["calibration"] for level in c["levels"]]
+    phases += [(r["server"], f"open loop, round {r['round']}", r.get("stages", {})) for r in report["runs"]]
+
+    def per_image(stages: dict) -> str:
+        return number(stages["call_ms"] / stages["mean_batch"], ".3f") if stages.get("mean_batch") else "-"
+
+    rows = [[server, phase, number(stages.get("mean_batch"), ".1f"), number(stages.get("runner_busy"), ".2f"),
+             number(stages.get("call_ms"), ".2f"), per_image(stages), number(stages.get("queue_wait_ms"), ".1f"),
+             number(stages.get("preprocess_ms"), ".2f")] for server, phase, stages in phases]
+    return table(["server", "phase", "images per batch", "runner busy", "ms per call", "ms per image",
+                  "queue wait ms", "preprocess ms"], rows, text_columns=2)
 
 
 def _outcome_table(runs: list[dict]) -> list[str]:

@@ -141,6 +141,33 @@ def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
     return values
 
 
+# The server's own account of where a level's time went (service/ground/metrics.py), differenced over the level
+STAGE_METRICS = ("vitserve_batches_total", "vitserve_images_total", "vitserve_batch_seconds_total",
+                 "vitserve_batch_stack_seconds_total", "vitserve_queue_wait_seconds_sum",
+                 "vitserve_queue_wait_seconds_count", "vitserve_preprocess_seconds_sum",
+                 "vitserve_preprocess_seconds_count", "vitserve_postprocess_seconds_sum",
+                 "vitserve_postprocess_seconds_count")
+
+
+def server_stages(before: dict[str, float], after: dict[str, float], wall_s: float) -> dict[str, float]:
+    """A level's batches as the server counted them: mean batch size, how busy the engine's runner was (its calls'
+    time over the level's wall time: near 1, the runner is the limit; well below, the requests' way to it is), ms per
+    call and per stack, and per image the queue wait, preprocessing and postprocessing. Empty without the figures."""
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STAGE_METRICS}
+    batches = delta["vitserve_batches_total"]
+    if batches <= 0 or wall_s <= 0:
+        return {}
+    stages = {"mean_batch": round(delta["vitserve_images_total"] / batches, 1),
+              "runner_busy": round(delta["vitserve_batch_seconds_total"] / wall_s, 2),
+              "call_ms": round(1000 * delta["vitserve_batch_seconds_total"] / batches, 2),
+              "stack_ms": round(1000 * delta["vitserve_batch_stack_seconds_total"] / batches, 2)}
+    for stage in ("queue_wait", "preprocess", "postprocess"):
+        count = delta[f"vitserve_{stage}_seconds_count"]
+        if count > 0:
+            stages[f"{stage}_ms"] = round(1000 * delta[f"vitserve_{stage}_seconds_sum"] / count, 2)
+    return stages
+
+
 def bare_app():
     """A FastAPI app whose classify endpoint reads the upload and returns a constant: the HTTP floor."""
     from fastapi import Body, FastAPI

@@ -170,4 +170,8 @@ def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_
     assert [p.name for p in paths] == ["overload.md", "overload.json"]
     text = paths[0].read_text()
     assert "## Open loop: outcomes" in text and "### Targets: this code, round 1" in text
+    # the engine's own account, from the server's counters: the batches of both phases
+    for stages in (c["stages"], r["stages"]):
+        assert stages["mean_batch"] >= 1.0 and stages["runner_busy"] > 0 and stages["call_ms"] > 0
+    assert "| this code | saturation, 4 clients |" in text and "| this code | open loop, round 1 |" in text
     assert json.loads(paths[1].read_text())["runs"][0]["offered"] == r["offered"]

@@ -111,7 +111,7 @@ def test_served_variants_name_each_settings_overlay_and_refuse_what_is_not_a_set
 
 
 def test_a_served_level_reports_the_servers_own_account_of_its_batches():
-    from vitserve.bench.gpu_served import server_stages
+    from vitserve.bench.servers import server_stages
 
     before = {"vitserve_batches_total": 10, "vitserve_images_total": 100, "vitserve_batch_seconds_total": 1.0,
               "vitserve_queue_wait_seconds_sum": 0.5, "vitserve_queue_wait_seconds_count": 100}
