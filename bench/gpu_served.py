@@ -21,6 +21,7 @@ from vitserve.bench.peers.wrk import parse_wrk, write_script
 from vitserve.bench.servers import (STAGE_METRICS, ServerProcess, free_port, scrape_metrics, serve_argv,
                                    server_stages)
 
+
 def split_cores(client_cores: int) -> tuple[list[int], list[int]]:
     """(server cores, client cores) out of this process's affinity: the client takes the last ones."""
     cores = sorted(os.sched_getaffinity(0))

@@ -1,5 +1,5 @@
 """Whether a process is still there, by pid: the one check behind every per-process file the workers leave (metrics,
-shared memory, repository views, connection counts) that a reader must tell from a dead worker's."""
+shared memory segments, repository views) that a reader must tell from a dead worker's."""
 from __future__ import annotations
 
 import os
