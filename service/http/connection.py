@@ -11,7 +11,9 @@ body holds its connection forever. `LimitedHttpToolsProtocol` adds, per connecti
   opening (its first request) or of their first byte (later ones), else 408;
 - a body gap: while the app waits for body bytes, a client silent for `body_timeout_s` gets 408. The same gap
   holds while uvicorn discards the rest of a body that the app answered without reading (a 413 or 429 decided
-  from the headers); the answer is out by then, so the connection is just closed.
+  from the headers); the answer is out by then, so the connection is just closed;
+- a request count (`max_requests_per_connection`, off by default): the last answer says `Connection: close`, as
+  nginx's `keepalive_requests`, so that a keep-alive client behind a connection-level balancer lands anew.
 
 A refusal is one `{"error": {"code", "message"}}` response with `Connection: close`, then the connection closes.
 Time is kept by one event-loop timer per connection that is re-armed only when it lapses (`_expect_bytes`): no
@@ -31,7 +33,7 @@ run those two, and adjust this module where the surface moved.
 processes, so the protocol is a module-level class made by a picklable factory, not a class built on the fly.
 Without httptools (a dependency, but not every platform has a wheel) uvicorn's h11 protocol serves instead, with
 only h11's own head limit (`h11_max_incomplete_event_size`: answered 400, and only for a head that arrives in
-several reads) and no timeouts.
+several reads), no timeouts and no `max_requests_per_connection`.
 """
 from __future__ import annotations
 
