@@ -149,7 +149,8 @@ def ray_server(model_path: Path, log_path: Path, *flags: str):
     model = ["--model-repository" if model_path.is_dir() else "--model", str(model_path)]
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--ray", *model, "--port", str(port),
             "--ray-replicas", str(REPLICAS), "--ray-metrics-export-port", str(metrics_port), "--providers", "cpu",
-            "--warmup-batch-sizes", "1", "--log-level", "warning", "--max-loop-lag-ms", "60000", *flags]
+            "--warmup-batch-sizes", "1", "--log-level", "warning", "--max-loop-lag-ms", "60000",
+            "--runtime", "onnxruntime", *flags]  # `auto` could pick OpenVINO bf16, whose top-3 may differ from ORT's
     # Ray's own report interval (10 s) stays: its agent forgets a gauge not re-sent within two of them, so
     # shortening it in some processes only would lose the gauges.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
