@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -22,6 +21,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from service_fixtures import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS_DIR = ROOT / "docker" / "prometheus"
@@ -110,12 +111,6 @@ def run_promtool(*args: str) -> str:
     print(f"$ promtool {' '.join(args)}\n{output}")
     assert result.returncode == 0, output
     return output
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def api_get(base_url: str, path: str, **params: str) -> dict:

@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -125,27 +123,11 @@ def test_the_shipped_serve_config_is_valid_for_ray_and_the_rayservice_carries_it
 
 # --- a real local cluster ---
 
-def quiet_port() -> int:
-    """A free port that Ray will not take meanwhile: above its workers' range (10002-19999) and below the kernel's
-    ephemeral range, from which Ray's own components bind and connect. A port picked from the ephemeral range can
-    be taken between our pick and the metrics agent's bind, and an agent that cannot bind takes its raylet down
-    (the node then "timed out during startup")."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for port in random.sample(range(20000, max(20001, low)), k=min(200, max(1, low - 20000))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    return free_port()
-
-
 @contextmanager
 def ray_server(model_path: Path, log_path: Path, *flags: str):
     """`vitserve serve --ray` in a process of its own (`model_path` a file or a repository); yields (base_url,
     metrics_url, process) once ready."""
-    port, metrics_port = quiet_port(), quiet_port()
+    port, metrics_port = free_port(), free_port()  # below the ephemeral range (service_fixtures)
     model = ["--model-repository" if model_path.is_dir() else "--model", str(model_path)]
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--ray", *model, "--port", str(port),
             "--ray-replicas", str(REPLICAS), "--ray-metrics-export-port", str(metrics_port), "--providers", "cpu",
