@@ -6,6 +6,7 @@ endpoint, started through the very function `vitserve serve` uses (`service.cli.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -17,10 +18,26 @@ from pathlib import Path
 from vitserve.bench.config import LOOPBACK, BenchConfig
 
 READY_PATH = "/v2/health/ready"
+QUIET_PORTS_FROM = 20000  # above Ray's worker ports (10002-19999)
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A free port below the kernel's ephemeral range, which `bind(0)` and every outgoing connection draw from: a
+    port picked there can be taken by some connection between the pick and the server's bind, seconds later when
+    the server loads a model first (and Ray's metrics agent that cannot bind takes its raylet down)."""
+    try:
+        ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_from = QUIET_PORTS_FROM
+    quiet = range(QUIET_PORTS_FROM, ephemeral_from)
+    for port in random.sample(quiet, k=min(200, len(quiet))):
+        with socket.socket() as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # no quiet range here: the kernel's pick
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
 

@@ -5,7 +5,6 @@ import asyncio
 import io
 import json
 import os
-import random
 import select
 import signal
 import socket
@@ -25,6 +24,7 @@ import numpy as np
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 
+from vitserve.bench.servers import free_port  # the one port picker, below the ephemeral range
 from vitserve.service.app import create_app
 from vitserve.service.core.pipeline import Call
 from vitserve.service.http.dependencies import client_gone
@@ -164,30 +164,6 @@ def patterned_png(size=(48, 40)) -> bytes:
     buffer = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)).save(buffer, "PNG")
     return buffer.getvalue()
-
-
-QUIET_PORTS_FROM = 20000  # above Ray's worker ports (10002-19999)
-
-
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range, which `bind(0)` and every outgoing connection draw from: a
-    port picked there can be taken by some connection between the pick and the server's bind, seconds later when
-    the server loads a model first (and Ray's metrics agent that cannot bind takes its raylet down)."""
-    try:
-        ephemeral_from = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_from = QUIET_PORTS_FROM
-    quiet = range(QUIET_PORTS_FROM, ephemeral_from)
-    for port in random.sample(quiet, k=min(200, len(quiet))):
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    with socket.socket() as s:  # no quiet range here: the kernel's pick
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def samples(text: str) -> dict[tuple, float]:
