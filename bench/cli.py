@@ -18,13 +18,20 @@ from pathlib import Path
 
 from vitserve.bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
 from vitserve.bench.presets import PRESETS
-from vitserve.bench.reliability import MODES, ReliabilityConfig
+from vitserve.bench.reliability import MODES, ReliabilityConfig, parse_cpu_list
 from vitserve.bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
 from vitserve.help_format import DefaultsHelpFormatter
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _cpu_list(text: str) -> tuple[int, ...]:
+    try:
+        return parse_cpu_list(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _csv(values: list) -> str:
@@ -121,6 +128,11 @@ def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--serve-flags", dest="server_args", type=shlex.split, metavar="'--FLAG VALUE ...'",
                    help="extra `vitserve serve` flags for every server, e.g. '--max-queue-size 64'")
     g.add_argument("--rounds", type=int, metavar="N", help=f"overload and hol runs per server (default {d.rounds})")
+    g.add_argument("--server-cpus", type=_cpu_list, metavar="LIST", help="the cores the servers run on, as taskset "
+                                                                         "lists them: 0, 0,2, 0-3 (default: every "
+                                                                         "core, shared with the load)")
+    g.add_argument("--client-cpus", type=_cpu_list, metavar="LIST", help="the cores this process, the load "
+                                                                         "generator, runs on (default: every core)")
     g.add_argument("--rate", type=float, metavar="REQ/S", help="overload: the open loop's rate (default: "
                                                                "--overload-factor x the measured saturation)")
     g.add_argument("--overload-factor", type=float, metavar="X", help=f"default {d.overload_factor:g}")

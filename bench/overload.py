@@ -17,6 +17,7 @@ reported with the CPU each party used.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from vitserve.bench.load import HttpConnection, closed_loop, encode_request, mak
 from vitserve.bench.measure import CpuSnapshot, latency_summary
 from vitserve.bench.presets import resolve_model
 from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSampler, alternated, contention, number,
-                               preamble, servers_under_test, table, verdict)
+                               pin_load_generator, preamble, servers_under_test, table, verdict)
 from vitserve.bench.servers import STAGE_METRICS, free_port, scrape_metrics, server_stages
 
 TIMEOUT = "timeout"
@@ -269,6 +270,7 @@ class Setup:
         from vitserve.bench.run import environment
 
         env = environment()  # before anything runs: the load average at the start
+        pin_load_generator(cfg)
         model_path = resolve_model(cfg.model, cfg.cache_dir)
         servers = servers_under_test(cfg)
         return cls(env, model_path, model_summary(model_path), servers,
@@ -367,7 +369,8 @@ async def _overload(pid: int, port: int, payloads: list[bytes], rate: float, dea
     stages = server_stages(await counters["start"], await counters["end"], load.window_s)
     unloaded_ms = latency_summary([a.latency_s for a in unloaded if a.outcome == "200"])
     lag_ms = latency_summary(load.lags)
-    return {"rate": rate, **load_summary(load.answers, load.window_s), "unloaded": unloaded_ms,
+    return {"rate": rate, "server_cpus": sorted(os.sched_getaffinity(pid)), "client_cpus": sorted(os.sched_getaffinity(0)),
+            **load_summary(load.answers, load.window_s), "unloaded": unloaded_ms,
             "recovery": recovery(probe_answers, stopped, unloaded_ms["p99_ms"]),
             "generator": {"lag_p50_ms": lag_ms["p50_ms"], "lag_p99_ms": lag_ms["p99_ms"],
                           "lag_max_ms": max(load.lags) * 1000.0, "warmup_requests": len(load.warmup_answers)},

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -31,6 +32,10 @@ class ReliabilityConfig:
     checkouts: list[Path] = field(default_factory=list)  # none: this code; two: alternated round by round
     server_args: list[str] = field(default_factory=list)  # extra `vitserve serve` flags, the same for every server
     rounds: int = 1  # overload and head-of-line runs per server
+    # the cores the servers and this process (the load generator) may run on; None: every core, shared. Apart, the
+    # generator's CPU is not taken from the server it measures (on two cores: a one-core server, one core of load)
+    server_cpus: tuple[int, ...] | None = None
+    client_cpus: tuple[int, ...] | None = None
     num_images: int = 8
     seed: int = 0
     cache_dir: Path = Path("build/bench-models")
@@ -125,8 +130,35 @@ class ServerUnderTest:
     def start(self, model_path: Path, port: int, cfg: ReliabilityConfig, overrides: dict[str, str],
               log_name: str) -> ServerProcess:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
-        return ServerProcess(self.argv(model_path, port, cfg.server_args), port, env=self.env(overrides),
-                             log_path=cfg.log_dir / f"{log_name}.log")
+        argv = self.argv(model_path, port, cfg.server_args)
+        if cfg.server_cpus:  # taskset execs the server: the pid stays the server's, and it sizes itself to these
+            argv = ["taskset", "--cpu-list", cpu_list(cfg.server_cpus), *argv]
+        return ServerProcess(argv, port, env=self.env(overrides), log_path=cfg.log_dir / f"{log_name}.log")
+
+
+def parse_cpu_list(text: str) -> tuple[int, ...]:
+    """taskset's list form ("1", "0,2", "0-3") as the sorted cores, each one this process may run on."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        span = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", part)
+        if span is None or int(span[2] or span[1]) < int(span[1]):
+            raise ValueError(f"expected cores like 0 or 0,2 or 0-3, got {text!r}")
+        cpus.update(range(int(span[1]), int(span[2] or span[1]) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed:
+        raise ValueError(f"cores {text!r}: this process may run on {cpu_list(tuple(sorted(allowed)))} only")
+    return tuple(sorted(cpus))
+
+
+def cpu_list(cpus: tuple[int, ...]) -> str:
+    return ",".join(map(str, cpus))
+
+
+def pin_load_generator(cfg: ReliabilityConfig) -> None:
+    """This process (the load generator) on `client_cpus`, before it starts anything; its children (servers and
+    their settings readers) are pinned again by `start`."""
+    if cfg.client_cpus:
+        os.sched_setaffinity(0, cfg.client_cpus)
 
 
 # Run by the checkout's own Python: its Settings under whichever name its layout gives them (this one's; before the
@@ -261,6 +293,12 @@ def preamble(report: dict, title: str) -> list[str]:
         lines.append(f"- **{s['label']}**: commit `{(s['commit'] or 'unknown')[:12]}`{dirty}; `{s['python']}`; "
                      f"deadline (request_timeout_ms) {s['settings'].get('request_timeout_ms')} ms, max_queue_size "
                      f"{s['settings'].get('max_queue_size')}, max_batch_size {s['settings'].get('max_batch_size')}")
+    settings = report["settings"]
+    if settings.get("server_cpus") or settings.get("client_cpus"):
+        every = "every core"
+        lines.append(f"- cores: the servers on {cpu_list(settings['server_cpus']) if settings['server_cpus'] else every}, "
+                     f"the load generator on {cpu_list(settings['client_cpus']) if settings['client_cpus'] else every} "
+                     f"(`--server-cpus`, `--client-cpus`)")
     if report["settings"]["server_overrides"] or report["settings"]["server_args"]:
         lines.append(f"- settings under test: {report['settings']['server_overrides']} "
                      f"{' '.join(report['settings']['server_args'])}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 from pathlib import Path
@@ -17,6 +16,7 @@ import numpy as np
 import onnx
 
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.processes import usable_cores
 from vitserve.service.engine.attention_fusion import count_fused, maps_free
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
@@ -97,7 +97,7 @@ def intra_op_threads(settings: Settings) -> int:
     shared out among inline workers (each has its own session)."""
     if settings.intra_op_threads or settings.engine == "process" or settings.http_workers == 1:
         return settings.intra_op_threads
-    return max(1, (os.cpu_count() or 1) // settings.http_workers)
+    return max(1, usable_cores() // settings.http_workers)
 
 
 def session_options(settings: Settings):
@@ -422,7 +422,7 @@ def load_engine_model(settings: Settings) -> InferenceModel:
     requests/s with 2 intra-op threads against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core
     for its one-client latency."""
     model = load_model(settings)
-    if settings.intra_op_threads or not runs_on_cpu(model) or (os.cpu_count() or 1) == 1:
+    if settings.intra_op_threads or not runs_on_cpu(model) or usable_cores() == 1:
         return model
     milliseconds = batch_one_ms(model)
     if milliseconds >= LIGHT_MODEL_MS:

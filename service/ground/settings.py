@@ -5,12 +5,13 @@ flag, an environment variable and a test's keyword argument all land in the same
 """
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from vitserve.service.ground.processes import usable_cores
 
 Provider = Literal["tensorrt", "cuda", "cpu"]
 INTERNAL = "internal"  # the description of fields `vitserve serve` sets for its own processes: no flag
@@ -287,7 +288,7 @@ class Settings(BaseSettings):
         """HTTP worker processes: as set, else one per core that this process may use (engine=process) or one."""
         if self.workers:
             return self.workers
-        return len(os.sched_getaffinity(0)) if self.engine == "process" else 1
+        return usable_cores() if self.engine == "process" else 1
 
     @property
     def startup_models(self) -> list[str] | None:

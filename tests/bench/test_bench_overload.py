@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import pytest
 
@@ -155,11 +156,19 @@ def test_overload_targets_compare_each_figure_with_the_issue():
 
 
 def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_onnx, tmp_path):
+    # the server and the load generator on cores of their own, where there are two
+    every = tuple(sorted(os.sched_getaffinity(0)))
+    server_cpus, client_cpus = (every[:1], every[1:]) if len(every) > 1 else (every, every)
     cfg = ReliabilityConfig(mode="overload", model=str(tiny_onnx), saturation_clients=[4], saturation_s=0.5,
                             overload_warmup_s=0.2, overload_s=1.0, unloaded_requests=5, probes=3,
-                            log_dir=tmp_path / "logs", out=tmp_path / "overload.md")
-    report = run_overload(cfg, {"max_queue_size": "8"}, command="test")
+                            log_dir=tmp_path / "logs", out=tmp_path / "overload.md", server_cpus=server_cpus,
+                            client_cpus=client_cpus)
+    try:
+        report = run_overload(cfg, {"max_queue_size": "8"}, command="test")
+    finally:
+        os.sched_setaffinity(0, every)  # the generator's pinning is this (pytest's) process's
     (c,), (r,) = report["calibration"], report["runs"]
+    assert (r["server_cpus"], r["client_cpus"]) == (list(server_cpus), list(client_cpus))
     assert report["rate"] == pytest.approx(2 * c["requests_per_s"]) and c["concurrency"] == 4
     assert r["offered"] == sum(v["count"] for v in r["outcomes"].values()) == round(report["rate"] * 1.0)
     assert set(r["outcomes"]) <= {"200", "429", "503", "504", TIMEOUT, CONNECTION_ERROR, NOT_SENT}
@@ -170,6 +179,7 @@ def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_
     assert [p.name for p in paths] == ["overload.md", "overload.json"]
     text = paths[0].read_text()
     assert "## Open loop: outcomes" in text and "### Targets: this code, round 1" in text
+    assert f"- cores: the servers on {','.join(map(str, server_cpus))}, the load generator on" in text
     # the engine's own account, from the server's counters: the batches of both phases
     for stages in (c["stages"], r["stages"]):
         assert stages["mean_batch"] >= 1.0 and stages["runner_busy"] > 0 and stages["call_ms"] > 0

@@ -13,7 +13,7 @@ import pytest
 
 from vitserve.bench.cli import config_from_args, reliability_config_from_args
 from vitserve.bench.config import BenchConfig
-from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, alternated, process_tree, sample_tree,
+from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, alternated, parse_cpu_list, process_tree, sample_tree,
                                servers_under_test)
 from vitserve.cli import build_parser
 
@@ -53,6 +53,22 @@ def test_a_checkout_serves_its_own_code(tmp_path):
     (tmp_path / ".venv" / "bin" / "python").write_text("")
     assert other.python == str(tmp_path.resolve() / ".venv" / "bin" / "python")
     assert other.slug == "-".join(tmp_path.resolve().parts[1:]) and here.slug == "this-code"
+
+
+def test_cores_are_given_as_taskset_lists_and_pin_the_server_through_taskset(tmp_path):
+    allowed = sorted(os.sched_getaffinity(0))
+    assert parse_cpu_list(str(allowed[0])) == (allowed[0],)
+    assert parse_cpu_list(f"{allowed[0]}-{allowed[-1]}") == tuple(range(allowed[0], allowed[-1] + 1))
+    for bad in ("x", "", "1-", "-1", "1-0", "0,,1"):
+        with pytest.raises(ValueError, match="expected cores like"):
+            parse_cpu_list(bad)
+    with pytest.raises(ValueError, match="may run on"):  # a core this process cannot use
+        parse_cpu_list(str(max(allowed) + 1))
+    cfg = ReliabilityConfig(server_cpus=(allowed[0],), log_dir=tmp_path)
+    server = ServerUnderTest().start(tmp_path / "m.onnx", 9000, cfg, {}, "pinned")  # not entered: not started
+    assert server.argv[:3] == ["taskset", "--cpu-list", str(allowed[0])] and server.argv[3] == sys.executable
+    assert reliability_config_from_args(_args("--mode", "overload", "--server-cpus", str(allowed[0]))).server_cpus \
+        == (allowed[0],)
 
 
 def test_servers_under_test_are_this_code_or_up_to_two_checkouts(tmp_path):

@@ -47,7 +47,17 @@ def test_session_options_follow_settings():
     assert intra_op_threads(Settings()) == 0  # ORT's default: every core for the one engine process
     assert intra_op_threads(Settings(workers=2)) == 0  # however many HTTP workers feed it
     # inline engines, one per worker: the cores shared out, no oversubscription
-    assert intra_op_threads(Settings(engine="inline", workers=2)) == max(1, (os.cpu_count() or 1) // 2)
+    assert intra_op_threads(Settings(engine="inline", workers=2)) == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_cores_are_the_ones_this_process_may_run_on(monkeypatch):
+    # a server under `taskset -c 0-3` (or a container's cpuset) on a 16-core machine sizes itself for 4 cores
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert Settings().http_workers == 4
+    assert intra_op_threads(Settings(engine="inline", workers=2)) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
+    assert Settings().http_workers == 1 and intra_op_threads(Settings(engine="inline", workers=2)) == 1
 
 
 def test_model_runs_at_several_resolutions(tiny_model):
