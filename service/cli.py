@@ -177,11 +177,11 @@ def port_in_use(settings: Settings, grpc_derived: bool = False) -> str | None:
     """What to tell the user when the HTTP or the gRPC port is taken, naming it and the flag that moves it."""
     if settings.port and not port_is_free(settings.host, settings.port):
         return (f"the HTTP port {settings.host}:{settings.port} is in use: stop what holds it, or choose another "
-                f"with --port")
+                f"with --port (VITSERVE_PORT; make serve PORT=N)")
     if settings.grpc_port and not port_is_free(settings.host, settings.grpc_port):
         derived = " (--port + 1)" if grpc_derived else ""
         return (f"the gRPC port {settings.host}:{settings.grpc_port}{derived} is in use: stop what holds it, or "
-                f"choose another with --grpc-port (0: no gRPC)")
+                f"choose another with --grpc-port (VITSERVE_GRPC_PORT; 0: no gRPC)")
     return None
 
 

@@ -121,12 +121,17 @@ _PROTOCOL_ERROR_SCHEMA = {"type": "object", "required": ["error"], "properties":
 _PROTOCOL_DESCRIPTIONS = {400: "Malformed or invalid inference request, or an undecodable image"}
 
 
+# Answered by the connection (service/http/connection.py) before any route, on every path, in its protocol's shape
+CONNECTION_STATUSES = (414, 431)
+
+
 def openapi_responses(*codes: int, protocol: bool = False) -> dict[int, dict]:
-    """The `responses=` of a route: each listed status with its meaning and the error schema it really sends
-    (the Open Inference Protocol's on /v2, `protocol=True`)."""
+    """The `responses=` of a route: each listed status, and the connection's own, with its meaning and the error
+    schema it really sends (the Open Inference Protocol's on /v2, `protocol=True`)."""
     schema = _PROTOCOL_ERROR_SCHEMA if protocol else _V1_ERROR_SCHEMA
     described = {**STATUS_DESCRIPTIONS, **_PROTOCOL_DESCRIPTIONS} if protocol else STATUS_DESCRIPTIONS
-    return {c: {"description": described[c], "content": {"application/json": {"schema": schema}}} for c in codes}
+    return {c: {"description": described[c], "content": {"application/json": {"schema": schema}}}
+            for c in sorted({*codes, *CONNECTION_STATUSES})}
 
 
 

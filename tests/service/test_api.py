@@ -261,7 +261,10 @@ async def test_openapi_lists_every_status_code(settings, tiny_model):
         spec = (await client.get("/openapi.json")).json()
         assert (await client.get("/docs")).status_code == 200
     codes = set(spec["paths"]["/v1/classify"]["post"]["responses"])
-    assert {"200", "400", "413", "415", "422", "429", "500", "503", "504"} <= codes
+    assert {"200", "400", "413", "415", "422", "429", "500", "503", "504", "414", "431"} <= codes
+    # the connection's own refusals (a request line or headers too large) are on every route
+    assert all({"414", "431"} <= set(op["responses"]) for path in spec["paths"].values() for op in path.values()
+               if "responses" in op and any(k.startswith("4") for k in op["responses"]))
     assert {"image/png", "multipart/form-data"} <= set(spec["paths"]["/v1/classify"]["post"]["requestBody"]["content"])
     infer = spec["paths"]["/v2/models/{name}/infer"]["post"]["responses"]
     assert {"200", "400", "404", "429", "503", "504"} <= set(infer) and "422" not in infer

@@ -207,7 +207,7 @@ def test_serve_refuses_an_http_port_in_use_in_one_line_before_loading(tiny_onnx,
         assert main(["serve", "--model", str(tiny_onnx), "--port", str(port), "--grpc-port", "0"]) == 2
     error = capsys.readouterr().err.strip()
     assert error == (f"vitserve serve: the HTTP port 127.0.0.1:{port} is in use: stop what holds it, or choose "
-                     f"another with --port")
+                     f"another with --port (VITSERVE_PORT; make serve PORT=N)")
     assert started == []  # no engine, no model loaded
 
 
@@ -235,7 +235,7 @@ def test_serve_on_another_port_takes_the_next_for_grpc_and_says_which_is_in_use(
         assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", str(grpc - 1)]) == 2
     error = capsys.readouterr().err.strip()
     assert error == (f"vitserve serve: the gRPC port 127.0.0.1:{grpc} (--port + 1) is in use: stop what holds it, "
-                     f"or choose another with --grpc-port (0: no gRPC)")
+                     f"or choose another with --grpc-port (VITSERVE_GRPC_PORT; 0: no gRPC)")
     assert main(["serve", "--model", str(tiny_onnx), "--engine", "inline", "--port", str(grpc - 1)]) == 0
     assert (calls[0].port, calls[0].grpc_port) == (grpc - 1, grpc)
 
