@@ -150,6 +150,13 @@ class InferenceError(ServiceError):
     code = "inference_failed"
 
 
+class Unimplemented(ServiceError):
+    """A call of the protocol that vitserve does not serve (Triton's shared-memory, trace and log settings RPCs,
+    ModelStreamInfer): the client's to handle, never logged as the server's fault."""
+
+    code = "unimplemented"
+
+
 
 
 def _kinds(base: type[ServiceError]) -> list[type[ServiceError]]:

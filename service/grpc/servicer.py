@@ -66,6 +66,7 @@ GRPC_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     errors.DeadlineExceeded: StatusCode.DEADLINE_EXCEEDED,
     errors.ClientDisconnected: StatusCode.CANCELLED,
     errors.InferenceError: StatusCode.INTERNAL,
+    errors.Unimplemented: StatusCode.UNIMPLEMENTED,
 }
 SERVER_FAULTS = frozenset({StatusCode.INTERNAL, StatusCode.UNKNOWN, StatusCode.DATA_LOSS})
 RETRY_AFTER_KEY = "retry-after"  # trailing metadata of RESOURCE_EXHAUSTED: seconds, as HTTP's Retry-After
@@ -238,6 +239,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return pb.RepositoryModelUnloadResponse()
 
     # --- helpers ---
+    # --- what Triton has and vitserve does not: UNIMPLEMENTED through the same frame (key, metrics), where the
+    # generated base class would raise NotImplementedError and grpcio log its traceback at every call ---
+    def _unimplemented(name: str, why: str):
+        async def unimplemented(self, request, context, served):
+            raise errors.Unimplemented(f"{name} is not served by vitserve: {why} (docs/grpc.md)")
+        unimplemented.__name__ = unimplemented.__qualname__ = name
+        return rpc()(unimplemented)
+
+    ModelStreamInfer = _unimplemented("ModelStreamInfer", "its models are not decoupled; use ModelInfer")
+    SystemSharedMemoryStatus = _unimplemented("SystemSharedMemoryStatus", "no shared-memory extension")
+    SystemSharedMemoryRegister = _unimplemented("SystemSharedMemoryRegister", "no shared-memory extension")
+    SystemSharedMemoryUnregister = _unimplemented("SystemSharedMemoryUnregister", "no shared-memory extension")
+    CudaSharedMemoryStatus = _unimplemented("CudaSharedMemoryStatus", "no shared-memory extension")
+    CudaSharedMemoryRegister = _unimplemented("CudaSharedMemoryRegister", "no shared-memory extension")
+    CudaSharedMemoryUnregister = _unimplemented("CudaSharedMemoryUnregister", "no shared-memory extension")
+    TraceSetting = _unimplemented("TraceSetting", "tracing is configured at start (docs/tracing.md)")
+    LogSettings = _unimplemented("LogSettings", "logging is configured at start (--log-level)")
+    del _unimplemented
+
     def _route(self, name: str, version: str):
         _check_names(name, version)
         return self.state.engine.route(name, version or None)

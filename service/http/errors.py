@@ -16,8 +16,8 @@ from vitserve.service.ground.errors import (
     ClientDisconnected, DeadlineExceeded, Forbidden, HeadersTooLarge, ImageDecodeError, ImageTooLarge,
     InferenceError, InspectionNotStored, InvalidModelName, InvalidParameter, MalformedRequest, ModelLoadError,
     ModelNotFound, ModelUnavailable, NotReady, Overloaded, PayloadTooLarge, QueueFullError,
-    RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, Unauthorized, UnsupportedMediaType,
-    UriTooLong, VersionRetired)
+    RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, Unauthorized, Unimplemented,
+    UnsupportedMediaType, UriTooLong, VersionRetired)
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.core.pipeline import retry_after_s
 
@@ -46,6 +46,7 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     ClientDisconnected: 499,  # nginx's convention; only ever seen in logs and metrics
     InferenceError: 500,
     ServiceError: 500,
+    Unimplemented: 501,
     NotReady: 503,
     ModelUnavailable: 503,
     VersionRetired: 503,

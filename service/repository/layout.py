@@ -203,7 +203,10 @@ class ModelRepository:
             raise ModelNotFound(f"no model named {name!r} in the repository")
         model = ModelEntry(name)
         try:
-            model.config = read_config(folder / CONFIG_FILENAME)
+            config = self._inside(folder / CONFIG_FILENAME)
+            if config is None:  # a link out of the repository: nothing outside it is read
+                raise RepositoryError(f"{CONFIG_FILENAME} points outside the repository")
+            model.config = read_config(config)
         except RepositoryError as e:
             model.problems[""] = str(e)
             return model
@@ -255,12 +258,22 @@ def read_config(path: Path) -> ModelConfig:
     """A model's config.json, or the defaults when there is none; RepositoryError says what is wrong with it."""
     if not path.exists():
         return ModelConfig()
+    if not path.is_file():  # a FIFO would block the reader (the engine's loop) until someone wrote to it
+        raise RepositoryError(f"{CONFIG_FILENAME} is not a regular file")
     try:
-        if path.stat().st_size > MAX_CONFIG_BYTES:
+        with path.open("rb") as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+        if len(data) > MAX_CONFIG_BYTES:
             raise RepositoryError(f"{CONFIG_FILENAME} is over {MAX_CONFIG_BYTES} bytes")
-        return ModelConfig.model_validate(json.loads(path.read_bytes()))
-    except (OSError, ValueError, ValidationError) as e:  # JSONDecodeError is a ValueError
+        return ModelConfig.model_validate(json.loads(data))
+    except ValidationError as e:  # its own text quotes the values; a problem's place and kind are enough
+        problems = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'config'}: {p['msg']}"
+                             for p in e.errors(include_url=False, include_input=False)[:3])
+        raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(ValueError(problems))}") from None
+    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(e)}") from None
+    except RecursionError:
+        raise RepositoryError(f"{CONFIG_FILENAME}: its JSON nests too deep") from None
 
 
 def single_file_source(path: Path, name: str, version: str) -> ModelEntry:

@@ -354,9 +354,18 @@ def test_errors_have_tritons_status_codes(client):
     assert client.is_server_ready()
 
 
-def test_unimplemented_rpcs_say_so(client):
-    error = refused(client.get_system_shared_memory_status)
-    assert error.status() == "StatusCode.UNIMPLEMENTED"
+def test_unimplemented_rpcs_say_so(client, server):
+    calls = [(client.get_system_shared_memory_status, "SystemSharedMemoryStatus"),
+             (client.get_cuda_shared_memory_status, "CudaSharedMemoryStatus"),
+             (client.unregister_system_shared_memory, "SystemSharedMemoryUnregister"),
+             (client.get_trace_settings, "TraceSetting"), (client.get_log_settings, "LogSettings")]
+    for call, name in calls:
+        error = refused(call)
+        assert error.status() == "StatusCode.UNIMPLEMENTED" and f"{name} is not served by vitserve" in error.message()
+    # counted as the client's (a status of their own), not as an unhandled error of the server's
+    parsed = samples(httpx.get(f"{server[0]}/metrics", timeout=PATIENCE_S).text)
+    assert value(parsed, "vitserve_request_duration_seconds_count", protocol="grpc",
+                 endpoint="/inference.GRPCInferenceService/LogSettings", status="UNIMPLEMENTED") >= 1
 
 
 def test_a_short_grpc_deadline_is_deadline_exceeded_and_the_server_goes_on(client, reference):

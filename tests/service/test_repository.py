@@ -97,6 +97,23 @@ def test_a_bad_config_is_the_models_problem_and_names_what_is_wrong(tmp_path, ti
     assert "max_batch_size" in ModelRepository(root).entry("a").problems[""]
     assert "cpu_priority" in ModelRepository(root).entry("c").problems[""]
     assert "newest" in ModelRepository(root).entry("b").problems[""]
+    # a config.json linked out of the repository is not read, and a value is never quoted back
+    outside = tmp_path / "secret.json"
+    outside.write_text('{"secret_api_token": "TOPSECRET"}')
+    (root / "d").mkdir()
+    (root / "d" / "config.json").symlink_to(outside)
+    assert ModelRepository(root).entry("d").problems[""] == "config.json points outside the repository"
+    (root / "e").mkdir()
+    (root / "e" / "config.json").write_text('{"secret_api_token": "TOPSECRET"}')
+    assert "secret_api_token" in ModelRepository(root).entry("e").problems[""]
+    assert "TOPSECRET" not in ModelRepository(root).entry("e").problems[""]
+    # a FIFO would block the engine's loop until something wrote to it; deep JSON would exhaust the parser's stack
+    (root / "f").mkdir()
+    os.mkfifo(root / "f" / "config.json")
+    assert ModelRepository(root).entry("f").problems[""] == "config.json is not a regular file"
+    (root / "g").mkdir()
+    (root / "g" / "config.json").write_text('{"a":' * 10_000 + "1" + "}" * 10_000)  # within the size limit
+    assert ModelRepository(root).entry("g").problems[""] == "config.json: its JSON nests too deep"
     with pytest.raises(RepositoryError):
         ModelRepository(root / "a" / "1" / "model.onnx")  # a file is no repository
     assert check_model_name("vit-b16_v2.onnx") == "vit-b16_v2.onnx"
@@ -158,6 +175,9 @@ async def test_the_repository_api_needs_the_admin_key(repository):
                                        json={"parameters": {"config": "{}"}}), 400, "invalid_parameter")
         assert_error(await client.post("/v2/repository/index", headers=AUTH, content=b"[1"), 400,
                      "invalid_parameter")
+        deep = b'{"a":' * 5000 + b"1" + b"}" * 5000  # deeper than the JSON parser recurses: a 400, not a 500
+        for path in ("/v2/repository/index", "/v2/repository/models/small/load", "/v2/repository/models/small/unload"):
+            assert_error(await client.post(path, headers=AUTH, content=deep), 400, "invalid_parameter")
         assert (await client.post("/v2/repository/models/small/unload", headers=AUTH)).status_code == 200
         assert_error(await classify(client, image_bytes("PNG"), model="small"), 503, "model_unavailable")
         ready = (await client.post("/v2/repository/index", headers=AUTH, json={"ready": True})).json()

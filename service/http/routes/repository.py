@@ -39,6 +39,8 @@ async def _json_body(request: Request) -> dict:
         parsed = json.loads(body)
     except ValueError as e:
         raise InvalidParameter(f"the body is not JSON: {e}") from None
+    except RecursionError:  # json's C scanner recurses per nesting level
+        raise InvalidParameter("the body's JSON nests too deep") from None
     if not isinstance(parsed, dict):
         raise InvalidParameter("the body must be a JSON object")
     return parsed
