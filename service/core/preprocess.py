@@ -147,20 +147,28 @@ def to_channels(image: Image.Image, channels: int) -> Image.Image:
     if image.mode in ("I", "F") or image.mode.startswith("I;16"):
         image = high_depth_to_8bit(image)  # 'L', or 'LA' where a colour key made transparent pixels
     if image.mode in _ALPHA_MODES or "transparency" in image.info:
-        image = over_white(image)
+        image = over_white(image, grey=image.mode in _GREY_MODES or channels == 1)
     if image.mode not in ("L", "RGB"):
         image = image.convert("L" if image.mode in _GREY_MODES else "RGB")
     target = "L" if channels == 1 else "RGB"
     return image if image.mode == target else image.convert(target)
 
 
-def over_white(image: Image.Image) -> Image.Image:
-    """Compose over white: out = (colour * alpha + 255 * (255 - alpha)) / 255, rounded, per band."""
-    grey = image.mode in _GREY_MODES
-    with_alpha = image.convert("LA" if grey else "RGBA")  # also turns a colour key or palette alpha into alpha
-    colour = with_alpha.convert("L" if grey else "RGB")
-    background = Image.new(colour.mode, colour.size, "white")
-    background.paste(colour, mask=with_alpha.getchannel("A"))
+# Rows composed at a time: whole-image copies of a large RGBA image (Pillow keeps 4 bytes a pixel for it, for RGBA
+# and for LA alike) cost 17 bytes a pixel in all; a strip at a time, the decoded image and the answer alone count.
+OVER_WHITE_ROWS = 256
+
+
+def over_white(image: Image.Image, grey: bool) -> Image.Image:
+    """Compose over white into 'L' (`grey`: a grey image, or one the model takes in one channel) or 'RGB':
+    out = (colour * alpha + 255 * (255 - alpha)) / 255, rounded, per band. A strip of rows at a time, so what it
+    holds beside the decoded image is its answer (1 or 4 bytes a pixel) and one strip's copies."""
+    background = Image.new("L" if grey else "RGB", image.size, "white")
+    alpha_mode = "LA" if image.mode in _GREY_MODES else "RGBA"
+    for top in range(0, image.height, OVER_WHITE_ROWS):
+        box = (0, top, image.width, min(top + OVER_WHITE_ROWS, image.height))
+        strip = image.crop(box).convert(alpha_mode)  # also turns a colour key or palette alpha into alpha
+        background.paste(strip.convert(background.mode), box, mask=strip.getchannel("A"))
     return background
 
 

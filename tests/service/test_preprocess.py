@@ -10,8 +10,9 @@ import pytest
 from PIL import Image
 
 from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from vitserve.service.core.preprocess import (decode_image, decode_need, fit_box, load_first_frame, native_size, normalize_image,
-                                peek_pixels, prepare_image, render_size, stored_box, to_channels)
+from vitserve.service.core.preprocess import (OVER_WHITE_ROWS, decode_image, decode_need, fit_box, load_first_frame,
+                                native_size, normalize_image, peek_pixels, prepare_image, render_size,
+                                stored_box, to_channels)
 from vitserve.artifact import ModelInfo, normalize_pixels
 from service_fixtures import image_bytes, png_declaring
 
@@ -56,6 +57,26 @@ def test_channels_conversion_and_transparency_over_white():
     assert to_channels(rgba, 3).getpixel((0, 0)) == (255, 255, 255)
     assert to_channels(Image.new("RGB", (4, 4), (255, 0, 0)), 1).mode == "L"
     assert to_channels(Image.new("L", (4, 4), 9), 3).getpixel((1, 1)) == (9, 9, 9)
+
+
+def test_transparency_is_composed_strip_by_strip_like_the_whole_image():
+    # taller than a strip (OVER_WHITE_ROWS), with a last strip that is cut short
+    rng = np.random.default_rng(3)
+    colour = rng.integers(0, 256, (2 * OVER_WHITE_ROWS + 37, 19, 3), dtype=np.uint8)
+    alpha = rng.integers(0, 256, colour.shape[:2], dtype=np.uint8)
+    a = alpha.astype(int)[..., None]
+    want = (colour.astype(int) * a + 255 * (255 - a) + 127) // 255  # the documented composition, per band
+    got = np.asarray(to_channels(Image.fromarray(np.dstack([colour, alpha]), "RGBA"), 3)).astype(int)
+    assert np.abs(got - want).max() <= 1
+    grey = np.asarray(to_channels(Image.fromarray(np.dstack([colour, alpha]), "RGBA"), 1)).astype(int)
+    luma = np.asarray(Image.fromarray(want.astype(np.uint8)).convert("L")).astype(int)
+    assert grey.shape == alpha.shape and np.abs(grey - luma).max() <= 1
+    # a palette's transparent entry, in every strip
+    palette = Image.fromarray((np.arange(colour.shape[0] * 19) % 4).astype(np.uint8).reshape(-1, 19), "P")
+    palette.putpalette([0, 0, 0, 255, 0, 0, 0, 255, 0, 0, 0, 255])
+    palette.info["transparency"] = 0
+    composed = np.asarray(to_channels(palette, 3))
+    assert (composed[np.asarray(palette) == 0] == 255).all() and (composed[np.asarray(palette) == 1] == [255, 0, 0]).all()
 
 
 @pytest.mark.parametrize("data, error", [
