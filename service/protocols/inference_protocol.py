@@ -213,7 +213,7 @@ def parse_header(header: bytes, max_values: int) -> InferRequest:
 def requested_outputs(parameters: dict | None, named: list[tuple[str, dict | None]] | None) -> list[OutputRequest]:
     """What to send back: the outputs named (in their order), or all; binary per output, or for every output
     with the request's `binary_data_output` (an output's own `binary_data` wins)."""
-    all_binary = _parameter(parameters, "binary_data_output", bool, "parameters") or False
+    all_binary = _parameter(parameters, "binary_data_output", bool) or False
     named = named if named is not None else [(name, None) for name in OUTPUT_NAMES]
     if len({name for name, _ in named}) != len(named):
         raise InvalidParameter("outputs: an output is named more than once")
@@ -229,11 +229,11 @@ def requested_outputs(parameters: dict | None, named: list[tuple[str, dict | Non
 
 
 def _read_request_parameters(parameters: dict, call: InferCall) -> None:
-    resize = _parameter(parameters, "resize", str, "parameters")
+    resize = _parameter(parameters, "resize", str)
     if resize is not None and resize not in RESIZE_POLICIES:
         raise InvalidParameter(f"parameters.resize must be one of {', '.join(RESIZE_POLICIES)}, got {resize[:32]!r}")
     call.resize = resize or "fit"
-    timeout_us = _parameter(parameters, "timeout", int, "parameters")
+    timeout_us = _parameter(parameters, "timeout", int)
     if timeout_us is not None:  # 0 is no timeout, as in Triton (TRITONSERVER_InferenceRequestSetTimeoutMicroseconds)
         if timeout_us < 0:
             raise InvalidParameter(f"parameters.timeout is in microseconds and must be at least 0, got {timeout_us}")
@@ -246,13 +246,15 @@ def _read_request_parameters(parameters: dict, call: InferCall) -> None:
     call.extra = {k: v for k, v in parameters.items() if k not in known}  # e.g. priority: accepted, not used
 
 
-def _parameter(parameters: dict | None, key: str, kind: type, where: str):
-    """`parameters[key]` if present, checked to be of `kind` (a bool is not an int here)."""
+def _parameter(parameters: dict | None, key: str, kind: type, where: str = ""):
+    """`parameters[key]` if present, checked to be of `kind` (a bool is not an int here); `where` names what the
+    parameters belong to (a tensor, `inputs.0`; none for the request's own)."""
     if not parameters or key not in parameters:
         return None
     value = parameters[key]
     if type(value) is not kind:
-        raise InvalidParameter(f"{where}.parameters.{key} must be {_KIND_NAMES[kind]}, got {value!r:.40}")
+        place = f"{where}.parameters.{key}" if where else f"parameters.{key}"
+        raise InvalidParameter(f"{place} must be {_KIND_NAMES[kind]}, got {value!r:.40}")
     return value
 
 
