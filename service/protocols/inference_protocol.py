@@ -274,8 +274,9 @@ def _pixels(tensor, section: memoryview | None, limits: ProtocolLimits) -> np.nd
     if section is not None:
         width = 1 if raw else 4
         if len(section) != count * width:
-            raise InvalidParameter(f"inputs.0 declares binary_data_size {len(section)} bytes; shape {tensor.shape} "
-                                   f"of {tensor.datatype} needs {count * width}")
+            # the binary section (HTTP's binary_data_size, gRPC's raw_input_contents): named for both transports
+            raise InvalidParameter(f"inputs.0 has {len(section)} bytes of binary data; shape {tensor.shape} of "
+                                   f"{tensor.datatype} needs {count * width}")
         values = np.frombuffer(section, dtype=np.uint8 if raw else "<f4")
     else:
         values = _json_numbers(tensor.data)
