@@ -16,10 +16,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.servers import ServerProcess
 from vitserve.machine import process_tree
+
+if TYPE_CHECKING:  # bench/oip.py imports this module
+    from vitserve.bench.oip import OipConfig
 
 MODES = ("overload", "hol", "soak")
 
@@ -127,12 +131,14 @@ class ServerUnderTest:
         done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
         return json.loads(done.stdout) if done.returncode == 0 else {"error": done.stderr[-500:]}
 
-    def start(self, model_path: Path, port: int, cfg: ReliabilityConfig, overrides: dict[str, str],
+    def start(self, model_path: Path, port: int, cfg: ReliabilityConfig | OipConfig, overrides: dict[str, str],
               log_name: str) -> ServerProcess:
+        """The server, started; `cfg` gives its flags, its log's folder and (the reliability modes) its cores."""
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
         argv = self.argv(model_path, port, cfg.server_args)
-        if cfg.server_cpus:  # taskset execs the server: the pid stays the server's, and it sizes itself to these
-            argv = ["taskset", "--cpu-list", cpu_list(cfg.server_cpus), *argv]
+        cpus = getattr(cfg, "server_cpus", None)  # the oip bench's config chooses no cores
+        if cpus:  # taskset execs the server: the pid stays the server's, and it sizes itself to these
+            argv = ["taskset", "--cpu-list", cpu_list(cpus), *argv]
         return ServerProcess(argv, port, env=self.env(overrides), log_path=cfg.log_dir / f"{log_name}.log")
 
 
