@@ -58,7 +58,10 @@ class _Link:
     address: str
     requests: zmq.asyncio.Socket
     status_socket: zmq.asyncio.Socket
-    status: EngineStatus | None = None
+    status: EngineStatus | None = None  # None before the first, and once it went silent (`_watch`)
+    # the engine process it last heard from, kept when it goes silent: a restart after a silence (the new engine
+    # loads its models for longer than engine_timeout_s) is still a restart, whose generations count from 0 again
+    incarnation: str | None = None
     seen_at: float = 0.0  # time.monotonic() of its last status
     sent_cost: int = 0  # input values sent since that status (its queue as this frontend knows it)
     pending: dict[int, _Pending] = field(default_factory=dict)
@@ -386,12 +389,13 @@ class RemoteEngine:
     async def _statuses(self, link: _Link) -> None:
         while True:
             status = self.codec.status.decode(await link.status_socket.recv())
-            if link.status is not None and status.incarnation != link.status.incarnation:
+            if link.incarnation is not None and status.incarnation != link.incarnation:
                 log.error("the engine at %s restarted (%s -> %s): %d request(s) it held are lost", link.address,
-                          link.status.incarnation, status.incarnation, len(link.pending))
+                          link.incarnation, status.incarnation, len(link.pending))
                 self._fail_pending(link, "the inference engine restarted; this request was lost: retry it")
                 self._index = None  # the new engine's generations count from the start again
-            link.status, link.seen_at, link.sent_cost = status, time.monotonic(), 0
+            link.status, link.incarnation, link.seen_at, link.sent_cost = status, status.incarnation, \
+                time.monotonic(), 0
             if self._index is None or status.generation != self._index.generation:
                 self._refresh_started()
             self._update_ready()

@@ -208,6 +208,27 @@ def test_a_killed_engine_fails_its_requests_at_once_and_its_restart_serves_again
     asyncio.run(scenario())
 
 
+def test_an_engine_restarted_after_it_went_silent_is_a_restart_and_its_frontends_serve_again(engine_settings):
+    # The new engine loads its models for longer than engine_timeout_s, so the frontend first gives up on the silent
+    # one; the new engine's first status must still be taken as a restart, whose routing generations count from 0
+    # again: before, a frontend that had seen model changes (a higher generation) threw every new index away as
+    # older, and stayed not ready for good.
+    settings = engine_settings.model_copy(update={"engine_timeout_s": 0.4})
+
+    async def scenario(supervisor):
+        (frontend,) = await frontends(settings, supervisor, 1)
+        frontend._index = msgspec.structs.replace(frontend._index, generation=frontend._index.generation + 5)
+        os.kill(supervisor._engines[0].process.pid, signal.SIGKILL)
+        await until(lambda: not frontend.ready, "the frontend giving up on the silent engine")
+        await until(lambda: frontend.ready, "the restarted engine ready")
+        image = np.zeros((3, 16, 16), np.float32)
+        assert (await frontend.submit(frontend.route(None), image, PATIENCE_S)).output[0].shape == (3,)
+        await frontend.close(1)
+
+    with EngineSupervisor(settings) as supervisor:
+        asyncio.run(scenario(supervisor))
+
+
 def test_a_model_that_does_not_load_stops_the_supervisor(tmp_path, engine_settings):
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(engine_settings.model_path.read_bytes()[:2000])
