@@ -330,16 +330,23 @@ class ModelRegistry:
         """Warm up every version loaded by `start` and route to it; whether all of them made it."""
         all_ready = True
         for record in [r for r in self.records.values() if r.state == LOADING and r.served is not None]:
+            served = record.served
             try:
                 async with self._one_load:
-                    await record.served.warm_up()
+                    # an unload or a poll may have retired it while it waited (its session closed or closing)
+                    if record.served is not served or record.state != LOADING:
+                        continue
+                    await served.warm_up()
             except Exception as e:  # not served: the index says why; the readiness probe tells the orchestrator
                 log.exception("warm-up of %s version %s failed", record.name, record.version)
                 self.metrics.load_failed(record.name)
-                record.state, record.reason, all_ready = UNAVAILABLE, f"warm-up failed: {_reason(e)}", False
-                await self._close(record.served)
-                record.served = None
+                all_ready = False
+                if record.served is served:
+                    record.state, record.reason, record.served = UNAVAILABLE, f"warm-up failed: {_reason(e)}", None
+                    await self._close(served)
             else:
+                if record.served is not served or record.state != LOADING:
+                    continue  # retired while it warmed up: it stays as the retirement left it
                 record.state = READY
             self._changed()
         return all_ready

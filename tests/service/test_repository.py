@@ -3,6 +3,7 @@ unload in an in-process app (routing, keys, a corrupt version, metrics of unload
 real `vitserve serve --model-repository` driven by tritonclient, unmodified, with a swap under load."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
@@ -416,6 +417,25 @@ def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
     assert (own.runtime, own.precision_hint) == ("openvino", "fp32") and settings.runtime != "openvino"
     assert own.warmup_batch_sizes == [1, 3] and own.model_path == entry.versions["1"].path
     assert settings.max_batch_size == 4  # the server's own are untouched
+
+
+async def test_a_version_unloaded_while_startup_warms_up_the_others_stays_unloaded(tmp_path, tiny_onnx):
+    # warm-up works from the versions loading when it began; one unloaded meanwhile (the repository API, a poll)
+    # has no session left to warm, and must neither stop the others' warm-up nor come back READY without a session
+    from vitserve.service.ground.metrics import ServiceMetrics
+    from vitserve.service.engine.registry import ModelRegistry
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"a": [1], "b": [1]})
+    registry = ModelRegistry(ModelRepository(root), repo_settings(root, model_control_mode="explicit"),
+                             ServiceMetrics())
+    await registry.start()
+    assert [(r.name, r.state) for r in registry.records.values()] == [("a", "LOADING"), ("b", "LOADING")]
+    warming = asyncio.create_task(registry.warm_up_loading())
+    await asyncio.sleep(0)  # it has taken its list and is warming "a" up
+    await registry.unload("b")
+    assert await warming is True
+    states = {r.name: (r.state, r.served is not None) for r in registry.records.values()}
+    assert states == {"a": ("READY", True), "b": ("UNAVAILABLE", False)}
+    await registry.close(1)
 
 
 def _threads() -> dict[tuple[int, int], tuple[int, int]]:
