@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -105,7 +106,7 @@ class ModelRegistry:
         self.model_problems: dict[str, str] = {}  # model -> why it cannot load at all (its config.json)
         self.generation = 0  # bumped on every change of state: remote frontends refetch the index
         self.on_change: Callable[[], None] = lambda: None
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}  # model -> its lock, and the calls using it
         self._one_load = asyncio.Semaphore(1)
         self._poller: asyncio.Task | None = None
         self._poll_memory = _PollMemory()
@@ -406,8 +407,21 @@ class ModelRegistry:
         await asyncio.gather(*(r.served.close(timeout_s) for r in serving), return_exceptions=True)
 
     # --- helpers ---
-    def _lock(self, name: str) -> asyncio.Lock:
-        return self._locks.setdefault(name, asyncio.Lock())
+    @asynccontextmanager
+    async def _lock(self, name: str):
+        """One load or unload of model `name` at a time. The lock lives while a call holds or awaits it: a lock
+        kept for every name ever asked for would grow with each made-up name a client sends."""
+        lock, users = self._locks.get(name, (asyncio.Lock(), 0))
+        self._locks[name] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            lock, users = self._locks[name]
+            if users == 1:
+                del self._locks[name]
+            else:
+                self._locks[name] = (lock, users - 1)
 
     def _changed(self) -> None:
         self.generation += 1

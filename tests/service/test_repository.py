@@ -435,6 +435,13 @@ async def test_a_version_unloaded_while_startup_warms_up_the_others_stays_unload
     assert await warming is True
     states = {r.name: (r.state, r.served is not None) for r in registry.records.values()}
     assert states == {"a": ("READY", True), "b": ("UNAVAILABLE", False)}
+    # a lock per model lives only while a call uses it: made-up names leave nothing behind
+    for made_up in (f"nope-{i}" for i in range(50)):
+        with pytest.raises(ModelNotFound):
+            await registry.load(made_up)
+        with pytest.raises(ModelNotFound):
+            await registry.unload(made_up)
+    assert registry._locks == {}
     await registry.close(1)
 
 
