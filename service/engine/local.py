@@ -15,7 +15,7 @@ from typing import Callable
 import numpy as np
 
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
-from vitserve.service.ground.errors import VersionRetired
+from vitserve.service.ground.errors import InferenceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.engine.registry import ModelRegistry
 from vitserve.service.ground.settings import Settings
@@ -95,8 +95,18 @@ class LocalEngine:
             elif future.exception() is not None:
                 done(future.exception())
             else:
-                result = served.result_of(future.result())
-                self._offer_shadow(served, pixels, result, target)
+                # `done` is the request's only answer (in an engine process, its frontend frees the image's shared
+                # memory on it): nothing here may keep it from being called
+                try:
+                    result = served.result_of(future.result())
+                except Exception as e:
+                    log.exception("the answer of %s version %s could not be read", served.name, served.version)
+                    done(InferenceError(f"the model's answer could not be read: {e}"))
+                    return
+                try:
+                    self._offer_shadow(served, pixels, result, target)
+                except Exception:  # a comparison's failure never costs the answer
+                    log.exception("offering a request to %s's shadow failed", served.name)
                 done(result)
 
         future.add_done_callback(finished)

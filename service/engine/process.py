@@ -108,6 +108,10 @@ class EngineServer:
         router, publisher = context.socket(zmq.ROUTER), context.socket(zmq.PUB)
         for socket in (router, publisher):
             socket.setsockopt(zmq.LINGER, 0)
+        # No high-water mark: at the default (1,000 messages) a ROUTER drops what a slow frontend has not read, and
+        # an answer dropped is an image's shared memory its frontend never frees. What waits is bounded anyway: a
+        # frontend has at most max_requests_in_flight requests, and their answers go out a loop turn at a time.
+        router.setsockopt(zmq.SNDHWM, 0)
         router.bind(self.address)
         self.direct = zmq.Socket.shadow(router)  # the same libzmq socket, its plain non-blocking calls
         publisher.bind(status_address(self.address))

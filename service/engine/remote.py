@@ -121,6 +121,7 @@ class RemoteEngine:
             requests = self._context.socket(zmq.DEALER)
             requests.setsockopt(zmq.LINGER, 0)
             requests.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for an engine that is not connected
+            requests.setsockopt(zmq.RCVHWM, 0)  # the engine's answers are never dropped (its ROUTER's note)
             requests.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: back soon after an engine restarts
             requests.connect(address)
             status = self._context.socket(zmq.SUB)

@@ -323,3 +323,25 @@ async def test_disconnected_client_work_is_cancelled():
     assert started.is_set()
     await asyncio.wait_for(cancelled.wait(), PATIENCE_S)  # the work sees its cancellation on its next turn
     assert cancelled.is_set()
+
+
+async def test_a_failing_shadow_offer_or_answer_reading_never_leaves_a_request_unanswered(settings, tiny_model,
+                                                                                          monkeypatch):
+    # LocalEngine's batch callback is a request's only answer (in an engine process, the one on which its
+    # frontend frees the image's shared memory): an error after the batch ran must still answer it
+    from vitserve.service.engine.local import LocalEngine
+    from vitserve.service.engine.served_model import ServedModel
+
+    def broken_offer(self, *args):
+        raise RuntimeError("a shadow that cannot take the copy")
+
+    monkeypatch.setattr(LocalEngine, "_offer_shadow", broken_offer)
+    async with serving(settings, tiny_model) as client:
+        assert (await classify(client, image_bytes("PNG"))).status_code == 200  # the answer, despite the shadow
+
+        def unreadable(self, outcome):
+            raise ValueError("an output the server cannot read")
+
+        monkeypatch.setattr(ServedModel, "result_of", unreadable)
+        answer = await asyncio.wait_for(classify(client, image_bytes("PNG")), PATIENCE_S)
+        assert_error(answer, 500, "inference_failed")
