@@ -247,8 +247,14 @@ class ModelRegistry:
                                           shadow=shadow)
         self._changed()
         if current is not None and current.served is not None:  # a changed file replaced in place
-            self._in_background(self._close(current.served))
+            self._in_background(self._close_replaced(current.served, served))
         return None
+
+    async def _close_replaced(self, old: ServedModel, new: ServedModel) -> None:
+        """The session a changed file replaced, closed; the version's ready gauge (one for both: the same name and
+        version) then says the new one's state again, not the closed one's."""
+        await self._close(old)
+        new.metrics.set_ready(new.ready)
 
     async def _bring_up(self, entry: ModelEntry, version: str, file: VersionFile, warm: bool) -> ServedModel:
         given = getattr(self.source, "model", None)

@@ -16,8 +16,8 @@ import pytest
 
 from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
 from vitserve.service.repository.layout import ModelRepository, VersionPolicy, check_model_name
-from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, scrape, serving, settings_for,
-                              uvicorn_server, wait_until)
+from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, samples, scrape, serving,
+                              settings_for, uvicorn_server, value, wait_until)
 
 pytestmark = pytest.mark.anyio
 ADMIN = "s3cret-admin-key"
@@ -283,6 +283,23 @@ async def test_poll_mode_loads_a_version_once_its_file_is_complete_and_reports_a
         assert all(e.state == "UNAVAILABLE" for e in registry.index())
         assert_error(await client.post("/v2/repository/models/m/load", headers=AUTH), 403,
                      "repository_control_disabled")  # poll mode: the files decide
+
+
+async def test_a_version_file_replaced_in_place_keeps_its_ready_gauge_at_1(tmp_path, tiny_onnx):
+    # the new session takes the version's place, then the old one closes in the background: the gauge is the
+    # version's (one for both), and must end saying the new one is ready, not that the old one closed
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
+    settings = repo_settings(root, model_control_mode="explicit", admin_key=ADMIN, load_models=["m"])
+    async with serving(settings) as client:
+        registry = client.app.state.service.engine.registry
+        first = registry.records["m", "1"].served
+        os.utime(root / "m" / "1" / "model.onnx", ns=(1, 1))  # the same name and version, another file
+        assert (await client.post("/v2/repository/models/m/load", headers=AUTH)).status_code == 200
+        assert registry.records["m", "1"].served is not first
+        await asyncio.wait_for(asyncio.gather(*registry._background), PATIENCE_S)  # the old one's close
+        assert first.model is None
+        ready = samples((await client.get("/metrics")).text)
+        assert value(ready, "vitserve_model_ready", model="m", version="1") == 1
 
 
 async def test_an_api_key_guards_inference_but_not_health_or_metrics(tiny_onnx):
