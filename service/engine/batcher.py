@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 from collections import OrderedDict, deque
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,8 @@ import numpy as np
 from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 from vitserve.service.ground import tracing
 from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
+
+log = logging.getLogger("vitserve.engine")
 
 # A batch this small is copied together on the event loop (tens of microseconds): the hop to a thread for it cost
 # more than the copy (7% of an engine process's time at its ceiling, docs/results/bench-engine-ceiling.md). A larger
@@ -328,6 +331,7 @@ class DynamicBatcher:
         return batch
 
     async def _execute(self, batch: list[_Item]) -> None:
+        unanswered: BaseException = NotReady("shut down before this image ran")
         try:
             batch = [item for item in batch if not item.future.done()]  # cancelled while assembling
             if not batch:
@@ -363,7 +367,13 @@ class DynamicBatcher:
             self._last_size = len(batch)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
             self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, light)
+        except Exception as e:  # before the run (stacking: a MemoryError): its images fail now, not at their deadline
+            log.exception("a batch of %d could not be assembled", len(batch))
+            unanswered = InferenceError(f"a batch of {len(batch)} could not be assembled: {e!r:.200}")
         finally:
+            for item in batch:  # a batch that ended early (above, or cancelled by close) answers every image
+                if not item.future.done():
+                    item.future.set_exception(unanswered)
             self._active -= 1
             if not self._active:
                 self._free_since = time.perf_counter()

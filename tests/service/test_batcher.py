@@ -284,3 +284,23 @@ async def test_predicted_wait_counts_each_kind_at_its_own_speed():
     assert batcher.seconds_per_cost * batcher.queued_cost == pytest.approx(batcher.predicted_wait_s())
     await batcher.close()
     await asyncio.gather(*waiting)
+
+
+async def test_a_batch_that_cannot_be_assembled_fails_its_images_at_once(monkeypatch):
+    # np.stack raising (a MemoryError for a large batch) ended the batch's task with its images unanswered: their
+    # callers waited out their deadline
+    import vitserve.service.engine.batcher as batcher_module
+
+    def no_memory(arrays, *args, **kwargs):
+        raise MemoryError("no room for the stacked batch")
+
+    recorder = Recorder()
+    batcher = make(recorder, max_queue_delay_s=0.2)
+    monkeypatch.setattr(batcher_module.np, "stack", no_memory)
+    started = asyncio.get_running_loop().time()
+    results = await asyncio.gather(*(batcher.submit(item(i), PATIENCE_S) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(r, InferenceError) and "could not be assembled" in str(r) for r in results)
+    assert asyncio.get_running_loop().time() - started < PATIENCE_S / 2  # answered, not timed out
+    monkeypatch.undo()
+    assert (await batcher.submit(item(7), PATIENCE_S)).output == 70  # and the batcher goes on
+    await batcher.close()
