@@ -229,7 +229,13 @@ class DynamicBatcher:
     async def _dispatch_loop(self) -> None:
         while True:
             await self._slots.acquire()
-            batch = await self._next_batch()
+            try:
+                batch = await self._next_batch()
+            except Exception:  # (an observer's metric failing) the loop must go on: a dead one answers nobody again
+                log.exception("forming the next batch failed")
+                self._slots.release()
+                await asyncio.sleep(0.01)  # a failure that repeats does not spin the loop
+                continue
             if batch is None:
                 self._slots.release()
                 return
@@ -323,7 +329,11 @@ class DynamicBatcher:
             self._last_served = {s: t for s, t in self._last_served.items() if s in self._groups or s == shape}
         for item in batch:
             item.dispatched = now
-            self._observer.queue_wait(now - item.enqueued)
+        try:  # taken off the queue: from here only the batch's run answers them, so nothing may stop it
+            for item in batch:
+                self._observer.queue_wait(now - item.enqueued)
+        except Exception:
+            log.exception("recording a batch's queue wait failed")
         targeted = batch[0].targeted  # one group: all or none
         costs = {**self._queued_costs, targeted: self._queued_costs[targeted] - sum(i.array.size for i in batch)}
         self._set_queued(self._queued - len(batch), costs)

@@ -162,7 +162,11 @@ class EngineServer:
         loop turn's together: service/engine/remote.py)."""
         frontend = frames[0]
         for payload in frames[1:]:
-            self._take(frontend, payload, router)
+            try:
+                self._take(frontend, payload, router)
+            except Exception:  # one message it cannot read (a frontend of another version) must not end the loop
+                log.exception("a message from frontend %r could not be taken (%d bytes); dropped", frontend,
+                              len(payload))
 
     def _take(self, frontend: bytes, payload: bytes, router) -> None:
         message = self.codec.to_engine.decode(payload)

@@ -366,7 +366,11 @@ class RemoteEngine:
     async def _answers(self, link: _Link) -> None:
         while True:
             for frame in await link.requests.recv_multipart():  # the engine's answers of one turn, a frame each
-                self._take_answer(link, self.codec.from_engine.decode(frame))
+                try:
+                    self._take_answer(link, self.codec.from_engine.decode(frame))
+                except Exception:  # one answer it cannot read must not stop every later one from arriving
+                    log.exception("an answer from the engine at %s could not be taken (%d bytes); dropped",
+                                  link.address, len(frame))
 
     def _take_answer(self, link: _Link, answer: Result | Failure | ControlReply) -> None:
         if isinstance(answer, ControlReply):

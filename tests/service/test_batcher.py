@@ -304,3 +304,28 @@ async def test_a_batch_that_cannot_be_assembled_fails_its_images_at_once(monkeyp
     monkeypatch.undo()
     assert (await batcher.submit(item(7), PATIENCE_S)).output == 70  # and the batcher goes on
     await batcher.close()
+
+
+async def test_the_dispatch_loop_outlives_a_failure_while_it_forms_a_batch():
+    # an error there (a metric's observer) ended the loop for good, and stranded the images it had taken off the
+    # queue: every later image queued, none ran, and the model refused everything once its queue was full
+    class FailingOnce:
+        failed = False
+
+        def batch_done(self, *args, **kwargs):
+            pass
+
+        def queue_depth(self, depth):
+            pass
+
+        def queue_wait(self, seconds):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("a metric that failed once")
+
+    batcher = DynamicBatcher(Recorder(), max_batch_size=4, max_queue_delay_s=0.01, max_queue_size=10,
+                             dispatch_when_idle=False, observer=FailingOnce())
+    batcher.start()
+    answers = [await asyncio.wait_for(batcher.submit(item(i), PATIENCE_S), PATIENCE_S) for i in (1, 2)]
+    assert [a.output for a in answers] == [10, 20]  # the image taken when it failed too
+    await batcher.close()

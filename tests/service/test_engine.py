@@ -236,6 +236,18 @@ def test_a_model_that_does_not_load_stops_the_supervisor(tmp_path, engine_settin
         EngineSupervisor(engine_settings.model_copy(update={"model_path": broken})).start()
 
 
+def test_a_message_the_engine_cannot_read_is_dropped_and_the_next_ones_are_taken(caplog):
+    # one unreadable frame (a frontend of another version) ended the engine's receive loop: it still said it was
+    # ready, and every request after it waited out its deadline
+    from types import SimpleNamespace
+
+    from vitserve.service.engine.process import EngineServer
+    server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
+    server._take_all([b"frontend", b"\xff not a message", Codec().encode(Cancel(7))], router=None)
+    assert server.work_arrived.is_set()  # the Cancel after it was taken
+    assert "could not be taken" in caplog.text
+
+
 @pytest.mark.anyio
 async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_arrives():
     # 50 statuses a second woke every HTTP worker of an idle server; while there is work they still come every
