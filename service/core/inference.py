@@ -147,8 +147,10 @@ async def infer(call: Call, request, parse_s: float, encode):
 
 
 def model_configuration(state: ServiceState, handle: ModelHandle) -> dict:
-    """Triton's model configuration of a routed version, with its own batching limits (its config.json)."""
-    return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider)
+    """Triton's model configuration of a routed version, with its own batching limits and its model's version
+    policy (its config.json)."""
+    return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider,
+                         handle.version_policy)
 
 
 async def model_statistics(state: ServiceState, versions: list[tuple[str, str]]) -> list[dict]:

@@ -28,6 +28,7 @@ class ModelHandle:
     info: ModelInfo
     pinned: bool = False
     batching: dict = field(default_factory=dict, compare=False)  # its own batching limits (config.json), if any
+    version_policy: dict = field(default_factory=dict, compare=False)  # its model's (Triton's JSON form); {}: none
 
 
 @dataclass

@@ -60,6 +60,7 @@ class LoadedVersion(msgspec.Struct, array_like=True):
     opset: int | None
     batching: dict[str, int | float]  # its own batching limits (config.json)
     shadow: bool = False  # its model's shadow version: routed to only when named
+    version_policy: dict = msgspec.field(default_factory=dict)  # its model's (config.json), Triton's JSON form
 
 
 class RepositoryIndex(msgspec.Struct, array_like=True):

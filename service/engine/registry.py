@@ -123,7 +123,8 @@ class ModelRegistry:
         """The versions' states and metadata as routing sees them (rebuilt after every change)."""
         if self._table is None:
             self._table = RoutingTable({key: VersionView(r.state, r.reason, r.served.info if r.served else None,
-                                                         r.served.batching if r.served else {}, r.shadow)
+                                                         r.served.batching if r.served else {}, r.shadow,
+                                                         r.served.version_policy if r.served else {})
                                         for key, r in self.records.items()}, dict(self.model_problems))
         return self._table
 
@@ -262,7 +263,9 @@ class ModelRegistry:
         shadow = entry.config.shadow if version == entry.shadow_version else None
         served = ServedModel(entry.name, version, settings, self.metrics.for_model(entry.name, version),
                              model=given, loader=self._loader, maps=entry.config.maps,
-                             cpu_priority=shadow.cpu_priority if shadow else entry.config.cpu_priority)
+                             cpu_priority=shadow.cpu_priority if shadow else entry.config.cpu_priority,
+                             version_policy={} if entry.fixed else entry.config.version_policy.model_dump(
+                                 exclude_none=True))
         async with self._one_load:
             try:
                 await served.load()

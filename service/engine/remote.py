@@ -292,7 +292,8 @@ class RemoteEngine:
                 info = ModelInfo.from_metadata(version.metadata, version.opset) if version else None
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
                                                             version.batching if version else {},
-                                                            version.shadow if version else False)
+                                                            version.shadow if version else False,
+                                                            version.version_policy if version else {})
         table = RoutingTable(views, dict(index.problems))
         retired = self.table.live() - table.live()
         self._index, self.table = index, table

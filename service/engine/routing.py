@@ -24,6 +24,7 @@ class VersionView:
     info: ModelInfo | None = None  # while loaded
     batching: dict = field(default_factory=dict)  # its own batching limits (from its config.json)
     shadow: bool = False  # its model's shadow version: routed to only when a client names it
+    version_policy: dict = field(default_factory=dict)  # its model's, as its config.json says ({}: none)
 
 
 @dataclass
@@ -46,7 +47,8 @@ class RoutingTable:
             if not ready:
                 states = ", ".join(f"{v} {versions[v].state.lower()}" for v in newest_first(versions))
                 raise ModelUnavailable(f"model {name!r} has no ready version ({states})")
-            return ModelHandle(name, ready[0], versions[ready[0]].info, batching=versions[ready[0]].batching)
+            view = versions[ready[0]]
+            return ModelHandle(name, ready[0], view.info, batching=view.batching, version_policy=view.version_policy)
         view = versions.get(version)
         if view is None:
             check_version(version)
@@ -55,7 +57,8 @@ class RoutingTable:
         if view.state != READY:
             raise ModelUnavailable(f"model {name!r} version {version} is {view.state.lower()}"
                                    + (f": {view.reason}" if view.reason else ""))
-        return ModelHandle(name, version, view.info, pinned=True, batching=view.batching)
+        return ModelHandle(name, version, view.info, pinned=True, batching=view.batching,
+                           version_policy=view.version_policy)
 
     def reroute(self, handle: ModelHandle) -> ModelHandle:
         """Where a request goes whose version was retired before it ran: unpinned, the newest ready version, if

@@ -38,8 +38,9 @@ BATCHING_LIMITS = ("max_batch_size", "max_queue_delay_ms", "max_queue_size")
 class ServedModel:
     def __init__(self, name: str, version: str, settings: Settings, metrics: ModelMetrics,
                  model: InferenceModel | None = None, loader: Loader = load_model, maps: list[str] | None = None,
-                 cpu_priority: CpuPriority = "normal"):
+                 cpu_priority: CpuPriority = "normal", version_policy: dict | None = None):
         self.name, self.version = name, version
+        self.version_policy = version_policy or {}  # its model's, for its Triton configuration ({}: Triton's default)
         self.settings, self.metrics = settings, metrics  # settings: the server's with this model's file and limits
         self.model = model  # given (tests) or loaded from settings.model_path by `loader`
         self._loader = loader

@@ -42,9 +42,10 @@ def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
             *((name, extras[name]) for name in info.extra_outputs)]
 
 
-def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:
+def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None) -> dict:
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
-    the dynamic batcher as this server runs it, one instance on the execution provider in use."""
+    the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
+    as this server runs it, one instance on the execution provider in use."""
     on_gpu = provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
                 "gpus": [settings.cuda_device_id] if on_gpu else []}
@@ -52,7 +53,7 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str) -> dict:
         "name": info.name,
         "platform": PLATFORM,
         "backend": "onnxruntime",
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": version_policy or {"latest": {"num_versions": 1}},
         "max_batch_size": settings.max_batch_size,
         "input": [
             {"name": INPUT_NAME, "data_type": "TYPE_FP32", "format": "FORMAT_NCHW",

@@ -345,6 +345,9 @@ def test_tritonclient_drives_the_repository(explicit_server, tiny_onnx):
             result = client.infer(model, [pixels], model_version=version)
             assert result.get_response()["model_version"] == version and result.as_numpy("logits").shape == (2, 3)
         assert client.get_model_config("small")["max_batch_size"] == 4
+        # each model's own version policy (config.json), through the engine process, as Triton shows it
+        assert client.get_model_config("small")["version_policy"] == {"all": {}}
+        assert client.get_model_config("large")["version_policy"] == {"latest": {"num_versions": 1}}
         assert not client.is_model_ready("small", "9")
         with pytest.raises(InferenceServerException, match="no model named 'nope'"):
             client.infer("nope", [pixels])
