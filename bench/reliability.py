@@ -301,13 +301,12 @@ def preamble(report: dict, title: str) -> list[str]:
                      f"{s['settings'].get('max_queue_size')}, max_batch_size {s['settings'].get('max_batch_size')}")
     settings = report["settings"]
     if settings.get("server_cpus") or settings.get("client_cpus"):
-        every = "every core"
-        lines.append(f"- cores: the servers on {cpu_list(settings['server_cpus']) if settings['server_cpus'] else every}, "
-                     f"the load generator on {cpu_list(settings['client_cpus']) if settings['client_cpus'] else every} "
-                     f"(`--server-cpus`, `--client-cpus`)")
-    if report["settings"]["server_overrides"] or report["settings"]["server_args"]:
-        lines.append(f"- settings under test: {report['settings']['server_overrides']} "
-                     f"{' '.join(report['settings']['server_args'])}")
+        servers, generator = (cpu_list(settings[k]) if settings[k] else "every core" for k in ("server_cpus",
+                                                                                              "client_cpus"))
+        lines.append(f"- cores: the servers on {servers}, the load generator on {generator} (`--server-cpus`, "
+                     f"`--client-cpus`)")
+    if settings["server_overrides"] or settings["server_args"]:
+        lines.append(f"- settings under test: {settings['server_overrides']} {' '.join(settings['server_args'])}")
     return lines + [""]
 
 

@@ -341,10 +341,12 @@ class ModelRegistry:
         all_ready = True
         for record in [r for r in self.records.values() if r.state == LOADING and r.served is not None]:
             served = record.served
+
+            def retired() -> bool:  # by an unload or a poll, while it waited or warmed up (its session closed)
+                return record.served is not served or record.state != LOADING
             try:
                 async with self._one_load:
-                    # an unload or a poll may have retired it while it waited (its session closed or closing)
-                    if record.served is not served or record.state != LOADING:
+                    if retired():
                         continue
                     await served.warm_up()
             except Exception as e:  # not served: the index says why; the readiness probe tells the orchestrator
@@ -355,8 +357,8 @@ class ModelRegistry:
                     record.state, record.reason, record.served = UNAVAILABLE, f"warm-up failed: {_reason(e)}", None
                     await self._close(served)
             else:
-                if record.served is not served or record.state != LOADING:
-                    continue  # retired while it warmed up: it stays as the retirement left it
+                if retired():
+                    continue  # it stays as the retirement left it
                 record.state = READY
             self._changed()
         return all_ready

@@ -238,7 +238,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         await self.state.engine.unload(check_model_name(request.model_name))
         return pb.RepositoryModelUnloadResponse()
 
-    # --- helpers ---
     # --- what Triton has and vitserve does not: UNIMPLEMENTED through the same frame (key, metrics), where the
     # generated base class would raise NotImplementedError and grpcio log its traceback at every call ---
     def _unimplemented(name: str, why: str):
@@ -258,6 +257,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     LogSettings = _unimplemented("LogSettings", "logging is configured at start (--log-level)")
     del _unimplemented
 
+    # --- helpers ---
     def _route(self, name: str, version: str):
         _check_names(name, version)
         return self.state.engine.route(name, version or None)

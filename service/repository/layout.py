@@ -269,7 +269,7 @@ def read_config(path: Path) -> ModelConfig:
     except ValidationError as e:  # its own text quotes the values; a problem's place and kind are enough
         problems = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'config'}: {p['msg']}"
                              for p in e.errors(include_url=False, include_input=False)[:3])
-        raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(ValueError(problems))}") from None
+        raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(problems)}") from None
     except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
         raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(e)}") from None
     except RecursionError:
@@ -284,5 +284,5 @@ def single_file_source(path: Path, name: str, version: str) -> ModelEntry:
                       fixed=True)
 
 
-def _one_line(error: Exception) -> str:
+def _one_line(error: Exception | str) -> str:
     return " ".join(str(error).split())[:500]
