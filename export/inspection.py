@@ -15,7 +15,8 @@ import torch
 from vitserve.model.augment import normalize
 from vitserve.model.checkpoint import CheckpointMeta
 from vitserve.model.config import FASHION_MNIST_DIR
-from vitserve.model.inspection import InspectionInputError, inspect, inspection_images, to_json
+from vitserve.model.inspection import inspect, inspection_images
+from vitserve.model.inspection_report import InspectionInputError, to_json
 from vitserve.model.vit import VisionTransformer
 
 DEFAULT_IMAGES = 256  # `vitserve export --inspection-images`'s default

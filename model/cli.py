@@ -309,32 +309,42 @@ def add_inspect_parser(subparsers) -> None:
 
 
 def run_inspect(args) -> int:
+    """From an exported file, the numbers stored in it (no torch: the serving install runs this too); from a
+    checkpoint, computed by the model (torch)."""
     from pathlib import Path
 
-    from vitserve.model.augment import normalize
-    from vitserve.model.inspection import InspectionInputError, inspect, inspection_images, write
+    from vitserve.model.inspection_report import InspectionInputError, can_draw_panels, write
 
     try:
         if Path(args.model).is_file():
             inspection, title = _stored_inspection(Path(args.model))
         else:
-            from vitserve.model.checkpoint import load_checkpoint
-
-            model, meta = load_checkpoint(args.model)
-            images = inspection_images(model.cfg.in_channels, model.cfg.image_size, args.images, args.images_dir,
-                                       args.data_dir)
-            inspection, title = inspect(model, normalize(images, meta.mean, meta.std)), f"{meta.name} {meta.version}"
+            inspection, title = _computed_inspection(args)
     except InspectionInputError as e:
         print(f"vitserve inspect: {e}", file=sys.stderr)
         return 2
     for path in write(inspection, Path(args.out), title):
         print(f"wrote {path}")
+    if not can_draw_panels():
+        print("vitserve inspect: the panels (PNG) need matplotlib, which this install lacks: pip install matplotlib")
     return 0
+
+
+def _computed_inspection(args):
+    """(Inspection, title) of a checkpoint, its attention distances averaged over the images `args` names."""
+    from vitserve.model.augment import normalize
+    from vitserve.model.checkpoint import load_checkpoint
+    from vitserve.model.inspection import inspect, inspection_images
+
+    model, meta = load_checkpoint(args.model)
+    images = inspection_images(model.cfg.in_channels, model.cfg.image_size, args.images, args.images_dir,
+                               args.data_dir)
+    return inspect(model, normalize(images, meta.mean, meta.std)), f"{meta.name} {meta.version}"
 
 
 def _stored_inspection(path):
     """(Inspection, title) from an exported file's metadata; InspectionInputError when it has none."""
-    from vitserve.model.inspection import InspectionInputError, from_json
+    from vitserve.model.inspection_report import InspectionInputError, from_json
     from vitserve.artifact import ArtifactError
     from vitserve.onnx_header import read_stored_inspection
 

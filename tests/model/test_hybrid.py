@@ -194,7 +194,8 @@ def test_exported_hybrid_gives_timms_logits_and_a_rollout_of_timms_attention(imp
 
 
 def test_inspecting_a_hybrid_shows_the_stem_filters_that_see_pixels(tmp_path):
-    from vitserve.model.inspection import inspect, write
+    from vitserve.model.inspection import inspect
+    from vitserve.model.inspection_report import write
 
     torch.manual_seed(0)
     model = VisionTransformer(vit_config("R+fmnist", depth=2, backbone_width=32)).eval()

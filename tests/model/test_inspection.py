@@ -77,6 +77,23 @@ def test_an_exported_file_gives_back_the_numbers_export_stored(tiny_onnx, tmp_pa
     assert {p.name for p in out.iterdir()} >= {"filters.png", "REPORT.md"}
 
 
+def test_an_exported_file_is_inspected_without_torch_or_matplotlib(tiny_onnx, tmp_path):
+    """The serving install (`make serve`'s) has neither: the numbers and the report come out, and one line says what
+    the panels need."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "served-install"
+    blocked = ("import sys; sys.modules.update(torch=None, matplotlib=None); from vitserve.cli import main; "
+               f"code = main(['inspect', {str(tiny_onnx)!r}, '--out', {str(out)!r}]); "
+               "assert 'torch' not in sys.modules or sys.modules['torch'] is None; sys.exit(code)")
+    done = subprocess.run([sys.executable, "-c", blocked], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["REPORT.md", "inspection.json"]
+    assert done.stdout.splitlines()[-1] == ("vitserve inspect: the panels (PNG) need matplotlib, which this install "
+                                            "lacks: pip install matplotlib")
+
+
 def test_bad_inputs_are_one_line_errors(tiny_checkpoint, tmp_path, capsys):
     import shutil
 
