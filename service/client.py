@@ -126,6 +126,29 @@ def overlay_path(image: Path, out_dir: Path | None, map_kind: str = "rollout") -
     return (out_dir or image.parent) / f"{image.stem}.{map_kind}.png"
 
 
+def overlay_paths(images: list[Path], out_dir: Path | None, map_kind: str = "rollout") -> dict[Path, Path]:
+    """Each image's overlay file, no two images of one command on the same file: `overlay_path`'s name, unless
+    another image would get it too (`a.png` and `a.jpg`, or two folders' `a.png` into one `--out-dir`); those keep
+    their extension (`a.png.rollout.png`), and what still collides is numbered in the order given
+    (`a.png.rollout-2.png`). An image named twice is one image, with one file."""
+    unique = list(dict.fromkeys(images))
+    plain = {image: overlay_path(image, out_dir, map_kind) for image in unique}
+    shared = {path for path in plain.values() if list(plain.values()).count(path) > 1}
+    chosen: dict[Path, Path] = {}
+    taken = {path for path in plain.values() if path not in shared}
+    for image in unique:
+        path = plain[image]
+        if path in shared:
+            path = path.with_name(f"{image.name}.{map_kind}.png")
+            number = 1
+            while path in taken:
+                number += 1
+                path = path.with_name(f"{image.name}.{map_kind}-{number}.png")
+        taken.add(path)
+        chosen[image] = path
+    return chosen
+
+
 def display_size(png: bytes, min_side: int = MIN_OVERLAY_SIDE) -> bytes:
     """An overlay whose long side is below `min_side`, enlarged by the whole factor that reaches it, each pixel
     drawn as a block (nearest neighbour): the map's patch cells and the input's pixels stay sharp, not blurred into
@@ -159,7 +182,7 @@ def add_predict_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "predict", help="classify images: top-k table and rollout overlay PNGs",
         description="Prints the top-k classes of each image and writes its attention-rollout overlay as "
-                    "IMAGE.rollout.png. With --url, asks a running server; otherwise runs the ONNX model here.",
+                    "IMAGE.rollout.png (IMAGE.EXT.rollout.png where two images share a name). With --url, asks a running server; otherwise runs the ONNX model here.",
         formatter_class=DefaultsHelpFormatter)
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: run the model locally)")
@@ -194,12 +217,13 @@ def run_predict(args) -> int:
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)
     results, written = [], []
+    destinations = overlay_paths(args.images, args.out_dir, args.map)
     try:
         for image in args.images:
             result = predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file() else \
                 Prediction(image, error="not_found: no such file")
             if result.overlay_png:
-                path = overlay_path(image, args.out_dir, args.map)
+                path = destinations[image]
                 written.append((path, path.exists()))
                 path.write_bytes(display_size(result.overlay_png))
             results.append(result)

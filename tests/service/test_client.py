@@ -4,12 +4,14 @@ from __future__ import annotations
 import io
 import math
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.client import MIN_OVERLAY_SIDE, Prediction, display_size, format_table, overlay_path
+from vitserve.service.client import (MIN_OVERLAY_SIDE, Prediction, display_size, format_table, overlay_path,
+                                     overlay_paths)
 from service_fixtures import patterned_png, uvicorn_server
 from vitserve.cli import main
 
@@ -82,6 +84,30 @@ def test_predict_top_k_is_capped_at_the_class_count_and_out_dir_is_used(tiny_onn
     check_predictions(parse_table(capsys.readouterr().out), images[:1], k=3)
     assert sorted(p.name for p in out_dir.iterdir()) == ["pattern.rollout.png"]
     assert not images[0].with_name("pattern.rollout.png").exists()
+
+
+def test_images_that_share_a_name_get_overlays_of_their_own(tiny_onnx, tmp_path, capsys):
+    """`a.png a.jpg --out-dir D` wrote both to `D/a.relevance.png`, the first lost; now each keeps its own."""
+    rng = np.random.default_rng(5)
+    (tmp_path / "x").mkdir()
+    images = [tmp_path / "a.png", tmp_path / "a.jpg", tmp_path / "x" / "a.png", tmp_path / "b.png"]
+    for image in images:
+        Image.fromarray(rng.integers(0, 256, (40, 48, 3), dtype=np.uint8)).save(image)
+    out_dir = tmp_path / "out"
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--map", "relevance",
+                 "--out-dir", str(out_dir)]) == 0
+    written = [line.split(" ", 1) for line in capsys.readouterr().out.splitlines() if line.startswith("wrote ")]
+    assert [(verb, Path(path).name) for verb, path in written] == [
+        ("wrote", "a.png.relevance.png"), ("wrote", "a.jpg.relevance.png"), ("wrote", "a.png.relevance-2.png"),
+        ("wrote", "b.relevance.png")]
+    assert sorted(p.name for p in out_dir.iterdir()) == sorted(Path(path).name for _, path in written)
+
+
+def test_overlay_paths_beside_each_image_collide_only_within_a_folder(tmp_path):
+    one, two = tmp_path / "one", tmp_path / "two"
+    paths = overlay_paths([one / "a.png", two / "a.png", one / "a.jpg", one / "a.png"], None)
+    assert paths == {one / "a.png": one / "a.png.rollout.png", two / "a.png": two / "a.rollout.png",
+                     one / "a.jpg": one / "a.jpg.rollout.png"}
 
 
 def test_predict_reports_a_bad_image_on_its_row_and_goes_on(tiny_onnx, images, tmp_path, capsys):
@@ -164,8 +190,6 @@ def test_a_small_overlay_is_enlarged_in_whole_blocks_for_display():
 
 
 def test_format_table_is_aligned():
-    from pathlib import Path
-
     results = [Prediction(Path("a.png"), [("cat", 0.75), ("bird", 0.125)]),
                Prediction(Path("long/name.jpg"), error="invalid_image: broken")]
     assert format_table(results).splitlines() == [
