@@ -27,7 +27,8 @@ from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, Inde
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.served_model import Loader, ServedModel
 from vitserve.service.engine.shadow import Shadow
-from vitserve.service.ground.errors import ModelLoadError, ModelNotFound, ServiceError, VersionRetired
+from vitserve.service.ground.errors import (ModelLoadError, ModelNotFound, ServiceError, ShadowNotConfigured,
+                                            VersionRetired)
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
 from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
@@ -161,11 +162,12 @@ class ModelRegistry:
         return self.table.live()
 
     def shadow_report(self, name: str) -> dict:
-        """Model `name`'s shadow comparisons so far; ModelNotFound when it has no shadow version."""
+        """Model `name`'s shadow comparisons so far; ModelNotFound for a model not served, ShadowNotConfigured for
+        one without a shadow version."""
         shadow = self.shadows.get(name)
         if shadow is None:
             self.table.route(name)  # a model that is not served at all says so first
-            raise ModelNotFound(f"model {name!r} has no shadow version (its config.json names none)")
+            raise ShadowNotConfigured(f"model {name!r} has no shadow version (its config.json names none)")
         return shadow.report()
 
     # --- changes ---

@@ -51,6 +51,12 @@ class InspectionNotStored(ServiceError):
     code = "inspection_not_stored"
 
 
+class ShadowNotConfigured(ServiceError):
+    """The model is served but its config.json names no shadow version: there is no comparison to report."""
+
+    code = "shadow_not_configured"
+
+
 class InvalidModelName(ServiceError):
     """A model name or version that cannot name anything in a repository ('..', '/', ...): refused before it
     touches a path."""

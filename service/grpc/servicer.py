@@ -49,6 +49,7 @@ GRPC_CODES: dict[type[ServiceError], grpc.StatusCode] = {
     errors.InvalidParameter: StatusCode.INVALID_ARGUMENT,
     errors.ModelNotFound: StatusCode.NOT_FOUND,
     errors.InspectionNotStored: StatusCode.NOT_FOUND,
+    errors.ShadowNotConfigured: StatusCode.NOT_FOUND,
     errors.InvalidModelName: StatusCode.INVALID_ARGUMENT,
     errors.ModelUnavailable: StatusCode.UNAVAILABLE,
     errors.VersionRetired: StatusCode.UNAVAILABLE,

@@ -16,8 +16,8 @@ from vitserve.service.ground.errors import (
     ClientDisconnected, DeadlineExceeded, Forbidden, HeadersTooLarge, ImageDecodeError, ImageTooLarge,
     InferenceError, InspectionNotStored, InvalidModelName, InvalidParameter, MalformedRequest, ModelLoadError,
     ModelNotFound, ModelUnavailable, NotReady, Overloaded, PayloadTooLarge, QueueFullError,
-    RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, Unauthorized, Unimplemented,
-    UnsupportedMediaType, UriTooLong, VersionRetired)
+    RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, ShadowNotConfigured, Unauthorized,
+    Unimplemented, UnsupportedMediaType, UriTooLong, VersionRetired)
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.core.pipeline import retry_after_s
 
@@ -28,6 +28,7 @@ STATUS_CODES: dict[type[ServiceError], int] = {
     MalformedRequest: 400,
     ModelNotFound: 404,
     InspectionNotStored: 404,
+    ShadowNotConfigured: 404,
     InvalidModelName: 400,
     ModelLoadError: 400,  # a load asked for through the repository API failed (Triton answers 400 too)
     RepositoryError: 400,

@@ -155,7 +155,9 @@ async def test_copies_are_compared_as_an_offline_run_computes_them(tmp_path, tin
 
 async def test_a_shadow_report_of_a_model_without_one_is_a_404(tmp_path, tiny_onnx):
     async with serving(settings_for(tiny_onnx)) as client:
-        assert_error(await client.get("/v1/models/tiny-vit/shadow"), 404, "model_not_found")
+        answer = await client.get("/v1/models/tiny-vit/shadow")
+        assert_error(answer, 404, "shadow_not_configured")  # the model exists: what is missing is its shadow
+        assert answer.json()["error"]["message"] == "model 'tiny-vit' has no shadow version (its config.json names none)"
         assert_error(await client.get("/v1/models/nope/shadow"), 404, "model_not_found")
         assert (await client.get("/v1/models/..%2Fetc/shadow")).status_code == 404  # no such route
         assert (await client.get("/v1/models/" + "x" * 65 + "/shadow")).status_code == 422
@@ -172,7 +174,7 @@ async def test_promotion_is_a_config_change_and_a_load(tmp_path, tiny_onnx, tiny
         assert (await client.post("/v2/repository/models/m/load", headers=ADMIN)).status_code == 200
         assert (await client.post("/v2/models/m/infer", json=infer_body(pixel_batches()[0]))).json()[
             "model_version"] == "2"
-        assert_error(await client.get("/v1/models/m/shadow"), 404, "model_not_found")
+        assert_error(await client.get("/v1/models/m/shadow"), 404, "shadow_not_configured")
         index = (await client.post("/v2/repository/index", headers=ADMIN)).json()
         assert [(e["version"], e["state"]) for e in index] == [("2", "READY"), ("1", "UNAVAILABLE")]
 
