@@ -10,7 +10,7 @@ import logging
 import threading
 import time
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import numpy as np
 import onnx
@@ -24,6 +24,7 @@ from vitserve.service.engine.openvino_runtime import OpenVinoModel
 from vitserve.service.engine.pixels import GPU_PROVIDERS, DeviceNormaliser, PixelTable, engine_normalises
 from vitserve.service.ground.settings import Settings
 from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
+from vitserve.machine import has_int8_dot_product
 from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
@@ -451,10 +452,18 @@ def load_model(settings: Settings) -> InferenceModel:
 
     `onnxruntime`: `OnnxModel` (CUDA when there, else the CPU). `openvino`: the fast path compiled by OpenVINO for
     the CPU, the relevance path on ONNX Runtime. `auto`: ONNX Runtime on a GPU (the CUDA session is the mission's
-    engine); on the CPU each candidate this machine can run (ONNX Runtime fp32, OpenVINO fp32, OpenVINO bf16 where
-    the CPU has bfloat16 arithmetic) that agrees with ONNX Runtime's float32 on probe images, timed at batch 1 and
-    at the largest batch, the fastest kept, ONNX Runtime unless another is at least 10% faster. What it chose and
-    why is logged; the model's provider (the card, /v2 config, metrics) names it."""
+    engine); on the CPU each candidate this machine can run (ONNX Runtime on the file's own precision, OpenVINO fp32,
+    OpenVINO bf16 where the CPU has bfloat16 arithmetic) that agrees with ONNX Runtime on probe images, timed at
+    batch 1 and at the largest batch, the fastest kept, ONNX Runtime unless another is at least 10% faster. What it
+    chose and why is logged; the model's provider (the card, /v2 config, metrics) names it. An int8 file on a CPU
+    without int8 dot-product units is served, with a warning that its float32 file is likely faster."""
+    model = _load_on_runtime(settings)
+    if runs_on_cpu(model):
+        warn_if_int8_does_not_pay(model.info)
+    return model
+
+
+def _load_on_runtime(settings: Settings) -> InferenceModel:
     from vitserve.service.engine import openvino_runtime
 
     if settings.runtime == "onnxruntime" or (settings.runtime == "auto" and not openvino_runtime.available()):
@@ -469,7 +478,8 @@ def load_model(settings: Settings) -> InferenceModel:
     reference = OnnxModel.load(settings, artifact)
     if not runs_on_cpu(reference):
         return reference
-    candidates = {"onnxruntime/fp32": reference}
+    own = reference.info.precision  # the file's: int8 runs as int8 on every candidate, fp32 is what OpenVINO adds
+    candidates = {f"onnxruntime/{own}": reference}  # first: the reference the others must beat
     for precision in auto_precisions(settings.precision_hint, openvino_runtime.cpu_capabilities()):
         try:
             model = openvino_model(settings, precision, reference.relevance, artifact)
@@ -480,8 +490,28 @@ def load_model(settings: Settings) -> InferenceModel:
         if disagreement:
             log.warning("runtime auto: OpenVINO %s left out: %s", precision, disagreement)
             continue
-        candidates[f"openvino/{precision}"] = model
+        candidates[candidate_name("openvino", own, precision)] = model
     return choose_fastest(candidates, settings.max_batch_size)
+
+
+def candidate_name(runtime: str, file_precision: str, compute_precision: str) -> str:
+    """What a candidate computes in: `openvino/fp32`, `openvino/bf16` for a float32 file; an int8 file's layers
+    stay int8 whatever the hint, which sets the precision of the rest (`openvino/int8`, `openvino/int8+bf16`)."""
+    if file_precision == "fp32" or compute_precision == file_precision:
+        return f"{runtime}/{compute_precision}"
+    return f"{runtime}/{file_precision}" if compute_precision == "fp32" else \
+        f"{runtime}/{file_precision}+{compute_precision}"
+
+
+def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], bool] = has_int8_dot_product) -> bool:
+    """Says so (and returns True) when an int8 file is served on a CPU without int8 dot-product units (VNNI, AMX),
+    where its integer products are emulated and the float32 file is as fast or faster (docs/int8.md)."""
+    if info.precision != "int8" or has_dot_product():
+        return False
+    log.warning("%s %s is int8, but this CPU has no int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX): int8 does "
+                "not pay here, and the model's float32 file is likely as fast or faster (docs/int8.md)", info.name,
+                info.version)
+    return True
 
 
 def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
@@ -537,8 +567,9 @@ def logits_disagree(got: np.ndarray, want: np.ndarray) -> str:
 
 
 def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds: int = 3) -> InferenceModel:
-    """The candidate with the least time per image at batch 1 plus at `max_batch` (rounds alternate), ONNX
-    Runtime's unless another is faster by more than AUTO_MARGIN."""
+    """The candidate with the least time per image at batch 1 plus at `max_batch` (rounds alternate), the first
+    (ONNX Runtime on the file's own precision) unless another is faster by more than AUTO_MARGIN: auto never serves
+    a candidate slower than the file as it is."""
     if len(candidates) == 1:
         return next(iter(candidates.values()))
     info = next(iter(candidates.values())).info
@@ -549,9 +580,10 @@ def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds
         for name, model in candidates.items():
             times[name].append(sum(batch_ms(model, pixels) / len(pixels) for pixels in batches.values()))
     cost = {name: float(np.median(t)) for name, t in times.items()}
+    reference = next(iter(candidates))  # ONNX Runtime on the file's own precision
     best = min(cost, key=cost.get)
-    if best != "onnxruntime/fp32" and cost[best] > AUTO_MARGIN * cost["onnxruntime/fp32"]:
-        best = "onnxruntime/fp32"
+    if best != reference and cost[best] > AUTO_MARGIN * cost[reference]:
+        best = reference
     log.info("runtime auto chose %s: ms per image at batch 1 plus at batch %d: %s", best, max_batch,
              ", ".join(f"{name} {ms:.3f}" for name, ms in cost.items()))
     return candidates[best]

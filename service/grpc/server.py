@@ -76,7 +76,8 @@ class GrpcFrontEnd:
             self.server.add_secure_port(address, credentials)
         await self.server.start()
         self._drain = asyncio.create_task(self._stop_when_draining())
-        log.info("gRPC (Open Inference Protocol) on %s%s", address, " with TLS" if credentials else "")
+        # debug: every HTTP worker starts one, and `vitserve serve`'s first line already names the gRPC port
+        log.debug("gRPC (Open Inference Protocol) on %s%s", address, " with TLS" if credentials else "")
 
     async def _stop_when_draining(self) -> None:
         await self.state.drain_begun.wait()

@@ -226,3 +226,12 @@ def test_the_head_stays_float32_so_the_logits_are_not_rounded_to_int8_steps(tiny
     assert head.op_type in ("Gemm", "MatMul") and head.name in output_linear_nodes(onnx.helper.make_model(fast))
     weights = {i.name for i in fast.initializer}
     assert head.input[1] in weights  # a float32 weight, not a DequantizeLinear's output
+
+
+def test_the_export_says_whether_int8_pays_on_this_cpu():
+    from vitserve.export.cli import precision_advice
+
+    assert "no int8 dot-product units" in precision_advice("int8", False, "ckpt")
+    assert "--precision int8" in precision_advice("fp32", True, "ckpt")
+    assert precision_advice("int8", True, "ckpt") is None and precision_advice("fp32", False, "ckpt") is None
+    assert precision_advice("fp16", False, "ckpt") is None

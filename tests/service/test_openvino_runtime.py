@@ -177,3 +177,30 @@ def test_bf16_keeps_the_residual_stream_in_bfloat16_when_the_file_has_an_embeddi
     assert got["embedding"].dtype == np.float32 and got["embedding"].shape == want["embedding"].shape
     scale = np.abs(want["embedding"]).max()
     assert np.abs(got["embedding"] - want["embedding"]).max() < 0.05 * scale
+
+
+def test_an_int8_file_is_the_reference_auto_must_beat_and_is_named_int8(tiny_model, monkeypatch, caplog):
+    """`runtime auto chose onnxruntime/fp32` was logged for an int8 file: the candidates are named by what they
+    compute, and OpenVINO must beat the int8 file as it is, not a float32 one."""
+    assert runtime.candidate_name("openvino", "int8", "fp32") == "openvino/int8"
+    assert runtime.candidate_name("openvino", "int8", "bf16") == "openvino/int8+bf16"
+    assert runtime.candidate_name("openvino", "fp32", "bf16") == "openvino/bf16"
+    costs = {"onnxruntime/int8": 1.0, "openvino/int8": 0.95, "openvino/int8+bf16": 1.2}
+    candidates = {name: Scripted(tiny_model) for name in costs}
+    by_model = {id(model): costs[name] for name, model in candidates.items()}
+    monkeypatch.setattr(runtime, "batch_ms", lambda model, pixels, calls=3: by_model[id(model)] * len(pixels))
+    with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
+        assert choose_fastest(candidates, max_batch=4) is candidates["onnxruntime/int8"]  # 5% is within the margin
+    assert "runtime auto chose onnxruntime/int8: " in caplog.text and "fp32" not in caplog.text
+
+
+def test_int8_on_a_cpu_without_dot_product_units_is_served_with_a_warning(tiny_model, caplog):
+    from dataclasses import replace
+
+    int8 = replace(tiny_model.info, precision="int8")
+    with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
+        assert not runtime.warn_if_int8_does_not_pay(int8, has_dot_product=lambda: True)
+        assert not runtime.warn_if_int8_does_not_pay(tiny_model.info, has_dot_product=lambda: False)
+        assert not caplog.records
+        assert runtime.warn_if_int8_does_not_pay(int8, has_dot_product=lambda: False)
+    assert "no int8 dot-product units" in caplog.text and "docs/int8.md" in caplog.text

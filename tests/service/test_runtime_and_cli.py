@@ -303,3 +303,20 @@ def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_cor
     assert heavy.session.get_session_options().intra_op_num_threads == 0  # ORT's default: every core
     chosen = load_engine_model(Settings(**ort, intra_op_threads=2))
     assert chosen.session.get_session_options().intra_op_num_threads == 2  # a count given is kept
+
+
+def test_a_two_worker_start_logs_each_fact_once(tmp_path):
+    """What `vitserve serve` says at start, at the default log level, for the shipped int8 file with two workers:
+    gRPC named once (in the first line, not once per worker), and `auto`'s choice named by the file's precision."""
+    from service_fixtures import REPO, free_port, uvicorn_server
+
+    grpc_port = free_port()
+    with uvicorn_server(REPO / "models/vit-fmnist/model-int8.onnx", "--log-level", "info", "--runtime", "auto",
+                        "--grpc-port", str(grpc_port), workers=2) as (_, process):
+        pass
+    lines = process.stdout.read().decode().splitlines()
+    assert sum("gRPC" in line for line in lines) == 1, lines
+    assert any(f"gRPC on port {grpc_port}: 2 HTTP worker(s)" in line for line in lines), lines
+    chose = [line for line in lines if "runtime auto chose" in line]
+    assert chose and all("auto chose onnxruntime/int8" in line or "auto chose openvino/int8" in line
+                         for line in chose), chose
