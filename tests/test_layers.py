@@ -189,7 +189,9 @@ def test_the_install_puts_only_vitserve_on_the_path(tmp_path):
                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert done.returncode == 0, done.stderr[-2000:]
     app_file, bare = done.stdout.splitlines()
-    assert Path(app_file) == ROOT / "service" / "app.py" and bare == "[]"
+    # the import path is the file path (vitserve/service is a link to service/): static tools follow it
+    assert Path(app_file) == ROOT / "vitserve" / "service" / "app.py" and bare == "[]"
+    assert Path(app_file).resolve() == ROOT / "service" / "app.py"
 
 
 def test_a_second_checkout_on_pythonpath_imports_its_own_layers(tmp_path):
@@ -197,13 +199,13 @@ def test_a_second_checkout_on_pythonpath_imports_its_own_layers(tmp_path):
     one: `vitserve.service` must then come from that checkout, not from the one the install points at."""
     other = tmp_path / "other"
     for folder in ("vitserve", "service"):
-        shutil.copytree(ROOT / folder, other / folder, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / folder, other / folder, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copyfile(ROOT / "pyproject.toml", other / "pyproject.toml")
     done = subprocess.run([sys.executable, "-c", "import vitserve.service.ground.settings as s; print(s.__file__)"],
                           cwd=tmp_path, capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(other)})
     assert done.returncode == 0, done.stderr[-2000:]
-    assert Path(done.stdout.strip()) == other / "service" / "ground" / "settings.py"
+    assert Path(done.stdout.strip()).resolve() == other / "service" / "ground" / "settings.py"
 
 
 def test_the_wheel_holds_one_top_level_name(tmp_path):
@@ -212,7 +214,7 @@ def test_the_wheel_holds_one_top_level_name(tmp_path):
     # from a copy: setuptools stages a build in the tree's build/lib and would pack what an earlier build left there
     source = tmp_path / "source"
     for name in ("vitserve", *LAYERS):
-        shutil.copytree(ROOT / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / name, source / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("setup.py", "pyproject.toml", "README.md"):
         shutil.copyfile(ROOT / name, source / name)
     done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
@@ -238,3 +240,26 @@ def test_the_command_line_builds_without_the_tools(monkeypatch, capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(argv)
         assert f"invalid choice: '{argv[0]}'" in capsys.readouterr().err
+
+
+def test_every_vitserve_import_of_the_product_is_a_file_path():
+    """Static tools (the type checker, an IDE, an import-graph tool) resolve `vitserve.a.b` to vitserve/a/b.py or
+    vitserve/a/b/__init__.py with no import hook: the layers are links in vitserve/. Every module the product's
+    files name in `import X` or `from X import ...` is such a file (a folder of modules, for a namespace)."""
+    def is_module(module: str) -> bool:
+        base = ROOT.joinpath(*module.split("."))
+        return base.with_suffix(".py").is_file() or base.is_dir() and any(base.glob("*.py"))
+
+    for layer in LAYERS:
+        assert (ROOT / "vitserve" / layer).is_symlink() and (ROOT / "vitserve" / layer).resolve() == ROOT / layer
+    named, unresolved = set(), []
+    for folder in PRODUCT:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                    [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+                for module in (m for m in modules if m.startswith("vitserve.")):
+                    named.add(module)
+                    if not is_module(module):
+                        unresolved.append(f"{path.relative_to(ROOT)}:{node.lineno} imports {module}")
+    assert len(named) > 80 and unresolved == []
