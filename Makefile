@@ -3,7 +3,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-PIP := $(BIN)/python -m pip
+# setuptools' editable install warns, in ten lines, that folders named like the package may shadow it: our layers
+# are such folders on purpose (vitserve/__init__.py). UserWarnings are silenced for the installs alone.
+PIP := PYTHONWARNINGS=ignore::UserWarning $(BIN)/python -m pip
 # `make serve` honours the server's own environment variables (VITSERVE_HOST, VITSERVE_PORT, VITSERVE_MODEL_PATH)
 # as well as `make serve PORT=8080`.
 HOST ?= $(or $(VITSERVE_HOST),127.0.0.1)
@@ -18,19 +20,19 @@ TEACHER_RUN := training/fmnist-teacher
 PYTEST_ARGS ?=
 DOCKER_IMAGES ?= cpu gpu train stack
 
-.PHONY: serve test model model-hybrid model-teacher model-distilled export-default bench docker-test setup-serve setup-dev clean grpc-stubs system-deps
+.PHONY: serve test model model-hybrid model-teacher model-distilled export-default bench screenshots docker-test setup-serve setup-dev clean grpc-stubs system-deps
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
 # The serving world alone: onnxruntime, numpy, Pillow, FastAPI, uvicorn, prometheus-client.
-$(VENV)/.serve-installed: pyproject.toml | $(BIN)/python
+$(VENV)/.serve-installed: pyproject.toml setup.py | $(BIN)/python
 	$(PIP) install -q -e . -c constraints.txt
 	touch $@
 
 # Everything: training and export (torch pinned by constraints.txt) and the test tools.
-$(VENV)/.dev-installed: pyproject.toml constraints.txt | $(BIN)/python
+$(VENV)/.dev-installed: pyproject.toml setup.py constraints.txt | $(BIN)/python
 	$(PIP) install -q -e ".[train,export,dev]" -c constraints.txt
 	# timm is only the reference implementation in the import tests. Its torchvision dependency has no
 	# CPU build here and breaks transformers' imports when present, so install timm alone.
@@ -45,6 +47,12 @@ serve: $(VENV)/.serve-installed
 
 test: $(VENV)/.dev-installed
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The linter and the type checker over model/, export/, service/ and vitserve/ (settings: pyproject.toml)
+.PHONY: lint
+lint: $(VENV)/.dev-installed
+	$(BIN)/ruff check model export service vitserve
+	$(BIN)/mypy
 
 # What the whole suite uses from Debian beside Python (as root; tests that need one skip, saying so, without it):
 # real Fashion-MNIST images, promtool and Prometheus, Chromium for the web page, openssl for the TLS tests.
@@ -101,6 +109,12 @@ export-default: $(VENV)/.dev-installed
 # Rewrites the committed report on purpose; `vitserve bench` alone writes under build/bench/.
 bench: $(VENV)/.dev-installed
 	$(BIN)/vitserve bench --model $(DEFAULT_MODEL) --out docs/results/bench.md
+
+# The docs' pictures of the web page (docs/web-*.png) and what each shows (docs/web-page.json), taken in headless
+# Chromium from the page as it is, served on the bundled model; tests/service/test_web.py fails when the page no
+# longer shows what they show. `python -m vitserve.bench.screenshots` alone writes under build/screenshots/.
+screenshots: $(VENV)/.dev-installed
+	$(BIN)/python -m vitserve.bench.screenshots --out docs
 
 # Builds the images (offline, on a local debootstrapped base) and checks each from inside a container.
 docker-test:

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from vitserve.help_format import DefaultsHelpFormatter
 from vitserve.machine import has_int8_dot_product
+from vitserve.model.config import FASHION_MNIST_DIR
 
 
 def _bounded(kind, low, high, name: str):
@@ -25,6 +26,12 @@ fraction = _bounded(float, 0.0, 1.0, "fraction (0-1)")
 percentage_points = _bounded(float, 0.0, 100.0, "percentage points (0-100)")
 positive_count = _bounded(int, 1, 10**9, "positive integer")
 non_negative_count = _bounded(int, 0, 10**6, "integer from 0")
+
+
+# What a file exported without a labelled set serves, in one line: the bundled model.onnx was exported with one
+NO_EVAL = ("vitserve export: no --eval, so the file will serve uncalibrated softmax scores and no out-of-distribution "
+           f"score (\"ood\": null); --eval DIR (a labelled set, e.g. {FASHION_MNIST_DIR}) fits both, as "
+           "`make export-default` does for the bundled model")
 
 
 def add_export_parser(subparsers) -> None:
@@ -70,7 +77,7 @@ def run_export(args) -> int:
     from vitserve.export.calibration import CalibrationError
     from vitserve.export.onnx_export import export_onnx
     from vitserve.export.verify import ExportVerificationError
-    from vitserve.model.inspection import InspectionInputError
+    from vitserve.model.inspection_report import InspectionInputError
 
     precision = "fp16" if args.fp16 else args.precision
     if args.inspection_dir is not None and not Path(args.inspection_dir).is_dir():
@@ -103,11 +110,24 @@ def run_export(args) -> int:
         return 2
     summary = report_summary(report)
     print(json.dumps(summary) if args.json else human_summary(summary))
-    if report.precision == "fp32" and has_int8_dot_product():
-        print(f"this CPU multiplies int8 natively (VNNI): `vitserve export {args.checkpoint} --out ... --precision "
-              f"int8 --eval DIR` makes a file that serves about twice as fast here, if it passes its accuracy gate "
-              f"(docs/int8.md)", file=sys.stderr)
+    if args.eval_dir is None:  # said at the end, beside the summary: a failed export's error stays its one line
+        print(NO_EVAL, file=sys.stderr)
+    advice = precision_advice(report.precision, has_int8_dot_product(), args.checkpoint)
+    if advice:
+        print(advice, file=sys.stderr)
     return 0
+
+
+def precision_advice(precision: str, cpu_has_int8_dot_product: bool, checkpoint: str) -> str | None:
+    """One line on whether int8 pays on this CPU (docs/int8.md), where it bears on the file just written."""
+    if precision == "int8" and not cpu_has_int8_dot_product:
+        return ("this CPU has no int8 dot-product units (AVX512-VNNI, AVX-VNNI or AMX): the int8 file will run no "
+                "faster here than the float32 one, and may run slower; it pays on a CPU that has them (docs/int8.md)")
+    if precision == "fp32" and cpu_has_int8_dot_product:
+        return (f"this CPU multiplies int8 natively (VNNI): `vitserve export {checkpoint} --out ... --precision int8 "
+                "--eval DIR` makes a file that serves about twice as fast here, if it passes its accuracy gate "
+                "(docs/int8.md)")
+    return None
 
 
 def reliability_diagram(before: list[dict], after: list[dict]) -> str:

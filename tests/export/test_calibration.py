@@ -201,3 +201,28 @@ def test_the_export_command_prints_the_reliability_diagram(tiny_checkpoint, cali
     out = capsys.readouterr().out
     assert "calibrated: temperature" in out and "fitted on 60 images" in out and "expected calibration error" in out
     assert out.count("|") == 16  # the diagram: a header and 15 bins
+
+
+def test_an_export_without_a_labelled_set_says_in_one_line_what_its_file_will_serve(tiny_checkpoint,
+                                                                                    calibration_folder, tmp_path,
+                                                                                    capsys):
+    """`vitserve export` without --eval makes a file of uncalibrated scores and no OOD score (unlike the bundled
+    model.onnx): it says so on stderr after its summary, and how to get both; with --eval it says nothing of the
+    kind."""
+    from vitserve.cli import main
+
+    quick = ["--no-verify", "--no-relevance", "--inspection-images", "0", "--quiet"]
+    assert main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "plain.onnx"), *quick]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("vitserve export: no --eval, so the file will serve uncalibrated softmax scores and no "
+                      "out-of-distribution score (\"ood\": null); --eval DIR (a labelled set, e.g. "
+                      "/usr/share/datasets/fashion-mnist) fits both, as `make export-default` does for the bundled "
+                      "model")
+    assert all(line.startswith("this CPU") for line in err[1:])  # at most the int8 hint, which says what the CPU does
+    plain = onnx.load(str(tmp_path / "plain.onnx"))
+    info = ModelInfo.from_metadata({p.key: p.value for p in plain.metadata_props})
+    assert (info.temperature, info.calibration, info.ood) == (1.0, {}, {})  # what the line says, in the file
+
+    assert main(["export", str(tiny_checkpoint), "--out", str(tmp_path / "fitted.onnx"), *quick,
+                 "--eval", str(calibration_folder)]) == 0
+    assert "no --eval" not in capsys.readouterr().err

@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import base64
 import fnmatch
+import hashlib
 import io
 import json
 import re
@@ -353,36 +354,96 @@ def test_docs_render_every_operation_with_other_hosts_blocked(page, server):
     page.screenshot(path=SCREENSHOTS / "docs.png")
 
 
-@needs_browser
-@pytest.mark.skipif(not DEFAULT_MODEL.is_file(), reason="needs the bundled model (models/vit-fmnist/model.onnx)")
-def test_the_default_model_from_a_sample_by_keyboard(page):
-    """The bundled model on its own samples, driven from the keyboard; the screenshot is the README's picture."""
+@pytest.fixture(scope="module")
+def default_server():
+    """`vitserve serve` of the bundled model, on ONNX Runtime float32 as `make screenshots` serves it."""
+    if _browser_missing():
+        pytest.skip(_browser_missing())
+    if not DEFAULT_MODEL.is_file():
+        pytest.skip("needs the bundled model (models/vit-fmnist/model.onnx)")
     with uvicorn_server(DEFAULT_MODEL) as (url, _):
-        opened(page, url)
-        sample = page.get_by_role("button", name=re.compile(r"^Sample: Ankle boot"))
-        sample.focus()
-        boot = answered(page, lambda: page.keyboard.press("Enter"))
-        assert boot["body"]["predictions"][0]["label"] == "Ankle boot"
-        assert page.inner_text("#predictions li >> nth=0").startswith("Ankle boot (9)")
-        answered(page, lambda: page.check("input[name=map][value=relevance]"))
-        assert "of Ankle boot (" in page.inner_text("#map-caption")
-        page.screenshot(path=SCREENSHOTS / "web-page.png", full_page=True)
-        # the card says how the scores are calibrated (the file's temperature per answer), the answer its OOD score
-        trouser = answered(page, lambda: page.get_by_role("button", name=re.compile(r"^Sample: Trouser")).click())
-        assert trouser["body"]["predictions"][0]["label"] == "Trouser"
-        assert "calibrated (a temperature per answer, by its uncertainty): calibration error 7.3% → 1.4%" in \
-            page.inner_text("#card-fields")
-        assert "Like the training images. Out-of-distribution score" in page.inner_text("#ood")
-        page.screenshot(path=SCREENSHOTS / "web-calibrated.png", full_page=True)
-        # a photo is no garment: the answer says so beside its (cooled) confidence
-        from skimage import data as skimage_data
+        yield url
 
-        buffer = io.BytesIO()
-        Image.fromarray(skimage_data.astronaut()).save(buffer, "PNG")
-        photo = answered(page, lambda: upload(page, "astronaut.png", buffer.getvalue(), "image/png"))
-        assert photo["body"]["ood"]["outside"] is True
-        assert "Unlike the training images" in page.inner_text("#ood")
-        page.screenshot(path=SCREENSHOTS / "web-ood.png", full_page=True)
+
+@needs_browser
+def test_the_default_model_from_a_sample_by_keyboard(page, default_server):
+    """The bundled model on its own samples, driven from the keyboard."""
+    opened(page, default_server)
+    sample = page.get_by_role("button", name=re.compile(r"^Sample: Ankle boot"))
+    sample.focus()
+    boot = answered(page, lambda: page.keyboard.press("Enter"))
+    assert boot["body"]["predictions"][0]["label"] == "Ankle boot"
+    assert page.inner_text("#predictions li >> nth=0").startswith("Ankle boot (9)")
+    answered(page, lambda: page.check("input[name=map][value=relevance]"))
+    assert "of Ankle boot (" in page.inner_text("#map-caption")
+    # the card says how the scores are calibrated (the file's temperature per answer), the answer its OOD score
+    trouser = answered(page, lambda: page.get_by_role("button", name=re.compile(r"^Sample: Trouser")).click())
+    assert trouser["body"]["predictions"][0]["label"] == "Trouser"
+    assert "calibrated (a temperature per answer, by its uncertainty): calibration error 7.3% → 1.4%" in \
+        page.inner_text("#card-fields")
+    assert "Like the training images. Out-of-distribution score" in page.inner_text("#ood")
+    # a photo is no garment: the answer says so beside its (cooled) confidence
+    from skimage import data as skimage_data
+
+    buffer = io.BytesIO()
+    Image.fromarray(skimage_data.astronaut()).save(buffer, "PNG")
+    photo = answered(page, lambda: upload(page, "astronaut.png", buffer.getvalue(), "image/png"))
+    assert photo["body"]["ood"]["outside"] is True
+    assert "Unlike the training images" in page.inner_text("#ood")
+
+
+def same_text_to_the_last_digit(now: str, recorded: str) -> bool:
+    """Equal text, whole numbers equal, and each decimal within one unit of its last shown digit of the recorded one:
+    ONNX Runtime's kernels differ by instruction set, so a score at a rounding boundary may round the other way on
+    another CPU."""
+    decimals = re.compile(r"\d+\.(\d+)")
+    if decimals.sub("#", now) != decimals.sub("#", recorded):
+        return False
+    return all(abs(float(a.group()) - float(b.group())) <= 10.0 ** -len(b.group(1)) * 1.001
+               for a, b in zip(decimals.finditer(now), decimals.finditer(recorded)))
+
+
+def differences(now, recorded, where: str = "") -> list[str]:
+    """Where two records (JSON values) differ, but for numbers within their last shown digit."""
+    if isinstance(now, dict) and isinstance(recorded, dict) and now.keys() == recorded.keys():
+        return [d for key in now for d in differences(now[key], recorded[key], f"{where}.{key}")]
+    if isinstance(now, list) and isinstance(recorded, list) and len(now) == len(recorded):
+        return [d for i, pair in enumerate(zip(now, recorded)) for d in differences(*pair, f"{where}[{i}]")]
+    if isinstance(now, str) and isinstance(recorded, str) and same_text_to_the_last_digit(now, recorded):
+        return []
+    return [] if now == recorded else [f"{where}: the page shows {now!r}, the record says {recorded!r}"]
+
+
+def test_text_to_the_last_digit_tells_a_changed_figure_from_a_rounding():
+    assert same_text_to_the_last_digit("Shirt, 88.6%. Score 764.7", "Shirt, 88.6%. Score 764.6")
+    assert not same_text_to_the_last_digit("Shirt, 88.6%. Score 764.7", "Shirt, 88.6%. Score 764.5")
+    assert not same_text_to_the_last_digit("Ankle boot, 99.2%.", "Ankle boot, 90.9%.")
+    assert not same_text_to_the_last_digit("Shirt, 88.6%.", "Bag, 88.6%.")
+    assert not same_text_to_the_last_digit("on 5000 held-out images", "on 5001 held-out images")
+    assert differences({"a": ["0.1%", "b"]}, {"a": ["0.2%", "b"]}) == []
+    assert differences({"a": ["8 px"]}, {"a": ["7 px"]}) == [".a[0]: the page shows '8 px', the record says '7 px'"]
+
+
+@needs_browser
+def test_the_docs_pictures_of_the_page_show_it_as_it_is(page, default_server):
+    """`make screenshots` took the docs' pictures of the page (the README's docs/web-page.png among them) and recorded
+    in docs/web-page.json what each shows; the page, driven through the same steps now, shows the same, and each
+    picture in docs/ is the one that run took. A page or a model changed since then fails here."""
+    from vitserve.bench import screenshots
+
+    record = json.loads((REPO / "docs" / screenshots.RECORD).read_text())
+    rerun = "run `make screenshots` (python -m vitserve.bench.screenshots --out docs) and commit docs/web-*.png and "
+    rerun += "docs/web-page.json"
+    assert [shot["file"] for shot in record["shots"]] == ["web-page.png", "web-calibrated.png", "web-ood.png"]
+    assert "](docs/web-page.png)" in (REPO / "README.md").read_text()
+    for shot in record["shots"]:
+        picture = (REPO / "docs" / shot["file"]).read_bytes()
+        assert hashlib.sha256(picture).hexdigest() == shot["sha256"], \
+            f"docs/{shot['file']} is not the picture that docs/web-page.json describes: {rerun}"
+    now = screenshots.take(page, default_server, out=None)
+    recorded = [{k: v for k, v in shot.items() if k != "sha256"} for shot in record["shots"]]
+    found = differences(now, recorded)
+    assert found == [], f"the page no longer shows what its pictures in docs/ show: {rerun}\n" + "\n".join(found)
 
 
 @pytest.fixture(scope="module")
