@@ -1,6 +1,14 @@
-"""Answers compressed for clients that ask (`Accept-Encoding: gzip` or `deflate`), as Triton compresses its own.
+"""Answers compressed for clients that ask (`Accept-Encoding: gzip` or `deflate`), where Triton compresses its own.
 
-A pure ASGI middleware around the app's routes and the infer lane (service/http/infer_lane.py), so that /v2's
+Which answers: on the Open Inference Protocol's paths (/v2) only a successful inference answer, as Triton (in its
+src/http_server.h only `CreateInferRequest`, and the generate extension, read `GetResponseCompressionType`; every
+other handler, and every error, answers plain). tritonclient's asyncio client needs exactly that: aiohttp sends
+`Accept-Encoding: gzip, deflate` on every request, but the client reads bodies raw (`auto_decompress=False`) and
+inflates only an infer answer, by its `Content-Encoding`; a compressed statistics, metadata or error body would
+reach it as gzip bytes. vitserve's own routes (/v1, the metrics, the docs) compress any successful answer: their
+clients (browsers, curl, httpx, requests, Prometheus) inflate what HTTP says they asked for.
+
+A pure ASGI middleware around the app's routes and the infer lane (service/http/infer_lane.py), so that /v2's infer
 answers (JSON, and binary tensors) and /v1's JSON are compressed alike. Starlette's GZipMiddleware does gzip
 only and reads `Accept-Encoding` without its q-values (`gzip;q=0` still gets gzip), so this one is ours, over
 the standard library's zlib.
@@ -20,6 +28,8 @@ from __future__ import annotations
 import zlib
 
 import anyio.to_thread
+
+from vitserve.service.http.errors import is_protocol_path
 
 CODINGS = ("gzip", "deflate")  # in the order preferred when a client weighs both the same
 _WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # gzip's header and trailer; zlib's
@@ -56,6 +66,13 @@ def _quality(params: str) -> float:
     return 1.0
 
 
+def compressible_path(path: str) -> bool:
+    """Whether answers on `path` may be compressed: on /v2 an inference route's only, any on vitserve's own."""
+    if is_protocol_path(path):
+        return path.startswith("/v2/models/") and path.endswith("/infer")
+    return True
+
+
 def compress(body: bytes, coding: str) -> bytes:
     compressor = zlib.compressobj(LEVEL, zlib.DEFLATED, _WINDOW_BITS[coding])
     return compressor.compress(body) + compressor.flush()
@@ -69,9 +86,10 @@ class ResponseCompression:
 
     async def __call__(self, scope, receive, send):
         coding = None
-        if scope["type"] == "http" and scope["method"] != "HEAD" and self.max_bytes:
+        if scope["type"] == "http" and scope["method"] != "HEAD" and self.max_bytes and \
+                compressible_path(scope["path"]):
             coding = chosen_coding(_header(scope, b"accept-encoding"))
-        if coding is None:  # the common case costs one header lookup
+        if coding is None:  # the common case costs a prefix check and one header lookup
             return await self.app(scope, receive, send)
         held = None  # the answer's start, until its body shows whether it is compressed
 
@@ -95,7 +113,8 @@ class ResponseCompression:
         await self.app(scope, receive, send_compressed)
 
     def _worth_it(self, start: dict, body: bytes) -> bool:
-        if not self.min_bytes <= len(body) <= self.max_bytes or start["status"] in (204, 304):
+        # an error never: Triton's are plain, and tritonclient (both clients) reads an error's body raw
+        if not self.min_bytes <= len(body) <= self.max_bytes or start["status"] != 200:
             return False
         headers = dict(start.get("headers", ()))
         return b"content-encoding" not in headers and not headers.get(b"content-type", b"").startswith(_NOT_WORTH_IT)

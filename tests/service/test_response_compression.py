@@ -1,6 +1,7 @@
 """Answers compressed as the client asks (service/http/compression.py, gRPC's `grpc_response_compression`): the
-choice from Accept-Encoding and its q-values, the bytes on the wire inflated and compared with the uncompressed
-answer (JSON, binary tensors, /v1), the size bounds, and gRPC both ways, its bytes counted through a proxy."""
+choice from Accept-Encoding and its q-values, which answers may be compressed (on /v2 an inference answer only, as
+Triton), the bytes on the wire inflated and compared with the uncompressed answer (JSON, binary tensors, /v1), the
+size bounds, and gRPC both ways, its bytes counted through a proxy."""
 from __future__ import annotations
 
 import asyncio
@@ -39,10 +40,10 @@ def pixel_request(batch: int, side: int, binary: bool) -> bytes:
                                    "data": values}], "parameters": {"binary_data_output": binary}}).encode()
 
 
-async def raw_answer(client, path: str, accept: str | None, **kwargs):
+async def raw_answer(client, path: str, accept: str | None, method: str = "POST", **kwargs):
     """(status, headers, the bytes as they came, not inflated: httpx would inflate them)."""
     headers = {**kwargs.pop("headers", {}), "accept-encoding": accept or ""}
-    async with client.stream("POST", path, headers=headers, **kwargs) as response:
+    async with client.stream(method, path, headers=headers, **kwargs) as response:
         return response.status_code, response.headers, b"".join([c async for c in response.aiter_raw()])
 
 
@@ -82,6 +83,39 @@ async def test_v1_json_is_compressed_and_small_answers_are_not(tiny_onnx, tiny_m
         # an error answer too (small), in its protocol's shape
         status, headers, body = await raw_answer(client, INFER, "gzip", content=b"{")
         assert status == 400 and "content-encoding" not in headers and json.loads(body)["code"] == "invalid_parameter"
+
+
+ASKED_AS_AIOHTTP = "gzip, deflate, br"  # aiohttp's default, on every call of tritonclient's asyncio client
+PLAIN_ON_V2 = [("GET", "/v2", 200), ("GET", "/v2/health/live", 200), ("GET", "/v2/health/ready", 200),
+               ("GET", "/v2/models/tiny-vit", 200), ("GET", "/v2/models/tiny-vit/versions/7", 200),
+               ("GET", "/v2/models/tiny-vit/ready", 200), ("GET", "/v2/models/tiny-vit/config", 200),
+               ("GET", "/v2/models/stats", 200), ("GET", "/v2/models/tiny-vit/stats", 200),
+               ("POST", "/v2/repository/index", 200), ("GET", "/v2/models/nope", 404),
+               ("GET", "/v2/models/nope/stats", 404), ("POST", "/v2/models/nope/infer", 404),
+               ("POST", "/v2/models/tiny-vit/versions/8/infer", 404)]
+
+
+async def test_on_v2_only_a_successful_inference_answer_is_compressed(tiny_onnx, tiny_model):
+    """As Triton: every other /v2 answer, and every error, goes as it is even past the size threshold (here 0),
+    whatever the client accepts: tritonclient's asyncio client reads those bodies raw. An infer answer, versioned or
+    not, and vitserve's own answers (/v1, /metrics) are compressed."""
+    request = pixel_request(1, 32, False)
+    async with serving(settings_for(tiny_onnx, compress_min_bytes=0), tiny_model) as client:
+        for method, path, expected in PLAIN_ON_V2:
+            status, headers, body = await raw_answer(client, path, ASKED_AS_AIOHTTP, method, content=request)
+            assert (status, headers.get("content-encoding")) == (expected, None), path
+            assert json.loads(body) and "vary" not in headers, path
+        status, headers, body = await raw_answer(client, INFER, ASKED_AS_AIOHTTP, content=b"{")
+        assert (status, headers.get("content-encoding"), json.loads(body)["code"]) == (400, None, "invalid_parameter")
+        for path in (INFER, "/v2/models/tiny-vit/versions/7/infer"):
+            status, headers, body = await raw_answer(client, path, ASKED_AS_AIOHTTP, content=request)
+            assert (status, headers["content-encoding"]) == (200, "gzip"), path
+            assert json.loads(gzip.decompress(body))["model_version"] == "7"
+        status, headers, body = await raw_answer(client, "/metrics", ASKED_AS_AIOHTTP, "GET")
+        assert (status, headers["content-encoding"]) == (200, "gzip") and b"# HELP" in gzip.decompress(body)
+        status, headers, body = await raw_answer(client, "/v1/classify", ASKED_AS_AIOHTTP, content=b"not an image",
+                                                 headers={"content-type": "image/png"})
+        assert (status, headers.get("content-encoding")) == (400, None) and json.loads(body)["error"]["code"]
 
 
 async def test_answers_past_the_size_bound_are_sent_uncompressed(tiny_onnx, tiny_model):
