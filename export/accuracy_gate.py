@@ -13,14 +13,15 @@ DIR/<label>/<image> with folder names among the model's labels.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
-from vitserve.export.verify import (ExportVerificationError, cpu_session, photo_batch, verification_sizes)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, normalize_pixels
+from vitserve.export.verify import ExportVerificationError, cpu_session, photo_batch, verification_sizes
 
 INT8_TIE_RTOL = 0.05
 DEFAULT_MIN_AGREEMENT = 0.99
@@ -81,16 +82,17 @@ def load_labelled_set(directory: str | Path, labels: list[str], channels: int, s
         test = load_fashion_mnist(root).test
         if [label.lower() for label in test.classes] != [label.lower() for label in labels]:
             raise EvalSetError(f"--eval {directory} is Fashion-MNIST, but the model's labels are {labels}")
-        images = resize_batch(test.images[:limit], size).numpy()
-        images = np.repeat(images, channels, axis=1) if channels != images.shape[1] else images
-        return LabelledSet(f"Fashion-MNIST test split ({root})", images, test.labels[:limit].numpy())
+        resized = resize_batch(test.images[:limit], size).numpy()
+        resized = np.repeat(resized, channels, axis=1) if channels != resized.shape[1] else resized
+        return LabelledSet(f"Fashion-MNIST test split ({root})", resized, test.labels[:limit].numpy())
     index = {label.lower(): i for i, label in enumerate(labels)}
     folders = sorted(p for p in root.iterdir() if p.is_dir())
     unknown = [p.name for p in folders if p.name.lower() not in index]
     if unknown or not folders:
         raise EvalSetError(f"--eval {directory}: folders must be named after the model's labels "
                            f"({labels}); {'unknown: ' + str(unknown) if unknown else 'none found'}")
-    images, targets = [], []
+    images: list[np.ndarray] = []
+    targets: list[int] = []
     for folder in folders:
         for path in sorted(folder.iterdir()):
             if path.suffix.lower() in EVAL_SUFFIXES and path.is_file() and len(images) < limit:
@@ -137,13 +139,18 @@ def verify_int8(int8_model: str | onnx.ModelProto, fp32_model: str | onnx.ModelP
     clear = (top2[:, 1] - top2[:, 0]) > INT8_TIE_RTOL * np.abs(f).max(axis=1).clip(min=1.0)
     photo_agreement = float((q.argmax(1) == f.argmax(1))[clear].mean()) if clear.any() else 1.0
 
+    batches: Iterable[np.ndarray]
     if labelled is not None:
         source = labelled.source
         batches = (normalize_pixels(labelled.images[start:start + BATCH], mean, std, channel_axis=1)
                    for start in range(0, len(labelled.images), BATCH))
     else:  # no labelled set: the photos at the trained size are all there is
         source, batches = "scikit-image photos (no --eval set)", [photo_batch(channels, image_size, mean, std)]
-    q_logits, f_logits, q_maps, f_maps, map_pixels = [], [], [], [], []
+    q_logits: list[np.ndarray] = []
+    f_logits: list[np.ndarray] = []
+    q_maps: list[np.ndarray] = []
+    f_maps: list[np.ndarray] = []
+    map_batches: list[np.ndarray] = []
     for x in batches:
         (ql, qr), (fl, fr) = _run(int8, x), _run(fp32, x)
         q_logits.append(ql)
@@ -151,8 +158,8 @@ def verify_int8(int8_model: str | onnx.ModelProto, fp32_model: str | onnx.ModelP
         if sum(len(m) for m in q_maps) < MAP_SAMPLE:  # the maps of the first images are compared
             q_maps.append(qr)
             f_maps.append(fr)
-            map_pixels.append(x)
-    map_pixels = np.concatenate(map_pixels)[:MAP_SAMPLE]
+            map_batches.append(x)
+    map_pixels = np.concatenate(map_batches)[:MAP_SAMPLE]
     ql, fl = np.concatenate(q_logits), np.concatenate(f_logits)
     rollout_rho = spearman(np.concatenate(q_maps)[:MAP_SAMPLE], np.concatenate(f_maps)[:MAP_SAMPLE])
     report = Int8Report(source, len(ql), float((ql.argmax(1) == fl.argmax(1)).mean()), None, None,
@@ -176,7 +183,8 @@ def verify_int8(int8_model: str | onnx.ModelProto, fp32_model: str | onnx.ModelP
     if report.photo_agreement < min(min_agreement, MIN_PHOTO_AGREEMENT):
         misses.append(f"top-1 agreement on clear photos {report.photo_agreement:.4f} < "
                       f"{min(min_agreement, MIN_PHOTO_AGREEMENT)}")
-    if report.fp32_accuracy is not None and report.fp32_accuracy - report.int8_accuracy > max_accuracy_drop:
+    if report.fp32_accuracy is not None and report.int8_accuracy is not None \
+            and report.fp32_accuracy - report.int8_accuracy > max_accuracy_drop:
         misses.append(f"accuracy {report.int8_accuracy:.4f} against fp32's {report.fp32_accuracy:.4f} (more than "
                       f"{max_accuracy_drop:.4f} lower)")
     if misses:

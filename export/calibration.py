@@ -25,8 +25,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from vitserve.artifact import (TEMPERATURE_BOUNDS, EntropyTemperature, curve_log_temperatures, softmax,
-                               softmax_entropy)
+from vitserve.artifact import TEMPERATURE_BOUNDS, EntropyTemperature, curve_log_temperatures, softmax, softmax_entropy
 
 BINS = 15  # equal-width confidence bins, as Guo et al. report ECE
 SEED = 0
@@ -141,8 +140,9 @@ def fit_entropy_temperature(logits: np.ndarray, labels: np.ndarray, start: float
     found = minimize(loss, np.array([np.log(start), 0.0, 0.0]), method="Nelder-Mead",
                      options={"xatol": 1e-7, "fatol": 1e-10, "maxiter": 4000})
     best = found.x if found.fun <= loss(np.array([np.log(start), 0.0, 0.0])) else [np.log(start), 0.0, 0.0]
+    c0, c1, c2 = (round(float(c), 8) for c in best)
     return EntropyTemperature(mean=round(mean, 8), std=round(std, 8), low=round(low, 6), high=round(high, 6),
-                              coefficients=tuple(round(float(c), 8) for c in best))
+                              coefficients=(c0, c1, c2))
 
 
 def halves(count: int, seed: int = SEED) -> tuple[np.ndarray, np.ndarray]:

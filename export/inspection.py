@@ -33,7 +33,7 @@ def inspection_pixels(vit: VisionTransformer, meta: CheckpointMeta, count: int =
     except InspectionInputError:
         if images_dir:
             raise
-        photos = torch.from_numpy(photo_batch(cfg.in_channels, tuple(cfg.image_size), meta.mean, meta.std))
+        photos = torch.from_numpy(photo_batch(cfg.in_channels, cfg.image_size, meta.mean, meta.std))
         return photos[:count], f"{min(count, len(photos))} scikit-image photos"
     source = images_dir or "Fashion-MNIST's test set"
     return normalize(images, meta.mean, meta.std), f"{len(images)} images of {source}"

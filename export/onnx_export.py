@@ -23,14 +23,31 @@ import torch
 from torch import nn
 from torch.export import Dim
 
+from vitserve.artifact import (
+    EMBEDDING_NAME,
+    INPUT_NAME,
+    INSPECTION_KEY,
+    MAPS,
+    OUTPUT_NAMES,
+    PRECISIONS,
+    RELEVANCE_NAME,
+    TARGET_NAME,
+    TOP1_TARGET,
+    ModelInfo,
+    normalize_pixels,
+)
 from vitserve.export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
 from vitserve.export.rollout import attention_rollout
-from vitserve.export.verify import (ExportVerificationError, Fp16Report, OutputReport, RelevanceReport,
-                                    VerificationReport, require_symbolic_input)
+from vitserve.export.verify import (
+    ExportVerificationError,
+    Fp16Report,
+    OutputReport,
+    RelevanceReport,
+    VerificationReport,
+    require_symbolic_input,
+)
 from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, weights_sha256
 from vitserve.model.vit import VisionTransformer
-from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, INSPECTION_KEY, MAPS, OUTPUT_NAMES, PRECISIONS,
-                               RELEVANCE_NAME, TARGET_NAME, TOP1_TARGET, ModelInfo, normalize_pixels)
 
 if TYPE_CHECKING:
     from vitserve.export.accuracy_gate import Int8Report
@@ -66,12 +83,12 @@ class ExportReport:
     metadata: dict[str, str]
     verification: VerificationReport | None  # fp32 graph vs PyTorch eager (None with verify=False)
     fp16: Fp16Report | None = None  # fp16 graph vs fp32 (fp16 exports only)
-    int8: "Int8Report | None" = None  # the int8 file's accuracy gate against fp32 (int8 exports only)
+    int8: Int8Report | None = None  # the int8 file's accuracy gate against fp32 (int8 exports only)
     relevance: RelevanceReport | None = None  # the relevance path vs PyTorch and NumPy (with the relevance path)
-    calibration: "Calibration | None" = None  # the fitted temperature and its effect (with a labelled set)
+    calibration: Calibration | None = None  # the fitted temperature and its effect (with a labelled set)
     uncalibrated: str | None = None  # why a labelled set gave no temperature (too few images)
     embedding: OutputReport | None = None  # the embedding output vs PyTorch's class token
-    ood: "OodScore | None" = None  # the OOD score's fit (with a labelled set)
+    ood: OodScore | None = None  # the OOD score's fit (with a labelled set)
     no_ood: str | None = None  # why a labelled set gave no OOD score (too few images, or of a class)
     ood_verification: OutputReport | None = None  # the in-graph score vs NumPy's from the same embedding
 
@@ -81,9 +98,9 @@ def export_program(module: nn.Module, patch_size: int, example: torch.Tensor,
     """torch.export with batch, height = P * gh and width = P * gw all dynamic (and the target's length, the batch,
     when the module takes one); raises if any gets specialised."""
     batch, gh, gw = Dim("batch", min=1), Dim("grid_height", min=1), Dim("grid_width", min=1)
-    shapes = ({0: batch, 2: patch_size * gh, 3: patch_size * gw},)
+    pixels = {0: batch, 2: patch_size * gh, 3: patch_size * gw}
     args = (example,) if target is None else (example, target)
-    shapes = shapes if target is None else (*shapes, {0: batch})
+    shapes = (pixels,) if target is None else (pixels, {0: batch})
     return torch.export.export(module, args, dynamic_shapes=shapes, strict=False)
 
 
@@ -102,6 +119,7 @@ def to_onnx(module: nn.Module, patch_size: int, example: torch.Tensor, output_na
         program = export_program(module, patch_size, example, target)
         onnx_program = torch.onnx.export(program, args, input_names=input_names, output_names=list(output_names),
                                          opset_version=opset, dynamo=True, optimize=True, verbose=False)
+    assert onnx_program is not None  # None is the legacy exporter's (dynamo=False) answer
     proto = onnx_program.model_proto
     require_symbolic_input(proto)
     name_dims(proto, patch_size)
@@ -169,7 +187,7 @@ def artifact_info(meta: CheckpointMeta, vit: VisionTransformer, precision: str, 
     accuracy = meta.metrics.get("test_accuracy")
     return ModelInfo(
         name=meta.name, version=meta.version, labels=list(meta.labels), patch_size=cfg.patch_size,
-        image_size=tuple(cfg.image_size), channels=cfg.in_channels, mean=list(meta.mean), std=list(meta.std),
+        image_size=cfg.image_size, channels=cfg.in_channels, mean=list(meta.mean), std=list(meta.std),
         precision=precision, exporter=f"vitserve {__version__}, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(vit.state_dict()), architecture=cfg.to_dict(),
         test_accuracy=None if accuracy is None else float(accuracy), maps=maps, embedding_size=cfg.embed_dim)
@@ -319,9 +337,9 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
 class LabelledFits:
     """What a labelled set fitted (export/calibration.py, export/ood.py), or why it could not."""
 
-    calibration: "Calibration | None" = None
+    calibration: Calibration | None = None
     uncalibrated: str | None = None
-    ood: "OodScore | None" = None
+    ood: OodScore | None = None
     no_ood: str | None = None
 
 
@@ -356,7 +374,7 @@ def _labelled_set(vit: VisionTransformer, meta: CheckpointMeta, eval_dir, eval_l
 
     cfg = vit.cfg
     return None if eval_dir is None else gate.load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels,
-                                                                tuple(cfg.image_size), eval_limit)
+                                                                cfg.image_size, eval_limit)
 
 
 def calibration_split(vit: VisionTransformer, meta: CheckpointMeta, labelled):
@@ -374,7 +392,7 @@ def calibration_split(vit: VisionTransformer, meta: CheckpointMeta, labelled):
 
     cfg = vit.cfg
     photos = [photo_batch(cfg.in_channels, size, list(meta.mean), list(meta.std))
-              for size in verification_sizes(tuple(cfg.image_size), cfg.patch_size)]
+              for size in verification_sizes(cfg.image_size, cfg.patch_size)]
     if labelled is None:
         return photos, None, ("scikit-image's photos at 4 sizes (no --eval set: give one for a file that serves real "
                               "traffic)")
@@ -398,4 +416,4 @@ def _verify_int8(out_path: Path, fp32: onnx.ModelProto, vit: VisionTransformer, 
     limits = {k: v for k, v in (("min_agreement", min_agreement), ("max_accuracy_drop", max_accuracy_drop))
               if v is not None}
     return gate.verify_int8(str(out_path), fp32, mean=list(meta.mean), std=list(meta.std), channels=cfg.in_channels,
-                            image_size=tuple(cfg.image_size), patch=cfg.patch_size, labelled=labelled, **limits)
+                            image_size=cfg.image_size, patch=cfg.patch_size, labelled=labelled, **limits)

@@ -24,8 +24,8 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
-from vitserve.export.relevance import class_token_maps
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+from vitserve.export.relevance import class_token_maps
 
 BRANCH_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME)  # each branch's, and the `If`'s, in this order
 

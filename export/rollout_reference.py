@@ -1,7 +1,9 @@
-"""NumPy attention rollout and gradient-weighted relevance to check the graph's against: full matrix products in float64.
+"""NumPy attention rollout and gradient-weighted relevance to check the graph's against: full matrix products in
+float64.
 
 Written apart from `export.rollout` on purpose (whole N x N products, first layer to last, no
-vector trick; relevance as Chefer et al.'s R <- R + Ā R), so a shared mistake in the two is unlikely. Used by verification and by tests.
+vector trick; relevance as Chefer et al.'s R <- R + Ā R), so a shared mistake in the two is unlikely. Used by
+verification and by tests.
 """
 from __future__ import annotations
 

@@ -12,13 +12,23 @@ import numpy as np
 import onnx
 import torch
 
+from vitserve.artifact import (
+    EMBEDDING_NAME,
+    INPUT_NAME,
+    OOD_SCORE_NAME,
+    OUTPUT_NAMES,
+    RELEVANCE_NAME,
+    TARGET_NAME,
+    ArtifactError,
+    ModelInfo,
+    normalize_pixels,
+)
 from vitserve.export.ood import nearest_class_distance
 from vitserve.export.ood_graph import stored_ood_arrays
 from vitserve.export.relevance import explain
 from vitserve.export.rollout import attention_rollout
 from vitserve.export.rollout_reference import numpy_attention_rollout, numpy_relevance
-from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME,
-                               ArtifactError, ModelInfo, normalize_pixels)
+
 
 # Every check compares two computations of the same numbers in different orders (ONNX Runtime's kernels against
 # PyTorch's, fp16 against fp32), and rounding makes their difference grow with the size of what is compared:
@@ -385,7 +395,7 @@ def verify_relevance(model: str | bytes | onnx.ModelProto, vit, sizes: list[tupl
 
 def extra_output_sizes(image_size: tuple[int, int]) -> list[tuple[int, int]]:
     """The trained size and twice it: the embedding and the OOD score are checked at both."""
-    return [tuple(image_size), (2 * image_size[0], 2 * image_size[1])]
+    return [(image_size[0], image_size[1]), (2 * image_size[0], 2 * image_size[1])]
 
 
 def path_feeds(session, x: np.ndarray, num_classes: int) -> list[tuple[str, dict]]:

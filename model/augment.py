@@ -11,8 +11,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from vitserve.model.config import AugmentConfig  # re-exported: `from model.augment import AugmentConfig`
 from vitserve.artifact import normalize_pixels
+from vitserve.model.config import AugmentConfig  # re-exported: `from model.augment import AugmentConfig`
 
 
 def random_crop_with_padding(x: torch.Tensor, padding: int, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from vitserve.model.vit import ViTConfig, VisionTransformer
+from vitserve.model.vit import VisionTransformer, ViTConfig
 
 CHECKPOINT_FORMAT = "vitserve-checkpoint"
 CHECKPOINT_FORMAT_VERSION = 1
@@ -52,7 +52,7 @@ class CheckpointMeta:
                 "metrics": self.metrics, "training": self.training}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "CheckpointMeta":
+    def from_dict(cls, d: dict) -> CheckpointMeta:
         if d.get("format") != CHECKPOINT_FORMAT:
             raise CheckpointError(f"not a {CHECKPOINT_FORMAT} config (format={d.get('format')!r})")
         norm = d["normalization"]

@@ -17,8 +17,8 @@ import sys
 import types
 import typing
 
-from vitserve.model.config import FASHION_MNIST_DIR, QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
 from vitserve.help_format import DefaultsHelpFormatter
+from vitserve.model.config import FASHION_MNIST_DIR, QUICK_RUN, AugmentConfig, TrainConfig, TrainingInputError
 
 TRAIN_DESCRIPTION = (
     "Train a ViT and write a checkpoint for `vitserve export`. With no flags: the fmnist variant (805k parameters) "
@@ -60,7 +60,7 @@ def add_config_flags(parser: argparse.ArgumentParser) -> None:
     "model_overrides.depth") only when given, so a default lives in its dataclass alone."""
     run = parser.add_argument_group("TrainConfig")
     for f, hint in _fields(TrainConfig):
-        if dataclasses.is_dataclass(hint):
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):  # a nested config class, as augment's
             group = parser.add_argument_group(f"{f.name} ({hint.__name__})", f.metadata.get("help"))
             for sub, sub_hint in _fields(hint):
                 _add_flag(group, f"{f.name}.{sub.name}", sub_hint, sub.metadata, sub.default)
@@ -344,8 +344,8 @@ def _computed_inspection(args):
 
 def _stored_inspection(path):
     """(Inspection, title) from an exported file's metadata; InspectionInputError when it has none."""
-    from vitserve.model.inspection_report import InspectionInputError, from_json
     from vitserve.artifact import ArtifactError
+    from vitserve.model.inspection_report import InspectionInputError, from_json
     from vitserve.onnx_header import read_stored_inspection
 
     try:

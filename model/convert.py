@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from vitserve.model.checkpoint import CheckpointError, CheckpointMeta, save_checkpoint
 from vitserve.model.hybrid import backbone_stride
-from vitserve.model.vit import ViTConfig, VisionTransformer
+from vitserve.model.vit import VisionTransformer, ViTConfig
 
 FORMATS = ("timm", "hf")
 # timm's and HF's ViT preprocessing is (x/255 - 0.5) / 0.5 for every channel.

@@ -24,8 +24,8 @@ FASHION_MNIST_MEAN, FASHION_MNIST_STD = [0.2860], [0.3530]
 IMAGENET_MEAN, IMAGENET_STD = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".gif", ".webp", ".tif", ".tiff"}
 
-_IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
-               0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
+_IDX_DTYPES: dict[int, np.dtype] = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"),
+                                    0x0C: np.dtype(">i4"), 0x0D: np.dtype(">f4"), 0x0E: np.dtype(">f8")}
 
 
 @dataclass
@@ -101,8 +101,8 @@ def load_fashion_mnist(data_dir: str | Path = FASHION_MNIST_DIR) -> DataSplits:
 
 def load_image(path: str | Path, size: tuple[int, int], channels: int) -> np.ndarray:
     """Decode, apply EXIF orientation, resize the short side and centre-crop: uint8 (C, H, W)."""
-    with Image.open(path) as im:
-        im = ImageOps.exif_transpose(im).convert("L" if channels == 1 else "RGB")
+    with Image.open(path) as file:
+        im = ImageOps.exif_transpose(file).convert("L" if channels == 1 else "RGB")
         im = ImageOps.fit(im, (size[1], size[0]), Image.Resampling.BICUBIC)
         array = np.asarray(im, dtype=np.uint8)
     return array[None] if channels == 1 else array.transpose(2, 0, 1)
@@ -122,7 +122,7 @@ def load_image_folder(root: str | Path, size: tuple[int, int], channels: int = 3
         raise TrainingInputError(f"{root}: every class needs at least 2 images, one to train on and one to hold out "
                                  f"for validation; too few in {', '.join(short)}")
     rng = np.random.default_rng(seed)
-    parts = {"train": ([], []), "val": ([], [])}
+    parts: dict[str, tuple[list[np.ndarray], list[int]]] = {"train": ([], []), "val": ([], [])}
     for index, name in enumerate(classes):
         order = rng.permutation(len(files[name]))
         n_val = min(len(order) - 1, max(1, round(len(order) * val_fraction))) if val_fraction > 0 else 0

@@ -14,6 +14,8 @@ checkpoint is the student alone, and records which teachers (name, version, weig
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,13 @@ class Teachers(nn.Module):
     """Trained models whose mean softened probabilities the student learns; inputs are normalised for the
     student (`mean`, `std`) and re-normalised for each teacher."""
 
-    def __init__(self, models: list[nn.Module], metas: list[CheckpointMeta], mean: list[float], std: list[float]):
+    # Buffers (register_buffer): the student's normalisation (1, C, 1, 1), each teacher's (teachers, 1, C, 1, 1)
+    student_mean: torch.Tensor
+    student_std: torch.Tensor
+    means: torch.Tensor
+    stds: torch.Tensor
+
+    def __init__(self, models: Sequence[nn.Module], metas: list[CheckpointMeta], mean: list[float], std: list[float]):
         super().__init__()
         self.models = nn.ModuleList(models).eval().requires_grad_(False)
         self.metas = metas
@@ -40,14 +48,14 @@ class Teachers(nn.Module):
                              persistent=False)
         self.register_buffer("stds", torch.tensor([m.std for m in metas]).view(len(metas), *shape), persistent=False)
 
-    def train(self, mode: bool = True) -> "Teachers":
+    def train(self, mode: bool = True) -> Teachers:
         return super().train(False)  # a teacher's dropout stays off whatever the student does
 
     @torch.no_grad()
     def probabilities(self, x: torch.Tensor, temperature: float) -> torch.Tensor:
         """(B, K): the teachers' mean of softmax(logits / temperature) for the student's normalised input x."""
         pixels = x * self.student_std + self.student_mean  # in [0, 1]: normalisation divides by 255 first
-        total = 0
+        total = torch.zeros((), device=x.device)  # float32, as each teacher's probabilities
         for model, meta, mean, std in zip(self.models, self.metas, self.means, self.stds):
             size = tuple(meta.config.image_size)
             # clamped as `model.data.resize_batch` clamps the teacher's own training images: bicubic overshoots

@@ -179,7 +179,8 @@ class HybridEmbed(nn.Module):
         if patch_size % stride:
             raise ValueError(f"patch size {patch_size} is not a multiple of the backbone's stride {stride}")
         # The stem alone is the backbone itself, as in timm (keys patch_embed.backbone.conv, .norm)
-        self.backbone = resnet_stem(in_channels, width) if not layers else ResNetBackbone(in_channels, layers, width)
+        self.backbone: nn.Sequential | ResNetBackbone = \
+            resnet_stem(in_channels, width) if not layers else ResNetBackbone(in_channels, layers, width)
         feature_patch = patch_size // stride
         self.proj = nn.Conv2d(backbone_channels(layers, width), embed_dim, kernel_size=feature_patch,
                               stride=feature_patch)
@@ -193,6 +194,7 @@ class HybridEmbed(nn.Module):
         # The random draws come in this order so that a seeded run starts from the weights it always did.
         w = self.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        assert self.proj.bias is not None  # nn.Conv2d's default bias=True
         nn.init.zeros_(self.proj.bias)
         for m in self.backbone.modules():
             if isinstance(m, nn.Conv2d):
@@ -200,7 +202,9 @@ class HybridEmbed(nn.Module):
 
     def stem_filters(self) -> torch.Tensor:
         """The first convolution's filters as it applies them to pixels (standardised): (width, C, 7, 7)."""
-        conv = self.backbone.conv if isinstance(self.backbone, nn.Sequential) else self.backbone.stem.conv
+        stem = self.backbone if isinstance(self.backbone, nn.Sequential) else self.backbone.stem
+        conv = stem.conv
+        assert isinstance(conv, StdConv2d)  # resnet_stem's first layer
         return conv.standardized_weight().detach()
 
 

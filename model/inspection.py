@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from vitserve.model.hybrid import HybridEmbed
 from vitserve.model.inspection_report import Inspection, InspectionInputError
-from vitserve.model.vit import VisionTransformer
+from vitserve.model.vit import PatchEmbed, VisionTransformer
 
 SHOWN_COMPONENTS = 28  # as Figure 7 (left) shows them
 
@@ -74,10 +75,12 @@ def attention_distances(model: VisionTransformer, pixels: torch.Tensor, batch_si
 
 def pixel_filters(model: VisionTransformer) -> tuple[torch.Tensor, str]:
     """The first filters that see pixels, (D, C, k, k), and what they are."""
-    if not model.cfg.is_hybrid:
-        return model.patch_embed.proj.weight, "patch-embedding filters"
-    proj = model.patch_embed.proj
-    return model.patch_embed.stem_filters(), (
+    embed = model.patch_embed
+    if isinstance(embed, PatchEmbed):
+        return embed.proj.weight, "patch-embedding filters"
+    assert isinstance(embed, HybridEmbed), "a checkpoint's model embeds with PatchEmbed or HybridEmbed"
+    proj = embed.proj
+    return embed.stem_filters(), (
         f"hybrid's stem convolution filters (its patch embedding is a {proj.kernel_size[0]}x{proj.kernel_size[1]} "
         f"convolution over the CNN's {proj.in_channels}-channel feature map, not over pixels)")
 
@@ -86,7 +89,7 @@ def inspect(model: VisionTransformer, pixels: torch.Tensor) -> Inspection:
     cfg = model.cfg
     weights, filters = pixel_filters(model)
     components, explained = filter_components(weights)
-    grid = tuple(cfg.grid_size)
+    grid = cfg.grid_size
     return Inspection(components, filters, explained, position_similarity(model.pos_embed, grid),
                       attention_distances(model, pixels), float(patch_distances(grid, cfg.patch_size).max()),
                       len(pixels), cfg.patch_size, grid)

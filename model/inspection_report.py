@@ -39,11 +39,12 @@ def to_json(i: Inspection, title: str) -> dict:
 
 def from_json(data: dict) -> tuple[Inspection, str]:
     """`to_json`'s output back: (Inspection, title); KeyError/ValueError/TypeError when it is not that."""
+    rows, cols = (int(g) for g in data["grid"])  # ValueError unless two
     inspection = Inspection(np.asarray(data["components"], np.float64), str(data["filters"]),
                             np.asarray(data["explained_variance"], np.float64),
                             np.asarray(data["position_similarity"], np.float64),
                             np.asarray(data["mean_attention_distance_px"], np.float64), float(data["max_distance_px"]),
-                            int(data["images"]), int(data["patch_size"]), tuple(int(g) for g in data["grid"]))
+                            int(data["images"]), int(data["patch_size"]), (rows, cols))
     if inspection.components.ndim != 4 or inspection.similarity.shape != (*inspection.grid, *inspection.grid) or \
             inspection.distances.ndim != 2:
         raise ValueError("the inspection's arrays do not have the shapes of components, similarity and distances")

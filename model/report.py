@@ -23,7 +23,8 @@ def render_report(run_dir: Path) -> str:
     last = rows[-1]
     done, planned = int(last["epoch"]), int(training.get("epochs", last["epoch"]))
     hours, rest = divmod(int(last["elapsed_s"]), 3600)
-    status = "finished" if done >= planned else f"in progress: {done} of {planned} epochs (resume with the same command)"
+    status = ("finished" if done >= planned
+              else f"in progress: {done} of {planned} epochs (resume with the same command)")
     lines = [
         f"# Training report: {meta.name} v{meta.version}", "",
         f"- **Test accuracy: {100 * last['test_acc']:.2f}%** on the {_test_size(meta)} held-out test images "

@@ -24,15 +24,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from vitserve.machine import cpu_model_name
 from vitserve.model.augment import augment_batch, normalize
 from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
-from vitserve.model.config import AugmentConfig, TrainConfig  # noqa: F401 (re-exported: `from model.train import TrainConfig`)
-from vitserve.model.config import TrainingInputError
+from vitserve.model.config import AugmentConfig as AugmentConfig  # re-exported: `from model.train import AugmentConfig`
+from vitserve.model.config import TrainConfig, TrainingInputError
 from vitserve.model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
 from vitserve.model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
 from vitserve.model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
 from vitserve.model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
-from vitserve.machine import cpu_model_name
 
 TRAIN_STATE_FILE = "train_state.pt"
 MIN_EPOCH_POINTS = 5  # fewer evaluations than this and curves.png is drawn against steps
@@ -90,7 +90,8 @@ def folder_image_size(cfg: TrainConfig) -> tuple[int, int]:
 def build_model(cfg: TrainConfig, splits: DataSplits) -> tuple[VisionTransformer, CheckpointMeta]:
     """A fresh model from the variant, or a checkpoint adapted to this data's resolution and classes."""
     classes = splits.train.classes
-    size = tuple(splits.train.images.shape[-2:])
+    height, width = splits.train.images.shape[-2:]
+    size = (height, width)
     channels = splits.train.images.shape[1]
     if not cfg.init_from:
         overrides = {**cfg.model_overrides, "image_size": size, "in_channels": channels,
@@ -113,7 +114,8 @@ def build_model(cfg: TrainConfig, splits: DataSplits) -> tuple[VisionTransformer
 
 def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     # No weight decay on biases, LayerNorm gains, position embeddings or the class token.
-    decay, no_decay = [], []
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         embedding = name.rpartition(".")[2] in ("pos_embed", "cls_token", "mask_token")
         (no_decay if p.ndim <= 1 or embedding else decay).append(p)
@@ -535,7 +537,7 @@ def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int]
     if cfg.grad_clip:
         nn.utils.clip_grad_norm_(run.objective.parameters(), cfg.grad_clip)
     run.optimizer.step()
-    return loss.item(), (logits.argmax(1) == y).sum().item(), len(y)
+    return float(loss.item()), int((logits.argmax(1) == y).sum().item()), len(y)
 
 
 def stop_reason(run: Run, clock: Clock, pressed: threading.Event) -> str | None:
@@ -563,6 +565,7 @@ def evaluate_and_save(run: Run, pos: Position, clock: Clock, images_per_s: float
         print(f"epoch {row['epoch']}/{run.cfg.epochs}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
               f"test loss {test_loss:.4f} acc {test_acc:.4f} | {images_per_s:.0f} img/s | {row['elapsed_s']:.0f}s",
               file=sys.stderr)
+        assert run.log is not None  # rank 0 keeps the log
         run.log.rows.append(row)
         save_progress(run, pos, clock, row)
     if rt.world > 1:
@@ -592,6 +595,7 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
     if evaluated:
         record["last_epoch_images_per_s"] = round(evaluated["images_per_s"], 1)
     run.meta.training = record
+    assert run.log is not None  # rank 0 keeps the log, and saves
     run.log.write()
     save_checkpoint(run.out_dir / "checkpoint", run.model, run.meta)
     save_state(run.out_dir, run.optimizer, run.generator, pos, _beside_the_model(run.objective))
@@ -601,7 +605,8 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
 def machine_description(rt: Runtime) -> str:
     if rt.device.type == "cuda":
         return f"{rt.world} x {torch.cuda.get_device_name(rt.device)}"
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, {rt.world} process(es)"
+    cpu = platform.processor() or platform.machine()
+    return f"{cpu}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, {rt.world} process(es)"
 
 
 def _beside_the_model(objective: nn.Module) -> dict:

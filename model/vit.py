@@ -10,9 +10,9 @@ tensor, never from Python ints, so that `torch.export` keeps height and width sy
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -47,8 +47,9 @@ class ViTConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "image_size", tuple(int(s) for s in self.image_size))
         if self.backbone_layers is not None:
-            object.__setattr__(self, "backbone_layers", tuple(int(n) for n in self.backbone_layers))
-            self._check_backbone()
+            layers = tuple(int(n) for n in self.backbone_layers)
+            object.__setattr__(self, "backbone_layers", layers)
+            self._check_backbone(layers)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"embed_dim {self.embed_dim} is not divisible by num_heads {self.num_heads}")
         for side in self.image_size:
@@ -57,8 +58,8 @@ class ViTConfig:
         if self.in_channels not in (1, 3):
             raise ValueError(f"in_channels must be 1 or 3, got {self.in_channels}")
 
-    def _check_backbone(self) -> None:
-        layers, stride = self.backbone_layers, backbone_stride(self.backbone_layers)
+    def _check_backbone(self, layers: tuple[int, ...]) -> None:
+        stride = backbone_stride(layers)
         if len(layers) > 4 or any(n < 1 for n in layers):
             raise ValueError(f"backbone_layers {list(layers)}: at most 4 stages of at least 1 block each")
         if self.backbone_width < 32 or self.backbone_width % 32:
@@ -84,7 +85,7 @@ class ViTConfig:
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ViTConfig":
+    def from_dict(cls, d: dict) -> ViTConfig:
         known = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - known
         if unknown:
@@ -164,7 +165,7 @@ def _hybrid_name(key: str) -> tuple[str, tuple[int, ...]] | None:
 
 
 def resample_pos_embed(pos_embed: torch.Tensor, old_grid: tuple[int, int],
-                       new_grid: tuple[torch.Tensor | int, torch.Tensor | int]) -> torch.Tensor:
+                       new_grid: tuple[int, int]) -> torch.Tensor:
     """Resize the patch part of position embeddings to a new grid; keep the class token's.
 
     Bicubic, align_corners=False, no antialias. At the same grid this is exactly the identity
@@ -200,6 +201,7 @@ class PatchEmbed(nn.Module):
         # As the linear layer over a flattened patch that it is (paper, eq. 1)
         w = self.proj.weight
         nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        assert self.proj.bias is not None  # nn.Conv2d's default bias=True
         nn.init.zeros_(self.proj.bias)
 
 

@@ -5,9 +5,10 @@ already normalised by `normalize_pixels`, and returns `OUTPUT_NAMES`: logits `[b
 rollout `[batch, height/P, width/P]`. A model whose `maps` include "relevance" also takes `TARGET_NAME`, int64
 `[n]`, optional (empty by default): with n = batch it runs the relevance path and returns `RELEVANCE_NAME`
 `[batch, height/P, width/P]`, the relevance of the class named per image (`TOP1_TARGET`: the predicted one); empty,
-it runs the fast path and the relevance output is empty. Everything else the server needs travels in the file's `metadata_props`
-under `vitserve.*` keys, all values strings (JSON for lists and objects): `ModelInfo.to_metadata()` writes
-them and `ModelInfo.from_metadata()` reads them back. docs/architecture.md lists the keys.
+it runs the fast path and the relevance output is empty. Everything else the server needs travels in the file's
+`metadata_props` under `vitserve.*` keys, all values strings (JSON for lists and objects):
+`ModelInfo.to_metadata()` writes them and `ModelInfo.from_metadata()` reads them back.
+docs/architecture.md lists the keys.
 
 Imports numpy only, so the torch world (export) and the ONNX Runtime world (service) can both use it.
 """
@@ -15,8 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -119,21 +121,20 @@ class EntropyTemperature:
                 "coefficients": list(self.coefficients)}
 
     @classmethod
-    def from_json(cls, value: dict) -> "EntropyTemperature":
+    def from_json(cls, value: dict) -> EntropyTemperature:
         """The stored form back; anything else (missing keys, not numbers, a non-positive std, low > high, values
         that are not finite) is an ArtifactError."""
         try:
-            curve = cls(mean=float(value["mean"]), std=float(value["std"]), low=float(value["low"]),
-                        high=float(value["high"]), coefficients=tuple(float(c) for c in value["coefficients"]))
+            mean, std, low, high = (float(value[key]) for key in ("mean", "std", "low", "high"))
+            coefficients = tuple(float(c) for c in value["coefficients"])
         except (TypeError, KeyError, ValueError) as e:
             raise ArtifactError(f"vitserve.temperature_by_entropy: {value!r} is not a temperature curve ({e})") \
                 from None
-        numbers = (curve.mean, curve.std, curve.low, curve.high, *curve.coefficients)
-        if len(curve.coefficients) != 3 or not all(math.isfinite(x) for x in numbers) or curve.std <= 0 \
-                or curve.low > curve.high:
+        if len(coefficients) != 3 or not all(math.isfinite(x) for x in (mean, std, low, high, *coefficients)) \
+                or std <= 0 or low > high:
             raise ArtifactError(f"vitserve.temperature_by_entropy: {value!r} is not a temperature curve "
                                 "(3 finite coefficients, a positive std, low <= high)")
-        return curve
+        return cls(mean=mean, std=std, low=low, high=high, coefficients=coefficients)
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,7 @@ class ModelInfo:
         """(..., K) logits -> the calibrated probabilities /v1 serves, float64."""
         return softmax(logits, self.temperature_for(logits))
 
-    def with_opset(self, opset: int | None) -> "ModelInfo":
+    def with_opset(self, opset: int | None) -> ModelInfo:
         return replace(self, opset=opset)
 
     def to_metadata(self) -> dict[str, str]:
@@ -226,7 +227,7 @@ class ModelInfo:
         return {METADATA_PREFIX + key: value for key, value in props.items()}
 
     @classmethod
-    def from_metadata(cls, props: dict[str, str], opset: int | None = None) -> "ModelInfo":
+    def from_metadata(cls, props: dict[str, str], opset: int | None = None) -> ModelInfo:
         """`metadata_props` -> ModelInfo; a missing, malformed or inconsistent value is an ArtifactError."""
         get = _metadata_reader(props)
         format_version = get("format_version", int)

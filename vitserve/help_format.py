@@ -10,4 +10,4 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         help_text = action.help or ""
         if action.default is None or "default" in help_text:
             return help_text
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or help_text  # typeshed's `str | None`: argparse returns a str

@@ -25,7 +25,8 @@ class ModelFileHeader:
 
 
 def read_header(path: str | Path) -> ModelFileHeader:
-    """The file's default-domain opset and metadata; anything that is not a well-formed ModelProto is an ArtifactError."""
+    """The file's default-domain opset and metadata; anything that is not a well-formed ModelProto is an
+    ArtifactError."""
     path = Path(path)
     if path.is_dir():
         inside = sorted(p.name for p in path.glob("*.onnx"))
@@ -37,7 +38,8 @@ def read_header(path: str | Path) -> ModelFileHeader:
     size = path.stat().st_size
     if size == 0:
         raise ArtifactError(f"model file is empty: {path}")
-    opset, metadata = None, {}
+    opset: int | None = None
+    metadata: dict[str, str] = {}
     with open(path, "rb") as f:
         while (key := _read_varint(f)) is not None:
             number, wire = key >> 3, key & 7
@@ -49,11 +51,11 @@ def read_header(path: str | Path) -> ModelFileHeader:
                     raise ArtifactError(f"{path} is not an ONNX model (truncated or corrupt protobuf)")
                 if number == _OPSET_IMPORT:
                     fields = _parse_flat_message(f.read(length))
-                    if fields.get(1, b"") in (b"", b"ai.onnx"):
-                        opset = fields.get(2)
+                    if _bytes_field(fields, 1) in (b"", b"ai.onnx"):
+                        opset = _number_field(fields, 2)
                 elif number == _METADATA_PROPS:
                     fields = _parse_flat_message(f.read(length))
-                    metadata[fields.get(1, b"").decode()] = fields.get(2, b"").decode()
+                    metadata[_bytes_field(fields, 1).decode()] = _bytes_field(fields, 2).decode()
                 else:
                     f.seek(length, 1)
             elif wire in (_FIXED64, _FIXED32):
@@ -90,12 +92,30 @@ def _read_varint(f: BinaryIO) -> int | None:
 
 def _parse_flat_message(buf: bytes) -> dict[int, bytes | int]:
     """A message of varint and length-delimited fields only -> {field number: value}."""
-    f, fields = io.BytesIO(buf), {}
+    f = io.BytesIO(buf)
+    fields: dict[int, bytes | int] = {}
     while (key := _read_varint(f)) is not None:
-        if key & 7 == _VARINT:
-            fields[key >> 3] = _read_varint(f)
-        elif key & 7 == _LENGTH_DELIMITED:
-            fields[key >> 3] = f.read(_read_varint(f) or 0)
-        else:
+        wire = key & 7
+        if wire not in (_VARINT, _LENGTH_DELIMITED):
             raise ArtifactError("not an ONNX model (unexpected field in a small message)")
+        value = _read_varint(f)  # the number itself, or the length of the bytes that follow
+        if value is None:
+            raise ArtifactError("not an ONNX model (truncated small message)")
+        fields[key >> 3] = value if wire == _VARINT else f.read(value)
     return fields
+
+
+def _bytes_field(fields: dict[int, bytes | int], number: int) -> bytes:
+    """A length-delimited field's bytes, b"" when absent (protobuf's default)."""
+    value = fields.get(number, b"")
+    if isinstance(value, int):
+        raise ArtifactError(f"not an ONNX model (field {number} is a number where a string belongs)")
+    return value
+
+
+def _number_field(fields: dict[int, bytes | int], number: int) -> int | None:
+    """A varint field's value, None when absent."""
+    value = fields.get(number)
+    if isinstance(value, bytes):
+        raise ArtifactError(f"not an ONNX model (field {number} is a string where a number belongs)")
+    return value
