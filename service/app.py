@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager
-from functools import partial
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,21 +13,20 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from vitserve.service.ground import tracing
-from vitserve.service.engine import Engine
-from vitserve.service.ground.memory import freeze_startup_objects
-from vitserve.service.ground.requests import RequestRecord
-from vitserve.service.ground.errors import ServiceError
-from vitserve.service.http.errors import error_headers
-from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.http.errors import error_answer, service_error_answer, validation_error_answer
-from vitserve.service.http.compression import ResponseCompression
-from vitserve.service.http import infer_lane
-from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
-from vitserve.service.engine.runtime import InferenceModel
-from vitserve.service.ground.settings import Settings
 from vitserve.service.core.state import ServiceState
+from vitserve.service.engine import Engine
+from vitserve.service.engine.runtime import InferenceModel
+from vitserve.service.ground import tracing
+from vitserve.service.ground.errors import ServiceError
+from vitserve.service.ground.memory import freeze_startup_objects
+from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.ground.requests import RequestRecord
+from vitserve.service.ground.settings import Settings
+from vitserve.service.http import infer_lane
+from vitserve.service.http.compression import ResponseCompression
 from vitserve.service.http.dependencies import early_refusal, inference_route
+from vitserve.service.http.errors import error_answer, error_headers, service_error_answer, validation_error_answer
+from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
 
 log = logging.getLogger("vitserve.app")
 
@@ -62,9 +61,9 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
     settings = settings or Settings()
     metrics = metrics or ServiceMetrics()
     # /docs is the web router's, Swagger UI with its files from this install (FastAPI's loads them from a CDN)
-    app = FastAPI(title="vitserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
-                  description="Vision Transformer classification with attention-rollout maps, dynamically batched "
-                              "onto ONNX Runtime.")
+    app = ServiceApp(title="vitserve", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                     description="Vision Transformer classification with attention-rollout maps, dynamically batched "
+                                 "onto ONNX Runtime.")
     app.state.service = ServiceState(settings, metrics, engine_for(settings, metrics, model))
     app.state.serve_grpc = serve_grpc
     install_error_handlers(app, metrics)
@@ -75,10 +74,17 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
                        max_bytes=settings.compress_max_bytes)
     app.add_middleware(RequestRecordMiddleware, metrics=metrics, traced=tracing.enabled())
     # the web page and the docs last: routing an API request never looks at their routes
-    for router in (classify.router, embed.router, repository.router, open_inference.router, operations.router, web.router):
+    for router in (classify.router, embed.router, repository.router, open_inference.router, operations.router,
+                   web.router):
         app.include_router(router)
-    app.openapi = partial(openapi_document, app)
     return app
+
+
+class ServiceApp(FastAPI):
+    """FastAPI with the service's OpenAPI document (`openapi_document`)."""
+
+    def openapi(self) -> dict[str, Any]:
+        return openapi_document(self)
 
 
 def openapi_document(app: FastAPI) -> dict:

@@ -32,8 +32,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     from vitserve.service.ground.settings import SETTING_GROUPS
     more = sum(map(len, SETTING_GROUPS.values())) - len(SETTING_GROUPS["common"])
     parser = subparsers.add_parser(
-        "serve", help="serve exported models over HTTP and gRPC (FastAPI + uvicorn, grpcio; dynamic batching)", **_SERVE_TEXT,
-        epilog=f"{more} more options ({', '.join(list(SETTING_GROUPS)[1:])}): --help-all")
+        "serve", help="serve exported models over HTTP and gRPC (FastAPI + uvicorn, grpcio; dynamic batching)",
+        **_SERVE_TEXT, epilog=f"{more} more options ({', '.join(list(SETTING_GROUPS)[1:])}): --help-all")
     parser.add_argument("--help-all", action=_HelpAll, nargs=0, help="show every option, grouped, and exit")
     _add_settings(parser, everything=False)
     parser.set_defaults(func=run_serve)
@@ -99,10 +99,10 @@ def _metavar(annotation) -> str:
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
+    from vitserve.artifact import ArtifactError
     from vitserve.service.ground.errors import ModelLoadError, ServiceError
     from vitserve.service.ground.logs import configure_logging
     from vitserve.service.ground.settings import Settings
-    from vitserve.artifact import ArtifactError
 
     for name, value in vars(args).items():
         if name in ("command", "func", "ray") or value is None:
@@ -271,7 +271,8 @@ DRAIN_MARGIN_S = 1.0
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn options a `vitserve serve` process runs with, from its `Settings`."""
-    from vitserve.service.http.connection import uvicorn_http_options  # imports uvicorn and httptools: only when serving
+    # imports uvicorn and httptools: only when serving
+    from vitserve.service.http.connection import uvicorn_http_options
     return {"host": settings.host, "port": settings.port, "workers": settings.http_workers,
             "log_level": settings.log_level, "limit_concurrency": settings.limit_concurrency,
             "timeout_graceful_shutdown": settings.drain_timeout_s + DRAIN_MARGIN_S,

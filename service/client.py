@@ -13,8 +13,12 @@ import math
 import mimetypes
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vitserve.help_format import DefaultsHelpFormatter
+
+if TYPE_CHECKING:  # the service's modules are imported only when a predictor is made
+    from vitserve.service.core.preprocess import ResizePolicy
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 # The long side an overlay file gets at least: the server draws it at the input's size, and a 28x28 Fashion-MNIST
@@ -33,9 +37,10 @@ class Prediction:
 
 
 class LocalPredictor:
-    """The model in this process: service.engine.runtime's session, service.core.preprocess, service.core.postprocess."""
+    """The model in this process: service.engine.runtime's session, service.core.preprocess,
+    service.core.postprocess."""
 
-    def __init__(self, model_path: Path, top_k: int, resize: str, map_kind: str = "rollout",
+    def __init__(self, model_path: Path, top_k: int, resize: ResizePolicy, map_kind: str = "rollout",
                  target: str | None = None):
         from vitserve.service.core.explanations import relevance_target
         from vitserve.service.engine.runtime import OnnxModel
@@ -49,9 +54,10 @@ class LocalPredictor:
         self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
-        from vitserve.service.ground.errors import ServiceError
-        from vitserve.service.core.preprocess import prepare_image
         from vitserve.service.core.postprocess import encode_result  # the server's own encoding: same answers
+        from vitserve.service.core.preprocess import prepare_image
+        from vitserve.service.ground.errors import ServiceError
+        from vitserve.service.protocols.schemas import RolloutImage
 
         s, info = self.settings, self.model.info
         try:
@@ -69,7 +75,7 @@ class LocalPredictor:
         predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
                                           "overlay" if want_overlay else "none", info.temperature_for(logits[0]))
         return Prediction(image, [(p.label, p.score) for p in predictions],
-                          base64.b64decode(heat.data) if heat is not None else None)
+                          base64.b64decode(heat.data) if isinstance(heat, RolloutImage) else None)
 
     def close(self) -> None:
         pass
@@ -89,8 +95,9 @@ class RemotePredictor:
         import httpx
 
         media_type = mimetypes.guess_type(image.name)[0] or "application/octet-stream"
-        params = {"top_k": self.top_k, "resize": self.resize, "map": self.map if want_overlay else "none",
-                  "map_format": "overlay", **({"target": self.target} if self.target is not None else {})}
+        params: dict[str, str | int] = {
+            "top_k": self.top_k, "resize": self.resize, "map": self.map if want_overlay else "none",
+            "map_format": "overlay", **({"target": self.target} if self.target is not None else {})}
         if not want_overlay:
             params.pop("map_format")
         try:
@@ -182,7 +189,8 @@ def add_predict_parser(subparsers) -> None:
     p = subparsers.add_parser(
         "predict", help="classify images: top-k table and rollout overlay PNGs",
         description="Prints the top-k classes of each image and writes its attention-rollout overlay as "
-                    "IMAGE.rollout.png (IMAGE.EXT.rollout.png where two images share a name). With --url, asks a running server; otherwise runs the ONNX model here.",
+                    "IMAGE.rollout.png (IMAGE.EXT.rollout.png where two images share a name). With --url, asks a "
+                    "running server; otherwise runs the ONNX model here.",
         formatter_class=DefaultsHelpFormatter)
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: run the model locally)")
@@ -205,6 +213,7 @@ def run_predict(args) -> int:
         raise SystemExit("vitserve predict: --top-k must be at least 1")
     if args.target is not None and args.map != "relevance":
         raise SystemExit("vitserve predict: --target needs --map relevance")
+    predictor: LocalPredictor | RemotePredictor
     if args.url:
         predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout, args.map, args.target)
     else:

@@ -27,6 +27,7 @@ import re
 import signal
 import threading
 from contextlib import asynccontextmanager
+from typing import Any
 from urllib.parse import parse_qsl
 
 from fastapi import FastAPI
@@ -37,9 +38,9 @@ from vitserve.service.app import create_app
 from vitserve.service.ground.deadlines import InUse
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.metrics import Recorder, ServiceMetrics
+from vitserve.service.ground.settings import Settings
 from vitserve.service.http.dependencies import model_in_path
 from vitserve.service.repository.layout import ModelRepository, check_model_name
-from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.ray")
 
@@ -50,16 +51,20 @@ SHUTDOWN_MARGIN_S = 2.0
 
 
 class RayMetrics:
-    """`service.ground.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the replica."""
+    """`service.ground.metrics.MetricMirror` into Ray's metrics: one Ray metric per vitserve metric, made in the
+    replica."""
 
     def recorder(self, kind: str, name: str, documentation: str, labelnames: tuple[str, ...],
                  buckets: tuple[float, ...] | None) -> Recorder:
         tag_keys = labelnames or None
+        # ray.serve.metrics types tag_keys as a 1-tuple (Tuple[str]); ray.util.metrics, under it, as Tuple[str, ...]
         if kind == "counter":
-            return Counter(name, documentation, tag_keys=tag_keys).inc
+            return Counter(name, documentation, tag_keys=tag_keys).inc  # type: ignore[arg-type]
         if kind == "gauge":
-            return Gauge(name, documentation, tag_keys=tag_keys).set
-        return Histogram(name, documentation, boundaries=list(buckets), tag_keys=tag_keys).observe
+            return Gauge(name, documentation, tag_keys=tag_keys).set  # type: ignore[arg-type]
+        assert buckets is not None, "every histogram of service.ground.metrics declares its buckets"
+        boundaries = list(buckets)
+        return Histogram(name, documentation, boundaries=boundaries, tag_keys=tag_keys).observe  # type: ignore[arg-type]
 
 
 class ReplicaHeader:
@@ -158,6 +163,8 @@ async def _refuse(send, status: int, message: str) -> None:
 class VitServeReplica:
     """One replica: `service.app.create_app` with the model and batcher in this actor."""
 
+    app: FastAPI  # set by Ray's ingress wrapper, from `__serve_build_asgi_app__`
+
     def __init__(self, settings: dict):
         self.settings = Settings(**settings)
 
@@ -243,7 +250,8 @@ def build_app(args: dict | None = None):
     settings = replica_settings(Settings(**(args or {})))
     # only what was set: a replica's defaults stay defaults (the providers' "best available", say)
     chosen = settings.model_dump(mode="json", exclude_unset=True)
-    return VitServeReplica.options(**deployment_options(settings)).bind(chosen)
+    # serve.deployment made the class a Deployment; mypy keeps a decorated class's own type (python/mypy#3135)
+    return VitServeReplica.options(**deployment_options(settings)).bind(chosen)  # type: ignore[attr-defined]
 
 
 def run_on_ray(settings: Settings) -> int:
@@ -251,7 +259,8 @@ def run_on_ray(settings: Settings) -> int:
     SIGINT, then take the application down (and the local cluster with it)."""
     import ray
     started_here = settings.ray_address is None and not os.environ.get("RAY_ADDRESS")
-    options = {"address": settings.ray_address, "include_dashboard": False, "logging_level": logging.WARNING}
+    options: dict[str, Any] = {"address": settings.ray_address, "include_dashboard": False,
+                               "logging_level": logging.WARNING}
     if started_here:
         start_local_cluster(ray, {**options, "_metrics_export_port": settings.ray_metrics_export_port})
     else:

@@ -43,13 +43,17 @@ class LoopLag:
 
     def next_look_in(self) -> float | None:
         """Seconds until it next looks (None when stopped)."""
-        return None if self._handle is None else self._handle.when() - self._loop.time()
+        if self._handle is None or self._loop is None:
+            return None
+        return self._handle.when() - self._loop.time()
 
     def _schedule(self) -> None:
+        assert self._loop is not None, "start() sets the loop before the first look"
         due = self._loop.time() + (self.interval_s if self.busy else self.idle_interval_s)
         self._handle = self._loop.call_at(due, self._tick, due)
 
     def _tick(self, due: float) -> None:
+        assert self._loop is not None, "only a scheduled look ticks"
         self.lag_s = 0.7 * self.lag_s + 0.3 * max(0.0, self._loop.time() - due)
         self._schedule()
 
@@ -65,7 +69,7 @@ class CompletionRate:
 
     SMOOTHING = 0.05  # a batch finishes many requests at once: average the gaps over a few batches
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.gap_s: float | None = None
         self._since: float | None = None
 

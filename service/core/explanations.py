@@ -7,8 +7,8 @@ about 2.5x the compute) in batches of its own. Pure functions of the request's w
 """
 from __future__ import annotations
 
-from vitserve.service.ground.errors import InvalidParameter
 from vitserve.artifact import TOP1_TARGET, ModelInfo
+from vitserve.service.ground.errors import InvalidParameter
 
 MAX_TARGET_CHARS = 256
 

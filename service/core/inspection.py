@@ -11,12 +11,12 @@ import asyncio
 from collections import OrderedDict
 from pathlib import Path
 
-from vitserve.service.ground.errors import InspectionNotStored, ModelNotFound
-from vitserve.service.engine import ModelHandle
-from vitserve.service.repository.layout import ModelRepository
-from vitserve.service.ground.settings import Settings
 from vitserve.artifact import ArtifactError
 from vitserve.onnx_header import read_stored_inspection
+from vitserve.service.engine import ModelHandle
+from vitserve.service.ground.errors import InspectionNotStored, ModelNotFound
+from vitserve.service.ground.settings import Settings
+from vitserve.service.repository.layout import ModelRepository
 
 KEPT = 16  # versions whose numbers are kept (a ViT-B/16's are about 1 MB of JSON)
 

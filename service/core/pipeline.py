@@ -45,6 +45,12 @@ class Call:
     handle: ModelHandle | None = None
     served: tuple[str, str] = ("", "")
 
+    @property
+    def routed(self) -> ModelHandle:
+        """The version `route` chose: the use cases run after it."""
+        assert self.handle is not None, "the transport routes a call before it runs a use case"
+        return self.handle
+
     def route(self, name: str | None, version: str | None) -> ModelHandle:
         """The version this call runs on (None: the only model; its newest ready version)."""
         self.handle = self.state.engine.route(name, version)
@@ -77,11 +83,13 @@ def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str
     body is read. The queued work it is measured against is its own model's: an overloaded big model does not
     refuse a small one's requests. The deadline (request_timeout_s) starts here."""
     state.require_ready()
-    state.admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
+    admission = state.admission
+    assert admission is not None, "ServiceState.start() made it before the first call"
+    admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
     try:
         yield Call(state, requested, Deadline.after(state.settings.request_timeout_s), on_route, watch_client)
     finally:
-        state.admission.leave()
+        admission.leave()
 
 
 def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> tuple[ServiceError, int] | None:
@@ -90,6 +98,7 @@ def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> t
     (HTTP's connection, from the request line): under overload a refusal must cost far less than an answer."""
     if not state.ready:
         return None
+    assert state.admission is not None, "ServiceState.start() made it before the first call"
     refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
     if refused is None:
         return None

@@ -90,7 +90,7 @@ def png_base64(image: Image.Image) -> str:
 
 
 def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray, rollout: np.ndarray, k: int,
-                  rollout_format: RolloutFormat, temperature: float = 1.0
+                  rollout_format: RolloutFormat, temperature: float | np.ndarray = 1.0
                   ) -> tuple[list[Prediction], RolloutGrid | RolloutImage | None]:
     """One image's logits and rollout -> its top-k predictions (probabilities at `temperature`, the model's for
     these logits: ModelInfo.temperature_for) and the rollout in the asked format."""
@@ -106,5 +106,9 @@ def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray
     # Drawn at the bounded render size, never the input's: a 6320x6320 input would take gigabytes.
     render = prepared.render_size
     heat = heatmap(unit, render, scale_box(prepared.crop_box, prepared.size, render))
-    image = heat if rollout_format == "png" else overlay(prepared.source, heat)  # the source is kept at `render`
+    if rollout_format == "png":
+        image = heat
+    else:
+        assert prepared.source is not None, "an overlay's image was prepared with keep_source"
+        image = overlay(prepared.source, heat)  # the source is kept at `render`
     return predictions, RolloutImage(height=image.height, width=image.width, data=png_base64(image))

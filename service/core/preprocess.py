@@ -13,17 +13,23 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
-from typing import Iterator, Literal
+from typing import Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitserve.service.ground.errors import (ImageDecodeError, ImageTooLarge, PayloadTooLarge, ServiceError,
-                                            UnsupportedMediaType)
 from vitserve.artifact import ModelInfo, normalization_table
+from vitserve.service.ground.errors import (
+    ImageDecodeError,
+    ImageTooLarge,
+    PayloadTooLarge,
+    ServiceError,
+    UnsupportedMediaType,
+)
 
 ResizePolicy = Literal["fit", "native"]
 # Pillow format names we accept (MPO is the multi-picture JPEG many phones write).
@@ -68,6 +74,7 @@ def client_image(what: str, max_pixels: int) -> Iterator[None]:
     except Image.DecompressionBombError as e:
         # Pillow's own hard limit (past twice its MAX_IMAGE_PIXELS, far above ours), raised inside open() or a
         # frame's load before our check can read the size: the client hears our limit, as for every image over it
+        assert Image.MAX_IMAGE_PIXELS is not None, "Pillow checks for bombs only while it has a limit"
         raise ImageTooLarge(f"image has more than {2 * Image.MAX_IMAGE_PIXELS} pixels; the limit is "
                             f"{max_pixels}") from e
     except UnidentifiedImageError as e:
@@ -296,7 +303,7 @@ def image_channels(image: Image.Image) -> np.ndarray:
     return array[None] if array.ndim == 2 else np.ascontiguousarray(array.transpose(2, 0, 1))
 
 
-def stored_box(box: tuple[int, int, int, int], size: tuple[int, int], orientation: int) -> tuple[int, ...]:
+def stored_box(box: tuple[int, int, int, int], size: tuple[int, int], orientation: int) -> tuple[int, int, int, int]:
     """A box of the upright image of `size` (W, H) -> the box of the same pixels in the image as stored, so the
     heavy resize runs before the transpose and only its small result is turned upright."""
     to_stored = _TO_STORED.get(orientation, _TO_STORED[1])
@@ -304,7 +311,8 @@ def stored_box(box: tuple[int, int, int, int], size: tuple[int, int], orientatio
     return min(x0, x1), min(y0, y1), max(x0, x1), max(y0, y1)
 
 
-def resize_upright(image: Image.Image, size: tuple[int, int], box: tuple[float, ...], orientation: int) -> Image.Image:
+def resize_upright(image: Image.Image, size: tuple[int, int], box: tuple[float, float, float, float],
+                   orientation: int) -> Image.Image:
     """Resize `box` of the stored image to the upright `size` (W, H) and turn the result upright."""
     stored_size = upright_size(size, orientation)  # the swap is its own inverse
     if image.size == stored_size and box == (0, 0, *image.size):
@@ -334,7 +342,8 @@ def prepare_image(data: bytes, info: ModelInfo, *, resize: ResizePolicy, max_byt
     with client_image(f"{image.format} pixels", max_pixels):
         image, scale = load_first_frame(image, upright_size(need, orientation))
         image = to_channels(image, info.channels)
-        model_box = tuple(v / scale for v in stored_box(box, (width, height), orientation))
+        left, top, right, bottom = stored_box(box, (width, height), orientation)
+        model_box = (left / scale, top / scale, right / scale, bottom / scale)
         resized = resize_upright(image, target, model_box, orientation)
         whole = (0, 0, image.width, image.height)
         source = resize_upright(image, render, whole, orientation) if keep_source else None

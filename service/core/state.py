@@ -21,17 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 
+from vitserve.artifact import ModelInfo
 from vitserve.service.core.admission import Admission, PixelBudget
+from vitserve.service.core.inspection import InspectionCache
+from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
+from vitserve.service.engine import Engine
+from vitserve.service.engine.pixels import engine_normalises
 from vitserve.service.ground.deadlines import StopSignal
 from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
-from vitserve.service.engine import Engine
-from vitserve.service.core.inspection import InspectionCache
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
-from vitserve.service.engine.pixels import engine_normalises
-from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import ModelInfo
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -121,11 +121,12 @@ class ServiceState:
         """Decode and prepare one image for the model `info` describes, in a pool, holding its share of the pixel
         budget while it does; returns it and the seconds it took. The header is read first: the limits, and the
         size to reserve."""
-        s, loop = self.settings, asyncio.get_running_loop()
+        s, loop, budget = self.settings, asyncio.get_running_loop(), self.pixels
+        assert budget is not None and self.pool is not None and self.large_pool is not None, "start() made them"
         # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
         pixels = await loop.run_in_executor(self.pool, partial(peek_pixels, data, max_bytes=s.max_upload_bytes,
                                                                max_pixels=s.max_image_pixels))
-        reserved = await self.pixels.acquire(pixels)
+        reserved = await budget.acquire(pixels)
         pool = self.large_pool if pixels > s.large_image_pixels else self.pool
         job = pool.submit(_timed, prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
@@ -133,7 +134,7 @@ class ServiceState:
                           raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
         # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
         # memory its thread still holds.
-        job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(self.pixels.release, reserved))
+        job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(budget.release, reserved))
         return await asyncio.wrap_future(job)
 
     def shedding_floor(self) -> int:

@@ -7,8 +7,9 @@ session type crosses it), so an engine in another process offers exactly the sam
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import numpy as np
 

@@ -35,15 +35,16 @@ import functools
 import logging
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
-from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
-from vitserve.service.ground import tracing
 from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
+from vitserve.service.ground import tracing
+from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 
 log = logging.getLogger("vitserve.engine")
 
@@ -264,7 +265,7 @@ class DynamicBatcher:
             timeout = min(waits.values())
             try:  # new items and a batch finishing set the wakeup too
                 await asyncio.wait_for(self._wakeup.wait(), timeout=None if timeout == float("inf") else timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _wait_s(self, group: deque[_Item], now: float) -> float:
@@ -304,7 +305,7 @@ class DynamicBatcher:
         """Remove items already answered (cancelled, or expired) and expire those past their deadline."""
         now = time.perf_counter()
         for shape in list(self._groups):
-            kept = deque()
+            kept: deque[_Item] = deque()
             for item in self._groups[shape]:
                 if not item.future.done() and now >= item.deadline:
                     self._expire(item)
@@ -414,7 +415,7 @@ class DynamicBatcher:
             await asyncio.wait_for(asyncio.gather(*pending, return_exceptions=True), timeout_s)
             if self._tasks:
                 await asyncio.wait_for(asyncio.gather(*self._tasks, return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for group in self._groups.values():
                 for item in group:
                     if not item.future.done():

@@ -121,5 +121,9 @@ def _value(values, name: str) -> onnx.ValueInfoProto:
 def symbolic_dims(paths: ModelPaths) -> tuple[str | None, str | None, str | None]:
     """The names of the pixel input's batch, height and width dimensions (None where the file fixes one)."""
     batch, _, height, width = paths.input_dims
-    return tuple(d if isinstance(d, str) and d else None for d in (batch, height, width))  # type: ignore[return-value]
+    return _dim_name(batch), _dim_name(height), _dim_name(width)
+
+
+def _dim_name(dim: str | int) -> str | None:
+    return dim if isinstance(dim, str) and dim else None
 

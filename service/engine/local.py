@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
+from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.engine.registry import ModelRegistry
 from vitserve.service.ground.errors import InferenceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.engine.registry import ModelRegistry
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")
 
@@ -81,9 +81,11 @@ class LocalEngine:
         (CancelledError when the returned future was cancelled), from the batch's callback."""
         served = self.registry.serving(name, version)
         served.check_open()
+        batcher = served.batcher
+        assert batcher is not None, "a served version's batcher starts when it loads"
         served.requests.hold()
         try:
-            future = served.batcher.enqueue(pixels, timeout_s, target, light=not maps)
+            future = batcher.enqueue(pixels, timeout_s, target, light=not maps)
         except BaseException:
             served.requests.release()
             raise
@@ -92,8 +94,8 @@ class LocalEngine:
             served.requests.release()
             if future.cancelled():
                 done(asyncio.CancelledError())
-            elif future.exception() is not None:
-                done(future.exception())
+            elif (error := future.exception()) is not None:
+                done(error)
             else:
                 # `done` is the request's only answer (in an engine process, its frontend frees the image's shared
                 # memory on it): nothing here may keep it from being called

@@ -17,11 +17,12 @@ import ctypes
 import logging
 import sys
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
-from vitserve.service.ground.errors import ModelLoadError
 from vitserve.artifact import EMBEDDING_NAME, ModelInfo
+from vitserve.service.ground.errors import ModelLoadError
 
 log = logging.getLogger("vitserve.runtime")
 
@@ -112,13 +113,15 @@ class OpenVinoModel:
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = f"OpenVINO/CPU/{precision}"
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
+        self.run_without_maps: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
         self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
         self._bfloat16 = [output.get_element_type().to_string() == "bf16" for output in self._outputs]
         self._requests = threading.local()  # an InferRequest is not safe to share between threads
         self.relevance = relevance
 
     @classmethod
-    def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int, relevance=None):
+    def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int,
+                relevance=None) -> OpenVinoModel:
         import openvino as ov
 
         core = ov.Core()

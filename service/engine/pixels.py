@@ -10,9 +10,14 @@ path and every other runtime keep taking float32 (`host`).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from vitserve.artifact import INPUT_NAME, normalization_table
+
+if TYPE_CHECKING:  # onnx is imported where the engine builds the graph, not by every frontend that reads this
+    import onnx
 
 RAW_INPUT = "pixels_uint8"
 GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
@@ -41,12 +46,12 @@ class PixelTable:
             self.table[c].take(pixels[:, c], out=out[:, c])
         return out
 
-    def graph(self) -> "onnx.ModelProto":  # noqa: F821 - onnx is imported where the engine builds the graph
+    def graph(self) -> onnx.ModelProto:
         """uint8 (B, C, H, W) -> float32: Gather from the table flattened, each channel's values offset by 256 * c.
         A gather, not `(x / 255 - mean) / std` on the device: no arithmetic, so no device can round it otherwise."""
         from onnx import TensorProto, helper, numpy_helper
 
-        dims = ["batch", self.channels, "height", "width"]
+        dims: list[str | int] = ["batch", self.channels, "height", "width"]
         offsets = (np.arange(self.channels, dtype=np.int32) * 256).reshape(1, self.channels, 1, 1)
         nodes = [helper.make_node("Cast", [RAW_INPUT], ["values"], to=TensorProto.INT32),
                  helper.make_node("Add", ["values", "channel_offsets"], ["indices"]),

@@ -23,17 +23,31 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from vitserve.service.ground import tracing
 from vitserve.service.engine.local import LocalEngine
-from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure, IndexRow,
-                                     LoadedVersion, RepositoryIndex, Result, Submit, Tensor, VersionQueue,
-                                     failure_for, status_address)
-from vitserve.service.engine.shm import ArenaReader
-from vitserve.service.ground.memory import freeze_startup_objects
-from vitserve.service.ground.errors import ClientDisconnected, ServiceError
-from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
+from vitserve.service.engine.messages import (
+    Cancel,
+    Codec,
+    Control,
+    ControlReply,
+    EngineStatus,
+    Failure,
+    IndexRow,
+    LoadedVersion,
+    RepositoryIndex,
+    Result,
+    Submit,
+    Tensor,
+    VersionQueue,
+    failure_for,
+    status_address,
+)
 from vitserve.service.engine.registry import ModelRegistry, model_source
 from vitserve.service.engine.runtime import load_engine_model
+from vitserve.service.engine.shm import ArenaReader
+from vitserve.service.ground import tracing
+from vitserve.service.ground.errors import ClientDisconnected, ServiceError
+from vitserve.service.ground.memory import freeze_startup_objects
+from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.engine")
@@ -149,11 +163,13 @@ class EngineServer:
         """Every frontend message, as it comes. After each awaited receive, what else has arrived is taken at once
         through `self.direct`, the same socket without pyzmq's asyncio layer: that layer makes a future and a poller
         event per message, about 15% of the engine's time at its ceiling (docs/results/bench-engine-ceiling.md)."""
+        direct = self.direct
+        assert direct is not None, "run() shadows the router before it receives"
         while True:
             self._take_all(await router.recv_multipart(), router)
             for _ in range(DRAIN_AT_ONCE):
                 try:
-                    self._take_all(self.direct.recv_multipart(zmq.NOBLOCK), router)
+                    self._take_all(direct.recv_multipart(zmq.NOBLOCK), router)
                 except zmq.Again:
                     break
 
@@ -181,7 +197,7 @@ class EngineServer:
         else:
             task = asyncio.create_task(self._control(router, frontend, message))
             self.running[key] = task
-            task.add_done_callback(lambda _, key=key: self.running.pop(key, None))
+            task.add_done_callback(lambda _: self.running.pop(key, None))
 
     def _submit(self, router, frontend: bytes, submit: Submit) -> None:
         """One image: read in place and queued for a batch; its batch's callback answers it (`_finish`). No task
@@ -202,6 +218,7 @@ class EngineServer:
     def _finish(self, router, frontend: bytes, id: int, outcome) -> None:
         """An image's answer: its result, or its own error."""
         self.running.pop((frontend, id), None)
+        reply: Failure | Result
         if isinstance(outcome, ServiceError):
             reply = failure_for(id, outcome)
         elif isinstance(outcome, asyncio.CancelledError):  # the frontend's client went away; it still waits
@@ -272,7 +289,7 @@ class EngineServer:
                     await asyncio.wait_for(self.work_arrived.wait(), idle_interval_s)
                     # not at once: the work that woke it is starting now, and a status wakes every HTTP worker
                     await asyncio.sleep(STATUS_INTERVAL_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             was_active = active
 

@@ -17,22 +17,28 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Any, Protocol
 
-from vitserve.service.ground.memory import collect_cycles, give_freed_memory_back
 from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
 from vitserve.service.engine.routing import RoutingTable, VersionView
+from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
 from vitserve.service.engine.served_model import Loader, ServedModel
 from vitserve.service.engine.shadow import Shadow
-from vitserve.service.ground.errors import (ModelLoadError, ModelNotFound, ServiceError, ShadowNotConfigured,
-                                            VersionRetired)
+from vitserve.service.ground.errors import (
+    ModelLoadError,
+    ModelNotFound,
+    ServiceError,
+    ShadowNotConfigured,
+    VersionRetired,
+)
+from vitserve.service.ground.memory import collect_cycles, give_freed_memory_back
 from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
-from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
 from vitserve.service.ground.settings import Settings
+from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
 
 log = logging.getLogger("vitserve.repository")
 
@@ -140,7 +146,7 @@ class ModelRegistry:
 
     def predicted_wait_s(self, name: str | None = None) -> float:
         waits = [r.served.predicted_wait_s() for (n, _), r in self.records.items()
-                 if r.state == READY and (name is None or n == name)]
+                 if r.state == READY and r.served is not None and (name is None or n == name)]
         return min(waits) if name is None and waits else max(waits, default=0.0)
 
     def index(self, ready_only: bool = False) -> list[IndexEntry]:
@@ -193,8 +199,8 @@ class ModelRegistry:
                 if entry.shadow_version in wanted:
                     why = f"its only version is the shadow version {entry.shadow_version}"
                 raise ModelLoadError(f"model {name!r} has no version to serve: {why}")
-            failures = [await self._load_version(entry, v, warm) for v in wanted]
-            failures = [f for f in failures if f]
+            outcomes = [await self._load_version(entry, v, warm) for v in wanted]
+            failures = [f for f in outcomes if f]
             if failures:
                 raise ModelLoadError(f"model {name!r}: " + "; ".join(failures) + " (what was serving still is)")
             await self._set_shadow(entry)
@@ -281,13 +287,10 @@ class ModelRegistry:
     def _settings_for(self, entry: ModelEntry, path: Path) -> Settings:
         """The server's settings with this version's file and its model's own batching limits."""
         config = entry.config
-        overrides = {"model_path": path, **{k: v for k, v in (("max_batch_size", config.max_batch_size),
-                                                               ("max_queue_delay_ms", config.max_queue_delay_ms),
-                                                               ("max_queue_size", config.max_queue_size),
-                                                               ("intra_op_threads", config.intra_op_threads),
-                                                               ("runtime", config.runtime),
-                                                               ("precision_hint", config.precision_hint))
-                                              if v is not None}}
+        own = (("max_batch_size", config.max_batch_size), ("max_queue_delay_ms", config.max_queue_delay_ms),
+               ("max_queue_size", config.max_queue_size), ("intra_op_threads", config.intra_op_threads),
+               ("runtime", config.runtime), ("precision_hint", config.precision_hint))
+        overrides: dict[str, Any] = {"model_path": path, **{k: v for k, v in own if v is not None}}
         if "max_batch_size" in overrides:  # warm up at the model's own sizes
             overrides["warmup_batch_sizes"] = sorted({1, overrides["max_batch_size"]})
             overrides["max_relevance_batch_size"] = min(self.settings.max_relevance_batch_size,
@@ -341,14 +344,11 @@ class ModelRegistry:
     async def warm_up_loading(self) -> bool:
         """Warm up every version loaded by `start` and route to it; whether all of them made it."""
         all_ready = True
-        for record in [r for r in self.records.values() if r.state == LOADING and r.served is not None]:
-            served = record.served
-
-            def retired() -> bool:  # by an unload or a poll, while it waited or warmed up (its session closed)
-                return record.served is not served or record.state != LOADING
+        for record, served in [(r, r.served) for r in self.records.values()
+                               if r.state == LOADING and r.served is not None]:
             try:
                 async with self._one_load:
-                    if retired():
+                    if _retired(record, served):
                         continue
                     await served.warm_up()
             except Exception as e:  # not served: the index says why; the readiness probe tells the orchestrator
@@ -359,7 +359,7 @@ class ModelRegistry:
                     record.state, record.reason, record.served = UNAVAILABLE, f"warm-up failed: {_reason(e)}", None
                     await self._close(served)
             else:
-                if retired():
+                if _retired(record, served):
                     continue  # it stays as the retirement left it
                 record.state = READY
             self._changed()
@@ -414,10 +414,10 @@ class ModelRegistry:
             self._poller.cancel()
         for shadow in self.shadows.values():
             await shadow.close()
-        serving = [r for r in self.records.values() if r.served is not None]
-        for record in serving:
+        serving = [(r, r.served) for r in self.records.values() if r.served is not None]
+        for record, _ in serving:
             record.state = UNLOADING
-        await asyncio.gather(*(r.served.close(timeout_s) for r in serving), return_exceptions=True)
+        await asyncio.gather(*(served.close(timeout_s) for _, served in serving), return_exceptions=True)
 
     # --- helpers ---
     @asynccontextmanager
@@ -445,6 +445,12 @@ class ModelRegistry:
         task = asyncio.create_task(work)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+def _retired(record: VersionRecord, served: ServedModel) -> bool:
+    """Whether `served`, loading as `record`'s version, was retired by an unload or a poll while it waited or warmed
+    up (its session closed)."""
+    return record.served is not served or record.state != LOADING
 
 
 def _reason(error: BaseException) -> str:

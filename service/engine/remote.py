@@ -24,16 +24,27 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
-from vitserve.service.engine.messages import (Cancel, Codec, Control, ControlReply, EngineStatus, Failure,
-                                              RepositoryIndex, Result, Submit, error_of, status_address)
+from vitserve.service.engine.messages import (
+    Cancel,
+    Codec,
+    Control,
+    ControlReply,
+    EngineStatus,
+    Failure,
+    RepositoryIndex,
+    Result,
+    Submit,
+    error_of,
+    status_address,
+)
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.shm import ArenaFull, TensorArena
 from vitserve.service.engine.views import WorkerViews
 from vitserve.service.ground.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.frontend")
 
@@ -175,13 +186,15 @@ class RemoteEngine:
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
         link = min(links, key=lambda each: each.predicted_wait_s(handle.name))
+        arena = self.arena
+        assert arena is not None, "start() made it before the engine was ready"
         try:
-            offset = await self.arena.put_when_free(pixels, timeout_s)
-        except (asyncio.TimeoutError, ArenaFull):
+            offset = await arena.put_when_free(pixels, timeout_s)
+        except (TimeoutError, ArenaFull):
             raise DeadlineExceeded("no room for the image in this process's shared memory before its deadline") \
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
-        message = Submit(id, handle.name, handle.version, self.arena.name, offset, pixels.shape, pixels.dtype.str,
+        message = Submit(id, handle.name, handle.version, arena.name, offset, pixels.shape, pixels.dtype.str,
                          timeout_s, target, maps)
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
@@ -224,7 +237,9 @@ class RemoteEngine:
         links = [link for link in self._links if link.status is not None]
         if not links:
             raise NotReady("no inference engine is reachable")
-        incarnation = links[0].status.incarnation
+        first = links[0].status
+        assert first is not None, "the links were chosen for their status"
+        incarnation = first.incarnation
         replies = await asyncio.gather(*(self._control(link, op, name) for link in links))
         self._apply_index(replies[0].index, incarnation)
         for reply in replies:
@@ -236,7 +251,9 @@ class RemoteEngine:
         """Wait until every live HTTP worker routes with `generation` (they fetch it as soon as their engine's
         status says it changed); NotReady after WORKERS_AGREE_TIMEOUT_S."""
         give_up = time.monotonic() + WORKERS_AGREE_TIMEOUT_S
-        while lagging := self.views.behind(incarnation, generation):
+        views = self.views
+        assert views is not None, "start() made them"
+        while lagging := views.behind(incarnation, generation):
             if time.monotonic() >= give_up:
                 raise NotReady(f"{change}, but HTTP worker(s) {', '.join(map(str, lagging))} did not take the change "
                                f"in {WORKERS_AGREE_TIMEOUT_S:.0f} s and may still route as before")
@@ -249,7 +266,7 @@ class RemoteEngine:
             if not await self._send(link, [self.codec.encode(Control(id, op, name))], RECONNECT_GRACE_S):
                 raise NotReady("the inference engine is not reachable")
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise NotReady(f"the inference engine did not answer a repository {op} in {CONTROL_TIMEOUT_S:.0f} s") \
                 from None
         finally:
@@ -288,17 +305,18 @@ class RemoteEngine:
         views = {}
         for row in index.rows:
             if row.version:
-                version = loaded.get((row.model, row.version))
-                info = ModelInfo.from_metadata(version.metadata, version.opset) if version else None
+                served = loaded.get((row.model, row.version))
+                info = ModelInfo.from_metadata(served.metadata, served.opset) if served else None
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
-                                                            version.batching if version else {},
-                                                            version.shadow if version else False,
-                                                            version.version_policy if version else {})
+                                                            served.batching if served else {},
+                                                            served.shadow if served else False,
+                                                            served.version_policy if served else {})
         table = RoutingTable(views, dict(index.problems))
         retired = self.table.live() - table.live()
         self._index, self.table = index, table
         for model, version in retired:  # loaded again, it counts from zero (its series here too)
             self.metrics.retire(model, version)
+        assert self.views is not None, "start() made them"
         self.views.publish(incarnation, index.generation)
         self._update_ready()
 
@@ -327,7 +345,8 @@ class RemoteEngine:
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
         sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
-        sent.add_done_callback(lambda done: self._flushed(link, posted, done))
+        # pyzmq types the asyncio socket's send as an Awaitable; it returns a Future, as its docstring says
+        sent.add_done_callback(lambda done: self._flushed(link, posted, done))  # type: ignore[attr-defined]
 
     def _flushed(self, link: _Link, posted: list[tuple[int | None, bytes]], done: asyncio.Future) -> None:
         if done.cancelled() or done.exception() is None:
@@ -360,6 +379,7 @@ class RemoteEngine:
 
     def _give_up(self, pending: _Pending, message: str) -> None:
         """An image the engine will not answer: its region freed, its caller told (503)."""
+        assert self.arena is not None, "an image was put in it"
         self.arena.release(pending.offset, pending.nbytes)
         if not pending.future.done():
             pending.future.set_exception(NotReady(message))
@@ -382,6 +402,7 @@ class RemoteEngine:
         pending = link.pending.pop(answer.id, None)
         if pending is None:  # its engine was given up on, and the region freed already
             return
+        assert self.arena is not None, "an image was put in it"
         self.arena.release(pending.offset, pending.nbytes)
         if pending.future.done():
             return
@@ -435,8 +456,10 @@ class RemoteEngine:
             # Turning ready waits for the routing table of the engine's present state: after a restart, the table
             # fetched while the new engine was still loading would refuse what it now serves. Once ready, later
             # changes (other models' loads) do not flap readiness while their table is fetched.
-            ready = self._index is not None and any(
-                link.ready and link.status.generation == self._index.generation for link in self._links)
+            generation = None if self._index is None else self._index.generation
+            ready = generation is not None and any(
+                link.status is not None and link.status.ready and link.status.generation == generation
+                for link in self._links)
         if ready != self.ready:
             self.ready = ready
             self.on_ready(ready)

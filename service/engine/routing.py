@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vitserve.service.ground.errors import (InvalidModelName, InvalidParameter, ModelNotFound, ModelUnavailable,
-                                            VersionRetired)
-from vitserve.service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
-from vitserve.service.repository.layout import check_model_name, check_version
 from vitserve.artifact import ModelInfo
+from vitserve.service.engine import READY, UNAVAILABLE, ModelHandle, newest_first, same_geometry
+from vitserve.service.ground.errors import (
+    InvalidModelName,
+    InvalidParameter,
+    ModelNotFound,
+    ModelUnavailable,
+    VersionRetired,
+)
+from vitserve.service.repository.layout import check_model_name, check_version
 
 
 @dataclass(frozen=True)
@@ -48,17 +53,19 @@ class RoutingTable:
                 states = ", ".join(f"{v} {versions[v].state.lower()}" for v in newest_first(versions))
                 raise ModelUnavailable(f"model {name!r} has no ready version ({states})")
             view = versions[ready[0]]
+            assert view.info is not None, "a ready version is loaded"
             return ModelHandle(name, ready[0], view.info, batching=view.batching, version_policy=view.version_policy)
-        view = versions.get(version)
-        if view is None:
+        named = versions.get(version)
+        if named is None:
             check_version(version)
             raise ModelNotFound(f"model {name!r} has no version {version!r}; it has "
                                 f"{', '.join(newest_first(versions))}")
-        if view.state != READY:
-            raise ModelUnavailable(f"model {name!r} version {version} is {view.state.lower()}"
-                                   + (f": {view.reason}" if view.reason else ""))
-        return ModelHandle(name, version, view.info, pinned=True, batching=view.batching,
-                           version_policy=view.version_policy)
+        if named.state != READY:
+            raise ModelUnavailable(f"model {name!r} version {version} is {named.state.lower()}"
+                                   + (f": {named.reason}" if named.reason else ""))
+        assert named.info is not None, "a ready version is loaded"
+        return ModelHandle(name, version, named.info, pinned=True, batching=named.batching,
+                           version_policy=named.version_policy)
 
     def reroute(self, handle: ModelHandle) -> ModelHandle:
         """Where a request goes whose version was retired before it ran: unpinned, the newest ready version, if

@@ -9,23 +9,24 @@ import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import numpy as np
 import onnx
 
-from vitserve.service.ground.errors import ModelLoadError
-from vitserve.service.ground.processes import usable_cores
+from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
+from vitserve.machine import has_int8_dot_product
+from vitserve.onnx_header import read_model_info
 from vitserve.service.engine.attention_fusion import count_fused, maps_free
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
 from vitserve.service.engine.pixels import GPU_PROVIDERS, DeviceNormaliser, PixelTable, engine_normalises
+from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ArtifactError, ModelInfo
-from vitserve.machine import has_int8_dot_product
-from vitserve.onnx_header import read_model_info
 
 log = logging.getLogger("vitserve.runtime")
 
@@ -34,20 +35,30 @@ _ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExe
                        "cpu": "CPUExecutionProvider"}
 
 
+Outputs = tuple[np.ndarray, ...]  # the arrays `info.output_names()` names, in its order, each (B, ...)
+
+
 class InferenceModel(Protocol):
-    """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w));
-    and, for a model whose `info.explains_classes`, the relevance path: pixels and a target class per image (B,)
-    (-1: the top-1) -> (logits, rollout, relevance (B, h, w)). Pixels are float32, normalised; a model whose
-    `takes_raw_pixels` is true also takes them uint8 on the fast path (service/engine/pixels.py). A model may also
-    have `run_without_maps`, `run`'s outputs with the rollout empty (B, 0), for batches that need no map (None or
-    absent: `run` serves them)."""
+    """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w), then
+    the file's optional outputs); and, for a model whose `info.explains_classes`, the relevance path: pixels and a
+    target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
+    Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
+    (service/engine/pixels.py). `run_without_maps`: `run`'s outputs with the rollout empty (B, 0), for batches that
+    need no map (None: `run` serves them). The server reads those two with getattr, so a model without them (a
+    test's wrapper) takes float32 and runs every batch with its maps."""
 
     info: ModelInfo
     provider: str
 
-    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    @property
+    def takes_raw_pixels(self) -> bool: ...
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]: ...
+    @property
+    def run_without_maps(self) -> Callable[[np.ndarray], Outputs] | None: ...
+
+    def run(self, pixel_values: np.ndarray) -> Outputs: ...
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> Outputs: ...
 
 
 def read_model_file_info(path: Path) -> ModelInfo:
@@ -137,11 +148,12 @@ class OnnxModel:
         self._device = "cuda" if self.provider in GPU_PROVIDERS else "cpu"
         self.relevance = RelevancePath(make_relevance, info, self._device if self.io_binding else None)
         self.captured = captured  # CudaGraphBuckets or None
-        self.normaliser = None  # a DeviceNormaliser where this model takes uint8 pixels (service/engine/pixels.py)
+        # where this model takes uint8 pixels (service/engine/pixels.py)
+        self.normaliser: DeviceNormaliser | None = None
         self.lean_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
 
     @property
-    def run_without_maps(self):
+    def run_without_maps(self) -> Callable[[np.ndarray], Outputs] | None:
         """`MapsFreePath.run` (`run`'s outputs, the rollout empty) where this model serves the maps-free graph, else
         None: what the engine calls for a batch that needs no map."""
         return self.lean_path.run if self.lean_path is not None else None
@@ -152,7 +164,7 @@ class OnnxModel:
         return self.normaliser is not None
 
     @classmethod
-    def load(cls, settings: Settings, artifact: "tuple[ModelInfo, ModelPaths] | None" = None) -> "OnnxModel":
+    def load(cls, settings: Settings, artifact: tuple[ModelInfo, ModelPaths] | None = None) -> OnnxModel:
         """`artifact`: the file's info and graphs, when the caller has read them already (`read_artifact`)."""
         import onnxruntime as ort
         path = Path(settings.model_path)
@@ -176,7 +188,7 @@ class OnnxModel:
                   info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
 
-    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
+    def run(self, pixel_values: np.ndarray) -> Outputs:
         """The fast path: the outputs `info.output_names()` names (logits, rollout, then the file's optional ones).
         `pixel_values` float32 normalised, or uint8 where the model `takes_raw_pixels`."""
         return tuple(self.run_graph(self.session, self.info.output_names(), self.captured, pixel_values))
@@ -184,16 +196,18 @@ class OnnxModel:
     def run_graph(self, session, names: tuple[str, ...], captured, pixel_values: np.ndarray) -> list[np.ndarray]:
         """`names` of one of this model's graphs (its dynamic `session`, its `captured` buckets or None), on pixels
         as `run` takes them."""
-        raw = pixel_values.dtype == np.uint8
-        if raw and self.normaliser is None:
-            raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
+        normaliser = None  # set for raw pixels
+        if pixel_values.dtype == np.uint8:
+            normaliser = self.normaliser
+            if normaliser is None:
+                raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
         if captured is not None and captured.covers(pixel_values):
-            return captured.run(pixel_values, self.normaliser.to_device if raw else None)
-        if raw:  # normalised into device memory and bound there: nothing float32 crosses to the device
-            return run_session(session, names, {INPUT_NAME: self.normaliser.to_device(pixel_values)}, self._device)
+            return captured.run(pixel_values, normaliser.to_device if normaliser is not None else None)
+        if normaliser is not None:  # normalised into device memory and bound there: nothing float32 crosses over
+            return run_session(session, names, {INPUT_NAME: normaliser.to_device(pixel_values)}, self._device)
         return self._run(session, names, {INPUT_NAME: pixel_values})
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> Outputs:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""
         return self.relevance.explain(pixel_values, targets)
 
@@ -215,12 +229,12 @@ class MapsFreePath:
     the rollout empty ((B, 0)), so every consumer indexes the outputs as ever; pixels as `OnnxModel.run` takes
     them (uint8 where the model normalises on the device)."""
 
-    def __init__(self, model: "OnnxModel", session, names: tuple[str, ...], captured=None):
+    def __init__(self, model: OnnxModel, session, names: tuple[str, ...], captured=None):
         self.model, self.session, self.names, self.captured = model, session, names, captured
 
     @classmethod
-    def load(cls, model: "OnnxModel", info: ModelInfo, fast: onnx.ModelProto, dims, settings: Settings,
-             chain: list[tuple[str, dict]], path: Path, from_branch: bool) -> "MapsFreePath | None":
+    def load(cls, model: OnnxModel, info: ModelInfo, fast: onnx.ModelProto, dims, settings: Settings,
+             chain: list[tuple[str, dict]], path: Path, from_branch: bool) -> MapsFreePath | None:
         """The path, checked against the fast graph on probe images; None (with a warning) where the graph cannot
         be made or its answers differ: the fast graph then runs every batch, as without it."""
         started = time.perf_counter()
@@ -247,7 +261,7 @@ class MapsFreePath:
                  time.perf_counter() - started, " with CUDA graphs" if lean.captured else "")
         return lean
 
-    def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
+    def run(self, pixel_values: np.ndarray) -> Outputs:
         outputs = self.model.run_graph(self.session, self.names, self.captured, pixel_values)
         rollout = np.empty((len(pixel_values), 0), np.float32)
         return (outputs[0], rollout, *outputs[1:])
@@ -297,7 +311,7 @@ class RelevancePath:
                          time.perf_counter() - started)
             return self._session
 
-    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> Outputs:
         """The outputs `info.output_names(relevance=True)` names: logits, rollout, relevance, the optional ones."""
         return tuple(run_session(self.session(), self.info.output_names(relevance=True),
                                  {INPUT_NAME: pixel_values, TARGET_NAME: targets.astype(np.int64)}, self._device))
@@ -365,7 +379,7 @@ def _normaliser(info: ModelInfo, settings: Settings, chain: list[tuple[str, dict
     return DeviceNormaliser(session, device, settings.cuda_device_id if device == "cuda" else 0)
 
 
-def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, ...], settings: Settings,
+def _capture(model: OnnxModel, fast: bytes, dims: tuple[str | None, str | None, str | None], settings: Settings,
              chain: list[tuple[str, dict]], path: Path, from_branch: bool, names: tuple[str, ...] | None = None,
              run_dynamic=None):
     """The fast path's CUDA graphs (or, with `names` and `run_dynamic`, another graph's of the same input: the
@@ -472,14 +486,15 @@ def _load_on_runtime(settings: Settings) -> InferenceModel:
                                  "float32): --runtime openvino or auto, with the openvino package installed")
         return OnnxModel.load(settings)
     if settings.runtime == "openvino":
-        precision = "fp32" if settings.precision_hint == "auto" else settings.precision_hint
+        precision: str = "fp32" if settings.precision_hint == "auto" else settings.precision_hint
         return openvino_model(settings, precision)
     artifact = read_artifact(Path(settings.model_path))  # once, for every candidate
     reference = OnnxModel.load(settings, artifact)
     if not runs_on_cpu(reference):
         return reference
     own = reference.info.precision  # the file's: int8 runs as int8 on every candidate, fp32 is what OpenVINO adds
-    candidates = {f"onnxruntime/{own}": reference}  # first: the reference the others must beat
+    # first: the reference the others must beat
+    candidates: dict[str, InferenceModel] = {f"onnxruntime/{own}": reference}
     for precision in auto_precisions(settings.precision_hint, openvino_runtime.cpu_capabilities()):
         try:
             model = openvino_model(settings, precision, reference.relevance, artifact)
@@ -520,12 +535,12 @@ def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
     return precisions if hint == "auto" else [p for p in precisions if p == hint]
 
 
-def openvino_model(settings: Settings, precision: str, relevance: "RelevancePath | None" = None,
-                   artifact: "tuple[ModelInfo, ModelPaths] | None" = None):
+def openvino_model(settings: Settings, precision: str, relevance: RelevancePath | None = None,
+                   artifact: tuple[ModelInfo, ModelPaths] | None = None) -> OpenVinoModel:
     path = Path(settings.model_path)
     info, paths = artifact or read_artifact(path)
     if relevance is None and paths.relevance is not None:
-        chain = [("CPUExecutionProvider", {})]
+        chain: list[tuple[str, dict]] = [("CPUExecutionProvider", {})]
         relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
                                   relevance)
@@ -581,7 +596,7 @@ def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds
             times[name].append(sum(batch_ms(model, pixels) / len(pixels) for pixels in batches.values()))
     cost = {name: float(np.median(t)) for name, t in times.items()}
     reference = next(iter(candidates))  # ONNX Runtime on the file's own precision
-    best = min(cost, key=cost.get)
+    best = min(cost, key=cost.__getitem__)
     if best != reference and cost[best] > AUTO_MARGIN * cost[reference]:
         best = reference
     log.info("runtime auto chose %s: ms per image at batch 1 plus at batch %d: %s", best, max_batch,

@@ -12,22 +12,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Callable
 
 import numpy as np
 
-from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.artifact import ModelInfo
 from vitserve.service.engine import InferenceResult
-from vitserve.service.ground.deadlines import InUse
-from vitserve.service.ground.errors import InferenceError, VersionRetired
-from vitserve.service.ground.metrics import ModelMetrics
+from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.engine.pixels import PixelTable
 from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up
 from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
+from vitserve.service.ground.deadlines import InUse
+from vitserve.service.ground.errors import InferenceError, VersionRetired
+from vitserve.service.ground.metrics import ModelMetrics
 from vitserve.service.ground.settings import Settings
-from vitserve.artifact import ModelInfo
 
 log = logging.getLogger("vitserve.engine")
 
@@ -37,7 +37,7 @@ BATCHING_LIMITS = ("max_batch_size", "max_queue_delay_ms", "max_queue_size")
 
 class ServedModel:
     def __init__(self, name: str, version: str, settings: Settings, metrics: ModelMetrics,
-                 model: InferenceModel | None = None, loader: Loader = load_model, maps: list[str] | None = None,
+                 model: InferenceModel | None = None, loader: Loader = load_model, maps: Sequence[str] | None = None,
                  cpu_priority: CpuPriority = "normal", version_policy: dict | None = None):
         self.name, self.version = name, version
         self.version_policy = version_policy or {}  # its model's, for its Triton configuration ({}: Triton's default)
@@ -56,6 +56,7 @@ class ServedModel:
     @property
     def info(self) -> ModelInfo:
         """The file's metadata, under the name and version it is served as."""
+        assert self._info is not None, "load() reads it"
         return self._info
 
     @property
@@ -65,7 +66,13 @@ class ServedModel:
 
     @property
     def provider(self) -> str:
-        return self.model.provider
+        return self.loaded_model.provider
+
+    @property
+    def loaded_model(self) -> InferenceModel:
+        """The model, from `load` until `close`."""
+        assert self.model is not None, "load() made the model; close() drops it"
+        return self.model
 
     async def load(self) -> None:
         """The session (unless given) and the batcher; ModelLoadError if the file cannot be served."""
@@ -96,7 +103,7 @@ class ServedModel:
     async def warm_up(self) -> None:
         """Run the warm-up batches; ready afterwards. An exception here means the version must not be served."""
         started = time.perf_counter()
-        await asyncio.to_thread(warm_up, self.model, self.settings.warmup_batch_sizes)
+        await asyncio.to_thread(warm_up, self.loaded_model, self.settings.warmup_batch_sizes)
         self.ready = True
         self.metrics.set_ready(True)
         self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset)
@@ -116,6 +123,7 @@ class ServedModel:
 
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None,
                      maps: bool = True) -> InferenceResult:
+        assert self.batcher is not None, "load() starts the batcher before the version is routed to"
         return self.result_of(await self.batcher.submit(pixels, timeout_s, target, light=not maps))
 
     def result_of(self, batched) -> InferenceResult:
@@ -137,17 +145,19 @@ class ServedModel:
         `light`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
         maps-free graph); that graph runs them (the rollout then empty, (0,), the other outputs as ever).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
-        if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(self.model, "takes_raw_pixels",
-                                                                                 False)):
+        model = self.loaded_model
+        if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(model, "takes_raw_pixels", False)):
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
-            self._pixel_table = self._pixel_table or PixelTable(self.model.info.mean, self.model.info.std)
+            self._pixel_table = self._pixel_table or PixelTable(model.info.mean, model.info.std)
             pixel_values = self._pixel_table.host(pixel_values)
         if targets is not None:
-            outputs = self.model.explain(pixel_values, targets)
+            outputs = model.explain(pixel_values, targets)
         elif light:
-            outputs = self.model.run_without_maps(pixel_values)
+            without_maps = model.run_without_maps
+            assert without_maps is not None, "the batcher forms light batches only for a model with a maps-free graph"
+            outputs = without_maps(pixel_values)
         else:
-            outputs = self.model.run(pixel_values)
+            outputs = model.run(pixel_values)
         if any(output.shape[0] != len(pixel_values) for output in outputs):
             raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
         finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])

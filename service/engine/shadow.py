@@ -18,7 +18,8 @@ Every compared copy gives, per (served version, shadow version) pair:
 - map agreement: Spearman's rank correlation of the two rollout maps, when both maps have the same grid;
 - the shadow's latency: from the offer to the shadow's result (its queue wait included).
 The counts and sums are kept exactly here (`report`, GET /v1/models/{name}/shadow) and exported to Prometheus
-(the vitserve_shadow_* series of service/ground/metrics.py). docs/shadow.md says how to read them before promoting a version.
+(the vitserve_shadow_* series of service/ground/metrics.py). docs/shadow.md says how to read them before promoting a
+version.
 """
 from __future__ import annotations
 
@@ -27,13 +28,14 @@ import logging
 import random
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import same_geometry
+from vitserve.service.engine.served_model import ServedModel
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.repository.layout import ShadowConfig
@@ -81,9 +83,10 @@ def compare(primary: dict[str, np.ndarray], primary_info: ModelInfo, shadow: dic
     if list(primary_info.labels) == list(shadow_info.labels):
         divergence = js_divergence(primary_info.probabilities(primary["logits"]),
                                    shadow_info.probabilities(shadow["logits"]))
-    maps = primary.get("rollout"), shadow.get("rollout")
-    correlation = rank_correlation(*maps) if maps[0] is not None and maps[1] is not None and \
-        np.shape(maps[0]) == np.shape(maps[1]) else None
+    primary_map, shadow_map = primary.get("rollout"), shadow.get("rollout")
+    correlation = None
+    if primary_map is not None and shadow_map is not None and np.shape(primary_map) == np.shape(shadow_map):
+        correlation = rank_correlation(primary_map, shadow_map)
     return Comparison(agreed, divergence, correlation)
 
 
@@ -122,7 +125,7 @@ class Copy:
     offered_at: float
 
 
-ServingLookup = Callable[[str, str], object]  # (model, version) -> ServedModel, or VersionRetired
+ServingLookup = Callable[[str, str], ServedModel]  # (model, version) -> its ServedModel, or VersionRetired
 
 
 class Shadow:
@@ -168,7 +171,7 @@ class Shadow:
             return
         try:
             await self._run(copy)
-        except (ServiceError, asyncio.TimeoutError) as e:
+        except (TimeoutError, ServiceError) as e:
             self._failed(copy, str(e) or type(e).__name__)
         except Exception:  # a bug in one comparison must not end the worker
             log.exception("shadow copy of %s version %s failed", self.name, copy.version)

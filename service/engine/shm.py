@@ -37,7 +37,7 @@ class TensorArena:
         self._released = asyncio.Event()
 
     @classmethod
-    def create(cls, size: int, shm_dir: str = "/dev/shm", share: float = 0.25) -> "TensorArena":
+    def create(cls, size: int, shm_dir: str = "/dev/shm", share: float = 0.25) -> TensorArena:
         """A new segment of `size` bytes, or of `share` of what is free in `shm_dir` if that is less."""
         try:
             stats = os.statvfs(shm_dir)
@@ -122,7 +122,7 @@ def remove_orphaned_segments(shm_dir: str = "/dev/shm") -> list[str]:
 class ArenaReader:
     """The engine's side: frontends' segments mapped by name, arrays read in place."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._segments: dict[str, shared_memory.SharedMemory] = {}
 
     def array(self, name: str, offset: int, shape: tuple[int, ...], dtype: str) -> np.ndarray:

@@ -15,6 +15,8 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from vitserve.service.engine.shm import remove_orphaned_segments
 from vitserve.service.ground.errors import ModelLoadError
@@ -32,8 +34,8 @@ class _Engine:
     device: int | None
     address: str
     settings: Settings
-    process: multiprocessing.Process | None = None
-    started: object | None = None  # the pipe end its process reports the model's loading on
+    process: BaseProcess | None = None
+    started: Connection | None = None  # the pipe end its process reports the model's loading on
     restarts: int = 0
 
 
@@ -75,29 +77,30 @@ class EngineSupervisor:
         self._watchdog = threading.Thread(target=self._watch, name="engine-watchdog", daemon=True)
         self._watchdog.start()
 
-    def _spawn(self, engine: _Engine):
+    def _spawn(self, engine: _Engine) -> Connection:
         """Start `engine`'s process; the pipe end that will say whether it loaded the model."""
         from vitserve.service.engine.process import run_engine_process
         receiving, sending = self._context.Pipe(duplex=False)
-        engine.process = self._context.Process(target=run_engine_process, name=f"vitserve-engine-{engine.device}",
-                                               args=(engine.settings, engine.address, self._stop, os.getpid(),
-                                                     sending))
+        process = self._context.Process(target=run_engine_process, name=f"vitserve-engine-{engine.device}",
+                                        args=(engine.settings, engine.address, self._stop, os.getpid(), sending))
+        engine.process = process
         if engine.started is not None:
             engine.started.close()
-        engine.process.start()
+        process.start()
         engine.started = receiving
         sending.close()  # the child's copy is the one that counts: a child that dies closes the pipe
-        log.info("started engine process %d for %s at %s", engine.process.pid,
+        log.info("started engine process %d for %s at %s", process.pid,
                  "the CPU" if engine.device is None else f"CUDA device {engine.device}", engine.address)
         return receiving
 
     @staticmethod
-    def _load_outcome(engine: _Engine, started) -> str | None:
+    def _load_outcome(engine: _Engine, started: Connection) -> str | None:
         if not started.poll(LOAD_TIMEOUT_S):
             return f"the engine did not load the model in {LOAD_TIMEOUT_S:.0f} s"
         try:
             return started.recv()
         except EOFError:
+            assert engine.process is not None, "_spawn started it"
             engine.process.join(5)
             return f"the engine process exited with {engine.process.exitcode} before loading the model"
 
@@ -109,10 +112,12 @@ class EngineSupervisor:
                     log.warning("removed shared memory %s of an HTTP worker that is gone", name)
                 sweep_at = time.monotonic() + SWEEP_INTERVAL_S
             for engine in self._engines:
-                if self._stopping or engine.process.is_alive():
+                process = engine.process
+                assert process is not None, "start() spawned every engine before the watch"
+                if self._stopping or process.is_alive():
                     continue
-                log.error("engine process %d exited with %s; restarting it in %.0f s", engine.process.pid,
-                          engine.process.exitcode, RESTART_DELAY_S)
+                log.error("engine process %d exited with %s; restarting it in %.0f s", process.pid,
+                          process.exitcode, RESTART_DELAY_S)
                 time.sleep(RESTART_DELAY_S)
                 if not self._stopping:
                     engine.restarts += 1
@@ -133,7 +138,7 @@ class EngineSupervisor:
                     engine.process.join(5)
         shutil.rmtree(self._directory, ignore_errors=True)
 
-    def __enter__(self) -> "EngineSupervisor":
+    def __enter__(self) -> EngineSupervisor:
         self.start()
         return self
 

@@ -11,8 +11,9 @@ import asyncio
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Literal, TypeVar
+from typing import Literal, TypeVar
 
 T = TypeVar("T")
 CpuPriority = Literal["normal", "low", "idle"]

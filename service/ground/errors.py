@@ -125,7 +125,8 @@ class MalformedRequest(ServiceError):
 
 
 class HeadersTooLarge(ServiceError):
-    """The request line and headers are over the size or count limit (refused by the connection, service/http/connection.py)."""
+    """The request line and headers are over the size or count limit (refused by the connection,
+    service/http/connection.py)."""
 
     code = "headers_too_large"
 

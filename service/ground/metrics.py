@@ -1,8 +1,8 @@
 """Every Prometheus metric of the service, defined once; the rest of the code reports plain numbers.
 
 With `PROMETHEUS_MULTIPROC_DIR` set (always, when uvicorn runs several workers: `vitserve serve` calls
-`service.core.metrics_files.prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates them with
-prometheus-client's `MultiProcessCollector`; gauges say how they combine across processes. prometheus-client
+`service.ground.metrics_files.prepare_multiprocess_dir`), values live in per-process files and a scrape aggregates
+them with prometheus-client's `MultiProcessCollector`; gauges say how they combine across processes. prometheus-client
 reads the variable when it is first imported: the parent sets it, and uvicorn's workers are new (spawned)
 processes that inherit it before they import anything.
 """
@@ -15,8 +15,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client import disable_created_metrics, multiprocess
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    multiprocess,
+)
 
 from vitserve.service.ground.metrics_files import multiprocess_dir
 from vitserve.service.ground.processes import pid_alive
@@ -157,7 +165,7 @@ class ServiceMetrics:
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
 
-    def for_model(self, model: str, version: str) -> "ModelMetrics":
+    def for_model(self, model: str, version: str) -> ModelMetrics:
         """What one model version reports: its batches, queue and images, under its labels (made once: every
         request reports through it)."""
         reporter = self._reporters.get((model, version))
@@ -233,8 +241,9 @@ class ServiceMetrics:
         return list(self._scraped(live).collect())
 
     def _scraped(self, live: set[tuple[str, str]] | None):
-        if multiprocess_dir():
-            forget_dead_workers(multiprocess_dir())
+        directory = multiprocess_dir()
+        if directory:
+            forget_dead_workers(directory)
             registry = CollectorRegistry()
             multiprocess.MultiProcessCollector(registry)
         else:
@@ -350,7 +359,7 @@ def mark_process_dead(pid: int) -> None:
         multiprocess.mark_process_dead(pid)
 
 
-METRIC_KINDS = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
+METRIC_KINDS: dict[type, str] = {Counter: "counter", Gauge: "gauge", Histogram: "histogram"}
 Recorder = Callable[[float, dict], None]  # one update: (amount or value, {label: value})
 
 
@@ -382,7 +391,7 @@ class MirroredMetric:
         self._metric.remove(*values)
         self._children.pop(tuple(str(v) for v in values), None)
 
-    def labels(self, *values) -> "MirroredMetric":
+    def labels(self, *values) -> MirroredMetric:
         key = tuple(str(v) for v in values)
         if key not in self._children:
             self._children[key] = MirroredMetric(self._metric.labels(*key), self._kind, self._record, (),

@@ -259,7 +259,7 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _check(self) -> "Settings":
+    def _check(self) -> Settings:
         if not self.warmup_batch_sizes:
             self.warmup_batch_sizes = sorted({1, self.max_batch_size})
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
@@ -327,8 +327,9 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "repository": ("repository_poll_secs",),
     "engine and ONNX Runtime": ("precision_hint", "engine_arena_bytes", "engine_timeout_s", "cuda_device_id",
                                 "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",
-                                "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads", "intra_op_spinning",
-                                "graph_optimization", "pixel_transport", "maps_free", "warmup_batch_sizes"),
+                                "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads",
+                                "intra_op_spinning", "graph_optimization", "pixel_transport", "maps_free",
+                                "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
                  "max_batch_cost"),
     "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "overload_keeps_batches",

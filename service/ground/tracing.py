@@ -43,7 +43,7 @@ def configure(settings, exporter=None) -> bool:
     sampler = None if settings.trace_sample_ratio is None else ParentBased(TraceIdRatioBased(
         settings.trace_sample_ratio))
     resource = Resource.create({"service.name": os.environ.get("OTEL_SERVICE_NAME", "vitserve")})
-    provider = TracerProvider(resource=resource, **({"sampler": sampler} if sampler else {}))
+    provider = TracerProvider(sampler=sampler, resource=resource)  # None: the SDK's OTEL_TRACES_SAMPLER
     if exporter is not None:
         provider.add_span_processor(SimpleSpanProcessor(exporter))
     else:

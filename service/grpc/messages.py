@@ -13,8 +13,14 @@ from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import model_config_pb2
 from vitserve.service.protocols.binary_tensors import pack_bytes
-from vitserve.service.protocols.inference_protocol import (InferCall, ProtocolLimits, TensorInput, checked_call,
-                                                           output_arrays, raw_bytes)
+from vitserve.service.protocols.inference_protocol import (
+    InferCall,
+    ProtocolLimits,
+    TensorInput,
+    checked_call,
+    output_arrays,
+    raw_bytes,
+)
 from vitserve.service.protocols.schemas import ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
@@ -58,21 +64,21 @@ def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:
     values are converted one by one on the event loop (a 64 MiB message of them would hold it for a second), so
     past `max_values` (the JSON body's limit, the same trade) they are refused for raw_input_contents."""
     wanted = CONTENTS_FIELDS.get(tensor.datatype)
-    if typed != [wanted]:
+    if wanted is None or typed != [wanted]:  # None: a datatype without typed contents
         raise InvalidParameter(f"inputs.0 ({tensor.datatype}) must carry its values in contents.{wanted}, "
                                f"got contents.{', contents.'.join(typed)}")
-    values = len(getattr(tensor.contents, wanted))
-    if values > max_values:
-        raise PayloadTooLarge(f"inputs.0.contents.{wanted} holds {values} values; typed contents are for small "
+    count = len(getattr(tensor.contents, wanted))
+    if count > max_values:
+        raise PayloadTooLarge(f"inputs.0.contents.{wanted} holds {count} values; typed contents are for small "
                               f"requests (at most {max_values}): send the tensor in raw_input_contents")
     if tensor.datatype == "BYTES":
         return pack_bytes(tensor.contents.bytes_contents)
     if tensor.datatype == "UINT8":  # uint_contents is uint32 on the wire: a value over 255 is no pixel
-        values = np.asarray(tensor.contents.uint_contents, dtype=np.int64)
-        if values.size and values.max() > 255:
-            raise InvalidParameter(f"inputs.0.contents.uint_contents: {int(values.max())} is not a UINT8 pixel "
+        pixels = np.asarray(tensor.contents.uint_contents, dtype=np.int64)
+        if pixels.size and pixels.max() > 255:
+            raise InvalidParameter(f"inputs.0.contents.uint_contents: {int(pixels.max())} is not a UINT8 pixel "
                                    f"(0 to 255)")
-        return values.astype(np.uint8).tobytes()
+        return pixels.astype(np.uint8).tobytes()
     return np.asarray(tensor.contents.fp32_contents, dtype="<f4").tobytes()
 
 

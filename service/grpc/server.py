@@ -3,8 +3,8 @@ serving state (one engine, one admission, one set of metrics per process).
 
 Every HTTP worker listens on the gRPC port with SO_REUSEPORT, so the kernel spreads gRPC connections over the
 workers as uvicorn's shared socket spreads HTTP ones; `vitserve serve` checks first that no other program holds
-the port (service.cli.port_is_free), since SO_REUSEPORT would otherwise share it silently with another server of the same
-user.
+the port (service.cli.port_is_free), since SO_REUSEPORT would otherwise share it silently with another server of
+the same user.
 
 Limits, set on the server's channel: a message at most the binary body limit (grpcio refuses a larger one with
 RESOURCE_EXHAUSTED from its length prefix, before reading it), `grpc_max_concurrent_streams` calls open on one
@@ -20,9 +20,9 @@ import logging
 import grpc
 
 from vitserve.service.core.state import ServiceState
+from vitserve.service.ground.settings import Settings
 from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from vitserve.service.grpc.servicer import RESPONSE_COMPRESSIONS, InferenceServicer
-from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.grpc")
 
@@ -48,6 +48,7 @@ def server_credentials(settings: Settings) -> grpc.ServerCredentials | None:
     for plain text."""
     if settings.ssl_certfile is None:
         return None
+    assert settings.ssl_keyfile is not None, "Settings take ssl_certfile and ssl_keyfile together"
     chain, key = settings.ssl_certfile.read_bytes(), settings.ssl_keyfile.read_bytes()
     authorities = settings.ssl_ca_certs.read_bytes() if settings.ssl_ca_certs else None
     return grpc.ssl_server_credentials([(key, chain)], root_certificates=authorities,
@@ -75,13 +76,13 @@ class GrpcFrontEnd:
         else:
             self.server.add_secure_port(address, credentials)
         await self.server.start()
-        self._drain = asyncio.create_task(self._stop_when_draining())
+        self._drain = asyncio.create_task(self._stop_when_draining(self.server))
         # debug: every HTTP worker starts one, and `vitserve serve`'s first line already names the gRPC port
         log.debug("gRPC (Open Inference Protocol) on %s%s", address, " with TLS" if credentials else "")
 
-    async def _stop_when_draining(self) -> None:
+    async def _stop_when_draining(self, server: grpc.aio.Server) -> None:
         await self.state.drain_begun.wait()
-        await self.server.stop(grace=self.state.settings.drain_timeout_s)
+        await server.stop(grace=self.state.settings.drain_timeout_s)
 
     async def stop(self) -> None:
         if self._drain is not None and not self._drain.done():

@@ -17,13 +17,12 @@ import time
 
 import grpc
 
-from vitserve.service.ground import tracing
 from vitserve.service.core import inference, pipeline
-from vitserve.service.ground import errors
-from vitserve.service.ground.requests import RequestRecord
-from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
 from vitserve.service.core.keys import check_authorization, check_repository_access
 from vitserve.service.core.state import ServiceState
+from vitserve.service.ground import errors, tracing
+from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
+from vitserve.service.ground.requests import RequestRecord
 from vitserve.service.grpc import messages
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
@@ -93,7 +92,7 @@ def rpc(*, open_: bool = False, traced: bool = False):
         endpoint = f"/{SERVICE_NAME}/{method.__name__}"
 
         @functools.wraps(method)
-        async def handler(self: "InferenceServicer", request, context: grpc.aio.ServicerContext):
+        async def handler(self: InferenceServicer, request, context: grpc.aio.ServicerContext):
             if traced and tracing.enabled():
                 carrier = {key: value for key, value in context.invocation_metadata() or ()
                            if key in ("traceparent", "tracestate") and isinstance(value, str)}
@@ -102,8 +101,9 @@ def rpc(*, open_: bool = False, traced: bool = False):
                     return await framed(self, request, context, span)
             return await framed(self, request, context, None)
 
-        async def framed(self: "InferenceServicer", request, context: grpc.aio.ServicerContext, span):
-            state, served = self.state, {}
+        async def framed(self: InferenceServicer, request, context: grpc.aio.ServicerContext, span):
+            state = self.state
+            served: dict[str, str] = {}  # the model the call asked for, and the one that answered
             record = RequestRecord(state.metrics, span)
             code, error = StatusCode.OK, None
             try:
@@ -124,7 +124,7 @@ def rpc(*, open_: bool = False, traced: bool = False):
             finally:
                 record.done(endpoint, code.name, fault=code in SERVER_FAULTS, model=served.get("name", ""),
                             version=served.get("version", ""), protocol="grpc")
-            trailing = ()
+            trailing: tuple[tuple[str, str], ...] = ()
             if code is StatusCode.RESOURCE_EXHAUSTED:
                 trailing = ((RETRY_AFTER_KEY, str(pipeline.retry_after_s(state, served.get("requested")))),)
             await context.abort(code, str(error), trailing_metadata=trailing)
@@ -145,6 +145,14 @@ def compress_answer(context: grpc.aio.ServicerContext, answer, settings) -> None
     if settings.grpc_response_compression != "none" and not (
             settings.compress_min_bytes <= answer.ByteSize() <= settings.compress_max_bytes):
         context.disable_next_message_compression()
+
+
+def _unimplemented(name: str, why: str):
+    """An RPC `InferenceServicer` does not serve, answered UNIMPLEMENTED through `rpc`'s frame."""
+    async def unimplemented(self, request, context, served):
+        raise errors.Unimplemented(f"{name} is not served by vitserve: {why} (docs/grpc.md)")
+    unimplemented.__name__ = unimplemented.__qualname__ = name
+    return rpc()(unimplemented)
 
 
 class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
@@ -241,12 +249,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     # --- what Triton has and vitserve does not: UNIMPLEMENTED through the same frame (key, metrics), where the
     # generated base class would raise NotImplementedError and grpcio log its traceback at every call ---
-    def _unimplemented(name: str, why: str):
-        async def unimplemented(self, request, context, served):
-            raise errors.Unimplemented(f"{name} is not served by vitserve: {why} (docs/grpc.md)")
-        unimplemented.__name__ = unimplemented.__qualname__ = name
-        return rpc()(unimplemented)
-
     ModelStreamInfer = _unimplemented("ModelStreamInfer", "its models are not decoupled; use ModelInfer")
     SystemSharedMemoryStatus = _unimplemented("SystemSharedMemoryStatus", "no shared-memory extension")
     SystemSharedMemoryRegister = _unimplemented("SystemSharedMemoryRegister", "no shared-memory extension")
@@ -256,7 +258,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     CudaSharedMemoryUnregister = _unimplemented("CudaSharedMemoryUnregister", "no shared-memory extension")
     TraceSetting = _unimplemented("TraceSetting", "tracing is configured at start (docs/tracing.md)")
     LogSettings = _unimplemented("LogSettings", "logging is configured at start (--log-level)")
-    del _unimplemented
 
     # --- helpers ---
     def _route(self, name: str, version: str):

@@ -41,17 +41,22 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vitserve.service.ground.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong
-from vitserve.service.http.errors import error_response, status_code
 from vitserve.service.ground.settings import Settings
+from vitserve.service.http.errors import error_response, status_code
 
-try:
+if TYPE_CHECKING:  # checked as it runs where httptools is installed: without it, nothing below is instantiated
     import httptools
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
-except ImportError:  # pragma: no cover - see `uvicorn_http_options`
-    httptools = None
-    HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
+else:
+    try:
+        import httptools
+        from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+    except ImportError:  # pragma: no cover - see `uvicorn_http_options`
+        httptools = None
+        HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
 
 
 # Everything this module uses of uvicorn beyond its public options (see the docstring): the protocol's methods
@@ -220,8 +225,10 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         finally:
             self.app = app
         if self.cycle is not earlier:  # else the request is upgrading (websockets): no cycle of ours
-            self.cycle.__class__ = _BodyTimedCycle
-            self.cycle.protocol = self
+            timed = self.cycle
+            timed.__class__ = _BodyTimedCycle
+            assert isinstance(timed, _BodyTimedCycle)  # the class just set, for the checker
+            timed.protocol = self
             self._requests += 1
             if self._requests == self.limits.max_requests_per_connection:
                 self.cycle.keep_alive = False  # uvicorn adds `Connection: close` to the answer and closes after it
@@ -298,6 +305,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_at(self._deadline, self._check_deadline)
             return
         on_timeout, self._deadline, self._on_timeout = self._on_timeout, None, None
+        assert on_timeout is not None, "armed with the deadline"
         on_timeout()
 
     def _head_timed_out(self) -> None:
@@ -370,7 +378,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
         head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
                  b"connection: close\r\n\r\n"]
-        client = "%s:%d - " % self.client if self.client else ""
+        client = "{}:{:d} - ".format(*self.client) if self.client else ""
         self.logger.info("%s%d %s: %s", client, status, error.code, error)
         self._refused = True
         self.transport.write(b"".join(head) + body)

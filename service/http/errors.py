@@ -8,19 +8,44 @@ request is a 400 there.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from vitserve.service.ground.errors import (
-    ClientDisconnected, DeadlineExceeded, Forbidden, HeadersTooLarge, ImageDecodeError, ImageTooLarge,
-    InferenceError, InspectionNotStored, InvalidModelName, InvalidParameter, MalformedRequest, ModelLoadError,
-    ModelNotFound, ModelUnavailable, NotReady, Overloaded, PayloadTooLarge, QueueFullError,
-    RepositoryControlDisabled, RepositoryError, RequestTimeout, ServiceError, ShadowNotConfigured, Unauthorized,
-    Unimplemented, UnsupportedMediaType, UriTooLong, VersionRetired)
-from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.core.pipeline import retry_after_s
-
+from vitserve.service.ground.errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    Forbidden,
+    HeadersTooLarge,
+    ImageDecodeError,
+    ImageTooLarge,
+    InferenceError,
+    InspectionNotStored,
+    InvalidModelName,
+    InvalidParameter,
+    MalformedRequest,
+    ModelLoadError,
+    ModelNotFound,
+    ModelUnavailable,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    QueueFullError,
+    RepositoryControlDisabled,
+    RepositoryError,
+    RequestTimeout,
+    ServiceError,
+    ShadowNotConfigured,
+    Unauthorized,
+    Unimplemented,
+    UnsupportedMediaType,
+    UriTooLong,
+    VersionRetired,
+)
+from vitserve.service.ground.metrics import ServiceMetrics
 
 # The single domain-error -> status-code table (most specific class first is not needed: exact types).
 STATUS_CODES: dict[type[ServiceError], int] = {
@@ -127,7 +152,7 @@ _PROTOCOL_DESCRIPTIONS = {400: "Malformed or invalid inference request, or an un
 CONNECTION_STATUSES = (414, 431)
 
 
-def openapi_responses(*codes: int, protocol: bool = False) -> dict[int, dict]:
+def openapi_responses(*codes: int, protocol: bool = False) -> dict[int | str, dict[str, Any]]:
     """The `responses=` of a route: each listed status, and the connection's own, with its meaning and the error
     schema it really sends (the Open Inference Protocol's on /v2, `protocol=True`)."""
     schema = _PROTOCOL_ERROR_SCHEMA if protocol else _V1_ERROR_SCHEMA

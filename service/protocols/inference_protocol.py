@@ -10,27 +10,49 @@ that names the field; the limits are those of `service.protocols.schemas` plus t
 
 Extensions: binary tensors (`binary_data_size` on inputs, `binary_data` on outputs, `binary_data_output` on
 the request), classification (`classification` on an output: BYTES `"value:index:label"`, best first, as
-Triton writes them; tests/service/data/triton holds Triton's own answers), and Triton's `timeout` request parameter (microseconds), which can only shorten the
-server's own deadline.
+Triton writes them; tests/service/data/triton holds Triton's own answers), and Triton's `timeout` request
+parameter (microseconds), which can only shorten the server's own deadline.
 """
 from __future__ import annotations
 
 import base64
 import binascii
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 from pydantic import ValidationError
 
-from vitserve.service.protocols.binary_tensors import (BinaryFormatError, ElementTooLarge, join_body, pack_bytes,
-                                                       split_body, take_sections, tensor_bytes, unpack_bytes)
-from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
-from vitserve.service.protocols.schemas import (DEEP_DATA_ERROR, IMAGE_INPUT_NAME, INPUT_DATATYPES, MAX_ABS_PIXEL_VALUE,
-                                                MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
-                                                MAX_PARAMETER_KEY_CHARS, MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS,
-                                                MAX_SHAPE_RANK, REQUESTABLE_OUTPUTS, InferRequest, flatten_deep_data)
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
+from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
+from vitserve.service.protocols.binary_tensors import (
+    BinaryFormatError,
+    ElementTooLarge,
+    join_body,
+    pack_bytes,
+    split_body,
+    take_sections,
+    tensor_bytes,
+    unpack_bytes,
+)
+from vitserve.service.protocols.schemas import (
+    DEEP_DATA_ERROR,
+    IMAGE_INPUT_NAME,
+    INPUT_DATATYPES,
+    MAX_ABS_PIXEL_VALUE,
+    MAX_DATA_DEPTH,
+    MAX_DIM,
+    MAX_ID_CHARS,
+    MAX_OUTPUTS,
+    MAX_PARAMETER_KEY_CHARS,
+    MAX_PARAMETER_STRING_CHARS,
+    MAX_PARAMETERS,
+    MAX_SHAPE_RANK,
+    REQUESTABLE_OUTPUTS,
+    InferRequest,
+    flatten_deep_data,
+)
 
 RESIZE_POLICIES = ("fit", "native")
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
@@ -85,7 +107,10 @@ class InferCall:
 
     @property
     def batch(self) -> int:
-        return len(self.images) if self.images is not None else len(self.pixels)
+        if self.images is not None:
+            return len(self.images)
+        assert self.pixels is not None, "a call carries its images or its pixels"
+        return len(self.pixels)
 
 
 def parse_infer_request(body: bytes, header_length: str | None, limits: ProtocolLimits) -> InferCall:
@@ -99,8 +124,8 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
     return call_from_request(parse_header(header, limits.max_json_values), binary, limits)
 
 
-def call_from_request(request: InferRequest, binary: memoryview | bytes, limits: ProtocolLimits) -> InferCall:
-    """A validated /v2 JSON request and the bytes of its binary sections (b"" when none) -> the call it makes."""
+def call_from_request(request: InferRequest, binary: memoryview, limits: ProtocolLimits) -> InferCall:
+    """A validated /v2 JSON request and the bytes of its binary sections (empty when none) -> the call it makes."""
     tensor = request.inputs[0]
     size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
     if size is not None and size < 0:
@@ -172,7 +197,7 @@ def _check_parameters(parameters: dict, where: str) -> None:
 
 
 def build_call(id: str | None, parameters: dict | None, tensor, section: memoryview | None,
-               outputs: list[tuple[str, dict | None]] | None, limits: ProtocolLimits) -> InferCall:
+               outputs: Sequence[tuple[str, dict | None]] | None, limits: ProtocolLimits) -> InferCall:
     """Checked parts -> the call: `tensor` has the input's name, datatype, shape and JSON `data`; `section` its
     values when they came as bytes (None: in `data`); `outputs` (name, parameters) as named, None for all."""
     call = InferCall(id=id, outputs=requested_outputs(parameters, outputs))
@@ -210,7 +235,8 @@ def parse_header(header: bytes, max_values: int) -> InferRequest:
         raise InvalidParameter(validation_problems(e)) from None
 
 
-def requested_outputs(parameters: dict | None, named: list[tuple[str, dict | None]] | None) -> list[OutputRequest]:
+def requested_outputs(parameters: dict | None,
+                      named: Sequence[tuple[str, dict | None]] | None) -> list[OutputRequest]:
     """What to send back: the outputs named (in their order), or all; binary per output, or for every output
     with the request's `binary_data_output` (an output's own `binary_data` wins)."""
     all_binary = _parameter(parameters, "binary_data_output", bool) or False

@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema
 from pydantic_core import PydanticCustomError
-
-from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME
 
 # The protocol's second input: encoded images (JPEG, PNG, ...), one BYTES element per batch item, decoded and
 # preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
@@ -228,9 +226,14 @@ MAX_PARAMETERS = 16  # entries per `parameters` object; the protocol's own (prio
 MAX_PARAMETER_KEY_CHARS = 64
 MAX_PARAMETER_STRING_CHARS = 256
 MAX_INPUTS = 1  # one of pixel_values (the model's own input) or image
-INPUT_DATATYPES = ("FP32", "UINT8", "BYTES")
+# The values a request may name, spelled out because a type checker reads a Literal only from literals; the
+# names are the artifact's (INPUT_NAME, OUTPUT_NAMES, ...), and tests/service/test_inference_protocol.py holds them
+InputName = Literal["pixel_values", "image"]  # the model's own input, IMAGE_INPUT_NAME
+InputDatatype = Literal["FP32", "UINT8", "BYTES"]
 # Every output a request may name: the fast path's, the relevance path's, and the file's optional ones
-REQUESTABLE_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+RequestableOutput = Literal["logits", "rollout", "relevance", "embedding", "ood_score"]
+INPUT_DATATYPES: tuple[str, ...] = get_args(InputDatatype)
+REQUESTABLE_OUTPUTS: tuple[str, ...] = get_args(RequestableOutput)
 MAX_OUTPUTS = len(REQUESTABLE_OUTPUTS)  # one request per output; naming one twice adds nothing
 MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width); image is (batch,) or (batch, 1)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
@@ -258,9 +261,9 @@ Parameters = Annotated[dict[Annotated[str, Field(max_length=MAX_PARAMETER_KEY_CH
                        Field(max_length=MAX_PARAMETERS, description="protocol parameters: booleans, numbers, strings")]
 
 
-def _rows(item):
-    """A list that stops at its first bad element, so a bad tensor costs one error, not one per value."""
-    return Annotated[list[item], Field(fail_fast=True)]
+_Item = TypeVar("_Item")
+# A list that stops at its first bad element, so a bad tensor costs one error, not one per value
+_Rows = Annotated[list[_Item], Field(fail_fast=True)]
 
 
 # Lists nested in a tensor's `data`, at most: Triton's own limit. The JSON parser stops any document at about 200
@@ -317,8 +320,8 @@ def _finite_number(value) -> bool:
 # flat 32x1x128x128 tensor parses as fast as `list[Any]` did (a recursive alias is slower). Data nested deeper
 # than these, or unevenly, takes the last alternative, flattened in Python (rare: its cost per value is higher).
 # BYTES elements in JSON are strings: an image, base64-encoded (JSON strings cannot carry raw bytes).
-TensorData = Annotated[_rows(Float) | _rows(_rows(Float)) | _rows(_rows(_rows(Float)))
-                       | _rows(_rows(_rows(_rows(Float)))) | _rows(str) | _rows(_rows(str))
+TensorData = Annotated[_Rows[Float] | _Rows[_Rows[Float]] | _Rows[_Rows[_Rows[Float]]]
+                       | _Rows[_Rows[_Rows[_Rows[Float]]]] | _Rows[str] | _Rows[_Rows[str]]
                        | Annotated[list[Any], AfterValidator(flatten_deep_data)],
                        Field(union_mode="left_to_right", description="row-major values, flat or nested (at most "
                                                                      f"{MAX_DATA_DEPTH} lists deep); BYTES "
@@ -330,16 +333,16 @@ class _StrictRequest(BaseModel):
 
 
 class InferInputTensor(_StrictRequest):
-    name: Literal[INPUT_NAME, IMAGE_INPUT_NAME]
+    name: InputName
     shape: Annotated[list[Dim], Field(min_length=1, max_length=MAX_SHAPE_RANK)]
-    datatype: Literal[INPUT_DATATYPES]
+    datatype: InputDatatype
     parameters: Parameters | None = None
     data: TensorData | None = Field(None, description="absent when `parameters.binary_data_size` says the values "
                                                       "follow the JSON (binary tensor extension)")
 
 
 class RequestedOutput(_StrictRequest):
-    name: Literal[REQUESTABLE_OUTPUTS]
+    name: RequestableOutput
     parameters: Parameters | None = None
 
 

@@ -3,8 +3,8 @@ metrics: the numbers are those every process already reports (service/ground/met
 workers and an engine process the answer is one view across all of them, like a scrape of /metrics.
 
 The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our units of work:
-- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer, gRPC ModelInfer) answered 200 / with an
-  error, and their whole duration;
+- `success` / `fail`: inference requests (/v1/classify, /v1/classify/batch, /v2 infer, gRPC ModelInfer) answered
+  200 / with an error, and their whole duration;
 - `queue`, `compute_input`, `compute_infer`, `compute_output`: per image: its wait in the batch queue, its
   preparation (decoding and preprocessing an image, or its share of parsing a tensor request), the model call
   of its batch, and its encoding (top-k, maps, the response tensors);
@@ -15,7 +15,6 @@ The meaning follows Triton's `docs/protocol/extension_statistics.md`, with our u
 from __future__ import annotations
 
 from collections import defaultdict
-
 
 SUCCESS_STATUSES = ("200", "OK")  # HTTP's, gRPC's
 
@@ -65,7 +64,8 @@ def triton_statistics(families, name: str, version: str, inference_endpoints: fr
             "cache_hit": _duration(0, 0), "cache_miss": _duration(0, 0)},
         "response_stats": {},  # per-response statistics of decoupled (streaming) models: none here
         "batch_stats": [{"batch_size": size,
-                         "compute_input": _duration(b["vitserve_batches_total"], b["vitserve_batch_stack_seconds_total"]),
+                         "compute_input": _duration(b["vitserve_batches_total"],
+                                                    b["vitserve_batch_stack_seconds_total"]),
                          "compute_infer": _duration(b["vitserve_batches_total"], b["vitserve_batch_seconds_total"])}
                         for size, b in sorted(batches.items()) if b["vitserve_batches_total"]],  # (a reload's zeros)
         "memory_usage": [],

@@ -65,7 +65,7 @@ class VersionPolicy(BaseModel):
     specific: SpecificPolicy | None = None
 
     @model_validator(mode="after")
-    def _one_kind(self) -> "VersionPolicy":
+    def _one_kind(self) -> VersionPolicy:
         kinds = [k for k in ("latest", "all", "specific") if getattr(self, k) is not None]
         if len(kinds) > 1:
             raise ValueError(f"a version policy is one of latest, all or specific, not {' and '.join(kinds)}")
@@ -81,6 +81,7 @@ class VersionPolicy(BaseModel):
         if self.specific is not None:
             wanted = {str(v) for v in self.specific.versions}
             return [v for v in ordered if v in wanted]
+        assert self.latest is not None, "_one_kind sets latest when no kind is given"
         return ordered[:self.latest.num_versions]
 
 
@@ -186,7 +187,7 @@ class ModelRepository:
     def names(self) -> list[str]:
         """The model folders' names, sorted; entries that are not valid names, not folders, or folders outside
         the repository (a link pointing out) are skipped."""
-        found = []
+        found: list[str] = []
         with os.scandir(self.root) as entries:
             for entry in entries:
                 if len(found) >= MAX_MODELS:

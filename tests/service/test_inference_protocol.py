@@ -10,6 +10,7 @@ import struct
 import time
 import zlib
 from pathlib import Path
+from typing import get_args
 
 import numpy as np
 import pytest
@@ -19,13 +20,14 @@ from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, BinaryForm
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, triton_config
+from vitserve.service.protocols import schemas
 from vitserve.service.protocols.schemas import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
 from vitserve.service.ground.settings import Settings
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.core.state import INFERENCE_ENDPOINTS
 from vitserve.service.protocols.statistics import triton_statistics
-from vitserve.artifact import ModelInfo
+from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())
 EXCHANGES = {e["name"]: e for e in TRITON["exchanges"]}
@@ -144,6 +146,13 @@ def test_a_binary_tensor_holds_only_normalised_pixels(value):
                                   tensor_bytes(pixels, "FP32"))
     with pytest.raises(InvalidParameter, match="value 7"):
         parse_infer_request(body, length, LIMITS)
+
+
+def test_the_names_a_request_may_use_are_the_model_file_s():
+    # the schema spells its Literals out for the type checker; the model file's contract names them
+    assert get_args(schemas.InputName) == (INPUT_NAME, schemas.IMAGE_INPUT_NAME)
+    assert schemas.REQUESTABLE_OUTPUTS == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+    assert schemas.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
 
 
 @pytest.mark.parametrize("header, sections, message", [

@@ -13,18 +13,18 @@ from fastapi import APIRouter, Depends, Query, Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from vitserve.artifact import ModelInfo
 from vitserve.service.core import inference
+from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.core.inference import ClassifyOptions
 from vitserve.service.core.pipeline import Call
-from vitserve.service.http.access import require_api_key
-from vitserve.service.ground.errors import InvalidParameter, ServiceError
-from vitserve.service.http.errors import openapi_responses
-from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.core.preprocess import ResizePolicy
+from vitserve.service.ground.errors import InvalidParameter, ServiceError
+from vitserve.service.http.access import require_api_key
+from vitserve.service.http.dependencies import get_admitted_call
+from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.uploads import each_file, read_files, upload_within
 from vitserve.service.protocols.schemas import BatchResponse, ClassifyResponse, MapFormat, MapKind, RolloutFormat
-from vitserve.service.http.dependencies import get_admitted_call
-from vitserve.artifact import ModelInfo
 
 router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
 # Declarations of the infer lane's paths, for the OpenAPI document only: the app never routes to them.
@@ -68,7 +68,7 @@ class ClassifyQuery(BaseModel):
 _NAMES = ("top_k", "map", "map_format", "target", "rollout", "resize", "model", "version")
 
 
-def classify_params(request: Request) -> "ClassifyParams":
+def classify_params(request: Request) -> ClassifyParams:
     """The request's query parameters, checked as FastAPI checks them (a 422 naming each problem) without its
     dependency machinery: the infer lane's way in."""
     try:

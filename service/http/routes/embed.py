@@ -15,8 +15,8 @@ from fastapi import APIRouter, Depends, Query, Request
 from pydantic import BaseModel, Field
 
 from vitserve.service.core import inference
-from vitserve.service.core.preprocess import ResizePolicy
 from vitserve.service.core.pipeline import Call
+from vitserve.service.core.preprocess import ResizePolicy
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import get_admitted_call

@@ -16,17 +16,17 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from vitserve.service.core import inference
-from vitserve.service.http.access import require_api_key
 from vitserve.service.core.pipeline import Call
-from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from vitserve.service.core.state import ServiceState
 from vitserve.service.engine import ModelHandle
+from vitserve.service.http.access import require_api_key
+from vitserve.service.http.dependencies import get_ready_state, get_state
 from vitserve.service.http.errors import openapi_responses
+from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
+from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
 from vitserve.service.protocols.model_config import model_metadata, server_document
-from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
 from vitserve.service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
-from vitserve.service.core.state import ServiceState
-from vitserve.service.http.dependencies import get_ready_state, get_state
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
@@ -199,7 +199,7 @@ async def _read_call(request: Request, call: Call) -> tuple[InferCall, float]:
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    return parse_infer_request(body, header_length, limits_for(s, call.handle.info)), time.perf_counter() - started
+    return parse_infer_request(body, header_length, limits_for(s, call.routed.info)), time.perf_counter() - started
 
 
 def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelHandle:

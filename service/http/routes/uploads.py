@@ -16,9 +16,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from vitserve.service.core.pipeline import Call
-from vitserve.service.ground.errors import (
-    ClientDisconnected, InvalidParameter, PayloadTooLarge, RequestTimeout, ServiceError, UnsupportedMediaType)
 from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
+from vitserve.service.ground.errors import (
+    ClientDisconnected,
+    InvalidParameter,
+    PayloadTooLarge,
+    RequestTimeout,
+    ServiceError,
+    UnsupportedMediaType,
+)
 from vitserve.service.http.errors import error_body
 from vitserve.service.protocols.schemas import ErrorResponse
 
@@ -78,7 +84,8 @@ def decode_content(body: bytes, encoding: str, limit: int) -> bytes:
 
 
 def _inflate(data: bytes, wbits: int, limit: int) -> bytes:
-    out, rest = [], data
+    out: list[bytes] = []
+    rest = data
     while rest:  # a gzip body may hold several members, one after the other
         inflater = zlib.decompressobj(wbits)
         out.append(inflater.decompress(rest, limit + 1 - sum(map(len, out))))
