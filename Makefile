@@ -14,7 +14,8 @@ MODEL_DIR := models/vit-fmnist
 DEFAULT_MODEL := $(MODEL_DIR)/model.onnx
 SERVE_MODEL ?= $(or $(VITSERVE_MODEL_PATH),$(DEFAULT_MODEL))
 TRAIN_RUN := training/vit-fmnist
-# The hybrid candidate for the default model (issue #26): its training state is committed between sessions
+# The hybrid candidate for the default model (docs/results.md, "Toward 94%"): its training state is committed, so a
+# run resumes where the last one stopped
 HYBRID_RUN := training/vit-fmnist-hybrid
 TEACHER_RUN := training/fmnist-teacher
 PYTEST_ARGS ?=
@@ -77,7 +78,7 @@ model-hybrid: $(VENV)/.dev-installed
 		--name vit-fmnist --version 2 --out $(HYBRID_RUN) --resume --no-progress \
 		$(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
 
-# A convolutional teacher for distilling the default model (issue #26; docs/results.md, "Toward 94%"): a ResNet of
+# A convolutional teacher for distilling the default model (docs/results.md, "Toward 94%"): a ResNet of
 # two stages on Fashion-MNIST upsampled to 56x56, so its convolutions see the 28x28 image at stride 2, not 4.
 # `make model-teacher TIME_LIMIT=40` trains 40 minutes at a time, resumable.
 model-teacher: $(VENV)/.dev-installed
@@ -85,7 +86,7 @@ model-teacher: $(VENV)/.dev-installed
 		--epochs 40 --seed 0 --name fmnist-teacher --version 1 --out $(TEACHER_RUN) --resume --no-progress \
 		$(if $(TIME_LIMIT),--time-limit $(TIME_LIMIT))
 
-# The default model fine-tuned with the three trained models as its teachers (issue #26: the plain ViT, the hybrid and
+# The default model fine-tuned with the three trained models as its teachers (docs/results.md: the plain ViT, the hybrid and
 # the convolutional teacher at its epoch 38; the mean of their probabilities scores 94.24% on the test images), 6 epochs
 # of about 10 minutes on two cores (the teachers' forward passes are most of a step): `make model-distilled
 # TIME_LIMIT=40` trains 40 minutes at a time, resumable. It replaces the default only at 94.0% or more.
@@ -129,8 +130,9 @@ clean:
 # The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, CUDA graphs against the
 # dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
 # utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
-# GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags. On a lent GPU machine
-# without a network: `make gpu-wheels` here, then `bash bench/gpu-lent.sh OUT` there (docs/results/bench-gpu.md).
+# GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags. For a GPU machine without
+# network access: `make gpu-wheels` on a machine with it, then `bash bench/gpu-lent.sh OUT` on the GPU machine
+# (docs/results/bench-gpu.md, "How to run it").
 .PHONY: bench-gpu gpu-wheels
 bench-gpu: $(VENV)/.dev-installed
 	$(BIN)/python -m vitserve.bench.gpu $(GPU_ARGS)

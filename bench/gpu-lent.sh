@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU kit on a lent GPU machine without a network, in one call (docs/results/bench-gpu.md, "How to run it").
+# The GPU kit on a GPU machine without network access, in one call (docs/results/bench-gpu.md, "How to run it").
 #
-# On the machine with a network first: `python -m vitserve.bench.gpu_wheels --out .whl` (onnxruntime-gpu slimmed to the
-# H100's code, the web stack's wheels) and Debian's wrk with its libluajit in .whl/bin and .whl/lib. The lent
-# machine's own python3 (3.12, with torch for the exports, CUDA 13 and cuDNN 9 as NVIDIA's pip packages) runs
+# On a machine with network access first: `python -m vitserve.bench.gpu_wheels --out .whl` (onnxruntime-gpu slimmed to
+# sm_90's code, the H100's and the H200's, the web stack's wheels) and Debian's wrk with its libluajit in .whl/bin and
+# .whl/lib (`make gpu-wheels`). The GPU machine's own python3 (3.12, with torch for the exports, CUDA 13 and cuDNN 9 as NVIDIA's pip packages) runs
 # everything: the wheels go into a --target folder ahead of its site-packages, so its onnxruntime (CPU) is shadowed
 # by onnxruntime-gpu.
 #

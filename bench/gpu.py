@@ -20,8 +20,8 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it
    (CPU runs only: the GPU steps above do not cover it yet).
 
-On a lent machine without a network, `bench/gpu-lent.sh` runs it in one call with what `python -m vitserve.bench.gpu_wheels`
-prepared (docs/results/bench-gpu.md).
+On a GPU machine without network access, `bench/gpu-lent.sh` runs it in one call with what
+`python -m vitserve.bench.gpu_wheels` prepared on a machine with it (docs/results/bench-gpu.md, "How to run it").
 
 Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and
 measured (at batch 1 and 8, a few seconds), as a check that the kit works, not as a result.
@@ -59,12 +59,12 @@ class GpuKitConfig:
     served_concurrency: str = "32,64"  # wrk's connections per served level (on a GPU)
     served_duration_s: int = 5
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
-    gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (a lent machine's minutes are few)
+    gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (fewer: a shorter run)
     # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
     # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
     served_variants: str = ""
     # config fields changed in the random-weight presets' export, "depth=2": a block's cost measured without the
-    # whole model's export (ViT-B/16's is 109 s of a lent machine's minutes); the default model is left as trained
+    # whole model's export (ViT-B/16's takes 109 s on an H200 machine's CPU); the default model is left as trained
     preset_overrides: str = ""
     # the presets' exports without the relevance path: no kit step uses it (the served step asks map=none), and it is
     # two thirds of an export's time (ViT-B/16 at depth 2: 21.3 s with it, 6.7 s without); --no-preset-fast-only
@@ -73,7 +73,7 @@ class GpuKitConfig:
     served_rounds: int = 1  # each variant this many times, the order reversed every other round (speed drifts)
     wrk: str = ""  # the load generator; default: `wrk` on PATH
     work: Path = Path("build/gpu")
-    out: Path = Path("build/gpu/bench-gpu.md")  # docs/results/bench-gpu.md is a lent GPU run's, written up by hand
+    out: Path = Path("build/gpu/bench-gpu.md")  # docs/results/bench-gpu.md is written up by hand from such reports
 
 
 @dataclass
@@ -89,7 +89,7 @@ class Kit:
         self.cfg, self.steps = cfg, []
 
     def write(self) -> None:
-        """The report as it stands: written after every step, so a run cut short (a lent machine's time limit)
+        """The report as it stands: written after every step, so a run cut short (a time limit, a lost machine)
         still leaves what it measured."""
         self.cfg.out.parent.mkdir(parents=True, exist_ok=True)
         self.cfg.out.write_text(render(self, self.cfg))
@@ -404,7 +404,7 @@ def served_with_wrk(path: Path, cfg: GpuKitConfig, overlay: dict[str, str] | Non
     wrk = cfg.wrk or shutil.which("wrk")
     if not wrk:
         return Step("", "skipped", "no wrk (carry Debian's binary and its libluajit; docs/results/bench-gpu.md)")
-    # gRPC off: the kit carries no grpcio (7 MiB of the 64 a lent machine takes), and wrk speaks HTTP
+    # gRPC off: the kit's wheels leave out grpcio (7 MiB, `--leave-out grpcio`), and wrk speaks HTTP
     env = {"VITSERVE_PROVIDERS": "cuda,cpu", "VITSERVE_MAX_BATCH_SIZE": "64", "VITSERVE_MAX_QUEUE_SIZE": "1024",
            "VITSERVE_MAX_REQUESTS_IN_FLIGHT": "256", "VITSERVE_GRPC_PORT": "0", **(overlay or {})}
     return served_levels(path, jpeg_for(read_model_info(path)), [int(c) for c in cfg.served_concurrency.split(",")],

@@ -1,7 +1,7 @@
 """The GPU kit's served measure: a real `vitserve serve`, loaded by wrk on cores of its own, the GPU watched.
 
-The first GPU run's served figures came from the bench's Python client on the same cores as the server, so they
-could not say whether the server or the client was the limit. Here the load is Debian's `wrk` (C, a few percent of
+A Python client on the same cores as the server could not say whether the server or the client was the limit.
+Here the load is Debian's `wrk` (C, a few percent of
 a core per thousand requests/s) pinned with `taskset` to the last `client_cores` cores, the server to the others,
 and each level reports the client's CPU beside the server's and the GPU's utilisation sampled by `nvidia-smi`
 while the level ran. The body is one JPEG sent raw (`Content-Type: image/jpeg`) to `/v1/classify`.

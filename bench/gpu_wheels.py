@@ -1,8 +1,9 @@
-"""`python -m vitserve.bench.gpu_wheels --out .whl`: a folder of wheels that lets a lent GPU machine without a network run
-vitserve on onnxruntime-gpu's CUDAExecutionProvider.
+"""`python -m vitserve.bench.gpu_wheels --out .whl`: a folder of wheels that lets a GPU machine without network access
+run vitserve on onnxruntime-gpu's CUDAExecutionProvider.
 
-Why this exists: the lent machine (x86-64, H100 = sm_90, CPython 3.12, torch with NVIDIA's CUDA 13 / cuDNN 9 pip
-libraries, onnxruntime CPU) has no network, and everything carried to it (repo and wheels) must fit in 64 MiB.
+Why this exists: such a machine (here x86-64, H100 or H200 = sm_90, CPython 3.12, torch with NVIDIA's CUDA 13 /
+cuDNN 9 pip libraries, onnxruntime CPU) cannot install from PyPI, and everything copied to it (the repository and the
+wheels) is best kept small (`--max-mib`).
 onnxruntime-gpu's wheel is ~245 MB, nearly all of it libonnxruntime_providers_cuda.so's `.nv_fatbin` section:
 GPU code for sm_75, 80, 86, 89, 90 and 120. So this script:
 

@@ -4,7 +4,7 @@ Candidates from the same float32 graph (the fast path: logits and rollout), agai
 - `static QDQ (shipped)`: export/int8.py's quantize_int8, weights and activations int8 per channel, activation
   scales calibrated on `--calibration-images` images of the set (the first ones; the accuracy is measured on all);
 - `dynamic`: ONNX Runtime's quantize_dynamic (every Linear layer's weights int8 per channel, activations quantized
-  per call from the batch's own range), what vitserve shipped before issue 38;
+  per call from the batch's own range), which makes an image's answer depend on its batch-mates;
 - `dynamic, head float`: the same with the classifier head kept in float32.
 For each: accuracy, top-1 agreement with float32, the rollout's Spearman correlation with float32's (mean and
 min over 200 images), **batch invariance** (the first `--invariance-images` images run alone and in batches of 16

@@ -388,7 +388,8 @@ def recovery(probes: list[Answer], stopped: float, unloaded_p99_ms: float) -> di
 
 
 def overload_targets(row: dict, deadline_s: float) -> list[dict]:
-    """The issue's targets at twice saturation, each with this run's value and whether it was met."""
+    """The overload targets at twice saturation (docs/reliability.md), each with this run's value and whether it was
+    met."""
     def p99(outcome: str) -> float | None:
         return row["outcomes"].get(outcome, {}).get("p99_ms")
 

@@ -16,7 +16,7 @@ round. Per case: the median and p90 of every call's latency and images/s; per pa
 beside it the per-round ratios (one case's median over the other's in the same round, paired against drift):
 their median, smallest and largest.
 
-The targets (the issue's): relevance_path / fast_path <= 3.0 at every batch size; fast_path / fast_only unchanged,
+The targets: relevance_path / fast_path <= 3.0 at every batch size; fast_path / fast_only unchanged,
 which this report grants only when the per-round ratios span 1.0, or all lie within 1.00 +- 0.03.
 
 With the command's parser only the standard library and bench.reliability (which `vitserve` loads anyway) load;

@@ -1,4 +1,4 @@
-"""A run's report as Markdown (the issue's target ratios first, then one table per phase), its JSON, and a plot."""
+"""A run's report as Markdown (the target ratios first, then one table per phase), its JSON, and a plot."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,7 @@ def command_line(prog: str, argv: list[str] | None) -> str:
 
 
 def targets(report: dict) -> dict:
-    """The issue's ratios, from this run's rows: saturation throughput and one-client latency, served vs raw."""
+    """The target ratios, from this run's rows: saturation throughput and one-client latency, served vs raw."""
     raw = {r["batch_size"]: r for r in report["raw"]}
     served = [r for r in report["served"] if "skipped" not in r and r["input"] == "png"]
     out: dict = {}

@@ -1,6 +1,5 @@
 """`python -m vitserve.bench.request_path --baseline-commit REV`: one inference request's way through the service's
-code, in stops and rooms, for this tree and a commit before it (issue #41 asks for the path before and after a
-re-layering).
+code, in stops and rooms, for this tree and a commit before it (the path before and after a change of the layers).
 
 A request is sent to an in-process app (the bundled model, the engine in the process, gRPC on a free port) as HTTP
 `POST /v2/models/NAME/infer` (a JSON `pixel_values` tensor), as HTTP `POST /v1/classify` (a PNG) and as gRPC
@@ -39,7 +38,8 @@ def trace(model: Path, runs: int = 5) -> dict:
     import numpy as np
     from PIL import Image
     import vitserve.service
-    service_dir = str(Path(vitserve.service.__file__).resolve().parent)
+    # as Python loaded it (frames carry that path): vitserve/service, a link to service/, in a tree that has links
+    service_dir = str(Path(vitserve.service.__file__).parent)
     return asyncio.run(_trace(model, service_dir, np, Image, runs))
 
 
@@ -126,7 +126,7 @@ def run_tree(tree: Path, model: Path) -> dict:
 
 
 def report(results: dict, baseline: str, head: str) -> str:
-    lines = ["# One request's path through the service, before and after (issue #41)", "",
+    lines = ["# One request's path through the service, before and after", "",
              f"`python -m vitserve.bench.request_path --baseline-commit {baseline[:12]}`: this tree ({head}) and "
              f"commit `{baseline[:12]}`, each in its own process, the bundled model, the engine in the process. "
              f"See bench/request_path.py for what a stop, a room and a visit are (the front end's event-loop thread "

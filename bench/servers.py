@@ -109,7 +109,7 @@ class ServerProcess:
 
     def _every_worker_ready(self) -> bool:
         """A vitserve server is ready when its first worker is; a measurement waits for all of them, or the
-        connections it opens land on the few already up (on a lent GPU machine 6 of 14 took the first level's).
+        connections it opens land on the few already up (on a 16-core GPU machine 6 of 14 took the first level's).
         A server without these metrics (a peer, the bare app) counts as ready."""
         workers = scrape_metrics(self.port, WORKER_METRICS)
         return len(workers) < 2 or workers["vitserve_http_workers_ready"] >= workers["vitserve_http_workers"]

@@ -15,8 +15,11 @@ OTHER_PROJECTS = ("docs/protocol/", "docs/predict-api/")
 
 
 def tracked(*patterns: str) -> list[Path]:
-    listed = subprocess.run(["git", "ls-files", "-z", *patterns], cwd=REPO, capture_output=True, check=True).stdout
-    return [REPO / name for name in listed.decode().split("\0") if name]
+    """The repository's files as the working tree has them: tracked and new ones (not ignored), less those deleted, so
+    a move is checked before it is committed."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard", *patterns],
+                            cwd=REPO, capture_output=True, check=True).stdout
+    return [REPO / name for name in dict.fromkeys(listed.decode().split("\0")) if name and (REPO / name).is_file()]
 
 
 def markdown_files() -> list[Path]:

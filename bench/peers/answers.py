@@ -17,7 +17,8 @@ from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
 
 TOLERANCE = 1e-4
 # a server computing in bfloat16 (8 bits of mantissa) against the float32 session: the default model's logits move by
-# up to 0.035 in bf16 (docs/results/bench-runtimes-zen4-default.md), ViT-S/16's by 0.24 of about 5
+# up to 0.047 in bf16 (docs/results/bench-runtimes.md), ViT-S/16's by 0.39 of about 5
+# (docs/results/bench-runtimes-vit-s16.md)
 BF16_TOLERANCE = 0.05
 
 

@@ -49,7 +49,7 @@ class ModelUnderTest:
     concurrency: list[int]
     duration_s: int  # measured wrk run per level
     work_dir: Path
-    temperature: float = 1.0  # the file's (vitserve serves softmax(logits / T) on /v1 since issue #42)
+    temperature: float = 1.0  # the file's (vitserve serves softmax(logits / T) on /v1)
 
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
