@@ -46,7 +46,7 @@ setup-dev: $(VENV)/.dev-installed
 serve: $(VENV)/.serve-installed
 	$(BIN)/vitserve serve --model $(SERVE_MODEL) --host $(HOST) --port $(PORT)
 
-test: $(VENV)/.dev-installed
+test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The linter and the type checker over model/, export/, service/ and vitserve/ (settings: pyproject.toml)
