@@ -4,7 +4,7 @@ Decoding is most of a request's CPU once the model runs on a GPU, and the format
 several times a JPEG of the same size). For real photos (scikit-image's) at 224x224, 640x480 and 1920x1080, encoded
 as PNG and as JPEG (quality 90), each decoder runs alone on one thread (the server decodes on a pool of such
 threads): the median ms per image over alternating rounds, and images/s per core. Two columns decode to the model's
-input, 224x224 RGB: the full decode followed by a resize, and what the server does (service/core/preprocess.py:
+input, 224x224 RGB: the full decode followed by a resize, and what the server does (service/usecases/preprocess.py:
 Pillow's JPEG draft mode, which lets libjpeg scale by 1/2, 1/4 or 1/8 inside the DCT, then the resize).
 
 Decoders: Pillow (the server's), Pillow with `draft`, and simplejpeg (libjpeg-turbo's API, with its own DCT

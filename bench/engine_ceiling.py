@@ -1,7 +1,7 @@
 """`python -m vitserve.bench.engine_ceiling`: how many images per second the engine process moves when the model costs nothing.
 
 On a GPU the model is fast and the serving machinery around it sets the pace. This takes the HTTP side away: an
-engine process (service/engine/process.py, as `vitserve serve` starts it) serves a model whose graph does almost no
+engine process (service/engine/server.py, as `vitserve serve` starts it) serves a model whose graph does almost no
 arithmetic (a mean and an average pool, at 8x8 pixels: `zero_cost_model`), and submitter processes drive it
 through the frontends' own client (`RemoteEngine`: shared memory for the pixels, ZeroMQ and msgspec for the
 messages), each with many requests in flight, for `--seconds`. Reported per level: images/s, the engine process's

@@ -24,7 +24,7 @@ from vitserve.bench.oip import decode_outputs, infer_target
 from vitserve.bench.report import command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 from vitserve.model.config import FASHION_MNIST_DIR
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, pack_bytes
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH, join_body, pack_bytes
 
 FASHION_MNIST_TEST = Path(FASHION_MNIST_DIR) / "t10k-images-idx3-ubyte.gz"
 

@@ -34,7 +34,7 @@ from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import publish
 from vitserve.bench.servers import free_port
 from vitserve.bench.shadow import machine, png, test_images
-from vitserve.service.engine.process import PROCESS_NAME as ENGINE_PROCESS_NAME
+from vitserve.service.engine.server import PROCESS_NAME as ENGINE_PROCESS_NAME
 
 
 def serve(model: Path) -> tuple[subprocess.Popen, str]:

@@ -10,7 +10,7 @@
 - `classify` (the reference): `POST /v1/classify` with the PNG as the body, as the throughput mode sends it.
 
 The pixel tensors are the server's own preprocessing of the PNGs (bench/raw.py), and the bodies are framed by
-service/protocols/binary_tensors.py, the module the server reads them with. One request per encoding goes first: its
+service/schemas/binary_tensors.py, the module the server reads them with. One request per encoding goes first: its
 answer's size is reported, its logits are compared with json's, and an encoding the server refuses is reported as
 such instead of measured. Then, since this machine's speed drifts, the encodings run side by side: for each
 client count, `rounds` rounds each running every encoding once (a closed loop, bench/load.py), the order reversed
@@ -34,9 +34,9 @@ from vitserve.bench.load import encode_request, make_images, settle
 from vitserve.bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
 from vitserve.bench.run import run_level
 from vitserve.bench.servers import free_port, server_settings
-from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
+from vitserve.service.schemas.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
                                     tensor_bytes)
-from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME
+from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 ENCODINGS = ("json", "binary", "image", "classify")

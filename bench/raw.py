@@ -51,7 +51,7 @@ def model_summary(model, path: Path) -> dict:
 
 def preprocessed(model, images: list[bytes]) -> np.ndarray:
     """The server's own preprocessing of `images` (default settings, resize=fit): (n, C, H, W)."""
-    from vitserve.service.core.preprocess import prepare_image
+    from vitserve.service.usecases.preprocess import prepare_image
     from vitserve.service.ground.settings import Settings
 
     s = Settings()

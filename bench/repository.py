@@ -34,7 +34,7 @@ from vitserve.bench.servers import free_port
 
 ADMIN_KEY = "bench-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
-ENGINE_NAME = "vitserve-engine"  # service/engine/process.py's PROCESS_NAME
+ENGINE_NAME = "vitserve-engine"  # service/engine/server.py's PROCESS_NAME
 BURNER = ("import os, numpy as np\nos.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))\n"
           "x = np.ones((1024, 1024), np.float32)\nwhile True:\n    x @ x")
 

@@ -1,5 +1,5 @@
 """`create_app(settings)` builds the FastAPI app and nothing else: heavy state (the ONNX session, the
-batcher, the thread pool) is made in the lifespan and reached through `service.core.state` dependencies.
+batcher, the thread pool) is made in the lifespan and reached through `service.usecases.state` dependencies.
 """
 from __future__ import annotations
 
@@ -13,20 +13,19 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
-from vitserve.service.core.state import ServiceState
 from vitserve.service.engine import Engine
 from vitserve.service.engine.runtime import InferenceModel
 from vitserve.service.ground import tracing
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.memory import freeze_startup_objects
 from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.ground.requests import RequestRecord
+from vitserve.service.ground.request_record import RequestRecord
 from vitserve.service.ground.settings import Settings
-from vitserve.service.http import infer_lane
+from vitserve.service.http import infer_lane, inference_routes
 from vitserve.service.http.compression import ResponseCompression
-from vitserve.service.http.dependencies import early_refusal, inference_route
 from vitserve.service.http.errors import error_answer, error_headers, service_error_answer, validation_error_answer
-from vitserve.service.http.routes import classify, embed, open_inference, operations, repository, web
+from vitserve.service.http.routes import open_inference, operations, repository, web
+from vitserve.service.usecases.state import ServiceState
 
 log = logging.getLogger("vitserve.app")
 
@@ -43,7 +42,7 @@ async def lifespan(app: FastAPI):
             await grpc_front_end.start()
         freeze_startup_objects()
         # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
-        yield {"early_refusal": early_refusal(state)}
+        yield {"early_refusal": inference_routes.early_refusal(state)}
     finally:
         if grpc_front_end is not None:
             await grpc_front_end.stop()
@@ -74,8 +73,8 @@ def create_app(settings: Settings | None = None, *, model: InferenceModel | None
                        max_bytes=settings.compress_max_bytes)
     app.add_middleware(RequestRecordMiddleware, metrics=metrics, traced=tracing.enabled())
     # the web page and the docs last: routing an API request never looks at their routes
-    for router in (classify.router, embed.router, repository.router, open_inference.router, operations.router,
-                   web.router):
+    # the inference routes are the lane's (service/http/inference_routes.py): the router never sees them
+    for router in (repository.router, open_inference.router, operations.router, web.router):
         app.include_router(router)
     return app
 
@@ -88,13 +87,13 @@ class ServiceApp(FastAPI):
 
 
 def openapi_document(app: FastAPI) -> dict:
-    """FastAPI's document of the app's routes and the infer lane's, without the 422 `HTTPValidationError` it adds to
-    every route with a path parameter: a path parameter here is a plain string that cannot fail, and the service
-    never sends that shape (each route declares the errors it really answers, in its protocol's shape)."""
+    """The inference route table's paths (service/http/inference_routes.py), then FastAPI's document of the
+    router's, without the 422 `HTTPValidationError` it adds to every route with a path parameter: a path parameter
+    here is a plain string that cannot fail, and the service never sends that shape (each route declares the errors
+    it really answers, in its protocol's shape)."""
     if app.openapi_schema is None:
-        # the infer lane's paths are not the router's: their declarations document them (service/http/infer_lane.py)
-        routes = [*infer_lane.documented_routes(), *app.routes]
-        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
+        spec = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        spec["paths"] = {**inference_routes.openapi_paths(), **spec["paths"]}
         for methods in spec["paths"].values():
             for operation in methods.values():
                 answer = operation["responses"].get("422", {})
@@ -148,8 +147,8 @@ def install_error_handlers(app: FastAPI, metrics: ServiceMetrics) -> None:
 
 
 class RequestRecordMiddleware:
-    """Pure ASGI middleware, the outermost: each HTTP request's record (service/ground/requests.py): in flight, its
-    duration by route template, status and the version that ran it; with tracing on (`traced`), an inference
+    """Pure ASGI middleware, the outermost: each HTTP request's record (service/ground/request_record.py): in flight,
+    its duration by route template, status and the version that ran it; with tracing on (`traced`), an inference
     request (never health, metrics or the web page) also gets a SERVER span, the child of the caller's W3C
     `traceparent` header when it sent one. Off, tracing costs nothing per request."""
 
@@ -159,7 +158,7 @@ class RequestRecordMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = inference_route(scope["method"].encode(), scope["path"]) if self.traced else None
+        route = inference_routes.template_of(scope["method"], scope["path"]) if self.traced else None
         if route is None:
             return await self._recorded(scope, receive, send, None)
         carrier = {key.decode("latin-1"): value.decode("latin-1") for key, value in scope["headers"]
@@ -181,9 +180,11 @@ class RequestRecordMiddleware:
         try:
             await self.app(scope, receive, send_with_status)
         finally:
-            endpoint = getattr(scope.get("route"), "path", None) or "unmatched"
+            state = scope.get("state", {})
+            # an inference route's template (the lane's), or the router's route
+            endpoint = state.get("endpoint") or getattr(scope.get("route"), "path", None) or "unmatched"
             # the model version the request ran on (set by the call pipeline's routing), if any
-            model, version = scope.get("state", {}).get("served", ("", ""))
+            model, version = state.get("served", ("", ""))
             if span is not None:
                 span.set_attribute("http.response.status_code", status)
             record.done(endpoint, status, fault=status >= 500, model=model, version=version)

@@ -264,7 +264,7 @@ def _engines(settings: Settings):
         yield settings.model_copy(update={"engine_addresses": supervisor.addresses})
 
 
-# uvicorn's own graceful timeout comes this long after the service's drain (service/core/state.py), so requests
+# uvicorn's own graceful timeout comes this long after the service's drain (service/usecases/state.py), so requests
 # still waiting at the end of the drain get the service's JSON 503, never uvicorn's cancellation.
 DRAIN_MARGIN_S = 1.0
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from vitserve.help_format import DefaultsHelpFormatter
 
 if TYPE_CHECKING:  # the service's modules are imported only when a predictor is made
-    from vitserve.service.core.preprocess import ResizePolicy
+    from vitserve.service.usecases.preprocess import ResizePolicy
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 # The long side an overlay file gets at least: the server draws it at the input's size, and a 28x28 Fashion-MNIST
@@ -37,14 +37,14 @@ class Prediction:
 
 
 class LocalPredictor:
-    """The model in this process: service.engine.runtime's session, service.core.preprocess,
-    service.core.postprocess."""
+    """The model in this process: service.engine.runtime's session, service.usecases.preprocess,
+    service.usecases.postprocess."""
 
     def __init__(self, model_path: Path, top_k: int, resize: ResizePolicy, map_kind: str = "rollout",
                  target: str | None = None):
-        from vitserve.service.core.explanations import relevance_target
         from vitserve.service.engine.runtime import OnnxModel
         from vitserve.service.ground.settings import Settings
+        from vitserve.service.usecases.explanations import relevance_target
 
         logging.getLogger("vitserve.runtime").setLevel(logging.ERROR)  # not "CUDA skipped" on every CPU run
         self.settings = Settings(model_path=model_path)
@@ -54,10 +54,10 @@ class LocalPredictor:
         self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
 
     def predict(self, image: Path, want_overlay: bool) -> Prediction:
-        from vitserve.service.core.postprocess import encode_result  # the server's own encoding: same answers
-        from vitserve.service.core.preprocess import prepare_image
         from vitserve.service.ground.errors import ServiceError
-        from vitserve.service.protocols.schemas import RolloutImage
+        from vitserve.service.schemas.v1 import RolloutImage
+        from vitserve.service.usecases.postprocess import encode_result  # the server's own encoding: same answers
+        from vitserve.service.usecases.preprocess import prepare_image
 
         s, info = self.settings, self.model.info
         try:

@@ -4,12 +4,12 @@ import inside a function counts as much as one at the top, and a relative import
 - The product (model/, export/, service/, vitserve/) imports neither its benchmark (bench/) nor the evaluation
   research (evaluation/): tools stand beside the product, and may import it, never the other way.
 - service/ never imports torch: the serving images have none.
-- Below the transports (service/ground/, engine/, core/, protocols/) nothing imports a web or RPC framework
+- Below the transports (service/ground/, engine/, usecases/, schemas/) nothing imports a web or RPC framework
   (fastapi, starlette, uvicorn, grpc).
 - The service's floors (docs/architecture.md): the ground (service/ground/: errors, deadlines, memory, metrics,
   settings, tracing, logs) imports nothing of the service above it; the repository's disk layout
   (service/repository/) only the ground; the engine (service/engine/, which owns the registry) only the ground
-  and the repository's layout; the use cases (service/core/) and protocols (service/protocols/) those and each
+  and the repository's layout; the use cases (service/usecases/) and protocols (service/schemas/) those and each
   other, never a transport (service/http/, service/grpc/, the entry points).
 - Every layer is imported under the one name `vitserve` (vitserve.model, vitserve.service, ...): no file imports
   `model`, `export`, `service`, `bench` or `evaluation` as a top-level package (issue 40: those names in
@@ -38,11 +38,12 @@ WEB_AND_RPC = ("fastapi", "starlette", "uvicorn", "grpc")
 
 # (folder, the top-level packages that nothing under it may import)
 RULES = [*((folder, TOOLS) for folder in PRODUCT), ("service", ("torch",)),
-         *((f"service/{floor}", WEB_AND_RPC) for floor in ("ground", "engine", "core", "protocols"))]
+         *((f"service/{floor}", WEB_AND_RPC) for floor in ("ground", "engine", "usecases", "schemas"))]
 # (folder, the parts of the service it may import): a floor imports only the floors below it
 FLOORS = [("service/ground", ("ground",)), ("service/repository", ("ground", "repository")),
           ("service/engine", ("ground", "repository", "engine")),
-          *((f"service/{floor}", ("ground", "repository", "engine", "core", "protocols")) for floor in ("core", "protocols"))]
+          *((f"service/{floor}", ("ground", "repository", "engine", "usecases", "schemas"))
+            for floor in ("usecases", "schemas"))]
 
 
 def imported_modules(path: Path, root: Path) -> list[tuple[int, str]]:
@@ -107,10 +108,10 @@ def test_the_floor_rule_finds_a_planted_import(tmp_path):
                "service/ground/metrics.py": "from . import settings\nfrom .. import app\n",
                "service/repository/layout.py": "from vitserve.service.engine import registry\n",
                "service/engine/registry.py": "from vitserve.service.repository.layout import x\n"
-                                             "import vitserve.service.core.state\nfrom vitserve.service import engine\n",
-               "service/core/inference.py": "from vitserve.service.engine import Engine\n"
+                                             "import vitserve.service.usecases.state\nfrom vitserve.service import engine\n",
+               "service/usecases/inference.py": "from vitserve.service.engine import Engine\n"
                                             "from vitserve.service.http.errors import status_code\n",
-               "service/protocols/binary_tensors.py": "from vitserve.service.core import state\n"
+               "service/schemas/binary_tensors.py": "from vitserve.service.usecases import state\n"
                                                      "from vitserve.service.grpc import messages\n"}
     for name, text in planted.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -120,10 +121,10 @@ def test_the_floor_rule_finds_a_planted_import(tmp_path):
                            "service/ground/metrics.py:2 imports vitserve.service.app"],
         "service/repository": ["service/repository/layout.py:1 imports vitserve.service.engine"],
         # `from vitserve.service import engine` names no floor: it must be written from the floor's own package
-        "service/engine": ["service/engine/registry.py:2 imports vitserve.service.core.state",
+        "service/engine": ["service/engine/registry.py:2 imports vitserve.service.usecases.state",
                            "service/engine/registry.py:3 imports vitserve.service"],
-        "service/core": ["service/core/inference.py:2 imports vitserve.service.http.errors"],
-        "service/protocols": ["service/protocols/binary_tensors.py:2 imports vitserve.service.grpc"]}
+        "service/usecases": ["service/usecases/inference.py:2 imports vitserve.service.http.errors"],
+        "service/schemas": ["service/schemas/binary_tensors.py:2 imports vitserve.service.grpc"]}
 
 
 def test_each_rule_finds_a_planted_import(tmp_path):
@@ -136,8 +137,8 @@ def test_each_rule_finds_a_planted_import(tmp_path):
         "service/engine/batcher.py": "from .. import errors\nfrom fastapi import Request\n",
         "service/engine/runtime.py": "from grpc import aio\n",
         "service/ground/tracing.py": "import uvicorn.config\n",
-        "service/core/state.py": "from fastapi import Request\n",
-        "service/protocols/schemas.py": "import numpy\nimport starlette.responses\n",
+        "service/usecases/state.py": "from fastapi import Request\n",
+        "service/schemas/v1.py": "import numpy\nimport starlette.responses\n",
         "service/http/app.py": "from starlette.requests import Request\nfrom torch import nn\n",
         "service/app.py": "import benchmarks\nimport evaluations.x\nfrom vitserve.service.engine import runtime\n",
     }
@@ -154,8 +155,8 @@ def test_each_rule_finds_a_planted_import(tmp_path):
         ("service/engine", WEB_AND_RPC): ["service/engine/batcher.py:2 imports fastapi",
                                           "service/engine/runtime.py:1 imports grpc"],
         ("service/ground", WEB_AND_RPC): ["service/ground/tracing.py:1 imports uvicorn.config"],
-        ("service/core", WEB_AND_RPC): ["service/core/state.py:1 imports fastapi"],
-        ("service/protocols", WEB_AND_RPC): ["service/protocols/schemas.py:2 imports starlette.responses"],
+        ("service/usecases", WEB_AND_RPC): ["service/usecases/state.py:1 imports fastapi"],
+        ("service/schemas", WEB_AND_RPC): ["service/schemas/v1.py:2 imports starlette.responses"],
     }
     assert imported_modules(tmp_path / "service/engine/batcher.py", tmp_path) == [
         (1, "vitserve.service.errors"), (2, "fastapi")]

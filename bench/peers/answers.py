@@ -13,7 +13,7 @@ import numpy as np
 from vitserve.bench.oip import decode_outputs
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.image_classifier import softmax
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH
 
 TOLERANCE = 1e-4
 # a server computing in bfloat16 (8 bits of mantissa) against the float32 session: the default model's logits move by

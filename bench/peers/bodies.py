@@ -1,5 +1,5 @@
 """What each server is sent on each path: one request (target, body, headers) per server and path, for the same
-image. The Open Inference Protocol bodies are bench/oip.py's (framed by service/protocols/binary_tensors.py), byte for byte
+image. The Open Inference Protocol bodies are bench/oip.py's (framed by service/schemas/binary_tensors.py), byte for byte
 the same to vitserve and to Triton.
 
 - `image`: each server's own way of taking an encoded image. vitserve: `POST /v1/classify`, the PNG as the body
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from vitserve.bench.oip import binary_request, classify_request, infer_target, json_request
-from vitserve.service.protocols.binary_tensors import join_body, pack_bytes
+from vitserve.service.schemas.binary_tensors import join_body, pack_bytes
 
 TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL = "vit-image", "vit-tensor"  # bench/peers/triton_server.py binds these
 BOUNDARY = "vitserve-bench-boundary"

@@ -1,9 +1,9 @@
-"""The per-image work every peer server does, the same as vitserve's: `service.core.preprocess.prepare_image` (Pillow
+"""The per-image work every peer server does, the same as vitserve's: `service.usecases.preprocess.prepare_image` (Pillow
 decode, resize, normalise), one ONNX Runtime call per batch returning logits and rollout, then the top 5 classes
-and the rollout grid scaled to [0, 1] (as service/core/postprocess.py computes them).
+and the rollout grid scaled to [0, 1] (as service/usecases/postprocess.py computes them).
 
 It runs inside the peers' own virtual environments (Triton's, LitServe's), which hold numpy, Pillow and onnxruntime
-and nothing of vitserve's serving stack: so this module imports only `service.core.preprocess` and `vitserve.onnx_header`
+and nothing of vitserve's serving stack: so this module imports only `service.usecases.preprocess` and `vitserve.onnx_header`
 (both pure), and writes down vitserve's default limits and session options instead of importing `service.settings`
 (pydantic). tests/bench/test_peers.py holds them equal to vitserve's. With `openvino_precision` (Triton's venv holds
 onnx and openvino for it) the model is compiled by vitserve's own `OpenVinoModel.compile` and `graph_paths`, which
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from vitserve.service.core.preprocess import prepare_image
+from vitserve.service.usecases.preprocess import prepare_image
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.onnx_header import read_model_info
 

@@ -188,7 +188,7 @@ class DynamicBatcher:
                 light: bool = False) -> asyncio.Future:
         """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
         item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
-        from the futures' callbacks (service/engine/process.py). Raises NotReady or QueueFullError at once."""
+        from the futures' callbacks (service/engine/server.py). Raises NotReady or QueueFullError at once."""
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:

@@ -1,7 +1,7 @@
 """`LocalEngine`: the model registry (every served version's session and batcher) in this process.
 
 It is the whole engine of a single-process server (`--engine inline`, and the tests), and the inside of an
-engine process (`service/engine/process.py`), which feeds it what every HTTP frontend submits.
+engine process (`service/engine/server.py`), which feeds it what every HTTP frontend submits.
 `start` loads the models the server starts with (a bad single model file stops startup); `ready` turns true
 once they are loaded and warmed up.
 """

@@ -41,7 +41,7 @@ from vitserve.service.engine.messages import (
 )
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.shm import ArenaFull, TensorArena
-from vitserve.service.engine.views import WorkerViews
+from vitserve.service.engine.worker_generations import WorkerViews
 from vitserve.service.ground.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.settings import Settings

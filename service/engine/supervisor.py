@@ -79,7 +79,7 @@ class EngineSupervisor:
 
     def _spawn(self, engine: _Engine) -> Connection:
         """Start `engine`'s process; the pipe end that will say whether it loaded the model."""
-        from vitserve.service.engine.process import run_engine_process
+        from vitserve.service.engine.server import run_engine_process
         receiving, sending = self._context.Pipe(duplex=False)
         process = self._context.Process(target=run_engine_process, name=f"vitserve-engine-{engine.device}",
                                         args=(engine.settings, engine.address, self._stop, os.getpid(), sending))

@@ -101,7 +101,7 @@ class ServiceMetrics:
                                              buckets=RANK_CORRELATION_BUCKETS)
         self.shadow_latency = metric(Histogram, "vitserve_shadow_latency_seconds", "From a copy's offer to the "
                                      "shadow's result (its queue wait included)", pair, buckets=LATENCY_BUCKETS)
-        # By batch size, for the Open Inference Protocol's statistics extension (service/protocols/statistics.py); the
+        # By batch size, for the Open Inference Protocol's statistics extension (service/schemas/statistics.py); the
         # label has at most max_batch_size values.
         self.batches = metric(Counter, "vitserve_batches", "ONNX Runtime calls, by batch size",
                               [*per_model, "batch_size"])

@@ -1,8 +1,8 @@
 """Triton's gRPC messages (package `inference`) to and from the protocol's plain data: a `ModelInferRequest` is read
-field by field into the same `InferCall` a /v2 body makes (`checked_call` holds /v2's limits for a request no JSON
-parser has seen, then the one `build_call` both share), its input's values always one binary section (raw, or the
-typed contents packed as raw); the answers are the same dictionaries and models the /v2 routes send, written as
-messages. No grpc here, and none of HTTP's request models: protobuf messages only.
+field by field into the same `ParsedInferRequest` a /v2 body makes (`checked_infer_request` holds /v2's limits for a
+request no JSON parser has seen, then the one `build_infer_request` both share), its input's values always one binary
+section (raw, or the typed contents packed as raw); the answers are the same dictionaries and models the /v2 routes
+send, written as messages. No grpc here, and none of HTTP's request models: protobuf messages only.
 """
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from google.protobuf import json_format
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import model_config_pb2
-from vitserve.service.protocols.binary_tensors import pack_bytes
-from vitserve.service.protocols.inference_protocol import (
-    InferCall,
+from vitserve.service.schemas.binary_tensors import pack_bytes
+from vitserve.service.schemas.inference_protocol import (
+    ParsedInferRequest,
     ProtocolLimits,
     TensorInput,
-    checked_call,
+    checked_infer_request,
     output_arrays,
     raw_bytes,
 )
-from vitserve.service.protocols.schemas import ModelMetadata
+from vitserve.service.schemas.v1 import ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
 CONTENTS_FIELDS = {"FP32": "fp32_contents", "UINT8": "uint_contents", "BYTES": "bytes_contents"}
@@ -36,7 +36,7 @@ def parameter_values(parameters) -> dict:
     return values
 
 
-def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCall:
+def parsed_from_grpc(request: pb.ModelInferRequest, limits: ProtocolLimits) -> ParsedInferRequest:
     """The call a ModelInferRequest makes: its one input from `raw_input_contents` (as Triton's clients send it)
     or from the typed `contents`, validated as /v2 validates a request with binary tensors."""
     if len(request.inputs) != 1:
@@ -55,7 +55,7 @@ def infer_call(request: pb.ModelInferRequest, limits: ProtocolLimits) -> InferCa
         raise InvalidParameter("inputs.0 has no contents and there is no raw_input_contents")
     tensor_in = TensorInput(tensor.name, tensor.datatype, list(tensor.shape))
     outputs = [(o.name, parameter_values(o.parameters)) for o in request.outputs] if request.outputs else None
-    return checked_call(request.id, parameter_values(request.parameters), tensor_in,
+    return checked_infer_request(request.id, parameter_values(request.parameters), tensor_in,
                         parameter_values(tensor.parameters), memoryview(section), outputs, limits)
 
 
@@ -82,7 +82,7 @@ def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:
     return np.asarray(tensor.contents.fp32_contents, dtype="<f4").tobytes()
 
 
-def infer_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
+def infer_response(call: ParsedInferRequest, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
                    labels: list[str]) -> pb.ModelInferResponse:
     """The outputs asked for, each as raw bytes (Triton's server sends every output so)."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=model_version, id=call.id or "")

@@ -19,10 +19,10 @@ import logging
 
 import grpc
 
-from vitserve.service.core.state import ServiceState
 from vitserve.service.ground.settings import Settings
 from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from vitserve.service.grpc.servicer import RESPONSE_COMPRESSIONS, InferenceServicer
+from vitserve.service.usecases.state import ServiceState
 
 log = logging.getLogger("vitserve.grpc")
 

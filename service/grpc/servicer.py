@@ -1,5 +1,5 @@
-"""Triton's `GRPCInferenceService` over the same inference core as /v2: every RPC translates its message into the
-calls the HTTP routes make (service/core/inference.py) and the answer back, so limits, deadlines, admission,
+"""Triton's `GRPCInferenceService` over the same use cases as /v2: every RPC translates its message into the
+calls the HTTP routes make (service/usecases/inference.py) and the answer back, so limits, deadlines, admission,
 keys and metrics are the same on both transports.
 
 Errors: every `ServiceError` becomes the gRPC status Triton would send for it (`GRPC_CODES`, by its kind; no
@@ -17,18 +17,18 @@ import time
 
 import grpc
 
-from vitserve.service.core import inference, pipeline
-from vitserve.service.core.keys import check_authorization, check_repository_access
-from vitserve.service.core.state import ServiceState
 from vitserve.service.ground import errors, tracing
 from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
-from vitserve.service.ground.requests import RequestRecord
+from vitserve.service.ground.request_record import RequestRecord
 from vitserve.service.grpc import messages
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from vitserve.service.protocols.inference_protocol import limits_for
-from vitserve.service.protocols.model_config import model_metadata, server_document
 from vitserve.service.repository.layout import check_model_name
+from vitserve.service.schemas.inference_protocol import limits_for
+from vitserve.service.schemas.model_config import model_metadata, server_document
+from vitserve.service.usecases import inference, pipeline
+from vitserve.service.usecases.keys import check_authorization, check_repository_access
+from vitserve.service.usecases.state import ServiceState
 
 log = logging.getLogger("vitserve.grpc")
 
@@ -218,7 +218,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         with pipeline.admit(state, request.model_name, on_route=lambda n, v: served.update(name=n, version=v)) as call:
             handle = call.route(request.model_name, request.model_version or None)
             call.shorten(context.time_remaining())
-            parsed = messages.infer_call(request, limits_for(state.settings, handle.info))
+            parsed = messages.parsed_from_grpc(request, limits_for(state.settings, handle.info))
             parse_s = time.perf_counter() - call.started
             return await inference.infer(
                 call, parsed, parse_s,

@@ -1,2 +1,2 @@
 """The HTTP edge: the connection (uvicorn's protocol with early refusal and limits), the routes, uploads and keys.
-Routes only translate HTTP into the inference core's calls (service/core/inference.py)."""
+Routes only translate HTTP into the use cases' calls (service/usecases/inference.py)."""

@@ -1,4 +1,4 @@
-"""Keys on HTTP (service/core/keys.py): the repository API needs the admin key (`--admin-key`); with
+"""Keys on HTTP (service/usecases/keys.py): the repository API needs the admin key (`--admin-key`); with
 `--api-key`, the inference and model routes need that key too. Health, metrics, the web page's files and the
 docs stay open (probes and scrapers carry no key).
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 from fastapi import Request
 from pydantic import SecretStr
 
-from vitserve.service.core.keys import check_authorization, check_repository_access
+from vitserve.service.usecases.keys import check_authorization, check_repository_access
 
 OPEN_PROTOCOL_PATHS = frozenset({"/v2", "/v2/health/live", "/v2/health/ready"})
 

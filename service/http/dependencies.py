@@ -1,20 +1,23 @@
-"""How HTTP reaches the serving state and enters the call pipeline (service/core/pipeline.py): FastAPI's
-dependencies (the state; the ready state; the admitted call, in flight until the route returns), `admitted_call`
-(the one way every HTTP inference request is admitted, by the infer lane and by that dependency), the path helpers
-that read an inference request's route and model from its request line, and the connection's early refusal built
-from them.
+"""How HTTP reaches the serving state and enters the call pipeline (service/usecases/pipeline.py): FastAPI's
+dependencies of the model and health routes (the state; the ready state), `admitted_call` (the one way every HTTP
+inference request is admitted: the handlers of the inference route table, service/http/inference_routes.py, enter
+it), `query_parameters` (a query checked against its model as FastAPI checks one), and the model an inference path
+names.
 """
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractContextManager
+from typing import TypeVar
 
 from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from pydantic import BaseModel, ValidationError
 
-from vitserve.service.core import pipeline
-from vitserve.service.core.pipeline import Call
-from vitserve.service.core.state import ServiceState
-from vitserve.service.ground.errors import ServiceError
+from vitserve.service.usecases import pipeline
+from vitserve.service.usecases.pipeline import Call
+from vitserve.service.usecases.state import ServiceState
+
+Q = TypeVar("Q", bound=BaseModel)
 
 
 # The dependencies are coroutines, though they wait for nothing: FastAPI runs a plain function dependency in its
@@ -24,32 +27,12 @@ async def get_state(request: Request) -> ServiceState:
     return request.app.state.service
 
 
-def inference_route(method: bytes, path: str) -> str | None:
-    """The inference route a request line asks for, as the connection sees it (before routing), or None."""
-    if method != b"POST":
-        return None
-    if path in ("/v1/classify", "/v1/classify/batch", "/v1/embed"):
-        return path
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
-        return "/v2/models/{name}/versions/{version}/infer" if "/versions/" in path else "/v2/models/{name}/infer"
-    return None
-
-
 def model_in_path(path: str) -> str | None:
     """The model an inference path names (/v2/models/NAME/...), or None (/v1: a query parameter, or the only
     model)."""
     if path.startswith("/v2/models/"):
         return path.split("/", 4)[3] or None
     return None
-
-
-def early_refusal(state: ServiceState) -> Callable[[bytes, str], tuple[ServiceError, int] | None]:
-    """For the connection (service/http/connection.py), from the request line alone: the error and Retry-After
-    seconds of an inference request that admission would refuse now, or None."""
-    def refuse(method: bytes, path: str) -> tuple[ServiceError, int] | None:
-        route = inference_route(method, path)
-        return None if route is None else pipeline.would_refuse(state, route, model_in_path(path))
-    return refuse
 
 
 async def get_ready_state(request: Request) -> ServiceState:
@@ -90,7 +73,10 @@ async def client_gone(request: Request) -> None:
         pass
 
 
-async def get_admitted_call(request: Request) -> AsyncIterator[Call]:
-    """Dependency of the FastAPI inference routes: `admitted_call`, in flight until the route returns."""
-    with admitted_call(request) as call:
-        yield call
+def query_parameters(request: Request, model: type[Q]) -> Q:
+    """The request's query parameters, checked against `model` as FastAPI checks a query model (a 422 naming each
+    problem by its place, `query.top_k`)."""
+    try:
+        return model.model_validate(dict(request.query_params))
+    except ValidationError as e:
+        raise RequestValidationError([{**error, "loc": ("query", *error["loc"])} for error in e.errors()]) from None

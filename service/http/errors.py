@@ -14,7 +14,6 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from vitserve.service.core.pipeline import retry_after_s
 from vitserve.service.ground.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -46,6 +45,7 @@ from vitserve.service.ground.errors import (
     VersionRetired,
 )
 from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.usecases.pipeline import retry_after_s
 
 # The single domain-error -> status-code table (most specific class first is not needed: exact types).
 STATUS_CODES: dict[type[ServiceError], int] = {

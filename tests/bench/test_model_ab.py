@@ -81,6 +81,6 @@ def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx,
     assert engine["total"] > 0 and frontend["total"] > 0
     # each process's own code, by role: the batcher in the engine, the route in the HTTP workers
     assert any("service/engine/batcher.py" in f for f in engine["functions"])
-    assert not any("service/core/inference.py" in f for f in engine["functions"])
-    assert "classify (service/core/inference.py)" in frontend["functions"]
+    assert not any("service/usecases/inference.py" in f for f in engine["functions"])
+    assert "classify (service/usecases/inference.py)" in frontend["functions"]
 

@@ -1,4 +1,4 @@
-"""`vitserve bench --mode oip`: the request bodies (decoded back with service/protocols/binary_tensors.py, as the server
+"""`vitserve bench --mode oip`: the request bodies (decoded back with service/schemas/binary_tensors.py, as the server
 reads them), answers decoded, medians side by side, the report from a small fake result, the flags, and one tiny
 run end to end (structure and agreement, no timings)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ from vitserve.bench.cli import config_from_args, oip_config_from_args, reliabili
 from vitserve.bench.load import encode_request, make_images
 from vitserve.bench.oip import (ENCODINGS, OIP_QUICK, OipConfig, binary_request, classify_request, decode_outputs,
                        image_request, json_request, render_oip, request_bodies, summarise)
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, unpack_bytes
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, unpack_bytes
 from vitserve.cli import build_parser, main
 
 

@@ -23,7 +23,7 @@ from vitserve.bench.peers.report import render, summarise
 from vitserve.bench.peers.venvs import REQUIREMENTS
 from vitserve.bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
 from vitserve.bench.reliability import alternated
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
 
 # `wrk -t2 -c8 -d3s --timeout 30s --latency -s multipart.lua http://127.0.0.1:18200/predict` against LitServe
 WRK_OK = """Running 3s test @ http://127.0.0.1:18200/predict
@@ -328,7 +328,7 @@ def test_limits_and_session_options_are_vitserves_defaults():
 
 def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx):
     from vitserve.bench.raw import preprocessed
-    from vitserve.service.core.postprocess import encode_result
+    from vitserve.service.usecases.postprocess import encode_result
     from vitserve.service.engine.runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 

@@ -10,7 +10,7 @@ import numpy as np
 from PIL import Image
 
 from vitserve.bench.perf_analyzer_inputs import main
-from vitserve.service.protocols.binary_tensors import unpack_bytes
+from vitserve.service.schemas.binary_tensors import unpack_bytes
 from vitserve.service.engine.runtime import read_model_file_info
 
 

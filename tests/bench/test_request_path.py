@@ -11,7 +11,7 @@ def test_every_transport_enters_the_one_pipeline(tiny_onnx):
     assert set(results) == set(request_path.KINDS)
     for kind, run in results.items():
         rooms = set(run["by_room"])
-        assert {"service/core/pipeline.py", "service/core/inference.py", "service/engine/local.py"} <= rooms, kind
+        assert {"service/usecases/pipeline.py", "service/usecases/inference.py", "service/engine/local.py"} <= rooms, kind
         assert run["stops"] == len(run["path"]) and run["rooms"] == len(rooms)
         assert run["path"][0].startswith(("service/app.py", "service/grpc/", "service/http/")), (kind, run["path"][0])
     grpc_rooms = set(results["grpc ModelInfer (tensor)"]["by_room"])

@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vitserve.bench.servers import free_port  # the one port picker, below the ephemeral range
 from vitserve.service.app import create_app
-from vitserve.service.core.pipeline import Call
+from vitserve.service.usecases.pipeline import Call
 from vitserve.service.http.dependencies import client_gone
 from vitserve.service.http.errors import is_protocol_path
 from vitserve.service.ground.metrics import ServiceMetrics

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from starlette.requests import Request
 
-from vitserve.service.core.admission import Admission, CompletionRate, PixelBudget
+from vitserve.service.usecases.admission import Admission, CompletionRate, PixelBudget
 from vitserve.service.ground.deadlines import Deadline, StopSignal, run_within
 from vitserve.service.ground.memory import collect_cycles, freeze_startup_objects, return_large_frees_to_the_os
 from vitserve.service.engine.batcher import DynamicBatcher
@@ -342,7 +342,7 @@ def test_shedding_still_admits_the_process_s_share_of_the_engine_s_batches():
 
 
 def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_onnx):
-    from vitserve.service.core.state import ServiceState
+    from vitserve.service.usecases.state import ServiceState
     from service_fixtures import settings_for
 
     def limit(**overrides) -> int:

@@ -40,8 +40,8 @@ async def test_classify_raw_body_every_format(settings, tiny_model, fmt, content
 
 
 async def test_prediction_is_the_softmax_of_the_model_and_multipart_matches_raw(settings, tiny_model):
-    from vitserve.service.core.preprocess import prepare_image
-    from vitserve.service.core.postprocess import softmax
+    from vitserve.service.usecases.preprocess import prepare_image
+    from vitserve.service.usecases.postprocess import softmax
     data = patterned_png()
     prepared = prepare_image(data, tiny_model.info, resize="fit", max_bytes=10**7, max_pixels=10**7, max_tokens=1024)
     expected = softmax(tiny_model.run(prepared.pixels[None])[0][0])

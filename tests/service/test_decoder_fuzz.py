@@ -18,8 +18,8 @@ import pytest
 from PIL import Image
 
 from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from vitserve.service.core.postprocess import encode_result
-from vitserve.service.core.preprocess import PreparedImage, peek_pixels, prepare_image
+from vitserve.service.usecases.postprocess import encode_result
+from vitserve.service.usecases.preprocess import PreparedImage, peek_pixels, prepare_image
 from vitserve.artifact import ModelInfo
 
 DOCUMENTED_ERRORS = (ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType)

@@ -241,7 +241,7 @@ def test_a_message_the_engine_cannot_read_is_dropped_and_the_next_ones_are_taken
     # ready, and every request after it waited out its deadline
     from types import SimpleNamespace
 
-    from vitserve.service.engine.process import EngineServer
+    from vitserve.service.engine.server import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
     server._take_all([b"frontend", b"\xff not a message", Codec().encode(Cancel(7))], router=None)
     assert server.work_arrived.is_set()  # the Cancel after it was taken
@@ -254,7 +254,7 @@ async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_ar
     # STATUS_INTERVAL_S, since a frontend counts what it sent since the last one as queued
     from types import SimpleNamespace
 
-    from vitserve.service.engine.process import IDLE_STATUS_INTERVAL_S, STATUS_INTERVAL_S, EngineServer
+    from vitserve.service.engine.server import IDLE_STATUS_INTERVAL_S, STATUS_INTERVAL_S, EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings(engine_timeout_s=40.0)), "ipc://unused")
     sent: list[float] = []
 
@@ -288,7 +288,7 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     from types import SimpleNamespace
 
     from vitserve.service.engine.messages import Codec, Failure, Result, Tensor
-    from vitserve.service.engine.process import EngineServer
+    from vitserve.service.engine.server import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
     sent: list[list[bytes]] = []
 

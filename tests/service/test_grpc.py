@@ -233,9 +233,9 @@ def _raw_request(**changes) -> service_pb2.ModelInferRequest:
 
 
 def test_the_protobuf_is_held_to_v2s_limits_without_its_json_models(server):
-    """gRPC reads ModelInfer field by field (service/protocols/inference_protocol.py `checked_call`), with the
+    """gRPC reads ModelInfer field by field (service/schemas/inference_protocol.py `checked_infer_request`), with the
     limits /v2's pydantic models hold for JSON: each one refused, naming the field."""
-    from vitserve.service.protocols.schemas import (MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
+    from vitserve.service.schemas.v1 import (MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
                                                     MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
     string = service_pb2.InferParameter
     cases = [
@@ -269,8 +269,8 @@ def test_the_protobuf_is_held_to_v2s_limits_without_its_json_models(server):
 def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
     """Typed values convert one by one on the event loop: past the JSON value limit they are refused, naming the
     raw form, before any is converted."""
-    from vitserve.service.grpc.messages import infer_call
-    from vitserve.service.protocols.inference_protocol import ProtocolLimits
+    from vitserve.service.grpc.messages import parsed_from_grpc
+    from vitserve.service.schemas.inference_protocol import ProtocolLimits
     limits = ProtocolLimits(max_json_bytes=2**20, max_json_values=1000, max_batch=32, max_image_bytes=2**20,
                             channels=3, patch_size=8, max_tokens=1024)
     request = service_pb2.ModelInferRequest(model_name=MODEL)
@@ -278,9 +278,9 @@ def test_typed_contents_past_the_value_limit_are_refused_for_raw(tiny_onnx):
         [0.0] * 3 * 32 * 32)
     from vitserve.service.ground.errors import PayloadTooLarge
     with pytest.raises(PayloadTooLarge, match="raw_input_contents"):
-        infer_call(request, limits)
+        parsed_from_grpc(request, limits)
     small = ProtocolLimits(**{**limits.__dict__, "max_json_values": 4096})
-    assert infer_call(request, small).pixels.shape == (1, 3, 32, 32)
+    assert parsed_from_grpc(request, small).pixels.shape == (1, 3, 32, 32)
 
 
 def test_typed_bytes_contents_carry_images(server, client):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.preprocess import prepare_image, to_channels
+from vitserve.service.usecases.preprocess import prepare_image, to_channels
 from vitserve.artifact import ModelInfo
 from service_fixtures import REPO, settings_for
 

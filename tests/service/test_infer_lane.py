@@ -1,7 +1,8 @@
-"""The infer lane (service/http/infer_lane.py), the one door of POST .../infer and POST /v1/classify: it answers
-them before FastAPI's router (which has no route for them), in the protocol's shapes, errors and other methods
-included; it checks keys, admits through the call pipeline and counts under the routes' templates; the OpenAPI
-document still describes its paths; a bug in it is a 500 in the protocol's shape, and the server goes on."""
+"""The infer lane (service/http/infer_lane.py), the one door of the inference route table
+(service/http/inference_routes.py): it answers those routes before FastAPI's router (which has no route for them), in
+the protocol's shapes, errors and other methods included; it checks keys, admits through the call pipeline and counts
+under the routes' templates; the OpenAPI document describes them from the same table; a bug in it is a 500 in the
+protocol's shape, and the server goes on."""
 from __future__ import annotations
 
 import asyncio
@@ -11,9 +12,9 @@ import httpx
 import numpy as np
 import pytest
 
-from vitserve.service.http import infer_lane
-from vitserve.service.http.infer_lane import RouteTemplate
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.service.http import inference_routes
+from vitserve.service.usecases import inference
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH
 from service_fixtures import WrappedModel, samples, serving, settings_for, until, value
 
 pytestmark = pytest.mark.anyio
@@ -97,7 +98,7 @@ async def test_the_lane_wants_the_api_key(tiny_onnx):
 
 
 async def test_the_lane_takes_the_infer_routes_and_they_are_counted_under_their_templates(tiny_onnx):
-    routes = []
+    seen = []
 
     async with serving(settings_for(tiny_onnx)) as client:
         app = client.app
@@ -105,19 +106,45 @@ async def test_the_lane_takes_the_infer_routes_and_they_are_counted_under_their_
 
         async def recording(scope, receive, send):  # the outermost layer: what the layers inside made of the scope
             await inner(scope, receive, send)
-            routes.append(scope.get("route"))
+            seen.append((scope.get("state", {}).get("endpoint"), scope.get("route")))
 
         app.middleware_stack = recording
         for path in ("/v2/models/tiny-vit/infer", "/v2/models/tiny-vit/versions/7/infer"):
             assert (await client.post(path, content=json_body(PIXELS[:1]))).status_code == 200
         assert (await client.get("/v2/models/tiny-vit")).status_code == 200
         metrics = samples((await client.get("/metrics")).text)
-    assert routes[:2] == [RouteTemplate("/v2/models/{name}/infer"),
-                          RouteTemplate("/v2/models/{name}/versions/{version}/infer")]
-    assert not isinstance(routes[2], RouteTemplate)  # the metadata route: FastAPI's
+    assert seen[:2] == [("/v2/models/{name}/infer", None), ("/v2/models/{name}/versions/{version}/infer", None)]
+    assert seen[2][0] is None and seen[2][1].path == "/v2/models/{name}"  # the metadata route: FastAPI's
     count = "vitserve_request_duration_seconds_count"
     assert value(metrics, count, endpoint="/v2/models/{name}/infer", status="200") == 1
     assert value(metrics, count, endpoint="/v2/models/{name}/versions/{version}/infer", status="200") == 1
+
+
+async def test_the_openapi_document_lists_every_inference_route_from_the_table(tiny_onnx):
+    """The table the lane dispatches from makes the document: every route, its path and query parameters (each
+    field of its query model, by its alias), its body and its answers; FastAPI's router holds none of them."""
+    async with serving(settings_for(tiny_onnx)) as client:
+        spec = (await client.get("/openapi.json")).json()
+        routed = {getattr(route, "path", None) for route in client.app.routes}
+    assert [route.template for route in inference_routes.ROUTES] == [
+        "/v1/classify", "/v1/classify/batch", "/v1/embed", "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}/infer"]
+    for route in inference_routes.ROUTES:
+        assert route.template not in routed
+        operation = spec["paths"][route.template]["post"]
+        names = [p["name"] for p in operation["parameters"]]
+        expected_query = [] if route.query is None else [
+            field.alias or name for name, field in route.query.model_fields.items()]
+        assert names == [*route.pattern.groupindex, *expected_query], route.template
+        assert operation["requestBody"] == route.body and operation["responses"]["200"] == route.answer
+        assert {str(code) for code in route.errors} <= set(operation["responses"])
+        assert operation["summary"] and operation["operationId"]
+    classify = {p["name"]: p for p in spec["paths"]["/v1/classify"]["post"]["parameters"]}
+    assert classify["top_k"]["schema"]["maximum"] == 1000 and classify["rollout"]["deprecated"] is True
+    assert classify["map"]["schema"]["anyOf"][0]["enum"] == ["rollout", "relevance", "none"]
+    assert [p["in"] for p in spec["paths"]["/v2/models/{name}/versions/{version}/infer"]["post"]["parameters"]] == [
+        "path", "path"]
+    assert set(spec["paths"]["/v1/embed"]["post"]["requestBody"]["content"]) >= {"multipart/form-data", "image/png"}
 
 
 async def test_the_lane_admits_as_the_dependency_does_and_lets_go_after(tiny_onnx, tiny_model):
@@ -138,7 +165,7 @@ async def test_the_lane_admits_as_the_dependency_does_and_lets_go_after(tiny_onn
 
 async def test_a_bug_in_the_lane_is_a_500_in_the_protocol_s_shape_and_the_next_request_is_served(tiny_onnx,
                                                                                                    monkeypatch):
-    real = infer_lane.infer_response
+    real = inference.infer
     calls = []
 
     async def broken_once(*args):
@@ -147,7 +174,7 @@ async def test_a_bug_in_the_lane_is_a_500_in_the_protocol_s_shape_and_the_next_r
             raise RuntimeError("a bug")
         return await real(*args)
 
-    monkeypatch.setattr(infer_lane, "infer_response", broken_once)
+    monkeypatch.setattr(inference, "infer", broken_once)
     async with serving(settings_for(tiny_onnx)) as client:
         transport = httpx.ASGITransport(app=client.app, raise_app_exceptions=False)  # the server logs it
         async with httpx.AsyncClient(transport=transport, base_url="http://vitserve") as bare:

@@ -15,18 +15,18 @@ from typing import get_args
 import numpy as np
 import pytest
 
-from vitserve.service.protocols.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
+from vitserve.service.schemas.binary_tensors import (HEADER_LENGTH, BinaryFormatError, join_body, pack_bytes, split_body,
                                     take_sections, tensor_bytes, unpack_bytes)
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
-from vitserve.service.protocols.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
-from vitserve.service.protocols.model_config import model_metadata, triton_config
-from vitserve.service.protocols import schemas
-from vitserve.service.protocols.schemas import MAX_DATA_DEPTH
+from vitserve.service.schemas.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
+from vitserve.service.schemas.model_config import model_metadata, triton_config
+from vitserve.service.schemas import schemas
+from vitserve.service.schemas.v1 import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
 from vitserve.service.ground.settings import Settings
 from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.core.state import INFERENCE_ENDPOINTS
-from vitserve.service.protocols.statistics import triton_statistics
+from vitserve.service.usecases.state import INFERENCE_ENDPOINTS
+from vitserve.service.schemas.statistics import triton_statistics
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())

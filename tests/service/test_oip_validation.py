@@ -8,9 +8,9 @@ import json
 import numpy as np
 import pytest
 
-from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from vitserve.service.schemas.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
-from vitserve.service.protocols.schemas import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
+from vitserve.service.schemas.v1 import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
                                       MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
 from vitserve.service.ground.settings import Settings
 from service_fixtures import serving, settings_for

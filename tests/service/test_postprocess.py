@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.postprocess import (colorize, encode_result, heatmap, overlay, png_base64, ramp_colors, scale_box,
+from vitserve.service.usecases.postprocess import (colorize, encode_result, heatmap, overlay, png_base64, ramp_colors, scale_box,
                                  scale_unit, softmax, top_k)
-from vitserve.service.core.preprocess import prepare_image
+from vitserve.service.usecases.preprocess import prepare_image
 from vitserve.artifact import ModelInfo
 
 

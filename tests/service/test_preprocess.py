@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 
 from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge, PayloadTooLarge, UnsupportedMediaType
-from vitserve.service.core.preprocess import (OVER_WHITE_ROWS, decode_image, decode_need, fit_box, load_first_frame,
+from vitserve.service.usecases.preprocess import (OVER_WHITE_ROWS, decode_image, decode_need, fit_box, load_first_frame,
                                 native_size, normalize_image, peek_pixels, prepare_image, render_size,
                                 stored_box, to_channels)
 from vitserve.artifact import ModelInfo, normalize_pixels

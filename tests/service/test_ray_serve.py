@@ -220,7 +220,7 @@ def test_two_replicas_answer_concurrent_requests_like_the_model_itself(ray_clust
     assert len(by_replica) == REPLICAS, by_replica  # both replicas served
     assert min(by_replica.values()) >= 5, by_replica
     # the same answers as the model run here directly, whichever replica gave them
-    from vitserve.service.core.preprocess import prepare_image
+    from vitserve.service.usecases.preprocess import prepare_image
     for i, response in enumerate(responses[:6]):
         prepared = prepare_image(images[i], tiny_model.info, resize="fit", max_bytes=10**7, max_pixels=10**7,
                                  max_tokens=4096, keep_source=False, max_render_side=1024)

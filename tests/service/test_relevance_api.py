@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.postprocess import scale_unit
-from vitserve.service.core.preprocess import prepare_image
+from vitserve.service.usecases.postprocess import scale_unit
+from vitserve.service.usecases.preprocess import prepare_image
 from service_fixtures import (only_batcher, WrappedModel, assert_error, classify, patterned_png, samples, serving, settings_for, until,
                               value)
 

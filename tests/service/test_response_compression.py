@@ -15,7 +15,7 @@ import pytest
 import tritonclient.grpc.aio as triton_grpc_aio
 
 from vitserve.service.http.compression import chosen_coding
-from vitserve.service.protocols.binary_tensors import HEADER_LENGTH
+from vitserve.service.schemas.binary_tensors import HEADER_LENGTH
 from service_fixtures import PATIENCE_S, free_port, image_bytes, serving, settings_for, until
 
 pytestmark = pytest.mark.anyio

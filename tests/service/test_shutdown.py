@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 from PIL import Image
 
-from vitserve.service.engine.process import PROCESS_NAME as ENGINE_PROCESS_NAME
+from vitserve.service.engine.server import PROCESS_NAME as ENGINE_PROCESS_NAME
 from service_fixtures import scrape, uvicorn_server, value, wait_until
 
 # resize=native keeps the 256x256 image whole: 1024 patches of 8 pixels, the slowest input the tiny model takes

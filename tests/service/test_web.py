@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from vitserve.service.core.postprocess import ramp_colors
-from vitserve.service.core.preprocess import fit_box, native_size
+from vitserve.service.usecases.postprocess import ramp_colors
+from vitserve.service.usecases.preprocess import fit_box, native_size
 from vitserve.service.http.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
 from service_fixtures import REPO, patterned_png, serving, settings_for, uvicorn_server
 

@@ -1,49 +1,34 @@
 """POST /v1/classify and /v1/classify/batch: image -> top-k classes and an explanation map.
 
 HTTP's side of a classify call: the query parameters (`ClassifyQuery`, then `ClassifyParams`, which makes the use
-case's `ClassifyOptions`), the upload, and the answer; the call itself is the pipeline's (service/core/pipeline.py,
-service/core/inference.py `classify`). `POST /v1/classify` has one door, the infer lane (service/http/infer_lane.py),
-which runs `classify_response`; its declaration here (`lane_documentation`) only documents it in the OpenAPI.
+case's `ClassifyOptions`), the upload, and the answer; the call itself is the pipeline's (service/usecases/pipeline.py,
+service/usecases/inference.py `classify`). Both routes are in the inference route table
+(service/http/inference_routes.py), which dispatches to `classify` and `classify_batch` and documents them.
 """
 from __future__ import annotations
 
-from typing import Annotated
-
-from fastapi import APIRouter, Depends, Query, Request, Response
-from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from fastapi import Request, Response
+from pydantic import BaseModel, ConfigDict, Field
 
 from vitserve.artifact import ModelInfo
-from vitserve.service.core import inference
-from vitserve.service.core.explanations import MAX_TARGET_CHARS, relevance_target
-from vitserve.service.core.inference import ClassifyOptions
-from vitserve.service.core.pipeline import Call
-from vitserve.service.core.preprocess import ResizePolicy
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import get_admitted_call
-from vitserve.service.http.errors import openapi_responses
-from vitserve.service.http.routes.uploads import each_file, read_files, upload_within
-from vitserve.service.protocols.schemas import BatchResponse, ClassifyResponse, MapFormat, MapKind, RolloutFormat
+from vitserve.service.http.dependencies import admitted_call, query_parameters
+from vitserve.service.http.routes.uploads import each_file, image_body, read_files, upload_within
+from vitserve.service.schemas.v1 import BatchResponse, MapFormat, MapKind, RolloutFormat
+from vitserve.service.usecases import inference
+from vitserve.service.usecases.explanations import MAX_TARGET_CHARS, relevance_target
+from vitserve.service.usecases.inference import ClassifyOptions
+from vitserve.service.usecases.pipeline import Call
+from vitserve.service.usecases.preprocess import ResizePolicy
 
-router = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
-# Declarations of the infer lane's paths, for the OpenAPI document only: the app never routes to them.
-lane_documentation = APIRouter(tags=["classify"], dependencies=[Depends(require_api_key)])
-
-_IMAGE_BODY = {"requestBody": {"required": True, "content": {
-    "multipart/form-data": {"schema": {"type": "object", "required": ["file"], "properties": {
-        "file": {"type": "string", "format": "binary"}}}},
-    **{t: {"schema": {"type": "string", "format": "binary"}} for t in
-       ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif", "image/tiff")}}}}
-_BATCH_BODY = {"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
-    "type": "object", "required": ["file"], "properties": {
-        "file": {"type": "array", "items": {"type": "string", "format": "binary"}}}}}}}}
+IMAGE_BODY = image_body(several=False)
+BATCH_BODY = image_body(several=True, raw=False)
 
 
 class ClassifyQuery(BaseModel):
-    """The query parameters of /v1/classify and /v1/classify/batch. One model, validated twice over: by FastAPI
-    for the routes (and their documentation), and by the infer lane (service/http/infer_lane.py), which takes
-    /v1/classify before FastAPI's router to save its per-request work."""
+    """The query parameters of /v1/classify and /v1/classify/batch, validated by `query_parameters` and documented
+    by the route table."""
 
     model_config = ConfigDict(extra="ignore")
     top_k: int = Field(5, ge=1, le=1000, description="classes to return (capped at the model's class count)")
@@ -66,16 +51,6 @@ class ClassifyQuery(BaseModel):
 
 
 _NAMES = ("top_k", "map", "map_format", "target", "rollout", "resize", "model", "version")
-
-
-def classify_params(request: Request) -> ClassifyParams:
-    """The request's query parameters, checked as FastAPI checks them (a 422 naming each problem) without its
-    dependency machinery: the infer lane's way in."""
-    try:
-        query = ClassifyQuery.model_validate(dict(request.query_params))
-    except ValidationError as e:
-        raise RequestValidationError([{**error, "loc": ("query", *error["loc"])} for error in e.errors()]) from None
-    return ClassifyParams(request, query)
 
 
 class ClassifyParams:
@@ -103,37 +78,33 @@ class ClassifyParams:
         return ClassifyOptions(self.top_k, self.map, self.map_format, self.resize, target_index)
 
 
-@lane_documentation.post("/v1/classify", response_model=ClassifyResponse, openapi_extra=_IMAGE_BODY,
-                         responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 500, 503, 504))
-async def classify(request: Request, query: Annotated[ClassifyQuery, Query()]) -> Response:
+async def classify(request: Request, path: dict[str, str]) -> Response:
     """Classify one image sent as the raw body (image content type) or as multipart field `file`."""
-    raise NotImplementedError("the infer lane answers POST /v1/classify (service/http/infer_lane.py)")
-
-
-async def classify_response(request: Request, call: Call, params: ClassifyParams) -> Response:
-    """A /v1/classify call's HTTP side, once admitted: route it, read its image, run it, and its answer as JSON."""
-    handle = call.route(params.model, params.version)
-    options = params.options_for(handle.info)
-    files = await upload(request, call, max_files=1)
-    if isinstance(files[0], ServiceError):
-        raise files[0]
-    answer = await call.run(inference.classify(call, files[0], options))
-    # Serialised by the model that made it: FastAPI would validate the answer against it once more first.
+    await require_api_key(request)
+    params = ClassifyParams(request, query_parameters(request, ClassifyQuery))
+    with admitted_call(request) as call:
+        handle = call.route(params.model, params.version)
+        options = params.options_for(handle.info)
+        files = await upload(request, call, max_files=1)
+        if isinstance(files[0], ServiceError):
+            raise files[0]
+        answer = await call.run(inference.classify(call, files[0], options))
+    # Serialised by the model that made it: a framework would validate the answer against it once more first.
     return Response(answer.model_dump_json(), media_type="application/json")
 
 
-@router.post("/v1/classify/batch", response_model=BatchResponse, openapi_extra=_BATCH_BODY,
-             responses=openapi_responses(400, 404, 408, 413, 415, 422, 429, 503, 504))
-async def classify_batch(request: Request, query: Annotated[ClassifyQuery, Query()],
-                         call: Annotated[Call, Depends(get_admitted_call)]) -> BatchResponse:
+async def classify_batch(request: Request, path: dict[str, str]) -> Response:
     """Classify several `file` fields; one result or one error per file, in order."""
-    params = ClassifyParams(request, query)
-    handle = call.route(params.model, params.version)
-    options = params.options_for(handle.info)
-    files = await upload(request, call, max_files=call.state.settings.max_batch_files)
-    work = each_file(call.state, files, lambda data: inference.classify(call, data, options), "a batch")
-    results = await call.run(work)
-    return BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
+    await require_api_key(request)
+    params = ClassifyParams(request, query_parameters(request, ClassifyQuery))
+    with admitted_call(request) as call:
+        handle = call.route(params.model, params.version)
+        options = params.options_for(handle.info)
+        files = await upload(request, call, max_files=call.state.settings.max_batch_files)
+        work = each_file(call.state, files, lambda data: inference.classify(call, data, options), "a batch")
+        results = await call.run(work)
+    answer = BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
+    return Response(answer.model_dump_json(), media_type="application/json")
 
 
 async def upload(request: Request, call: Call, max_files: int) -> list:

@@ -6,7 +6,9 @@ An inference request sends one input: `pixel_values` (normalised FP32, the ONNX 
 encoded images, decoded and preprocessed here as /v1/classify does), as JSON or as binary tensors, whatever
 its Content-Type, gzip/deflate-compressed or not. Each image joins the shared batch queue on its own; the
 answer holds `logits` and `rollout` (or the classification extension's top classes), as JSON or binary.
-Every route also answers under `/versions/{version}`. Errors are the protocol's `{"error": "..."}`.
+Every route also answers under `/versions/{version}`. Errors are the protocol's `{"error": "..."}`. The infer
+routes are in the inference route table (service/http/inference_routes.py), which dispatches to `infer`; the
+router holds the others.
 """
 from __future__ import annotations
 
@@ -15,18 +17,23 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from vitserve.service.core import inference
-from vitserve.service.core.pipeline import Call
-from vitserve.service.core.state import ServiceState
 from vitserve.service.engine import ModelHandle
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import get_ready_state, get_state
+from vitserve.service.http.dependencies import admitted_call, get_ready_state, get_state
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
-from vitserve.service.protocols.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
-from vitserve.service.protocols.inference_protocol import InferCall, encode_response, limits_for, parse_infer_request
-from vitserve.service.protocols.model_config import model_metadata, server_document
-from vitserve.service.protocols.schemas import InferRequest, InferResponse, ModelMetadata
+from vitserve.service.schemas.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
+from vitserve.service.schemas.inference_protocol import (
+    ParsedInferRequest,
+    encode_response,
+    limits_for,
+    parse_infer_request,
+)
+from vitserve.service.schemas.model_config import model_metadata, server_document
+from vitserve.service.schemas.v1 import InferRequest, InferResponse, ModelMetadata
+from vitserve.service.usecases import inference
+from vitserve.service.usecases.pipeline import Call
+from vitserve.service.usecases.state import ServiceState
 
 router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
 
@@ -38,9 +45,9 @@ def _errors(*codes: int) -> dict:
     return openapi_responses(*codes, protocol=True)
 
 
-def _inlined(schema: dict) -> dict:
-    """A model's JSON schema with its `$defs` written in place: in a route's `openapi_extra` a `#/$defs/...`
-    reference would point into the OpenAPI document, where those definitions are not."""
+def inlined(schema: dict) -> dict:
+    """A model's JSON schema with its `$defs` written in place: in an OpenAPI operation a `#/$defs/...` reference
+    would point into the OpenAPI document, where those definitions are not."""
     definitions = schema.pop("$defs", {})
 
     def resolve(node):
@@ -56,12 +63,12 @@ def _inlined(schema: dict) -> dict:
 _BINARY_BODY = {"type": "string", "format": "binary", "description": f"the JSON request, then the binary tensors; "
                                                                      f"the {HEADER_LENGTH} header says where the "
                                                                      f"JSON ends"}
-_INFER_BODY = {"requestBody": {"required": True, "content": {
-    "application/json": {"schema": _inlined(InferRequest.model_json_schema())},
-    BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}}
-_INFER_ANSWER = {200: {"description": "The outputs, as JSON, or (binary outputs) JSON followed by their bytes",
-                       "content": {"application/json": {"schema": _inlined(InferResponse.model_json_schema())},
-                                   BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}}
+INFER_BODY = {"required": True, "content": {
+    "application/json": {"schema": inlined(InferRequest.model_json_schema())},
+    BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}
+INFER_ANSWER = {"description": "The outputs, as JSON, or (binary outputs) JSON followed by their bytes",
+                "content": {"application/json": {"schema": inlined(InferResponse.model_json_schema())},
+                            BINARY_MEDIA_TYPE: {"schema": _BINARY_BODY}}}
 
 
 @router.get("")
@@ -131,38 +138,13 @@ async def versioned_config(name: str, version: str, state: Annotated[ServiceStat
 
 @router.get(MODEL + "/stats", responses=_errors(404, 503))
 async def statistics(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    """Triton's statistics extension: this process's counts and durations (see service/protocols/statistics.py)."""
+    """Triton's statistics extension: this process's counts and durations (see service/schemas/statistics.py)."""
     return await _statistics(state, name, None)
 
 
 @router.get(VERSIONED + "/stats", responses=_errors(404, 503))
 async def versioned_statistics(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     return await _statistics(state, name, version)
-
-
-_INFER_RESPONSES = {**_INFER_ANSWER, **_errors(400, 404, 408, 413, 415, 429, 500, 503, 504)}
-
-
-# The infer routes' one door is the infer lane (service/http/infer_lane.py), which runs `infer_response`; these
-# declarations document it in the OpenAPI only: the app never routes to them.
-lane_documentation = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"],
-                               dependencies=[Depends(require_api_key)])
-
-
-@lane_documentation.post(MODEL + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
-async def infer(name: str, request: Request) -> Response:
-    """Run `pixel_values` (B, C, H, W), normalised FP32, or `image` (B encoded images); return `logits` (B, K)
-    and `rollout` (B, H/P, W/P), or the top classes of `logits` (classification extension).
-
-    The body is read as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
-    binary tensors), decompressed if its Content-Encoding says so, and parsed whatever its Content-Type
-    (tritonclient sends none, or application/octet-stream)."""
-    raise NotImplementedError("the infer lane answers this path (service/http/infer_lane.py)")
-
-
-@lane_documentation.post(VERSIONED + "/infer", openapi_extra=_INFER_BODY, responses=_INFER_RESPONSES)
-async def versioned_infer(name: str, version: str, request: Request) -> Response:
-    raise NotImplementedError("the infer lane answers this path (service/http/infer_lane.py)")
 
 
 def _config(state: ServiceState, name: str, version: str | None) -> dict:
@@ -176,18 +158,24 @@ async def _statistics(state: ServiceState, name: str, version: str | None) -> di
     return {"model_stats": await inference.model_statistics(state, versions)}
 
 
-async def infer_response(request: Request, call: Call, name: str, version: str | None) -> Response:
-    """An infer call's HTTP side, once admitted: route it, read and parse its body, run it through the pipeline's
-    `infer`, and its encoded answer."""
-    call.route(name, version)
-    parsed, parse_s = await _read_call(request, call)
-    body, headers = await inference.infer(
-        call, parsed, parse_s, lambda info, tensors: encode_response(parsed, info.name, info.version, tensors,
-                                                                     info.labels))
+async def infer(request: Request, path: dict[str, str]) -> Response:
+    """Run `pixel_values` (B, C, H, W), normalised FP32, or `image` (B encoded images); return `logits` (B, K)
+    and `rollout` (B, H/P, W/P), or the top classes of `logits` (classification extension).
+
+    The body is read as it streams in (up to `max_json_body_bytes`, or `max_binary_body_bytes` with
+    binary tensors), decompressed if its Content-Encoding says so, and parsed whatever its Content-Type
+    (tritonclient sends none, or application/octet-stream). Also under `/versions/{version}`."""
+    await require_api_key(request)
+    with admitted_call(request) as call:
+        call.route(path["name"], path.get("version"))
+        parsed, parse_s = await _read_request(request, call)
+        body, headers = await inference.infer(
+            call, parsed, parse_s, lambda info, tensors: encode_response(parsed, info.name, info.version, tensors,
+                                                                         info.labels))
     return Response(body, headers=headers)
 
 
-async def _read_call(request: Request, call: Call) -> tuple[InferCall, float]:
+async def _read_request(request: Request, call: Call) -> tuple[ParsedInferRequest, float]:
     """The routed call's body, read within its limit and deadline, decompressed and parsed; and the parse's
     seconds."""
     state = call.state

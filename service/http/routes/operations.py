@@ -8,11 +8,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Response
 
-from vitserve.service.core.state import ServiceState
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import get_state
 from vitserve.service.http.errors import openapi_responses
-from vitserve.service.protocols.schemas import ModelCard, ModelList, ModelVersionState, ShadowReport, TemperatureCurve
+from vitserve.service.schemas.v1 import ModelCard, ModelList, ModelVersionState, ShadowReport, TemperatureCurve
+from vitserve.service.usecases.state import ServiceState
 
 router = APIRouter(tags=["operations"])
 

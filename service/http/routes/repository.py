@@ -9,12 +9,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 
-from vitserve.service.core.state import ServiceState
 from vitserve.service.ground.errors import InvalidParameter
 from vitserve.service.http.access import require_admin_key, require_explicit_control
 from vitserve.service.http.dependencies import get_ready_state
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.repository.layout import check_model_name
+from vitserve.service.usecases.state import ServiceState
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository (v2)"], dependencies=[Depends(require_admin_key)])
 

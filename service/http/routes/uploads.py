@@ -15,8 +15,6 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
-from vitserve.service.core.pipeline import Call
-from vitserve.service.core.preprocess import IMAGE_MEDIA_TYPES
 from vitserve.service.ground.errors import (
     ClientDisconnected,
     InvalidParameter,
@@ -26,11 +24,24 @@ from vitserve.service.ground.errors import (
     UnsupportedMediaType,
 )
 from vitserve.service.http.errors import error_body
-from vitserve.service.protocols.schemas import ErrorResponse
+from vitserve.service.schemas.v1 import ErrorResponse
+from vitserve.service.usecases.pipeline import Call
+from vitserve.service.usecases.preprocess import IMAGE_MEDIA_TYPES, MEDIA_TYPES
 
 log = logging.getLogger("vitserve.uploads")
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
+
+
+def image_body(several: bool, raw: bool = True) -> dict:
+    """The OpenAPI requestBody of an image route: multipart `file` fields (one, or `several`), and with `raw` one
+    image as the body with its media type."""
+    binary = {"type": "string", "format": "binary"}
+    file = {"type": "array", "items": binary} if several else binary
+    multipart = {"multipart/form-data": {"schema": {"type": "object", "required": ["file"],
+                                                    "properties": {"file": file}}}}
+    raw_bodies = {t: {"schema": binary} for t in MEDIA_TYPES} if raw else {}
+    return {"required": True, "content": {**multipart, **raw_bodies}}
 _PART_TYPES = IMAGE_MEDIA_TYPES | {"application/octet-stream", ""}
 
 

@@ -1,10 +1,10 @@
 """The use cases of an inference call, whatever transport brought it: each takes the admitted, routed `Call`
-(service/core/pipeline.py) and the transport's request as plain data, and records the stages' metrics and spans.
+(service/usecases/pipeline.py) and the transport's request as plain data, and records the stages' metrics and spans.
 
     classify(call, data, options)          -> decode -> submit to the version's batcher -> top-k and map
     embed(call, data, resize, normalize)   -> decode -> submit -> the class token's vector and OOD score
     infer(call, protocol_call, parse_s, encode) -> an Open Inference Protocol call (HTTP's /v2 or gRPC's, parsed
-                                              by service/protocols/inference_protocol.py) -> its encoded answer
+                                              by service/schemas/inference_protocol.py) -> its encoded answer
 
 An image runs on the version it was routed to, or (unpinned) on the newest ready one if its version was unloaded
 meanwhile: the answer names the version that ran it, and so does `call.served`.
@@ -18,17 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from vitserve.artifact import EMBEDDING_NAME, OOD_SCORE_NAME, OPTIONAL_OUTPUTS, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
-from vitserve.service.core import postprocess
-from vitserve.service.core.explanations import relevance_target
-from vitserve.service.core.pipeline import Call
-from vitserve.service.core.preprocess import PreparedImage, ResizePolicy
-from vitserve.service.core.state import INFERENCE_ENDPOINTS, ServiceState
 from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground import tracing
 from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
-from vitserve.service.protocols.model_config import triton_config
-from vitserve.service.protocols.schemas import (
+from vitserve.service.schemas.model_config import triton_config
+from vitserve.service.schemas.statistics import triton_statistics
+from vitserve.service.schemas.v1 import (
     ClassifyResponse,
     ExplainedClass,
     ImageEmbedding,
@@ -41,7 +37,11 @@ from vitserve.service.protocols.schemas import (
     RolloutGrid,
     Timing,
 )
-from vitserve.service.protocols.statistics import triton_statistics
+from vitserve.service.usecases import postprocess
+from vitserve.service.usecases.explanations import relevance_target
+from vitserve.service.usecases.pipeline import Call
+from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy
+from vitserve.service.usecases.state import INFERENCE_ENDPOINTS, ServiceState
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ def _ood(state: ServiceState, info: ModelInfo, score) -> OodScore | None:
 
 
 async def infer(call: Call, request, parse_s: float, encode):
-    """An Open Inference Protocol call (`request`, a parsed service.protocols.inference_protocol.InferCall, from
+    """An Open Inference Protocol call (`request`, a parsed service.schemas.inference_protocol.ParsedInferRequest, from
     /v2 or gRPC) through the routed version's batcher, within the call's deadline shortened by the request's own
     `timeout` parameter; returns `encode(info, tensors)`, with `info` the metadata of the version that ran it (a
     request is routed once: its images ran on one version). The call's stage metrics are recorded here."""

@@ -14,7 +14,7 @@ request metrics and server span (the HTTP middleware's and the gRPC frame's, ove
         answer = await inference.classify(call, data, options)  # or embed, infer
     call.served                              # (name, version) of the version that ran it, also given to on_route
 
-The use cases (service/core/inference.py) take the `Call` and record the stages' metrics and spans once, for every
+The use cases (service/usecases/inference.py) take the `Call` and record the stages' metrics and spans once, for every
 transport. The early refusal (`would_refuse`) lets a transport refuse from its first bytes what `admit` would
 refuse (HTTP's connection does, before the app), counted as a refused answer.
 """
@@ -26,10 +26,10 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from vitserve.service.core.state import ServiceState
 from vitserve.service.engine import ModelHandle
 from vitserve.service.ground.deadlines import Deadline, run_within
 from vitserve.service.ground.errors import ServiceError
+from vitserve.service.usecases.state import ServiceState
 
 
 @dataclass

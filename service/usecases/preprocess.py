@@ -34,8 +34,9 @@ from vitserve.service.ground.errors import (
 ResizePolicy = Literal["fit", "native"]
 # Pillow format names we accept (MPO is the multi-picture JPEG many phones write).
 ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
-IMAGE_MEDIA_TYPES = frozenset({"image/jpeg", "image/pjpeg", "image/png", "image/webp", "image/bmp",
-                               "image/x-ms-bmp", "image/gif", "image/tiff"})
+# The media types an image may be sent as: each format's own (the ones documented), and two older aliases
+MEDIA_TYPES = ("image/jpeg", "image/png", "image/webp", "image/bmp", "image/gif", "image/tiff")
+IMAGE_MEDIA_TYPES = frozenset({*MEDIA_TYPES, "image/pjpeg", "image/x-ms-bmp"})
 # The bicubic resizes first box-reduce to at least this many times their target (Pillow's reducing_gap); a JPEG's
 # scaled decode stops at the same point (`decode_need`), so it moves the model's input by a few levels at most.
 REDUCING_GAP = 3.0

@@ -22,9 +22,6 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from vitserve.artifact import ModelInfo
-from vitserve.service.core.admission import Admission, PixelBudget
-from vitserve.service.core.inspection import InspectionCache
-from vitserve.service.core.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 from vitserve.service.engine import Engine
 from vitserve.service.engine.pixels import engine_normalises
 from vitserve.service.ground.deadlines import StopSignal
@@ -32,6 +29,9 @@ from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
+from vitserve.service.usecases.admission import Admission, PixelBudget
+from vitserve.service.usecases.inspection import InspectionCache
+from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 
 SHUTDOWN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

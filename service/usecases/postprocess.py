@@ -15,8 +15,8 @@ import numpy as np
 from PIL import Image
 
 from vitserve.artifact import softmax
-from vitserve.service.core.preprocess import PreparedImage
-from vitserve.service.protocols.schemas import Prediction, RolloutFormat, RolloutGrid, RolloutImage
+from vitserve.service.schemas.v1 import Prediction, RolloutFormat, RolloutGrid, RolloutImage
+from vitserve.service.usecases.preprocess import PreparedImage
 
 # A perceptual dark-blue -> cyan -> yellow -> red ramp (anchor colours of a 'turbo'-like map).
 _RAMP = np.array([[48, 18, 59], [70, 107, 227], [40, 188, 235], [50, 242, 152], [164, 252, 60],

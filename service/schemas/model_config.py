@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 from vitserve.service.ground.settings import Settings
-from vitserve.service.protocols.schemas import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
+from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
 
 PLATFORM = "onnxruntime_onnx"
 # The protocol's extensions vitserve serves, on HTTP and gRPC alike

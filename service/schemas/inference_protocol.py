@@ -1,12 +1,12 @@
 """The Open Inference Protocol's inference request and response, as plain data: no HTTP, no model calls.
 
-`parse_infer_request` turns a body (JSON, or JSON followed by binary tensors) into an `InferCall`: the one
+`parse_infer_request` turns a body (JSON, or JSON followed by binary tensors) into an `ParsedInferRequest`: the one
 input (`pixel_values` as a float32 array, or `image` as encoded images), the outputs asked for and how
 (JSON or binary, classification), and the request's own parameters. The `relevance` output is sent only when
 named (it runs the model's costlier relevance path); `parameters.target` (a class index or label) chooses the
 class it explains for every image of the request, the top-1 of each by default. `encode_response` turns the model's
 outputs back into a body. Every refusal is an `InvalidParameter` (400 on /v2) or `PayloadTooLarge` (413)
-that names the field; the limits are those of `service.protocols.schemas` plus the `ProtocolLimits` given.
+that names the field; the limits are those of `service.schemas.v1` plus the `ProtocolLimits` given.
 
 Extensions: binary tensors (`binary_data_size` on inputs, `binary_data` on outputs, `binary_data_output` on
 the request), classification (`classification` on an output: BYTES `"value:index:label"`, best first, as
@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
-from vitserve.service.protocols.binary_tensors import (
+from vitserve.service.schemas.binary_tensors import (
     BinaryFormatError,
     ElementTooLarge,
     join_body,
@@ -36,7 +36,7 @@ from vitserve.service.protocols.binary_tensors import (
     tensor_bytes,
     unpack_bytes,
 )
-from vitserve.service.protocols.schemas import (
+from vitserve.service.schemas.v1 import (
     DEEP_DATA_ERROR,
     IMAGE_INPUT_NAME,
     INPUT_DATATYPES,
@@ -88,7 +88,7 @@ class OutputRequest:
 
 
 @dataclass
-class InferCall:
+class ParsedInferRequest:
     """One parsed inference request: exactly one of `pixels` and `images` is set."""
 
     id: str | None
@@ -113,7 +113,7 @@ class InferCall:
         return len(self.pixels)
 
 
-def parse_infer_request(body: bytes, header_length: str | None, limits: ProtocolLimits) -> InferCall:
+def parse_infer_request(body: bytes, header_length: str | None, limits: ProtocolLimits) -> ParsedInferRequest:
     """A body and its `Inference-Header-Content-Length` header (None: all JSON) -> the request it holds."""
     try:
         header, binary = split_body(body, header_length)
@@ -121,10 +121,10 @@ def parse_infer_request(body: bytes, header_length: str | None, limits: Protocol
         raise InvalidParameter(str(e)) from None
     if len(header) > limits.max_json_bytes:
         raise PayloadTooLarge(f"the JSON inference header is {len(header)} bytes; the limit is {limits.max_json_bytes}")
-    return call_from_request(parse_header(header, limits.max_json_values), binary, limits)
+    return parsed_from_json(parse_header(header, limits.max_json_values), binary, limits)
 
 
-def call_from_request(request: InferRequest, binary: memoryview, limits: ProtocolLimits) -> InferCall:
+def parsed_from_json(request: InferRequest, binary: memoryview, limits: ProtocolLimits) -> ParsedInferRequest:
     """A validated /v2 JSON request and the bytes of its binary sections (empty when none) -> the call it makes."""
     tensor = request.inputs[0]
     size = _parameter(tensor.parameters, "binary_data_size", int, "inputs.0")
@@ -139,7 +139,8 @@ def call_from_request(request: InferRequest, binary: memoryview, limits: Protoco
     if size is None and tensor.data is None:
         raise InvalidParameter("inputs.0 has no `data` and no parameters.binary_data_size")
     outputs = None if request.outputs is None else [(o.name, o.parameters) for o in request.outputs]
-    return build_call(request.id, request.parameters, tensor, section if size is not None else None, outputs, limits)
+    return build_infer_request(request.id, request.parameters, tensor, section if size is not None else None, outputs,
+                               limits)
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,10 @@ class TensorInput:
     data: None = None
 
 
-def checked_call(id: str, parameters: dict, tensor: TensorInput, tensor_parameters: dict, section: memoryview,
-                 outputs: list[tuple[str, dict]] | None, limits: ProtocolLimits) -> InferCall:
+def checked_infer_request(id: str, parameters: dict, tensor: TensorInput, tensor_parameters: dict, section: memoryview,
+                 outputs: list[tuple[str, dict]] | None, limits: ProtocolLimits) -> ParsedInferRequest:
     """The call a request makes that no JSON parser has checked (gRPC's ModelInfer, read from its protobuf): the
-    same limits as /v2's `InferRequest` (service.protocols.schemas), then the same call."""
+    same limits as /v2's `InferRequest` (service.schemas.v1), then the same call."""
     if len(id) > MAX_ID_CHARS:
         raise InvalidParameter(f"id: at most {MAX_ID_CHARS} characters, got {len(id)}")
     _check_parameters(parameters, "parameters")
@@ -177,11 +178,11 @@ def checked_call(id: str, parameters: dict, tensor: TensorInput, tensor_paramete
                 raise InvalidParameter(f"outputs.{i}.name: must be one of {', '.join(REQUESTABLE_OUTPUTS)}, got "
                                        f"{name[:40]!r}")
             _check_parameters(output_parameters, f"outputs.{i}.parameters")
-    return build_call(id or None, parameters, tensor, section, outputs, limits)
+    return build_infer_request(id or None, parameters, tensor, section, outputs, limits)
 
 
 def _check_parameters(parameters: dict, where: str) -> None:
-    """`Parameters`' limits (service.protocols.schemas): how many, key length, and each value a boolean, a finite
+    """`Parameters`' limits (service.schemas.v1): how many, key length, and each value a boolean, a finite
     number or a short string."""
     if len(parameters) > MAX_PARAMETERS:
         raise InvalidParameter(f"{where}: at most {MAX_PARAMETERS} entries, got {len(parameters)}")
@@ -196,11 +197,11 @@ def _check_parameters(parameters: dict, where: str) -> None:
                                    f"string of at most {MAX_PARAMETER_STRING_CHARS} characters")
 
 
-def build_call(id: str | None, parameters: dict | None, tensor, section: memoryview | None,
-               outputs: Sequence[tuple[str, dict | None]] | None, limits: ProtocolLimits) -> InferCall:
+def build_infer_request(id: str | None, parameters: dict | None, tensor, section: memoryview | None,
+               outputs: Sequence[tuple[str, dict | None]] | None, limits: ProtocolLimits) -> ParsedInferRequest:
     """Checked parts -> the call: `tensor` has the input's name, datatype, shape and JSON `data`; `section` its
     values when they came as bytes (None: in `data`); `outputs` (name, parameters) as named, None for all."""
-    call = InferCall(id=id, outputs=requested_outputs(parameters, outputs))
+    call = ParsedInferRequest(id=id, outputs=requested_outputs(parameters, outputs))
     _read_request_parameters(parameters or {}, call)
     if call.target is not None and not call.explains:
         raise InvalidParameter("parameters.target names the class the relevance output explains: request the "
@@ -215,7 +216,7 @@ def build_call(id: str | None, parameters: dict | None, tensor, section: memoryv
 
 
 def parse_header(header: bytes, max_values: int) -> InferRequest:
-    """The JSON header as an `InferRequest` (every field within the limits in `service.protocols.schemas`), or
+    """The JSON header as an `InferRequest` (every field within the limits in `service.schemas.v1`), or
     InvalidParameter naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
 
     The values are counted by their separating commas first, and the arrays by their opening brackets: the parse
@@ -254,7 +255,7 @@ def requested_outputs(parameters: dict | None,
     return chosen
 
 
-def _read_request_parameters(parameters: dict, call: InferCall) -> None:
+def _read_request_parameters(parameters: dict, call: ParsedInferRequest) -> None:
     resize = _parameter(parameters, "resize", str)
     if resize is not None and resize not in RESIZE_POLICIES:
         raise InvalidParameter(f"parameters.resize must be one of {', '.join(RESIZE_POLICIES)}, got {resize[:32]!r}")
@@ -415,7 +416,7 @@ def classify(values: np.ndarray, count: int, labels: list[str] | None) -> np.nda
                     dtype=object).reshape(len(values), k)
 
 
-def output_arrays(call: InferCall, tensors: dict[str, np.ndarray], labels: list[str]):
+def output_arrays(call: ParsedInferRequest, tensors: dict[str, np.ndarray], labels: list[str]):
     """(requested output, array, datatype) for each output the call asked for, in its order: the model's FP32
     tensor, or its classification strings (BYTES)."""
     for wanted in call.outputs:
@@ -432,7 +433,7 @@ def raw_bytes(array: np.ndarray, datatype: str) -> bytes:
     return pack_bytes(array.ravel()) if datatype == "BYTES" else tensor_bytes(array, datatype)
 
 
-def encode_response(call: InferCall, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
+def encode_response(call: ParsedInferRequest, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
                     labels: list[str]) -> tuple[bytes, dict[str, str]]:
     """The response body and its framing headers: the requested outputs, each as JSON `data` or as binary bytes
     after the JSON (with `binary_data_size`); `id` only when the request had one."""
@@ -460,7 +461,7 @@ def validation_problems(error: ValidationError, shown: int = 3) -> str:
         loc = e["loc"]
         in_data = len(loc) > 3 and loc[0] == "inputs" and loc[2] == "data"  # then loc[3] names the list depth
         place, index = (loc[:3], loc[4:]) if in_data else (loc, ())
-        # data nested past the union's depths: its own error (service.protocols.schemas.flatten_deep_data) says more
+        # data nested past the union's depths: its own error (service.schemas.v1.flatten_deep_data) says more
         rank = (e["type"] == DEEP_DATA_ERROR, index)
         if place not in places or rank > places[place][0]:
             places[place] = (rank, index, _json_message(e["msg"]))
