@@ -23,10 +23,9 @@ from vitserve.service.ground.request_record import RequestRecord
 from vitserve.service.grpc import messages
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
 from vitserve.service.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from vitserve.service.repository.layout import check_model_name
 from vitserve.service.schemas.inference_protocol import limits_for
-from vitserve.service.schemas.model_config import model_metadata, server_document
-from vitserve.service.usecases import inference, pipeline
+from vitserve.service.schemas.model_config import server_document
+from vitserve.service.usecases import control, inference, pipeline
 from vitserve.service.usecases.keys import check_authorization, check_repository_access
 from vitserve.service.usecases.state import ServiceState
 
@@ -177,33 +176,25 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """Ready: the version (or, unnamed, a version of the model) is routed to; false while it loads, and for a
         name the server does not serve (as Triton answers)."""
         _check_names(request.name, request.version)
-        try:
-            self.state.engine.route(request.name, request.version or None)
-        except ServiceError:
-            return pb.ModelReadyResponse(ready=False)
-        return pb.ModelReadyResponse(ready=self.state.ready)
+        return pb.ModelReadyResponse(ready=control.is_routed(self.state, request.name, request.version or None))
 
     @rpc()
     async def ModelMetadata(self, request, context, served) -> pb.ModelMetadataResponse:
-        handle = self._route(request.name, request.version)
-        versions = None if request.version else [v for _, v in self.state.engine.ready_versions(handle.name)]
-        return messages.metadata_response(model_metadata(handle.info, versions))
+        _check_names(request.name, request.version)
+        return messages.metadata_response(control.metadata(self.state, request.name, request.version or None))
 
     @rpc()
     async def ModelConfig(self, request, context, served) -> pb.ModelConfigResponse:
-        return messages.config_response(inference.model_configuration(self.state, self._route(request.name,
-                                                                                               request.version)))
+        _check_names(request.name, request.version)
+        return messages.config_response(control.configuration(self.state, request.name, request.version or None))
 
     @rpc()
     async def ModelStatistics(self, request, context, served) -> pb.ModelStatisticsResponse:
         """One model's statistics (every ready version, or the one named); no name: every ready model's."""
-        engine = self.state.engine
         if request.name:
-            handle = self._route(request.name, request.version)
-            pairs = [(handle.name, handle.version)] if request.version else engine.ready_versions(handle.name)
-        else:
-            pairs = sorted(engine.ready_versions())
-        return messages.statistics_response(await inference.model_statistics(self.state, pairs))
+            _check_names(request.name, request.version)
+        return messages.statistics_response(await control.statistics(self.state, request.name or None,
+                                                                    request.version or None))
 
     # --- inference ---
     @rpc(traced=True)
@@ -228,7 +219,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     @rpc(open_=True)
     async def RepositoryIndex(self, request, context, served) -> pb.RepositoryIndexResponse:
         self._repository_call(request.repository_name, context, changes=False)
-        entries = await self.state.engine.index(ready_only=request.ready)
+        entries = await control.index(self.state, ready_only=request.ready)
         return pb.RepositoryIndexResponse(models=[pb.RepositoryIndexResponse.ModelIndex(
             name=e.name, version=e.version or "", state=e.state or "", reason=e.reason or "") for e in entries])
 
@@ -238,13 +229,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if request.parameters:
             raise InvalidParameter("load parameters (a config override, model files) are not supported: the "
                                    "repository's files and config.json say what is loaded")
-        await self.state.engine.load(check_model_name(request.model_name))
+        await control.load(self.state, request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     @rpc(open_=True)
     async def RepositoryModelUnload(self, request, context, served) -> pb.RepositoryModelUnloadResponse:
         self._repository_call(request.repository_name, context, changes=True)
-        await self.state.engine.unload(check_model_name(request.model_name))
+        await control.unload(self.state, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # --- what Triton has and vitserve does not: UNIMPLEMENTED through the same frame (key, metrics), where the
@@ -260,10 +251,6 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     LogSettings = _unimplemented("LogSettings", "logging is configured at start (--log-level)")
 
     # --- helpers ---
-    def _route(self, name: str, version: str):
-        _check_names(name, version)
-        return self.state.engine.route(name, version or None)
-
     def _repository_call(self, repository_name: str, context, *, changes: bool) -> None:
         check_repository_access(self.state.settings, authorization(context), changes=changes)
         if not self.state.ready:

@@ -29,6 +29,7 @@ import zlib
 
 import anyio.to_thread
 
+from vitserve.service.http import inference_routes
 from vitserve.service.http.errors import is_protocol_path
 
 CODINGS = ("gzip", "deflate")  # in the order preferred when a client weighs both the same
@@ -69,7 +70,8 @@ def _quality(params: str) -> float:
 def compressible_path(path: str) -> bool:
     """Whether answers on `path` may be compressed: on /v2 an inference route's only, any on vitserve's own."""
     if is_protocol_path(path):
-        return path.startswith("/v2/models/") and path.endswith("/infer")
+        found = inference_routes.match(path)
+        return found is not None and found[0].protocol
     return True
 
 

@@ -25,6 +25,7 @@ from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes import classify, embed, open_inference
 from vitserve.service.http.routes.open_inference import inlined
+from vitserve.service.schemas import paths
 from vitserve.service.schemas.v1 import BatchResponse, ClassifyResponse, EmbedResponse
 from vitserve.service.usecases import pipeline
 from vitserve.service.usecases.state import ServiceState
@@ -62,19 +63,19 @@ def _json_answer(model: type[BaseModel], description: str) -> dict[str, Any]:
 
 
 ROUTES: tuple[InferenceRoute, ...] = (
-    InferenceRoute("/v1/classify", classify.classify, "classify", classify.ClassifyQuery, classify.IMAGE_BODY,
+    InferenceRoute(paths.CLASSIFY, classify.classify, "classify", classify.ClassifyQuery, classify.IMAGE_BODY,
                    _json_answer(ClassifyResponse, "The top classes and the map"),
                    (400, 404, 408, 413, 415, 422, 429, 500, 503, 504)),
-    InferenceRoute("/v1/classify/batch", classify.classify_batch, "classify", classify.ClassifyQuery,
+    InferenceRoute(paths.CLASSIFY_BATCH, classify.classify_batch, "classify", classify.ClassifyQuery,
                    classify.BATCH_BODY, _json_answer(BatchResponse, "One result or one error per file"),
                    (400, 404, 408, 413, 415, 422, 429, 503, 504)),
-    InferenceRoute("/v1/embed", embed.embed, "classify", embed.EmbedQuery, embed.EMBED_BODY,
+    InferenceRoute(paths.EMBED, embed.embed, "classify", embed.EmbedQuery, embed.EMBED_BODY,
                    _json_answer(EmbedResponse, "One embedding or one error per image"),
                    (400, 404, 408, 413, 415, 422, 429, 503, 504)),
     *(InferenceRoute(template, open_inference.infer, "open inference protocol (v2)", None,
                      open_inference.INFER_BODY, open_inference.INFER_ANSWER,
                      (400, 404, 408, 413, 415, 429, 500, 503, 504), protocol=True)
-      for template in ("/v2/models/{name}/infer", "/v2/models/{name}/versions/{version}/infer")),
+      for template in (paths.INFER, paths.VERSIONED_INFER)),
 )
 _BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
 _TEMPLATED = [route for route in ROUTES if "{" in route.template]

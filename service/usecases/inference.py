@@ -22,8 +22,6 @@ from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground import tracing
 from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
-from vitserve.service.schemas.model_config import triton_config
-from vitserve.service.schemas.statistics import triton_statistics
 from vitserve.service.schemas.v1 import (
     ClassifyResponse,
     ExplainedClass,
@@ -41,7 +39,7 @@ from vitserve.service.usecases import postprocess
 from vitserve.service.usecases.explanations import relevance_target
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy
-from vitserve.service.usecases.state import INFERENCE_ENDPOINTS, ServiceState
+from vitserve.service.usecases.state import ServiceState
 
 
 @dataclass(frozen=True)
@@ -154,19 +152,6 @@ async def infer(call: Call, request, parse_s: float, encode):
         for prepare_s in tensors["prepare_s"]:
             stages.image_stages(prepare_s, encode_s / request.batch)
     return answer
-
-
-def model_configuration(state: ServiceState, handle: ModelHandle) -> dict:
-    """Triton's model configuration of a routed version, with its own batching limits and its model's version
-    policy (its config.json)."""
-    return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider,
-                         handle.version_policy)
-
-
-async def model_statistics(state: ServiceState, versions: list[tuple[str, str]]) -> list[dict]:
-    """Triton's statistics of each (model, version), read from the metrics (every process's, as a scrape)."""
-    families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    return [triton_statistics(families, name, version, INFERENCE_ENDPOINTS) for name, version in versions]
 
 
 def answering_info(call: Call, version: str) -> ModelInfo:

@@ -2,8 +2,8 @@
 
     admit -> deadline -> resolve the model version -> (the transport reads its body) -> decode -> submit -> encode
 
-Every transport enters it the same way, with `admit`: the HTTP infer lane (POST /v2/.../infer and /v1/classify),
-the FastAPI routes of /v1/classify/batch and /v1/embed (through their `get_admitted_call` dependency), and gRPC's
+Every transport enters it the same way, with `admit`: the handlers of HTTP's inference route table (/v1/classify,
+/v1/classify/batch, /v1/embed, /v2/.../infer; service/http/inference_routes.py), and gRPC's
 ModelInfer. What each transport still owns is its protocol: reading its body, its error shapes and codes, its
 request metrics and server span (the HTTP middleware's and the gRPC frame's, over every route, not only these).
 

@@ -29,6 +29,7 @@ from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
+from vitserve.service.schemas import paths
 from vitserve.service.usecases.admission import Admission, PixelBudget
 from vitserve.service.usecases.inspection import InspectionCache
 from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
@@ -157,6 +158,4 @@ def _timed(function, *args, **kwargs):
 
 
 # The inference routes (the ones admission guards), by their templates.
-GRPC_INFER_ENDPOINT = "/inference.GRPCInferenceService/ModelInfer"
-INFERENCE_ENDPOINTS = frozenset({"/v1/classify", "/v1/classify/batch", "/v1/embed", "/v2/models/{name}/infer",
-                                 "/v2/models/{name}/versions/{version}/infer", GRPC_INFER_ENDPOINT})
+INFERENCE_ENDPOINTS = paths.INFERENCE

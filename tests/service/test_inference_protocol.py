@@ -20,7 +20,7 @@ from vitserve.service.schemas.binary_tensors import (HEADER_LENGTH, BinaryFormat
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.schemas.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
 from vitserve.service.schemas.model_config import model_metadata, triton_config
-from vitserve.service.schemas import schemas
+from vitserve.service.schemas import v1
 from vitserve.service.schemas.v1 import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
 from vitserve.service.ground.settings import Settings
@@ -150,9 +150,9 @@ def test_a_binary_tensor_holds_only_normalised_pixels(value):
 
 def test_the_names_a_request_may_use_are_the_model_file_s():
     # the schema spells its Literals out for the type checker; the model file's contract names them
-    assert get_args(schemas.InputName) == (INPUT_NAME, schemas.IMAGE_INPUT_NAME)
-    assert schemas.REQUESTABLE_OUTPUTS == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
-    assert schemas.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
+    assert get_args(v1.InputName) == (INPUT_NAME, v1.IMAGE_INPUT_NAME)
+    assert v1.REQUESTABLE_OUTPUTS == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+    assert v1.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
 
 
 @pytest.mark.parametrize("header, sections, message", [

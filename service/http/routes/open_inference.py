@@ -17,7 +17,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from vitserve.service.engine import ModelHandle
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, get_ready_state, get_state
 from vitserve.service.http.errors import openapi_responses
@@ -29,9 +28,9 @@ from vitserve.service.schemas.inference_protocol import (
     limits_for,
     parse_infer_request,
 )
-from vitserve.service.schemas.model_config import model_metadata, server_document
+from vitserve.service.schemas.model_config import server_document
 from vitserve.service.schemas.v1 import InferRequest, InferResponse, ModelMetadata
-from vitserve.service.usecases import inference
+from vitserve.service.usecases import control, inference
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.state import ServiceState
 
@@ -93,27 +92,26 @@ async def ready(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
 @router.get("/models/stats", responses=_errors(503))
 async def all_statistics(state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension for every ready model version."""
-    return {"model_stats": await inference.model_statistics(state, sorted(state.engine.ready_versions()))}
+    return {"model_stats": await control.statistics(state, None, None)}
 
 
 # Every model route is also served under /versions/{version}: a pair of thin routes (so that the OpenAPI document
 # declares each path's own parameters) over one function.
 @router.get(MODEL, response_model=ModelMetadata, responses=_errors(404, 503))
 async def metadata(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    handle = _model_named(state, name)
-    return model_metadata(handle.info, [v for _, v in state.engine.ready_versions(handle.name)])
+    return control.metadata(state, name, None)
 
 
 @router.get(VERSIONED, response_model=ModelMetadata, responses=_errors(404, 503))
 async def versioned_metadata(name: str, version: str,
                              state: Annotated[ServiceState, Depends(get_state)]) -> ModelMetadata:
-    return model_metadata(_model_named(state, name, version).info)
+    return control.metadata(state, name, version)
 
 
 @router.get(MODEL + "/ready", responses=_errors(404, 503))
 @router.head(MODEL + "/ready", responses=_errors(404, 503))
 async def model_ready(name: str, state: Annotated[ServiceState, Depends(get_ready_state)]) -> dict:
-    _model_named(state, name)
+    control.version(state, name)
     return {"name": name, "ready": True}
 
 
@@ -121,41 +119,30 @@ async def model_ready(name: str, state: Annotated[ServiceState, Depends(get_read
 @router.head(VERSIONED + "/ready", responses=_errors(404, 503))
 async def versioned_model_ready(name: str, version: str,
                                 state: Annotated[ServiceState, Depends(get_ready_state)]) -> dict:
-    _model_named(state, name, version)
+    control.version(state, name, version)
     return {"name": name, "ready": True}
 
 
 @router.get(MODEL + "/config", responses=_errors(404, 503))
 async def config(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's model configuration extension: the model's tensors and this server's batching settings."""
-    return _config(state, name, None)
+    return control.configuration(state, name, None)
 
 
 @router.get(VERSIONED + "/config", responses=_errors(404, 503))
 async def versioned_config(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    return _config(state, name, version)
+    return control.configuration(state, name, version)
 
 
 @router.get(MODEL + "/stats", responses=_errors(404, 503))
 async def statistics(name: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
     """Triton's statistics extension: this process's counts and durations (see service/schemas/statistics.py)."""
-    return await _statistics(state, name, None)
+    return {"model_stats": await control.statistics(state, name, None)}
 
 
 @router.get(VERSIONED + "/stats", responses=_errors(404, 503))
 async def versioned_statistics(name: str, version: str, state: Annotated[ServiceState, Depends(get_state)]) -> dict:
-    return await _statistics(state, name, version)
-
-
-def _config(state: ServiceState, name: str, version: str | None) -> dict:
-    return inference.model_configuration(state, _model_named(state, name, version))
-
-
-async def _statistics(state: ServiceState, name: str, version: str | None) -> dict:
-    """One version's statistics; without a version, every ready version's (as Triton lists them)."""
-    handle = _model_named(state, name, version)
-    versions = [(handle.name, handle.version)] if version is not None else state.engine.ready_versions(handle.name)
-    return {"model_stats": await inference.model_statistics(state, versions)}
+    return {"model_stats": await control.statistics(state, name, version)}
 
 
 async def infer(request: Request, path: dict[str, str]) -> Response:
@@ -188,7 +175,3 @@ async def _read_request(request: Request, call: Call) -> tuple[ParsedInferReques
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
     return parse_infer_request(body, header_length, limits_for(s, call.routed.info)), time.perf_counter() - started
-
-
-def _model_named(state: ServiceState, name: str, version: str | None = None) -> ModelHandle:
-    return state.engine.route(name, version)

@@ -11,7 +11,8 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import get_state
 from vitserve.service.http.errors import openapi_responses
-from vitserve.service.schemas.v1 import ModelCard, ModelList, ModelVersionState, ShadowReport, TemperatureCurve
+from vitserve.service.schemas.v1 import ModelCard, ModelList, ModelVersionState, ShadowReport
+from vitserve.service.usecases import control
 from vitserve.service.usecases.state import ServiceState
 
 router = APIRouter(tags=["operations"])
@@ -21,7 +22,7 @@ router = APIRouter(tags=["operations"])
             responses=openapi_responses(401, 403, 503))
 async def models(state: Annotated[ServiceState, Depends(get_state)]) -> ModelList:
     """Every model and version this server knows, with its state; the ready ones first under each model."""
-    entries = await state.engine.index()
+    entries = await control.index(state)
     return ModelList(models=[ModelVersionState(name=e.name, version=e.version, state=e.state or "UNAVAILABLE",
                                                reason=e.reason or ("not loaded" if not e.version else ""))
                              for e in entries])
@@ -33,18 +34,7 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
                      model: Annotated[str | None, Query(max_length=64)] = None,
                      version: Annotated[str | None, Query(max_length=20)] = None) -> ModelCard:
     """A model version's card (default: the only model, its newest ready version)."""
-    handle = state.engine.route(model, version)
-    info, s = handle.info, state.settings.model_copy(update=handle.batching)
-    return ModelCard(name=info.name, version=info.version, labels=info.labels, image_height=info.image_size[0],
-                     image_width=info.image_size[1], patch_size=info.patch_size, channels=info.channels,
-                     mean=info.mean, std=info.std, precision=info.precision, provider=state.engine.provider,
-                     opset=info.opset, exporter=info.exporter, weights_sha256=info.weights_sha256,
-                     test_accuracy=info.test_accuracy, maps=list(info.maps), max_batch_size=s.max_batch_size,
-                     max_native_tokens=s.max_native_tokens, temperature=info.temperature,
-                     temperature_by_entropy=None if info.temperature_by_entropy is None
-                     else TemperatureCurve(**info.temperature_by_entropy.to_json()),
-                     embedding_size=info.embedding_size, ood=info.ood or None,
-                     calibration=info.calibration or None)
+    return control.card(state, model, version)
 
 
 @router.get("/v1/models/{name}/inspect", dependencies=[Depends(require_api_key)],
@@ -56,7 +46,7 @@ async def inspect_model(state: Annotated[ServiceState, Depends(get_state)],
     patch-embedding filters (a hybrid's stem filters) with their explained variance, the cosine similarity of its
     position embeddings, and the mean attention distance of each head at each depth, in pixels. Computed by
     `vitserve export` from the float32 weights and stored in the file (default: the newest ready version)."""
-    return await state.inspections.get(state.settings, state.engine.route(name, version))
+    return await state.inspections.get(state.settings, control.version(state, name, version))
 
 
 @router.get("/v1/models/{name}/shadow", response_model=ShadowReport, dependencies=[Depends(require_api_key)],
@@ -67,12 +57,12 @@ async def shadow_report(state: Annotated[ServiceState, Depends(get_state)],
     its config named it: top-1 agreement, the mean Jensen-Shannon divergence of the served probabilities, the mean
     rank correlation of the rollout maps, the shadow's latency, and the copies dropped or failed (docs/shadow.md).
     404 when the model has no shadow version."""
-    return ShadowReport.model_validate(await state.engine.shadow_report(name))
+    return ShadowReport.model_validate(await control.shadow_report(state, name))
 
 
 @router.get("/metrics", response_class=Response,
             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus exposition format"}})
 async def metrics(state: Annotated[ServiceState, Depends(get_state)]) -> Response:
-    live = state.engine.live_versions()  # an unloaded version's series are not exported
+    live = control.live_versions(state)  # an unloaded version's series are not exported
     body, content_type = await asyncio.to_thread(state.metrics.render, live)  # file reads in multiprocess mode
     return Response(body, media_type=content_type)

@@ -13,7 +13,7 @@ from vitserve.service.ground.errors import InvalidParameter
 from vitserve.service.http.access import require_admin_key, require_explicit_control
 from vitserve.service.http.dependencies import get_ready_state
 from vitserve.service.http.errors import openapi_responses
-from vitserve.service.repository.layout import check_model_name
+from vitserve.service.usecases import control
 from vitserve.service.usecases.state import ServiceState
 
 router = APIRouter(prefix="/v2/repository", tags=["model repository (v2)"], dependencies=[Depends(require_admin_key)])
@@ -53,7 +53,7 @@ async def repository_index(request: Request, state: Annotated[ServiceState, Depe
     ready = (await _json_body(request)).get("ready", False)
     if not isinstance(ready, bool):
         raise InvalidParameter("`ready` must be true or false")
-    entries = await state.engine.index(ready_only=ready)
+    entries = await control.index(state, ready_only=ready)
     return [{"name": e.name, **({"version": e.version, "state": e.state, "reason": e.reason} if e.version else
                                 ({"state": e.state, "reason": e.reason} if e.state else {}))} for e in entries]
 
@@ -67,7 +67,7 @@ async def load(name: str, request: Request, state: Annotated[ServiceState, Depen
     if (await _json_body(request)).get("parameters"):
         raise InvalidParameter("load parameters (a config override, model files) are not supported: the "
                                "repository's files and config.json say what is loaded")
-    await state.engine.load(check_model_name(name))
+    await control.load(state, name)
     return {}
 
 
@@ -76,5 +76,5 @@ async def load(name: str, request: Request, state: Annotated[ServiceState, Depen
 async def unload(name: str, request: Request, state: Annotated[ServiceState, Depends(get_ready_state)]) -> dict:
     """Stop routing to every version of `name`, let the requests admitted to it finish, then free it."""
     await _json_body(request)
-    await state.engine.unload(check_model_name(name))
+    await control.unload(state, name)
     return {}

@@ -1,0 +1,13 @@
+"""The inference routes' paths, as templates (FastAPI's way of writing a path), written once: the HTTP route table
+(service/http/inference_routes.py) serves them, admission and the statistics count by them (service/usecases/), and
+gRPC's inference call is labelled by its method's full name."""
+
+CLASSIFY = "/v1/classify"
+CLASSIFY_BATCH = "/v1/classify/batch"
+EMBED = "/v1/embed"
+INFER = "/v2/models/{name}/infer"
+VERSIONED_INFER = "/v2/models/{name}/versions/{version}/infer"
+GRPC_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+HTTP_INFERENCE = (CLASSIFY, CLASSIFY_BATCH, EMBED, INFER, VERSIONED_INFER)
+INFERENCE = frozenset({*HTTP_INFERENCE, GRPC_INFER})  # the routes admission guards
