@@ -58,10 +58,6 @@ def trace_relevance(vit, example_pixels: torch.Tensor) -> ViTWithRelevance:
     return ViTWithRelevance(vit, traced)
 
 
-def example_target(example_pixels: torch.Tensor) -> torch.Tensor:
-    return torch.full((example_pixels.shape[0],), -1, dtype=torch.long)
-
-
 def with_relevance_branch(fast: onnx.ModelProto, relevance: onnx.ModelProto) -> onnx.ModelProto:
     """One model: If(Size(target_class) > 0) then the relevance graph else the fast graph (see the module doc)."""
     fast, relevance = _copy(fast), _copy(relevance)

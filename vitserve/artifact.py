@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -199,9 +199,6 @@ class ModelInfo:
     def probabilities(self, logits: np.ndarray) -> np.ndarray:
         """(..., K) logits -> the calibrated probabilities /v1 serves, float64."""
         return softmax(logits, self.temperature_for(logits))
-
-    def with_opset(self, opset: int | None) -> ModelInfo:
-        return replace(self, opset=opset)
 
     def to_metadata(self) -> dict[str, str]:
         """The `metadata_props` that describe this model: every value a string."""

@@ -14,7 +14,7 @@ queue, for the frontends' admission.
 with the outcome and the index after it (every version's state, and the metadata of those loaded, which the
 frontend routes and preprocesses with).
 
-Both sides import this module; tests/service/test_engine_messages.py holds the round trip.
+Both sides import this module; tests/service/test_engine.py holds the round trip.
 """
 from __future__ import annotations
 

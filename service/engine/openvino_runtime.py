@@ -22,6 +22,7 @@ from collections.abc import Callable
 import numpy as np
 
 from vitserve.artifact import EMBEDDING_NAME, ModelInfo
+from vitserve.service.engine.providers import openvino_provider
 from vitserve.service.ground.errors import ModelLoadError
 
 log = logging.getLogger("vitserve.runtime")
@@ -111,7 +112,7 @@ class OpenVinoModel:
 
     def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
         self.compiled, self.info, self.precision = compiled, info, precision
-        self.provider = f"OpenVINO/CPU/{precision}"
+        self.provider = openvino_provider(precision)
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         self.run_without_maps: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
         self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order

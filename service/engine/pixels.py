@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from vitserve.artifact import INPUT_NAME, normalization_table
+from vitserve.service.engine.providers import GPU_PROVIDERS
 
 if TYPE_CHECKING:  # onnx is imported where the engine builds the graph, not by every frontend that reads this
     import onnx
 
 RAW_INPUT = "pixels_uint8"
-GPU_PROVIDERS = ("CUDAExecutionProvider", "TensorrtExecutionProvider")
 # the normaliser's own graph: any ONNX Runtime of this project runs opset 17's Cast, Add and Gather
 NORMALISER_OPSET = 17
 

@@ -23,16 +23,13 @@ from vitserve.service.engine.attention_fusion import count_fused, maps_free
 from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, call_times_ms, median_ms
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.openvino_runtime import OpenVinoModel
-from vitserve.service.engine.pixels import GPU_PROVIDERS, DeviceNormaliser, PixelTable, engine_normalises
+from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable, engine_normalises
+from vitserve.service.engine.providers import CPU, CUDA, GPU_PROVIDERS, ORT_PROVIDERS, runs_on_cpu
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
-from vitserve.service.ground.settings import Settings
+from vitserve.service.ground.settings import Provider, Settings
 
 log = logging.getLogger("vitserve.runtime")
-
-
-_ORT_PROVIDER_NAMES = {"tensorrt": "TensorrtExecutionProvider", "cuda": "CUDAExecutionProvider",
-                       "cpu": "CPUExecutionProvider"}
 
 
 Outputs = tuple[np.ndarray, ...]  # the arrays `info.output_names()` names, in its order, each (B, ...)
@@ -77,19 +74,19 @@ def provider_chain(settings: Settings, available: list[str]) -> list[tuple[str, 
     named = "providers" in settings.model_fields_set
     chain = []
     for name in settings.providers:
-        ort_name = _ORT_PROVIDER_NAMES[name]
+        ort_name = ORT_PROVIDERS[name]
         if ort_name not in available:
             if named:
                 log.warning("execution provider %s requested but not in this onnxruntime build (%s); skipped",
                             ort_name, ", ".join(available))
             continue
         chain.append((ort_name, _provider_options(name, settings)))
-    if all(name != "CPUExecutionProvider" for name, _ in chain):
-        chain.append(("CPUExecutionProvider", {}))
+    if all(name != CPU for name, _ in chain):
+        chain.append((CPU, {}))
     return chain
 
 
-def _provider_options(name: str, s: Settings) -> dict:
+def _provider_options(name: Provider, s: Settings) -> dict:
     if name == "cuda":
         options = {"device_id": s.cuda_device_id, "cudnn_conv_algo_search": s.cudnn_conv_algo_search,
                    "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": True}
@@ -179,7 +176,7 @@ class OnnxModel:
         warn_on_fallback(model, chain)
         if engine_normalises(settings.pixel_transport, model.provider):
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
-        if model.provider == "CUDAExecutionProvider" and settings.cuda_graphs:
+        if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
         if serves_maps_free(settings.maps_free, model.provider):
             model.lean_path = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
@@ -437,7 +434,7 @@ def load_engine_model(settings: Settings) -> InferenceModel:
     requests/s with 2 intra-op threads against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core
     for its one-client latency."""
     model = load_model(settings)
-    if settings.intra_op_threads or not runs_on_cpu(model) or usable_cores() == 1:
+    if settings.intra_op_threads or not runs_on_cpu(model.provider) or usable_cores() == 1:
         return model
     milliseconds = batch_one_ms(model)
     if milliseconds >= LIGHT_MODEL_MS:
@@ -448,10 +445,6 @@ def load_engine_model(settings: Settings) -> InferenceModel:
     chosen = {"runtime": "openvino", "precision_hint": model.precision} if isinstance(model, OpenVinoModel) else \
         {"runtime": "onnxruntime"}
     return load_model(settings.model_copy(update={"intra_op_threads": 1, **chosen}))
-
-
-def runs_on_cpu(model: InferenceModel) -> bool:
-    return model.provider == "CPUExecutionProvider" or model.provider.startswith("OpenVINO/CPU")
 
 
 # ------------------------------------------------------------------------------------------ choosing the runtime
@@ -472,7 +465,7 @@ def load_model(settings: Settings) -> InferenceModel:
     chose and why is logged; the model's provider (the card, /v2 config, metrics) names it. An int8 file on a CPU
     without int8 dot-product units is served, with a warning that its float32 file is likely faster."""
     model = _load_on_runtime(settings)
-    if runs_on_cpu(model):
+    if runs_on_cpu(model.provider):
         warn_if_int8_does_not_pay(model.info)
     return model
 
@@ -490,7 +483,7 @@ def _load_on_runtime(settings: Settings) -> InferenceModel:
         return openvino_model(settings, precision)
     artifact = read_artifact(Path(settings.model_path))  # once, for every candidate
     reference = OnnxModel.load(settings, artifact)
-    if not runs_on_cpu(reference):
+    if not runs_on_cpu(reference.provider):
         return reference
     own = reference.info.precision  # the file's: int8 runs as int8 on every candidate, fp32 is what OpenVINO adds
     # first: the reference the others must beat
@@ -540,7 +533,7 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     path = Path(settings.model_path)
     info, paths = artifact or read_artifact(path)
     if relevance is None and paths.relevance is not None:
-        chain: list[tuple[str, dict]] = [("CPUExecutionProvider", {})]
+        chain: list[tuple[str, dict]] = [(CPU, {})]
         relevance = RelevancePath(functools.partial(_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
                                   relevance)

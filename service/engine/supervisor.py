@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
+from vitserve.service.engine.providers import GPU_PROVIDERS, ORT_PROVIDERS
 from vitserve.service.engine.shm import remove_orphaned_segments
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.settings import Settings
@@ -42,8 +43,8 @@ class _Engine:
 def engine_devices(settings: Settings, available: list[str]) -> list[int | None]:
     """One engine per device: the CUDA devices named when a GPU provider is asked for first and this
     onnxruntime build has it (`available`), else one for the CPU."""
-    names = {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}
-    if names.get(settings.providers[0]) in available:
+    first = ORT_PROVIDERS[settings.providers[0]]
+    if first in GPU_PROVIDERS and first in available:
         return list(settings.cuda_device_ids or [settings.cuda_device_id])
     return [None]
 

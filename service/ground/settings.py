@@ -13,7 +13,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from vitserve.service.ground.processes import usable_cores
 
-Provider = Literal["tensorrt", "cuda", "cpu"]
+Provider = Literal["tensorrt", "cuda", "cpu"]  # ONNX Runtime's execution providers (service/engine/providers.py)
+Runtime = Literal["auto", "onnxruntime", "openvino"]
+PrecisionHint = Literal["auto", "fp32", "bf16"]
 INTERNAL = "internal"  # the description of fields `vitserve serve` sets for its own processes: no flag
 
 
@@ -72,10 +74,10 @@ class Settings(BaseSettings):
                                                         "(health, metrics and the web page's files stay open)")
 
     # The runtime: ONNX Runtime (CUDA when there, else the CPU), or OpenVINO for the CPU; auto measures at load
-    runtime: Literal["auto", "onnxruntime", "openvino"] = Field(
+    runtime: Runtime = Field(
         "auto", description="auto: ONNX Runtime on a GPU; on the CPU the fastest of ONNX Runtime and OpenVINO (fp32, "
                             "and bf16 where the CPU has it) that agrees with ONNX Runtime's float32, timed at load")
-    precision_hint: Literal["auto", "fp32", "bf16"] = Field(
+    precision_hint: PrecisionHint = Field(
         "auto", description="the compute precision asked of the runtime (bf16: OpenVINO on a CPU with AVX512-BF16 "
                             "or AMX); an int8 file computes its quantized layers in int8 whatever this says")
     # ONNX Runtime: execution providers in order of preference; CPU is always the last resort

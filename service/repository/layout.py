@@ -21,6 +21,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
+from vitserve.service.ground.settings import PrecisionHint, Runtime
 
 MODEL_FILENAME = "model.onnx"
 CONFIG_FILENAME = "config.json"
@@ -117,10 +118,9 @@ class ModelConfig(BaseModel):
     # Fewer threads still leave the heavy model a share of every core it runs on. A lower priority gives the cores
     # to the other models whenever they have work, and to this one whenever they have none: a batch or background
     # model beside a latency-sensitive one (docs/repository.md has the measurements).
-    runtime: Literal["auto", "onnxruntime", "openvino"] | None = Field(None, description="this model's runtime "
-                                                                            "(default: the server's)")
-    precision_hint: Literal["auto", "fp32", "bf16"] | None = Field(None, description="this model's compute "
-                                                                   "precision (default: the server's)")
+    runtime: Runtime | None = Field(None, description="this model's runtime (default: the server's)")
+    precision_hint: PrecisionHint | None = Field(None, description="this model's compute precision (default: the "
+                                                                   "server's)")
     cpu_priority: Literal["normal", "low", "idle"] = Field("normal", description="this model's compute threads: "
                                                            "normal (as the server), low (nice +10), idle (only "
                                                            "the cycles nothing else wants)")

@@ -9,6 +9,7 @@ the relevance path lists a third output, `relevance`, sent only to a request tha
 from __future__ import annotations
 
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.service.engine.providers import GPU_PROVIDERS
 from vitserve.service.ground.settings import Settings
 from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
 
@@ -46,7 +47,7 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str, version_po
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
     the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
     as this server runs it, one instance on the execution provider in use."""
-    on_gpu = provider in ("CUDAExecutionProvider", "TensorrtExecutionProvider")
+    on_gpu = provider in GPU_PROVIDERS
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
                 "gpus": [settings.cuda_device_id] if on_gpu else []}
     return {

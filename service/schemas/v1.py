@@ -369,10 +369,3 @@ class InferResponse(BaseModel):
     model_version: str
     id: str | None = None
     outputs: list[InferOutputTensor]
-
-
-class ProtocolError(BaseModel):
-    """The Open Inference Protocol's error body; `code` is vitserve's stable name for it (as on /v1)."""
-
-    error: str
-    code: str

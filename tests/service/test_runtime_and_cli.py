@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from typing import get_args
 
 import numpy as np
 import onnx
@@ -9,9 +10,10 @@ import pytest
 
 from vitserve.service.cli import DRAIN_MARGIN_S
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.engine.providers import GPU_PROVIDERS, ORT_PROVIDERS, openvino_provider, runs_on_cpu
 from vitserve.service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
                              warm_up)
-from vitserve.service.ground.settings import INTERNAL, Settings
+from vitserve.service.ground.settings import INTERNAL, Provider, Settings
 from service_fixtures import settings_for
 
 def test_load_errors_are_clear(tmp_path, tiny_onnx):
@@ -38,6 +40,14 @@ def test_provider_chain_prefers_accelerators_and_falls_back_to_cpu():
                    "trt_engine_cache_path": "/tmp/trt"}
     assert cpu == {}
     assert provider_chain(Settings(providers="cuda"), ["CPUExecutionProvider"]) == [("CPUExecutionProvider", {})]
+
+
+def test_the_provider_table_names_every_provider_a_setting_can_choose():
+    assert set(ORT_PROVIDERS) == set(get_args(Provider))
+    assert set(GPU_PROVIDERS) == {"CUDAExecutionProvider", "TensorrtExecutionProvider"}
+    assert openvino_provider("bf16") == "OpenVINO/CPU/bf16"
+    assert runs_on_cpu("CPUExecutionProvider") and runs_on_cpu("OpenVINO/CPU/fp32")
+    assert not any(runs_on_cpu(name) for name in GPU_PROVIDERS)
 
 
 def test_session_options_follow_settings():
