@@ -186,7 +186,9 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
         print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms",
               flush=True)
     model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:]),
-             "temperature": info.temperature}
+             # the temperature /v1 divides this image's logits by (one per answer, by its entropy, where the file
+             # has the curve): the calibrated scores it serves
+             "temperature": float(info.temperature_for(logits[0]))}
     return model, raw
 
 

@@ -88,10 +88,11 @@ class ResponseCompression:
 
     async def __call__(self, scope, receive, send):
         coding = None
-        if scope["type"] == "http" and scope["method"] != "HEAD" and self.max_bytes and \
-                compressible_path(scope["path"]):
+        if scope["type"] == "http" and scope["method"] != "HEAD" and self.max_bytes:
             coding = chosen_coding(_header(scope, b"accept-encoding"))
-        if coding is None:  # the common case costs a prefix check and one header lookup
+            if coding is not None and not compressible_path(scope["path"]):  # a client that asks, on /v2
+                coding = None
+        if coding is None:  # the common case costs one header lookup
             return await self.app(scope, receive, send)
         held = None  # the answer's start, until its body shows whether it is compressed
 

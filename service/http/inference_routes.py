@@ -77,13 +77,13 @@ ROUTES: tuple[InferenceRoute, ...] = (
                      (400, 404, 408, 413, 415, 429, 500, 503, 504), protocol=True)
       for template in (paths.INFER, paths.VERSIONED_INFER)),
 )
-_BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
+BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
 _TEMPLATED = [route for route in ROUTES if "{" in route.template]
 
 
 def match(path: str) -> tuple[InferenceRoute, dict[str, str]] | None:
     """The inference route `path` names, with its path parameters; None for a path the router takes."""
-    route = _BY_PATH.get(path)
+    route = BY_PATH.get(path)
     if route is not None:
         return route, {}
     if not path.startswith("/v2/models/"):  # the common case of every other route: one prefix check

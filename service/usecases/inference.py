@@ -60,7 +60,7 @@ def model_ref(name: str, version: str) -> ModelRef:
 
 async def classify(call: Call, data: bytes, options: ClassifyOptions) -> ClassifyResponse:
     """One encoded image -> its top classes and its map."""
-    state, handle, target = call.state, call.routed, options.target_index
+    state, handle, target = call.state, call.handle, options.target_index
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize,
                                                         options.map_format == "overlay")
@@ -94,7 +94,7 @@ def check_embeds(handle: ModelHandle) -> None:
 async def embed(call: Call, data: bytes, resize: ResizePolicy, normalize: bool) -> ImageEmbedding:
     """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
     score, on the fast path (`check_embeds` first)."""
-    state, handle = call.state, call.routed
+    state, handle = call.state, call.handle
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.preprocess(data, handle.info, resize, False)
     result = await submit(state, handle, prepared.pixels, call.deadline, None, maps=False)
@@ -124,7 +124,7 @@ async def infer(call: Call, request, parse_s: float, encode):
     /v2 or gRPC) through the routed version's batcher, within the call's deadline shortened by the request's own
     `timeout` parameter; returns `encode(info, tensors)`, with `info` the metadata of the version that ran it (a
     request is routed once: its images ran on one version). The call's stage metrics are recorded here."""
-    state, handle = call.state, call.routed
+    state, handle = call.state, call.handle
     target = relevance_target(request.target, handle.info) if request.explains else None
     extra = handle.info.extra_outputs
     missing = [o.name for o in request.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in extra]
@@ -157,7 +157,7 @@ async def infer(call: Call, request, parse_s: float, encode):
 def answering_info(call: Call, version: str) -> ModelInfo:
     """The metadata of `version`, the one that ran a call's images: the routed one, unless it was retired
     meanwhile (then the call says so)."""
-    handle = call.routed
+    handle = call.handle
     if not version or version == handle.version:
         return handle.info
     call.ran_on(handle.name, version)
@@ -186,7 +186,7 @@ async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
                             maps: bool = True) -> dict[str, np.ndarray]:
     """Run every image of the tensor (on the relevance path with a `target`; `maps` False: the rollout is not
     needed, engine.submit); the first that fails fails the request, named, and the others are dropped."""
-    state, handle = call.state, call.routed
+    state, handle = call.state, call.handle
     results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target, maps))
     return _stacked(call, results, target is not None)
 
@@ -195,7 +195,7 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
                              maps: bool = True) -> dict:
     """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
     the request, named by its index, and the others' work is cancelled."""
-    state, handle = call.state, call.routed
+    state, handle = call.state, call.handle
     prepared = await _each(images, lambda data: _decode(state, data, handle.info, resize))
     shapes = {p.pixels.shape for p, _ in prepared}
     if len(shapes) > 1:

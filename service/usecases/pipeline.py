@@ -42,14 +42,10 @@ class Call:
     on_route: Callable[[str, str], None] | None = None  # the transport's record of the version for its metrics
     watch_client: Callable[[], Awaitable] | None = None  # completes when the client hangs up (the transport's)
     started: float = field(default_factory=time.perf_counter)
-    handle: ModelHandle | None = None
     served: tuple[str, str] = ("", "")
-
-    @property
-    def routed(self) -> ModelHandle:
-        """The version `route` chose: the use cases run after it."""
-        assert self.handle is not None, "the transport routes a call before it runs a use case"
-        return self.handle
+    # the version `route` chose (set there, read by the use cases, which run after it): a plain attribute, not a
+    # property with a check, on the path every request takes
+    handle: ModelHandle = field(init=False)
 
     def route(self, name: str | None, version: str | None) -> ModelHandle:
         """The version this call runs on (None: the only model; its newest ready version)."""

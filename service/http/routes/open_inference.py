@@ -174,4 +174,4 @@ async def _read_request(request: Request, call: Call) -> tuple[ParsedInferReques
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
         body, _ = await state.in_pool(decode_content, body, encoding, limit)
-    return parse_infer_request(body, header_length, limits_for(s, call.routed.info)), time.perf_counter() - started
+    return parse_infer_request(body, header_length, limits_for(s, call.handle.info)), time.perf_counter() - started
