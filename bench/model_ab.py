@@ -101,6 +101,8 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
 
 # A py-spy raw line: "frame;frame;... COUNT", a frame "function (path:line)"
 _FRAME_LINE = re.compile(r":\d+\)$")
+# a layer's file as the server imported it (vitserve/service/..., through vitserve/'s link) -> its path in the repository
+_LAYER_LINK = re.compile(r"\(vitserve/(model|export|service|evaluation|bench)/")
 PROFILE_ROWS = 12
 
 
@@ -120,7 +122,7 @@ def inclusive_shares(raw: str) -> tuple[Counter, int]:
             continue
         samples = int(number)
         total += samples
-        for frame in {_FRAME_LINE.sub(")", f) for f in stack.split(";")}:
+        for frame in {_LAYER_LINK.sub(r"(\1/", _FRAME_LINE.sub(")", f)) for f in stack.split(";")}:
             counts[frame] += samples
     return counts, total
 
