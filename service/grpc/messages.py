@@ -56,7 +56,7 @@ def parsed_from_grpc(request: pb.ModelInferRequest, limits: ProtocolLimits) -> P
     tensor_in = TensorInput(tensor.name, tensor.datatype, list(tensor.shape))
     outputs = [(o.name, parameter_values(o.parameters)) for o in request.outputs] if request.outputs else None
     return checked_infer_request(request.id, parameter_values(request.parameters), tensor_in,
-                        parameter_values(tensor.parameters), memoryview(section), outputs, limits)
+                                 parameter_values(tensor.parameters), memoryview(section), outputs, limits)
 
 
 def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:

@@ -13,6 +13,7 @@ from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from vitserve.service.ground.errors import InvalidParameter
 from vitserve.service.usecases import pipeline
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.state import ServiceState
@@ -75,7 +76,12 @@ async def client_gone(request: Request) -> None:
 
 def query_parameters(request: Request, model: type[Q]) -> Q:
     """The request's query parameters, checked against `model` as FastAPI checks a query model (a 422 naming each
-    problem by its place, `query.top_k`)."""
+    problem by its place, `query.top_k`). A parameter of the model given twice is refused: it would be read from its
+    last copy, an invalid first one silently ignored (and a proxy routing by its first copy would disagree)."""
+    names = [field.alias or name for name, field in model.model_fields.items()]
+    repeated = sorted(name for name in names if len(request.query_params.getlist(name)) > 1)
+    if repeated:
+        raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
     try:
         return model.model_validate(dict(request.query_params))
     except ValidationError as e:

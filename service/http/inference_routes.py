@@ -45,6 +45,7 @@ class InferenceRoute:
     answer: dict[str, Any]  # the OpenAPI 200 response
     errors: tuple[int, ...]
     protocol: bool = False  # errors in the Open Inference Protocol's shape
+    operation: str = ""  # the OpenAPI operation's name (default: the handler's)
     pattern: re.Pattern = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -54,7 +55,8 @@ class InferenceRoute:
 
     @property
     def operation_id(self) -> str:
-        return re.sub(r"\W+", "_", f"{self.handler.__name__}{self.template}_post").strip("_")
+        """As FastAPI names an operation (`generate_unique_id`): generated clients keep their method names."""
+        return re.sub(r"\W", "_", f"{self.operation or self.handler.__name__}{self.template}") + "_post"
 
 
 def _json_answer(model: type[BaseModel], description: str) -> dict[str, Any]:
@@ -74,9 +76,11 @@ ROUTES: tuple[InferenceRoute, ...] = (
                    (400, 404, 408, 413, 415, 422, 429, 503, 504)),
     *(InferenceRoute(template, open_inference.infer, "open inference protocol (v2)", None,
                      open_inference.INFER_BODY, open_inference.INFER_ANSWER,
-                     (400, 404, 408, 413, 415, 429, 500, 503, 504), protocol=True)
-      for template in (paths.INFER, paths.VERSIONED_INFER)),
+                     (400, 404, 408, 413, 415, 429, 500, 503, 504), protocol=True, operation=operation)
+      for template, operation in ((paths.INFER, "infer"), (paths.VERSIONED_INFER, "versioned_infer"))),
 )
+# the table serves what admission and the statistics count: one list of paths (service/schemas/paths.py)
+assert tuple(route.template for route in ROUTES) == paths.HTTP_INFERENCE
 BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
 _TEMPLATED = [route for route in ROUTES if "{" in route.template]
 

@@ -1,6 +1,7 @@
 """The inference routes' paths, as templates (FastAPI's way of writing a path), written once: the HTTP route table
-(service/http/inference_routes.py) serves them, admission and the statistics count by them (service/usecases/), and
-gRPC's inference call is labelled by its method's full name."""
+(service/http/inference_routes.py) serves them (and asserts it serves these), admission and the statistics count by
+them (service/usecases/); gRPC's frame labels a call by its method's full name (service/grpc/servicer.py `rpc`),
+which for ModelInfer is GRPC_INFER."""
 
 CLASSIFY = "/v1/classify"
 CLASSIFY_BATCH = "/v1/classify/batch"

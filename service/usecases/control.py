@@ -8,8 +8,10 @@ into their protocol; neither reaches the engine itself.
     metadata(state, name, version)       -> ModelMetadata (the protocol's document; unversioned: every ready version)
     configuration(state, name, version)  -> Triton's model configuration
     statistics(state, name, version)     -> Triton's statistics of each ready version (no name: every model's)
+    is_routed(state, name, version)      -> whether requests for it are routed to a ready version now
     index(state, ready_only)             -> every model and version with its state and reason
     load(state, name), unload(state, name)
+    shadow_report(state, name), live_versions(state)
 """
 from __future__ import annotations
 
@@ -18,10 +20,11 @@ import asyncio
 from vitserve.service.engine import IndexEntry, ModelHandle
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.repository.layout import check_model_name
+from vitserve.service.schemas import paths
 from vitserve.service.schemas.model_config import model_metadata, triton_config
 from vitserve.service.schemas.statistics import triton_statistics
 from vitserve.service.schemas.v1 import ModelCard, ModelMetadata, TemperatureCurve
-from vitserve.service.usecases.state import INFERENCE_ENDPOINTS, ServiceState
+from vitserve.service.usecases.state import ServiceState
 
 
 def version(state: ServiceState, name: str | None, version: str | None = None) -> ModelHandle:
@@ -83,7 +86,7 @@ async def statistics(state: ServiceState, name: str | None, version_name: str | 
     else:
         pairs = sorted(state.engine.ready_versions())
     families = await asyncio.to_thread(state.metrics.families)  # file reads with several processes
-    return [triton_statistics(families, model, number, INFERENCE_ENDPOINTS) for model, number in pairs]
+    return [triton_statistics(families, model, number, paths.INFERENCE) for model, number in pairs]
 
 
 async def index(state: ServiceState, ready_only: bool = False) -> list[IndexEntry]:

@@ -29,7 +29,6 @@ from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
-from vitserve.service.schemas import paths
 from vitserve.service.usecases.admission import Admission, PixelBudget
 from vitserve.service.usecases.inspection import InspectionCache
 from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
@@ -156,6 +155,3 @@ def _timed(function, *args, **kwargs):
     result = function(*args, **kwargs)
     return result, time.perf_counter() - started
 
-
-# The inference routes (the ones admission guards), by their templates.
-INFERENCE_ENDPOINTS = paths.INFERENCE

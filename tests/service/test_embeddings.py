@@ -97,6 +97,25 @@ async def test_embed_takes_several_files_and_answers_each_in_order(ood_onnx):
     assert bad == {"error": {"code": "invalid_image", "message": bad["error"]["message"]}}
 
 
+async def test_embed_reads_a_multipart_body_whatever_the_case_of_its_media_type(ood_onnx):
+    """`Multipart/Form-Data` is multipart (media types are case-insensitive): every file is embedded, not the first."""
+    import httpx
+
+    files = [("file", ("a.png", patterned_png(), "image/png")), ("file", ("c.png", image_bytes("PNG"), "image/png"))]
+    encoded = httpx.Request("POST", "http://x", files=files)
+    body, content_type = encoded.read(), encoded.headers["content-type"]
+    async with serving(settings_for(ood_onnx)) as client:
+        answer = await client.post("/v1/embed", content=body,
+                                   headers={"content-type": content_type.replace("multipart/form-data",
+                                                                                 "Multipart/Form-Data")})
+        repeated = await client.post("/v1/embed?model=tiny-vit&model=other", files=files)
+    assert answer.status_code == 200, answer.text
+    assert [len(r["embedding"]) for r in answer.json()["results"]] == [32, 32]
+    assert repeated.status_code == 422
+    assert repeated.json()["error"] == {"code": "invalid_parameter",
+                                        "message": "query parameters given more than once: model"}
+
+
 async def test_classify_answers_the_ood_score_and_observes_its_histogram(ood_onnx):
     image = patterned_png()
     async with serving(settings_for(ood_onnx)) as client:

@@ -25,7 +25,7 @@ from vitserve.service.schemas.v1 import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
 from vitserve.service.ground.settings import Settings
 from vitserve.service.ground.metrics import ServiceMetrics
-from vitserve.service.usecases.state import INFERENCE_ENDPOINTS
+from vitserve.service.schemas.paths import INFERENCE as INFERENCE_ENDPOINTS
 from vitserve.service.schemas.statistics import triton_statistics
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
 

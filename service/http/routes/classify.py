@@ -50,15 +50,8 @@ class ClassifyQuery(BaseModel):
                                                                  "version")
 
 
-_NAMES = ("top_k", "map", "map_format", "target", "rollout", "resize", "model", "version")
-
-
 class ClassifyParams:
     def __init__(self, request: Request, query: ClassifyQuery):
-        # A parameter given twice would be read from its last copy, an invalid first one silently ignored.
-        repeated = sorted(name for name in _NAMES if len(request.query_params.getlist(name)) > 1)
-        if repeated:
-            raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
         map_kind, map_format = query.map_kind, query.map_format
         if query.rollout is not None:
             if map_kind is not None or map_format is not None:

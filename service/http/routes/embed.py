@@ -18,7 +18,7 @@ from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, query_parameters
 from vitserve.service.http.routes.classify import upload
-from vitserve.service.http.routes.uploads import each_file, image_body
+from vitserve.service.http.routes.uploads import each_file, image_body, media_type
 from vitserve.service.schemas.v1 import EmbedResponse
 from vitserve.service.usecases import inference
 from vitserve.service.usecases.preprocess import ResizePolicy
@@ -45,7 +45,7 @@ async def embed(request: Request, path: dict[str, str]) -> Response:
         handle = call.route(query.model, query.version)
         inference.check_embeds(handle)
         files = await upload(request, call, max_files=call.state.settings.max_batch_files)
-        if not request.headers.get("content-type", "").startswith("multipart/form-data"):
+        if media_type(request) != "multipart/form-data":
             # one image as the body: its error is the request's, with its status, as on /v1/classify
             if isinstance(files[0], ServiceError):
                 raise files[0]
