@@ -1,4 +1,4 @@
-"""`python -m vitserve.evaluation.self_supervision`: does masked-patch pre-training help when labels are few? (issue #26)
+"""`python -m vitserve.evaluation.self_supervision`: does masked-patch pre-training help when labels are few?
 
 Fashion-MNIST, the default model's architecture. One pre-training run on all training images without their
 labels (`vitserve train --pretrain masked-patch`), then for each seed two fine-tunes on the same `--label-fraction`

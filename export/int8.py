@@ -8,7 +8,7 @@ Why not dynamic quantization, which needs no images: it quantizes each activatio
 range over the **whole batch** at run time, so an image's answer depends on its batch-mates. Under dynamic
 batching that is a correctness defect, not a rounding detail: with the dynamic default model, 2,000 Fashion-MNIST
 test images run alone and in batches of 16 random neighbours differed by up to 0.50 in a logit and 7 changed their
-top-1 class (issue 38); the static file's answers do not move (tests/export/test_int8.py, docs/int8.md).
+top-1 class; the static file's answers do not move (tests/export/test_int8.py, docs/int8.md).
 
 Kept in float32:
 - the attention MatMuls (query x key, weights x value): both sides are activations, and the attention
@@ -18,7 +18,7 @@ Kept in float32:
   graph output too, so ONNX Runtime cannot fuse its quantize-dequantize pairs into an integer Gemm: it ran the head
   in float32 on weights dequantized at every call, with a kernel chosen by the batch's row count, and then rounded
   the logits to the output's int8 steps (0.027 on the default model). An image at a step's edge moved a step with
-  its batch size: 2 of 2,000 test images through the server, 4 of 10,000 in-process (issue 38). In float32 with
+  its batch size: 2 of 2,000 test images through the server, 4 of 10,000 in-process. In float32 with
   constant weights the head computes each row the same at any batch size, as the float32 file does, for 0.1% of the
   model's multiply-adds;
 - the layers named in `keep_float`.

@@ -2,7 +2,7 @@
 Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", eq. 5-6).
 
 Attention rollout (export/rollout.py) never looks at the classifier head: it is one map for every class, and it
-survives randomising the head and the top blocks (issue #14's measurements). This rule weights each layer's
+survives randomising the head and the top blocks (docs/explanations.md). This rule weights each layer's
 attention by the gradient of the explained class's logit before propagating it:
 
     Ā_l = E_heads[(∇A_l ⊙ A_l)⁺]        R = (I + Ā_L) ... (I + Ā_1)        relevance = R[class token, patches]

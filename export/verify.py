@@ -33,7 +33,7 @@ from vitserve.export.rollout_reference import numpy_attention_rollout, numpy_rel
 # Every check compares two computations of the same numbers in different orders (ONNX Runtime's kernels against
 # PyTorch's, fp16 against fp32), and rounding makes their difference grow with the size of what is compared:
 # float32 promises about 1e-7 of a value, not of 1. A fixed absolute tolerance therefore refuses a correct model
-# whose logits are large (issue 40: timm's R26+S/32 with peaky attention differed by 1.1e-4 to 2.4e-4 on logits of
+# whose logits are large (timm's R26+S/32 with peaky attention differed by 1.1e-4 to 2.4e-4 on logits of
 # 32 to 43, and was refused at 1e-4). So each tolerance is `Tolerance.bound`: atol + rtol * the largest |reference|
 # of the case. The atol terms are the absolute tolerances these checks had before (they still govern small values);
 # rtol sits well above the relative differences measured (float32, on that 12-block hybrid: at most 7.2e-6 of the

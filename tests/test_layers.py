@@ -12,7 +12,7 @@ import inside a function counts as much as one at the top, and a relative import
   and the repository's layout; the use cases (service/usecases/) and protocols (service/schemas/) those and each
   other, never a transport (service/http/, service/grpc/, the entry points).
 - Every layer is imported under the one name `vitserve` (vitserve.model, vitserve.service, ...): no file imports
-  `model`, `export`, `service`, `bench` or `evaluation` as a top-level package (issue 40: those names in
+  `model`, `export`, `service`, `bench` or `evaluation` as a top-level package (those names in
   site-packages shadowed a user's own `model.py`), and an install puts only `vitserve` on the path.
 
 vitserve/cli.py names bench.cli and evaluation.cli as strings in `_COMMANDS` and loads each only where it is

@@ -29,7 +29,7 @@ RELEVANCE_NAME = "relevance"
 TOP1_TARGET = -1
 # Optional outputs, after the required ones (in this order, where present), in the fast path and the relevance path:
 # the image embedding, the class token after the final LayerNorm and before the head, float32 [batch, D] (files
-# exported since issue #42; ModelInfo.embedding_size says D, 0: absent); and the out-of-distribution score, float32
+# the exporter writes; ModelInfo.embedding_size says D, 0: absent); and the out-of-distribution score, float32
 # [batch], the squared Mahalanobis distance of the embedding to the nearest class mean, computed in the graph from
 # statistics fitted at export (files exported with --eval; ModelInfo.ood says how it was fitted and its threshold).
 EMBEDDING_NAME = "embedding"

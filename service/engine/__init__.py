@@ -1,5 +1,6 @@
 """The inference engine: every served model version's session and batcher, in the HTTP process (`LocalEngine`)
-or in a process of its own that every HTTP frontend feeds (`EngineServer` serving, in engine/server.py; `RemoteEngine` calling).
+or in a process of its own that every HTTP frontend feeds (`EngineServer` serving, in engine/server.py;
+`RemoteEngine` calling).
 
 This module is the engine's interface, as the use cases (service/usecases/inference.py) see it: route a request to
 a model version, submit images to it, read and change the repository. Its types are its own (no batcher or

@@ -278,7 +278,7 @@ class DynamicBatcher:
         runner freed), or at once with `dispatch_when_idle` when it holds as many items as the last batch had: a
         lone client is not kept waiting, but the clients a batch has just answered, all coming back within a few
         milliseconds, go together instead of the first of them alone. Running that first one alone split an
-        8-client loop for good into groups that took turns on the engine (issue 38: mean batch 2.7 of 8)."""
+        8-client loop for good into groups that took turns on the engine (mean batch 2.7 of 8)."""
         if self._closing or self._batch_length(group) < len(group) or len(group) >= self._largest_batch(group):
             return 0.0
         if self._active:

@@ -1,7 +1,7 @@
 """OpenVINO: the artifact's fast path compiled for the CPU, behind the same `InferenceModel` contract as ONNX Runtime.
 
 Why a second runtime: on a Xeon with AMX (Sapphire Rapids and later) OpenVINO runs the same ONNX file in bfloat16 on
-the matrix units, 2.2-3.7x ONNX Runtime's float32 on the vector units at the same accuracy (issue 38's table). ONNX
+the matrix units, 2.2-3.7x ONNX Runtime's float32 on the vector units at the same accuracy. ONNX
 Runtime's own OpenVINO execution provider was tried and left aside: asked for bf16 through `load_config` it ran
 float32 (float32's speed and float32's exact answers), and it hides which precision really ran; the OpenVINO API
 says (`get_property("INFERENCE_PRECISION_HINT")` on the compiled model).
@@ -86,7 +86,7 @@ def embedding_in_inference_precision(model, precision: str):
     product or a convolution (the plugin's `Graph::EnforceInferencePrecision`). The logits come out of the head's
     matrix product, so the walk from them stops at once; the embedding is the class token after the final LayerNorm,
     and the walk from it runs up the residual stream through every block: 16 additions, the LayerNorm and 24 more
-    reorders ran in float32, and the default model's bf16 batch cost 6-13% more than without the output (issue 42).
+    reorders ran in float32, and the default model's bf16 batch cost 6-13% more than without the output.
     An output asked for in the inference precision is exempt from the walk, so the residual stream stays in bf16 as
     it is without the output; the embedding then has the precision the logits are computed from."""
     import openvino as ov

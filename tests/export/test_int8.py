@@ -216,7 +216,7 @@ def test_an_int8_image_answers_the_same_alone_and_among_any_batch_mates(tiny_int
 def test_the_head_stays_float32_so_the_logits_are_not_rounded_to_int8_steps(tiny_int8_export):
     """The head's input is the embedding, a graph output: ONNX Runtime would run a quantized head as float32 on
     weights dequantized per call, with a kernel chosen by the batch's row count, then round the logits to int8
-    steps; an image at a step's edge then moved a step with its batch size (issue 38)."""
+    steps; an image at a step's edge then moved a step with its batch size."""
     from vitserve.export.int8 import output_linear_nodes
     from vitserve.service.engine.graph_paths import split_paths
 

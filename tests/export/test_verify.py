@@ -1,5 +1,5 @@
 """Verification's tolerances scale with what they compare: a correct model with large logits passes, a wrong graph
-still fails (issue 40: a hybrid with logits of 32-43 differed by up to 2.4e-4 and was refused at an absolute 1e-4)."""
+still fails (a hybrid with logits of 32-43 differed by up to 2.4e-4 and was refused at an absolute 1e-4)."""
 from __future__ import annotations
 
 import copy

@@ -18,7 +18,7 @@ TINY_LABELS = ["cat", "dog", "bird"]  # as in tests/conftest.py's tiny_checkpoin
 REPO = Path(__file__).resolve().parents[2]
 
 # Logits of two committed checkpoints for torch.randn(2, 1, 28, 28) drawn from a generator seeded 0, as
-# model/vit.py gave them before its embed layer became an argument (issue 41): a plain ViT and a hybrid.
+# model/vit.py gave them before its embed layer became an argument: a plain ViT and a hybrid.
 COMMITTED_LOGITS = {
     "models/vit-fmnist/checkpoint": [
         [-0.104454935, -1.6472564, 1.0139041, -1.1675293, -0.44392812,

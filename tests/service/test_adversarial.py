@@ -1,4 +1,4 @@
-"""Adversarial clients against one real `vitserve serve` process over TCP (issue #11).
+"""Adversarial clients against one real `vitserve serve` process over TCP.
 
 A corpus of bad requests made by code, for /v1/classify, /v1/classify/batch and the Open Inference infer route:
 each is answered with its exact 4xx status and error code in the JSON error shape, within a bound that only a

@@ -93,7 +93,7 @@ async def test_an_idle_model_takes_a_lone_request_at_once_and_a_busy_one_batches
 
 async def test_a_batch_that_is_not_full_stays_open_while_another_runs_and_a_full_one_waits_behind_it():
     """With two batches in flight, the second used to close after the delay and queue for the runner while later
-    arrivals missed it: an 8-client loop then split for good into half batches taking turns (issue 38)."""
+    arrivals missed it: an 8-client loop then split for good into half batches taking turns."""
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=0.01, dispatch_when_idle=True, max_batches_in_flight=2)
     recorder.gate.clear()

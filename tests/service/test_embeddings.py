@@ -1,4 +1,4 @@
-"""Embeddings and the out-of-distribution score, served (issue #42): POST /v1/embed, the `embedding` and `ood_score`
+"""Embeddings and the out-of-distribution score, served: POST /v1/embed, the `embedding` and `ood_score`
 outputs on /v2 and gRPC, `ood` in /v1 answers with its histogram, and what a file exported without them gets."""
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def ood_onnx(tiny_checkpoint, tmp_path_factory, labelled_folder_writer):
 
 @pytest.fixture(scope="module")
 def bare_onnx(tiny_onnx, tmp_path_factory):
-    """A file whose metadata names no embedding (as files exported before issue #42): the server asks for none."""
+    """A file whose metadata names no embedding (as files exported before embeddings existed): the server asks for none."""
     proto = onnx.load(str(tiny_onnx))
     props = {p.key: p.value for p in proto.metadata_props if p.key not in ("vitserve.embedding_size", "vitserve.ood")}
     del proto.metadata_props[:]

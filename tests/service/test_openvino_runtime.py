@@ -159,8 +159,8 @@ def test_a_bfloat16_output_widens_to_float32_exactly():
 
 def test_bf16_keeps_the_residual_stream_in_bfloat16_when_the_file_has_an_embedding(tiny_onnx):
     """OpenVINO's CPU plugin computes in float32 everything it reaches walking back from a float32 output through
-    element-wise and normalisation nodes; from the embedding that walk covered the whole residual stream (issue 42:
-    6-13% of the default model's bf16 batch). Asked for in bf16, the embedding leaves the LayerNorms in bf16."""
+    element-wise and normalisation nodes; from the embedding that walk covered the whole residual stream
+    (6-13% of the default model's bf16 batch). Asked for in bf16, the embedding leaves the LayerNorms in bf16."""
     from vitserve.service.engine import openvino_runtime
 
     if "BF16" not in openvino_runtime.cpu_capabilities():

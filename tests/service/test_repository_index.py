@@ -1,4 +1,4 @@
-"""The repository index in every control mode (issue 40, item 3): Triton serves `POST /v2/repository/index` and
+"""The repository index in every control mode: Triton serves `POST /v2/repository/index` and
 gRPC's RepositoryIndex in none, explicit and poll modes (only load and unload depend on the mode); the admin key
 guards it when one is set."""
 from __future__ import annotations
