@@ -131,7 +131,7 @@ clean:
 # dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
 # utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
 # GPU it checks itself on the default model and says what it skipped. GPU_ARGS adds flags. For a GPU machine without
-# network access: `make gpu-wheels` on a machine with it, then `bash bench/gpu-lent.sh OUT` on the GPU machine
+# network access: `make gpu-wheels` on a machine with it, then `bash bench/gpu-offline.sh OUT` on the GPU machine
 # (docs/results/bench-gpu.md, "How to run it").
 .PHONY: bench-gpu gpu-wheels
 bench-gpu: $(VENV)/.dev-installed

@@ -20,7 +20,7 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
 7. TensorRT: the same bench with the TensorRT provider (its engine cache in build/gpu/trt) when the build has it
    (CPU runs only: the GPU steps above do not cover it yet).
 
-On a GPU machine without network access, `bench/gpu-lent.sh` runs it in one call with what
+On a GPU machine without network access, `bench/gpu-offline.sh` runs it in one call with what
 `python -m vitserve.bench.gpu_wheels` prepared on a machine with it (docs/results/bench-gpu.md, "How to run it").
 
 Writes build/gpu/bench-gpu.md (or `--out`) and its JSON. On a CPU-only machine the default model alone is exported and

@@ -373,7 +373,7 @@ def check_cuda13(wheel: Path) -> str:
 
 def carry_wrk(wrk: Path, out: Path) -> None:
     """wrk and the one library it links that a CUDA image may lack (LuaJIT; OpenSSL 3 and glibc are there):
-    bench/gpu-lent.sh puts OUT/bin on PATH and OUT/lib on the loader's path."""
+    bench/gpu-offline.sh puts OUT/bin on PATH and OUT/lib on the loader's path."""
     (out / "bin").mkdir(exist_ok=True)
     (out / "lib").mkdir(exist_ok=True)
     shutil.copy2(wrk, out / "bin" / "wrk")

@@ -7,9 +7,9 @@
 # everything: the wheels go into a --target folder ahead of its site-packages, so its onnxruntime (CPU) is shadowed
 # by onnxruntime-gpu.
 #
-#   bash bench/gpu-lent.sh OUT_DIR [kit flags...]
+#   bash bench/gpu-offline.sh OUT_DIR [kit flags...]
 set -uo pipefail
-out=${1:?usage: bench/gpu-lent.sh OUT_DIR [kit flags]}
+out=${1:?usage: bench/gpu-offline.sh OUT_DIR [kit flags]}
 shift
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
