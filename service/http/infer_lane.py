@@ -22,16 +22,10 @@ class InferenceLane:
         self.app, self.metrics = app, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
+        found = inference_routes.match(scope["path"]) if scope["type"] == "http" else None
+        if found is None:
             return await self.app(scope, receive, send)
-        path = scope["path"]
-        route = inference_routes.BY_PATH.get(path)  # /v1's: a dictionary lookup, no call
-        path_params: dict[str, str] = {}
-        if route is None:
-            found = inference_routes.match(path) if path.startswith("/v2/models/") else None
-            if found is None:
-                return await self.app(scope, receive, send)
-            route, path_params = found
+        route, path_params = found
         scope["path_params"] = path_params
         scope.setdefault("state", {})["endpoint"] = route.template  # the request record's label
         request = Request(scope, receive, send)

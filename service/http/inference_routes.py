@@ -81,13 +81,13 @@ ROUTES: tuple[InferenceRoute, ...] = (
 )
 # the table serves what admission and the statistics count: one list of paths (service/schemas/paths.py)
 assert tuple(route.template for route in ROUTES) == paths.HTTP_INFERENCE
-BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
+_BY_PATH = {route.template: route for route in ROUTES if "{" not in route.template}
 _TEMPLATED = [route for route in ROUTES if "{" in route.template]
 
 
 def match(path: str) -> tuple[InferenceRoute, dict[str, str]] | None:
     """The inference route `path` names, with its path parameters; None for a path the router takes."""
-    route = BY_PATH.get(path)
+    route = _BY_PATH.get(path)
     if route is not None:
         return route, {}
     if not path.startswith("/v2/models/"):  # the common case of every other route: one prefix check

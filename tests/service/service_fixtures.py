@@ -54,6 +54,19 @@ def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = PATI
         time.sleep(0.02)
 
 
+def ready_over_http(process: subprocess.Popen, base_url: str, output: Callable[[], str]) -> Callable[[], bool]:
+    """For `wait_until`: whether the server process at `base_url` answers ready; its `output` in the error when it
+    exited instead."""
+    def ready() -> bool:
+        if process.poll() is not None:
+            raise RuntimeError(f"the server exited with {process.returncode}:\n{output()}")
+        try:
+            return httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code == 200
+        except httpx.TransportError:
+            return False
+    return ready
+
+
 def settings_for(model_path: Path, **overrides) -> Settings:
     """Test settings: one thread everywhere (two shared cores), small batches, short delays."""
     # max_loop_lag_ms off: a test's requests must not be shed because the machine running it is busy

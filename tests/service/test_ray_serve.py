@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import yaml
 
-from service_fixtures import REPO, free_port, image_bytes, patterned_png, samples, wait_until
+from service_fixtures import REPO, free_port, image_bytes, patterned_png, ready_over_http, samples, wait_until
 from test_monitoring_config import RULE_FILES, api_get, needs_promtool, running_prometheus
 
 pytest.importorskip("ray.serve", reason="Ray Serve is not installed (pip install 'vitserve[ray]')")
@@ -140,14 +140,7 @@ def ray_server(model_path: Path, log_path: Path, *flags: str):
         process = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            return httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
+    ready = ready_over_http(process, base_url, lambda: log_path.read_text()[-4000:])
     try:
         wait_until(ready, "vitserve on Ray Serve ready", RAY_PATIENCE_S)
         yield base_url, f"http://127.0.0.1:{metrics_port}/metrics", process

@@ -24,7 +24,7 @@ import httpx
 import pytest
 
 from vitserve.onnx_header import read_model_info
-from service_fixtures import free_port, uvicorn_server, wait_until
+from service_fixtures import free_port, ready_over_http, uvicorn_server, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 README = (REPO / "README.md").read_text()
@@ -150,14 +150,7 @@ def test_the_readme_repository_example_runs_as_written_beside_make_serve(tmp_pat
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
     base_url = f"http://127.0.0.1:{port}"
 
-    def ready() -> bool:
-        if server.poll() is not None:
-            raise RuntimeError(f"the README's server exited with {server.returncode}:\n{server.stdout.read().decode()}")
-        try:
-            return httpx.get(f"{base_url}/v2/health/ready", timeout=5).status_code == 200
-        except httpx.TransportError:
-            return False
-
+    ready = ready_over_http(server, base_url, lambda: server.stdout.read().decode())
     try:
         wait_until(ready, "the README's repository server ready")
         printed = [run(command) for command in commands[serve + 1:]]
