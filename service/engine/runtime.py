@@ -462,15 +462,7 @@ def load_model(settings: Settings) -> InferenceModel:
     engine); on the CPU each candidate this machine can run (ONNX Runtime on the file's own precision, OpenVINO fp32,
     OpenVINO bf16 where the CPU has bfloat16 arithmetic) that agrees with ONNX Runtime on probe images, timed at
     batch 1 and at the largest batch, the fastest kept, ONNX Runtime unless another is at least 10% faster. What it
-    chose and why is logged; the model's provider (the card, /v2 config, metrics) names it. An int8 file on a CPU
-    without int8 dot-product units is served, with a warning that its float32 file is likely faster."""
-    model = _load_on_runtime(settings)
-    if runs_on_cpu(model.provider):
-        warn_if_int8_does_not_pay(model.info)
-    return model
-
-
-def _load_on_runtime(settings: Settings) -> InferenceModel:
+    chose and why is logged; the model's provider (the card, /v2 config, metrics) names it."""
     from vitserve.service.engine import openvino_runtime
 
     if settings.runtime == "onnxruntime" or (settings.runtime == "auto" and not openvino_runtime.available()):

@@ -22,7 +22,8 @@ from vitserve.artifact import ModelInfo
 from vitserve.service.engine import InferenceResult
 from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.engine.pixels import PixelTable
-from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up
+from vitserve.service.engine.providers import runs_on_cpu
+from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up, warn_if_int8_does_not_pay
 from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
 from vitserve.service.ground.deadlines import InUse
 from vitserve.service.ground.errors import InferenceError, VersionRetired
@@ -87,6 +88,8 @@ class ServedModel:
         log.info("loaded %s version %s (file: %s %s, %s, opset %s) from %s on %s%s", self.name, self.version,
                  info.name, info.version, info.precision, info.opset, self.settings.model_path, self.provider,
                  " with CUDA graphs" if getattr(self.model, "captured", None) else "")
+        if runs_on_cpu(self.provider):  # once per served version (an engine may load a light model twice)
+            warn_if_int8_does_not_pay(info)
         s = self.settings
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
