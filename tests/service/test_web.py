@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from vitserve.bench import screenshots
 from vitserve.service.usecases.postprocess import ramp_colors
 from vitserve.service.usecases.preprocess import fit_box, native_size
 from vitserve.service.http.routes.web import DOCS_ASSETS, WEB_DIR, WEB_FILES
@@ -30,7 +31,7 @@ from service_fixtures import REPO, patterned_png, serving, settings_for, uvicorn
 
 SCREENSHOTS = REPO / "build" / "screenshots"
 DEFAULT_MODEL = REPO / "models" / "vit-fmnist" / "model.onnx"
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM = screenshots.find_chromium()
 MAX_UPLOAD_BYTES = 200_000  # the browser tests' server: small, so a 413 is cheap to provoke
 PATTERN_SIZE = (48, 40)  # (W, H): not square, so fit crops and native keeps all
 TINY = dict(image=(32, 32), patch=8, max_tokens=1024)  # the tiny model (tests/conftest.py), the default cap
@@ -164,10 +165,8 @@ def page(browser):
 
 
 def opened(page, url: str):
-    """The page at `url`, once it shows its model card and its samples."""
-    page.goto(url + "/")
-    page.wait_for_function("() => document.getElementById('card-fields').children.length > 0 "
-                           "&& document.querySelectorAll('#samples button').length > 0")
+    """The page at `url`, once it shows its model card and its samples (as the docs' pictures open it)."""
+    screenshots.open_page(page, url)
     return page
 
 
@@ -429,7 +428,6 @@ def test_the_docs_pictures_of_the_page_show_it_as_it_is(page, default_server):
     """`make screenshots` took the docs' pictures of the page (the README's docs/web-page.png among them) and recorded
     in docs/web-page.json what each shows; the page, driven through the same steps now, shows the same, and each
     picture in docs/ is the one that run took. A page or a model changed since then fails here."""
-    from vitserve.bench import screenshots
 
     record = json.loads((REPO / "docs" / screenshots.RECORD).read_text())
     rerun = "run `make screenshots` (python -m vitserve.bench.screenshots --out docs) and commit docs/web-*.png and "
