@@ -266,9 +266,9 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch
         calls = {"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x),
                  "graphs_uint8": lambda: graphs.run(raw), "dynamic_uint8": lambda: dynamic.run(raw)}
-        if graphs.run_without_maps is not None:  # the maps-free graph as the server runs it (map=none)
-            calls["maps_free_uint8"] = lambda: graphs.run_without_maps(raw)
-            lean = graphs.run_without_maps(raw)[0]
+        if graphs.run_maps_free is not None:  # the maps-free graph as the server runs it (map=none)
+            calls["maps_free_uint8"] = lambda: graphs.run_maps_free(raw)
+            lean = graphs.run_maps_free(raw)[0]
             worst_maps_free = max(worst_maps_free, float(np.abs(lean - l1).max() / max(1.0, np.abs(l1).max())))
             agree_maps_free += int((lean.argmax(1) == l1.argmax(1)).sum())
         ms = alternating_rounds_ms(calls, rounds=5, seconds=seconds / 5)
@@ -284,8 +284,8 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
             "max_logits_diff_relative": worst_logits, "max_rollout_diff": worst_rollout,
             "uint8_vs_float32_max_logits_diff": worst_raw,
             "top1_agreement": agree / total,
-            "maps_free": {"served": graphs.lean_path is not None,
-                          "captured": graphs.lean_path is not None and graphs.lean_path.captured is not None,
+            "maps_free": {"served": graphs.maps_free_path is not None,
+                          "captured": graphs.maps_free_path is not None and graphs.maps_free_path.captured is not None,
                           "max_logits_diff_relative": worst_maps_free, "top1_agreement": agree_maps_free / total},
             "rows": rows}
 

@@ -191,7 +191,7 @@ class VitServeReplica:
         """Ray's health check (every `health_check_period_s`, once the replica has started): a replica whose
         engine stopped is replaced."""
         state = self.app.state.service
-        if not state.engine.ready and not state.draining:
+        if not state.engine.ready and not state.drain.draining:
             raise RuntimeError("the model engine is not ready")
 
 

@@ -87,7 +87,7 @@ class Engine(Protocol):
         """A loaded version's metadata."""
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps: bool = True) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
         """Run one image (C, H, W) in some batch of the handle's version; its result, or its own ServiceError.
         With a `target` (the class to explain, -1 the top-1) the relevance path, which batches apart. `maps`
         False: the answer needs no rollout, and a batch of such images only may run the model's maps-free graph

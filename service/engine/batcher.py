@@ -11,10 +11,10 @@ time on its own thread), so the next batch is stacked while the current one runs
 assembled behind the running one: one that is not full stays open to newcomers until the runner is free,
 as Triton's dynamic batcher forms a batch when a model instance is free.
 
-An item may also be `light`: it needs less of the computation than the others (the engine: no maps). With
-`light_batches`, light items batch apart from the rest, and their batches run as `run_batch(stacked, targets,
-light=True)`, the cheaper computation. Apart, not mixed in: the cheaper computation may round differently, and an
-item's answer must not depend on what its batch-mates asked for. Without `light_batches` (a model with one
+An item may also be `maps_free`: it needs less of the computation than the others (the engine: no rollout). With
+`maps_free_batches`, such items batch apart from the rest, and their batches run as `run_batch(stacked, targets,
+maps_free=True)`, the cheaper computation. Apart, not mixed in: the cheaper computation may round differently, and an
+item's answer must not depend on what its batch-mates asked for. Without `maps_free_batches` (a model with one
 computation) the flag is ignored, and nothing splits the batches.
 
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
@@ -54,7 +54,7 @@ log = logging.getLogger("vitserve.engine")
 STACK_INLINE_BYTES = 256 * 1024
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions);
-# for a batch of light items, also `light=True`
+# for a batch of maps-free items, also `maps_free=True`
 RunBatch = Callable[..., Sequence[Any]]
 
 
@@ -62,7 +62,7 @@ class BatchObserver(Protocol):
     """Where the batcher reports plain numbers (service.ground.metrics implements it)."""
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False,
-                   light: bool = False) -> None: ...
+                   maps_free: bool = False) -> None: ...
 
     def queue_wait(self, seconds: float) -> None: ...
 
@@ -71,7 +71,7 @@ class BatchObserver(Protocol):
 
 class _NullObserver:
     def batch_done(self, size: int, seconds: float, stack_seconds: float, targeted: bool = False,
-                   light: bool = False) -> None:
+                   maps_free: bool = False) -> None:
         pass
 
     def queue_wait(self, seconds: float) -> None:
@@ -97,7 +97,7 @@ class _Item:
     enqueued: float
     deadline: float
     target: int | None = None
-    light: bool = False  # needs only the cheaper computation (module doc)
+    maps_free: bool = False  # needs only the cheaper computation (module doc)
     dispatched: float = field(default=0.0)
 
     @property
@@ -110,9 +110,9 @@ class DynamicBatcher:
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
                  max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
-                 trace_attributes: dict | None = None, light_batches: bool = False):
+                 trace_attributes: dict | None = None, maps_free_batches: bool = False):
         self._run_batch = run_batch
-        self.light_batches = light_batches  # light items batch apart and run light (module doc)
+        self.maps_free_batches = maps_free_batches  # maps-free items batch apart, run maps-free (module doc)
         self._trace_attributes = trace_attributes or {}  # on each batch's span, when tracing is on
         self.max_batch_size = max_batch_size
         self.max_targeted_batch_size = max_targeted_batch_size or max_batch_size
@@ -121,7 +121,7 @@ class DynamicBatcher:
         self.max_queue_size = max_queue_size
         self.dispatch_when_idle = dispatch_when_idle
         self._observer = observer or _NullObserver()
-        # (shape, dtype, targeted, light) -> items, oldest first
+        # (shape, dtype, targeted, maps_free) -> items, oldest first
         self._groups: OrderedDict[tuple, deque[_Item]] = OrderedDict()
         self._last_served: dict[tuple, float] = {}  # shape -> when a batch of it last went out
         self._queued = 0
@@ -175,9 +175,9 @@ class DynamicBatcher:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
 
     async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                     light: bool = False) -> BatchResult:
+                     maps_free: bool = False) -> BatchResult:
         """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
-        future = self.enqueue(array, timeout_s, target, light)
+        future = self.enqueue(array, timeout_s, target, maps_free)
         try:
             return await future
         except asyncio.CancelledError:
@@ -185,7 +185,7 @@ class DynamicBatcher:
             raise
 
     def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                light: bool = False) -> asyncio.Future:
+                maps_free: bool = False) -> asyncio.Future:
         """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
         item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
         from the futures' callbacks (service/engine/server.py). Raises NotReady or QueueFullError at once."""
@@ -194,8 +194,8 @@ class DynamicBatcher:
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         loop, now = asyncio.get_running_loop(), time.perf_counter()
-        item = _Item(array, loop.create_future(), now, now + timeout_s, target, light and self.light_batches)
-        self._groups.setdefault((array.shape, array.dtype.str, item.targeted, item.light), deque()).append(item)
+        item = _Item(array, loop.create_future(), now, now + timeout_s, target, maps_free and self.maps_free_batches)
+        self._groups.setdefault((array.shape, array.dtype.str, item.targeted, item.maps_free), deque()).append(item)
         self._set_queued(self._queued + 1, {**self._queued_costs,
                                             item.targeted: self._queued_costs[item.targeted] + array.size})
         self._wakeup.set()
@@ -356,9 +356,9 @@ class DynamicBatcher:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
             targeted = batch[0].targeted  # one group: all or none
             targets = np.array([item.target for item in batch], np.int64) if targeted else None
-            light = batch[0].light  # one group: all or none
-            # `light` only when set: a run_batch with one computation need not take it
-            options = {"light": True} if light else {}
+            maps_free = batch[0].maps_free  # one group: all or none
+            # `maps_free` only when set: a run_batch with one computation need not take it
+            options = {"maps_free": True} if maps_free else {}
             started, started_ns = time.perf_counter(), tracing.now_ns()
             stack_seconds = started - stacking
             try:
@@ -377,7 +377,7 @@ class DynamicBatcher:
                 self._resolve(item, output, seconds, len(batch), span)
             self._last_size = len(batch)
             self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
-            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, light)
+            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, maps_free)
         except Exception as e:  # before the run (stacking: a MemoryError): its images fail now, not at their deadline
             log.exception("a batch of %d could not be assembled", len(batch))
             unanswered = InferenceError(f"a batch of {len(batch)} could not be assembled: {e!r:.200}")

@@ -56,18 +56,18 @@ class LocalEngine:
         return self.registry.serving(name, version).info
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps: bool = True) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
         try:
-            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps)
+            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps_free)
         except VersionRetired:
             rerouted = self.registry.table.reroute(handle)
-            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps)
+            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps_free)
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
-                     target: int | None, maps: bool = True) -> InferenceResult:
+                     target: int | None, maps_free: bool = False) -> InferenceResult:
         """Run one image on exactly this version: `begin_on`, awaited."""
         answer = asyncio.get_running_loop().create_future()
-        queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer), maps)
+        queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer), maps_free)
         try:
             return await answer
         except asyncio.CancelledError:
@@ -75,7 +75,7 @@ class LocalEngine:
             raise
 
     def begin_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float, target: int | None,
-                 done: Callable[[InferenceResult | BaseException], None], maps: bool = True) -> asyncio.Future:
+                 done: Callable[[InferenceResult | BaseException], None], maps_free: bool = False) -> asyncio.Future:
         """`run_on` with no task and no coroutine per image, for an engine process at its ceiling: the image is
         queued now (routing errors and a full queue raise here) and `done` gets its InferenceResult, or its error
         (CancelledError when the returned future was cancelled), from the batch's callback."""
@@ -85,7 +85,7 @@ class LocalEngine:
         assert batcher is not None, "a served version's batcher starts when it loads"
         served.requests.hold()
         try:
-            future = batcher.enqueue(pixels, timeout_s, target, light=not maps)
+            future = batcher.enqueue(pixels, timeout_s, target, maps_free=maps_free)
         except BaseException:
             served.requests.release()
             raise

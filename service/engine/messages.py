@@ -33,7 +33,7 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     dtype: str  # numpy's dtype.str, e.g. "<f4"
     timeout_s: float  # the time left before the request's deadline
     target: int | None = None  # the class to explain (relevance path; -1 the top-1); None: the fast path
-    maps: bool = True  # False: the answer needs no rollout (the maps-free graph may run it)
+    maps_free: bool = False  # the answer needs no rollout (the maps-free graph may run it)
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):

@@ -114,7 +114,7 @@ class OpenVinoModel:
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = openvino_provider(precision)
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
-        self.run_without_maps: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
+        self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
         self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
         self._bfloat16 = [output.get_element_type().to_string() == "bf16" for output in self._outputs]
         self._requests = threading.local()  # an InferRequest is not safe to share between threads

@@ -171,17 +171,17 @@ class RemoteEngine:
         return self.table.ready_versions(name)
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps: bool = True) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
         try:
-            return await self._submit(handle, pixels, timeout_s, target, maps)
+            return await self._submit(handle, pixels, timeout_s, target, maps_free)
         except VersionRetired:
             if handle.pinned:
                 raise
             await self._refresh_index()  # the engine has a newer index than this frontend routed with
-            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target, maps)
+            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target, maps_free)
 
     async def _submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                      target: int | None, maps: bool) -> InferenceResult:
+                      target: int | None, maps_free: bool) -> InferenceResult:
         links = [link for link in self._links if link.ready]
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
@@ -195,7 +195,7 @@ class RemoteEngine:
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         message = Submit(id, handle.name, handle.version, arena.name, offset, pixels.shape, pixels.dtype.str,
-                         timeout_s, target, maps)
+                         timeout_s, target, maps_free)
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
         self._post(link, id, self.codec.encode(message))

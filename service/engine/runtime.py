@@ -40,7 +40,7 @@ class InferenceModel(Protocol):
     the file's optional outputs); and, for a model whose `info.explains_classes`, the relevance path: pixels and a
     target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
     Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
-    (service/engine/pixels.py). `run_without_maps`: `run`'s outputs with the rollout empty (B, 0), for batches that
+    (service/engine/pixels.py). `run_maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that
     need no map (None: `run` serves them). The server reads those two with getattr, so a model without them (a
     test's wrapper) takes float32 and runs every batch with its maps."""
 
@@ -51,7 +51,7 @@ class InferenceModel(Protocol):
     def takes_raw_pixels(self) -> bool: ...
 
     @property
-    def run_without_maps(self) -> Callable[[np.ndarray], Outputs] | None: ...
+    def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None: ...
 
     def run(self, pixel_values: np.ndarray) -> Outputs: ...
 
@@ -147,13 +147,13 @@ class OnnxModel:
         self.captured = captured  # CudaGraphBuckets or None
         # where this model takes uint8 pixels (service/engine/pixels.py)
         self.normaliser: DeviceNormaliser | None = None
-        self.lean_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
+        self.maps_free_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
 
     @property
-    def run_without_maps(self) -> Callable[[np.ndarray], Outputs] | None:
+    def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None:
         """`MapsFreePath.run` (`run`'s outputs, the rollout empty) where this model serves the maps-free graph, else
         None: what the engine calls for a batch that needs no map."""
-        return self.lean_path.run if self.lean_path is not None else None
+        return self.maps_free_path.run if self.maps_free_path is not None else None
 
     @property
     def takes_raw_pixels(self) -> bool:
@@ -179,7 +179,7 @@ class OnnxModel:
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
         if serves_maps_free(settings.maps_free, model.provider):
-            model.lean_path = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
+            model.maps_free_path = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
         del paths  # the relevance graph is read again from the file if a request ever asks for it
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
                   info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
@@ -610,9 +610,9 @@ def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:
     model serves (the maps-free one too, where it has one)."""
     height, width = model.info.image_size
     dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
-    without_maps = getattr(model, "run_without_maps", None)
+    maps_free = getattr(model, "run_maps_free", None)
     for batch in batch_sizes:
         pixels = np.zeros((batch, model.info.channels, height, width), dtype)
         model.run(pixels)
-        if without_maps is not None:
-            without_maps(pixels)
+        if maps_free is not None:
+            maps_free(pixels)

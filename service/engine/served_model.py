@@ -99,7 +99,7 @@ class ServedModel:
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
                                       runner_priority=self.cpu_priority,
-                                      light_batches=getattr(self.model, "run_without_maps", None) is not None,
+                                      maps_free_batches=getattr(self.model, "run_maps_free", None) is not None,
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
@@ -125,9 +125,9 @@ class ServedModel:
             raise VersionRetired(f"{self.name} version {self.version} was unloaded before this request reached it")
 
     async def submit(self, pixels: np.ndarray, timeout_s: float, target: int | None = None,
-                     maps: bool = True) -> InferenceResult:
+                     maps_free: bool = False) -> InferenceResult:
         assert self.batcher is not None, "load() starts the batcher before the version is routed to"
-        return self.result_of(await self.batcher.submit(pixels, timeout_s, target, light=not maps))
+        return self.result_of(await self.batcher.submit(pixels, timeout_s, target, maps_free=maps_free))
 
     def result_of(self, batched) -> InferenceResult:
         """The batcher's BatchResult as the image's InferenceResult, naming this version."""
@@ -142,10 +142,10 @@ class ServedModel:
     def predicted_wait_s(self) -> float:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0
 
-    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None, light: bool = False) -> list:
+    def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False) -> list:
         """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
-        `light`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
+        `maps_free`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
         maps-free graph); that graph runs them (the rollout then empty, (0,), the other outputs as ever).
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
         model = self.loaded_model
@@ -155,10 +155,10 @@ class ServedModel:
             pixel_values = self._pixel_table.host(pixel_values)
         if targets is not None:
             outputs = model.explain(pixel_values, targets)
-        elif light:
-            without_maps = model.run_without_maps
-            assert without_maps is not None, "the batcher forms light batches only for a model with a maps-free graph"
-            outputs = without_maps(pixel_values)
+        elif maps_free:
+            run_maps_free = model.run_maps_free
+            assert run_maps_free is not None, "the batcher forms maps-free batches only for a model with that graph"
+            outputs = run_maps_free(pixel_values)
         else:
             outputs = model.run(pixel_values)
         if any(output.shape[0] != len(pixel_values) for output in outputs):

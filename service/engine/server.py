@@ -208,7 +208,7 @@ class EngineServer:
             pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
             self.running[key] = self.engine.begin_on(
                 submit.model, submit.version, pixels, submit.timeout_s, submit.target,
-                lambda outcome: self._finish(router, frontend, submit.id, outcome), submit.maps)
+                lambda outcome: self._finish(router, frontend, submit.id, outcome), submit.maps_free)
         except ServiceError as e:
             self._answer(router, frontend, failure_for(submit.id, e))
         except Exception as e:  # a bug here must not hang the frontend's request

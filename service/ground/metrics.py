@@ -317,13 +317,13 @@ class ModelMetrics:
             self.image_stages(parse_s / images, encode_s / images)
 
     def batch_done(self, size: int, seconds: float, stack_seconds: float,
-                   targeted: bool = False, light: bool = False) -> None:  # service.engine.batcher.BatchObserver
+                   targeted: bool = False, maps_free: bool = False) -> None:  # service.engine.batcher.BatchObserver
         if targeted:
             self._relevance.observe(seconds)
             self._relevance_images.inc(size)
         else:
             self._inference.observe(seconds)
-        if light:
+        if maps_free:
             self._maps_free_images.inc(size)
         self._batch_size.observe(size)
         self._images.inc(size)

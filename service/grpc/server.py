@@ -81,7 +81,7 @@ class GrpcFrontEnd:
         log.debug("gRPC (Open Inference Protocol) on %s%s", address, " with TLS" if credentials else "")
 
     async def _stop_when_draining(self, server: grpc.aio.Server) -> None:
-        await self.state.drain_begun.wait()
+        await self.state.drain.begun.wait()
         await server.stop(grace=self.state.settings.drain_timeout_s)
 
     async def stop(self) -> None:

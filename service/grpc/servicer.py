@@ -211,9 +211,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             call.shorten(context.time_remaining())
             parsed = messages.parsed_from_grpc(request, limits_for(state.settings, handle.info))
             parse_s = time.perf_counter() - call.started
-            return await inference.infer(
-                call, parsed, parse_s,
-                lambda info, tensors: messages.infer_response(parsed, info.name, info.version, tensors, info.labels))
+            outcome = await inference.infer(call, parsed, parse_s)
+            info = outcome.info
+            with outcome.encoding():
+                return messages.infer_response(parsed, info.name, info.version, outcome.outputs, info.labels)
 
     # --- the model repository extension (the admin key; explicit mode for load and unload) ---
     @rpc(open_=True)

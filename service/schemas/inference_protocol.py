@@ -20,6 +20,7 @@ import binascii
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast, get_args
 
 import numpy as np
 from pydantic import ValidationError
@@ -53,8 +54,9 @@ from vitserve.service.schemas.v1 import (
     InferRequest,
     flatten_deep_data,
 )
+from vitserve.service.usecases.preprocess import ResizePolicy
 
-RESIZE_POLICIES = ("fit", "native")
+RESIZE_POLICIES: tuple[ResizePolicy, ...] = get_args(ResizePolicy)
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
 
 
@@ -95,7 +97,7 @@ class ParsedInferRequest:
     outputs: list[OutputRequest]
     pixels: np.ndarray | None = None  # (B, C, H, W) float32, as sent (the model's geometry is checked later)
     images: list[bytes] | None = None  # B encoded images
-    resize: str = "fit"
+    resize: ResizePolicy = "fit"
     timeout_s: float | None = None
     target: int | str | None = None  # parameters.target: the class the relevance output explains
     extra: dict = field(default_factory=dict)  # request parameters the server does not use
@@ -259,7 +261,7 @@ def _read_request_parameters(parameters: dict, call: ParsedInferRequest) -> None
     resize = _parameter(parameters, "resize", str)
     if resize is not None and resize not in RESIZE_POLICIES:
         raise InvalidParameter(f"parameters.resize must be one of {', '.join(RESIZE_POLICIES)}, got {resize[:32]!r}")
-    call.resize = resize or "fit"
+    call.resize = cast(ResizePolicy, resize or "fit")
     timeout_us = _parameter(parameters, "timeout", int)
     if timeout_us is not None:  # 0 is no timeout, as in Triton (TRITONSERVER_InferenceRequestSetTimeoutMicroseconds)
         if timeout_us < 0:

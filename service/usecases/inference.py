@@ -1,10 +1,15 @@
 """The use cases of an inference call, whatever transport brought it: each takes the admitted, routed `Call`
-(service/usecases/pipeline.py) and the transport's request as plain data, and records the stages' metrics and spans.
+(service/usecases/pipeline.py) and the transport's request as typed values, returns a typed result, and records
+the stages' metrics and spans.
 
-    classify(call, data, options)          -> decode -> submit to the version's batcher -> top-k and map
-    embed(call, data, resize, normalize)   -> decode -> submit -> the class token's vector and OOD score
-    infer(call, protocol_call, parse_s, encode) -> an Open Inference Protocol call (HTTP's /v2 or gRPC's, parsed
-                                              by service/schemas/inference_protocol.py) -> its encoded answer
+    classify(call, image, ClassifyOptions) -> ClassifyResponse: decode -> submit to the version's batcher -> top-k, map
+    embed(call, image, EmbedOptions)       -> ImageEmbedding: decode -> submit -> the class token's vector, OOD score
+    infer(call, ParsedInferRequest, parse_s) -> InferOutcome: an Open Inference Protocol call (HTTP's /v2 or gRPC's,
+                                              parsed by service/schemas/inference_protocol.py) -> its outputs by name,
+                                              which the transport encodes within `outcome.encoding()`
+
+The results of classify and embed are the /v1 documents (service/schemas/v1.py): /v1 is their only transport, and
+a copy from a dataclass into them would cost every answer an object per field.
 
 An image runs on the version it was routed to, or (unpinned) on the newest ready one if its version was unloaded
 meanwhile: the answer names the version that ran it, and so does `call.served`.
@@ -13,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +29,7 @@ from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground import tracing
 from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
+from vitserve.service.schemas.inference_protocol import ParsedInferRequest
 from vitserve.service.schemas.v1 import (
     ClassifyResponse,
     ExplainedClass,
@@ -54,17 +62,43 @@ class ClassifyOptions:
     target_index: int | None = None  # map=relevance: the class to explain (-1: the top-1)
 
 
+@dataclass(frozen=True)
+class EmbedOptions:
+    """What an embed call asks for (HTTP's query parameters make it: service/http/routes/embed.py)."""
+
+    resize: ResizePolicy = "fit"
+    normalize: bool = False  # L2-normalise the vector
+
+
+@dataclass
+class InferOutcome:
+    """What an Open Inference Protocol call computed: each output by name, (B, ...), as the version `info` describes
+    (the one that ran its images). The transport encodes `outputs` within `encoding()`, which times and traces it and
+    records the call's stage metrics."""
+
+    info: ModelInfo
+    outputs: dict[str, np.ndarray]
+    record_stages: Callable[[float], None]  # given the encode's seconds
+
+    @contextmanager
+    def encoding(self) -> Iterator[None]:
+        started = time.perf_counter()
+        with tracing.stage("encode"):
+            yield
+        self.record_stages(time.perf_counter() - started)
+
+
 def model_ref(name: str, version: str) -> ModelRef:
     return ModelRef(name=name, version=version)
 
 
-async def classify(call: Call, data: bytes, options: ClassifyOptions) -> ClassifyResponse:
+async def classify(call: Call, image: bytes, options: ClassifyOptions) -> ClassifyResponse:
     """One encoded image -> its top classes and its map."""
     state, handle, target = call.state, call.handle, options.target_index
     with tracing.stage("decode"):
-        prepared, preprocess_s = await state.preprocess(data, handle.info, options.resize,
-                                                        options.map_format == "overlay")
-    result = await submit(state, handle, prepared.pixels, call.deadline, target, maps=options.map != "none")
+        prepared, preprocess_s = await state.images.preprocess(image, handle.info, options.resize,
+                                                               options.map_format == "overlay")
+    result = await submit(state, handle, prepared.pixels, call.deadline, target, maps_free=options.map == "none")
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
@@ -91,18 +125,18 @@ def check_embeds(handle: ModelHandle) -> None:
                                f"before embeddings existed (export it again with vitserve export)")
 
 
-async def embed(call: Call, data: bytes, resize: ResizePolicy, normalize: bool) -> ImageEmbedding:
+async def embed(call: Call, image: bytes, options: EmbedOptions) -> ImageEmbedding:
     """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
     score, on the fast path (`check_embeds` first)."""
     state, handle = call.state, call.handle
     with tracing.stage("decode"):
-        prepared, preprocess_s = await state.preprocess(data, handle.info, resize, False)
-    result = await submit(state, handle, prepared.pixels, call.deadline, None, maps=False)
+        prepared, preprocess_s = await state.images.preprocess(image, handle.info, options.resize, False)
+    result = await submit(state, handle, prepared.pixels, call.deadline, None, maps_free=True)
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
     norm = float(np.linalg.norm(vector))
-    if normalize and norm > 0:
+    if options.normalize and norm > 0:
         vector = vector / norm
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, 0.0)
     return ImageEmbedding(embedding=vector.tolist(), norm=norm, ood=_ood(state, info, outputs.get(OOD_SCORE_NAME)),
@@ -119,11 +153,11 @@ def _ood(state: ServiceState, info: ModelInfo, score) -> OodScore | None:
     return OodScore(score=round(float(score), 4), threshold=round(threshold, 4), outside=bool(score > threshold))
 
 
-async def infer(call: Call, request, parse_s: float, encode):
-    """An Open Inference Protocol call (`request`, a parsed service.schemas.inference_protocol.ParsedInferRequest, from
-    /v2 or gRPC) through the routed version's batcher, within the call's deadline shortened by the request's own
-    `timeout` parameter; returns `encode(info, tensors)`, with `info` the metadata of the version that ran it (a
-    request is routed once: its images ran on one version). The call's stage metrics are recorded here."""
+async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> InferOutcome:
+    """An Open Inference Protocol call (from /v2 or gRPC) through the routed version's batcher, within the call's
+    deadline shortened by the request's own `timeout` parameter; its outputs by name, with the metadata of the
+    version that ran it (a request is routed once: its images ran on one version). The call's stage metrics are
+    recorded when the transport has encoded them (`InferOutcome.encoding`)."""
     state, handle = call.state, call.handle
     target = relevance_target(request.target, handle.info) if request.explains else None
     extra = handle.info.extra_outputs
@@ -134,24 +168,23 @@ async def infer(call: Call, request, parse_s: float, encode):
                                f"without it (outputs: {outputs})")
     call.shorten(request.timeout_s)  # the client's own timeout can only make the deadline earlier
     # no outputs named: every output is sent, the rollout too
-    maps = not request.outputs or any(o.name == OUTPUT_NAMES[1] for o in request.outputs)
+    maps_free = bool(request.outputs) and not any(o.name == OUTPUT_NAMES[1] for o in request.outputs)
+    prepare_s: list[float] = []
     if request.images is not None:
-        work = run_encoded_images(call, request.images, request.resize, target, maps)
+        work = run_encoded_images(call, request.images, request.resize, target, maps_free, prepare_s)
     else:
-        work = run_pixel_tensors(call, request.pixels, target, maps)
-    tensors = await call.run(work)
-    info = answering_info(call, tensors["versions"][0])
-    encoding = time.perf_counter()
-    with tracing.stage("encode"):
-        answer = encode(info, tensors)
-    encode_s = time.perf_counter() - encoding
+        assert request.pixels is not None, "a request carries its images or its pixels"
+        work = run_pixel_tensors(call, request.pixels, target, maps_free)
+    outputs, version = await call.run(work)
+    info = answering_info(call, version)
     stages = state.metrics.for_model(info.name, info.version)
-    if request.images is None:
-        stages.tensor_stages(request.batch, parse_s, encode_s)
-    else:
-        for prepare_s in tensors["prepare_s"]:
-            stages.image_stages(prepare_s, encode_s / request.batch)
-    return answer
+
+    def record_stages(encode_s: float) -> None:
+        if request.images is None:
+            stages.tensor_stages(request.batch, parse_s, encode_s)
+        for seconds in prepare_s:
+            stages.image_stages(seconds, encode_s / request.batch)
+    return InferOutcome(info, outputs, record_stages)
 
 
 def answering_info(call: Call, version: str) -> ModelInfo:
@@ -177,48 +210,52 @@ async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage,
     args = (info.labels, prepared, logits, map_values, options.top_k, options.map_format,
             info.temperature_for(logits))
     if options.map_format in ("png", "overlay"):  # PNG encoding is real work: keep it off the event loop
-        return await state.in_pool(postprocess.encode_result, *args)
+        return await state.images.run(postprocess.encode_result, *args)
     started = time.perf_counter()
     return postprocess.encode_result(*args), time.perf_counter() - started
 
 
 async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
-                            maps: bool = True) -> dict[str, np.ndarray]:
-    """Run every image of the tensor (on the relevance path with a `target`; `maps` False: the rollout is not
-    needed, engine.submit); the first that fails fails the request, named, and the others are dropped."""
+                            maps_free: bool = False) -> tuple[dict[str, np.ndarray], str]:
+    """Run every image of the tensor (on the relevance path with a `target`; `maps_free`: the rollout is not
+    needed, engine.submit); the first that fails fails the request, named, and the others are dropped. The outputs
+    by name, stacked, and the version that ran them."""
     state, handle = call.state, call.handle
-    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target, maps))
+    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target, maps_free))
     return _stacked(call, results, target is not None)
 
 
 async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePolicy, target: int | None,
-                             maps: bool = True) -> dict:
-    """Decode and prepare every image (as /v1/classify does), then run them; the first image that fails fails
-    the request, named by its index, and the others' work is cancelled."""
+                             maps_free: bool = False,
+                             prepare_s: list[float] | None = None) -> tuple[dict[str, np.ndarray], str]:
+    """Decode and prepare every image (as /v1/classify does; each one's seconds appended to `prepare_s`), then run
+    them; the first image that fails fails the request, named by its index, and the others' work is cancelled."""
     state, handle = call.state, call.handle
     prepared = await _each(images, lambda data: _decode(state, data, handle.info, resize))
+    if prepare_s is not None:
+        prepare_s.extend(seconds for _, seconds in prepared)
     shapes = {p.pixels.shape for p, _ in prepared}
     if len(shapes) > 1:
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(state, handle, pixels, call.deadline, target, maps))
-    return {**_stacked(call, results, target is not None), "prepare_s": [seconds for _, seconds in prepared]}
+                          lambda pixels: submit(state, handle, pixels, call.deadline, target, maps_free))
+    return _stacked(call, results, target is not None)
 
 
 async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
-                 target: int | None, maps: bool = True) -> InferenceResult:
-    """One image through the engine (`maps` False: its answer needs no rollout); traced, its queue and inference
+                 target: int | None, maps_free: bool = False) -> InferenceResult:
+    """One image through the engine (`maps_free`: its answer needs no rollout); traced, its queue and inference
     spans."""
     submitted_ns = tracing.now_ns()
-    result = await state.engine.submit(handle, pixels, deadline.remaining(), target, maps)
+    result = await state.engine.submit(handle, pixels, deadline.remaining(), target, maps_free)
     tracing.engine_spans(submitted_ns, result)
     return result
 
 
 async def _decode(state: ServiceState, data: bytes, info: ModelInfo, resize: ResizePolicy):
     with tracing.stage("decode"):
-        return await state.preprocess(data, info, resize, keep_source=False)
+        return await state.images.preprocess(data, info, resize, keep_source=False)
 
 
 async def _each(items: list, work) -> list:
@@ -248,12 +285,12 @@ def _first_error(group: BaseExceptionGroup) -> BaseException:
     return group.exceptions[0]
 
 
-def _stacked(call: Call, results: list[InferenceResult], explained: bool) -> dict:
+def _stacked(call: Call, results: list[InferenceResult], explained: bool) -> tuple[dict[str, np.ndarray], str]:
     """The images' outputs by name (logits, rollout, from the relevance path relevance, then the file's optional
-    outputs), and the versions that ran them (one version: a request is routed once)."""
-    names = answering_info(call, results[0].version).output_names(relevance=explained)
-    stacked = {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names)}
-    return {**stacked, "versions": [r.version for r in results]}
+    outputs), and the version that ran them (one version: a request is routed once)."""
+    version = results[0].version
+    names = answering_info(call, version).output_names(relevance=explained)
+    return {name: np.stack([r.output[i] for r in results]) for i, name in enumerate(names)}, version
 
 
 def _ms(seconds: float) -> float:

@@ -68,7 +68,7 @@ class Call:
         """`awaitable` within the call's deadline and the server's drain; with `watch`, also cancelled when the
         client hangs up (once its body has been read: until then the transport's read sees it)."""
         disconnected = self.watch_client() if watch and self.watch_client is not None else None
-        return await run_within(awaitable, self.deadline, self.state.stopping, disconnected=disconnected,
+        return await run_within(awaitable, self.deadline, self.state.drain.stopping, disconnected=disconnected,
                                 on_timeout=on_timeout)
 
 
@@ -80,7 +80,6 @@ def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str
     refuse a small one's requests. The deadline (request_timeout_s) starts here."""
     state.require_ready()
     admission = state.admission
-    assert admission is not None, "ServiceState.start() made it before the first call"
     admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
     try:
         yield Call(state, requested, Deadline.after(state.settings.request_timeout_s), on_route, watch_client)
@@ -94,7 +93,6 @@ def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> t
     (HTTP's connection, from the request line): under overload a refusal must cost far less than an answer."""
     if not state.ready:
         return None
-    assert state.admission is not None, "ServiceState.start() made it before the first call"
     refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
     if refused is None:
         return None

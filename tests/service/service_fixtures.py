@@ -327,5 +327,5 @@ def trickling(connections: list[RawConnection], piece: bytes, every_s: float = 0
 async def run_as_call(request, work, deadline, stop, *, watch: bool = True, on_timeout=None):
     """`work` as the pipeline runs an HTTP call's work (`Call.run`): within its deadline and the server's drain,
     watching the client's connection (`request.receive`) with `watch`."""
-    call = Call(SimpleNamespace(stopping=stop), None, deadline, watch_client=lambda: client_gone(request))
+    call = Call(SimpleNamespace(drain=SimpleNamespace(stopping=stop)), None, deadline, watch_client=lambda: client_gone(request))
     return await call.run(work, on_timeout=on_timeout, watch=watch)

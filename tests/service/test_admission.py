@@ -342,13 +342,11 @@ def test_shedding_still_admits_the_process_s_share_of_the_engine_s_batches():
 
 
 def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_onnx):
-    from vitserve.service.usecases.state import ServiceState
+    from vitserve.service.usecases.state import shedding_floor
     from service_fixtures import settings_for
 
     def limit(**overrides) -> int:
-        state = ServiceState.__new__(ServiceState)
-        state.settings = settings_for(tiny_onnx, **overrides)
-        return state.shedding_floor()
+        return shedding_floor(settings_for(tiny_onnx, **overrides))
 
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2) == 16
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=3) == 11

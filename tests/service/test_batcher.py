@@ -21,16 +21,16 @@ class Recorder:
     def __init__(self):
         self.started: list[list[float]] = []  # batches that entered run_batch, held at the gate or not
         self.targets: list[list[int] | None] = []  # each batch's targets (None: an untargeted batch)
-        self.light: list[bool] = []  # each batch: run as light (every item light)
+        self.maps_free: list[bool] = []  # each batch: run as maps_free (every item maps_free)
         self.batches: list[list[float]] = []  # batches that ran
         self.fail_when = lambda values: False
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, light: bool = False):
+    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False):
         values = [float(x.ravel()[0]) for x in stacked]
         self.started.append(values)
-        self.light.append(light)
+        self.maps_free.append(maps_free)
         self.targets.append(None if targets is None else targets.tolist())
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never opened the gate")
@@ -223,7 +223,7 @@ async def test_observer_gets_plain_numbers():
         def __init__(self):
             self.batches, self.depths, self.waits = [], [], []
 
-        def batch_done(self, size, seconds, stack_seconds, targeted, light=False):
+        def batch_done(self, size, seconds, stack_seconds, targeted, maps_free=False):
             self.batches.append((size, targeted))
 
         def queue_wait(self, seconds):
@@ -255,20 +255,20 @@ async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit
 
 
 async def test_light_items_batch_apart_and_run_light_where_the_model_has_a_light_computation():
-    """Apart: an item's answer must not depend on what its batch-mates asked for (the light computation may round
-    differently). A batcher without light batches ignores the flag, and mixed items share batches."""
+    """Apart: an item's answer must not depend on what its batch-mates asked for (the maps_free computation may round
+    differently). A batcher without maps_free batches ignores the flag, and mixed items share batches."""
     recorder = Recorder()
-    batcher = make(recorder, max_queue_delay_s=0.2, light_batches=True)
-    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i % 2 == 0) for i in range(8)))
+    batcher = make(recorder, max_queue_delay_s=0.2, maps_free_batches=True)
+    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, maps_free=i % 2 == 0) for i in range(8)))
     assert sorted(r.batch_size for r in mixed) == [4] * 8
-    runs = sorted(zip(recorder.batches, recorder.light))
+    runs = sorted(zip(recorder.batches, recorder.maps_free))
     assert runs == [([0.0, 2.0, 4.0, 6.0], True), ([1.0, 3.0, 5.0, 7.0], False)]
     await batcher.close()
 
     recorder = Recorder()
-    batcher = make(recorder, max_queue_delay_s=0.2)  # one computation: light means nothing
-    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, light=i % 2 == 0) for i in range(8)))
-    assert sorted(len(b) for b in recorder.batches) == [4, 4] and recorder.light == [False, False]
+    batcher = make(recorder, max_queue_delay_s=0.2)  # one computation: maps_free means nothing
+    mixed = await asyncio.gather(*(batcher.submit(item(i), 10, maps_free=i % 2 == 0) for i in range(8)))
+    assert sorted(len(b) for b in recorder.batches) == [4, 4] and recorder.maps_free == [False, False]
     await batcher.close()
 
 

@@ -80,10 +80,10 @@ def test_the_model_serves_the_maps_free_graph_where_the_setting_says(tiny_onnx):
 
     assert serves_maps_free("auto", "CUDAExecutionProvider") and serves_maps_free("on", "CPUExecutionProvider")
     assert not serves_maps_free("auto", "CPUExecutionProvider") and not serves_maps_free("off", "CUDAExecutionProvider")
-    assert OnnxModel.load(settings_for(tiny_onnx, maps_free="auto")).run_without_maps is None  # on the CPU
+    assert OnnxModel.load(settings_for(tiny_onnx, maps_free="auto")).run_maps_free is None  # on the CPU
     model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
     x = np.random.default_rng(2).standard_normal((3, model.info.channels, 40, 24)).astype(np.float32)
-    with_maps, without = model.run(x), model.run_without_maps(x)
+    with_maps, without = model.run(x), model.run_maps_free(x)
     assert len(with_maps) == len(without) and without[1].shape == (3, 0)  # the rollout's place kept, empty
     for index in [0, *range(2, len(without))]:
         np.testing.assert_allclose(without[index], with_maps[index], rtol=1e-4, atol=1e-5)
@@ -106,7 +106,7 @@ def test_a_maps_free_graph_that_answers_differently_is_not_served(tiny_onnx, mon
     monkeypatch.setattr(runtime, "maps_free", broken)
     with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
         model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
-    assert model.lean_path is None and model.run_without_maps is None
+    assert model.maps_free_path is None and model.run_maps_free is None
     assert "answers differ" in caplog.text
 
 
@@ -121,9 +121,9 @@ class PathRecordingModel:
         self.paths.append("rollout")
         return self.inner.run(pixel_values)
 
-    def run_without_maps(self, pixel_values):
+    def run_maps_free(self, pixel_values):
         self.paths.append("maps-free")
-        return self.inner.run_without_maps(pixel_values)
+        return self.inner.run_maps_free(pixel_values)
 
     def explain(self, pixel_values, targets):
         self.paths.append("relevance")
@@ -179,18 +179,18 @@ def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(
     from vitserve.service.engine.runtime import OnnxModel
 
     model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
-    lean, info = model.lean_path, model.info
+    lean, info = model.maps_free_path, model.info
     image = (info.channels, *info.image_size)
     raw = np.random.default_rng(6).integers(0, 256, (3, *image), dtype=np.uint8)
     floats = normalize_pixels(raw, info.mean, info.std)
-    dynamic = model.run_without_maps(floats)
+    dynamic = model.run_maps_free(floats)
     probe = lean.run_dynamic(floats[:1])
     bucket = CapturedBucket(lean.session, "pixel_values", 4, (4, *image),
                             [(n, p.shape[1:], p.dtype.type) for n, p in zip(lean.names, probe)], 0, device="cpu")
     lean.captured = CudaGraphBuckets({4: bucket}, [4], image)
     table = PixelTable(info.mean, info.std).graph().SerializeToString()
     model.normaliser = DeviceNormaliser(ort.InferenceSession(table, providers=["CPUExecutionProvider"]), "cpu")
-    for captured in (model.run_without_maps(floats), model.run_without_maps(raw)):
+    for captured in (model.run_maps_free(floats), model.run_maps_free(raw)):
         assert len(captured) == len(dynamic) and captured[1].shape == (3, 0)
         for got, want in zip(captured, dynamic):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
@@ -205,7 +205,7 @@ def test_a_maps_free_graph_that_cannot_be_made_costs_speed_not_the_model(tiny_on
     monkeypatch.setattr(runtime, "maps_free", failing)
     with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
         model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
-    assert model.run_without_maps is None and "did not expect" in caplog.text
+    assert model.run_maps_free is None and "did not expect" in caplog.text
     assert model.run(np.zeros((1, model.info.channels, *model.info.image_size), np.float32))[0].shape[0] == 1
 
 

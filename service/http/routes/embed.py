@@ -21,6 +21,7 @@ from vitserve.service.http.routes.classify import upload
 from vitserve.service.http.routes.uploads import each_file, image_body, media_type
 from vitserve.service.schemas.v1 import EmbedResponse
 from vitserve.service.usecases import inference
+from vitserve.service.usecases.inference import EmbedOptions
 from vitserve.service.usecases.preprocess import ResizePolicy
 
 log = logging.getLogger("vitserve.embed")
@@ -44,15 +45,15 @@ async def embed(request: Request, path: dict[str, str]) -> Response:
     with admitted_call(request) as call:
         handle = call.route(query.model, query.version)
         inference.check_embeds(handle)
+        options = EmbedOptions(query.resize, query.normalize)
         files = await upload(request, call, max_files=call.state.settings.max_batch_files)
         if media_type(request) != "multipart/form-data":
             # one image as the body: its error is the request's, with its status, as on /v1/classify
             if isinstance(files[0], ServiceError):
                 raise files[0]
-            results = [await call.run(inference.embed(call, files[0], query.resize, query.normalize))]
+            results = [await call.run(inference.embed(call, files[0], options))]
         else:
-            work = each_file(call.state, files, lambda data: inference.embed(call, data, query.resize,
-                                                                             query.normalize), "an embed request")
+            work = each_file(call.state, files, lambda data: inference.embed(call, data, options), "an embed request")
             results = await call.run(work)
             log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - call.started) * 1000)
     answer = EmbedResponse(model=inference.model_ref(handle.name, handle.version), results=results)

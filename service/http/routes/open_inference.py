@@ -156,9 +156,10 @@ async def infer(request: Request, path: dict[str, str]) -> Response:
     with admitted_call(request) as call:
         call.route(path["name"], path.get("version"))
         parsed, parse_s = await _read_request(request, call)
-        body, headers = await inference.infer(
-            call, parsed, parse_s, lambda info, tensors: encode_response(parsed, info.name, info.version, tensors,
-                                                                         info.labels))
+        outcome = await inference.infer(call, parsed, parse_s)
+        info = outcome.info
+        with outcome.encoding():
+            body, headers = encode_response(parsed, info.name, info.version, outcome.outputs, info.labels)
     return Response(body, headers=headers)
 
 
@@ -173,5 +174,5 @@ async def _read_request(request: Request, call: Call) -> tuple[ParsedInferReques
     started = time.perf_counter()
     encoding = request.headers.get("content-encoding")
     if encoding:  # inflating megabytes is real work: off the event loop
-        body, _ = await state.in_pool(decode_content, body, encoding, limit)
+        body, _ = await state.images.run(decode_content, body, encoding, limit)
     return parse_infer_request(body, header_length, limits_for(s, call.handle.info)), time.perf_counter() - started
