@@ -230,7 +230,7 @@ def verify_on(path: Path, reference: Path, provider: str) -> dict:
 def server_model(path: Path, **settings):
     """The server's own model object (service/engine/runtime.py): the fast path's session, CUDA graphs per bucket
     unless `cuda_graphs=False`."""
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     return OnnxModel.load(Settings(model_path=path, providers=["cuda", "cpu"], **settings))
@@ -306,7 +306,7 @@ def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Pa
     from vitserve.onnx_header import read_model_info
     from vitserve.service.engine.attention_fusion import count_fused, fuse_attention
     from vitserve.service.engine.graph_paths import prune_outputs, split_paths
-    from vitserve.service.engine.runtime import run_session
+    from vitserve.service.engine.onnx_runtime import run_session
 
     info = read_model_info(path)
     fast = split_paths(onnx.load(str(path))).fast

@@ -58,7 +58,7 @@ def perf_analyzer(binary: str, model: str, url: str, protocol: str, inputs: Path
 
 
 def run(args) -> dict:
-    from vitserve.service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.inference_model import read_model_file_info
     if read_model_file_info(args.model).explains_classes:
         raise SystemExit(f"{args.model} has the relevance path, which perf_analyzer would ask every request for "
                          f"(Triton's model answers logits and rollout only): export one with --no-relevance "

@@ -19,7 +19,7 @@ import numpy as np
 from vitserve.bench.load import make_images
 from vitserve.service.schemas.binary_tensors import pack_bytes
 from vitserve.service.usecases.preprocess import prepare_image
-from vitserve.service.engine.runtime import read_model_file_info
+from vitserve.service.engine.inference_model import read_model_file_info
 from vitserve.service.ground.settings import Settings
 from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME
 from vitserve.artifact import INPUT_NAME

@@ -19,7 +19,7 @@ import numpy as np
 
 from vitserve.bench.measure import alternating_rounds_ms
 from vitserve.bench.presets import resolve_model
-from vitserve.service.engine.runtime import OnnxModel
+from vitserve.service.engine.onnx_runtime import OnnxModel
 from vitserve.service.ground.settings import Settings
 
 

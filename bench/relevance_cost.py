@@ -99,7 +99,7 @@ def export_both(checkpoint_dir: str | Path, work_dir: Path, verify: bool) -> dic
 
 def load_model(path: str | Path, threads: int):
     """The server's session over `path` on the CPU, with `threads` intra-op threads (0: ONNX Runtime's default)."""
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     return OnnxModel.load(Settings(model_path=Path(path), intra_op_threads=threads, providers=["cpu"]))

@@ -47,7 +47,8 @@ def candidates(path: Path, threads: int) -> dict:
 def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int,
             accuracy_dir: Path | None = None) -> dict:
     from vitserve.bench.measure import alternating_rounds_ms
-    from vitserve.service.engine.runtime import load_model, probe_pixels
+    from vitserve.service.engine.runtime import load_model
+    from vitserve.service.engine.inference_model import probe_pixels
     from vitserve.service.ground.settings import Settings
 
     models = candidates(path, threads)
@@ -76,7 +77,7 @@ def graph_gflops(path: Path) -> float:
     convolution (the rest, softmax and norms, is a few per cent and not matrix work)."""
     import openvino as ov
 
-    from vitserve.service.engine.runtime import read_artifact
+    from vitserve.service.engine.onnx_runtime import read_artifact
 
     info, paths = read_artifact(path)
     model = ov.Core().read_model(paths.fast.SerializeToString())

@@ -155,7 +155,7 @@ def offline(primary: Path, shadow: Path, pixels: np.ndarray) -> dict:
     from scipy.spatial.distance import jensenshannon
     from scipy.stats import spearmanr
 
-    from vitserve.service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.inference_model import read_model_file_info
     runs = []
     for path in (primary, shadow):
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -178,7 +178,7 @@ def offline(primary: Path, shadow: Path, pixels: np.ndarray) -> dict:
 
 
 def agreement(server: Server, root: Path, primary: Path, shadow: Path, count: int) -> dict:
-    from vitserve.service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.inference_model import read_model_file_info
     # a queue for every image (none is dropped), and a config unlike the cost arms': the comparison starts afresh
     (root / MODEL / "config.json").write_text(json.dumps(config_for(1.0, max_queue_size=count)))
     server.control("load", MODEL)

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from vitserve.service.engine import Engine
-from vitserve.service.engine.runtime import InferenceModel
+from vitserve.service.engine.inference_model import InferenceModel
 from vitserve.service.ground import tracing
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.memory import freeze_startup_objects

@@ -42,7 +42,7 @@ class LocalPredictor:
 
     def __init__(self, model_path: Path, top_k: int, resize: ResizePolicy, map_kind: str = "rollout",
                  target: str | None = None):
-        from vitserve.service.engine.runtime import OnnxModel
+        from vitserve.service.engine.onnx_runtime import OnnxModel
         from vitserve.service.ground.settings import Settings
         from vitserve.service.usecases.explanations import relevance_target
 

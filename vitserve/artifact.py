@@ -34,7 +34,7 @@ TOP1_TARGET = -1
 # statistics fitted at export (files exported with --eval; ModelInfo.ood says how it was fitted and its threshold).
 EMBEDDING_NAME = "embedding"
 OOD_SCORE_NAME = "ood_score"
-OPTIONAL_OUTPUTS = (EMBEDDING_NAME, OOD_SCORE_NAME)
+OPTIONAL_OUTPUTS = (EMBEDDING_NAME, OOD_SCORE_NAME)  # the exporter writes them in this order
 MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; every model computes rollout
 # Bump when a reader of the old format would misread a new file; readers refuse newer versions.
 FORMAT_VERSION = 1
@@ -43,6 +43,38 @@ PRECISIONS = ("fp32", "fp16", "int8")
 # The paper's Figure 7 numbers (model/inspection.py's to_json), computed at export; optional, and kept out of
 # ModelInfo, which travels with every repository index: only GET /v1/models/{name}/inspect reads it.
 INSPECTION_KEY = METADATA_PREFIX + "inspection"
+
+
+@dataclass(frozen=True)
+class OptionalOutput:
+    """An output a file may have after the required ones: declared here once, it reaches every transport that
+    sends outputs by name (/v2 and gRPC inference, /v2's model configuration) with no other change."""
+
+    name: str
+    present: Callable[[ModelInfo], bool]  # whether a file whose metadata is `info` has it
+    dims: Callable[[ModelInfo], list[int]]  # one image's shape, as /v2's model configuration declares it
+
+
+# The optional outputs, in the order a graph returns them where present (read when used: a test may add one).
+OPTIONAL_OUTPUT_SPECS: list[OptionalOutput] = [
+    OptionalOutput(EMBEDDING_NAME, lambda info: bool(info.embedding_size), lambda info: [info.embedding_size]),
+    OptionalOutput(OOD_SCORE_NAME, lambda info: bool(info.ood), lambda info: [1]),
+]
+
+
+def optional_outputs() -> tuple[str, ...]:
+    """The names of every optional output a file may have."""
+    return tuple(output.name for output in OPTIONAL_OUTPUT_SPECS)
+
+
+def optional_outputs_of(info: ModelInfo) -> list[OptionalOutput]:
+    """The optional outputs a file whose metadata is `info` has, in the graph's order."""
+    return [output for output in OPTIONAL_OUTPUT_SPECS if output.present(info)]
+
+
+def requestable_outputs() -> tuple[str, ...]:
+    """Every output an inference request may name: the fast path's, the relevance path's, the optional ones."""
+    return (*OUTPUT_NAMES, RELEVANCE_NAME, *optional_outputs())
 
 
 class ArtifactError(ValueError):
@@ -178,7 +210,7 @@ class ModelInfo:
     @property
     def extra_outputs(self) -> tuple[str, ...]:
         """The optional outputs the file's graph has, in their order after the required ones."""
-        return ((EMBEDDING_NAME,) if self.embedding_size else ()) + ((OOD_SCORE_NAME,) if self.ood else ())
+        return tuple(output.name for output in optional_outputs_of(self))
 
     def output_names(self, relevance: bool = False) -> tuple[str, ...]:
         """The outputs one run of a path returns, in order: the fast path's, or with `relevance` the relevance

@@ -193,7 +193,7 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
 
 
 def model_summary_of(model_path: Path) -> dict:
-    from vitserve.service.engine.runtime import read_model_file_info
+    from vitserve.service.engine.inference_model import read_model_file_info
 
     info = read_model_file_info(model_path)
     return {"name": info.name, "version": info.version, "path": str(model_path), "height": info.image_size[0],

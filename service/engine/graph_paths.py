@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import onnx
 from onnx import helper
 
-from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME, optional_outputs
 
 _GRAPH_ATTRIBUTES = (onnx.AttributeProto.GRAPH, onnx.AttributeProto.GRAPHS)
 
@@ -39,7 +39,7 @@ def split_paths(model: onnx.ModelProto) -> ModelPaths:
         return ModelPaths(model, None, dims)
     branches = {a.name: a.g for a in switch.attribute}
     present = {o.name for o in model.graph.output}
-    extras = tuple(name for name in (EMBEDDING_NAME, OOD_SCORE_NAME) if name in present)
+    extras = tuple(name for name in optional_outputs() if name in present)
     fast = _inline(model, switch, branches["else_branch"], keep=(*OUTPUT_NAMES, *extras))
     relevance = _inline(model, switch, branches["then_branch"], keep=(*OUTPUT_NAMES, RELEVANCE_NAME, *extras))
     return ModelPaths(fast, relevance, dims)

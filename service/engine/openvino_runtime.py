@@ -14,16 +14,21 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 
 from vitserve.artifact import EMBEDDING_NAME, ModelInfo
-from vitserve.service.engine.providers import openvino_provider
+from vitserve.service.engine.inference_model import Artifact, InferenceModel, RuntimeSpec, intra_op_threads
+from vitserve.service.engine.onnx_runtime import RelevancePath, make_relevance_session, read_artifact
+from vitserve.service.engine.providers import CPU, openvino_provider
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
 
@@ -113,6 +118,7 @@ class OpenVinoModel:
     def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = openvino_provider(precision)
+        self.runtime, self.precision_hint = "openvino", precision
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
         self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
@@ -158,3 +164,52 @@ class OpenVinoModel:
         if self.relevance is None:
             raise ModelLoadError(f"{self.info.name} has no relevance path")
         return self.relevance.explain(pixel_values, targets)
+
+
+def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:
+    """OpenVINO's candidates for `auto`: fp32, and bf16 where the CPU computes it natively; a hint keeps one."""
+    precisions = ["fp32", "bf16"] if "BF16" in capabilities else ["fp32"]
+    return precisions if hint == "auto" else [p for p in precisions if p == hint]
+
+
+def openvino_model(settings: Settings, precision: str, relevance: RelevancePath | None = None,
+                   artifact: Artifact | None = None) -> OpenVinoModel:
+    path = Path(settings.model_path)
+    info, paths = artifact or read_artifact(path)
+    if relevance is None and paths.relevance is not None:
+        chain: list[tuple[str, dict]] = [(CPU, {})]
+        relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
+    model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
+                                  relevance)
+    log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
+    return model
+
+
+def load_openvino_model(settings: Settings, artifact: Artifact | None = None) -> OpenVinoModel:
+    return openvino_model(settings, "fp32" if settings.precision_hint == "auto" else settings.precision_hint,
+                          artifact=artifact)
+
+
+def auto_candidates(settings: Settings, artifact: Artifact,
+                    reference: InferenceModel) -> Iterator[tuple[str, InferenceModel]]:
+    """`--runtime auto`'s OpenVINO candidates: fp32, and bf16 where this CPU computes it (or the one the hint
+    names), sharing the reference's relevance path; one that will not compile is left out, with a warning."""
+    for precision in auto_precisions(settings.precision_hint, cpu_capabilities()):
+        try:
+            model = openvino_model(settings, precision, getattr(reference, "relevance", None), artifact)
+        except ModelLoadError as e:
+            log.warning("runtime auto: OpenVINO %s left out: %s", precision, e)
+            continue
+        yield candidate_name("openvino", reference.info.precision, precision), model
+
+
+def candidate_name(runtime: str, file_precision: str, compute_precision: str) -> str:
+    """What a candidate computes in: `openvino/fp32`, `openvino/bf16` for a float32 file; an int8 file's layers
+    stay int8 whatever the hint, which sets the precision of the rest (`openvino/int8`, `openvino/int8+bf16`)."""
+    if file_precision == "fp32" or compute_precision == file_precision:
+        return f"{runtime}/{compute_precision}"
+    return f"{runtime}/{file_precision}" if compute_precision == "fp32" else \
+        f"{runtime}/{file_precision}+{compute_precision}"
+
+
+OPENVINO = RuntimeSpec("openvino", load_openvino_model, available, auto_candidates)

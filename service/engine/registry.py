@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from vitserve.service.engine import LOADING, READY, UNAVAILABLE, UNLOADING, IndexEntry, ModelHandle
+from vitserve.service.engine.inference_model import InferenceModel, read_model_file_info
 from vitserve.service.engine.routing import RoutingTable, VersionView
-from vitserve.service.engine.runtime import InferenceModel, load_model, read_model_file_info
+from vitserve.service.engine.runtime import load_model
 from vitserve.service.engine.served_model import Loader, ServedModel
 from vitserve.service.engine.shadow import Shadow
 from vitserve.service.ground.errors import (

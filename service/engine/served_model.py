@@ -21,9 +21,10 @@ import numpy as np
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import InferenceResult
 from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.service.engine.inference_model import InferenceModel
 from vitserve.service.engine.pixels import PixelTable
 from vitserve.service.engine.providers import runs_on_cpu
-from vitserve.service.engine.runtime import InferenceModel, load_model, warm_up, warn_if_int8_does_not_pay
+from vitserve.service.engine.runtime import load_model, warm_up, warn_if_int8_does_not_pay
 from vitserve.service.engine.threads import CpuPriority, run_on_new_thread
 from vitserve.service.ground.deadlines import InUse
 from vitserve.service.ground.errors import InferenceError, VersionRetired

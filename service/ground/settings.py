@@ -8,13 +8,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, FilePath, SecretStr, field_validator, model_validator
+from pydantic import Field, FilePath, SecretStr, StringConstraints, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from vitserve.service.ground.processes import usable_cores
 
 Provider = Literal["tensorrt", "cuda", "cpu"]  # ONNX Runtime's execution providers (service/engine/providers.py)
-Runtime = Literal["auto", "onnxruntime", "openvino"]
+# A runtime by its registered name (service/engine/runtime.py's RUNTIMES: onnxruntime, openvino), or auto. Checked
+# against the registry when a model loads, as Triton checks a model's backend: a new runtime registers there alone.
+Runtime = Annotated[str, StringConstraints(pattern=r"^[a-z][a-z0-9_]{0,31}$")]
 PrecisionHint = Literal["auto", "fp32", "bf16"]
 INTERNAL = "internal"  # the description of fields `vitserve serve` sets for its own processes: no flag
 
@@ -75,8 +77,9 @@ class Settings(BaseSettings):
 
     # The runtime: ONNX Runtime (CUDA when there, else the CPU), or OpenVINO for the CPU; auto measures at load
     runtime: Runtime = Field(
-        "auto", description="auto: ONNX Runtime on a GPU; on the CPU the fastest of ONNX Runtime and OpenVINO (fp32, "
-                            "and bf16 where the CPU has it) that agrees with ONNX Runtime's float32, timed at load")
+        "auto", description="onnxruntime, openvino, or auto: ONNX Runtime on a GPU; on the CPU the fastest of ONNX "
+                            "Runtime and OpenVINO (fp32, and bf16 where the CPU has it) that agrees with ONNX "
+                            "Runtime's float32, timed at load")
     precision_hint: PrecisionHint = Field(
         "auto", description="the compute precision asked of the runtime (bf16: OpenVINO on a CPU with AVX512-BF16 "
                             "or AMX); an int8 file computes its quantized layers in int8 whatever this says")

@@ -25,7 +25,7 @@ from typing import cast, get_args
 import numpy as np
 from pydantic import ValidationError
 
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, normalize_pixels, requestable_outputs
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge
 from vitserve.service.schemas.binary_tensors import (
     BinaryFormatError,
@@ -50,7 +50,6 @@ from vitserve.service.schemas.v1 import (
     MAX_PARAMETER_STRING_CHARS,
     MAX_PARAMETERS,
     MAX_SHAPE_RANK,
-    REQUESTABLE_OUTPUTS,
     InferRequest,
     flatten_deep_data,
 )
@@ -176,8 +175,8 @@ def checked_infer_request(id: str, parameters: dict, tensor: TensorInput, tensor
         if len(outputs) > MAX_OUTPUTS:
             raise InvalidParameter(f"outputs: at most {MAX_OUTPUTS}, got {len(outputs)}")
         for i, (name, output_parameters) in enumerate(outputs):
-            if name not in REQUESTABLE_OUTPUTS:
-                raise InvalidParameter(f"outputs.{i}.name: must be one of {', '.join(REQUESTABLE_OUTPUTS)}, got "
+            if name not in requestable_outputs():
+                raise InvalidParameter(f"outputs.{i}.name: must be one of {', '.join(requestable_outputs())}, got "
                                        f"{name[:40]!r}")
             _check_parameters(output_parameters, f"outputs.{i}.parameters")
     return build_infer_request(id or None, parameters, tensor, section, outputs, limits)

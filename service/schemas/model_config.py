@@ -8,7 +8,7 @@ the relevance path lists a third output, `relevance`, sent only to a request tha
 """
 from __future__ import annotations
 
-from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo, optional_outputs_of
 from vitserve.service.engine.providers import GPU_PROVIDERS
 from vitserve.service.ground.settings import Settings
 from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
@@ -37,10 +37,9 @@ def model_metadata(info: ModelInfo, versions: list[str] | None = None) -> ModelM
 def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
     """Each output's dims without the batch dimension."""
     maps = [OUTPUT_NAMES[1], *([RELEVANCE_NAME] if info.explains_classes else [])]
-    # the optional outputs: the embedding (D,) and the OOD score, one value an image (Triton's dims [1])
-    extras = {EMBEDDING_NAME: [info.embedding_size], OOD_SCORE_NAME: [1]}
-    return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps),
-            *((name, extras[name]) for name in info.extra_outputs)]
+    # the optional outputs the file has, as the artifact declares them
+    extras = [(output.name, output.dims(info)) for output in optional_outputs_of(info)]
+    return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps), *extras]
 
 
 def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None) -> dict:

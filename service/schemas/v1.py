@@ -7,6 +7,8 @@ from typing import Annotated, Any, Literal, TypeVar, get_args
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, GetPydanticSchema
 from pydantic_core import PydanticCustomError
 
+from vitserve.artifact import requestable_outputs
+
 # The protocol's second input: encoded images (JPEG, PNG, ...), one BYTES element per batch item, decoded and
 # preprocessed by the server as /v1/classify does. It is not in the ONNX model: the service adds it.
 IMAGE_INPUT_NAME = "image"
@@ -230,11 +232,22 @@ MAX_INPUTS = 1  # one of pixel_values (the model's own input) or image
 # names are the artifact's (INPUT_NAME, OUTPUT_NAMES, ...), and tests/service/test_inference_protocol.py holds them
 InputName = Literal["pixel_values", "image"]  # the model's own input, IMAGE_INPUT_NAME
 InputDatatype = Literal["FP32", "UINT8", "BYTES"]
-# Every output a request may name: the fast path's, the relevance path's, and the file's optional ones
-RequestableOutput = Literal["logits", "rollout", "relevance", "embedding", "ood_score"]
 INPUT_DATATYPES: tuple[str, ...] = get_args(InputDatatype)
-REQUESTABLE_OUTPUTS: tuple[str, ...] = get_args(RequestableOutput)
-MAX_OUTPUTS = len(REQUESTABLE_OUTPUTS)  # one request per output; naming one twice adds nothing
+MAX_OUTPUTS = 16  # more than any model returns; naming one output twice is refused
+MAX_OUTPUT_NAME_CHARS = 64
+
+
+def _requestable(name: str) -> str:
+    """An output a request may name: the artifact declares them (vitserve/artifact.py `requestable_outputs`)."""
+    if name not in requestable_outputs():
+        raise ValueError(f"must be one of {', '.join(requestable_outputs())}")
+    return name
+
+
+# Every output a request may name: the fast path's, the relevance path's, and the file's optional ones
+RequestableOutput = Annotated[str, Field(max_length=MAX_OUTPUT_NAME_CHARS,
+                                         json_schema_extra={"enum": list(requestable_outputs())}),
+                              AfterValidator(_requestable)]
 MAX_SHAPE_RANK = 4  # pixel_values is (batch, channels, height, width); image is (batch,) or (batch, 1)
 MAX_DIM = 2**15  # larger than any image side; four such dims multiply within int64
 # Normalised pixels ((x/255 - mean) / std) lie within a few units of zero; a value past this is no image, and near

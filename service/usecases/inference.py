@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vitserve.artifact import EMBEDDING_NAME, OOD_SCORE_NAME, OPTIONAL_OUTPUTS, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.artifact import EMBEDDING_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo, optional_outputs
 from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground import tracing
 from vitserve.service.ground.deadlines import Deadline
@@ -161,7 +161,7 @@ async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> Infe
     state, handle = call.state, call.handle
     target = relevance_target(request.target, handle.info) if request.explains else None
     extra = handle.info.extra_outputs
-    missing = [o.name for o in request.outputs if o.name in OPTIONAL_OUTPUTS and o.name not in extra]
+    missing = [o.name for o in request.outputs if o.name in optional_outputs() and o.name not in extra]
     if missing:
         outputs = ", ".join(handle.info.output_names(handle.info.explains_classes))
         raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "

@@ -12,7 +12,7 @@ pytest.importorskip("onnx")
 
 def test_the_zero_cost_model_is_an_artifact_that_computes_its_means(tmp_path):
     from vitserve.bench.engine_ceiling import IMAGE, zero_cost_model
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     path = zero_cost_model(tmp_path / "zero.onnx")

@@ -313,7 +313,7 @@ def test_answer_values_reads_each_servers_answer():
 
 
 def test_limits_and_session_options_are_vitserves_defaults():
-    from vitserve.service.engine.runtime import session_options as vitserve_options
+    from vitserve.service.engine.onnx_runtime import session_options as vitserve_options
     from vitserve.service.ground.settings import Settings
 
     s = Settings()
@@ -329,7 +329,7 @@ def test_limits_and_session_options_are_vitserves_defaults():
 def test_the_peers_work_is_vitserves_preprocessing_session_and_answer(tiny_onnx):
     from vitserve.bench.raw import preprocessed
     from vitserve.service.usecases.postprocess import encode_result
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     vitserve = OnnxModel.load(Settings(model_path=tiny_onnx))

@@ -11,7 +11,7 @@ from PIL import Image
 
 from vitserve.bench.perf_analyzer_inputs import main
 from vitserve.service.schemas.binary_tensors import unpack_bytes
-from vitserve.service.engine.runtime import read_model_file_info
+from vitserve.service.engine.inference_model import read_model_file_info
 
 
 def test_the_files_hold_the_models_tensor_and_serialised_images(tiny_onnx, tmp_path):

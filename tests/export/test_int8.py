@@ -168,7 +168,7 @@ def test_a_folder_the_gate_cannot_use_is_refused_before_tracing_in_one_line(tiny
 
 
 def test_the_server_loads_the_int8_file_with_no_flag_and_explains_with_it(tiny_int8_export):
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"]))
@@ -194,7 +194,7 @@ def test_the_cpu_check_reads_vnni_from_cpuinfo_flags(tmp_path):
 def test_an_int8_image_answers_the_same_alone_and_among_any_batch_mates(tiny_int8_export):
     """Static scales: each image is computed the same whatever shares its batch (dynamic quantization took its
     activation scales from the whole batch, so the same image changed class with its neighbours)."""
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
     model = OnnxModel.load(Settings(model_path=tiny_int8_export.path, providers=["cpu"], intra_op_threads=1))

@@ -17,7 +17,7 @@ def anyio_backend():
 @pytest.fixture(scope="session")
 def tiny_model(tiny_onnx):
     """One ONNX Runtime session shared by the in-process apps (loading is what lifespan would do)."""
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     return OnnxModel.load(settings_for(tiny_onnx))
 
 

@@ -73,7 +73,7 @@ def test_the_ood_score_after_the_if_reaches_both_split_paths_as_in_the_whole_fil
     import onnxruntime as ort
 
     from vitserve.artifact import INPUT_NAME, TARGET_NAME
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     model, info = OnnxModel.load(settings_for(ood_onnx)), info_of(ood_onnx)
     whole = ort.InferenceSession(str(ood_onnx), providers=["CPUExecutionProvider"])

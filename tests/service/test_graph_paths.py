@@ -8,7 +8,7 @@ import pytest
 
 from vitserve.service.engine.cuda_graphs import bucket_sizes
 from vitserve.service.engine.graph_paths import split_paths, symbolic_dims
-from vitserve.service.engine.runtime import OnnxModel
+from vitserve.service.engine.onnx_runtime import OnnxModel
 from service_fixtures import settings_for
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
 

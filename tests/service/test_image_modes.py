@@ -196,7 +196,7 @@ def read_idx(path: Path) -> np.ndarray:
 def fmnist_model():
     if not FMNIST_MODEL.is_file():
         pytest.skip(f"{FMNIST_MODEL} is absent")
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     return OnnxModel.load(settings_for(FMNIST_MODEL))
 
 

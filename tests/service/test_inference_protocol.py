@@ -27,7 +27,8 @@ from vitserve.service.ground.settings import Settings
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.schemas.paths import INFERENCE as INFERENCE_ENDPOINTS
 from vitserve.service.schemas.statistics import triton_statistics
-from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo
+from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo,
+                              requestable_outputs)
 
 TRITON = json.loads((Path(__file__).parent / "data/triton/responses.json").read_text())
 EXCHANGES = {e["name"]: e for e in TRITON["exchanges"]}
@@ -151,7 +152,10 @@ def test_a_binary_tensor_holds_only_normalised_pixels(value):
 def test_the_names_a_request_may_use_are_the_model_file_s():
     # the schema spells its Literals out for the type checker; the model file's contract names them
     assert get_args(v1.InputName) == (INPUT_NAME, v1.IMAGE_INPUT_NAME)
-    assert v1.REQUESTABLE_OUTPUTS == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+    # the outputs are the artifact's own list, read where a request is checked, and the OpenAPI document's enum
+    assert requestable_outputs() == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
+    schema = v1.RequestedOutput.model_json_schema()["properties"]["name"]
+    assert schema["enum"] == list(requestable_outputs()) and schema["maxLength"] == v1.MAX_OUTPUT_NAME_CHARS
     assert v1.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
 
 

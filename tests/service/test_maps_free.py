@@ -76,7 +76,7 @@ def test_a_block_that_differs_from_the_pattern_is_left_as_it_is(tiny_onnx):
 
 
 def test_the_model_serves_the_maps_free_graph_where_the_setting_says(tiny_onnx):
-    from vitserve.service.engine.runtime import OnnxModel, serves_maps_free
+    from vitserve.service.engine.onnx_runtime import OnnxModel, serves_maps_free
 
     assert serves_maps_free("auto", "CUDAExecutionProvider") and serves_maps_free("on", "CPUExecutionProvider")
     assert not serves_maps_free("auto", "CPUExecutionProvider") and not serves_maps_free("off", "CUDAExecutionProvider")
@@ -92,7 +92,7 @@ def test_the_model_serves_the_maps_free_graph_where_the_setting_says(tiny_onnx):
 def test_a_maps_free_graph_that_answers_differently_is_not_served(tiny_onnx, monkeypatch, caplog):
     """The fused graph is checked against the rollout graph at load: one that disagrees (here, its head's weights
     negated) costs speed, never answers."""
-    from vitserve.service.engine import runtime
+    from vitserve.service.engine import onnx_runtime as runtime
     from vitserve.service.engine.attention_fusion import maps_free
 
     def broken(fast, drop):
@@ -176,7 +176,7 @@ def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(
     from vitserve.artifact import normalize_pixels
     from vitserve.service.engine.cuda_graphs import CapturedBucket, CudaGraphBuckets
     from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
     lean, info = model.maps_free_path, model.info
@@ -197,7 +197,7 @@ def test_the_maps_free_graph_in_captured_buckets_answers_as_its_dynamic_session(
 
 
 def test_a_maps_free_graph_that_cannot_be_made_costs_speed_not_the_model(tiny_onnx, monkeypatch, caplog):
-    from vitserve.service.engine import runtime
+    from vitserve.service.engine import onnx_runtime as runtime
 
     def failing(fast, drop):
         raise ValueError("a graph this rewrite did not expect")

@@ -10,7 +10,11 @@ import pytest
 
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine import runtime
-from vitserve.service.engine.runtime import OnnxModel, auto_precisions, choose_fastest, disagrees, load_model
+from vitserve.service.engine.onnx_runtime import OnnxModel
+from vitserve.service.engine import openvino_runtime
+from vitserve.service.engine.openvino_runtime import auto_precisions
+from vitserve.service.engine.runtime import choose_fastest, load_model
+from vitserve.service.engine.inference_model import disagrees
 from service_fixtures import settings_for
 
 openvino = pytest.importorskip("openvino")
@@ -182,9 +186,9 @@ def test_bf16_keeps_the_residual_stream_in_bfloat16_when_the_file_has_an_embeddi
 def test_an_int8_file_is_the_reference_auto_must_beat_and_is_named_int8(tiny_model, monkeypatch, caplog):
     """`runtime auto chose onnxruntime/fp32` was logged for an int8 file: the candidates are named by what they
     compute, and OpenVINO must beat the int8 file as it is, not a float32 one."""
-    assert runtime.candidate_name("openvino", "int8", "fp32") == "openvino/int8"
-    assert runtime.candidate_name("openvino", "int8", "bf16") == "openvino/int8+bf16"
-    assert runtime.candidate_name("openvino", "fp32", "bf16") == "openvino/bf16"
+    assert openvino_runtime.candidate_name("openvino", "int8", "fp32") == "openvino/int8"
+    assert openvino_runtime.candidate_name("openvino", "int8", "bf16") == "openvino/int8+bf16"
+    assert openvino_runtime.candidate_name("openvino", "fp32", "bf16") == "openvino/bf16"
     costs = {"onnxruntime/int8": 1.0, "openvino/int8": 0.95, "openvino/int8+bf16": 1.2}
     candidates = {name: Scripted(tiny_model) for name in costs}
     by_model = {id(model): costs[name] for name, model in candidates.items()}

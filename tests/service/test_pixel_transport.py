@@ -43,7 +43,7 @@ def test_the_frontend_sends_raw_pixels_only_to_an_engine_that_normalises_them():
 
 def test_a_model_that_normalises_on_its_device_answers_raw_pixels_as_it_answers_normalised_ones(tiny_onnx):
     from vitserve.artifact import normalize_pixels
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     model = OnnxModel.load(settings_for(tiny_onnx, pixel_transport="uint8"))
     assert model.takes_raw_pixels
@@ -54,7 +54,7 @@ def test_a_model_that_normalises_on_its_device_answers_raw_pixels_as_it_answers_
 
 
 def test_a_model_without_a_normaliser_refuses_raw_pixels_rather_than_reading_them_as_values(tiny_onnx):
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     model = OnnxModel.load(settings_for(tiny_onnx, pixel_transport="auto"))  # on the CPU: float32 transport
     assert not model.takes_raw_pixels
@@ -111,7 +111,7 @@ def test_a_bucket_filled_on_its_device_from_raw_pixels_answers_as_one_given_norm
     from vitserve.artifact import normalize_pixels
     from vitserve.service.engine.cuda_graphs import CapturedBucket
     from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     model = OnnxModel.load(settings_for(tiny_onnx))
     info, names = model.info, model.info.output_names()
@@ -134,7 +134,7 @@ def test_the_normaliser_graph_is_written_for_older_runtimes_and_its_refusal_fall
     """onnx 1.23 writes IR 14 unless told; onnxruntime-gpu 1.31 takes up to 13 and refused the graph on the first GPU
     run, which stopped the model loading. Now the graph carries its opset's IR version, and a refusal costs speed,
     never the model."""
-    from vitserve.service.engine import runtime
+    from vitserve.service.engine import onnx_runtime as runtime
     from vitserve.service.engine.pixels import PixelTable
 
     assert PixelTable([0.5], [0.5]).graph().ir_version <= 9  # what onnxruntime 1.15 (2023) and later load

@@ -133,7 +133,7 @@ async def test_relevance_requests_batch_apart_within_their_own_limit(tiny_onnx, 
 
 
 async def test_a_model_without_the_relevance_path(fast_only_onnx):
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
     settings = settings_for(fast_only_onnx)
     async with serving(settings, OnnxModel.load(settings)) as client:

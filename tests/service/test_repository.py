@@ -489,7 +489,7 @@ def _this_thread() -> tuple[int, int]:
 async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing_else_is_lowered(
         tmp_path, tiny_onnx, priority):
     from vitserve.service.ground.metrics import ServiceMetrics
-    from vitserve.service.engine.runtime import OnnxModel
+    from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.engine.served_model import ServedModel
     from vitserve.service.engine.threads import LOW_NICE
     base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())

@@ -11,8 +11,9 @@ import pytest
 from vitserve.service.cli import DRAIN_MARGIN_S
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.engine.providers import GPU_PROVIDERS, ORT_PROVIDERS, openvino_provider, runs_on_cpu
-from vitserve.service.engine.runtime import (OnnxModel, intra_op_threads, load_engine_model, provider_chain, session_options,
-                             warm_up)
+from vitserve.service.engine.onnx_runtime import OnnxModel, provider_chain, session_options
+from vitserve.service.engine.inference_model import intra_op_threads
+from vitserve.service.engine.runtime import load_engine_model, warm_up
 from vitserve.service.ground.settings import INTERNAL, Provider, Settings
 from service_fixtures import settings_for
 
@@ -294,7 +295,7 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
         def get_providers(self):
             return ["CPUExecutionProvider"]
 
-    from vitserve.service.engine import runtime
+    from vitserve.service.engine import onnx_runtime as runtime
     chain = [("CUDAExecutionProvider", {}), ("CPUExecutionProvider", {})]
     with caplog.at_level("WARNING", logger="vitserve.runtime"):
         runtime.warn_on_fallback(runtime.OnnxModel(Session(), None), chain)

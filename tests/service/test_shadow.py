@@ -18,7 +18,7 @@ import pytest
 from scipy.spatial.distance import jensenshannon
 from scipy.stats import spearmanr
 
-from vitserve.service.engine.runtime import OnnxModel
+from vitserve.service.engine.onnx_runtime import OnnxModel
 from vitserve.service.engine.shadow import Shadow, js_divergence, rank_correlation
 from vitserve.service.ground.errors import VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics

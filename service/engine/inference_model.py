@@ -1,0 +1,114 @@
+"""The contract between the server and a model, whatever runtime computes it: `InferenceModel` (what the engine
+calls), `RuntimeSpec` (what a runtime registers to be chosen by name: service/engine/runtime.py's `RUNTIMES`), and
+what every runtime's load shares (the thread count it is given, the probe images a stand-in must agree on).
+
+A runtime is one file: ONNX Runtime's is service/engine/onnx_runtime.py, OpenVINO's service/engine/openvino_runtime.py.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from vitserve.artifact import ArtifactError, ModelInfo
+from vitserve.onnx_header import read_model_info
+from vitserve.service.engine.graph_paths import ModelPaths
+from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.processes import usable_cores
+from vitserve.service.ground.settings import Settings
+
+Artifact = tuple[ModelInfo, ModelPaths]  # a file's info and graphs, read once for every runtime that loads it
+Outputs = tuple[np.ndarray, ...]  # the arrays `info.output_names()` names, in its order, each (B, ...)
+
+
+class InferenceModel(Protocol):
+    """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w), then
+    the file's optional outputs); and, for a model whose `info.explains_classes`, the relevance path: pixels and a
+    target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
+    Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
+    (service/engine/pixels.py). `run_maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that
+    need no map (None: `run` serves them). The server reads those two with getattr, so a model without them (a
+    test's wrapper) takes float32 and runs every batch with its maps."""
+
+    info: ModelInfo
+    provider: str
+    runtime: str  # the registered name of the runtime that computes it (service/engine/runtime.py's RUNTIMES)
+    precision_hint: str  # the settings' precision_hint that loads it again as it is
+
+    @property
+    def takes_raw_pixels(self) -> bool: ...
+
+    @property
+    def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None: ...
+
+    def run(self, pixel_values: np.ndarray) -> Outputs: ...
+
+    def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> Outputs: ...
+
+
+def read_model_file_info(path: Path) -> ModelInfo:
+    """The artifact's ModelInfo from the file alone (no session): a foreign or broken file is a ModelLoadError."""
+    try:
+        return read_model_info(path)
+    except ArtifactError as e:
+        raise ModelLoadError(str(e)) from e
+
+
+def intra_op_threads(settings: Settings) -> int:
+    """The configured count; by default ORT's (one per core) for an engine process or a single worker, the cores
+    shared out among inline workers (each has its own session)."""
+    if settings.intra_op_threads or settings.engine == "process" or settings.http_workers == 1:
+        return settings.intra_op_threads
+    return max(1, usable_cores() // settings.http_workers)
+
+
+def probe_pixels(info: ModelInfo, count: int = 16) -> np.ndarray:
+    """Deterministic images at the trained size (smooth patterns plus noise, normalised as the server does)."""
+    rng = np.random.default_rng(0)
+    height, width = info.image_size
+    yy, xx = np.mgrid[0:height, 0:width] / max(height, width)
+    images = [np.sin(2 * np.pi * (rng.uniform(0.5, 3) * xx + rng.uniform(0.5, 3) * yy) + rng.uniform(0, 6))
+              for _ in range(count * info.channels)]
+    pixels = (np.stack(images).reshape(count, info.channels, height, width) * 100 + 128
+              + rng.normal(0, 20, (count, info.channels, height, width))).clip(0, 255)
+    mean, std = np.asarray(info.mean)[:, None, None], np.asarray(info.std)[:, None, None]
+    return ((pixels / 255 - mean) / std).astype(np.float32)
+
+
+def disagrees(model: InferenceModel, reference: InferenceModel) -> str:
+    """Why `model` may not stand in for `reference` (ONNX Runtime float32), or "" (`logits_disagree` on the probe
+    images)."""
+    pixels = probe_pixels(model.info)
+    return logits_disagree(model.run(pixels)[0], reference.run(pixels)[0])
+
+
+def logits_disagree(got: np.ndarray, want: np.ndarray) -> str:
+    """Why logits `got` may not stand in for `want`, or "": the same top-1 on every image whose reference top-2
+    margin is clear (over 5% of its largest |logit|), logits within 5% of the largest."""
+    scale = max(1.0, float(np.abs(want).max()))
+    top2 = np.sort(want, axis=1)[:, -2:]
+    clear = (top2[:, 1] - top2[:, 0]) > 0.05 * scale
+    changed = int((got.argmax(1) != want.argmax(1))[clear].sum())
+    worst = float(np.abs(got - want).max()) / scale
+    if changed or worst > 0.05:
+        return f"{changed} of {int(clear.sum())} clear probe images change class, logits {worst:.2%} apart"
+    return ""
+
+
+@dataclass(frozen=True)
+class RuntimeSpec:
+    """A runtime the server can serve a model on, by the name `--runtime` and a repository config's `runtime` give.
+
+    `load(settings, artifact)`: the model of `settings.model_path` at `settings.precision_hint` (`artifact`: the
+    file's info and graphs when the caller has read them, else None). `available()`: whether this machine has the
+    runtime's package. `candidates(settings, artifact, reference)`: for `--runtime auto` on the CPU, the models this
+    runtime offers to race ONNX Runtime on the file's own precision (`reference`), each by the name the log gives
+    it; None: it takes no part in `auto`."""
+
+    name: str
+    load: Callable[[Settings, Artifact | None], InferenceModel]
+    available: Callable[[], bool] = lambda: True
+    candidates: Callable[[Settings, Artifact, InferenceModel], Iterator[tuple[str, InferenceModel]]] | None = None
