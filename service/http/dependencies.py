@@ -78,11 +78,13 @@ def query_parameters(request: Request, model: type[Q]) -> Q:
     """The request's query parameters, checked against `model` as FastAPI checks a query model (a 422 naming each
     problem by its place, `query.top_k`). A parameter of the model given twice is refused: it would be read from its
     last copy, an invalid first one silently ignored (and a proxy routing by its first copy would disagree)."""
-    names = [field.alias or name for name, field in model.model_fields.items()]
-    repeated = sorted(name for name in names if len(request.query_params.getlist(name)) > 1)
-    if repeated:
-        raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
+    query = request.query_params
+    if len(query.multi_items()) > len(query):  # some parameter repeats: is it one of the model's?
+        names = [field.alias or name for name, field in model.model_fields.items()]
+        repeated = sorted(name for name in names if len(query.getlist(name)) > 1)
+        if repeated:
+            raise InvalidParameter(f"query parameters given more than once: {', '.join(repeated)}")
     try:
-        return model.model_validate(dict(request.query_params))
+        return model.model_validate(dict(query))
     except ValidationError as e:
         raise RequestValidationError([{**error, "loc": ("query", *error["loc"])} for error in e.errors()]) from None

@@ -80,9 +80,9 @@ def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str
     refuse a small one's requests. The deadline (request_timeout_s) starts here."""
     state.require_ready()
     admission = state.admission
-    admission.enter(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
+    admission.enter(state.engine.predicted_wait_s(requested), state.queue_wait_limit_s)
     try:
-        yield Call(state, requested, Deadline.after(state.settings.request_timeout_s), on_route, watch_client)
+        yield Call(state, requested, Deadline.after(state.request_timeout_s), on_route, watch_client)
     finally:
         admission.leave()
 
@@ -93,7 +93,7 @@ def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> t
     (HTTP's connection, from the request line): under overload a refusal must cost far less than an answer."""
     if not state.ready:
         return None
-    refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.settings.queue_wait_limit_s)
+    refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.queue_wait_limit_s)
     if refused is None:
         return None
     state.metrics.rejected_request(refused.code)

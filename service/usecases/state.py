@@ -1,7 +1,7 @@
 """The per-process serving state, made in the app's lifespan and reached by routes through dependencies
 (service/http/dependencies.py) and by the gRPC servicer directly: the settings, the metrics, the engine, and one
 object per concern beside them: `admission` (what is let in), `images` (where images are decoded:
-service/usecases/image_pools.py), `drain` (shutdown: service/ground/drain.py), `inspections` (the inspection cache).
+`ImagePools`), `drain` (shutdown: service/ground/drain.py), `inspections` (the inspection cache).
 
 `ServiceState.start` starts the engine (`service/engine/`: in this process, a bad model stops startup; or
 the connection to an engine process); the service reports ready only while the engine is ready (warmed up) and
@@ -9,11 +9,16 @@ the process is not draining.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import os
+import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 
+from vitserve.artifact import ModelInfo
 from vitserve.service.engine import Engine
 from vitserve.service.engine.pixels import engine_normalises
 from vitserve.service.ground.drain import Drain
@@ -21,9 +26,9 @@ from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
-from vitserve.service.usecases.admission import Admission
-from vitserve.service.usecases.image_pools import ImagePools
+from vitserve.service.usecases.admission import Admission, PixelBudget
 from vitserve.service.usecases.inspection import InspectionCache
+from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
 
 log = logging.getLogger("vitserve.service")
 
@@ -37,9 +42,14 @@ class ServiceState:
     admission: Admission = field(init=False)  # made by start(), before the first call
     images: ImagePools = field(init=False)  # made by start(), before the first call
     inspections: InspectionCache = field(default_factory=InspectionCache)  # GET /v1/models/{name}/inspect
+    request_timeout_s: float = field(init=False)
+    queue_wait_limit_s: float = field(init=False)
 
     def __post_init__(self) -> None:
-        self.drain = Drain(self.settings.drain_timeout_s, on_begin=lambda: self.metrics.set_worker_ready(False))
+        s = self.settings
+        self.drain = Drain(s.drain_timeout_s, on_begin=lambda: self.metrics.set_worker_ready(False))
+        # read by every call's admission: plain numbers, not the settings' properties
+        self.request_timeout_s, self.queue_wait_limit_s = s.request_timeout_s, s.queue_wait_limit_s
 
     @property
     def ready(self) -> bool:
@@ -56,7 +66,7 @@ class ServiceState:
         self.engine.on_ready = lambda ready: self.metrics.set_worker_ready(ready and not self.drain.draining)
         self.metrics.set_workers(s.http_workers)
         await self.engine.start()  # the engine that holds the model reports it (metrics.set_model)
-        self.images = ImagePools(s, lambda: engine_normalises(s.pixel_transport, self.engine.provider))
+        self.images = ImagePools(s, self.engine)
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None,
                                    s.overload_queue_ms / 1000 if s.overload_queue_ms else None,
                                    min_shed_in_flight=shedding_floor(s))
@@ -82,3 +92,49 @@ def shedding_floor(s: Settings) -> int:
     if not s.overload_keeps_batches:
         return 0
     return math.ceil(s.max_batch_size * s.max_batches_in_flight / max(1, s.http_workers))
+
+
+class ImagePools:
+    """Where images are decoded and prepared: off the event loop, in thread pools, each image holding its share of
+    the process's pixel budget while it is decoded (a burst of large images waits instead of exhausting memory),
+    and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them."""
+
+    def __init__(self, settings: Settings, engine: Engine):
+        self.settings, self.engine = settings, engine  # the engine: whether it normalises (pixels travel as uint8)
+        self.pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
+        self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
+        self.budget = PixelBudget(settings.max_pixels_in_flight)
+
+    async def preprocess(self, data: bytes, info: ModelInfo, resize: ResizePolicy,
+                         keep_source: bool) -> tuple[PreparedImage, float]:
+        """Decode and prepare one image for the model `info` describes, holding its share of the pixel budget
+        while it does; returns it and the seconds it took. The header is read first: the limits, and the size to
+        reserve."""
+        s, loop, budget = self.settings, asyncio.get_running_loop(), self.budget
+        # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
+        pixels = await loop.run_in_executor(self.pool, partial(peek_pixels, data, max_bytes=s.max_upload_bytes,
+                                                               max_pixels=s.max_image_pixels))
+        reserved = await budget.acquire(pixels)
+        pool = self.large_pool if pixels > s.large_image_pixels else self.pool
+        job = pool.submit(timed, prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
+                          max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
+                          max_render_side=s.max_rollout_image_side,
+                          raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
+        # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
+        # memory its thread still holds.
+        job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(budget.release, reserved))
+        return await asyncio.wrap_future(job)
+
+    async def run(self, function, *args):
+        """`function(*args)` in the pool (PNG rendering, inflating a body: real work), and the seconds it took."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, partial(timed, function, *args))
+
+    def stop(self) -> None:
+        for pool in (self.pool, self.large_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def timed(function, *args, **kwargs):
+    started = time.perf_counter()
+    result = function(*args, **kwargs)
+    return result, time.perf_counter() - started
