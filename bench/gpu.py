@@ -228,7 +228,7 @@ def verify_on(path: Path, reference: Path, provider: str) -> dict:
 
 
 def server_model(path: Path, **settings):
-    """The server's own model object (service/engine/runtime.py): the fast path's session, CUDA graphs per bucket
+    """The server's own model object (service/engine/onnx_runtime.py): the fast path's session, CUDA graphs per bucket
     unless `cuda_graphs=False`."""
     from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings

@@ -34,7 +34,7 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
 
 
 def load_raw_model(model_path: Path, server_env: dict[str, str]):
-    """The server's own session: `service.engine.runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
+    """The server's own session: `service.engine.onnx_runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
     from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 

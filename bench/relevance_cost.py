@@ -8,7 +8,7 @@ cases then run on the same normalised random images at the trained size:
 - `fast_path`: the new artifact fed only `pixel_values` (its `If` takes the fast branch), logits and rollout;
 - `relevance_path`: the new artifact fed `target_class` = -1 (the top-1) for every image, logits and relevance.
 
-Sessions are the server's own: `service.engine.runtime.OnnxModel.load(Settings(model_path=..., intra_op_threads=N,
+Sessions are the server's own: `service.engine.onnx_runtime.OnnxModel.load(Settings(model_path=..., intra_op_threads=N,
 providers=["cpu"]))`, its session options (sequential, no spinning, every graph optimisation); the timed call is
 `model.session.run(outputs, feeds)`. This machine's speed drifts, so for each thread setting and batch size the
 three cases take turns for `rounds` rounds (the order reversed every other round), each running for `seconds` per
@@ -79,7 +79,7 @@ def measure_artifacts(artifacts: dict, batch_sizes, threads, rounds: int, second
             "artifacts": artifacts, "checks": checks, "rows": rows,
             "settings": {"batch_sizes": list(batch_sizes), "threads": list(threads), "rounds": rounds,
                          "seconds_per_case": seconds_per_case, "min_calls": MIN_CALLS,
-                         "session": "service.engine.runtime.OnnxModel.load(Settings(model_path, intra_op_threads, "
+                         "session": "service.engine.onnx_runtime.OnnxModel.load(Settings(model_path, intra_op_threads, "
                                     "providers=['cpu'])).session.run(outputs, feeds)"},
             "targets": {"relevance_path/fast_path": RELEVANCE_TARGET, "unchanged_band": UNCHANGED_BAND}}
 

@@ -5,7 +5,7 @@ For each file, the server's own model objects (`service.engine.runtime.load_mode
 trained resolution: images/s from the median of alternating rounds, so the machine's drift falls on every candidate
 alike. Beside the speed, each candidate's largest logit difference from ONNX Runtime on the same file (float32, or
 the file's int8 layers) on the probe images
-(`service.engine.runtime.probe_pixels`), and what `--runtime auto` picks for the file on this machine.
+(`service.engine.inference_model.probe_pixels`), and what `--runtime auto` picks for the file on this machine.
 
 `--accuracy DIR` (a Fashion-MNIST IDX directory, for files trained on it): each candidate's accuracy on the whole
 test split, its top-1 agreement with ONNX Runtime float32, and the Spearman correlation of its rollout maps with
