@@ -177,6 +177,8 @@ class RequestRecordMiddleware:
             await send(message)
 
         record = RequestRecord(self.metrics, span)
+        if "state" in scope:  # when the request came in: the first stage of an inference call's (Server-Timing)
+            scope["state"]["received"] = record.started
         try:
             await self.app(scope, receive, send_with_status)
         finally:

@@ -55,6 +55,8 @@ class Settings(BaseSettings):
                                       "OTEL_EXPORTER_OTLP_ENDPOINT is set (docs/tracing.md)")
     trace_sample_ratio: float | None = Field(None, ge=0, le=1, description="share of requests traced (a sampled "
                                              "caller's always are); unset: OTEL_TRACES_SAMPLER, else all")
+    server_timing: bool = Field(False, description="each inference answer over HTTP carries a Server-Timing header "
+                                "(W3C): the time its stages took in this server, in ms (docs/latency-budget.md)")
     limit_concurrency: int | None = Field(None, ge=1, description="open connections before uvicorn answers 503")
 
     # the model repository (service/repository/): several models and versions, loaded and unloaded live
@@ -328,7 +330,7 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                "grpc_max_concurrent_streams", "grpc_max_metadata_bytes",
                "compress_min_bytes", "compress_max_bytes", "grpc_response_compression"),
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
-    "tracing": ("otlp_endpoint", "trace_sample_ratio"),
+    "tracing": ("otlp_endpoint", "trace_sample_ratio", "server_timing"),
     "repository": ("repository_poll_secs",),
     "engine and ONNX Runtime": ("precision_hint", "engine_arena_bytes", "engine_timeout_s", "cuda_device_id",
                                 "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",

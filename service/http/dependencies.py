@@ -6,10 +6,11 @@ names.
 """
 from __future__ import annotations
 
+import time
 from contextlib import AbstractContextManager
 from typing import TypeVar
 
-from fastapi import Request
+from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
@@ -64,7 +65,28 @@ def admitted_call(request: Request) -> AbstractContextManager[Call]:
         request.state.served = (name, version)
 
     return pipeline.admit(request.app.state.service, model, on_route=remember,
-                          watch_client=lambda: client_gone(request))
+                          watch_client=lambda: client_gone(request),
+                          received=request.scope.get("state", {}).get("received"))
+
+
+def json_answer(call: Call, document: BaseModel) -> Response:
+    """An inference call's JSON answer, serialised by the model that made it (a framework would validate it once
+    more first); its `encode` stage timed."""
+    started = time.perf_counter()
+    body = document.model_dump_json()
+    call.stages.append(("encode", time.perf_counter() - started))
+    return answer(call, body)
+
+
+def answer(call: Call, body: bytes | str, media_type: str | None = "application/json",
+           headers: dict[str, str] | None = None) -> Response:
+    """An inference call's answer; with the server_timing setting, its stages as a Server-Timing header (W3C: each
+    `name;dur=MILLISECONDS`, then `total` from when the request came in)."""
+    if call.state.settings.server_timing:
+        total = time.perf_counter() - call.received
+        stages = ", ".join(f"{name};dur={seconds * 1000:.3f}" for name, seconds in call.stages)
+        headers = {**(headers or {}), "Server-Timing": f"{stages}, total;dur={total * 1000:.3f}"}
+    return Response(body, media_type=media_type, headers=headers)
 
 
 async def client_gone(request: Request) -> None:

@@ -27,7 +27,6 @@ import numpy as np
 from vitserve.artifact import EMBEDDING_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo, optional_outputs
 from vitserve.service.engine import InferenceResult, ModelHandle
 from vitserve.service.ground import tracing
-from vitserve.service.ground.deadlines import Deadline
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.schemas.inference_protocol import ParsedInferRequest
 from vitserve.service.schemas.v1 import (
@@ -94,11 +93,9 @@ def model_ref(name: str, version: str) -> ModelRef:
 
 async def classify(call: Call, image: bytes, options: ClassifyOptions) -> ClassifyResponse:
     """One encoded image -> its top classes and its map."""
-    state, handle, target = call.state, call.handle, options.target_index
-    with tracing.stage("decode"):
-        prepared, preprocess_s = await state.images.preprocess(image, handle.info, options.resize,
-                                                               options.map_format == "overlay")
-    result = await submit(state, handle, prepared.pixels, call.deadline, target, maps_free=options.map == "none")
+    state, target = call.state, options.target_index
+    prepared, preprocess_s = await _decode(call, image, options.resize, options.map_format == "overlay")
+    result = await submit(call, prepared.pixels, target, maps_free=options.map == "none")
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
@@ -106,6 +103,7 @@ async def classify(call: Call, image: bytes, options: ClassifyOptions) -> Classi
     with tracing.stage("encode"):
         (predictions, map_body), postprocess_s = await _encode(state, info, prepared, logits, shown, options)
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, postprocess_s)
+    call.stages.append(("postprocess", postprocess_s))
     timing = Timing(queue=_ms(result.queue_s), preprocess=_ms(preprocess_s), inference=_ms(result.inference_s),
                     total=_ms(time.perf_counter() - call.started))
     ood = _ood(state, info, outputs.get(OOD_SCORE_NAME))
@@ -128,10 +126,9 @@ def check_embeds(handle: ModelHandle) -> None:
 async def embed(call: Call, image: bytes, options: EmbedOptions) -> ImageEmbedding:
     """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
     score, on the fast path (`check_embeds` first)."""
-    state, handle = call.state, call.handle
-    with tracing.stage("decode"):
-        prepared, preprocess_s = await state.images.preprocess(image, handle.info, options.resize, False)
-    result = await submit(state, handle, prepared.pixels, call.deadline, None, maps_free=True)
+    state = call.state
+    prepared, preprocess_s = await _decode(call, image, options.resize, False)
+    result = await submit(call, prepared.pixels, None, maps_free=True)
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
@@ -166,6 +163,7 @@ async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> Infe
         outputs = ", ".join(handle.info.output_names(handle.info.explains_classes))
         raise InvalidParameter(f"{handle.name} {handle.version} has no output {missing[0]!r}: its file was exported "
                                f"without it (outputs: {outputs})")
+    call.stages.append(("parse", parse_s))
     call.shorten(request.timeout_s)  # the client's own timeout can only make the deadline earlier
     # no outputs named: every output is sent, the rollout too
     maps_free = bool(request.outputs) and not any(o.name == OUTPUT_NAMES[1] for o in request.outputs)
@@ -180,6 +178,7 @@ async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> Infe
     stages = state.metrics.for_model(info.name, info.version)
 
     def record_stages(encode_s: float) -> None:
+        call.stages.append(("encode", encode_s))
         if request.images is None:
             stages.tensor_stages(request.batch, parse_s, encode_s)
         for seconds in prepare_s:
@@ -220,8 +219,7 @@ async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
     """Run every image of the tensor (on the relevance path with a `target`; `maps_free`: the rollout is not
     needed, engine.submit); the first that fails fails the request, named, and the others are dropped. The outputs
     by name, stacked, and the version that ran them."""
-    state, handle = call.state, call.handle
-    results = await _each(list(pixels), lambda image: submit(state, handle, image, call.deadline, target, maps_free))
+    results = await _each(list(pixels), lambda image: submit(call, image, target, maps_free))
     return _stacked(call, results, target is not None)
 
 
@@ -230,8 +228,7 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
                              prepare_s: list[float] | None = None) -> tuple[dict[str, np.ndarray], str]:
     """Decode and prepare every image (as /v1/classify does; each one's seconds appended to `prepare_s`), then run
     them; the first image that fails fails the request, named by its index, and the others' work is cancelled."""
-    state, handle = call.state, call.handle
-    prepared = await _each(images, lambda data: _decode(state, data, handle.info, resize))
+    prepared = await _each(images, lambda data: _decode(call, data, resize, False))
     if prepare_s is not None:
         prepare_s.extend(seconds for _, seconds in prepared)
     shapes = {p.pixels.shape for p, _ in prepared}
@@ -239,23 +236,31 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(state, handle, pixels, call.deadline, target, maps_free))
+                          lambda pixels: submit(call, pixels, target, maps_free))
     return _stacked(call, results, target is not None)
 
 
-async def submit(state: ServiceState, handle: ModelHandle, pixels: np.ndarray, deadline: Deadline,
-                 target: int | None, maps_free: bool = False) -> InferenceResult:
+async def submit(call: Call, pixels: np.ndarray, target: int | None, maps_free: bool = False) -> InferenceResult:
     """One image through the engine (`maps_free`: its answer needs no rollout); traced, its queue and inference
-    spans."""
-    submitted_ns = tracing.now_ns()
-    result = await state.engine.submit(handle, pixels, deadline.remaining(), target, maps_free)
+    spans; its stages: the wait in the batch queue (batch assembly included), the batch's run, and the rest of the
+    time from submit to answer, the way to the engine and back."""
+    submitted_ns, started = tracing.now_ns(), time.perf_counter()
+    result = await call.state.engine.submit(call.handle, pixels, call.deadline.remaining(), target, maps_free)
+    waited = time.perf_counter() - started
+    call.stages += (("queue", result.queue_s), ("inference", result.inference_s),
+                    ("engine_hop", max(0.0, waited - result.queue_s - result.inference_s)))
     tracing.engine_spans(submitted_ns, result)
     return result
 
 
-async def _decode(state: ServiceState, data: bytes, info: ModelInfo, resize: ResizePolicy):
+async def _decode(call: Call, data: bytes, resize: ResizePolicy, keep_source: bool) -> tuple[PreparedImage, float]:
+    """One image decoded and prepared for the routed version; its stages: the work in the pool, and the wait
+    around it (the header's read, the pixel budget, the hops to the pool and back)."""
+    started = time.perf_counter()
     with tracing.stage("decode"):
-        return await state.images.preprocess(data, info, resize, keep_source=False)
+        prepared, preprocess_s = await call.state.images.preprocess(data, call.handle.info, resize, keep_source)
+    call.stages += (("decode", preprocess_s), ("decode_wait", time.perf_counter() - started - preprocess_s))
+    return prepared, preprocess_s
 
 
 async def _each(items: list, work) -> list:

@@ -43,14 +43,20 @@ class Call:
     watch_client: Callable[[], Awaitable] | None = None  # completes when the client hangs up (the transport's)
     started: float = field(default_factory=time.perf_counter)
     served: tuple[str, str] = ("", "")
+    # where the call's time went, (stage, seconds) in order: the pipeline's, the use cases' and the transport's
+    # (docs/latency-budget.md); HTTP sends them as a Server-Timing header with the server_timing setting
+    stages: list[tuple[str, float]] = field(default_factory=list)
+    received: float = 0.0  # when the transport took the request in (time.perf_counter)
     # the version `route` chose (set there, read by the use cases, which run after it): a plain attribute, not a
     # property with a check, on the path every request takes
     handle: ModelHandle = field(init=False)
 
     def route(self, name: str | None, version: str | None) -> ModelHandle:
         """The version this call runs on (None: the only model; its newest ready version)."""
+        started = time.perf_counter()
         self.handle = self.state.engine.route(name, version)
         self.ran_on(self.handle.name, self.handle.version)
+        self.stages.append(("route", time.perf_counter() - started))
         return self.handle
 
     def ran_on(self, name: str, version: str) -> None:
@@ -74,15 +80,20 @@ class Call:
 
 @contextmanager
 def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str, str], None] | None = None,
-          watch_client: Callable[[], Awaitable] | None = None) -> Iterator[Call]:
+          watch_client: Callable[[], Awaitable] | None = None, received: float | None = None) -> Iterator[Call]:
     """The call, once admitted: NotReady (warming up, shutting down) or Overloaded at once otherwise, before its
     body is read. The queued work it is measured against is its own model's: an overloaded big model does not
-    refuse a small one's requests. The deadline (request_timeout_s) starts here."""
+    refuse a small one's requests. The deadline (request_timeout_s) starts here. `received`: when the transport
+    took the request in (time.perf_counter), for the call's first stage, `accept`."""
+    entered = time.perf_counter()
     state.require_ready()
     admission = state.admission
     admission.enter(state.engine.predicted_wait_s(requested), state.queue_wait_limit_s)
     try:
-        yield Call(state, requested, Deadline.after(state.request_timeout_s), on_route, watch_client)
+        call = Call(state, requested, Deadline.after(state.request_timeout_s), on_route, watch_client)
+        call.received = received or entered
+        call.stages += (("accept", entered - call.received), ("admit", call.started - entered))
+        yield call
     finally:
         admission.leave()
 

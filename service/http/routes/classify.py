@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from vitserve.artifact import ModelInfo
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import admitted_call, query_parameters
+from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
 from vitserve.service.http.routes.uploads import each_file, image_body, read_files, upload_within
 from vitserve.service.schemas.v1 import BatchResponse, MapFormat, MapKind, RolloutFormat
 from vitserve.service.usecases import inference
@@ -82,8 +82,7 @@ async def classify(request: Request, path: dict[str, str]) -> Response:
         if isinstance(files[0], ServiceError):
             raise files[0]
         answer = await call.run(inference.classify(call, files[0], options))
-    # Serialised by the model that made it: a framework would validate the answer against it once more first.
-    return Response(answer.model_dump_json(), media_type="application/json")
+    return json_answer(call, answer)
 
 
 async def classify_batch(request: Request, path: dict[str, str]) -> Response:
@@ -97,7 +96,7 @@ async def classify_batch(request: Request, path: dict[str, str]) -> Response:
         work = each_file(call.state, files, lambda data: inference.classify(call, data, options), "a batch")
         results = await call.run(work)
     answer = BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
-    return Response(answer.model_dump_json(), media_type="application/json")
+    return json_answer(call, answer)
 
 
 async def upload(request: Request, call: Call, max_files: int) -> list:

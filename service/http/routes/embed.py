@@ -16,7 +16,7 @@ from pydantic import BaseModel, Field
 
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import admitted_call, query_parameters
+from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
 from vitserve.service.http.routes.classify import upload
 from vitserve.service.http.routes.uploads import each_file, image_body, media_type
 from vitserve.service.schemas.v1 import EmbedResponse
@@ -57,4 +57,4 @@ async def embed(request: Request, path: dict[str, str]) -> Response:
             results = await call.run(work)
             log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - call.started) * 1000)
     answer = EmbedResponse(model=inference.model_ref(handle.name, handle.version), results=results)
-    return Response(answer.model_dump_json(), media_type="application/json")
+    return json_answer(call, answer)

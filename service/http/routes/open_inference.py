@@ -18,7 +18,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Request, Response
 
 from vitserve.service.http.access import require_api_key
-from vitserve.service.http.dependencies import admitted_call, get_ready_state, get_state
+from vitserve.service.http.dependencies import admitted_call, answer, get_ready_state, get_state
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
 from vitserve.service.schemas.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
@@ -160,7 +160,7 @@ async def infer(request: Request, path: dict[str, str]) -> Response:
         info = outcome.info
         with outcome.encoding():
             body, headers = encode_response(parsed, info.name, info.version, outcome.outputs, info.labels)
-    return Response(body, headers=headers)
+    return answer(call, body, None, headers)
 
 
 async def _read_request(request: Request, call: Call) -> tuple[ParsedInferRequest, float]:

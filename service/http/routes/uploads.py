@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import zlib
 
 from fastapi import Request
@@ -163,7 +164,10 @@ async def _upload_bytes(upload, max_bytes: int) -> bytes | ServiceError:
 async def upload_within(call: Call, reading):
     """`reading` (of the request's body) within the call's deadline: a slower upload is the client's (408)."""
     timeout = RequestTimeout("the upload did not finish within the request's deadline")
-    return await call.run(reading, on_timeout=timeout, watch=False)
+    started = time.perf_counter()
+    body = await call.run(reading, on_timeout=timeout, watch=False)
+    call.stages.append(("body", time.perf_counter() - started))
+    return body
 
 
 async def each_file(state, files: list, work, what: str) -> list:
