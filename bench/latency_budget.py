@@ -10,7 +10,7 @@ per arm and round after a warm-up, the arms alternating within each round (the o
 - **FastAPI app**: bench/peers/fastapi_app.py under uvicorn, the same work in a sync endpoint, the image as the
   multipart field `file`;
 - **vitserve**: `vitserve serve --model M` as `make serve` starts it, with `--server-timing`, the PNG as the body of
-  `POST /v1/classify` (top 5 and the rollout grid, the defaults).
+  `POST /v1/classify` (top 5 and the rollout grid, the defaults); and the same with `map=none` (top 5 alone).
 
 vitserve's answers carry the Server-Timing header (service/http/dependencies.py `answer`): each stage's p50 over a
 round's requests is the budget, and the client's latency less the server's `total` is what happens outside the app
@@ -127,7 +127,8 @@ def run(args) -> dict:
         arms = {"in-process": in_process(args.model, png),
                 "FastAPI app": Client(app_port, "/classify", multipart(png),
                                       f"multipart/form-data; boundary={BOUNDARY}").send,
-                "vitserve": Client(vitserve_port, "/v1/classify", png, "image/png").send}
+                "vitserve": Client(vitserve_port, "/v1/classify", png, "image/png").send,
+                "vitserve, map=none": Client(vitserve_port, "/v1/classify?map=none", png, "image/png").send}
         card = json.loads(_get(vitserve_port, "/v1/models"))
         rounds = []
         for number in range(args.rounds):
@@ -137,7 +138,8 @@ def run(args) -> dict:
             print(f"round {number + 1}: " + ", ".join(f"{name} p50 {results[name]['p50_ms']:.2f} ms"
                                                     for name in arms), flush=True)
     return {"command": " ".join(["python -m vitserve.bench.latency_budget", *sys.argv[1:]]),
-            "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}", "model": str(args.model), "image": str(args.image),
+            "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}",
+            "model": str(args.model), "image": str(args.image),
             "requests": args.requests, "vitserve_models": card, "rounds": rounds}
 
 
@@ -171,8 +173,12 @@ def markdown(report: dict) -> str:
         value = statistics.median(r["vitserve"]["stages_p50_us"][name] for r in report["rounds"])
         lines.append(f"| {name} | {value:.0f} |")
     total = statistics.median(r["vitserve"]["stages_p50_us"]["total"] for r in report["rounds"])
-    lines += [f"| outside the app (client p50 less the server's total) | {1000 * served - total:.0f} |", "",
-              "Stages: `accept` from the app's first middleware to admission (compression's check, the key, the "
+    lines += [f"| outside the app (client p50 less the server's total) | {1000 * served - total:.0f} |", ""]
+    if "vitserve, map=none" in arms:
+        none = medians(report, "vitserve, map=none", "p50_ms")
+        inference = statistics.median(r["vitserve, map=none"]["stages_p50_us"]["inference"] for r in report["rounds"])
+        lines += [f"With `map=none`: {none:.2f} ms at p50, its inference stage {inference:.0f} µs.", ""]
+    lines += ["Stages: `accept` from the app's first middleware to admission (compression's check, the key, the "
               "query); `admit`; `route`; `body` (reading the upload); `decode` the work in the pool, `decode_wait` "
               "the wait around it; `queue` in the batch queue (batch assembly included); `inference` the batch's "
               "run; `engine_hop` the rest of the way to the engine and back; `postprocess` top-k and the map; "

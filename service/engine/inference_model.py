@@ -6,6 +6,8 @@ A runtime is one file: ONNX Runtime's is service/engine/onnx_runtime.py, OpenVIN
 """
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +17,13 @@ import numpy as np
 
 from vitserve.artifact import ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
+from vitserve.service.engine.cuda_graphs import median_ms
 from vitserve.service.engine.graph_paths import ModelPaths
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
+
+log = logging.getLogger("vitserve.runtime")
 
 Artifact = tuple[ModelInfo, ModelPaths]  # a file's info and graphs, read once for every runtime that loads it
 Outputs = tuple[np.ndarray, ...]  # the arrays `info.output_names()` names, in its order, each (B, ...)
@@ -112,3 +117,28 @@ class RuntimeSpec:
     load: Callable[[Settings, Artifact | None], InferenceModel]
     available: Callable[[], bool] = lambda: True
     candidates: Callable[[Settings, Artifact, InferenceModel], Iterator[tuple[str, InferenceModel]]] | None = None
+
+
+# On a CPU a maps-free graph is kept under `maps_free: auto` when it costs at most this share of the rollout graph's
+# time: a smaller gain is within the load-time measurement's noise, and not worth the second graph's memory.
+MAPS_FREE_CPU_SHARE = 0.95
+
+
+def maps_free_pays(run_with_maps: Callable[[np.ndarray], Outputs], run_maps_free: Callable[[np.ndarray], Outputs],
+                   info: ModelInfo, max_batch: int, rounds: int = 3) -> bool:
+    """Whether the maps-free graph costs at most MAPS_FREE_CPU_SHARE of the rollout graph's time per image at batch 1
+    plus at batch min(max_batch, 8), the two timed alternately at load: on a CPU the gain depends on the chip and
+    the runtime (the default model on a Xeon with AVX-512: 10-15%; none measured on an EPYC with AVX2). Logged."""
+    sizes = sorted({1, max(1, min(max_batch, 8))})
+    batches = [np.resize(probe_pixels(info), (size, info.channels, *info.image_size)).astype(np.float32)
+               for size in sizes]
+    costs: dict[str, list[float]] = {"rollout": [], "maps-free": []}
+    for _ in range(rounds):
+        for name, run in (("rollout", run_with_maps), ("maps-free", run_maps_free)):
+            costs[name].append(sum(median_ms(functools.partial(run, x), 5) / len(x) for x in batches))
+    with_maps, without = (float(np.median(costs[name])) for name in ("rollout", "maps-free"))
+    pays = without <= MAPS_FREE_CPU_SHARE * with_maps
+    log.info("maps-free graph of %s %s %s on this CPU: %.3f ms per image at batch %s against the rollout graph's %.3f",
+             info.name, info.version, "kept" if pays else "left out", without, " plus ".join(map(str, sizes)),
+             with_maps)
+    return pays

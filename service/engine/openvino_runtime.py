@@ -22,9 +22,18 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import onnx
 
-from vitserve.artifact import EMBEDDING_NAME, ModelInfo
-from vitserve.service.engine.inference_model import Artifact, InferenceModel, RuntimeSpec, intra_op_threads
+from vitserve.artifact import EMBEDDING_NAME, OUTPUT_NAMES, ModelInfo
+from vitserve.service.engine.inference_model import (
+    Artifact,
+    InferenceModel,
+    RuntimeSpec,
+    intra_op_threads,
+    logits_disagree,
+    maps_free_pays,
+    probe_pixels,
+)
 from vitserve.service.engine.onnx_runtime import RelevancePath, make_relevance_session, read_artifact
 from vitserve.service.engine.providers import CPU, openvino_provider
 from vitserve.service.ground.errors import ModelLoadError
@@ -115,20 +124,23 @@ class OpenVinoModel:
     """The fast path compiled by OpenVINO for the CPU at a precision; `explain` runs ONNX Runtime's relevance path
     (`relevance`: service.engine.runtime.RelevancePath)."""
 
-    def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None):
+    def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None, maps: bool = True):
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = openvino_provider(precision)
         self.runtime, self.precision_hint = "openvino", precision
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
-        self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None  # `run` serves all batches
-        self._outputs = [compiled.output(name) for name in info.output_names()]  # by name, in the contract's order
+        # the maps-free graph's `run` where this model has one (`with_maps_free`); None: `run` serves all batches
+        self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
+        self._maps = maps  # False: compiled without the rollout, which `run` returns empty ((B, 0))
+        names = info.output_names() if maps else tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
+        self._outputs = [compiled.output(name) for name in names]  # by name, in the contract's order
         self._bfloat16 = [output.get_element_type().to_string() == "bf16" for output in self._outputs]
         self._requests = threading.local()  # an InferRequest is not safe to share between threads
         self.relevance = relevance
 
     @classmethod
     def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int,
-                relevance=None) -> OpenVinoModel:
+                relevance=None, maps: bool = True) -> OpenVinoModel:
         import openvino as ov
 
         core = ov.Core()
@@ -149,7 +161,7 @@ class OpenVinoModel:
         ran = compiled_precision(compiled)
         if ran != PRECISION_HINTS[precision]:
             raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not {PRECISION_HINTS[precision]}")
-        return cls(compiled, info, precision, relevance)
+        return cls(compiled, info, precision, relevance, maps)
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
         request = getattr(self._requests, "request", None)
@@ -157,8 +169,11 @@ class OpenVinoModel:
             request = self._requests.request = self.compiled.create_infer_request()
         results = request.infer({0: np.ascontiguousarray(pixel_values, np.float32)})
         # copies: the request's output buffers are reused by its next call
-        return tuple(widened_bfloat16(results[output]) if bfloat16 else np.array(results[output])
-                     for output, bfloat16 in zip(self._outputs, self._bfloat16))
+        outputs = tuple(widened_bfloat16(results[output]) if bfloat16 else np.array(results[output])
+                        for output, bfloat16 in zip(self._outputs, self._bfloat16))
+        if self._maps:
+            return outputs
+        return (outputs[0], np.empty((len(pixel_values), 0), np.float32), *outputs[1:])
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> tuple[np.ndarray, ...]:
         if self.relevance is None:
@@ -181,8 +196,37 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
         relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
                                   relevance)
+    if settings.maps_free != "off":
+        model.run_maps_free = maps_free_run(model, paths.fast, settings)
     log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
     return model
+
+
+def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[np.ndarray], tuple] | None:
+    """The fast graph compiled again without the rollout output (OpenVINO then leaves out the nodes that only it
+    needs; the attention fusion of ONNX Runtime's maps-free graph is not for OpenVINO: it has no com.microsoft
+    operators), for batches that need no map; kept where it agrees with the rollout graph on probe images and, with
+    `maps_free: auto`, where it is faster (`maps_free_pays`). None otherwise, with a warning where it failed."""
+    info, graph = model.info, onnx.ModelProto()
+    graph.CopyFrom(fast)
+    kept = [output for output in graph.graph.output if output.name != OUTPUT_NAMES[1]]
+    del graph.graph.output[:]
+    graph.graph.output.extend(kept)
+    try:
+        lean = OpenVinoModel.compile(graph.SerializeToString(), info, model.precision, intra_op_threads(settings),
+                                     maps=False)
+    except ModelLoadError as e:
+        log.warning("no maps-free graph for %s %s: %s", info.name, info.version, e)
+        return None
+    pixels = probe_pixels(info)
+    disagreement = logits_disagree(lean.run(pixels)[0], model.run(pixels)[0])
+    if disagreement:
+        log.warning("no maps-free graph for %s %s: its answers differ from the rollout graph's: %s", info.name,
+                    info.version, disagreement)
+        return None
+    if settings.maps_free == "auto" and not maps_free_pays(model.run, lean.run, info, settings.max_batch_size):
+        return None
+    return lean.run
 
 
 def load_openvino_model(settings: Settings, artifact: Artifact | None = None) -> OpenVinoModel:

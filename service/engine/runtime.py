@@ -91,17 +91,24 @@ def load_model(settings: Settings) -> InferenceModel:
     reference = OnnxModel.load(settings, artifact)
     if not runs_on_cpu(reference.provider):
         return reference
+    # the other candidates race without their maps-free graphs (each would be built and timed for nothing): one
+    # that wins is loaded once more with it, below
+    racing = settings.model_copy(update={"maps_free": "off"})
     # first: the reference the others must beat
     candidates: dict[str, InferenceModel] = {f"onnxruntime/{reference.info.precision}": reference}
     for spec in others:
         assert spec.candidates is not None
-        for name, model in spec.candidates(settings, artifact, reference):
+        for name, model in spec.candidates(racing, artifact, reference):
             disagreement = disagrees(model, reference)
             if disagreement:
                 log.warning("runtime auto: %s left out: %s", name, disagreement)
                 continue
             candidates[name] = model
-    return choose_fastest(candidates, settings.max_batch_size)
+    chosen = choose_fastest(candidates, settings.max_batch_size)
+    if chosen is reference or settings.maps_free == "off":
+        return chosen
+    again = settings.model_copy(update={"runtime": chosen.runtime, "precision_hint": chosen.precision_hint})
+    return runtime_named(chosen.runtime).load(again, artifact)
 
 
 def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], bool] = has_int8_dot_product) -> bool:

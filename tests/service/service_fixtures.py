@@ -69,10 +69,11 @@ def ready_over_http(process: subprocess.Popen, base_url: str, output: Callable[[
 
 def settings_for(model_path: Path, **overrides) -> Settings:
     """Test settings: one thread everywhere (two shared cores), small batches, short delays."""
-    # max_loop_lag_ms off: a test's requests must not be shed because the machine running it is busy
+    # max_loop_lag_ms off: a test's requests must not be shed because the machine running it is busy; maps_free
+    # off: under auto a CPU times the maps-free graph at load, and a test's answers must not depend on a timing
     values = dict(model_path=model_path, providers=["cpu"], intra_op_threads=1, inter_op_threads=1,
                   intra_op_spinning=False, preprocess_threads=1, max_batch_size=4, max_queue_delay_ms=2,
-                  warmup_batch_sizes=[1], max_loop_lag_ms=None, runtime="onnxruntime")
+                  warmup_batch_sizes=[1], max_loop_lag_ms=None, runtime="onnxruntime", maps_free="off")
     values.update(overrides)
     return Settings(**values)
 
@@ -205,7 +206,7 @@ def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | 
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
             "1", "--log-level", "warning", "--workers", str(workers), "--max-loop-lag-ms", "60000", "--grpc-port", "0",
-            "--runtime", "onnxruntime", *flags]
+            "--runtime", "onnxruntime", "--maps-free", "off", *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
