@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
 import time
 
 from vitserve.service.ground.errors import Overloaded
@@ -159,17 +160,33 @@ class Admission:
 
 class PixelBudget:
     """A budget of decoded pixels held by requests at once, so a few huge images cannot take the memory: a
-    request waits (within its deadline) until its pixels fit. Event-loop thread only."""
+    request waits (within its deadline) until its pixels fit. `acquire` and `release` on the event loop's thread;
+    `try_reserve` from any thread (a decode thread reserving its image's pixels without a trip back to the loop)."""
 
     def __init__(self, capacity: int):
         self.capacity = capacity
         self.used = 0
         self._waiters: list[asyncio.Future] = []
+        self._lock = threading.Lock()  # `used` is changed from the decode threads too (try_reserve)
+
+    def try_reserve(self, pixels: int) -> int | None:
+        """Reserve `pixels` now if they fit and nobody waits for room (who would otherwise wait behind every image
+        reserved this way); the amount reserved, or None."""
+        pixels = min(pixels, self.capacity)
+        with self._lock:
+            if self._waiters or self.used + pixels > self.capacity:
+                return None
+            self.used += pixels
+            return pixels
 
     async def acquire(self, pixels: int) -> int:
         """Reserve `pixels` (at most the whole budget); returns what was reserved, to give to `release`."""
         pixels = min(pixels, self.capacity)
-        while self.used + pixels > self.capacity:
+        while True:
+            with self._lock:
+                if self.used + pixels <= self.capacity:
+                    self.used += pixels
+                    return pixels
             waiter = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
@@ -177,11 +194,10 @@ class PixelBudget:
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
-        self.used += pixels
-        return pixels
 
     def release(self, pixels: int) -> None:
-        self.used -= pixels
+        with self._lock:
+            self.used -= pixels
         waiters, self._waiters = self._waiters, []
         for waiter in waiters:  # each re-checks whether it fits now
             if not waiter.done():

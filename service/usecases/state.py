@@ -109,21 +109,38 @@ class ImagePools:
                          keep_source: bool) -> tuple[PreparedImage, float]:
         """Decode and prepare one image for the model `info` describes, holding its share of the pixel budget
         while it does; returns it and the seconds it took. The header is read first: the limits, and the size to
-        reserve."""
+        reserve. Most images take one trip to the pool (header, reservation, decode); one that is large or must
+        wait for room comes back to wait on the event loop, then goes to its pool."""
         s, loop, budget = self.settings, asyncio.get_running_loop(), self.budget
-        # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
-        pixels = await loop.run_in_executor(self.pool, partial(peek_pixels, data, max_bytes=s.max_upload_bytes,
-                                                               max_pixels=s.max_image_pixels))
-        reserved = await budget.acquire(pixels)
-        pool = self.large_pool if pixels > s.large_image_pixels else self.pool
-        job = pool.submit(timed, prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
+        prepare = partial(prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side,
                           raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
+        # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
+        prepared, pixels = await loop.run_in_executor(self.pool, self._at_once, loop, data, prepare)
+        if prepared is not None:
+            return prepared
+        reserved = await budget.acquire(pixels)
+        pool = self.large_pool if pixels > s.large_image_pixels else self.pool
+        job = pool.submit(timed, prepare)
         # Released when the decode really ends: a request cancelled meanwhile (deadline, hang-up) cannot free
         # memory its thread still holds.
         job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(budget.release, reserved))
         return await asyncio.wrap_future(job)
+
+    def _at_once(self, loop, data: bytes, prepare) -> tuple[tuple[PreparedImage, float] | None, int]:
+        """In the pool: the header's pixels and, for a small image whose pixels fit the budget now, the image
+        prepared (and its seconds); (None, pixels) for one that must wait or go to the large pool."""
+        s = self.settings
+        pixels = peek_pixels(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels)
+        reserved = self.budget.try_reserve(pixels) if pixels <= s.large_image_pixels else None
+        if reserved is None:
+            return None, pixels
+        try:
+            return timed(prepare), pixels
+        finally:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.budget.release, reserved)
 
     async def run(self, function, *args):
         """`function(*args)` in the pool (PNG rendering, inflating a body: real work), and the seconds it took."""

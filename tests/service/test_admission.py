@@ -54,6 +54,22 @@ async def test_pixel_budget_makes_a_request_wait_until_its_pixels_fit():
     assert await asyncio.wait_for(waiting, 5) == 40 and budget.used == 40
 
 
+async def test_a_decode_thread_reserves_at_once_only_what_fits_with_nobody_waiting():
+    budget = PixelBudget(100)
+    assert await asyncio.to_thread(budget.try_reserve, 60) == 60 and budget.used == 60
+    assert budget.try_reserve(50) is None and budget.used == 60  # does not fit: the request waits on the loop
+    waiting = asyncio.ensure_future(budget.acquire(50))
+    await asyncio.sleep(0.01)
+    assert budget.try_reserve(10) is None  # fits, but someone waits: no overtaking
+    budget.release(60)
+    assert await asyncio.wait_for(waiting, 5) == 50
+    assert budget.try_reserve(500) is None  # clamped to the whole budget, which does not fit beside the 50
+    budget.release(50)
+    assert budget.try_reserve(500) == 100 and budget.used == 100  # an image over the budget is never stuck
+    budget.release(100)
+    assert budget.used == 0
+
+
 async def test_a_cancelled_wait_for_pixels_leaves_the_budget_as_it_was():
     budget = PixelBudget(10)
     await budget.acquire(10)
