@@ -51,13 +51,14 @@ def load_engine_model(settings: Settings) -> InferenceModel:
     CPU, a light model reloaded on one thread. The HTTP workers share the cores with the engine, and an ORT call
     spread over every core waits for the one a worker holds: vit-fmnist on 2 cores, 2 workers, served 315-525
     requests/s with 2 intra-op threads against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core
-    for its one-client latency."""
-    model = load_model(settings)
+    for its one-client latency. A light model is measured as `auto` left it (without its maps-free graph, when it
+    raced), and loaded once, on one thread, with everything its settings ask for."""
+    model, raced = chosen_model(settings)
     if settings.intra_op_threads or not runs_on_cpu(model.provider) or usable_cores() == 1:
-        return model
+        return with_maps_free(model, raced, settings)
     milliseconds = batch_one_ms(model)
     if milliseconds >= LIGHT_MODEL_MS:
-        return model
+        return with_maps_free(model, raced, settings)
     log.info("a light model (%.2f ms at batch 1 on every core): one intra-op thread, the other cores for the HTTP "
              "workers (--intra-op-threads sets it)", milliseconds)
     # the runtime `auto` chose stays: choosing again would cost the load as much again
@@ -82,17 +83,21 @@ def load_model(settings: Settings) -> InferenceModel:
     arithmetic) that agrees with it on probe images, timed at batch 1 and at the largest batch, the fastest kept,
     ONNX Runtime unless another is at least 10% faster. What it chose and why is logged; the model's provider (the
     card, /v2 config, metrics) names it."""
+    return with_maps_free(*chosen_model(settings), settings)
+
+
+def chosen_model(settings: Settings) -> tuple[InferenceModel, bool]:
+    """The model `load_model` serves, and whether it won `auto`'s race, which the candidates other than ONNX Runtime
+    run without their maps-free graphs (each would be built and timed for nothing)."""
     if settings.runtime != "auto":
-        return runtime_named(settings.runtime).load(settings, None)
+        return runtime_named(settings.runtime).load(settings, None), False
     others = [spec for spec in RUNTIMES.values() if spec.candidates is not None and spec.available()]
     if not others:
-        return ONNX_RUNTIME.load(settings, None)
+        return ONNX_RUNTIME.load(settings, None), False
     artifact = read_artifact(Path(settings.model_path))  # once, for every candidate
     reference = OnnxModel.load(settings, artifact)
     if not runs_on_cpu(reference.provider):
-        return reference
-    # the other candidates race without their maps-free graphs (each would be built and timed for nothing): one
-    # that wins is loaded once more with it, below
+        return reference, False
     racing = settings.model_copy(update={"maps_free": "off"})
     # first: the reference the others must beat
     candidates: dict[str, InferenceModel] = {f"onnxruntime/{reference.info.precision}": reference}
@@ -105,10 +110,15 @@ def load_model(settings: Settings) -> InferenceModel:
                 continue
             candidates[name] = model
     chosen = choose_fastest(candidates, settings.max_batch_size)
-    if chosen is reference or settings.maps_free == "off":
-        return chosen
-    again = settings.model_copy(update={"runtime": chosen.runtime, "precision_hint": chosen.precision_hint})
-    return runtime_named(chosen.runtime).load(again, artifact)
+    return chosen, chosen is not reference
+
+
+def with_maps_free(model: InferenceModel, raced: bool, settings: Settings) -> InferenceModel:
+    """`model`, or where it raced without its maps-free graph and the settings want one, the same runtime and
+    precision loaded once more with it."""
+    if not raced or settings.maps_free == "off":
+        return model
+    return load_model(settings.model_copy(update={"runtime": model.runtime, "precision_hint": model.precision_hint}))
 
 
 def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], bool] = has_int8_dot_product) -> bool:
