@@ -240,7 +240,8 @@ MAX_OUTPUT_NAME_CHARS = 64
 def _requestable(name: str) -> str:
     """An output a request may name: the artifact declares them (vitserve/artifact.py `requestable_outputs`)."""
     if name not in requestable_outputs():
-        raise ValueError(f"must be one of {', '.join(requestable_outputs())}")
+        raise PydanticCustomError("literal_error", "Input should be one of {expected}",
+                                  {"expected": ", ".join(requestable_outputs())})
     return name
 
 
