@@ -10,7 +10,9 @@ per arm and round after a warm-up, the arms alternating within each round (the o
 - **FastAPI app**: bench/peers/fastapi_app.py under uvicorn, the same work in a sync endpoint, the image as the
   multipart field `file`;
 - **vitserve**: `vitserve serve --model M` as `make serve` starts it, with `--server-timing true`, the PNG as the body of
-  `POST /v1/classify` (top 5 and the rollout grid, the defaults); and the same with `map=none` (top 5 alone).
+  `POST /v1/classify` (top 5 and the rollout grid, the defaults); and the same with `map=none` (top 5 alone);
+- with `--baseline-commit REV`, **vitserve at REV** beside it: the same server and flags from that commit's tree
+  (`git archive`, bench/peers/servers.py `export_commit`), so a change's before and after alternate in one run.
 
 vitserve's answers carry the Server-Timing header (service/http/dependencies.py `answer`): each stage's p50 over a
 round's requests is the budget, and the client's latency less the server's `total` is what happens outside the app
@@ -20,11 +22,13 @@ another arm is measured. Output: Markdown and JSON (`--out`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -117,18 +121,32 @@ def measure(send, requests: int, warmup: int) -> dict:
 
 def run(args) -> dict:
     png = args.image.read_bytes()
+    baseline = None
     vitserve_port, app_port = free_port(), free_port()
     env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0", "VITSERVE_SERVER_TIMING": "true"}
     vitserve_argv = serve_argv(args.model, vitserve_port) + args.serve_flags.split()
     app_argv = [sys.executable, "-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app", "--host", LOOPBACK,
                 "--port", str(app_port), "--log-level", "warning"]
-    with ServerProcess(vitserve_argv, vitserve_port, env=env), \
-            ServerProcess(app_argv, app_port, ready_path="/ready", env={"MODEL_PATH": str(args.model)}):
+    with contextlib.ExitStack() as servers:
+        servers.enter_context(ServerProcess(vitserve_argv, vitserve_port, env=env))
+        servers.enter_context(ServerProcess(app_argv, app_port, ready_path="/ready",
+                                            env={"MODEL_PATH": str(args.model)}))
         arms = {"in-process": in_process(args.model, png),
                 "FastAPI app": Client(app_port, "/classify", multipart(png),
                                       f"multipart/form-data; boundary={BOUNDARY}").send,
                 "vitserve": Client(vitserve_port, "/v1/classify", png, "image/png").send,
                 "vitserve, map=none": Client(vitserve_port, "/v1/classify?map=none", png, "image/png").send}
+        if args.baseline_commit:
+            from vitserve.bench.peers.servers import export_commit
+
+            tree, sha = export_commit(args.baseline_commit, Path(servers.enter_context(tempfile.TemporaryDirectory())))
+            baseline_port = free_port()
+            # -P: this repository, the working directory, must not come first on the path and shadow the tree
+            baseline_argv = [sys.executable, "-P", *serve_argv(args.model.resolve(), baseline_port)[1:],
+                             *args.serve_flags.split()]
+            servers.enter_context(ServerProcess(baseline_argv, baseline_port, env={**env, "PYTHONPATH": str(tree)}))
+            baseline = baseline_arm(sha)
+            arms[baseline] = Client(baseline_port, "/v1/classify", png, "image/png").send
         card = json.loads(_get(vitserve_port, "/v1/models"))
         rounds = []
         for number in range(args.rounds):
@@ -137,10 +155,14 @@ def run(args) -> dict:
             rounds.append({"order": order, **results})
             print(f"round {number + 1}: " + ", ".join(f"{name} p50 {results[name]['p50_ms']:.2f} ms"
                                                     for name in arms), flush=True)
-    return {"command": " ".join(["python -m vitserve.bench.latency_budget", *sys.argv[1:]]),
+    return {"command": " ".join(["python -m vitserve.bench.latency_budget", *sys.argv[1:]]), "baseline": baseline,
             "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}",
             "model": str(args.model), "image": str(args.image),
             "requests": args.requests, "vitserve_models": card, "rounds": rounds}
+
+
+def baseline_arm(sha: str) -> str:
+    return f"vitserve at {sha[:12]}"
 
 
 def _get(port: int, path: str) -> bytes:
@@ -166,14 +188,27 @@ def markdown(report: dict) -> str:
     app = medians(report, "FastAPI app", "p50_ms")
     lines += ["", f"Served minus the work in one process, at p50: **{served - floor:.2f} ms**; vitserve against the "
                   f"FastAPI app at p50: **{served / app:.2f}x** ({served:.2f} against {app:.2f} ms).", "",
-              "## vitserve's budget (its Server-Timing header; p50 per stage over each round, median of rounds)", "",
-              "| stage | µs |", "|---|---:|"]
+              "## vitserve's budget (its Server-Timing header; p50 per stage over each round, median of rounds)", ""]
+    budgets = ["vitserve"] + ([report["baseline"]] if report.get("baseline") else [])
+    if len(budgets) > 1:
+        before = medians(report, budgets[1], "p50_ms")
+        lines[-2:-2] = [f"Before the change ({budgets[1]}): {before:.2f} ms at p50, so {served:.2f} against "
+                        f"{before:.2f} ms ({served / before:.2f}x); served minus the work in one process then "
+                        f"{before - floor:.2f} ms, against the FastAPI app {before / app:.2f}x.", ""]
+    lines += ["| stage | " + " | ".join(f"{arm} µs" for arm in budgets) + " |",
+              "|---|" + "---:|" * len(budgets)]
+
+    def stage(arm: str, name: str) -> str:
+        values = [r[arm]["stages_p50_us"].get(name) for r in report["rounds"]]
+        return "" if None in values else f"{statistics.median(values):.0f}"
+
     names = list(report["rounds"][0]["vitserve"]["stages_p50_us"])
+    for arm in budgets[1:]:
+        names += [n for n in report["rounds"][0][arm]["stages_p50_us"] if n not in names]
     for name in names:
-        value = statistics.median(r["vitserve"]["stages_p50_us"][name] for r in report["rounds"])
-        lines.append(f"| {name} | {value:.0f} |")
-    total = statistics.median(r["vitserve"]["stages_p50_us"]["total"] for r in report["rounds"])
-    lines += [f"| outside the app (client p50 less the server's total) | {1000 * served - total:.0f} |", ""]
+        lines.append(f"| {name} | " + " | ".join(stage(arm, name) for arm in budgets) + " |")
+    outside = [f"{1000 * medians(report, arm, 'p50_ms') - float(stage(arm, 'total')):.0f}" for arm in budgets]
+    lines += ["| outside the app (client p50 less the server's total) | " + " | ".join(outside) + " |", ""]
     if "vitserve, map=none" in arms:
         none = medians(report, "vitserve, map=none", "p50_ms")
         inference = statistics.median(r["vitserve, map=none"]["stages_p50_us"]["inference"] for r in report["rounds"])
@@ -195,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--serve-flags", default="", help="more flags for vitserve serve")
+    parser.add_argument("--baseline-commit", metavar="REV", help="serve this commit's vitserve beside the working "
+                                                                 "tree's, alternating (a change's before and after)")
     parser.add_argument("--out", type=Path, help="the Markdown report; its JSON beside it")
     args = parser.parse_args(argv)
     report = run(args)

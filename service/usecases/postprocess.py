@@ -30,6 +30,13 @@ def top_k(probabilities: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(probabilities[i])) for i in order]
 
 
+def six_places(grid: np.ndarray) -> list[list[float]]:
+    """The grid's values rounded to 6 decimal places (short in JSON), as nested lists: in numpy, not a Python
+    `round` per value (196 of them were most of a /v1 answer's postprocessing). n / 1e6 is the double nearest to the
+    decimal n x 10^-6; a value within a rounding error of a half step may round to the other neighbour."""
+    return (np.rint(grid.astype(np.float64) * 1e6) / 1e6).tolist()
+
+
 def scale_unit(grid: np.ndarray) -> np.ndarray:
     """Min-max scale to [0, 1]; a constant map becomes all zeros."""
     grid = grid.astype(np.float32)
@@ -101,8 +108,7 @@ def encode_result(labels: list[str], prepared: PreparedImage, logits: np.ndarray
         return predictions, None
     unit = scale_unit(rollout)  # (h, w) in [0, 1]
     if rollout_format == "grid":
-        return predictions, RolloutGrid(height=unit.shape[0], width=unit.shape[1],
-                                        values=[[round(float(v), 6) for v in row] for row in unit])
+        return predictions, RolloutGrid(height=unit.shape[0], width=unit.shape[1], values=six_places(unit))
     # Drawn at the bounded render size, never the input's: a 6320x6320 input would take gigabytes.
     render = prepared.render_size
     heat = heatmap(unit, render, scale_box(prepared.crop_box, prepared.size, render))

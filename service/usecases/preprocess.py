@@ -110,6 +110,26 @@ def peek_pixels(data: bytes, *, max_bytes: int, max_pixels: int) -> int:
     return width * height
 
 
+# What a decode on the event loop may cost: small files of the two formats whose decoding is linear in their bytes and
+# pixels. Progressive JPEG is left out: each of its scans passes over every coefficient, so a small hostile file
+# of many scans costs far more than its size.
+CHEAP_DECODE_BYTES = 64 * 1024
+CHEAP_DECODE_PIXELS = 256 * 256
+_PNG_SIGNATURE, _JPEG_SIGNATURE = b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff"
+
+
+def cheap_decode_pixels(data: bytes, *, max_bytes: int, max_pixels: int) -> int | None:
+    """The image's pixels when its decode is cheap and bounded (a small PNG, or a small baseline JPEG), else None;
+    raises what `open_image` raises on bytes past the limits."""
+    if len(data) > CHEAP_DECODE_BYTES or not data.startswith((_PNG_SIGNATURE, _JPEG_SIGNATURE)):
+        return None
+    image = open_image(data, max_bytes=max_bytes, max_pixels=max_pixels)
+    pixels = image.size[0] * image.size[1]
+    if pixels > CHEAP_DECODE_PIXELS or image.format not in ("PNG", "JPEG") or "progression" in image.info:
+        return None
+    return pixels
+
+
 def decode_image(data: bytes, *, max_bytes: int, max_pixels: int) -> Image.Image:
     """Bytes -> an upright Pillow image (first frame) in the mode it was stored in, or ImageDecodeError /
     PayloadTooLarge / ImageTooLarge / UnsupportedMediaType."""

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -28,7 +29,13 @@ from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
 from vitserve.service.usecases.admission import Admission, PixelBudget
 from vitserve.service.usecases.inspection import InspectionCache
-from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy, peek_pixels, prepare_image
+from vitserve.service.usecases.preprocess import (
+    PreparedImage,
+    ResizePolicy,
+    cheap_decode_pixels,
+    peek_pixels,
+    prepare_image,
+)
 
 log = logging.getLogger("vitserve.service")
 
@@ -66,10 +73,11 @@ class ServiceState:
         self.engine.on_ready = lambda ready: self.metrics.set_worker_ready(ready and not self.drain.draining)
         self.metrics.set_workers(s.http_workers)
         await self.engine.start()  # the engine that holds the model reports it (metrics.set_model)
-        self.images = ImagePools(s, self.engine)
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None,
                                    s.overload_queue_ms / 1000 if s.overload_queue_ms else None,
                                    min_shed_in_flight=shedding_floor(s))
+        admission = self.admission
+        self.images = ImagePools(s, self.engine, alone=lambda: admission.in_flight <= 1)
         self.admission.loop_lag.start()
         return_large_frees_to_the_os()
         self.drain.install_signal_handlers()
@@ -97,10 +105,16 @@ def shedding_floor(s: Settings) -> int:
 class ImagePools:
     """Where images are decoded and prepared: off the event loop, in thread pools, each image holding its share of
     the process's pixel budget while it is decoded (a burst of large images waits instead of exhausting memory),
-    and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them."""
+    and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them.
 
-    def __init__(self, settings: Settings, engine: Engine):
+    One exception: while a request is `alone` in its process, its image, if small and cheap to decode
+    (`cheap_decode_pixels`: at most 64 KiB and 65,536 pixels of PNG or baseline JPEG, a few hundred microseconds),
+    is decoded on the event loop. Nobody waits behind it there, and the trip to a pool thread and back, two
+    thread wake-ups on an idle machine, cost as much as the decode itself (docs/latency-budget.md)."""
+
+    def __init__(self, settings: Settings, engine: Engine, alone: Callable[[], bool] = lambda: False):
         self.settings, self.engine = settings, engine  # the engine: whether it normalises (pixels travel as uint8)
+        self.alone = alone  # whether the request asking is the only one this process is serving
         self.pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.budget = PixelBudget(settings.max_pixels_in_flight)
@@ -116,6 +130,10 @@ class ImagePools:
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side,
                           raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
+        if self.alone():
+            inline = self._inline(data, prepare)
+            if inline is not None:
+                return inline
         # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
         prepared, pixels = await loop.run_in_executor(self.pool, self._at_once, loop, data, prepare)
         if prepared is not None:
@@ -127,6 +145,19 @@ class ImagePools:
         # memory its thread still holds.
         job.add_done_callback(lambda _: loop.is_closed() or loop.call_soon_threadsafe(budget.release, reserved))
         return await asyncio.wrap_future(job)
+
+    def _inline(self, data: bytes, prepare) -> tuple[PreparedImage, float] | None:
+        """On the event loop: a small image cheap to decode, prepared, holding its pixels' share of the budget
+        meanwhile; None for any other (it goes to a pool)."""
+        s = self.settings
+        pixels = cheap_decode_pixels(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels)
+        reserved = None if pixels is None else self.budget.try_reserve(pixels)
+        if reserved is None:
+            return None
+        try:
+            return timed(prepare)
+        finally:
+            self.budget.release(reserved)
 
     def _at_once(self, loop, data: bytes, prepare) -> tuple[tuple[PreparedImage, float] | None, int]:
         """In the pool: the header's pixels and, for a small image whose pixels fit the budget now, the image

@@ -30,3 +30,20 @@ def test_the_multipart_body_is_one_file_field():
     body = latency_budget.multipart(b"\x89PNG")
     assert body.startswith(b"--vitserve-budget\r\nContent-Disposition: form-data; name=\"file\"")
     assert body.endswith(b"\x89PNG\r\n--vitserve-budget--\r\n")
+
+
+def test_with_a_baseline_the_report_sets_each_stage_before_beside_after():
+    def arm(p50, stages):
+        return {"p50_ms": p50, "p99_ms": p50 * 2, "mean_ms": p50, "stages_p50_us": stages}
+
+    before = "vitserve at 0123456789ab"
+    rounds = [{"order": ["in-process", "FastAPI app", "vitserve", before], "in-process": {"p50_ms": 3.0, "p99_ms": 6.0},
+               "FastAPI app": {"p50_ms": 5.0, "p99_ms": 10.0},
+               "vitserve": arm(4.5, {"decode": 300.0, "total": 4000.0}),
+               before: arm(6.0, {"decode": 300.0, "decode_wait": 300.0, "total": 5500.0})} for _ in range(3)]
+    text = latency_budget.markdown({"command": "c", "machine": "m", "model": "x.onnx", "image": "a.png",
+                                    "requests": 10, "rounds": rounds, "baseline": before})
+    assert "| stage | vitserve µs | vitserve at 0123456789ab µs |" in text
+    assert "| decode | 300 | 300 |" in text and "| decode_wait |  | 300 |" in text  # a stage the change removed
+    assert "| total | 4000 | 5500 |" in text and "| outside the app (client p50 less the server's total) | 500 | 500 |" in text
+    assert "4.50 against 6.00 ms (0.75x)" in text and "then 3.00 ms, against the FastAPI app 1.20x" in text

@@ -1,0 +1,106 @@
+"""Where an image is decoded: a lone request's small PNG or baseline JPEG on the event loop (no trip to a pool
+thread), everything else in the pools, and the pixel budget held either way."""
+from __future__ import annotations
+
+import asyncio
+import io
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vitserve.artifact import ModelInfo
+from vitserve.service.ground.errors import ImageDecodeError, ImageTooLarge
+from vitserve.service.ground.settings import Settings
+from vitserve.service.usecases import state as state_module
+from vitserve.service.usecases.preprocess import CHEAP_DECODE_BYTES, cheap_decode_pixels
+from vitserve.service.usecases.state import ImagePools
+
+pytestmark = pytest.mark.anyio
+
+INFO = ModelInfo(name="m", version="1", labels=["a", "b"], patch_size=8, image_size=(32, 32), channels=3,
+                 mean=[0.5] * 3, std=[0.25] * 3)
+LIMITS = {"max_bytes": 20 * 2**20, "max_pixels": 40_000_000}
+
+
+def encoded(size: tuple[int, int], fmt: str, **options) -> bytes:
+    rng = np.random.default_rng(sum(size))
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), np.uint8)).save(buffer, fmt, **options)
+    return buffer.getvalue()
+
+
+def test_only_small_png_and_baseline_jpeg_count_as_cheap_to_decode():
+    assert cheap_decode_pixels(encoded((40, 30), "PNG"), **LIMITS) == 1200
+    assert cheap_decode_pixels(encoded((40, 30), "JPEG"), **LIMITS) == 1200
+    assert cheap_decode_pixels(encoded((40, 30), "JPEG", progressive=True), **LIMITS) is None  # a scan per pass
+    assert cheap_decode_pixels(encoded((40, 30), "WEBP"), **LIMITS) is None
+    assert cheap_decode_pixels(encoded((300, 300), "JPEG", quality=20), **LIMITS) is None  # over 65,536 pixels
+    noisy = encoded((200, 200), "PNG")
+    assert len(noisy) > CHEAP_DECODE_BYTES and cheap_decode_pixels(noisy, **LIMITS) is None  # over 64 KiB
+    # the limits still hold, before any decoding: a small file that declares too many pixels is refused
+    with pytest.raises(ImageTooLarge):
+        cheap_decode_pixels(encoded((40, 30), "PNG"), max_bytes=2**20, max_pixels=1000)
+    with pytest.raises(ImageDecodeError):
+        cheap_decode_pixels(b"\x89PNG\r\n\x1a\n" + b"\x00" * 100, **LIMITS)
+
+
+@pytest.fixture
+def decode_threads(monkeypatch):
+    """The thread each prepare_image ran on, and the pixel budget's use at that moment."""
+    seen: list[tuple[str, int]] = []
+    original = state_module.prepare_image
+
+    def recording(*args, **kwargs):
+        seen.append((threading.current_thread().name, pools[0].budget.used))
+        return original(*args, **kwargs)
+
+    pools: list[ImagePools] = []
+    monkeypatch.setattr(state_module, "prepare_image", recording)
+    return seen, pools
+
+
+async def test_a_lone_requests_small_image_is_decoded_on_the_loop_and_holds_its_pixels_meanwhile(decode_threads):
+    seen, made = decode_threads
+    alone = [True]
+    pools = ImagePools(Settings(), SimpleNamespace(provider="CPUExecutionProvider"), alone=lambda: alone[0])
+    made.append(pools)
+    try:
+        loop_thread = threading.current_thread().name
+        png = encoded((40, 30), "PNG")
+        prepared, seconds = await pools.preprocess(png, INFO, "fit", keep_source=False)
+        assert prepared.pixels.shape == (3, 32, 32) and seconds > 0
+        assert seen[-1] == (loop_thread, 1200) and pools.budget.used == 0
+        # not alone: the same image goes to a pool thread
+        alone[0] = False
+        await pools.preprocess(png, INFO, "fit", keep_source=False)
+        assert seen[-1][0].startswith("preprocess") and pools.budget.used == 0
+        # alone, but an image that is not cheap to decode goes to a pool thread too
+        alone[0] = True
+        await pools.preprocess(encoded((40, 30), "JPEG", progressive=True), INFO, "fit", keep_source=False)
+        assert seen[-1][0].startswith("preprocess")
+        # the same answer either way
+        alone[0] = False
+        pooled, _ = await pools.preprocess(png, INFO, "fit", keep_source=False)
+        np.testing.assert_array_equal(prepared.pixels, pooled.pixels)
+    finally:
+        pools.stop()
+
+
+async def test_a_lone_request_whose_image_does_not_fit_the_budget_waits_for_room_off_the_loop(decode_threads):
+    seen, made = decode_threads
+    pools = ImagePools(Settings(max_pixels_in_flight=1000), SimpleNamespace(provider="CPUExecutionProvider"),
+                       alone=lambda: True)
+    made.append(pools)
+    try:
+        held = pools.budget.try_reserve(1000)
+        waiting = asyncio.ensure_future(pools.preprocess(encoded((40, 30), "PNG"), INFO, "fit", keep_source=False))
+        await asyncio.sleep(0.05)
+        assert not waiting.done() and not seen  # it waits for room; nothing decoded it on the loop
+        pools.budget.release(held)
+        await asyncio.wait_for(waiting, 10)
+        assert seen[-1][0].startswith("preprocess")
+    finally:
+        pools.stop()
