@@ -26,6 +26,7 @@ import contextlib
 import http.client
 import json
 import os
+import shlex
 import statistics
 import sys
 import tempfile
@@ -155,7 +156,7 @@ def run(args) -> dict:
             rounds.append({"order": order, **results})
             print(f"round {number + 1}: " + ", ".join(f"{name} p50 {results[name]['p50_ms']:.2f} ms"
                                                     for name in arms), flush=True)
-    return {"command": " ".join(["python -m vitserve.bench.latency_budget", *sys.argv[1:]]), "baseline": baseline,
+    return {"command": "python -m vitserve.bench.latency_budget " + shlex.join(sys.argv[1:]), "baseline": baseline,
             "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}",
             "model": str(args.model), "image": str(args.image),
             "requests": args.requests, "vitserve_models": card, "rounds": rounds}
