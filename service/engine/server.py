@@ -18,6 +18,7 @@ import signal
 import time
 import uuid
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import zmq
@@ -61,9 +62,11 @@ IDLE_STATUS_INTERVAL_S = 0.5
 # A retiring version still runs what frontends routed to it before they heard of the change (a status interval,
 # then an index request): many intervals, so a busy frontend's loop has time too.
 RETIRE_GRACE_S = 0.5
-# Messages taken without waiting after each awaited receive: enough to empty the socket under load, few enough that
-# the loop's other work (answers, the batcher) runs between rounds.
+# Messages taken in one go from the frontends' socket: enough to empty it under load, few enough that the loop's
+# other work (answers, the batcher) runs between rounds.
 DRAIN_AT_ONCE = 256
+# libzmq's flags as plain ints: pyzmq's enum members cost a Python-level operator per test
+_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
@@ -115,11 +118,14 @@ class EngineServer:
         # frontend (a frame each) at the end of the loop's turn, instead of one message, and one wake-up of the
         # frontend's ZeroMQ thread and event loop, per image.
         self.outbox: dict[bytes, list[bytes]] = {}
-        self.direct: zmq.Socket | None = None
+        self.drain_scheduled = False  # `_readable` is due on the loop's next turn
 
     async def run(self, stop, parent_pid: int, started) -> None:
-        context = zmq.asyncio.Context()
-        router, publisher = context.socket(zmq.ROUTER), context.socket(zmq.PUB)
+        # The frontends' socket is a plain one, read from the event loop through its file descriptor (`_readable`),
+        # not through pyzmq's asyncio layer: that layer makes a future, a poller event and a few enum operations per
+        # message in each direction, most of what the engine spent on a lone image (docs/latency-budget.md).
+        context, plain = zmq.asyncio.Context(), zmq.Context()
+        router, publisher = plain.socket(zmq.ROUTER), context.socket(zmq.PUB)
         for socket in (router, publisher):
             socket.setsockopt(zmq.LINGER, 0)
         # No high-water mark: at the default (1,000 messages) a ROUTER drops what a slow frontend has not read, and
@@ -127,7 +133,6 @@ class EngineServer:
         # frontend has at most max_requests_in_flight requests, and their answers go out a loop turn at a time.
         router.setsockopt(zmq.SNDHWM, 0)
         router.bind(self.address)
-        self.direct = zmq.Socket.shadow(router)  # the same libzmq socket, its plain non-blocking calls
         publisher.bind(status_address(self.address))
         self.engine.on_ready = self.engine.metrics.set_ready
         self.engine.registry.on_change = lambda: self._status_soon(publisher)
@@ -135,7 +140,8 @@ class EngineServer:
         freeze_startup_objects()
         _report(started, None)
         log.info("engine %s (pid %d) listening at %s", self.incarnation, os.getpid(), self.address)
-        workers = [asyncio.create_task(self._receive(router)), asyncio.create_task(self._publish(publisher))]
+        descriptor = self.listen(router)
+        workers = [asyncio.create_task(self._publish(publisher))]
         try:
             await self._until_stopped(stop, parent_pid)
         finally:
@@ -143,11 +149,13 @@ class EngineServer:
             await self.engine.close(self.engine.settings.drain_timeout_s)
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=1.0)
+            asyncio.get_running_loop().remove_reader(descriptor)
             self._send_answers(router)  # the last ones, before the context goes
             await self._send_status(publisher)  # not ready: frontends stop sending at once
             for worker in workers:
                 worker.cancel()
             context.destroy(linger=0)
+            plain.destroy(linger=0)
             self.arenas.close()
             mark_process_dead(os.getpid())
             log.info("engine %s stopped", self.incarnation)
@@ -159,19 +167,37 @@ class EngineServer:
         while not (stop.is_set() or terminated.is_set() or os.getppid() != parent_pid):
             await asyncio.sleep(0.1)
 
-    async def _receive(self, router) -> None:
-        """Every frontend message, as it comes. After each awaited receive, what else has arrived is taken at once
-        through `self.direct`, the same socket without pyzmq's asyncio layer: that layer makes a future and a poller
-        event per message, about 15% of the engine's time at its ceiling (docs/results/bench-engine-ceiling.md)."""
-        direct = self.direct
-        assert direct is not None, "run() shadows the router before it receives"
-        while True:
-            self._take_all(await router.recv_multipart(), router)
+    def listen(self, router: zmq.Socket) -> int:
+        """Take the frontends' messages from `router` on the running loop from now on; returns the descriptor it
+        watches (for `remove_reader`)."""
+        descriptor = router.fileno()  # ZMQ_FD
+        asyncio.get_running_loop().add_reader(descriptor, self._readable, router)
+        self._readable(router)  # what arrived before the reader was added raised no edge it will see
+        return descriptor
+
+    def _readable(self, router: zmq.Socket) -> None:
+        """Every frontend message, as it comes: called when the socket's descriptor fires, and again on the next
+        loop turn while messages remain. ZeroMQ's descriptor is edge-triggered: it fires when the socket's state
+        changes, and any call on the socket (a read of its events, a receive, a send) may take the change without
+        it firing again. So this reads until the socket says it has nothing (or comes back on the next turn after
+        DRAIN_AT_ONCE), and every send is followed by a call here (`_send_answers`)."""
+        self.drain_scheduled = False
+        try:
             for _ in range(DRAIN_AT_ONCE):
-                try:
-                    self._take_all(direct.recv_multipart(zmq.NOBLOCK), router)
-                except zmq.Again:
-                    break
+                if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
+                    return
+                self._take_all(router.recv_multipart(zmq.NOBLOCK), router)
+        except zmq.Again:  # the events said a message was there; none was: wait for the next edge
+            return
+        except zmq.ZMQError as e:  # the socket closed (shutting down)
+            log.debug("the frontends' socket is gone: %s", e)
+            return
+        self._drain_soon(router)
+
+    def _drain_soon(self, router: zmq.Socket) -> None:
+        if not self.drain_scheduled:
+            self.drain_scheduled = True
+            asyncio.get_running_loop().call_soon(self._readable, router)
 
     def _take_all(self, frames: list[bytes], router) -> None:
         """A frontend's message: its identity, then a frame per Submit, Cancel or Control (a frontend sends its
@@ -237,14 +263,18 @@ class EngineServer:
             asyncio.get_running_loop().call_soon(self._send_answers, router)
         self.outbox.setdefault(frontend, []).append(self.codec.encode(reply))
 
-    def _send_answers(self, router) -> None:
-        """The loop turn's answers, one message per frontend, through the asyncio socket: it re-reads the socket's
-        events after a send, which a send on `self.direct` would not, and a POLLIN edge consumed by a send would
-        leave the receive waiting forever."""
+    def _send_answers(self, router: zmq.Socket) -> None:
+        """The loop turn's answers, one message per frontend. A ROUTER never blocks (no high-water mark here) and
+        drops what is addressed to a frontend that is gone. A send may take the receive side's edge (`_readable`),
+        so the socket is read again after it."""
         outbox, self.outbox = self.outbox, {}
-        for frontend, frames in outbox.items():
-            sent = router.send_multipart([frontend, *frames])  # a ROUTER never blocks: it drops for a gone peer
-            sent.add_done_callback(lambda done: done.cancelled() or done.exception())
+        try:
+            for frontend, frames in outbox.items():
+                router.send_multipart([frontend, *frames], zmq.NOBLOCK)
+        except zmq.ZMQError as e:  # the socket closed (shutting down): nobody hears these answers any more
+            log.debug("answers not sent: %s", e)
+            return
+        self._drain_soon(router)
 
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""

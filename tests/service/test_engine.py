@@ -291,13 +291,15 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     from vitserve.service.engine.server import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
     sent: list[list[bytes]] = []
+    reads: list[int] = []  # len(sent) each time the engine asked the socket for its events
 
     class Router:
-        def send_multipart(self, frames):
+        def send_multipart(self, frames, flags=0):
             sent.append(frames)
-            done = asyncio.get_running_loop().create_future()
-            done.set_result(None)
-            return done
+
+        def getsockopt(self, option):
+            reads.append(len(sent))
+            return 0  # nothing to receive
 
     router, codec = Router(), Codec()
     answers = {b"a": [Result(1, [Tensor((2,), b"\0" * 8)], 0.1, 0.2, 3), Failure(2, "deadline_exceeded", "late")],
@@ -313,3 +315,61 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     server._answer(router, b"a", Failure(3, "deadline_exceeded", "late"))
     await asyncio.sleep(0)
     assert len(sent) == 3 and len(sent[2]) == 2  # the next turn's answer: a message of its own
+    await asyncio.sleep(0)
+    # after each turn's sends the socket is read again: a send may take the edge a receive waits for
+    assert reads == [2, 3]
+
+
+@pytest.mark.anyio
+async def test_the_engine_reads_every_message_of_many_frontends_while_it_answers(tmp_path):
+    # ZeroMQ's descriptor is edge-triggered and a send may take the edge a receive waits for: interleaved bursts
+    # from several frontends, answered as they come, must all be read and answered, none left waiting
+    import random
+    from types import SimpleNamespace
+
+    import zmq
+    import zmq.asyncio
+
+    from vitserve.service.engine.messages import Codec, Failure
+    from vitserve.service.engine.server import EngineServer
+    server = EngineServer(SimpleNamespace(settings=Settings()), "unused")
+    server._take = lambda frontend, payload, router: server._answer(  # an echo in place of the engine
+        router, frontend, Failure(int(payload), "echo", ""))
+    address = f"ipc://{tmp_path}/engine.sock"
+    plain, context, codec = zmq.Context(), zmq.asyncio.Context(), Codec()
+    router = plain.socket(zmq.ROUTER)
+    router.setsockopt(zmq.SNDHWM, 0)
+    router.bind(address)
+    descriptor = server.listen(router)
+    rng = random.Random(3)
+
+    async def frontend(number: int) -> set[int]:
+        dealer = context.socket(zmq.DEALER)
+        dealer.connect(address)
+        ids = list(range(number * 100_000, number * 100_000 + 3_000))
+        answered: set[int] = set()
+
+        async def receive() -> None:
+            while len(answered) < len(ids):
+                answered.update(codec.from_engine.decode(frame).id for frame in await dealer.recv_multipart())
+
+        receiving = asyncio.ensure_future(receive())
+        for start in range(0, len(ids), 50):
+            burst = ids[start:start + 50]
+            cut = rng.randrange(1, len(burst) + 1)  # a message of many frames, then the rest one by one
+            await dealer.send_multipart([str(i).encode() for i in burst[:cut]])
+            for i in burst[cut:]:
+                await dealer.send(str(i).encode())
+            if rng.random() < 0.3:
+                await asyncio.sleep(0)
+        await asyncio.wait_for(receiving, 30)
+        dealer.close(linger=0)
+        return answered
+
+    try:
+        results = await asyncio.gather(*(frontend(n) for n in range(3)))
+        assert [len(r) for r in results] == [3_000] * 3
+    finally:
+        asyncio.get_running_loop().remove_reader(descriptor)
+        context.destroy(linger=0)
+        plain.destroy(linger=0)
