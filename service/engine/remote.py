@@ -19,6 +19,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 import zmq
@@ -41,6 +42,7 @@ from vitserve.service.engine.messages import (
 )
 from vitserve.service.engine.routing import RoutingTable, VersionView
 from vitserve.service.engine.shm import ArenaFull, TensorArena
+from vitserve.service.engine.socket_reader import SocketReader
 from vitserve.service.engine.worker_generations import WorkerViews
 from vitserve.service.ground.errors import DeadlineExceeded, NotReady, ServiceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
@@ -67,8 +69,9 @@ class _Link:
     """One engine process, as this frontend sees it."""
 
     address: str
-    requests: zmq.asyncio.Socket
+    requests: zmq.Socket  # plain: read from the loop by `reader` (service/engine/socket_reader.py)
     status_socket: zmq.asyncio.Socket
+    reader: SocketReader | None = None  # the engine's answers
     status: EngineStatus | None = None  # None before the first, and once it went silent (`_watch`)
     # the engine process it last heard from, kept when it goes silent: a restart after a silence (the new engine
     # loads its models for longer than engine_timeout_s) is still a restart, whose generations count from 0 again
@@ -128,8 +131,9 @@ class RemoteEngine:
         # engine's own, dropped without close() (a test's failure path), would be terminated by the garbage
         # collector while its sockets, in the same cycle, are still open: term() then waits for ever.
         self._context = zmq.asyncio.Context.instance()
+        plain: zmq.Context = zmq.Context.instance()  # the same rule, for the sockets read from the loop (SocketReader)
         for address in self.settings.engine_addresses:
-            requests = self._context.socket(zmq.DEALER)
+            requests = plain.socket(zmq.DEALER)
             requests.setsockopt(zmq.LINGER, 0)
             requests.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing for an engine that is not connected
             requests.setsockopt(zmq.RCVHWM, 0)  # the engine's answers are never dropped (its ROUTER's note)
@@ -141,8 +145,10 @@ class RemoteEngine:
             status.setsockopt(zmq.RECONNECT_IVL, 10)
             status.connect(status_address(address))
             link = _Link(address, requests, status)
+            link.reader = SocketReader(requests, partial(self._answers, link))
+            link.reader.start()
             self._links.append(link)
-            self._tasks += [asyncio.create_task(self._answers(link)), asyncio.create_task(self._statuses(link))]
+            self._tasks.append(asyncio.create_task(self._statuses(link)))
         self._tasks.append(asyncio.create_task(self._watch()))
         # Hear each engine once before this worker accepts connections (uvicorn accepts after the lifespan's
         # startup): a worker that started after its engine warmed up is ready from its first request.
@@ -327,7 +333,9 @@ class RemoteEngine:
         give_up = time.monotonic() + grace_s
         while True:
             try:
-                await link.requests.send_multipart(frames, flags=zmq.NOBLOCK)
+                link.requests.send_multipart(frames, zmq.NOBLOCK)
+                if link.reader is not None:
+                    link.reader.sent()
                 return True
             except zmq.Again:
                 if time.monotonic() >= give_up:
@@ -344,20 +352,18 @@ class RemoteEngine:
         posted, link.outbox = link.outbox, []
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
-        sent = link.requests.send_multipart([payload for _, payload in posted], flags=zmq.NOBLOCK)
-        # pyzmq types the asyncio socket's send as an Awaitable; it returns a Future, as its docstring says
-        sent.add_done_callback(lambda done: self._flushed(link, posted, done))  # type: ignore[attr-defined]
-
-    def _flushed(self, link: _Link, posted: list[tuple[int | None, bytes]], done: asyncio.Future) -> None:
-        if done.cancelled() or done.exception() is None:
+        try:
+            link.requests.send_multipart([payload for _, payload in posted], zmq.NOBLOCK)
+        except zmq.Again:  # not connected (IMMEDIATE: nothing is queued for an engine that is not): try for a while
+            retry = asyncio.ensure_future(self._send_late(link, posted))
+            self._late.add(retry)
+            retry.add_done_callback(self._late.discard)
             return
-        if not isinstance(done.exception(), zmq.Again):  # the socket is closed (shutting down): pyzmq says so here
+        except zmq.ZMQError:  # the socket is closed (shutting down)
             self._fail_posted(link, posted)
             return
-        # not connected (IMMEDIATE: nothing is queued for an engine that is not): try again for a while
-        retry = asyncio.ensure_future(self._send_late(link, posted))
-        self._late.add(retry)
-        retry.add_done_callback(self._late.discard)
+        if link.reader is not None:
+            link.reader.sent()
 
     async def _send_late(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
         """Posted messages the socket refused: sent within the reconnection grace, or their images fail (503)."""
@@ -384,14 +390,14 @@ class RemoteEngine:
         if not pending.future.done():
             pending.future.set_exception(NotReady(message))
 
-    async def _answers(self, link: _Link) -> None:
-        while True:
-            for frame in await link.requests.recv_multipart():  # the engine's answers of one turn, a frame each
-                try:
-                    self._take_answer(link, self.codec.from_engine.decode(frame))
-                except Exception:  # one answer it cannot read must not stop every later one from arriving
-                    log.exception("an answer from the engine at %s could not be taken (%d bytes); dropped",
-                                  link.address, len(frame))
+    def _answers(self, link: _Link, frames: list[bytes]) -> None:
+        """A message from the engine: its answers of one turn, a frame each."""
+        for frame in frames:
+            try:
+                self._take_answer(link, self.codec.from_engine.decode(frame))
+            except Exception:  # one answer it cannot read must not stop every later one from arriving
+                log.exception("an answer from the engine at %s could not be taken (%d bytes); dropped",
+                              link.address, len(frame))
 
     def _take_answer(self, link: _Link, answer: Result | Failure | ControlReply) -> None:
         if isinstance(answer, ControlReply):
@@ -473,6 +479,8 @@ class RemoteEngine:
         for link in self._links:
             self._fail_pending(link, "shutting down")
         for link in self._links:
+            if link.reader is not None:
+                link.reader.stop()
             link.requests.close(linger=0)
             link.status_socket.close(linger=0)
         if self.arena is not None:

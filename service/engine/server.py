@@ -18,7 +18,6 @@ import signal
 import time
 import uuid
 from pathlib import Path
-from typing import cast
 
 import numpy as np
 import zmq
@@ -45,6 +44,7 @@ from vitserve.service.engine.messages import (
 from vitserve.service.engine.registry import ModelRegistry, model_source
 from vitserve.service.engine.runtime import load_engine_model
 from vitserve.service.engine.shm import ArenaReader
+from vitserve.service.engine.socket_reader import SocketReader
 from vitserve.service.ground import tracing
 from vitserve.service.ground.errors import ClientDisconnected, ServiceError
 from vitserve.service.ground.memory import freeze_startup_objects
@@ -62,11 +62,6 @@ IDLE_STATUS_INTERVAL_S = 0.5
 # A retiring version still runs what frontends routed to it before they heard of the change (a status interval,
 # then an index request): many intervals, so a busy frontend's loop has time too.
 RETIRE_GRACE_S = 0.5
-# Messages taken in one go from the frontends' socket: enough to empty it under load, few enough that the loop's
-# other work (answers, the batcher) runs between rounds.
-DRAIN_AT_ONCE = 256
-# libzmq's flags as plain ints: pyzmq's enum members cost a Python-level operator per test
-_EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 
 def run_engine_process(settings: Settings, address: str, stop, parent_pid: int, started) -> None:
@@ -118,12 +113,10 @@ class EngineServer:
         # frontend (a frame each) at the end of the loop's turn, instead of one message, and one wake-up of the
         # frontend's ZeroMQ thread and event loop, per image.
         self.outbox: dict[bytes, list[bytes]] = {}
-        self.drain_scheduled = False  # `_readable` is due on the loop's next turn
+        self.reader: SocketReader | None = None  # the frontends' messages, from `listen`
 
     async def run(self, stop, parent_pid: int, started) -> None:
-        # The frontends' socket is a plain one, read from the event loop through its file descriptor (`_readable`),
-        # not through pyzmq's asyncio layer: that layer makes a future, a poller event and a few enum operations per
-        # message in each direction, most of what the engine spent on a lone image (docs/latency-budget.md).
+        # the frontends' socket is a plain one, read from the loop (service/engine/socket_reader.py)
         context, plain = zmq.asyncio.Context(), zmq.Context()
         router, publisher = plain.socket(zmq.ROUTER), context.socket(zmq.PUB)
         for socket in (router, publisher):
@@ -140,7 +133,7 @@ class EngineServer:
         freeze_startup_objects()
         _report(started, None)
         log.info("engine %s (pid %d) listening at %s", self.incarnation, os.getpid(), self.address)
-        descriptor = self.listen(router)
+        reader = self.listen(router)
         workers = [asyncio.create_task(self._publish(publisher))]
         try:
             await self._until_stopped(stop, parent_pid)
@@ -149,7 +142,7 @@ class EngineServer:
             await self.engine.close(self.engine.settings.drain_timeout_s)
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=1.0)
-            asyncio.get_running_loop().remove_reader(descriptor)
+            reader.stop()
             self._send_answers(router)  # the last ones, before the context goes
             await self._send_status(publisher)  # not ready: frontends stop sending at once
             for worker in workers:
@@ -167,37 +160,11 @@ class EngineServer:
         while not (stop.is_set() or terminated.is_set() or os.getppid() != parent_pid):
             await asyncio.sleep(0.1)
 
-    def listen(self, router: zmq.Socket) -> int:
-        """Take the frontends' messages from `router` on the running loop from now on; returns the descriptor it
-        watches (for `remove_reader`)."""
-        descriptor = router.fileno()  # ZMQ_FD
-        asyncio.get_running_loop().add_reader(descriptor, self._readable, router)
-        self._readable(router)  # what arrived before the reader was added raised no edge it will see
-        return descriptor
-
-    def _readable(self, router: zmq.Socket) -> None:
-        """Every frontend message, as it comes: called when the socket's descriptor fires, and again on the next
-        loop turn while messages remain. ZeroMQ's descriptor is edge-triggered: it fires when the socket's state
-        changes, and any call on the socket (a read of its events, a receive, a send) may take the change without
-        it firing again. So this reads until the socket says it has nothing (or comes back on the next turn after
-        DRAIN_AT_ONCE), and every send is followed by a call here (`_send_answers`)."""
-        self.drain_scheduled = False
-        try:
-            for _ in range(DRAIN_AT_ONCE):
-                if not cast(int, router.getsockopt(_EVENTS)) & _POLLIN:
-                    return
-                self._take_all(router.recv_multipart(zmq.NOBLOCK), router)
-        except zmq.Again:  # the events said a message was there; none was: wait for the next edge
-            return
-        except zmq.ZMQError as e:  # the socket closed (shutting down)
-            log.debug("the frontends' socket is gone: %s", e)
-            return
-        self._drain_soon(router)
-
-    def _drain_soon(self, router: zmq.Socket) -> None:
-        if not self.drain_scheduled:
-            self.drain_scheduled = True
-            asyncio.get_running_loop().call_soon(self._readable, router)
+    def listen(self, router: zmq.Socket) -> SocketReader:
+        """Take the frontends' messages from `router` on the running loop from now on."""
+        self.reader = SocketReader(router, lambda frames: self._take_all(frames, router))
+        self.reader.start()
+        return self.reader
 
     def _take_all(self, frames: list[bytes], router) -> None:
         """A frontend's message: its identity, then a frame per Submit, Cancel or Control (a frontend sends its
@@ -265,8 +232,8 @@ class EngineServer:
 
     def _send_answers(self, router: zmq.Socket) -> None:
         """The loop turn's answers, one message per frontend. A ROUTER never blocks (no high-water mark here) and
-        drops what is addressed to a frontend that is gone. A send may take the receive side's edge (`_readable`),
-        so the socket is read again after it."""
+        drops what is addressed to a frontend that is gone. The socket's reader hears of the sends (a send may
+        take the edge its next receive waits for)."""
         outbox, self.outbox = self.outbox, {}
         try:
             for frontend, frames in outbox.items():
@@ -274,7 +241,8 @@ class EngineServer:
         except zmq.ZMQError as e:  # the socket closed (shutting down): nobody hears these answers any more
             log.debug("answers not sent: %s", e)
             return
-        self._drain_soon(router)
+        if self.reader is not None:
+            self.reader.sent()
 
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""
