@@ -81,7 +81,7 @@ class _Link:
     pending: dict[int, _Pending] = field(default_factory=dict)
     controls: dict[int, asyncio.Future] = field(default_factory=dict)
     # This loop turn's Submits (with their id) and Cancels (None), sent together when the turn ends: one ZeroMQ
-    # message, a frame each, instead of one message and one pass through pyzmq's asyncio layer per image.
+    # message, a frame each, instead of one message and one send (one wake-up of ZeroMQ's I/O thread) per image.
     outbox: list[tuple[int | None, bytes]] = field(default_factory=list)
 
     @property
