@@ -4,6 +4,7 @@ grace, then each image fails with 503 and its shared memory is freed."""
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import zmq.asyncio
 from vitserve.service.engine import ModelHandle, remote
 from vitserve.service.engine.messages import Codec, EngineStatus, Submit
 from vitserve.service.engine.remote import RemoteEngine, _Link
+from vitserve.service.engine.socket_reader import SocketReader
 from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.settings import Settings
@@ -22,13 +24,14 @@ def _engine_with_link(address: str) -> tuple[RemoteEngine, _Link]:
     """A frontend whose one engine is `address`, said ready, without `start` (which waits for a real engine)."""
     engine = RemoteEngine(Settings(engine_arena_bytes=2**20), ServiceMetrics())
     engine.arena = remote.TensorArena.create(2**20)
-    context = zmq.asyncio.Context.instance()
-    requests = context.socket(zmq.DEALER)
+    requests = zmq.Context.instance().socket(zmq.DEALER)  # as `start` makes it: a plain socket read from the loop
     requests.setsockopt(zmq.LINGER, 0)
     requests.setsockopt(zmq.IMMEDIATE, 1)  # as `start` sets it: nothing queued for an engine not connected
     requests.connect(address)
-    link = _Link(address, requests, context.socket(zmq.SUB),
+    link = _Link(address, requests, zmq.asyncio.Context.instance().socket(zmq.SUB),
                  status=EngineStatus("incarnation", True, "CPUExecutionProvider", 0, [], 0.0))
+    link.reader = SocketReader(requests, partial(engine._answers, link))
+    link.reader.start()
     engine._links.append(link)
     return engine, link
 
