@@ -108,9 +108,10 @@ class ImagePools:
     and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them.
 
     One exception: while a request is `alone` in its process, its image, if small and cheap to decode
-    (`cheap_decode_pixels`: at most 64 KiB and 65,536 pixels of PNG or baseline JPEG, a few hundred microseconds),
-    is decoded on the event loop. Nobody waits behind it there, and the trip to a pool thread and back, two
-    thread wake-ups on an idle machine, cost as much as the decode itself (docs/latency-budget.md)."""
+    (`cheap_decode_pixels`: a PNG of at most 64 KiB and 65,536 pixels whose chunks all cost what their bytes cost,
+    a few hundred microseconds), is decoded on the event loop. Nobody waits behind it there, and the trip to a pool
+    thread and back, two thread wake-ups on an idle machine, cost as much as the decode itself
+    (docs/latency-budget.md)."""
 
     def __init__(self, settings: Settings, engine: Engine, alone: Callable[[], bool] = lambda: False):
         self.settings, self.engine = settings, engine  # the engine: whether it normalises (pixels travel as uint8)
