@@ -257,8 +257,12 @@ async def _decode(call: Call, data: bytes, resize: ResizePolicy, keep_source: bo
     """One image decoded and prepared for the routed version; its stages: the work in the pool, and the wait
     around it (the header's read, the pixel budget, the hops to the pool and back)."""
     started = time.perf_counter()
+    # a request's first image may be decoded on the event loop (ImagePools); its others decode side by side in the
+    # pools, not one after another on the loop
+    call.images_decoded += 1
     with tracing.stage("decode"):
-        prepared, preprocess_s = await call.state.images.preprocess(data, call.handle.info, resize, keep_source)
+        prepared, preprocess_s = await call.state.images.preprocess(data, call.handle.info, resize, keep_source,
+                                                                    may_inline=call.images_decoded == 1)
     call.stages += (("decode", preprocess_s), ("decode_wait", time.perf_counter() - started - preprocess_s))
     return prepared, preprocess_s
 

@@ -47,6 +47,7 @@ class Call:
     # (docs/latency-budget.md); HTTP sends them as a Server-Timing header with the server_timing setting
     stages: list[tuple[str, float]] = field(default_factory=list)
     received: float = 0.0  # when the transport took the request in (time.perf_counter)
+    images_decoded: int = 0  # images whose decode this call began (only its first may be decoded on the loop)
     # the version `route` chose (set there, read by the use cases, which run after it): a plain attribute, not a
     # property with a check, on the path every request takes
     handle: ModelHandle = field(init=False)

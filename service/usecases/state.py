@@ -107,7 +107,7 @@ class ImagePools:
     the process's pixel budget while it is decoded (a burst of large images waits instead of exhausting memory),
     and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them.
 
-    One exception: while a request is `alone` in its process, its image, if small and cheap to decode
+    One exception: while a request is `alone` in its process, its first image, if small and cheap to decode
     (`cheap_decode_pixels`: a PNG of at most 64 KiB and 65,536 pixels whose chunks all cost what their bytes cost,
     a few hundred microseconds), is decoded on the event loop. Nobody waits behind it there, and the trip to a pool
     thread and back, two thread wake-ups on an idle machine, cost as much as the decode itself
@@ -120,18 +120,19 @@ class ImagePools:
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.budget = PixelBudget(settings.max_pixels_in_flight)
 
-    async def preprocess(self, data: bytes, info: ModelInfo, resize: ResizePolicy,
-                         keep_source: bool) -> tuple[PreparedImage, float]:
+    async def preprocess(self, data: bytes, info: ModelInfo, resize: ResizePolicy, keep_source: bool,
+                         may_inline: bool = False) -> tuple[PreparedImage, float]:
         """Decode and prepare one image for the model `info` describes, holding its share of the pixel budget
         while it does; returns it and the seconds it took. The header is read first: the limits, and the size to
         reserve. Most images take one trip to the pool (header, reservation, decode); one that is large or must
-        wait for room comes back to wait on the event loop, then goes to its pool."""
+        wait for room comes back to wait on the event loop, then goes to its pool. With `may_inline` (a request's
+        first image), a lone request's cheap image is decoded on the loop instead (the class's doc)."""
         s, loop, budget = self.settings, asyncio.get_running_loop(), self.budget
         prepare = partial(prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side,
                           raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
-        if self.alone():
+        if may_inline and self.alone():
             inline = self._inline(data, prepare)
             if inline is not None:
                 return inline

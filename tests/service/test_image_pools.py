@@ -90,20 +90,24 @@ async def test_a_lone_requests_small_image_is_decoded_on_the_loop_and_holds_its_
     try:
         loop_thread = threading.current_thread().name
         png = encoded((40, 30), "PNG")
-        prepared, seconds = await pools.preprocess(png, INFO, "fit", keep_source=False)
+        prepared, seconds = await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
         assert prepared.pixels.shape == (3, 32, 32) and seconds > 0
         assert seen[-1] == (loop_thread, 1200) and pools.budget.used == 0
         # not alone: the same image goes to a pool thread
         alone[0] = False
-        await pools.preprocess(png, INFO, "fit", keep_source=False)
+        await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
         assert seen[-1][0].startswith("preprocess") and pools.budget.used == 0
         # alone, but an image that is not cheap to decode goes to a pool thread too
         alone[0] = True
-        await pools.preprocess(encoded((40, 30), "JPEG", progressive=True), INFO, "fit", keep_source=False)
+        await pools.preprocess(encoded((40, 30), "JPEG", progressive=True), INFO, "fit", keep_source=False,
+                               may_inline=True)
+        assert seen[-1][0].startswith("preprocess")
+        # a request's later image (may_inline=False): a pool thread, alone or not
+        await pools.preprocess(png, INFO, "fit", keep_source=False)
         assert seen[-1][0].startswith("preprocess")
         # the same answer either way
         alone[0] = False
-        pooled, _ = await pools.preprocess(png, INFO, "fit", keep_source=False)
+        pooled, _ = await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
         np.testing.assert_array_equal(prepared.pixels, pooled.pixels)
     finally:
         pools.stop()
@@ -116,7 +120,8 @@ async def test_a_lone_request_whose_image_does_not_fit_the_budget_waits_for_room
     made.append(pools)
     try:
         held = pools.budget.try_reserve(1000)
-        waiting = asyncio.ensure_future(pools.preprocess(encoded((40, 30), "PNG"), INFO, "fit", keep_source=False))
+        waiting = asyncio.ensure_future(pools.preprocess(encoded((40, 30), "PNG"), INFO, "fit", keep_source=False,
+                                                                 may_inline=True))
         await asyncio.sleep(0.05)
         assert not waiting.done() and not seen  # it waits for room; nothing decoded it on the loop
         pools.budget.release(held)
@@ -124,3 +129,22 @@ async def test_a_lone_request_whose_image_does_not_fit_the_budget_waits_for_room
         assert seen[-1][0].startswith("preprocess")
     finally:
         pools.stop()
+
+
+async def test_only_a_requests_first_image_may_be_decoded_on_the_loop():
+    # a request of several images decodes them side by side in the pools, not one after another on the loop
+    from vitserve.service.usecases import inference
+
+    asked: list[bool] = []
+
+    class Pools:
+        async def preprocess(self, data, info, resize, keep_source, may_inline=False):
+            asked.append(may_inline)
+            await asyncio.sleep(0)
+            return "prepared", 0.001
+
+    call = SimpleNamespace(images_decoded=0, stages=[], handle=SimpleNamespace(info=INFO),
+                           state=SimpleNamespace(images=Pools()))
+    prepared = await inference._each([b"a", b"b", b"c"], lambda data: inference._decode(call, data, "fit", False))
+    assert asked == [True, False, False] and len(prepared) == 3
+    assert [name for name, _ in call.stages].count("decode") == 3
