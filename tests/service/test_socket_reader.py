@@ -37,7 +37,7 @@ async def test_messages_queued_before_it_starts_are_all_taken_a_bounded_number_p
         dealer.send(str(number).encode())
     while not router.poll(0):  # the first has arrived; its edge fired before anyone watched
         await asyncio.sleep(0.001)
-    await asyncio.sleep(0.05)  # and the rest
+    await asyncio.sleep(0.2)  # and the rest (a first round of DRAIN_AT_ONCE at start, most likely)
     taken: list[int] = []
     turns: list[int] = []  # how many were taken when another callback ran between reads
     reader = SocketReader(router, lambda frames: taken.append(int(frames[1])))
@@ -48,13 +48,14 @@ async def test_messages_queued_before_it_starts_are_all_taken_a_bounded_number_p
             asyncio.get_running_loop().call_soon(between)
 
     reader.start()  # takes the first round at once, with no new edge to come
-    assert len(taken) == socket_reader.DRAIN_AT_ONCE
+    at_start = len(taken)
+    assert 0 < at_start <= socket_reader.DRAIN_AT_ONCE
     asyncio.get_running_loop().call_soon(between)
     await until(lambda: len(taken) == total)
     reader.stop()
     assert taken == list(range(total))
     # the loop ran other work between rounds, each round at most DRAIN_AT_ONCE
-    steps = [after - before for before, after in zip([socket_reader.DRAIN_AT_ONCE, *turns], turns)]
+    steps = [after - before for before, after in zip([at_start, *turns], turns)]
     assert len(turns) >= 3 and max(steps) <= socket_reader.DRAIN_AT_ONCE
 
 
