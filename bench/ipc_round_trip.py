@@ -23,6 +23,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
+from vitserve.bench.report import command_line, publish
 from vitserve.machine import cpu_model_name, load_average
 
 MESSAGE = b"x" * 128  # about a Submit's size (service/engine/messages.py): the pixels travel in shared memory
@@ -129,10 +130,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def markdown(results: dict, args, machine: str) -> str:
+def markdown(results: dict, args, command: str, machine: str) -> str:
     lines = ["# One round trip between two processes", "",
-             f"`python -m vitserve.bench.ipc_round_trip --rounds {args.rounds} --count {args.count} --gaps-ms "
-             f"{','.join(map(str, args.gaps_ms))}`: {machine}. A {len(MESSAGE)}-byte message echoed, {args.count} "
+             f"`{command}`: {machine}. A {len(MESSAGE)}-byte message echoed, {args.count} "
              f"round trips per arm, gap and round, the arms alternating (bench/ipc_round_trip.py says how).", "",
              "| transport | idle gap before each | p50 µs | p90 µs | p99 µs |", "|---|---:|---:|---:|---:|"]
     for arm, by_gap in results.items():
@@ -149,16 +149,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--count", type=int, default=1000, help="round trips per arm, gap and round")
     parser.add_argument("--gaps-ms", type=lambda text: [float(g) for g in text.split(",")], default=[0.0, 3.0],
                         help="idle before each round trip, e.g. 0,3")
-    parser.add_argument("--out", type=Path, help="write the Markdown report here too")
+    parser.add_argument("--out", type=Path, help="write the Markdown report here too, its JSON beside it")
     args = parser.parse_args(argv)
     _install_uvloop()
     with tempfile.TemporaryDirectory() as folder:
         results = asyncio.run(_run(args, Path(folder)))
     machine = f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}"
-    text = markdown(results, args, machine)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
+    command = command_line("python -m vitserve.bench.ipc_round_trip", argv)
+    publish(markdown(results, args, command, machine), results, args.out)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,6 @@ import contextlib
 import http.client
 import json
 import os
-import shlex
 import statistics
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import time
 from pathlib import Path
 
 from vitserve.bench.config import LOOPBACK
+from vitserve.bench.report import command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 from vitserve.machine import cpu_model_name, load_average
 
@@ -120,7 +120,7 @@ def measure(send, requests: int, warmup: int) -> dict:
     return result
 
 
-def run(args) -> dict:
+def run(args, command: str) -> dict:
     png = args.image.read_bytes()
     baseline = None
     vitserve_port, app_port = free_port(), free_port()
@@ -156,7 +156,7 @@ def run(args) -> dict:
             rounds.append({"order": order, **results})
             print(f"round {number + 1}: " + ", ".join(f"{name} p50 {results[name]['p50_ms']:.2f} ms"
                                                     for name in arms), flush=True)
-    return {"command": "python -m vitserve.bench.latency_budget " + shlex.join(sys.argv[1:]), "baseline": baseline,
+    return {"command": command, "baseline": baseline,
             "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}",
             "model": str(args.model), "image": str(args.image),
             "requests": args.requests, "vitserve_models": card, "rounds": rounds}
@@ -235,12 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                                                                  "tree's, alternating (a change's before and after)")
     parser.add_argument("--out", type=Path, help="the Markdown report; its JSON beside it")
     args = parser.parse_args(argv)
-    report = run(args)
-    text = markdown(report)
-    print(text)
-    if args.out:
-        args.out.write_text(text)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
+    report = run(args, command_line("python -m vitserve.bench.latency_budget", argv))
+    publish(markdown(report), report, args.out)
 
 
 if __name__ == "__main__":

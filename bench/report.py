@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import sys
 from pathlib import Path
 
@@ -31,8 +32,9 @@ def publish(text: str, data, out: Path | None) -> None:
 
 
 def command_line(prog: str, argv: list[str] | None) -> str:
-    """The command as the user typed it: `prog` and its arguments (sys.argv's when called from the shell)."""
-    return " ".join([prog, *(sys.argv[1:] if argv is None else argv)])
+    """The command as the user typed it: `prog` and its arguments (sys.argv's when called from the shell), each
+    quoted as a shell needs it (`--serve-flags '--runtime onnxruntime'`)."""
+    return " ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
 
 
 # ---------------------------------------------------------------------------------------------------- targets

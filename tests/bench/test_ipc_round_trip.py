@@ -14,6 +14,6 @@ def test_both_transports_echo_between_processes_and_the_report_has_a_row_per_tra
     for by_gap in results.values():
         assert {gap: len(values) for gap, values in by_gap.items()} == {"0.0": 40, "1.0": 40}
         assert all(value > 0 for values in by_gap.values() for value in values)
-    text = ipc_round_trip.markdown(results, args, "m")
+    text = ipc_round_trip.markdown(results, args, "python -m vitserve.bench.ipc_round_trip", "m")
     assert text.count("\n| ") == 1 + 4  # the header, then one row per transport and gap
     assert "| asyncio Unix stream | 1.0 ms |" in text
