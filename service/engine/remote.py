@@ -71,7 +71,6 @@ class _Link:
     address: str
     requests: zmq.Socket  # plain: read from the loop by `reader` (service/engine/socket_reader.py)
     status_socket: zmq.asyncio.Socket
-    reader: SocketReader | None = None  # the engine's answers
     status: EngineStatus | None = None  # None before the first, and once it went silent (`_watch`)
     # the engine process it last heard from, kept when it goes silent: a restart after a silence (the new engine
     # loads its models for longer than engine_timeout_s) is still a restart, whose generations count from 0 again
@@ -83,6 +82,7 @@ class _Link:
     # This loop turn's Submits (with their id) and Cancels (None), sent together when the turn ends: one ZeroMQ
     # message, a frame each, instead of one message and one send (one wake-up of ZeroMQ's I/O thread) per image.
     outbox: list[tuple[int | None, bytes]] = field(default_factory=list)
+    reader: SocketReader = field(init=False)  # reads the engine's answers from `requests`, and sends on it
 
     @property
     def ready(self) -> bool:
@@ -333,9 +333,7 @@ class RemoteEngine:
         give_up = time.monotonic() + grace_s
         while True:
             try:
-                link.requests.send_multipart(frames, zmq.NOBLOCK)
-                if link.reader is not None:
-                    link.reader.sent()
+                link.reader.send(frames)
                 return True
             except zmq.Again:
                 if time.monotonic() >= give_up:
@@ -353,7 +351,7 @@ class RemoteEngine:
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
         try:
-            link.requests.send_multipart([payload for _, payload in posted], zmq.NOBLOCK)
+            link.reader.send([payload for _, payload in posted])
         except zmq.Again:  # not connected (IMMEDIATE: nothing is queued for an engine that is not): try for a while
             retry = asyncio.ensure_future(self._send_late(link, posted))
             self._late.add(retry)
@@ -361,9 +359,6 @@ class RemoteEngine:
             return
         except zmq.ZMQError:  # the socket is closed (shutting down)
             self._fail_posted(link, posted)
-            return
-        if link.reader is not None:
-            link.reader.sent()
 
     async def _send_late(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
         """Posted messages the socket refused: sent within the reconnection grace, or their images fail (503)."""
@@ -479,8 +474,7 @@ class RemoteEngine:
         for link in self._links:
             self._fail_pending(link, "shutting down")
         for link in self._links:
-            if link.reader is not None:
-                link.reader.stop()
+            link.reader.stop()
             link.requests.close(linger=0)
             link.status_socket.close(linger=0)
         if self.arena is not None:

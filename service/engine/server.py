@@ -143,7 +143,7 @@ class EngineServer:
             if self.running:
                 await asyncio.wait(list(self.running.values()), timeout=1.0)
             reader.stop()
-            self._send_answers(router)  # the last ones, before the context goes
+            self._send_answers()  # the last ones, before the context goes
             await self._send_status(publisher)  # not ready: frontends stop sending at once
             for worker in workers:
                 worker.cancel()
@@ -227,22 +227,19 @@ class EngineServer:
     def _answer(self, router, frontend: bytes, reply) -> None:
         """Queue `reply` for `frontend`; the queue is sent when the loop's turn ends."""
         if not self.outbox:
-            asyncio.get_running_loop().call_soon(self._send_answers, router)
+            asyncio.get_running_loop().call_soon(self._send_answers)
         self.outbox.setdefault(frontend, []).append(self.codec.encode(reply))
 
-    def _send_answers(self, router: zmq.Socket) -> None:
-        """The loop turn's answers, one message per frontend. A ROUTER never blocks (no high-water mark here) and
-        drops what is addressed to a frontend that is gone. The socket's reader hears of the sends (a send may
-        take the edge its next receive waits for)."""
-        outbox, self.outbox = self.outbox, {}
+    def _send_answers(self) -> None:
+        """The loop turn's answers, one message per frontend, sent through the socket's reader. A ROUTER never
+        blocks (no high-water mark here) and drops what is addressed to a frontend that is gone."""
+        outbox, self.outbox, reader = self.outbox, {}, self.reader
+        assert reader is not None, "answers come only to messages `listen` took"
         try:
             for frontend, frames in outbox.items():
-                router.send_multipart([frontend, *frames], zmq.NOBLOCK)
+                reader.send([frontend, *frames])
         except zmq.ZMQError as e:  # the socket closed (shutting down): nobody hears these answers any more
             log.debug("answers not sent: %s", e)
-            return
-        if self.reader is not None:
-            self.reader.sent()
 
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""

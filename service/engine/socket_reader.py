@@ -3,8 +3,8 @@ documented way to join another event loop), for the two sockets every image cros
 (service/engine/server.py) and each frontend's DEALER (service/engine/remote.py).
 
 Not pyzmq's asyncio sockets: they make a future, a poller event and a few enum operations per message in each
-direction, which were most of what an engine process spent on a lone image (docs/latency-budget.md). Sends on these
-sockets are plain non-blocking calls; the owner tells the reader after each turn's sends (`sent`).
+direction, which were most of what an engine process spent on a lone image (docs/latency-budget.md). The owner sends
+through the reader too (`send`: a plain non-blocking call), so that no send goes without the read after it.
 
 ZeroMQ's descriptor is edge-triggered: it fires when the socket's state changes, and any call on the socket (a read
 of its events, a receive, a send) may take that change without it firing again. So the reader takes messages until
@@ -31,7 +31,7 @@ _EVENTS, _POLLIN = int(zmq.EVENTS), int(zmq.POLLIN)
 
 class SocketReader:
     """Calls `on_message(frames)` for every message `socket` receives, on the running loop, from `start()` to
-    `stop()`. `on_message` must not raise (an exception is logged and the message dropped)."""
+    `stop()`, and sends on it (`send`). An exception from `on_message` is logged and its message dropped."""
 
     def __init__(self, socket: zmq.Socket, on_message: Callable[[list[bytes]], None]):
         self.socket, self.on_message = socket, on_message
@@ -48,8 +48,10 @@ class SocketReader:
             asyncio.get_running_loop().remove_reader(self._descriptor)
             self._descriptor = None
 
-    def sent(self) -> None:
-        """The owner sent on the socket: read it again on the next turn, in case the send took the edge."""
+    def send(self, frames: list[bytes]) -> None:
+        """Send one message without blocking (raising what pyzmq raises: `zmq.Again` when it cannot now), then read
+        the socket again on the next turn, in case the send took the edge."""
+        self.socket.send_multipart(frames, zmq.NOBLOCK)
         self._read_soon()
 
     def _read_soon(self) -> None:

@@ -91,13 +91,13 @@ async def test_after_its_owner_sends_it_reads_the_socket_again(pair):
         reads.append("read")
         original()
 
-    reader._read = counted  # what `sent` schedules
-    reader.sent()
-    reader.sent()  # once per turn, however many sends
+    reader._read = counted  # what `send` schedules
+    reader.send([b"nobody", b"x"])  # a ROUTER drops what it cannot route
+    reader.send([b"nobody", b"y"])  # read once per turn, however many sends
     await asyncio.sleep(0)
     await asyncio.sleep(0)
     assert reads == ["read"]
     reader.stop()
-    reader.sent()  # stopped: nothing scheduled
+    reader.send([b"nobody", b"z"])  # stopped: nothing scheduled
     await asyncio.sleep(0)
     assert reads == ["read"]
