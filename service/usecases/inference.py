@@ -256,13 +256,13 @@ async def submit(call: Call, pixels: np.ndarray, target: int | None, maps_free: 
 async def _decode(call: Call, data: bytes, resize: ResizePolicy, keep_source: bool) -> tuple[PreparedImage, float]:
     """One image decoded and prepared for the routed version; its stages: the work in the pool, and the wait
     around it (the header's read, the pixel budget, the hops to the pool and back)."""
-    started = time.perf_counter()
-    # a request's first image may be decoded on the event loop (ImagePools); its others decode side by side in the
-    # pools, not one after another on the loop
+    started, state = time.perf_counter(), call.state
+    # The first image of a request alone in its process may be decoded on the event loop (ImagePools): nobody waits
+    # behind it there. A request's others decode side by side in the pools, not one after another on the loop.
     call.images_decoded += 1
+    inline = call.images_decoded == 1 and state.admission.in_flight <= 1
     with tracing.stage("decode"):
-        prepared, preprocess_s = await call.state.images.preprocess(data, call.handle.info, resize, keep_source,
-                                                                    may_inline=call.images_decoded == 1)
+        prepared, preprocess_s = await state.images.preprocess(data, call.handle.info, resize, keep_source, inline)
     call.stages += (("decode", preprocess_s), ("decode_wait", time.perf_counter() - started - preprocess_s))
     return prepared, preprocess_s
 

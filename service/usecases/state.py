@@ -14,7 +14,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
@@ -76,8 +75,7 @@ class ServiceState:
         self.admission = Admission(s.max_requests_in_flight, s.max_loop_lag_ms / 1000 if s.max_loop_lag_ms else None,
                                    s.overload_queue_ms / 1000 if s.overload_queue_ms else None,
                                    min_shed_in_flight=shedding_floor(s))
-        admission = self.admission
-        self.images = ImagePools(s, self.engine, alone=lambda: admission.in_flight <= 1)
+        self.images = ImagePools(s, self.engine)
         self.admission.loop_lag.start()
         return_large_frees_to_the_os()
         self.drain.install_signal_handlers()
@@ -107,35 +105,34 @@ class ImagePools:
     the process's pixel budget while it is decoded (a burst of large images waits instead of exhausting memory),
     and images over `large_image_pixels` in a pool of their own, so that small ones never queue behind them.
 
-    One exception: while a request is `alone` in its process, its first image, if small and cheap to decode
-    (`cheap_decode_pixels`: a PNG of at most 64 KiB and 65,536 pixels whose chunks all cost what their bytes cost,
-    a few hundred microseconds), is decoded on the event loop. Nobody waits behind it there, and the trip to a pool
-    thread and back, two thread wake-ups on an idle machine, cost as much as the decode itself
-    (docs/latency-budget.md)."""
+    One exception: an image the caller lets go `inline` (a lone request's first: service/usecases/inference.py),
+    if small and cheap to decode (`cheap_decode_pixels`: a PNG of at most 64 KiB and 65,536 pixels whose chunks
+    all cost what their bytes cost, a few hundred microseconds), is decoded on the event loop. Nobody waits behind
+    it there, and the trip to a pool thread and back, two thread wake-ups on an idle machine, cost as much as the
+    decode itself (docs/latency-budget.md)."""
 
-    def __init__(self, settings: Settings, engine: Engine, alone: Callable[[], bool] = lambda: False):
+    def __init__(self, settings: Settings, engine: Engine):
         self.settings, self.engine = settings, engine  # the engine: whether it normalises (pixels travel as uint8)
-        self.alone = alone  # whether the request asking is the only one this process is serving
         self.pool = ThreadPoolExecutor(settings.preprocess_threads, thread_name_prefix="preprocess")
         self.large_pool = ThreadPoolExecutor(1, thread_name_prefix="preprocess-large")
         self.budget = PixelBudget(settings.max_pixels_in_flight)
 
     async def preprocess(self, data: bytes, info: ModelInfo, resize: ResizePolicy, keep_source: bool,
-                         may_inline: bool = False) -> tuple[PreparedImage, float]:
+                         inline: bool = False) -> tuple[PreparedImage, float]:
         """Decode and prepare one image for the model `info` describes, holding its share of the pixel budget
         while it does; returns it and the seconds it took. The header is read first: the limits, and the size to
         reserve. Most images take one trip to the pool (header, reservation, decode); one that is large or must
-        wait for room comes back to wait on the event loop, then goes to its pool. With `may_inline` (a request's
-        first image), a lone request's cheap image is decoded on the loop instead (the class's doc)."""
+        wait for room comes back to wait on the event loop, then goes to its pool. With `inline`, a cheap image is
+        decoded on the loop instead (the class's doc)."""
         s, loop, budget = self.settings, asyncio.get_running_loop(), self.budget
         prepare = partial(prepare_image, data, info, resize=resize, max_bytes=s.max_upload_bytes,
                           max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens, keep_source=keep_source,
                           max_render_side=s.max_rollout_image_side,
                           raw_pixels=engine_normalises(s.pixel_transport, self.engine.provider))
-        if may_inline and self.alone():
-            inline = self._inline(data, prepare)
-            if inline is not None:
-                return inline
+        if inline:
+            prepared = self._inline(data, prepare)
+            if prepared is not None:
+                return prepared
         # The header read is cheap, but a hostile file's header is still parsing: not on the event loop.
         prepared, pixels = await loop.run_in_executor(self.pool, self._at_once, loop, data, prepare)
         if prepared is not None:

@@ -84,30 +84,22 @@ def decode_threads(monkeypatch):
 
 async def test_a_lone_requests_small_image_is_decoded_on_the_loop_and_holds_its_pixels_meanwhile(decode_threads):
     seen, made = decode_threads
-    alone = [True]
-    pools = ImagePools(Settings(), SimpleNamespace(provider="CPUExecutionProvider"), alone=lambda: alone[0])
+    pools = ImagePools(Settings(), SimpleNamespace(provider="CPUExecutionProvider"))
     made.append(pools)
     try:
         loop_thread = threading.current_thread().name
         png = encoded((40, 30), "PNG")
-        prepared, seconds = await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
+        prepared, seconds = await pools.preprocess(png, INFO, "fit", keep_source=False, inline=True)
         assert prepared.pixels.shape == (3, 32, 32) and seconds > 0
         assert seen[-1] == (loop_thread, 1200) and pools.budget.used == 0
-        # not alone: the same image goes to a pool thread
-        alone[0] = False
-        await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
+        # not let inline (not alone, or a request's later image): the same image goes to a pool thread
+        pooled, _ = await pools.preprocess(png, INFO, "fit", keep_source=False)
         assert seen[-1][0].startswith("preprocess") and pools.budget.used == 0
-        # alone, but an image that is not cheap to decode goes to a pool thread too
-        alone[0] = True
+        # let inline, but an image that is not cheap to decode goes to a pool thread too
         await pools.preprocess(encoded((40, 30), "JPEG", progressive=True), INFO, "fit", keep_source=False,
-                               may_inline=True)
-        assert seen[-1][0].startswith("preprocess")
-        # a request's later image (may_inline=False): a pool thread, alone or not
-        await pools.preprocess(png, INFO, "fit", keep_source=False)
+                               inline=True)
         assert seen[-1][0].startswith("preprocess")
         # the same answer either way
-        alone[0] = False
-        pooled, _ = await pools.preprocess(png, INFO, "fit", keep_source=False, may_inline=True)
         np.testing.assert_array_equal(prepared.pixels, pooled.pixels)
     finally:
         pools.stop()
@@ -115,13 +107,12 @@ async def test_a_lone_requests_small_image_is_decoded_on_the_loop_and_holds_its_
 
 async def test_a_lone_request_whose_image_does_not_fit_the_budget_waits_for_room_off_the_loop(decode_threads):
     seen, made = decode_threads
-    pools = ImagePools(Settings(max_pixels_in_flight=1000), SimpleNamespace(provider="CPUExecutionProvider"),
-                       alone=lambda: True)
+    pools = ImagePools(Settings(max_pixels_in_flight=1000), SimpleNamespace(provider="CPUExecutionProvider"))
     made.append(pools)
     try:
         held = pools.budget.try_reserve(1000)
         waiting = asyncio.ensure_future(pools.preprocess(encoded((40, 30), "PNG"), INFO, "fit", keep_source=False,
-                                                                 may_inline=True))
+                                                         inline=True))
         await asyncio.sleep(0.05)
         assert not waiting.done() and not seen  # it waits for room; nothing decoded it on the loop
         pools.budget.release(held)
@@ -131,20 +122,22 @@ async def test_a_lone_request_whose_image_does_not_fit_the_budget_waits_for_room
         pools.stop()
 
 
-async def test_only_a_requests_first_image_may_be_decoded_on_the_loop():
-    # a request of several images decodes them side by side in the pools, not one after another on the loop
+@pytest.mark.parametrize("in_flight, expected", [(1, [True, False, False]), (2, [False, False, False])])
+async def test_only_a_lone_requests_first_image_may_be_decoded_on_the_loop(in_flight, expected):
+    # a request of several images decodes them side by side in the pools, not one after another on the loop; a
+    # request beside others never decodes on the loop, where they would wait behind it
     from vitserve.service.usecases import inference
 
     asked: list[bool] = []
 
     class Pools:
-        async def preprocess(self, data, info, resize, keep_source, may_inline=False):
-            asked.append(may_inline)
+        async def preprocess(self, data, info, resize, keep_source, inline=False):
+            asked.append(inline)
             await asyncio.sleep(0)
             return "prepared", 0.001
 
     call = SimpleNamespace(images_decoded=0, stages=[], handle=SimpleNamespace(info=INFO),
-                           state=SimpleNamespace(images=Pools()))
+                           state=SimpleNamespace(images=Pools(), admission=SimpleNamespace(in_flight=in_flight)))
     prepared = await inference._each([b"a", b"b", b"c"], lambda data: inference._decode(call, data, "fit", False))
-    assert asked == [True, False, False] and len(prepared) == 3
+    assert asked == expected and len(prepared) == 3
     assert [name for name, _ in call.stages].count("decode") == 3
