@@ -150,27 +150,32 @@ class ImagePools:
         meanwhile; None for any other (it goes to a pool)."""
         s = self.settings
         pixels = cheap_decode_pixels(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels)
-        reserved = None if pixels is None else self.budget.try_reserve(pixels)
-        if reserved is None:
-            return None
-        try:
-            return timed(prepare)
-        finally:
-            self.budget.release(reserved)
+        return None if pixels is None else self._if_room(pixels, prepare, self.budget.release)
 
     def _at_once(self, loop, data: bytes, prepare) -> tuple[tuple[PreparedImage, float] | None, int]:
         """In the pool: the header's pixels and, for a small image whose pixels fit the budget now, the image
         prepared (and its seconds); (None, pixels) for one that must wait or go to the large pool."""
         s = self.settings
         pixels = peek_pixels(data, max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels)
-        reserved = self.budget.try_reserve(pixels) if pixels <= s.large_image_pixels else None
-        if reserved is None:
+        if pixels > s.large_image_pixels:
             return None, pixels
-        try:
-            return timed(prepare), pixels
-        finally:
+        budget = self.budget
+
+        def release(reserved: int) -> None:  # on the loop's thread, as `preprocess` releases
             if not loop.is_closed():
-                loop.call_soon_threadsafe(self.budget.release, reserved)
+                loop.call_soon_threadsafe(budget.release, reserved)
+        return self._if_room(pixels, prepare, release), pixels
+
+    def _if_room(self, pixels: int, prepare, release) -> tuple[PreparedImage, float] | None:
+        """`prepare` timed, if `pixels` fit the budget now (`PixelBudget.try_reserve`), holding them while it runs
+        and handing them to `release` after; None if they do not fit."""
+        reserved = self.budget.try_reserve(pixels)
+        if reserved is None:
+            return None
+        try:
+            return timed(prepare)
+        finally:
+            release(reserved)
 
     async def run(self, function, *args):
         """`function(*args)` in the pool (PNG rendering, inflating a body: real work), and the seconds it took."""
