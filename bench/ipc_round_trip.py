@@ -23,7 +23,7 @@ from pathlib import Path
 import zmq
 import zmq.asyncio
 
-from vitserve.bench.report import command_line, publish
+from vitserve.bench.report import at_least, command_line, publish
 from vitserve.machine import cpu_model_name, load_average
 
 MESSAGE = b"x" * 128  # about a Submit's size (service/engine/messages.py): the pixels travel in shared memory
@@ -125,6 +125,17 @@ async def _run(args, folder: Path) -> dict:
             echo.kill()
 
 
+def gaps_ms(text: str) -> list[float]:
+    """`--gaps-ms`: milliseconds, comma separated, each from 0 to a second."""
+    try:
+        gaps = [float(gap) for gap in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds, comma separated, e.g. 0,3; got {text!r}") from None
+    if not all(0 <= gap <= 1000 for gap in gaps):
+        raise argparse.ArgumentTypeError(f"each gap from 0 to 1000 ms; got {text!r}")
+    return gaps
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
@@ -145,9 +156,9 @@ def markdown(results: dict, args, command: str, machine: str) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vitserve.bench.ipc_round_trip",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--count", type=int, default=1000, help="round trips per arm, gap and round")
-    parser.add_argument("--gaps-ms", type=lambda text: [float(g) for g in text.split(",")], default=[0.0, 3.0],
+    parser.add_argument("--rounds", type=at_least(1), default=3)
+    parser.add_argument("--count", type=at_least(1), default=1000, help="round trips per arm, gap and round")
+    parser.add_argument("--gaps-ms", type=gaps_ms, default=[0.0, 3.0],
                         help="idle before each round trip, e.g. 0,3")
     parser.add_argument("--out", type=Path, help="write the Markdown report here too, its JSON beside it")
     args = parser.parse_args(argv)

@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 
 from vitserve.bench.config import LOOPBACK
-from vitserve.bench.report import command_line, publish
+from vitserve.bench.report import at_least, command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 from vitserve.machine import cpu_model_name, load_average
 
@@ -129,6 +129,10 @@ def run(args, command: str) -> dict:
     app_argv = [sys.executable, "-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app", "--host", LOOPBACK,
                 "--port", str(app_port), "--log-level", "warning"]
     with contextlib.ExitStack() as servers:
+        if args.baseline_commit:  # first: a commit that is not there stops the run before any server starts
+            from vitserve.bench.peers.servers import export_commit
+
+            tree, sha = export_commit(args.baseline_commit, Path(servers.enter_context(tempfile.TemporaryDirectory())))
         servers.enter_context(ServerProcess(vitserve_argv, vitserve_port, env=env))
         servers.enter_context(ServerProcess(app_argv, app_port, ready_path="/ready",
                                             env={"MODEL_PATH": str(args.model)}))
@@ -138,9 +142,6 @@ def run(args, command: str) -> dict:
                 "vitserve": Client(vitserve_port, "/v1/classify", png, "image/png").send,
                 "vitserve, map=none": Client(vitserve_port, "/v1/classify?map=none", png, "image/png").send}
         if args.baseline_commit:
-            from vitserve.bench.peers.servers import export_commit
-
-            tree, sha = export_commit(args.baseline_commit, Path(servers.enter_context(tempfile.TemporaryDirectory())))
             baseline_port = free_port()
             # -P: this repository, the working directory, must not come first on the path and shadow the tree
             baseline_argv = [sys.executable, "-P", *serve_argv(args.model.resolve(), baseline_port)[1:],
@@ -227,9 +228,9 @@ def main(argv: list[str] | None = None) -> None:
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
-    parser.add_argument("--requests", type=int, default=1000, help="per arm and round")
-    parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=at_least(1), default=1000, help="per arm and round")
+    parser.add_argument("--warmup", type=at_least(0), default=100)
+    parser.add_argument("--rounds", type=at_least(1), default=3)
     parser.add_argument("--serve-flags", default="", help="more flags for vitserve serve")
     parser.add_argument("--baseline-commit", metavar="REV", help="serve this commit's vitserve beside the working "
                                                                  "tree's, alternating (a change's before and after)")

@@ -1,6 +1,7 @@
 """A run's report as Markdown (the target ratios first, then one table per phase), its JSON, and a plot."""
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import shlex
@@ -35,6 +36,20 @@ def command_line(prog: str, argv: list[str] | None) -> str:
     """The command as the user typed it: `prog` and its arguments (sys.argv's when called from the shell), each
     quoted as a shell needs it (`--serve-flags '--runtime onnxruntime'`)."""
     return " ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
+def at_least(low: int):
+    """An argparse type: an integer of at least `low`, or a one-line error."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"at least {low}, got {value}")
+        return value
+    parse.__name__ = f"integer >= {low}"
+    return parse
 
 
 # ---------------------------------------------------------------------------------------------------- targets

@@ -73,8 +73,11 @@ def vitserve_spec(model: Path, source: Path | None = None, ray_replicas: int | N
 def export_commit(rev: str, work_dir: Path) -> tuple[Path, str]:
     """The tree of commit `rev` as files under `work_dir` (`git archive`: the working tree and the index are not
     touched), and its full hash."""
-    sha = subprocess.run(["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True,
-                         text=True, check=True).stdout.strip()
+    found = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"], cwd=REPO,
+                           capture_output=True, text=True)
+    if found.returncode:
+        raise SystemExit(f"no commit {rev!r} in this repository")
+    sha = found.stdout.strip()
     dest = work_dir / f"vitserve-{sha[:12]}"
     if not dest.is_dir():
         archive = subprocess.run(["git", "archive", "--format=tar", sha], cwd=REPO, capture_output=True, check=True)

@@ -17,3 +17,13 @@ def test_both_transports_echo_between_processes_and_the_report_has_a_row_per_tra
     text = ipc_round_trip.markdown(results, args, "python -m vitserve.bench.ipc_round_trip", "m")
     assert text.count("\n| ") == 1 + 4  # the header, then one row per transport and gap
     assert "| asyncio Unix stream | 1.0 ms |" in text
+
+
+def test_bad_flags_are_one_line_errors(capsys):
+    import pytest
+
+    for flags, message in ((["--gaps-ms", "x"], "expected milliseconds"), (["--gaps-ms", "nan"], "from 0 to 1000 ms"),
+                           (["--count", "0"], "at least 1, got 0"), (["--rounds", "two"], "expected an integer")):
+        with pytest.raises(SystemExit):
+            ipc_round_trip.main(flags)
+        assert message in capsys.readouterr().err

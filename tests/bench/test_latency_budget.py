@@ -47,3 +47,13 @@ def test_with_a_baseline_the_report_sets_each_stage_before_beside_after():
     assert "| decode | 300 | 300 |" in text and "| decode_wait |  | 300 |" in text  # a stage the change removed
     assert "| total | 4000 | 5500 |" in text and "| outside the app (client p50 less the server's total) | 500 | 500 |" in text
     assert "4.50 against 6.00 ms (0.75x)" in text and "then 3.00 ms, against the FastAPI app 1.20x" in text
+
+
+def test_a_commit_that_is_not_there_stops_the_run_in_one_line_before_any_server_starts(monkeypatch):
+    import pytest
+
+    from vitserve.bench import servers
+
+    monkeypatch.setattr(servers.ServerProcess, "__enter__", lambda self: pytest.fail("a server was started"))
+    with pytest.raises(SystemExit, match="^no commit 'no-such-commit' in this repository$"):
+        latency_budget.main(["--baseline-commit", "no-such-commit", "--rounds", "1"])
