@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -33,9 +34,17 @@ def publish(text: str, data, out: Path | None) -> None:
 
 
 def command_line(prog: str, argv: list[str] | None) -> str:
-    """The command as the user typed it: `prog` and its arguments (sys.argv's when called from the shell), each
-    quoted as a shell needs it (`--serve-flags '--runtime onnxruntime'`)."""
-    return " ".join([prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+    """The command as the user typed it: the server settings it ran with from the environment (`served_with`),
+    `prog` and its arguments (sys.argv's when called from the shell), each quoted as a shell needs it
+    (`--serve-flags '--runtime onnxruntime'`)."""
+    return " ".join([*served_with(), prog, *map(shlex.quote, sys.argv[1:] if argv is None else argv)])
+
+
+def served_with() -> list[str]:
+    """`VITSERVE_X=value` for each vitserve setting in this environment: the servers a bench starts inherit them
+    (`VITSERVE_RUNTIME=onnxruntime` pins the runtime), so a rerun needs them as much as the flags."""
+    return [f"{name}={shlex.quote(value)}" for name, value in sorted(os.environ.items())
+            if name.startswith("VITSERVE_")]
 
 
 def at_least(low: int):

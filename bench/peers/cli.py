@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 from vitserve.bench.peers.config import KNOWN_SERVERS, QUICK, SERVERS, PeersConfig
+from vitserve.bench.report import command_line
 
 
 def _ints(text: str) -> list[int]:
@@ -114,4 +114,4 @@ def main(argv: list[str] | None = None) -> int:
         cfg.out.write_text(render(json.loads(args.render.read_text())))
         print(f"wrote {cfg.out}")
         return 0
-    return run(cfg, shlex.join(["python", "-m", "vitserve.bench.peers", *argv]))
+    return run(cfg, command_line("python -m vitserve.bench.peers", argv))

@@ -174,7 +174,7 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
     lines = [f"## {_model_name(m)}, {kind}", "",
              f"`{m['path']}`: {m['name']} {m['version']}, {m['channels']} channel(s), patch {m['patch_size']}, "
              f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers), "",
-             *_cpu_table(entry["summary"], servers)]
+             *_cpu_table(entry["summary"], servers), *_alone_table(entry, servers)]
     errors = [f"{LABELS[s]} {PATH_LABELS[e['path']]} at {e['connections']}: {e[s]['non_2xx']} non-2xx, "
               f"{e[s]['socket_errors']} socket errors" for e in entry["summary"] for s in servers
               if s in e and (e[s]["non_2xx"] or e[s]["socket_errors"])]
@@ -189,6 +189,32 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
     lines += ["", "Request bodies (bytes): " + "; ".join(
         f"{LABELS[s]} " + ", ".join(f"{PATH_LABELS[p]} {n:,}" for p, n in sizes[s].items()) for s in sizes) + ".", ""]
     return lines
+
+
+def served_of_alone(entry: dict, server: str, path: str, connections: int) -> float | None:
+    """The median over rounds of `server`'s req/s at that level over the session alone's best images/s measured in
+    the same round (None without both)."""
+    best = {a["round"]: max(r["images_per_s"] for r in a["raw"]) for a in entry.get("session_alone_rounds", [])}
+    ratios = [r["ok_per_s"] / best[r["round"]] for r in entry["rounds"]
+              if (r["server"], r["path"], r["connections"]) == (server, path, connections) and "skipped" not in r
+              and best.get(r["round"])]
+    return statistics.median(ratios) if ratios else None
+
+
+def _alone_table(entry: dict, servers: list[str]) -> list[str]:
+    """Each server's req/s as a share of the session alone measured in the same round (a compute-bound model)."""
+    alone = entry.get("session_alone_rounds") or []
+    if not alone:
+        return []
+    levels = [(e["path"], e["connections"]) for e in entry["summary"]]
+    rows = [[PATH_LABELS[path], str(c)] + [number(served_of_alone(entry, s, path, c), ".2f") for s in servers]
+            for path, c in levels]
+    rounds = "; ".join(f"round {a['round']} " + ", ".join(f"{r['images_per_s']:.1f} at {r['batch_size']}"
+                                                        for r in a["raw"]) for a in alone)
+    return ["", "Served as a share of the session alone (req/s over the session's best images/s, the session run as "
+            "one more turn of the same round, on the same cores; medians over rounds):", "",
+            *table(["path", "clients", *(LABELS[s] for s in servers)], rows), "",
+            f"The session alone, images/s at each batch size: {rounds}.", ""]
 
 
 def _checks(path: str, runs: list[dict]) -> str:

@@ -36,6 +36,7 @@ from vitserve.bench.run import Budget
 from vitserve.machine import cpu_model_name, load_average
 
 _STARTUP_ALLOWANCE_S = 40.0  # what a level's time check adds for a server yet to start
+SESSION_ALONE = "session alone"  # the arm of the rounds that runs the raw session, no server
 
 
 @dataclass
@@ -114,19 +115,34 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
     kind = "compute" if compute_bound else "HTTP"
     print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({kind}-bound); "
           f"paths {', '.join(m.paths)} at {m.concurrency} connections, {m.duration_s} s each", flush=True)
-    rows, checks, servers = run_rounds(cfg, m, wrk, lambda server: server_spec(server, m.path, pythons, source),
-                                       budget)
+    # a compute-bound model's session alone takes its turn among the servers in every round: what a server delivers
+    # of its model is judged against the session measured beside it, not once at the start of a drifting hour
+    alone = (lambda: bench_raw(model["session"].run, m.pixels, cfg.raw_batch_sizes, cfg.raw_duration_s)) \
+        if compute_bound else None
+    rows, checks, servers, alone_rounds = run_rounds(
+        cfg, m, wrk, lambda server: server_spec(server, m.path, pythons, source), budget, alone)
     sizes = {s: {p: len(request_for_size(s, p, m)) for p in m.paths if p in SERVED_PATHS[s]} for s in cfg.servers}
     return {"model": {**model_summary_of(model_path), "compute_bound": compute_bound}, "raw": raw,
             "paths": list(m.paths), "concurrency": m.concurrency, "duration_s": m.duration_s, "checks": checks,
-            "servers": servers, "request_bytes": sizes, "rounds": rows,
+            "servers": servers, "request_bytes": sizes, "rounds": rows, "session_alone_rounds": alone_rounds,
             "summary": summarise(rows, cfg.servers, list(m.paths), m.concurrency)}
 
 
-def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: Budget) -> tuple[list, dict, dict]:
-    """Every server once per round, one at a time: (a row per level, answer checks, how each server ran)."""
-    rows, checks, servers = [], {}, {}
-    for round_, server in alternated(cfg.servers, cfg.rounds):
+def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: Budget,
+               session_alone: Callable[[], list[dict]] | None = None) -> tuple[list, dict, dict, list]:
+    """Every server once per round, one at a time, and with `session_alone` the session alone as one more turn: (a
+    row per level, answer checks, how each server ran, the session's rows of each round)."""
+    rows, checks, servers, alone = [], {}, {}, []
+    arms = [*cfg.servers, *([SESSION_ALONE] if session_alone is not None else [])]
+    for round_, server in alternated(arms, cfg.rounds):
+        if server == SESSION_ALONE:
+            assert session_alone is not None, "an arm only when given"
+            if not budget.allows(len(cfg.raw_batch_sizes) * cfg.raw_duration_s + 5):
+                continue
+            alone.append({"round": round_ + 1, "raw": session_alone()})
+            print(f"  the session alone: {max(r['images_per_s'] for r in alone[-1]['raw']):.1f} images/s at best",
+                  flush=True)
+            continue
         levels = [(p, c) for p in m.paths if p in SERVED_PATHS[server] for c in m.concurrency]
         head = {"round": round_ + 1, "server": server}
         if not budget.allows(_STARTUP_ALLOWANCE_S + cfg.warmup_s + m.duration_s + 5):
@@ -153,7 +169,7 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
             print(f"  {server}: answers {_check_line(answers)}", flush=True)
             rows += [load_level(cfg, m, wrk, running, {**head, "path": p, "connections": c}, requests[p], budget)
                      for p, c in levels]
-    return rows, checks, servers
+    return rows, checks, servers, alone
 
 
 def load_level(cfg: PeersConfig, m: ModelUnderTest, wrk: str, running: RunningServer, row: dict,
@@ -186,6 +202,7 @@ def raw_session(cfg: PeersConfig, model_path: Path) -> tuple[dict, list[dict]]:
         print(f"  raw bs {r['batch_size']:3d}: {r['images_per_s']:8.1f} images/s  p50 {r['p50_ms']:8.2f} ms",
               flush=True)
     model = {"path": model_path, "png": png, "pixels": pixels, "logits": logits[0], "grid": list(rollout.shape[-2:]),
+             "session": session,
              # the temperature /v1 divides this image's logits by (one per answer, by its entropy, where the file
              # has the curve): the calibrated scores it serves
              "temperature": float(info.temperature_for(logits[0]))}

@@ -77,3 +77,20 @@ def test_a_table_bench_writes_its_report_into_a_folder_it_makes(tmp_path, capsys
     publish("| a |\n", [{"a": 1}], out)
     assert out.read_text() == "| a |\n" and json.loads(out.with_suffix(".json").read_text()) == [{"a": 1}]
     assert capsys.readouterr().out == "| a |\n\n"
+
+
+def test_a_benchs_command_line_carries_the_server_settings_of_its_environment(monkeypatch):
+    """The servers a bench starts inherit VITSERVE_ settings; a report's command without them would not rerun it."""
+    import os
+
+    from vitserve.bench.report import command_line
+
+    for name in [n for n in os.environ if n.startswith("VITSERVE_")]:
+        monkeypatch.delenv(name)
+    assert command_line("python -m vitserve.bench.x", ["--serve-flags", "--runtime onnxruntime"]) == \
+        "python -m vitserve.bench.x --serve-flags '--runtime onnxruntime'"
+    monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")
+    monkeypatch.setenv("VITSERVE_LOG_LEVEL", "a b")
+    monkeypatch.setenv("NOT_VITSERVE_X", "1")
+    assert command_line("python -m vitserve.bench.x", ["--rounds", "2"]) == \
+        "VITSERVE_LOG_LEVEL='a b' VITSERVE_RUNTIME=onnxruntime python -m vitserve.bench.x --rounds 2"

@@ -19,7 +19,7 @@ from vitserve.bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
 from vitserve.bench.peers.cli import build_parser, config_from, config_from_bench_args
 from vitserve.bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
 from vitserve.bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
-from vitserve.bench.peers.report import render, summarise
+from vitserve.bench.peers.report import render, served_of_alone, summarise
 from vitserve.bench.peers.venvs import REQUIREMENTS
 from vitserve.bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
 from vitserve.bench.reliability import alternated
@@ -234,6 +234,63 @@ def test_cpu_per_answer_is_a_median_over_rounds_in_its_own_table_and_absent_from
     assert "CPU time per answer, ms" in text and "| image | 8 | 2.900 | 2.100 |" in text
     assert "| vit-fmnist | 3 | vitserve | image | 8 | 310.0 | 9.00 | 18.00 | 3.500 | 0 |" in text
     assert "CPU time per answer, ms" not in render(_fake_report())  # rounds measured before it was
+
+
+def test_a_compute_bound_model_is_served_as_a_share_of_the_session_measured_in_the_same_round():
+    """Each round's req/s over that round's session alone (its best batch size), then the median: a machine that
+    drifts between rounds moves the session and the server together."""
+    rows = [_row("vitserve", 1, 15.0, 500), _row("vitserve", 2, 12.0, 600), _row("vitserve", 3, 14.0, 550),
+            _row("triton", 1, 12.0, 600), _row("triton", 2, 9.0, 700),
+            {"server": "triton", "round": 3, "path": "image", "connections": 8, "skipped": "time limit"}]
+    alone = [{"round": 1, "raw": [{"batch_size": 1, "images_per_s": 15.5, "p50_ms": 64.0},
+                                  {"batch_size": 8, "images_per_s": 16.0, "p50_ms": 500.0}]},
+             {"round": 2, "raw": [{"batch_size": 1, "images_per_s": 12.0, "p50_ms": 83.0},
+                                  {"batch_size": 8, "images_per_s": 11.0, "p50_ms": 720.0}]},
+             {"round": 3, "raw": [{"batch_size": 1, "images_per_s": 20.0, "p50_ms": 50.0}]}]
+    report = _fake_report()
+    report["settings"]["servers"] = ["vitserve", "triton"]
+    report["models"][0].update(rounds=rows, summary=summarise(rows, ["vitserve", "triton"], ["image"], [8]),
+                               session_alone_rounds=alone)
+    entry = report["models"][0]
+    assert served_of_alone(entry, "vitserve", "image", 8) == pytest.approx(15 / 16)  # of 15/16, 12/12, 14/20
+    assert served_of_alone(entry, "triton", "image", 8) == pytest.approx((12 / 16 + 9 / 12) / 2)
+    assert served_of_alone(entry, "triton", "image", 32) is None
+    text = render(report)
+    assert "| image | 8 | 0.94 | 0.75 |" in text
+    assert "round 1 15.5 at 1, 16.0 at 8; round 2 12.0 at 1, 11.0 at 8; round 3 20.0 at 1" in text
+    assert "share of the session alone" not in render(_fake_report())  # an HTTP-bound model: no session turns
+
+
+def test_the_session_alone_takes_a_turn_in_each_rounds_alternating_order(monkeypatch, tmp_path):
+    from vitserve.bench.peers import run
+    from vitserve.bench.run import Budget
+
+    order = []
+
+    class NoServer:  # each start fails at once: its rows say so, and the round goes on
+        def __init__(self, spec, log, timeout_s):
+            self.spec = spec
+
+        def start(self):
+            order.append(self.spec)
+            raise RuntimeError("not in this test")
+
+    monkeypatch.setattr(run, "RunningServer", NoServer)
+    cfg = PeersConfig(servers=["vitserve", "triton"], rounds=2, work_dir=tmp_path, log_dir=tmp_path)
+
+    def session() -> list[dict]:
+        order.append("session")
+        return [{"batch_size": 1, "images_per_s": 10.0 + len(order), "p50_ms": 100.0}]
+
+    m = run.ModelUnderTest(tmp_path / "m.onnx", b"", np.zeros((1, 1, 4, 4), np.float32), np.zeros(2), [1, 1],
+                           ("image",), [1], 1, tmp_path)
+    rows, _, _, alone = run.run_rounds(cfg, m, "wrk", lambda server: server, Budget(3600), session)
+    assert order == ["vitserve", "triton", "session", "session", "triton", "vitserve"]
+    assert [a["round"] for a in alone] == [1, 2] and alone[1]["raw"][0]["images_per_s"] == 14.0
+    assert [(r["round"], r["server"]) for r in rows] == [(1, "vitserve"), (1, "triton"), (2, "triton"),
+                                                         (2, "vitserve")]
+    _, _, _, none = run.run_rounds(cfg, m, "wrk", lambda server: server, Budget(0.0), session)
+    assert none == [] and order.count("session") == 2  # past the time limit the session waits its turn out too
 
 
 def test_cpu_seconds_counts_every_process_under_the_server(tmp_path):
