@@ -242,6 +242,40 @@ async def test_observer_gets_plain_numbers():
     await batcher.close()
 
 
+async def test_the_queue_depth_is_reported_once_per_loop_turn_and_follows_a_queue_behind_a_stuck_batch():
+    class Depths:
+        def __init__(self):
+            self.depths = []
+
+        def batch_done(self, *args, **kwargs):
+            pass
+
+        def queue_wait(self, seconds):
+            pass
+
+        def queue_depth(self, depth):
+            self.depths.append(depth)
+
+    recorder, observer = Recorder(), Depths()
+    recorder.gate.clear()  # the first batch holds the runner
+    batcher = DynamicBatcher(recorder, max_batch_size=1, max_queue_delay_s=0.0, max_queue_size=100,
+                             max_batches_in_flight=1, observer=observer)
+    batcher.start()
+    first = batcher.enqueue(item(1), PATIENCE_S)
+    await until(lambda: recorder.started == [[1.0]], "the first batch running (blocked)")
+    observer.depths.clear()
+    queued = [batcher.enqueue(item(v), PATIENCE_S) for v in (2, 3, 4)]  # in one turn
+    await asyncio.sleep(0.05)
+    assert observer.depths == [3]  # one report for the turn, not 1, 2, 3
+    queued.append(batcher.enqueue(item(5), PATIENCE_S))
+    await asyncio.sleep(0.05)
+    assert observer.depths[-1] == 4  # the runner is still stuck: the gauge still follows the queue
+    recorder.gate.set()
+    assert [(await f).output for f in (first, *queued)] == [10, 20, 30, 40, 50]
+    assert observer.depths[-1] == 0
+    await batcher.close()
+
+
 async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit():
     recorder = Recorder()
     batcher = make(recorder, max_queue_delay_s=0.5, max_targeted_batch_size=2)
