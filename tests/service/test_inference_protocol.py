@@ -89,6 +89,15 @@ def test_join_body_frames_binary_outputs_with_the_header_length():
     assert join_body({"k": "v"}, [])[1] == {"Content-Type": "application/json"}
 
 
+def test_a_json_header_reads_back_as_the_same_values_compactly():
+    """Every float32 output, from 1e-30 to 1e30, reads back as the same double a client's parser makes of it."""
+    values = (np.random.default_rng(0).normal(size=4000) * 10.0 ** np.arange(-30, 30, 0.015)).astype(np.float32)
+    header = {"id": "caf\u00e9", "outputs": [{"name": "logits", "shape": [1, 4000], "data": values.tolist()}]}
+    body, _ = join_body(header, [])
+    assert json.loads(body) == header and b" " not in body
+    assert np.array_equal(np.asarray(json.loads(body)["outputs"][0]["data"], np.float32), values)
+
+
 # --- requests ---
 
 def test_json_and_binary_pixel_tensors_parse_to_the_same_array():
