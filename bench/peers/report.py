@@ -41,6 +41,17 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
     return out
 
 
+def ratios_by_round(rows: list[dict], numerator: str, denominator: str, path: str, connections: int) -> list[float]:
+    """numerator's req/s over denominator's in each round both ran (the two measured minutes apart, alternating):
+    their spread is what the machine's drift does to the ratio."""
+    by_round: dict[str, dict[int, float]] = {numerator: {}, denominator: {}}
+    for r in rows:
+        if (r["path"], r["connections"]) == (path, connections) and r["server"] in by_round and "skipped" not in r:
+            by_round[r["server"]][r["round"]] = r["ok_per_s"]
+    mine, theirs = by_round[numerator], by_round[denominator]
+    return [mine[n] / theirs[n] for n in sorted(mine) if theirs.get(n)]
+
+
 def ratio_key(numerator: str, denominator: str) -> str:
     """"vitserve_over_triton": the summary's key for numerator's req/s over denominator's."""
     return f"{numerator}_over_{denominator}".replace("-", "_")
@@ -173,7 +184,7 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
     servers = [s for s in settings["servers"]]
     lines = [f"## {_model_name(m)}, {kind}", "",
              f"`{m['path']}`: {m['name']} {m['version']}, {m['channels']} channel(s), patch {m['patch_size']}, "
-             f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers), "",
+             f"{m['size_mb']} MB.", "", *_summary_table(entry["summary"], servers, entry["rounds"]), "",
              *_cpu_table(entry["summary"], servers), *_alone_table(entry, servers)]
     errors = [f"{LABELS[s]} {PATH_LABELS[e['path']]} at {e['connections']}: {e[s]['non_2xx']} non-2xx, "
               f"{e[s]['socket_errors']} socket errors" for e in entry["summary"] for s in servers
@@ -254,14 +265,27 @@ def _cell(value: dict | None) -> str:
     return f"{rate:.{0 if rate >= 100 else 1}f} ({value['p50_ms']:.1f} / {value['p99_ms']:.1f})"
 
 
-def _summary_table(summary: list[dict], servers: list[str]) -> list[str]:
-    """Each server's medians; the ratio to Triton, and to the baseline commit when it ran."""
-    ratios = [(ratio_key(a, b), f"{LABELS[a]} / {LABELS[b]}") for a, b in RATIOS if a in servers and b in servers] \
-        or [("vitserve_over_triton", "vitserve / Triton")]
+def _summary_table(summary: list[dict], servers: list[str], rounds: list[dict]) -> list[str]:
+    """Each server's medians; the ratio to Triton, and to the baseline commit when it ran, with each round's."""
+    pairs = [(a, b) for a, b in RATIOS if a in servers and b in servers] or [("vitserve", "triton")]
+    by_round = {(e["path"], e["connections"], a, b): ratios_by_round(rounds, a, b, e["path"], e["connections"])
+                for e in summary for a, b in pairs}
     rows = [[PATH_LABELS[e["path"]], str(e["connections"]), *(_cell(e.get(s)) for s in servers),
-             *(number(e.get(key), ".2f") for key, _ in ratios)] for e in summary]
-    header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers), *(t for _, t in ratios)]
-    return table(header, rows, text_columns=1)
+             *(_ratio_cell(e.get(ratio_key(a, b)), by_round[e["path"], e["connections"], a, b]) for a, b in pairs)]
+            for e in summary]
+    header = ["path", "clients", *(f"{LABELS[s]} req/s (p50 / p99 ms)" for s in servers),
+              *(f"{LABELS[a]} / {LABELS[b]}" for a, b in pairs)]
+    lines = table(header, rows, text_columns=1)
+    if any(len(ratios) > 1 for ratios in by_round.values()):
+        lines += ["", "A ratio is of the medians; in brackets, the same ratio in each round (the servers take turns "
+                  "within a round): their spread is what the machine's drift does to it."]
+    return lines
+
+
+def _ratio_cell(ratio: float | None, by_round: list[float]) -> str:
+    if len(by_round) < 2:
+        return number(ratio, ".2f")
+    return f"{number(ratio, '.2f')} ({', '.join(format(r, '.2f') for r in by_round)})"
 
 
 def _cpu_table(summary: list[dict], servers: list[str]) -> list[str]:

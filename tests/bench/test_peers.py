@@ -19,7 +19,7 @@ from vitserve.bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL
 from vitserve.bench.peers.cli import build_parser, config_from, config_from_bench_args
 from vitserve.bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
 from vitserve.bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
-from vitserve.bench.peers.report import render, served_of_alone, summarise
+from vitserve.bench.peers.report import ratios_by_round, render, served_of_alone, summarise
 from vitserve.bench.peers.venvs import REQUIREMENTS
 from vitserve.bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
 from vitserve.bench.reliability import alternated
@@ -219,6 +219,24 @@ def test_summarise_takes_medians_over_rounds_and_the_ratio_of_medians():
     assert entry["triton"]["ok_per_s"] == 150 and entry["triton"]["rounds"] == 2  # the skipped round left out
     assert entry["vitserve_over_triton"] == pytest.approx(310 / 150)
     assert entry["litserve"]["ok_per_s"] == 50
+
+
+def test_each_rounds_ratio_stands_beside_the_ratio_of_the_medians():
+    """The servers take turns within a round: the ratio in each round shows what the machine's drift did to it."""
+    rows = [_row("vitserve", 1, 600, 3), _row("triton", 1, 400, 4), _row("triton", 2, 500, 4),
+            _row("vitserve", 2, 450, 3), _row("vitserve", 3, 500, 3),
+            {"server": "triton", "round": 3, "path": "image", "connections": 8, "skipped": "time limit"}]
+    (entry,) = summarise(rows, ["vitserve", "triton"], ["image"], [8])
+    assert entry["vitserve_over_triton"] == pytest.approx(500 / 450)
+    by_round = ratios_by_round(rows, "vitserve", "triton", "image", 8)
+    assert by_round == pytest.approx([1.5, 0.9])  # round 3: Triton did not run
+    report = _fake_report()
+    report["settings"]["servers"] = ["vitserve", "triton"]
+    report["models"][0].update(rounds=rows, summary=[entry])
+    text = render(report)
+    assert "| image | 8 | 500 (3.0 / 6.0) | 450 (4.0 / 8.0) | 1.11 (1.50, 0.90) |" in text
+    assert "in brackets, the same ratio in each round" in text
+    assert "in brackets" not in render(_fake_report())  # one round each: nothing to show
 
 
 def test_cpu_per_answer_is_a_median_over_rounds_in_its_own_table_and_absent_from_older_reports():
