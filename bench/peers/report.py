@@ -41,14 +41,16 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
     return out
 
 
+def rate_by_round(rows: list[dict], server: str, path: str, connections: int) -> dict[int, float]:
+    """`server`'s 2xx req/s at that level in each round it was measured."""
+    return {r["round"]: r["ok_per_s"] for r in rows
+            if (r["server"], r["path"], r["connections"]) == (server, path, connections) and "skipped" not in r}
+
+
 def ratios_by_round(rows: list[dict], numerator: str, denominator: str, path: str, connections: int) -> list[float]:
     """numerator's req/s over denominator's in each round both ran (the two measured minutes apart, alternating):
     their spread is what the machine's drift does to the ratio."""
-    by_round: dict[str, dict[int, float]] = {numerator: {}, denominator: {}}
-    for r in rows:
-        if (r["path"], r["connections"]) == (path, connections) and r["server"] in by_round and "skipped" not in r:
-            by_round[r["server"]][r["round"]] = r["ok_per_s"]
-    mine, theirs = by_round[numerator], by_round[denominator]
+    mine, theirs = (rate_by_round(rows, server, path, connections) for server in (numerator, denominator))
     return [mine[n] / theirs[n] for n in sorted(mine) if theirs.get(n)]
 
 
@@ -206,9 +208,8 @@ def served_of_alone(entry: dict, server: str, path: str, connections: int) -> fl
     """The median over rounds of `server`'s req/s at that level over the session alone's best images/s measured in
     the same round (None without both)."""
     best = {a["round"]: max(r["images_per_s"] for r in a["raw"]) for a in entry.get("session_alone_rounds", [])}
-    ratios = [r["ok_per_s"] / best[r["round"]] for r in entry["rounds"]
-              if (r["server"], r["path"], r["connections"]) == (server, path, connections) and "skipped" not in r
-              and best.get(r["round"])]
+    rates = rate_by_round(entry["rounds"], server, path, connections)
+    ratios = [rate / best[n] for n, rate in rates.items() if best.get(n)]
     return statistics.median(ratios) if ratios else None
 
 
