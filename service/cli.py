@@ -139,12 +139,17 @@ def run_serve(args: argparse.Namespace) -> int:
     if taken:
         print(f"vitserve serve: {taken}", file=sys.stderr)
         return 2
+    configure_logging(settings.log_level)
+    try:
+        settings = _resolve_engine(settings)
+    except ModelLoadError as e:
+        logging.getLogger("vitserve.cli").error("cannot start: %s", e)
+        return 1
     metrics_dir = None
     if settings.http_workers > 1 or settings.engine == "process":
         from vitserve.service.ground.metrics_files import prepare_multiprocess_dir
         metrics_dir, made = prepare_multiprocess_dir()
         metrics_dir = metrics_dir if made else None  # a directory the user named is theirs to keep
-    configure_logging(settings.log_level)
     scheme = "https" if settings.ssl_certfile else "http"
     grpc_note = f", gRPC on port {settings.grpc_port}" if settings.grpc_port else ""
     logging.getLogger("vitserve.cli").info("serving %s on %s://%s:%d%s: %d HTTP worker(s), engine %s", what, scheme,
@@ -249,6 +254,21 @@ def _serve_on_ray(settings: Settings) -> int:
     from vitserve.service.ground.logs import configure_logging
     configure_logging(settings.log_level)
     return run_on_ray(settings)
+
+
+def _resolve_engine(settings: Settings) -> Settings:
+    """engine=auto made process or inline (service/engine/topology.py), with what auto chose at load pinned: in the
+    environment, which the HTTP workers and the engine processes build their settings from."""
+    from vitserve.service.engine.topology import engine_choice
+    from vitserve.service.ground.settings import Settings
+    choice = engine_choice(settings)
+    if choice is None:
+        return settings
+    logging.getLogger("vitserve.cli").info("engine auto: %s, %s (--engine process or inline sets it)",
+                                           choice.engine, choice.why)
+    for name, value in choice.environment.items():
+        os.environ[ENV_PREFIX + name] = value
+    return Settings()
 
 
 @contextlib.contextmanager

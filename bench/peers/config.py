@@ -10,7 +10,10 @@ RAY_SERVERS = {"vitserve-ray1": 1, "vitserve-ray2": 2}
 # vitserve on a runtime and precision other than its default (`auto`): runtimes side by side, served
 RUNTIME_SERVERS = {"vitserve-openvino": {"VITSERVE_RUNTIME": "openvino"},
                    "vitserve-onnxruntime": {"VITSERVE_RUNTIME": "onnxruntime"},
-                   "vitserve-bf16": {"VITSERVE_RUNTIME": "openvino", "VITSERVE_PRECISION_HINT": "bf16"}}
+                   "vitserve-bf16": {"VITSERVE_RUNTIME": "openvino", "VITSERVE_PRECISION_HINT": "bf16"},
+                   # the model in one engine process that every HTTP worker feeds, whatever `--engine auto` would
+                   # choose (service/engine/topology.py): the two topologies side by side
+                   "vitserve-process": {"VITSERVE_ENGINE": "process"}}
 # Triton with the model on OpenVINO at a precision (its Python backend compiles the file's fast graph, as vitserve's
 # OpenVINO runtime does): the same runtime and precision as vitserve's, side by side
 TRITON_OPENVINO = {"triton-bf16": "bf16", "triton-openvino": "fp32"}
@@ -20,8 +23,9 @@ BF16_SERVERS = {"vitserve-bf16", "triton-bf16"}
 BASELINE = "vitserve-base"
 KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO, BASELINE)
 # the req/s ratios the report gives, where both servers ran: (numerator, denominator)
-RATIOS = (("vitserve", "triton"), ("vitserve", BASELINE), ("vitserve-bf16", "triton-bf16"),
-          ("vitserve-bf16", "vitserve-onnxruntime"), ("vitserve-openvino", "triton-openvino"))
+RATIOS = (("vitserve", "triton"), ("vitserve", BASELINE), ("vitserve", "vitserve-process"),
+          ("vitserve-process", "triton"), ("vitserve-bf16", "triton-bf16"), ("vitserve-bf16", "vitserve-onnxruntime"),
+          ("vitserve-openvino", "triton-openvino"))
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")

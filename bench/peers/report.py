@@ -10,7 +10,8 @@ LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-ray1": "vitserve on Ray (1 replica)", "vitserve-ray2": "vitserve on Ray (2 replicas)",
           "vitserve-base": "vitserve (baseline commit)", "vitserve-openvino": "vitserve on OpenVINO",
           "vitserve-onnxruntime": "vitserve on ONNX Runtime", "vitserve-bf16": "vitserve on OpenVINO bf16",
-          "triton-bf16": "Triton on OpenVINO bf16", "triton-openvino": "Triton on OpenVINO"}
+          "triton-bf16": "Triton on OpenVINO bf16", "triton-openvino": "Triton on OpenVINO",
+          "vitserve-process": "vitserve with an engine process"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 

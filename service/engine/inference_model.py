@@ -65,7 +65,7 @@ def read_model_file_info(path: Path) -> ModelInfo:
 def intra_op_threads(settings: Settings) -> int:
     """The configured count; by default ORT's (one per core) for an engine process or a single worker, the cores
     shared out among inline workers (each has its own session)."""
-    if settings.intra_op_threads or settings.engine == "process" or settings.http_workers == 1:
+    if settings.intra_op_threads or settings.engine != "inline" or settings.http_workers == 1:
         return settings.intra_op_threads
     return max(1, usable_cores() // settings.http_workers)
 

@@ -30,11 +30,13 @@ class Settings(BaseSettings):
                              "repository of one); ignored with model_repository")
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    engine: Literal["process", "inline"] = Field(
-        "process", description="process: the session and batcher in one engine process per device, fed by every "
-                               "HTTP worker; inline: in each HTTP worker (each loads its own session)")
-    workers: int | None = Field(None, ge=1, description="HTTP worker processes (uvicorn); unset: one per core with "
-                                                        "engine=process, 1 with engine=inline")
+    engine: Literal["auto", "process", "inline"] = Field(
+        "auto", description="process: the session and batcher in one engine process per device, fed by every "
+                            "HTTP worker; inline: in each HTTP worker (each loads its own session); auto: inline "
+                            "for a light model on the CPU served from one file, else process "
+                            "(service/engine/topology.py)")
+    workers: int | None = Field(None, ge=1, description="HTTP worker processes (uvicorn); unset: one per core, 1 "
+                                                        "with engine=inline")
     engine_arena_bytes: int = Field(64 * 2**20, ge=2**20, description="shared memory each HTTP worker writes pixels "
                                                                       "into for the engine (at most a quarter of "
                                                                       "what /dev/shm has free)")
@@ -292,10 +294,11 @@ class Settings(BaseSettings):
 
     @property
     def http_workers(self) -> int:
-        """HTTP worker processes: as set, else one per core that this process may use (engine=process) or one."""
+        """HTTP worker processes: as set, else one per core that this process may use, or one with engine=inline
+        (auto's inline sets the count: service/engine/topology.py)."""
         if self.workers:
             return self.workers
-        return usable_cores() if self.engine == "process" else 1
+        return 1 if self.engine == "inline" else usable_cores()
 
     @property
     def startup_models(self) -> list[str] | None:

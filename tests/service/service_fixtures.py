@@ -201,12 +201,13 @@ def scrape(base_url: str) -> dict[tuple, float]:
 def uvicorn_server(model_path: Path, *flags: str, workers: int = 1, env: dict | None = None,
                    ready_timeout_s: float = PATIENCE_S):
     """`vitserve serve` in a real process on a free port; yields (base_url, process) once every worker is
-    warmed up (the server's own count of ready workers says so); always stopped."""
+    warmed up (the server's own count of ready workers says so); always stopped. With an engine process unless
+    `flags` say `--engine` (a later flag wins)."""
     port = free_port()
     argv = [sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model_path), "--port", str(port),
             "--providers", "cpu", "--intra-op-threads", "1", "--preprocess-threads", "1", "--warmup-batch-sizes",
             "1", "--log-level", "warning", "--workers", str(workers), "--max-loop-lag-ms", "60000", "--grpc-port", "0",
-            "--runtime", "onnxruntime", "--maps-free", "off", *flags]
+            "--runtime", "onnxruntime", "--maps-free", "off", "--engine", "process", *flags]
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     process = subprocess.Popen(argv, cwd=REPO, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"

@@ -1,0 +1,84 @@
+"""`engine_choice`: where `vitserve serve --engine auto` (the default) puts the model, decided once before any worker
+starts: a session in each HTTP worker (inline), or one engine process that every worker feeds (process).
+
+A light model on the CPU is served fastest from inside the HTTP workers. The engine process costs a light model
+more than it runs: the way there and back (ZeroMQ's I/O threads, shared memory, the engine's loop and runner
+thread) took 1.2 ms of a 5 ms answer at one client, and the engine runs such a model on one thread, so its batches
+use one core while the other waits on the HTTP work. With one session per worker (one thread each) both cores run
+the model and no image leaves its process: on 2 cores, the default model, ONNX Runtime pinned, against the engine
+process in the same run (docs/results/bench-topology.md) 1.1-1.3x the req/s at one client and 1.3-2.1x at 8 and
+32, with less CPU per answer.
+
+The engine process stays where it earns its hop: a GPU (one CUDA context and one session per device, fed by every
+worker), a heavy model (each worker's session would get a share of the cores, and a lone request all of them),
+and a model repository (versions loaded and unloaded on request, shadows, one registry that every worker routes
+with).
+
+What `auto` decides at load by timing (the runtime and precision, the maps-free graph) is decided here once and
+handed to every worker pinned: workers that each raced would disagree start to start, and two workers' answers
+to the same image would differ in their last bits.
+"""
+from __future__ import annotations
+
+import gc
+import logging
+from dataclasses import dataclass, field
+
+import onnxruntime as ort
+
+from vitserve.service.engine.onnx_runtime import provider_chain
+from vitserve.service.engine.providers import CPU, runs_on_cpu
+from vitserve.service.engine.runtime import LIGHT_MODEL_MS, batch_one_ms, chosen_model, load_model
+from vitserve.service.ground.processes import usable_cores
+from vitserve.service.ground.settings import Settings
+
+log = logging.getLogger("vitserve.topology")
+
+
+@dataclass(frozen=True)
+class EngineChoice:
+    engine: str  # "process" or "inline"
+    why: str
+    # settings every process of the server takes (names without the VITSERVE_ prefix): what auto chose, pinned
+    pinned: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def environment(self) -> dict[str, str]:
+        return {"ENGINE": self.engine, **self.pinned}
+
+
+def engine_choice(settings: Settings) -> EngineChoice | None:
+    """Where the model runs, for `settings.engine` auto (None for process or inline: as set). Loads the model
+    file once here (and drops it) where the answer depends on it: on the CPU, a single file."""
+    if settings.engine != "auto":
+        return None
+    if settings.model_repository is not None:
+        return EngineChoice("process", "a model repository: one registry that every HTTP worker routes with")
+    if provider_chain(settings, ort.get_available_providers())[0][0] != CPU:
+        return EngineChoice("process", "a GPU provider: one session per device, fed by every HTTP worker")
+    model, _ = chosen_model(settings)
+    pinned = {} if settings.runtime != "auto" else {"RUNTIME": model.runtime,
+                                                     "PRECISION_HINT": model.precision_hint}
+    if not runs_on_cpu(model.provider):
+        return EngineChoice("process", f"the model runs on {model.provider}", pinned)
+    milliseconds = batch_one_ms(model)
+    if milliseconds >= LIGHT_MODEL_MS:
+        return EngineChoice("process", f"a heavy model ({milliseconds:.1f} ms at batch 1): one session with every "
+                                       f"core", pinned)
+    del model
+    threads = settings.intra_op_threads or 1  # the engine's own rule for a light model (service/engine/runtime.py)
+    pinned["INTRA_OP_THREADS"] = str(threads)
+    pinned["WORKERS"] = str(settings.workers or usable_cores())
+    if settings.maps_free == "auto":  # timed at load: decided here, on the thread count the workers will have
+        final = load_model(settings.model_copy(update={"intra_op_threads": threads, "maps_free": "auto",
+                                                        **_typed(pinned)}))
+        pinned["MAPS_FREE"] = "on" if getattr(final, "run_maps_free", None) is not None else "off"
+        del final
+    gc.collect()  # the sessions' memory back before the workers load theirs
+    return EngineChoice("inline", f"a light model on the CPU ({milliseconds:.2f} ms at batch 1): a session of "
+                                  f"{threads} thread(s) in each of the {pinned['WORKERS']} HTTP workers", pinned)
+
+
+def _typed(pinned: dict[str, str]) -> dict:
+    """The runtime and precision pinned so far, as Settings fields."""
+    return {name.lower(): value for name, value in pinned.items() if name in ("RUNTIME", "PRECISION_HINT")}

@@ -1,0 +1,94 @@
+"""`--engine auto`: a light model on the CPU served from one file gets a session in each HTTP worker, with what
+auto chose at load pinned for every worker; a repository, a GPU or a heavy model gets the engine process."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from vitserve.service.engine import topology
+from vitserve.service.engine.inference_model import intra_op_threads
+from vitserve.service.engine.runtime import load_model
+from vitserve.service.ground.processes import usable_cores
+from vitserve.service.ground.settings import Settings
+from service_fixtures import settings_for
+
+
+def auto(model_path, **overrides) -> Settings:
+    return settings_for(model_path, **{"engine": "auto", "intra_op_threads": 0, **overrides})
+
+
+def test_an_engine_named_by_the_user_is_kept(tiny_onnx):
+    assert topology.engine_choice(auto(tiny_onnx, engine="process")) is None
+    assert topology.engine_choice(auto(tiny_onnx, engine="inline")) is None
+    assert Settings().engine == "auto"
+
+
+def test_a_light_model_on_the_cpu_runs_in_every_worker_with_what_auto_chose_pinned(tiny_onnx):
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="auto", maps_free="auto"))
+    assert choice is not None and choice.engine == "inline" and "light model" in choice.why
+    pinned = choice.pinned
+    assert pinned["RUNTIME"] in ("onnxruntime", "openvino") and "PRECISION_HINT" in pinned
+    assert pinned["INTRA_OP_THREADS"] == "1" and pinned["WORKERS"] == str(usable_cores())
+    assert pinned["MAPS_FREE"] in ("on", "off")
+    # every worker builds these settings and loads the same model, with no race and no timing of its own
+    worker = Settings(**{**auto(tiny_onnx).model_dump(), **{k.lower(): v for k, v in choice.environment.items()}})
+    assert (worker.engine, worker.http_workers, intra_op_threads(worker)) == ("inline", usable_cores(), 1)
+    assert worker.runtime == pinned["RUNTIME"] and worker.maps_free == pinned["MAPS_FREE"]
+    first, second = load_model(worker), load_model(worker)
+    pixels = np.random.default_rng(0).normal(size=(3, first.info.channels, *first.info.image_size))
+    pixels = pixels.astype(np.float32)
+    for a, b in zip(first.run(pixels), second.run(pixels)):
+        assert np.array_equal(a, b)  # two workers' answers to the same image: the same bits
+
+
+def test_what_the_user_set_is_not_pinned_over(tiny_onnx):
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="off", intra_op_threads=2,
+                                         workers=3))
+    assert choice is not None and choice.engine == "inline"
+    assert choice.pinned == {"INTRA_OP_THREADS": "2", "WORKERS": "3"}
+
+
+def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx, monkeypatch):
+    monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="auto"))
+    assert choice is not None and choice.engine == "process" and "heavy model (50.0 ms" in choice.why
+    assert set(choice.pinned) == {"RUNTIME", "PRECISION_HINT"}  # the engine does not race the runtimes again
+
+
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the model was loaded to decide what needs no load")
+
+
+def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_model(tiny_onnx, tmp_path, monkeypatch):
+    monkeypatch.setattr(topology, "chosen_model", _not_loaded)
+    repository = tmp_path / "repository"
+    (repository / "m" / "1").mkdir(parents=True)
+    (repository / "m" / "1" / "model.onnx").write_bytes(tiny_onnx.read_bytes())
+    choice = topology.engine_choice(auto(tiny_onnx, model_repository=repository))
+    assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
+    monkeypatch.setattr(topology.ort, "get_available_providers",
+                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    choice = topology.engine_choice(auto(tiny_onnx, providers=["cuda", "cpu"]))
+    assert choice is not None and choice.engine == "process" and "GPU" in choice.why
+    # the CPU named alone: the GPU build's CUDA is not used, the model is timed
+    monkeypatch.setattr(topology, "chosen_model", lambda settings: (_ for _ in ()).throw(LookupError("timed")))
+    with pytest.raises(LookupError):
+        topology.engine_choice(auto(tiny_onnx, providers=["cpu"]))
+
+
+def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_environ, monkeypatch):
+    import uvicorn
+
+    from vitserve.cli import main
+    calls = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kwargs: calls.append(
+        (kwargs, Settings(), os.path.isdir(os.environ["PROMETHEUS_MULTIPROC_DIR"]))))
+    assert main(["serve", "--model", str(tiny_onnx), "--port", "9127", "--grpc-port", "0", "--runtime",
+                 "onnxruntime"]) == 0
+    kwargs, settings, metrics_dir_made = calls[0]
+    assert settings.engine == "inline" and not settings.engine_addresses  # no engine process started
+    assert kwargs["workers"] == settings.http_workers == usable_cores()
+    assert intra_op_threads(settings) == 1 and settings.maps_free in ("on", "off")
+    assert metrics_dir_made == (usable_cores() > 1)
