@@ -1,7 +1,7 @@
 """`python -m vitserve.bench.model_ab A.onnx B.onnx`: the same server code serving two model files, side by side:
 does a re-export (new outputs, a new opset, other weights) cost the served latency?
 
-Each round starts `vitserve serve --model FILE` for A, then for B (B first in even rounds), and drives each with
+Each round starts `vitserve serve --model FILE --engine process` for A, then for B (B first in even rounds), and drives each with
 Debian's wrk at every client count on /v1/classify (one Fashion-MNIST test image as PNG): 2 s settling, then the
 measured window. Reports answers/s, p50 and p99 per arm, and B's medians over the rounds as ratios to the same
 round's A. Writes a Markdown report and its JSON.
@@ -39,8 +39,9 @@ from vitserve.service.engine.server import PROCESS_NAME as ENGINE_PROCESS_NAME
 
 def serve(model: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
+    # with the engine process, whatever `--engine auto` would choose for the file: the profile's two roles
     process = subprocess.Popen([sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model), "--port",
-                                str(port), "--grpc-port", "0", "--log-level", "warning"],
+                                str(port), "--grpc-port", "0", "--log-level", "warning", "--engine", "process"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -5,9 +5,10 @@ A light model on the CPU is served fastest from inside the HTTP workers. The eng
 more than it runs: the way there and back (ZeroMQ's I/O threads, shared memory, the engine's loop and runner
 thread) took 1.2 ms of a 5 ms answer at one client, and the engine runs such a model on one thread, so its batches
 use one core while the other waits on the HTTP work. With one session per worker (one thread each) both cores run
-the model and no image leaves its process: on 2 cores, the default model, ONNX Runtime pinned, against the engine
-process in the same run (docs/results/bench-topology.md) 1.1-1.3x the req/s at one client and 1.3-2.1x at 8 and
-32, with less CPU per answer.
+the model and no image leaves its process. On 2 cores, the default model on ONNX Runtime, beside the engine process
+in the same runs: one client's p50 4.42 against 5.38 ms (docs/results/latency-budget.md), and 1.49-1.66x the
+req/s at 8 clients, 1.05-1.32x at 32, on the image, OIP JSON and OIP binary paths
+(docs/results/bench-peers-triton.md).
 
 The engine process stays where it earns its hop: a GPU (one CUDA context and one session per device, fed by every
 worker), a heavy model (each worker's session would get a share of the cores, and a lone request all of them),

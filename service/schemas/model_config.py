@@ -45,9 +45,11 @@ def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
 def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None) -> dict:
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
     the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
-    as this server runs it, one instance on the execution provider in use."""
+    as this server runs it, its instances on the execution provider in use: one in an engine process, one per
+    HTTP worker inline (each worker's session runs its own batches)."""
     on_gpu = provider in GPU_PROVIDERS
-    instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": 1,
+    count = settings.http_workers if settings.engine == "inline" else 1
+    instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": count,
                 "gpus": [settings.cuda_device_id] if on_gpu else []}
     return {
         "name": info.name,

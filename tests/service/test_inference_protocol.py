@@ -404,7 +404,10 @@ def test_the_model_configuration_uses_triton_s_names_types_and_the_server_s_sett
     assert [(i["name"], i["data_type"], i["dims"]) for i in ours["input"]] == [
         ("pixel_values", "TYPE_FP32", [1, -1, -1]), ("image", "TYPE_STRING", [1])]
     assert [(o["name"], o["dims"]) for o in ours["output"]] == [("logits", [2]), ("rollout", [-1, -1])]
-    assert ours["instance_group"][0]["kind"] == "KIND_CPU"
+    assert (ours["instance_group"][0]["kind"], ours["instance_group"][0]["count"]) == ("KIND_CPU", 1)
+    # a session in each of 3 HTTP workers: 3 instances
+    inline = Settings(engine="inline", workers=3)
+    assert triton_config(info, inline, "CPUExecutionProvider")["instance_group"][0]["count"] == 3
     # every field we send is one Triton sends, with the same JSON type (parameters are the model's own)
     for key, value in ours.items():
         assert key in triton, key
