@@ -258,10 +258,24 @@ def _serve_on_ray(settings: Settings) -> int:
 
 def _resolve_engine(settings: Settings) -> Settings:
     """engine=auto made process or inline (service/engine/topology.py), with what auto chose at load pinned: in the
-    environment, which the HTTP workers and the engine processes build their settings from."""
-    from vitserve.service.engine.topology import engine_choice
+    environment, which the HTTP workers and the engine processes build their settings from. Decided in a child
+    process: the model it loads to decide would otherwise stay in this one, which only supervises (the runtimes'
+    libraries and arenas: 140 MB of the default model's server, more than an HTTP worker's whole share)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+    from concurrent.futures.process import BrokenProcessPool
+
+    from vitserve.service.ground.errors import ModelLoadError
+    from vitserve.service.ground.logs import configure_logging
     from vitserve.service.ground.settings import Settings
-    choice = engine_choice(settings)
+    if settings.engine != "auto":
+        return settings
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"), initializer=configure_logging,
+                             initargs=(settings.log_level,)) as child:
+        try:
+            choice = child.submit(_engine_choice, settings).result()
+        except BrokenProcessPool as e:  # the runtime itself died on the file (a signal, not an exception)
+            raise ModelLoadError(f"loading {settings.model_path} to choose where it runs ended its process: {e}") from e
     if choice is None:
         return settings
     logging.getLogger("vitserve.cli").info("engine auto: %s, %s (--engine process or inline sets it)",
@@ -269,6 +283,12 @@ def _resolve_engine(settings: Settings) -> Settings:
     for name, value in choice.environment.items():
         os.environ[ENV_PREFIX + name] = value
     return Settings()
+
+
+def _engine_choice(settings: Settings):
+    """service/engine/topology.py's `engine_choice`, imported (with the runtimes) only in the process that runs it."""
+    from vitserve.service.engine.topology import engine_choice
+    return engine_choice(settings)
 
 
 @contextlib.contextmanager

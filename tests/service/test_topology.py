@@ -92,3 +92,18 @@ def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_envir
     assert kwargs["workers"] == settings.http_workers == usable_cores()
     assert intra_op_threads(settings) == 1 and settings.maps_free in ("on", "off")
     assert metrics_dir_made == (usable_cores() > 1)
+
+
+def test_a_file_that_fails_to_load_stops_serve_before_any_worker_starts(tiny_onnx, tmp_path, private_environ,
+                                                                        monkeypatch, caplog):
+    import onnx
+    import uvicorn
+
+    from vitserve.cli import main
+    broken = onnx.load(str(tiny_onnx))
+    broken.graph.node[0].op_type = "NoSuchOperator"  # the header reads; the graph does not load
+    path = tmp_path / "broken.onnx"
+    onnx.save(broken, str(path))
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("a worker started"))
+    assert main(["serve", "--model", str(path), "--port", "9128", "--grpc-port", "0"]) == 1
+    assert "cannot start" in caplog.text and "NoSuchOperator" in caplog.text
