@@ -97,10 +97,14 @@ def run_file(path: Path, pngs: list[bytes], max_burst: int, seed: int, runtime: 
     port = free_port()
     # Every request waits out the queue delay (not run at once by an idle model): bursts then fill batches, the
     # case invariance is about; alone, each image still runs by itself.
-    env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0", "VITSERVE_RUNTIME": runtime,
+    env = {"VITSERVE_LOG_LEVEL": "info", "VITSERVE_GRPC_PORT": "0", "VITSERVE_RUNTIME": runtime,
            "VITSERVE_MAX_QUEUE_DELAY_MS": str(queue_delay_ms), "VITSERVE_DISPATCH_WHEN_IDLE": "false",
            "VITSERVE_PRECISION_HINT": precision_hint}
-    with ServerProcess(serve_argv(path, port), port, env=env):
+    # the server's log kept (build/bench-logs): a connection the server dropped mid-run is explained there
+    log_dir = Path("build/bench-logs")
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log_path = log_dir / f"invariance-{path.stem}-{runtime}-{precision_hint}.log"
+    with ServerProcess(serve_argv(path, port), port, env=env, log_path=log_path):
         started = time.perf_counter()
         row = asyncio.run(measure(port, pngs, max_burst, seed))
     return {"file": str(path), "runtime": runtime, "precision_hint": precision_hint, **row, "seconds": round(time.perf_counter() - started, 1)}
