@@ -1,19 +1,20 @@
 """`engine_choice`: where `vitserve serve --engine auto` (the default) puts the model, decided once before any worker
 starts: a session in each HTTP worker (inline), or one engine process that every worker feeds (process).
 
-A light model on the CPU is served fastest from inside the HTTP workers. The engine process costs a light model
-more than it runs: the way there and back (ZeroMQ's I/O threads, shared memory, the engine's loop and runner
-thread) took 1.2 ms of a 5 ms answer at one client, and the engine runs such a model on one thread, so its batches
-use one core while the other waits on the HTTP work. With one session per worker (one thread each) both cores run
-the model and no image leaves its process. On 2 cores, the default model on ONNX Runtime, beside the engine process
-in the same runs: one client's p50 4.42 against 5.38 ms (docs/results/latency-budget.md), and 1.49-1.66x the
-req/s at 8 clients, 1.05-1.32x at 32, on the image, OIP JSON and OIP binary paths
-(docs/results/bench-peers-triton.md).
+A light model on the CPU is served faster from inside the HTTP workers. For it the engine process is a large share
+of an answer: the way there and back (ZeroMQ's I/O threads, shared memory, the engine's loop and runner thread)
+took 1.06 ms of a 4.7 ms answer at one client, and the engine runs such a model on one thread, so its batches use
+one core while the other waits on the HTTP work. With a session of one thread in each worker both cores run the
+model and no image leaves its process. On 2 cores, the default model on ONNX Runtime, beside the engine process in
+the same runs: one client's p50 4.65 against 5.34 ms (docs/results/latency-budget.md); 1.49-1.66x the req/s at 8
+clients and 1.05-1.32x at 32 on the image, OIP JSON and OIP binary paths (docs/results/bench-peers-triton.md). On
+OpenVINO bf16, whose one-thread call is cheap enough that the engine's thread was not the bottleneck: 1.25-1.51x at
+one client, 0.87-1.04x at 8 and 0.95-1.04x at 32 (docs/results/bench-peers-topology.md).
 
 The engine process stays where it earns its hop: a GPU (one CUDA context and one session per device, fed by every
-worker), a heavy model (each worker's session would get a share of the cores, and a lone request all of them),
-and a model repository (versions loaded and unloaded on request, shadows, one registry that every worker routes
-with).
+worker), a heavy model (in a worker its session would get a share of the cores; in the engine a lone request gets
+all of them), and a model repository (versions loaded and unloaded on request, shadows, one registry that every
+worker routes with).
 
 What `auto` decides at load by timing (the runtime and precision, the maps-free graph) is decided here once and
 handed to every worker pinned: workers that each raced would disagree start to start, and two workers' answers
