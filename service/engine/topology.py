@@ -58,6 +58,11 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
         return EngineChoice("process", "a model repository: one registry that every HTTP worker routes with")
     if provider_chain(settings, ort.get_available_providers())[0][0] != CPU:
         return EngineChoice("process", "a GPU provider: one session per device, fed by every HTTP worker")
+    if settings.intra_op_threads:
+        # A thread count set for the server sizes one shared session (docs/kubernetes.md: the CPU limit); in each
+        # of N workers it would put N times as many threads on the cores.
+        return EngineChoice("process", f"--intra-op-threads {settings.intra_op_threads}: the threads of one shared "
+                                       f"session")
     model, _ = chosen_model(settings)
     pinned = {} if settings.runtime != "auto" else {"RUNTIME": model.runtime,
                                                      "PRECISION_HINT": model.precision_hint}
@@ -68,7 +73,7 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
         return EngineChoice("process", f"a heavy model ({milliseconds:.1f} ms at batch 1): one session with every "
                                        f"core", pinned)
     del model
-    threads = settings.intra_op_threads or 1  # the engine's own rule for a light model (service/engine/runtime.py)
+    threads = 1  # the engine's own rule for a light model (service/engine/runtime.py)
     pinned["INTRA_OP_THREADS"] = str(threads)
     pinned["WORKERS"] = str(settings.workers or usable_cores())
     if settings.maps_free == "auto":  # timed at load: decided here, on the thread count the workers will have

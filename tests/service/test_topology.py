@@ -19,6 +19,10 @@ def auto(model_path, **overrides) -> Settings:
     return settings_for(model_path, **{"engine": "auto", "intra_op_threads": 0, **overrides})
 
 
+def _not_loaded(*args, **kwargs):
+    raise AssertionError("the model was loaded to decide what needs no load")
+
+
 def test_an_engine_named_by_the_user_is_kept(tiny_onnx):
     assert topology.engine_choice(auto(tiny_onnx, engine="process")) is None
     assert topology.engine_choice(auto(tiny_onnx, engine="inline")) is None
@@ -44,10 +48,18 @@ def test_a_light_model_on_the_cpu_runs_in_every_worker_with_what_auto_chose_pinn
 
 
 def test_what_the_user_set_is_not_pinned_over(tiny_onnx):
-    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="off", intra_op_threads=2,
-                                         workers=3))
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="off", workers=3))
     assert choice is not None and choice.engine == "inline"
-    assert choice.pinned == {"INTRA_OP_THREADS": "2", "WORKERS": "3"}
+    assert choice.pinned == {"INTRA_OP_THREADS": "1", "WORKERS": "3"}
+
+
+def test_a_thread_count_set_for_one_shared_session_keeps_the_engine_process(tiny_onnx, monkeypatch):
+    # the Kubernetes overlays set the threads and the workers to the CPU limit: in each worker that would be
+    # workers x threads on the cores
+    monkeypatch.setattr(topology, "chosen_model", _not_loaded)
+    choice = topology.engine_choice(auto(tiny_onnx, intra_op_threads=4, workers=4))
+    assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
+    assert "intra-op-threads 4" in choice.why
 
 
 def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx, monkeypatch):
@@ -55,10 +67,6 @@ def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx
     choice = topology.engine_choice(auto(tiny_onnx, runtime="auto"))
     assert choice is not None and choice.engine == "process" and "heavy model (50.0 ms" in choice.why
     assert set(choice.pinned) == {"RUNTIME", "PRECISION_HINT"}  # the engine does not race the runtimes again
-
-
-def _not_loaded(*args, **kwargs):
-    raise AssertionError("the model was loaded to decide what needs no load")
 
 
 def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_model(tiny_onnx, tmp_path, monkeypatch):
