@@ -61,9 +61,18 @@ def load_engine_model(settings: Settings) -> InferenceModel:
         return with_maps_free(model, raced, settings)
     log.info("a light model (%.2f ms at batch 1 on every core): one intra-op thread, the other cores for the HTTP "
              "workers (--intra-op-threads sets it)", milliseconds)
-    # the runtime `auto` chose stays: choosing again would cost the load as much again
-    chosen = {"runtime": model.runtime, "precision_hint": model.precision_hint}
-    return load_model(settings.model_copy(update={"intra_op_threads": 1, **chosen}))
+    return on_one_thread(model, settings)
+
+
+def on_one_thread(model: InferenceModel, settings: Settings) -> InferenceModel:
+    """A light model loaded again on one intra-op thread, with everything its settings ask for, on the runtime and
+    precision it has: choosing them again would cost the load as much again."""
+    return load_model(settings.model_copy(update={"intra_op_threads": 1, **runtime_of(model)}))
+
+
+def runtime_of(model: InferenceModel) -> dict[str, str]:
+    """The runtime and precision `model` runs on, as the Settings fields that load it so again."""
+    return {"runtime": model.runtime, "precision_hint": model.precision_hint}
 
 
 # ------------------------------------------------------------------------------------------ choosing the runtime
@@ -118,7 +127,7 @@ def with_maps_free(model: InferenceModel, raced: bool, settings: Settings) -> In
     precision loaded once more with it."""
     if not raced or settings.maps_free == "off":
         return model
-    return load_model(settings.model_copy(update={"runtime": model.runtime, "precision_hint": model.precision_hint}))
+    return load_model(settings.model_copy(update=runtime_of(model)))
 
 
 def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], bool] = has_int8_dot_product) -> bool:

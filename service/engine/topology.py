@@ -22,19 +22,15 @@ to the same image would differ in their last bits.
 """
 from __future__ import annotations
 
-import gc
-import logging
 from dataclasses import dataclass, field
 
 import onnxruntime as ort
 
 from vitserve.service.engine.onnx_runtime import provider_chain
 from vitserve.service.engine.providers import CPU, runs_on_cpu
-from vitserve.service.engine.runtime import LIGHT_MODEL_MS, batch_one_ms, chosen_model, load_model
+from vitserve.service.engine.runtime import LIGHT_MODEL_MS, batch_one_ms, chosen_model, on_one_thread, runtime_of
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
-
-log = logging.getLogger("vitserve.topology")
 
 
 @dataclass(frozen=True)
@@ -51,7 +47,8 @@ class EngineChoice:
 
 def engine_choice(settings: Settings) -> EngineChoice | None:
     """Where the model runs, for `settings.engine` auto (None for process or inline: as set). Loads the model
-    file once here (and drops it) where the answer depends on it: on the CPU, a single file."""
+    file here where the answer depends on it (on the CPU, a single file): `vitserve serve` runs this in a child
+    process, so the memory goes with it."""
     if settings.engine != "auto":
         return None
     if settings.model_repository is not None:
@@ -64,28 +61,19 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
         return EngineChoice("process", f"--intra-op-threads {settings.intra_op_threads}: the threads of one shared "
                                        f"session")
     model, _ = chosen_model(settings)
-    pinned = {} if settings.runtime != "auto" else {"RUNTIME": model.runtime,
-                                                     "PRECISION_HINT": model.precision_hint}
+    pinned = {} if settings.runtime != "auto" else {name.upper(): value for name, value in runtime_of(model).items()}
     if not runs_on_cpu(model.provider):
         return EngineChoice("process", f"the model runs on {model.provider}", pinned)
     milliseconds = batch_one_ms(model)
     if milliseconds >= LIGHT_MODEL_MS:
         return EngineChoice("process", f"a heavy model ({milliseconds:.1f} ms at batch 1): one session with every "
                                        f"core", pinned)
-    del model
-    threads = 1  # the engine's own rule for a light model (service/engine/runtime.py)
-    pinned["INTRA_OP_THREADS"] = str(threads)
+    # one thread in each worker: the engine's own rule for a light model (service/engine/runtime.py)
+    pinned["INTRA_OP_THREADS"] = "1"
     pinned["WORKERS"] = str(settings.workers or usable_cores())
-    if settings.maps_free == "auto":  # timed at load: decided here, on the thread count the workers will have
-        final = load_model(settings.model_copy(update={"intra_op_threads": threads, "maps_free": "auto",
-                                                        **_typed(pinned)}))
-        pinned["MAPS_FREE"] = "on" if getattr(final, "run_maps_free", None) is not None else "off"
-        del final
-    gc.collect()  # the sessions' memory back before the workers load theirs
+    if settings.maps_free == "auto":  # timed at load: decided here, on the thread the workers will have
+        maps_free = getattr(on_one_thread(model, settings), "run_maps_free", None) is not None
+        pinned["MAPS_FREE"] = "on" if maps_free else "off"
     return EngineChoice("inline", f"a light model on the CPU ({milliseconds:.2f} ms at batch 1): a session of "
-                                  f"{threads} thread(s) in each of the {pinned['WORKERS']} HTTP workers", pinned)
-
-
-def _typed(pinned: dict[str, str]) -> dict:
-    """The runtime and precision pinned so far, as Settings fields."""
-    return {name.lower(): value for name, value in pinned.items() if name in ("RUNTIME", "PRECISION_HINT")}
+                                  f"{pinned['INTRA_OP_THREADS']} thread(s) in each of the {pinned['WORKERS']} HTTP "
+                                  f"workers", pinned)
