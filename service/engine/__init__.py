@@ -87,12 +87,13 @@ class Engine(Protocol):
         """A loaded version's metadata."""
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
         """Run one image (C, H, W) in some batch of the handle's version; its result, or its own ServiceError.
         With a `target` (the class to explain, -1 the top-1) the relevance path, which batches apart. `maps`
         False: the answer needs no rollout, and a batch of such images only may run the model's maps-free graph
         (its rollout output then empty, shape (0,)). An unpinned request whose version was unloaded before it ran
-        goes to the newest ready version."""
+        goes to the newest ready version. `alone`: nothing else is in flight in the caller's process; an engine in
+        that process may then run it on the caller's thread (service/engine/batcher.py), one elsewhere ignores it."""
 
     def predicted_wait_s(self, name: str | None = None) -> float:
         """How long the work queued now for model `name` (its newest ready version; None: the least loaded of

@@ -17,6 +17,12 @@ maps_free=True)`, the cheaper computation. Apart, not mixed in: the cheaper comp
 item's answer must not depend on what its batch-mates asked for. Without `maps_free_batches` (a model with one
 computation) the flag is ignored, and nothing splits the batches.
 
+A lone image may run on the event loop (`enqueue(..., alone=True)`: its caller says nothing else is in flight in
+its process) when the batcher is idle and its batch is predicted, from the measured speed, to take at most
+`ON_LOOP_MAX_S`: nobody waits behind it there, and the way to the runner thread and back (two thread wake-ups and
+the dispatch loop's turns) cost a light model's lone request 0.4-0.5 ms of a 4.7 ms answer on 2 cores
+(docs/latency-budget.md). Its answer is the same batch of one the runner would have run.
+
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
 waits for at most the batches already in flight, not for the whole burst.
@@ -52,6 +58,11 @@ log = logging.getLogger("vitserve.engine")
 # more than the copy (7% of an engine process's time at its ceiling, docs/results/bench-engine-ceiling.md). A larger
 # one is copied on a thread, so the loop keeps answering meanwhile.
 STACK_INLINE_BYTES = 256 * 1024
+
+# A lone image's batch predicted to run within this long may run on the event loop (module doc): the longest the
+# loop then keeps a request that arrives meanwhile waiting, which the runner thread would keep waiting for its
+# batch anyway. A heavy model (ViT-S/16: 72 ms on 2 cores) always goes to the runner.
+ON_LOOP_MAX_S = 0.005
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions);
 # for a batch of maps-free items, also `maps_free=True`
@@ -128,12 +139,15 @@ class DynamicBatcher:
         self._queued_costs = {False: 0, True: 0}  # targeted -> input values queued
         self._depth_due = False  # the queue's depth is to be reported at the end of this loop turn
         self._seconds_per_cost: dict[bool, float] = {}  # targeted -> run_batch time per input value (moving average)
+        self._alone_per_cost: dict[bool, float] = {}  # the same, of batches of one (a batch's cost is not linear)
         self._active = 0  # batches taken from the queue and not yet answered
         self._free_since = float("-inf")  # when the last batch in flight finished (the runner went idle)
         self._last_size = 1  # images in the last batch that finished: how many clients may be coming back
         self._slots = asyncio.Semaphore(max_batches_in_flight)
         self._wakeup = asyncio.Event()
         self._closing = False
+        # a model whose threads run at a lowered priority (a shadow, a background model) never runs on the loop's
+        self._runs_at_loop_priority = runner_priority == "normal"
         self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-runner",
                                           initializer=lower_thread_priority, initargs=(runner_priority,))
         self._tasks: set[asyncio.Task] = set()
@@ -176,9 +190,9 @@ class DynamicBatcher:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
 
     async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                     maps_free: bool = False) -> BatchResult:
+                     maps_free: bool = False, alone: bool = False) -> BatchResult:
         """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
-        future = self.enqueue(array, timeout_s, target, maps_free)
+        future = self.enqueue(array, timeout_s, target, maps_free, alone)
         try:
             return await future
         except asyncio.CancelledError:
@@ -186,16 +200,21 @@ class DynamicBatcher:
             raise
 
     def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                maps_free: bool = False) -> asyncio.Future:
+                maps_free: bool = False, alone: bool = False) -> asyncio.Future:
         """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
         item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
-        from the futures' callbacks (service/engine/server.py). Raises NotReady or QueueFullError at once."""
+        from the futures' callbacks (service/engine/server.py). Raises NotReady or QueueFullError at once.
+        `alone`: nothing else is in flight in the caller's process; the item may then run here, on the event loop,
+        and its future is done on return (module doc)."""
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
         loop, now = asyncio.get_running_loop(), time.perf_counter()
         item = _Item(array, loop.create_future(), now, now + timeout_s, target, maps_free and self.maps_free_batches)
+        if alone and self._runs_on_loop(item):
+            self._run_on_loop(item)
+            return item.future
         self._groups.setdefault((array.shape, array.dtype.str, item.targeted, item.maps_free), deque()).append(item)
         # counted in place, the depth gauge told once per loop turn, not a new dict and a metric's lock per image
         # (about 4% of an engine process's samples at its ceiling)
@@ -364,30 +383,16 @@ class DynamicBatcher:
                 stacked = np.stack([item.array for item in batch])  # (B, ...)
             else:
                 stacked = await asyncio.to_thread(np.stack, [item.array for item in batch])
-            targeted = batch[0].targeted  # one group: all or none
-            targets = np.array([item.target for item in batch], np.int64) if targeted else None
-            maps_free = batch[0].maps_free  # one group: all or none
-            # `maps_free` only when set: a run_batch with one computation need not take it
-            options = {"maps_free": True} if maps_free else {}
-            started, started_ns = time.perf_counter(), tracing.now_ns()
-            stack_seconds = started - stacking
+            call, stack_seconds = self._call_of(batch, stacked), time.perf_counter() - stacking
+            started_ns = tracing.now_ns()
+            outputs: Sequence[Any] | Exception
             try:
                 # Timed inside the runner thread: with two batches in flight, the wait behind the other
                 # batch is queueing, not inference.
-                outputs, seconds = await loop.run_in_executor(
-                    self._runner, functools.partial(_timed_call, self._run_batch, stacked, targets, **options))
-                if len(outputs) != len(batch):
-                    raise RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
+                outputs, seconds = await loop.run_in_executor(self._runner, call)
             except Exception as e:
-                outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {e}")] * len(batch)
-                seconds = time.perf_counter() - started
-            span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), self._trace_attributes, len(batch),
-                                      targeted)
-            for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
-                self._resolve(item, output, seconds, len(batch), span)
-            self._last_size = len(batch)
-            self._learn_speed(targeted, seconds, sum(item.array.size for item in batch))
-            self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, maps_free)
+                outputs, seconds = e, (tracing.now_ns() - started_ns) / 1e9
+            self._answer(batch, outputs, seconds, started_ns, stack_seconds)
         except Exception as e:  # before the run (stacking: a MemoryError): its images fail now, not at their deadline
             log.exception("a batch of %d could not be assembled", len(batch))
             unanswered = InferenceError(f"a batch of {len(batch)} could not be assembled: {e!r:.200}")
@@ -395,17 +400,73 @@ class DynamicBatcher:
             for item in batch:  # a batch that ended early (above, or cancelled by close) answers every image
                 if not item.future.done():
                     item.future.set_exception(unanswered)
-            self._active -= 1
-            if not self._active:
-                self._free_since = time.perf_counter()
-            self._slots.release()
-            self._wakeup.set()  # an idle model may now take what is queued
+            self._batch_ended()
 
-    def _learn_speed(self, targeted: bool, seconds: float, cost: int) -> None:
-        """An exponential moving average of seconds per input value, per kind of work, for `predicted_wait_s`."""
+    def _call_of(self, batch: list[_Item], stacked: np.ndarray) -> Callable[[], tuple[Sequence[Any], float]]:
+        """The batch's `run_batch` call, timed where it runs: with its targets, and `maps_free` only when set (a
+        run_batch with one computation need not take it)."""
+        targets = np.array([item.target for item in batch], np.int64) if batch[0].targeted else None  # one group
+        options = {"maps_free": True} if batch[0].maps_free else {}
+        return functools.partial(_timed_call, self._run_batch, stacked, targets, **options)
+
+    def _answer(self, batch: list[_Item], outputs: Sequence[Any] | Exception, seconds: float, started_ns: int,
+                stack_seconds: float) -> None:
+        """Each image its output (or its batch's error: `outputs` an exception), then the batch's span, speed and
+        metrics."""
+        if not isinstance(outputs, Exception) and len(outputs) != len(batch):
+            outputs = RuntimeError(f"run_batch returned {len(outputs)} outputs for {len(batch)} inputs")
+        if isinstance(outputs, Exception):
+            outputs = [InferenceError(f"inference failed for a batch of {len(batch)}: {outputs}")] * len(batch)
+        targeted, maps_free = batch[0].targeted, batch[0].maps_free  # one group: all or none
+        span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), self._trace_attributes, len(batch),
+                                  targeted)
+        for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
+            self._resolve(item, output, seconds, len(batch), span)
+        self._last_size = len(batch)
+        self._learn_speed(targeted, seconds, sum(item.array.size for item in batch), len(batch))
+        self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, maps_free)
+
+    def _batch_ended(self) -> None:
+        self._active -= 1
+        if not self._active:
+            self._free_since = time.perf_counter()
+        self._slots.release()
+        self._wakeup.set()  # an idle model may now take what is queued
+
+    def _runs_on_loop(self, item: _Item) -> bool:
+        """Whether a lone item may run on the event loop now: nothing queued or running, its kind of batch of one
+        measured to run within ON_LOOP_MAX_S (unmeasured: to the runner), and the model not lowered."""
+        rate = self._alone_per_cost.get(item.targeted)
+        return (not self._queued and not self._active and rate is not None and self._runs_at_loop_priority
+                and rate * item.array.size <= ON_LOOP_MAX_S)
+
+    def _run_on_loop(self, item: _Item) -> None:
+        """A batch of the one item, run here on the event loop, as the runner would have run it."""
+        item.dispatched = time.perf_counter()
+        try:
+            self._observer.queue_wait(0.0)
+            started_ns = tracing.now_ns()
+            outputs: Sequence[Any] | Exception
+            try:
+                outputs, seconds = self._call_of([item], item.array[None])()
+            except Exception as e:
+                outputs, seconds = e, (tracing.now_ns() - started_ns) / 1e9
+            self._answer([item], outputs, seconds, started_ns, 0.0)
+        except Exception as e:
+            log.exception("a batch of 1 on the event loop failed")
+            if not item.future.done():
+                item.future.set_exception(InferenceError(f"a batch of 1 could not run: {e!r:.200}"))
+        finally:
+            self._free_since = time.perf_counter()
+
+    def _learn_speed(self, targeted: bool, seconds: float, cost: int, size: int) -> None:
+        """An exponential moving average of seconds per input value, per kind of work, for `predicted_wait_s`; and
+        apart, of batches of one, for `_runs_on_loop`."""
         rate = seconds / max(cost, 1)
-        previous = self._seconds_per_cost.get(targeted)
-        self._seconds_per_cost[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
+        for rates, learns in ((self._seconds_per_cost, True), (self._alone_per_cost, size == 1)):
+            previous = rates.get(targeted)
+            if learns:
+                rates[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
 
     @staticmethod
     def _resolve(item: _Item, output: Any, seconds: float, size: int, span: str) -> None:

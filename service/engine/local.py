@@ -56,18 +56,19 @@ class LocalEngine:
         return self.registry.serving(name, version).info
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
         try:
-            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps_free)
+            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps_free, alone)
         except VersionRetired:
             rerouted = self.registry.table.reroute(handle)
-            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps_free)
+            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps_free, alone)
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
-                     target: int | None, maps_free: bool = False) -> InferenceResult:
+                     target: int | None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
         """Run one image on exactly this version: `begin_on`, awaited."""
         answer = asyncio.get_running_loop().create_future()
-        queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer), maps_free)
+        queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer), maps_free,
+                               alone)
         try:
             return await answer
         except asyncio.CancelledError:
@@ -75,17 +76,19 @@ class LocalEngine:
             raise
 
     def begin_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float, target: int | None,
-                 done: Callable[[InferenceResult | BaseException], None], maps_free: bool = False) -> asyncio.Future:
+                 done: Callable[[InferenceResult | BaseException], None], maps_free: bool = False,
+                 alone: bool = False) -> asyncio.Future:
         """`run_on` with no task and no coroutine per image, for an engine process at its ceiling: the image is
         queued now (routing errors and a full queue raise here) and `done` gets its InferenceResult, or its error
-        (CancelledError when the returned future was cancelled), from the batch's callback."""
+        (CancelledError when the returned future was cancelled), from the batch's callback. `alone`: nothing else
+        is in flight in this process (the batcher may run it on the event loop: service/engine/batcher.py)."""
         served = self.registry.serving(name, version)
         served.check_open()
         batcher = served.batcher
         assert batcher is not None, "a served version's batcher starts when it loads"
         served.requests.hold()
         try:
-            future = batcher.enqueue(pixels, timeout_s, target, maps_free=maps_free)
+            future = batcher.enqueue(pixels, timeout_s, target, maps_free=maps_free, alone=alone)
         except BaseException:
             served.requests.release()
             raise

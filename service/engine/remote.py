@@ -177,7 +177,8 @@ class RemoteEngine:
         return self.table.ready_versions(name)
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+        # `alone` is not sent: the engine process has every frontend's images, and no frontend's loop to run one on
         try:
             return await self._submit(handle, pixels, timeout_s, target, maps_free)
         except VersionRetired:

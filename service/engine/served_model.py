@@ -164,6 +164,10 @@ class ServedModel:
             outputs = model.run(pixel_values)
         if any(output.shape[0] != len(pixel_values) for output in outputs):
             raise InferenceError(f"model returned {outputs[0].shape[0]} results for {len(pixel_values)} images")
+        # NaN and inf carry into a sum (in float64, which float32 values cannot overflow): a finite sum, all finite,
+        # one reduction per output instead of a check per image
+        if np.isfinite(sum(float(o.sum(dtype=np.float64)) for o in outputs)):
+            return list(zip(*outputs))
         finite = np.logical_and.reduce([np.isfinite(o.reshape(len(o), -1)).all(axis=1) for o in outputs])
         return [tuple(o[i] for o in outputs) if finite[i] else InferenceError("model output is not finite")
                 for i in range(len(pixel_values))]

@@ -95,7 +95,7 @@ async def classify(call: Call, image: bytes, options: ClassifyOptions) -> Classi
     """One encoded image -> its top classes and its map."""
     state, target = call.state, options.target_index
     prepared, preprocess_s = await _decode(call, image, options.resize, options.map_format == "overlay")
-    result = await submit(call, prepared.pixels, target, maps_free=options.map == "none")
+    result = await submit(call, prepared.pixels, target, maps_free=options.map == "none", alone=call.alone)
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
@@ -128,7 +128,7 @@ async def embed(call: Call, image: bytes, options: EmbedOptions) -> ImageEmbeddi
     score, on the fast path (`check_embeds` first)."""
     state = call.state
     prepared, preprocess_s = await _decode(call, image, options.resize, False)
-    result = await submit(call, prepared.pixels, None, maps_free=True)
+    result = await submit(call, prepared.pixels, None, maps_free=True, alone=call.alone)
     info = answering_info(call, result.version)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
@@ -219,7 +219,8 @@ async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
     """Run every image of the tensor (on the relevance path with a `target`; `maps_free`: the rollout is not
     needed, engine.submit); the first that fails fails the request, named, and the others are dropped. The outputs
     by name, stacked, and the version that ran them."""
-    results = await _each(list(pixels), lambda image: submit(call, image, target, maps_free))
+    alone = len(pixels) == 1 and call.alone
+    results = await _each(list(pixels), lambda image: submit(call, image, target, maps_free, alone))
     return _stacked(call, results, target is not None)
 
 
@@ -235,17 +236,19 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
     if len(shapes) > 1:
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
+    alone = len(prepared) == 1 and call.alone
     results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(call, pixels, target, maps_free))
+                          lambda pixels: submit(call, pixels, target, maps_free, alone))
     return _stacked(call, results, target is not None)
 
 
-async def submit(call: Call, pixels: np.ndarray, target: int | None, maps_free: bool = False) -> InferenceResult:
-    """One image through the engine (`maps_free`: its answer needs no rollout); traced, its queue and inference
-    spans; its stages: the wait in the batch queue (batch assembly included), the batch's run, and the rest of the
-    time from submit to answer, the way to the engine and back."""
+async def submit(call: Call, pixels: np.ndarray, target: int | None, maps_free: bool = False,
+                 alone: bool = False) -> InferenceResult:
+    """One image through the engine (`maps_free`: its answer needs no rollout; `alone`: the only image in flight in
+    this process); traced, its queue and inference spans; its stages: the wait in the batch queue (batch assembly
+    included), the batch's run, and the rest of the time from submit to answer, the way to the engine and back."""
     submitted_ns, started = tracing.now_ns(), time.perf_counter()
-    result = await call.state.engine.submit(call.handle, pixels, call.deadline.remaining(), target, maps_free)
+    result = await call.state.engine.submit(call.handle, pixels, call.deadline.remaining(), target, maps_free, alone)
     waited = time.perf_counter() - started
     call.stages += (("queue", result.queue_s), ("inference", result.inference_s),
                     ("engine_hop", max(0.0, waited - result.queue_s - result.inference_s)))
@@ -260,7 +263,7 @@ async def _decode(call: Call, data: bytes, resize: ResizePolicy, keep_source: bo
     # The first image of a request alone in its process may be decoded on the event loop (ImagePools): nobody waits
     # behind it there. A request's others decode side by side in the pools, not one after another on the loop.
     call.images_decoded += 1
-    inline = call.images_decoded == 1 and state.admission.in_flight <= 1
+    inline = call.images_decoded == 1 and call.alone
     with tracing.stage("decode"):
         prepared, preprocess_s = await state.images.preprocess(data, call.handle.info, resize, keep_source, inline)
     call.stages += (("decode", preprocess_s), ("decode_wait", time.perf_counter() - started - preprocess_s))

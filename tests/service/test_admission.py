@@ -19,8 +19,8 @@ from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.ground.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded, RequestTimeout
 from vitserve.service.http.routes.uploads import read_raw_body
 from vitserve.service.ground.settings import Settings
-from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, run_as_call, serving,
-                              settings_for, until)
+from service_fixtures import (PATIENCE_S, WrappedModel, assert_error, classify, image_bytes, only_batcher,
+                              run_as_call, serving, settings_for, until)
 
 pytestmark = pytest.mark.anyio
 
@@ -441,3 +441,33 @@ def test_startup_garbage_is_collected_before_the_freeze():
         assert alive() is None
     finally:
         gc.unfreeze()
+
+
+async def test_a_lone_request_runs_its_batch_on_the_event_loop_and_others_on_the_runner(tiny_onnx, tiny_model):
+    """Alone in its process, a light model's batch of one runs where its request is (the batcher's module doc):
+    no hop to the runner thread and back. A request of several images, and images that arrive together, go to the
+    runner, where they batch."""
+    class ThreadRecording(WrappedModel):
+        threads: list[int] = []
+
+        def run(self, pixel_values):
+            self.threads.append(threading.get_ident())
+            return super().run(pixel_values)
+
+    model, loop_thread = ThreadRecording(tiny_model), threading.get_ident()
+    async with serving(settings_for(tiny_onnx, max_queue_delay_ms=50), model) as client:
+        model.threads.clear()  # the warm-up's
+        for _ in range(3):
+            assert (await classify(client, image_bytes("PNG"))).status_code == 200
+        assert model.threads[0] != loop_thread and model.threads[1:] == [loop_thread] * 2  # once measured
+        model.threads.clear()
+        model.hold()
+        shape = [2, model.info.channels, *model.info.image_size]
+        pixels = {"name": "pixel_values", "datatype": "FP32", "shape": shape, "data": [0.5] * int(np.prod(shape))}
+        pair = asyncio.ensure_future(client.post(f"/v2/models/{model.info.name}/infer", json={"inputs": [pixels]}))
+        await until(lambda: model.entered == [2], "the two images in the model")
+        behind = asyncio.ensure_future(classify(client, image_bytes("PNG")))
+        await until(lambda: only_batcher(client.app).queued == 1, "a lone request queued behind them")
+        model.release()
+        assert (await pair).status_code == 200 and (await behind).status_code == 200
+        assert len(model.threads) == 2 and loop_thread not in model.threads

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from vitserve.service.engine import batcher as batcher_module
 from vitserve.service.engine.batcher import DynamicBatcher
 from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
 from service_fixtures import PATIENCE_S, until
@@ -23,12 +24,14 @@ class Recorder:
         self.targets: list[list[int] | None] = []  # each batch's targets (None: an untargeted batch)
         self.maps_free: list[bool] = []  # each batch: run as maps_free (every item maps_free)
         self.batches: list[list[float]] = []  # batches that ran
+        self.threads: list[int] = []  # the thread each batch ran on
         self.fail_when = lambda values: False
         self.gate = threading.Event()
         self.gate.set()
 
     def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False):
         values = [float(x.ravel()[0]) for x in stacked]
+        self.threads.append(threading.get_ident())
         self.started.append(values)
         self.maps_free.append(maps_free)
         self.targets.append(None if targets is None else targets.tolist())
@@ -362,4 +365,49 @@ async def test_the_dispatch_loop_outlives_a_failure_while_it_forms_a_batch():
     batcher.start()
     answers = [await asyncio.wait_for(batcher.submit(item(i), PATIENCE_S), PATIENCE_S) for i in (1, 2)]
     assert [a.output for a in answers] == [10, 20]  # the image taken when it failed too
+    await batcher.close()
+
+
+async def test_a_lone_image_runs_on_the_event_loop_once_its_batch_of_one_is_measured_fast():
+    recorder = Recorder()
+    batcher = make(recorder, dispatch_when_idle=True)
+    loop_thread = threading.get_ident()
+    first = await batcher.submit(item(1), 10, alone=True)  # its speed unknown yet: the runner
+    assert first.output == 10 and recorder.threads[-1] != loop_thread
+    lone = batcher.enqueue(item(2), 10, alone=True)
+    assert lone.done() and lone.result().output == 20 and lone.result().batch_size == 1  # answered on return
+    assert recorder.threads[-1] == loop_thread and recorder.batches[-1] == [2.0]
+    bad = batcher.enqueue(item(-1), 10, alone=True)  # an item's own error, on the loop too
+    assert isinstance(bad.exception(), ValueError) and recorder.threads[-1] == loop_thread
+    recorder.fail_when = lambda values: True  # a failing batch: the item's InferenceError, the loop unharmed
+    failed = batcher.enqueue(item(3), 10, alone=True)
+    assert isinstance(failed.exception(), InferenceError) and "boom" in str(failed.exception())
+    recorder.fail_when = lambda values: False
+    assert (await batcher.submit(item(4), 10)).output == 40  # not alone: the runner, as ever
+    assert recorder.threads[-1] != loop_thread and batcher.queued == 0 and not batcher.busy
+    await batcher.close()
+
+
+async def test_a_lone_image_goes_to_the_runner_behind_other_work_or_when_its_batch_is_slow_or_lowered(monkeypatch):
+    recorder = Recorder()
+    batcher = make(recorder, dispatch_when_idle=True)
+    loop_thread = threading.get_ident()
+    await batcher.submit(item(1), 10, alone=True)  # measured
+    recorder.gate.clear()
+    running = asyncio.ensure_future(batcher.submit(item(2), 10))
+    await until(lambda: recorder.started[-1] == [2.0], "a batch running")
+    behind = batcher.enqueue(item(3), 10, alone=True)  # something runs: it queues, the loop is not held
+    assert not behind.done() and batcher.queued == 1
+    recorder.gate.set()
+    assert [r.output for r in await asyncio.gather(running, behind)] == [20, 30]
+    assert loop_thread not in recorder.threads
+    monkeypatch.setattr(batcher_module, "ON_LOOP_MAX_S", 0.0)  # every batch measured slower than the limit
+    assert (await batcher.submit(item(4), 10, alone=True)).output == 40 and recorder.threads[-1] != loop_thread
+    await batcher.close()
+    monkeypatch.undo()
+    lowered = Recorder()
+    batcher = make(lowered, dispatch_when_idle=True, runner_priority="low")  # its threads never at the loop's
+    for value in (1, 2):
+        assert (await batcher.submit(item(value), 10, alone=True)).output == value * 10
+    assert loop_thread not in lowered.threads and len(lowered.threads) == 2
     await batcher.close()

@@ -136,8 +136,37 @@ async def test_only_a_lone_requests_first_image_may_be_decoded_on_the_loop(in_fl
             await asyncio.sleep(0)
             return "prepared", 0.001
 
-    call = SimpleNamespace(images_decoded=0, stages=[], handle=SimpleNamespace(info=INFO),
-                           state=SimpleNamespace(images=Pools(), admission=SimpleNamespace(in_flight=in_flight)))
+    call = call_in(SimpleNamespace(images=Pools(), admission=SimpleNamespace(in_flight=in_flight)))
     prepared = await inference._each([b"a", b"b", b"c"], lambda data: inference._decode(call, data, "fit", False))
     assert asked == expected and len(prepared) == 3
     assert [name for name, _ in call.stages].count("decode") == 3
+
+
+@pytest.mark.parametrize("in_flight, images, alone", [(1, 1, True), (1, 3, False), (2, 1, False)])
+async def test_only_a_lone_requests_only_image_may_run_its_batch_on_the_loop(in_flight, images, alone):
+    # the engine's `alone` (the batcher runs such a batch of one on the event loop): a request of several images
+    # batches them on the runner, and beside another request nobody may wait behind a model call on the loop
+    from vitserve.service.engine import InferenceResult
+    from vitserve.service.usecases import inference
+
+    asked: list[bool] = []
+
+    class Engine:
+        async def submit(self, handle, pixels, timeout_s, target=None, maps_free=False, alone=False):
+            asked.append(alone)
+            await asyncio.sleep(0)
+            return InferenceResult((np.ones(2, np.float32), np.ones((4, 4), np.float32)), 0.0, 0.001, 1, "1")
+
+    call = call_in(SimpleNamespace(engine=Engine(), admission=SimpleNamespace(in_flight=in_flight)))
+    outputs, version = await inference.run_pixel_tensors(call, np.zeros((images, 3, 32, 32), np.float32), None)
+    assert asked == [alone] * images and outputs["logits"].shape == (images, 2) and version == "1"
+
+
+def call_in(state):
+    """A use case's Call in a state the test fakes, routed to INFO's version."""
+    from vitserve.service.ground.deadlines import Deadline
+    from vitserve.service.usecases.pipeline import Call
+
+    call = Call(state, None, Deadline.after(10.0))
+    call.handle = SimpleNamespace(info=INFO, name="m", version="1")
+    return call

@@ -517,3 +517,31 @@ async def test_a_lowered_model_loads_and_computes_on_lowered_threads_and_nothing
     started = seen["started"]
     assert started and set(started.values()) == {lowered}  # ORT's intra-op thread was started lowered
     assert _this_thread() == (base, 0)  # the event loop's thread is untouched
+
+
+def test_an_image_whose_outputs_are_not_finite_fails_alone_and_huge_finite_outputs_are_answered(tiny_onnx):
+    from vitserve.service.engine.served_model import ServedModel
+    from vitserve.service.ground.errors import InferenceError
+    from vitserve.service.ground.metrics import ServiceMetrics
+
+    class Scripted:  # a model whose outputs the test writes
+        outputs: list[np.ndarray] = []
+
+        def run(self, pixel_values):
+            return self.outputs
+
+    model = Scripted()
+    served = ServedModel("m", "1", settings_for(tiny_onnx), ServiceMetrics().for_model("m", "1"), model=model)
+    pixels = np.zeros((3, 1, 4, 4), np.float32)
+    logits, maps = np.ones((3, 2), np.float32), np.ones((3, 2, 2), np.float32)
+    for bad in (np.nan, np.inf, -np.inf):
+        broken = maps.copy()
+        broken[1, 0, 1] = bad
+        model.outputs = [logits, broken]
+        answers = served.run_batch(pixels)
+        assert isinstance(answers[1], InferenceError) and "not finite" in str(answers[1])
+        assert [a[0].tolist() for i, a in enumerate(answers) if i != 1] == [[1.0, 1.0]] * 2  # its batch-mates
+    huge = np.full((3, 2), np.finfo(np.float32).max, np.float32)  # their float32 sum overflows; each is finite
+    model.outputs = [huge, maps]
+    answers = served.run_batch(pixels)
+    assert [a[0].tolist() for a in answers] == [huge[0].tolist()] * 3 and all(a[1].shape == (2, 2) for a in answers)
