@@ -36,6 +36,11 @@ async def lifespan(app: FastAPI):
     await state.start()
     grpc_front_end = None
     try:
+        if app.state.serve_grpc and state.settings.engine == "inline":
+            # Each worker has its own model here: one that took connections while it warmed up would answer 503 to
+            # what the others, ready, answer, after a readiness probe that reached one of them said the server was
+            # ready. uvicorn listens once the lifespan has started, so until then the others take every connection.
+            await state.engine.warmed_up()
         if app.state.serve_grpc and state.settings.grpc_port:
             from vitserve.service.grpc.server import GrpcFrontEnd  # grpcio: only where gRPC is served
             grpc_front_end = GrpcFrontEnd(state)

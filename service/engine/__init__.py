@@ -79,6 +79,10 @@ class Engine(Protocol):
 
     async def start(self) -> None: ...
 
+    async def warmed_up(self) -> bool:
+        """Wait for the warm-up that `start` began, where the models are in this process (an engine elsewhere warms
+        up on its own: not waited for); whether the engine is ready."""
+
     def route(self, name: str | None, version: str | None = None) -> ModelHandle:
         """The version a request for `name` goes to: `version`, or the newest ready one. `name` None: the only
         model, if there is one. ModelNotFound, InvalidModelName, or ModelUnavailable (exists, not ready)."""

@@ -176,6 +176,9 @@ class RemoteEngine:
     def ready_versions(self, name: str | None = None) -> list[tuple[str, str]]:
         return self.table.ready_versions(name)
 
+    async def warmed_up(self) -> bool:
+        return self.ready  # the engine process warms up on its own; its status says when it is ready
+
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
                      target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
         # `alone` is not sent: the engine process has every frontend's images, and no frontend's loop to run one on

@@ -115,3 +115,31 @@ def test_a_file_that_fails_to_load_stops_serve_before_any_worker_starts(tiny_onn
     monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: pytest.fail("a worker started"))
     assert main(["serve", "--model", str(path), "--port", "9128", "--grpc-port", "0"]) == 1
     assert "cannot start" in caplog.text and "NoSuchOperator" in caplog.text
+
+
+@pytest.mark.anyio
+async def test_a_worker_with_its_own_model_takes_no_connection_before_it_is_warmed_up(tiny_onnx, tiny_model):
+    # uvicorn listens once the lifespan has started: a worker still warming up would answer 503 where the others,
+    # ready, answer, after a readiness probe that reached one of them
+    import asyncio
+
+    from vitserve.service.app import create_app
+    from service_fixtures import PATIENCE_S, WrappedModel, until
+
+    for engine, waits in (("inline", True), ("process", False)):
+        model = WrappedModel(tiny_model)
+        model.hold()  # the warm-up's calls wait here
+        app = create_app(settings_for(tiny_onnx, engine=engine, grpc_port=0), model=model, serve_grpc=True)
+        started = asyncio.Event()
+
+        async def lifespan():
+            async with app.router.lifespan_context(app):
+                started.set()
+                await until(lambda: app.state.service.ready, "warmed up")
+        running = asyncio.create_task(lifespan())
+        await until(lambda: model.entered, "the warm-up in the model")
+        await asyncio.sleep(0.2)
+        assert started.is_set() is not waits and not app.state.service.ready
+        model.release()
+        await asyncio.wait_for(running, PATIENCE_S)
+        assert started.is_set()
