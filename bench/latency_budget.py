@@ -59,6 +59,11 @@ class Client:
         self.connection.close()
         self.connection = http.client.HTTPConnection(LOOPBACK, self.port, timeout=60)
 
+    def close(self) -> None:
+        """Hung up after its arm: one client is one connection (a lone request on its server's only connection
+        runs on its worker's event loop, service/usecases/admission.py `alone`)."""
+        self.connection.close()
+
     def send(self) -> tuple[float, str | None]:
         """The request's latency in ms and its Server-Timing header, if any."""
         started = time.perf_counter()
@@ -101,9 +106,9 @@ def stages_of(header: str) -> dict[str, float]:
 
 
 def measure(send, requests: int, warmup: int) -> dict:
-    reconnect = getattr(getattr(send, "__self__", None), "reconnect", None)
-    if reconnect is not None:
-        reconnect()
+    client = getattr(send, "__self__", None)
+    if isinstance(client, Client):
+        client.reconnect()
     for _ in range(warmup):
         send()
     latencies, budgets = [], []
@@ -112,6 +117,8 @@ def measure(send, requests: int, warmup: int) -> dict:
         latencies.append(ms)
         if header:
             budgets.append(stages_of(header))
+    if isinstance(client, Client):
+        client.close()
     result = {"p50_ms": statistics.median(latencies), "p99_ms": percentile(latencies, 0.99),
               "mean_ms": statistics.fmean(latencies)}
     if budgets:

@@ -47,7 +47,9 @@ async def lifespan(app: FastAPI):
             await grpc_front_end.start()
         freeze_startup_objects()
         # lifespan state: uvicorn hands it to each connection, whose protocol refuses overload early with it
-        yield {"early_refusal": inference_routes.early_refusal(state)}
+        # and the count of its connections, which it keeps
+        yield {"early_refusal": inference_routes.early_refusal(state),
+               "count_connection": state.admission.count_connection}
     finally:
         if grpc_front_end is not None:
             await grpc_front_end.stop()

@@ -136,16 +136,25 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline: float | None = None
         self._on_timeout: Callable[[], None] | None = None
         self._timer: asyncio.TimerHandle | None = None
+        self._count_connection: Callable[[int], None] | None = None
 
     # the connection
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
         self._expect_bytes(self.limits.header_timeout_s, self._head_timed_out)  # a silent client times out too
+        # admission's count of the process's connections (lifespan state `count_connection`): whether a request
+        # is its process's only client's
+        self._count_connection = self.app_state.get("count_connection")
+        if self._count_connection is not None:
+            self._count_connection(1)
 
     def connection_lost(self, exc) -> None:
         if self._timer is not None:
             self._timer.cancel()
+        if self._count_connection is not None:
+            self._count_connection(-1)
+            self._count_connection = None
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:

@@ -113,11 +113,26 @@ class Admission:
         self.min_shed_in_flight = max(self.MIN_IN_FLIGHT, min_shed_in_flight)
         self.max_in_flight = max_in_flight
         self.in_flight = 0
+        # the transport's open connections (HTTP's, counted by its protocol: service/http/connection.py); with one
+        # connection and one request in flight, no other client of this process is between its requests
+        self.connections = 0
         self.loop_lag = LoopLag()
         self.max_loop_lag_s = max_loop_lag_s
         self.overload_queue_s = overload_queue_s
         self.completions = CompletionRate()
         self.shedding_until = 0.0
+
+    def count_connection(self, change: int) -> None:
+        """A transport's connection opened (+1) or closed (-1)."""
+        self.connections += change
+
+    @property
+    def alone(self) -> bool:
+        """Whether a request in flight is the only one and its client the only one connected: nobody waits behind
+        work it does on the event loop. Not a request beside others, nor one of several clients between their
+        requests (eight clients on two workers: the first back from a batch would hold the loop while the others'
+        requests wait unread)."""
+        return self.in_flight <= 1 and self.connections <= 1
 
     def in_flight_limit(self, now: float) -> int:
         """Requests admitted at once now: `max_in_flight`, or while shedding what it finishes in

@@ -62,9 +62,9 @@ class Call:
 
     @property
     def alone(self) -> bool:
-        """Whether it is the only call in flight in this process: nobody waits behind work it does on the event
-        loop (its first image's decode, a light model's batch of one)."""
-        return self.state.admission.in_flight <= 1
+        """Whether it is the only call in flight in this process, from the only client connected: nobody waits
+        behind work it does on the event loop (its first image's decode, a light model's batch of one)."""
+        return self.state.admission.alone
 
     def ran_on(self, name: str, version: str) -> None:
         """The version that answered (the routed one, unless it was retired while the call waited)."""

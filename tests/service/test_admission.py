@@ -471,3 +471,18 @@ async def test_a_lone_request_runs_its_batch_on_the_event_loop_and_others_on_the
         model.release()
         assert (await pair).status_code == 200 and (await behind).status_code == 200
         assert len(model.threads) == 2 and loop_thread not in model.threads
+
+
+def test_a_request_is_alone_only_as_its_process_s_only_request_from_its_only_client():
+    admission = Admission(max_in_flight=10)
+    assert admission.alone  # (an app served in-process: no transport counts connections)
+    admission.count_connection(1)
+    admission.enter(0.0, 1.0)
+    assert admission.alone
+    admission.count_connection(1)  # a second client, between its requests
+    assert not admission.alone
+    admission.count_connection(-1)
+    admission.enter(0.0, 1.0)  # a second request on the one connection (HTTP/2, gRPC)
+    assert not admission.alone
+    admission.leave()
+    assert admission.alone

@@ -384,3 +384,32 @@ def test_overload_is_refused_from_the_request_line_without_the_app_and_the_conne
         answer = client.response()
         assert answer.status == 200 and json.loads(answer.body) == {"bytes": 5}
     assert asked == [(b"POST", "/echo"), (b"POST", "/echo")] and calls == ["/echo"]
+
+
+def test_the_app_counts_the_connections_open_in_its_process():
+    """Lifespan state `count_connection` (admission's: a request alone on its process's only connection may run its
+    work on the event loop) hears each connection open and close, once each, a refused one's too."""
+    from contextlib import asynccontextmanager
+
+    from vitserve.service.usecases.admission import Admission
+
+    admission = Admission(max_in_flight=10)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield {"count_connection": admission.count_connection}
+
+    app = make_app()
+    app.router.lifespan_context = lifespan
+    with uvicorn_in_thread(app, LIMITS) as (port, _):
+        with RawConnection(port) as first:
+            first.send(get("/"))
+            assert first.response().status == 200 and admission.connections == 1 and admission.alone
+            with RawConnection(port) as second, RawConnection(port) as refused:
+                second.send(get("/"))
+                refused.send(get("/" + "a" * 20_000))
+                assert second.response().status == 200 and refused.response().status == 414
+                wait_until(lambda: admission.connections == 2, "the refused connection closed")
+                assert not admission.alone
+            wait_until(lambda: admission.connections == 1, "the second closed")
+        wait_until(lambda: admission.connections == 0, "all closed")

@@ -136,7 +136,7 @@ async def test_only_a_lone_requests_first_image_may_be_decoded_on_the_loop(in_fl
             await asyncio.sleep(0)
             return "prepared", 0.001
 
-    call = call_in(SimpleNamespace(images=Pools(), admission=SimpleNamespace(in_flight=in_flight)))
+    call = call_in(SimpleNamespace(images=Pools(), admission=admitted(in_flight)))
     prepared = await inference._each([b"a", b"b", b"c"], lambda data: inference._decode(call, data, "fit", False))
     assert asked == expected and len(prepared) == 3
     assert [name for name, _ in call.stages].count("decode") == 3
@@ -157,9 +157,20 @@ async def test_only_a_lone_requests_only_image_may_run_its_batch_on_the_loop(in_
             await asyncio.sleep(0)
             return InferenceResult((np.ones(2, np.float32), np.ones((4, 4), np.float32)), 0.0, 0.001, 1, "1")
 
-    call = call_in(SimpleNamespace(engine=Engine(), admission=SimpleNamespace(in_flight=in_flight)))
+    call = call_in(SimpleNamespace(engine=Engine(), admission=admitted(in_flight)))
     outputs, version = await inference.run_pixel_tensors(call, np.zeros((images, 3, 32, 32), np.float32), None)
     assert asked == [alone] * images and outputs["logits"].shape == (images, 2) and version == "1"
+
+
+def admitted(in_flight: int):
+    """An admission with `in_flight` requests admitted, from one client connected."""
+    from vitserve.service.usecases.admission import Admission
+
+    admission = Admission(max_in_flight=10)
+    admission.count_connection(1)
+    for _ in range(in_flight):
+        admission.enter(0.0, 1.0)
+    return admission
 
 
 def call_in(state):
