@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ class Recorder:
         self.batches: list[list[float]] = []  # batches that ran
         self.threads: list[int] = []  # the thread each batch ran on
         self.fail_when = lambda values: False
+        self.delay_s = 0.0  # each batch takes at least this long
         self.gate = threading.Event()
         self.gate.set()
 
@@ -37,6 +39,7 @@ class Recorder:
         self.targets.append(None if targets is None else targets.tolist())
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never opened the gate")
+        time.sleep(self.delay_s)
         self.batches.append(values)
         if self.fail_when(values):
             raise RuntimeError("boom")
@@ -403,8 +406,13 @@ async def test_a_lone_image_goes_to_the_runner_behind_other_work_or_when_its_bat
     assert loop_thread not in recorder.threads
     monkeypatch.setattr(batcher_module, "ON_LOOP_MAX_S", 0.0)  # every batch measured slower than the limit
     assert (await batcher.submit(item(4), 10, alone=True)).output == 40 and recorder.threads[-1] != loop_thread
-    await batcher.close()
     monkeypatch.undo()
+    recorder.delay_s = 4 * batcher_module.ON_LOOP_MAX_S  # a slow batch of one (a cold first call): the runner next
+    await batcher.submit(item(5), 10)
+    assert (await batcher.submit(item(6), 10, alone=True)).output == 60 and recorder.threads[-1] != loop_thread
+    recorder.delay_s = 0.0  # the last batch of one decides, not an average that still carries the slow one
+    await batcher.submit(item(7), 10)
+    assert (await batcher.submit(item(8), 10, alone=True)).output == 80 and recorder.threads[-1] == loop_thread
     lowered = Recorder()
     batcher = make(lowered, dispatch_when_idle=True, runner_priority="low")  # its threads never at the loop's
     for value in (1, 2):
