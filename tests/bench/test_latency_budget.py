@@ -57,3 +57,40 @@ def test_a_commit_that_is_not_there_stops_the_run_in_one_line_before_any_server_
     monkeypatch.setattr(servers.ServerProcess, "__enter__", lambda self: pytest.fail("a server was started"))
     with pytest.raises(SystemExit, match="^no commit 'no-such-commit' in this repository$"):
         latency_budget.main(["--baseline-commit", "no-such-commit", "--rounds", "1"])
+
+
+def test_each_arm_measures_on_a_fresh_connection_and_hangs_up_after_it():
+    # one client is one connection: an idle keep-alive connection left by another arm would be a second client to
+    # the server (a lone request on its server's only connection runs on the worker's event loop)
+    import http.server
+    import threading
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+        opened: list = []
+
+        def setup(self):
+            super().setup()
+            Echo.opened.append(self.connection)
+
+        def do_POST(self):
+            self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = latency_budget.Client(server.server_address[1], "/x", b"png", "image/png")
+        client.send()  # a connection before the arm: replaced by the arm's own
+        result = latency_budget.measure(client.send, requests=5, warmup=2)
+        assert result["p50_ms"] > 0 and len(Echo.opened) == 2  # the arm's 7 requests on one new connection
+        assert client.connection.sock is None  # hung up
+    finally:
+        server.shutdown()
+        server.server_close()
