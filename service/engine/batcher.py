@@ -357,18 +357,23 @@ class DynamicBatcher:
         self._last_served[shape] = now
         if len(self._last_served) > 2 * len(self._groups) + 64:  # forget shapes no longer queued: bounded memory
             self._last_served = {s: t for s, t in self._last_served.items() if s in self._groups or s == shape}
-        for item in batch:
-            item.dispatched = now
-        try:  # taken off the queue: from here only the batch's run answers them, so nothing may stop it
-            for item in batch:
-                self._observer.queue_wait(now - item.enqueued)
-        except Exception:
-            log.exception("recording a batch's queue wait failed")
+        self._dispatch(batch, now)
         targeted = batch[0].targeted  # one group: all or none
         costs = {**self._queued_costs, targeted: self._queued_costs[targeted] - sum(i.array.size for i in batch)}
         self._set_queued(self._queued - len(batch), costs)
         self._active += 1
         return batch
+
+    def _dispatch(self, batch: list[_Item], now: float) -> None:
+        """The batch's items taken off the queue at `now`, their waits recorded: from here only the batch's run
+        answers them, so nothing (a metric failing) may stop it."""
+        for item in batch:
+            item.dispatched = now
+        try:
+            for item in batch:
+                self._observer.queue_wait(now - item.enqueued)
+        except Exception:
+            log.exception("recording a batch's queue wait failed")
 
     async def _execute(self, batch: list[_Item]) -> None:
         unanswered: BaseException = NotReady("shut down before this image ran")
@@ -442,9 +447,8 @@ class DynamicBatcher:
 
     def _run_on_loop(self, item: _Item) -> None:
         """A batch of the one item, run here on the event loop, as the runner would have run it."""
-        item.dispatched = time.perf_counter()
+        self._dispatch([item], time.perf_counter())
         try:
-            self._observer.queue_wait(0.0)
             started_ns = tracing.now_ns()
             outputs: Sequence[Any] | Exception
             try:

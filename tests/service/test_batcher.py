@@ -372,8 +372,14 @@ async def test_the_dispatch_loop_outlives_a_failure_while_it_forms_a_batch():
 
 
 async def test_a_lone_image_runs_on_the_event_loop_once_its_batch_of_one_is_measured_fast():
-    recorder = Recorder()
-    batcher = make(recorder, dispatch_when_idle=True)
+    recorder, waits_fail = Recorder(), threading.Event()
+
+    class Observer(batcher_module._NullObserver):
+        def queue_wait(self, seconds):
+            if waits_fail.is_set():
+                raise RuntimeError("the metric failed")
+
+    batcher = make(recorder, dispatch_when_idle=True, observer=Observer())
     loop_thread = threading.get_ident()
     first = await batcher.submit(item(1), 10, alone=True)  # its speed unknown yet: the runner
     assert first.output == 10 and recorder.threads[-1] != loop_thread
@@ -386,6 +392,9 @@ async def test_a_lone_image_runs_on_the_event_loop_once_its_batch_of_one_is_meas
     failed = batcher.enqueue(item(3), 10, alone=True)
     assert isinstance(failed.exception(), InferenceError) and "boom" in str(failed.exception())
     recorder.fail_when = lambda values: False
+    waits_fail.set()  # a metric that fails: the image is answered all the same, as on the runner
+    assert batcher.enqueue(item(5), 10, alone=True).result().output == 50 and recorder.threads[-1] == loop_thread
+    waits_fail.clear()
     assert (await batcher.submit(item(4), 10)).output == 40  # not alone: the runner, as ever
     assert recorder.threads[-1] != loop_thread and batcher.queued == 0 and not batcher.busy
     await batcher.close()
