@@ -138,6 +138,7 @@ class ServiceMetrics:
         # prometheus-client's public `remove`
         self._children: dict[tuple[str, str], set[tuple]] = defaultdict(set)
         self._reporters: dict[tuple[str, str], ModelMetrics] = {}
+        self._refusal_series: dict[tuple[str, str], tuple] = {}
         self.ready.set(0)
 
     def _metric(self, kind: type, name: str, documentation: str, labelnames=(), **options):
@@ -164,6 +165,18 @@ class ServiceMetrics:
 
     def rejected_request(self, reason: str) -> None:
         self.rejected.labels(reason).inc()
+
+    def refused_at_once(self, endpoint: str, reason: str) -> None:
+        """A request refused before it was read (HTTP, from its request line): counted as rejected and as an
+        answer of 429 in no time, as a refused request's own path counts it. It was never in flight. The two
+        series are made once per endpoint and reason: under overload half the requests come here."""
+        series = self._refusal_series.get((endpoint, reason))
+        if series is None:
+            series = self._refusal_series[endpoint, reason] = (
+                self.rejected.labels(reason), self.request_duration.labels(endpoint, "429", "", "", "http"))
+        rejected, duration = series
+        rejected.inc()
+        duration.observe(0.0)
 
     def for_model(self, model: str, version: str) -> ModelMetrics:
         """What one model version reports: its batches, queue and images, under its labels (made once: every

@@ -41,19 +41,22 @@ import asyncio
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 from vitserve.service.ground.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong
 from vitserve.service.ground.settings import Settings
-from vitserve.service.http.errors import error_response, status_code
+from vitserve.service.http.errors import error_response, is_protocol_path, status_code
 
 if TYPE_CHECKING:  # checked as it runs where httptools is installed: without it, nothing below is instantiated
     import httptools
     from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+    from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
 else:
     try:
         import httptools
         from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
+        from uvicorn.protocols.utils import get_client_addr, get_path_with_query_string
     except ImportError:  # pragma: no cover - see `uvicorn_http_options`
         httptools = None
         HttpToolsProtocol = RequestResponseCycle = object  # never instantiated: uvicorn runs h11 instead
@@ -64,15 +67,17 @@ else:
 # tests/service/test_uvicorn_contract.py against the installed uvicorn.
 UVICORN_SURFACE = {
     "module": ("STATUS_LINE", "HttpToolsProtocol", "RequestResponseCycle"),
+    "utils": ("get_client_addr", "get_path_with_query_string"),
     "protocol_methods": ("__init__", "connection_made", "connection_lost", "data_received", "on_message_begin",
                          "on_header", "on_headers_complete", "on_body", "on_message_complete", "on_response_complete",
                          "_unset_keepalive_if_required", "_should_upgrade", "handle_websocket_upgrade",
                          "_unsupported_upgrade_warning", "send_400_response", "timeout_keep_alive_handler"),
     "protocol_attributes": ("parser", "cycle", "app", "app_state", "url", "headers", "transport", "loop",
-                            "timeout_keep_alive", "timeout_keep_alive_task", "server_state", "logger"),
+                            "timeout_keep_alive", "timeout_keep_alive_task", "server_state", "logger",
+                            "limit_concurrency", "access_log", "access_logger", "flow"),
     "cycle_methods": ("receive",),
     "cycle_attributes": ("more_body", "body", "response_complete", "response_started", "disconnected",
-                         "message_event", "keep_alive"),
+                         "message_event", "keep_alive", "scope"),
 }
 
 
@@ -227,8 +232,13 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._unparsed_in_body = self._trailer_bytes = 0
         self._bytes_came(self._head_timed_out)
         earlier, app = self.cycle, self.app
+        # uvicorn runs the app in a task: a refusal's, too. Where nothing else can answer first (uvicorn's own
+        # 503 at its connection limit) and the client reads its answers, the protocol writes the 429 itself, in
+        # this read's callback, and uvicorn's task finds it sent. A client that does not read gets uvicorn's
+        # send, which waits for it: its refusals do not pile up in the server.
+        at_once = refusal is not None and self.limit_concurrency is None and not self.flow.write_paused
         if refusal is not None:  # this request runs the refusal instead of the app (uvicorn discards its body)
-            self.app = refusal
+            self.app = _answered if at_once else refusal.asgi
         try:
             super().on_headers_complete()
         finally:
@@ -241,11 +251,14 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             self._requests += 1
             if self._requests == self.limits.max_requests_per_connection:
                 self.cycle.keep_alive = False  # uvicorn adds `Connection: close` to the answer and closes after it
+            if at_once:
+                assert refusal is not None  # at_once is about a refusal, for the checker
+                self._answer_at_once(timed, refusal)
 
-    def _overload_refusal(self):
+    def _overload_refusal(self) -> _Refusal | None:
         """Under overload a 429 must cost far less than an answer, or the server cannot even refuse at twice its
         capacity: ask the app's admission (lifespan state `early_refusal`) from the request line alone and, if
-        it refuses, an ASGI app that only sends the 429 (no routing, dependencies or middleware). The
+        it refuses, the answer to send in the app's place (no routing, dependencies or middleware). The
         connection stays open: uvicorn discards the unread body, as for any early answer."""
         early_refusal = self.app_state.get("early_refusal")
         if early_refusal is None or (self.cycle is not None and not self.cycle.response_complete):
@@ -255,15 +268,26 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         if refused is None:
             return None
         error, retry_after_s = refused
-        status, body = self._error_response(error, path)
-        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body)),
-                   (b"retry-after", b"%d" % retry_after_s)]
+        return _refusal(is_protocol_path(path), status_code(error), error.code, str(error), retry_after_s)
 
-        async def refuse(scope, receive, send) -> None:
-            await send({"type": "http.response.start", "status": status, "headers": headers})
-            await send({"type": "http.response.body", "body": body})
-
-        return refuse
+    def _answer_at_once(self, cycle: RequestResponseCycle, refusal: _Refusal) -> None:
+        """What uvicorn's `send` does for a whole answer, in one write: the head and body, the cycle marked
+        answered (uvicorn then discards the body), the connection closed if it does not live on, and the
+        protocol told (its keep-alive timer, the next pipelined request)."""
+        head = [STATUS_LINE[refusal.status], *(name + b": " + value + b"\r\n" for name, value in
+                                       self.server_state.default_headers), refusal.headers]
+        if not cycle.keep_alive:
+            head.append(b"connection: close\r\n")
+        self.transport.write(b"".join(head) + b"\r\n" + refusal.body)
+        if self.access_log:  # the line uvicorn's `send` logs
+            scope = cycle.scope
+            self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
+                                    get_path_with_query_string(scope), scope["http_version"], refusal.status)
+        cycle.response_started = cycle.response_complete = True
+        cycle.message_event.set()
+        if not cycle.keep_alive:
+            self.transport.close()
+        self.on_response_complete()
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
@@ -279,7 +303,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._deadline = self._on_timeout = None  # the body is all here: no one waits for it any more
         if discarded:
             # Idle from here, as after any response: data_received disarmed uvicorn's keep-alive timer, which
-            # uvicorn armed at the response and would not arm again.
+            # uvicorn armed at the response and would not arm again; or the answer went out in this very read
+            # (a refusal written at once) and its timer is still armed: one timer, not two.
+            self._unset_keepalive_if_required()
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive,
                                                                 self.timeout_keep_alive_handler)
 
@@ -392,6 +418,35 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._refused = True
         self.transport.write(b"".join(head) + body)
         self.transport.close()
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """A 429 decided from the request line: its status, its own headers (and their lines), its body."""
+
+    status: int
+    header_list: tuple[tuple[bytes, bytes], ...]
+    headers: bytes
+    body: bytes
+
+    async def asgi(self, scope, receive, send) -> None:
+        """The refusal as an ASGI app, for uvicorn's task where the protocol does not write it itself."""
+        await send({"type": "http.response.start", "status": self.status, "headers": list(self.header_list)})
+        await send({"type": "http.response.body", "body": self.body})
+
+
+@lru_cache(maxsize=256)
+def _refusal(protocol_path: bool, status: int, code: str, message: str, retry_after_s: int) -> _Refusal:
+    """Made once per distinct refusal (most under overload say the same): the JSON and the header lines."""
+    status, body = error_response("/v2/" if protocol_path else "/", status, code, message)
+    encoded = json.dumps(body).encode()
+    header_list = ((b"content-type", b"application/json"), (b"content-length", b"%d" % len(encoded)),
+                   (b"retry-after", b"%d" % retry_after_s))
+    return _Refusal(status, header_list, b"".join(n + b": " + v + b"\r\n" for n, v in header_list), encoded)
+
+
+async def _answered(scope, receive, send) -> None:
+    """uvicorn's task for a request the protocol has answered itself: nothing left to do."""
 
 
 class _BodyTimedCycle(RequestResponseCycle):

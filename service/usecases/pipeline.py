@@ -111,16 +111,19 @@ def would_refuse(state: ServiceState, endpoint: str, requested: str | None) -> t
     (HTTP's connection, from the request line): under overload a refusal must cost far less than an answer."""
     if not state.ready:
         return None
-    refused = state.admission.refusal(state.engine.predicted_wait_s(requested), state.queue_wait_limit_s)
+    wait_s = state.engine.predicted_wait_s(requested)
+    refused = state.admission.refusal(wait_s, state.queue_wait_limit_s)
     if refused is None:
         return None
-    state.metrics.rejected_request(refused.code)
-    state.metrics.request_started()
-    state.metrics.request_done(endpoint, 429, 0.0)
-    return refused, retry_after_s(state, requested)
+    state.metrics.refused_at_once(endpoint, refused.code)
+    return refused, _retry_after(state, wait_s)
 
 
 def retry_after_s(state: ServiceState, requested: str | None = None) -> int:
     """Seconds a refused client should wait: the time the model's queued work needs to run (at least the
     setting)."""
-    return max(state.settings.retry_after_s, math.ceil(state.engine.predicted_wait_s(requested)))
+    return _retry_after(state, state.engine.predicted_wait_s(requested))
+
+
+def _retry_after(state: ServiceState, predicted_wait_s: float) -> int:
+    return max(state.settings.retry_after_s, math.ceil(predicted_wait_s))

@@ -386,6 +386,136 @@ def test_overload_is_refused_from_the_request_line_without_the_app_and_the_conne
     assert asked == [(b"POST", "/echo"), (b"POST", "/echo")] and calls == ["/echo"]
 
 
+def _refusing_protocol(refusing: list[bool], **options):
+    """The limited protocol made by hand, as uvicorn makes one per connection, whose app state refuses POSTs to
+    /v1/classify while `refusing[0]`; and the app it serves otherwise (200 "ok")."""
+    from vitserve.service.ground.errors import Overloaded
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    def early_refusal(method: bytes, path: str):
+        return (Overloaded("busy"), 3) if refusing[0] and path == "/v1/classify" else None
+
+    config = uvicorn.Config(app, http="httptools", log_level="info", lifespan="off",
+                            timeout_keep_alive=KEEP_ALIVE_S, **options)
+    config.load()
+    return LimitedHttpToolsFactory(LIMITS)(config, uvicorn.server.ServerState(), {"early_refusal": early_refusal},
+                                           asyncio.get_running_loop())
+
+
+@pytest.mark.parametrize("access_log", [True, False])
+def test_a_refusal_is_written_in_the_read_that_brought_its_head(access_log):
+    """uvicorn would run the refusal in a task, a loop turn later, behind the admitted requests' work: the 429 is
+    in the client's socket as soon as the protocol has read the request, with no turn of the loop between (and
+    in the access log as uvicorn writes it). The refused request's body is discarded, the connection serves the
+    next requests, and no second keep-alive timer closes it while it works (the answer and the body's end came
+    in the same read)."""
+    import logging
+
+    class Lines(logging.Handler):
+        def __init__(self):
+            super().__init__()
+            self.lines: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.lines.append(record.getMessage())
+
+    access = logging.getLogger("uvicorn.access")  # uvicorn's: it does not propagate
+    lines = Lines()
+    refusing = [True]
+
+    async def scenario() -> tuple[bytes, list[bytes]]:
+        loop = asyncio.get_running_loop()
+        protocol = _refusing_protocol(refusing, access_log=access_log)
+        access.addHandler(lines)  # after uvicorn's Config has set up its loggers
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        try:
+            await loop.connect_accepted_socket(lambda: protocol, ours)
+            protocol.data_received(post_head("/v1/classify?top_k=2", 5) + b"hello")  # by hand: no loop turn after
+            refused = theirs.recv(65536)
+            refusing[0] = False
+            answers = []
+            for _ in range(4):  # past the keep-alive time, busy all along
+                theirs.sendall(post_head("/v1/classify", 5) + b"hello")
+                answers.append(await asyncio.wait_for(loop.sock_recv(theirs, 65536), PATIENCE_S))
+                await asyncio.sleep(KEEP_ALIVE_S / 2)
+            return refused, answers
+        finally:
+            theirs.close()
+            protocol.transport.close()
+
+    try:
+        refused, answers = asyncio.run(scenario())
+    finally:
+        access.removeHandler(lines)
+    head, _, body = refused.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 429 ") and b"\r\nretry-after: 3" in head and b"connection: close" not in head
+    assert json.loads(body) == {"error": {"code": "overloaded", "message": "busy"}}
+    assert b"\r\ncontent-length: %d\r\n" % len(body) in head
+    assert [a.split(b"\r\n", 1)[0] for a in answers] == [b"HTTP/1.1 200 OK"] * 4 and answers[-1].endswith(b"ok")
+    logged = [line for line in lines.lines if "429" in line]
+    assert logged == ([' - "POST /v1/classify?top_k=2 HTTP/1.1" 429'] if access_log else [])
+
+
+def test_a_refusal_waits_for_uvicorn_s_task_where_the_client_does_not_read_or_uvicorn_may_answer_503():
+    """Two cases keep uvicorn's own path: a client that does not read its answers (uvicorn's send waits for it,
+    so refusals cannot pile up in the server) and uvicorn's connection limit (its task may answer 503 instead).
+    The refusal comes a loop turn later, the same 429; the last request a connection may carry closes it."""
+    refusing = [True]
+
+    async def refused_after_a_turn(protocol, paused: bool) -> tuple[bytes, bytes]:
+        loop = asyncio.get_running_loop()
+        ours, theirs = socket.socketpair()
+        theirs.setblocking(False)
+        try:
+            await loop.connect_accepted_socket(lambda: protocol, ours)
+            if paused:
+                protocol.flow.pause_writing()  # as the transport does when its buffer is full
+            protocol.data_received(post_head("/v1/classify", 0))
+            with pytest.raises(BlockingIOError):
+                theirs.recv(65536)  # nothing yet: the task has not run
+            if paused:
+                protocol.flow.resume_writing()
+            return (await asyncio.wait_for(loop.sock_recv(theirs, 65536), PATIENCE_S),
+                    await asyncio.wait_for(loop.sock_recv(theirs, 65536), PATIENCE_S) if protocol.cycle.keep_alive
+                    is False else b"")
+        finally:
+            theirs.close()
+            protocol.transport.close()
+
+    async def scenario():
+        not_reading = await refused_after_a_turn(_refusing_protocol(refusing), paused=True)
+        limited = await refused_after_a_turn(_refusing_protocol(refusing, limit_concurrency=100), paused=False)
+        return not_reading, limited
+
+    for answer, _ in asyncio.run(scenario()):
+        assert answer.startswith(b"HTTP/1.1 429 ") and b"retry-after: 3" in answer and answer.endswith(b'"busy"}}')
+
+
+def test_the_last_request_a_connection_may_carry_is_refused_with_connection_close():
+    refusing = [True]
+
+    async def scenario() -> bytes:
+        loop = asyncio.get_running_loop()
+        protocol = _refusing_protocol(refusing)
+        protocol.limits = HttpLimits(max_requests_per_connection=1)
+        ours, theirs = socket.socketpair()
+        try:
+            await loop.connect_accepted_socket(lambda: protocol, ours)
+            protocol.data_received(post_head("/v1/classify", 0))
+            answer = await asyncio.wait_for(loop.sock_recv(theirs, 65536), PATIENCE_S)
+            assert await asyncio.wait_for(loop.sock_recv(theirs, 65536), PATIENCE_S) == b""  # closed
+            return answer
+        finally:
+            theirs.close()
+
+    answer = asyncio.run(scenario())
+    assert answer.startswith(b"HTTP/1.1 429 ") and b"\r\nconnection: close\r\n" in answer
+
+
 def test_the_app_counts_the_connections_open_in_its_process():
     """Lifespan state `count_connection` (admission's: a request alone on its process's only connection may run its
     work on the event loop) hears each connection open and close, once each, a refused one's too."""

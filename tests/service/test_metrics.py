@@ -170,3 +170,19 @@ def test_a_mirror_gets_every_metric_with_its_labels_and_buckets_and_every_update
     metrics.retire("m", "1")
     assert 'version="1"' not in metrics.render()[0].decode()
     assert 'vitserve_requests_rejected_total{reason="overloaded"} 1.0' in text
+
+
+def test_a_request_refused_from_its_request_line_is_rejected_and_a_429_never_in_flight():
+    """The connection's refusals (service/http/connection.py) report as a refused request's own path does: a
+    rejection by reason and an answer of 429 on its endpoint; its series made once, every refusal counted."""
+    metrics = ServiceMetrics()
+    for _ in range(3):
+        metrics.refused_at_once("/v1/classify", "overloaded")
+    metrics.refused_at_once("/v2/models/{name}/infer", "overloaded")
+    m = samples(metrics.render()[0].decode())
+    assert value(m, "vitserve_requests_rejected_total", reason="overloaded") == 4
+    count = "vitserve_request_duration_seconds_count"
+    assert value(m, count, endpoint="/v1/classify", status="429", model="", protocol="http") == 3
+    assert value(m, count, endpoint="/v2/models/{name}/infer", status="429") == 1
+    assert value(m, "vitserve_request_duration_seconds_sum", status="429") == 0.0
+    assert value(m, "vitserve_requests_in_flight") == 0

@@ -34,6 +34,9 @@ def test_the_installed_uvicorn_and_fastapi_are_the_pinned_ones():
 def test_the_module_names_and_the_methods_it_overrides_or_calls_are_uvicorn_s():
     for name in UVICORN_SURFACE["module"]:
         assert hasattr(httptools_impl, name), name
+    from uvicorn.protocols import utils
+    for name in UVICORN_SURFACE["utils"]:
+        assert callable(getattr(utils, name, None)), name
     protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
     for name in UVICORN_SURFACE["protocol_methods"]:
         assert callable(getattr(protocol, name, None)), name
