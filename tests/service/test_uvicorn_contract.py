@@ -35,8 +35,14 @@ def test_the_module_names_and_the_methods_it_overrides_or_calls_are_uvicorn_s():
     for name in UVICORN_SURFACE["module"]:
         assert hasattr(httptools_impl, name), name
     from uvicorn.protocols import utils
+    from uvicorn.protocols.http import flow_control
     for name in UVICORN_SURFACE["utils"]:
         assert callable(getattr(utils, name, None)), name
+    for name in UVICORN_SURFACE["flow_control"]:
+        assert hasattr(flow_control, name), name
+    for name in UVICORN_SURFACE["flow_methods"]:
+        assert callable(getattr(flow_control.FlowControl, name, None)), name
+    assert list(inspect.signature(flow_control.FlowControl.__init__).parameters) == ["self", "transport"]
     protocol, cycle = httptools_impl.HttpToolsProtocol, httptools_impl.RequestResponseCycle
     for name in UVICORN_SURFACE["protocol_methods"]:
         assert callable(getattr(protocol, name, None)), name
