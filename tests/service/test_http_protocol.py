@@ -520,8 +520,7 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
     """uvicorn pauses reading when a request arrives pipelined behind another, but resumed it at every answer and
     whenever the app read: a client pipelining faster than it is answered, and never reading its answers, grew
     the server's queue without bound (218,590 requests in 6 s against an app taking 3 ms each). Now reading
-    waits until the queue is answered: the queue holds at most what a few reads brought, and the client meets
-    backpressure."""
+    waits until the queue is answered: the queue holds at most what a few reads brought."""
     made = []
 
     class Recording(LimitedHttpToolsFactory):
@@ -560,9 +559,10 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
         server.should_exit = True
         thread.join(PATIENCE_S)
         sock.close()
-    reads_worth = 4 * 256 * 1024 // len(request)  # a handful of uvloop's 256 KiB reads
+    # What the client got into the socket is the kernel's buffers' business (their sizes vary by machine); what
+    # the server queued is ours: at most a handful of uvloop's 256 KiB reads (about 700 here; 98,962 before).
+    reads_worth = 4 * 256 * 1024 // len(request)
     assert deepest <= reads_worth, (deepest, sent)
-    assert sent < 50_000, sent  # held back: the server answers about 300 a second
 
 
 def test_the_app_counts_the_connections_open_in_its_process():
