@@ -281,11 +281,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """What uvicorn's `send` does for a whole answer, in one write: the head and body, the cycle marked
         answered (uvicorn then discards the body), the connection closed if it does not live on, and the
         protocol told (its keep-alive timer, the next pipelined request)."""
-        head = [STATUS_LINE[refusal.status], *(name + b": " + value + b"\r\n" for name, value in
-                                       self.server_state.default_headers), refusal.headers]
-        if not cycle.keep_alive:
-            head.append(b"connection: close\r\n")
-        self.transport.write(b"".join(head) + b"\r\n" + refusal.body)
+        self.transport.write(self._whole_answer(refusal.status, refusal.headers, refusal.body,
+                                                close=not cycle.keep_alive))
         if self.access_log:  # the line uvicorn's `send` logs
             scope = cycle.scope
             self.access_logger.info('%s - "%s %s HTTP/%s" %d', get_client_addr(scope), scope["method"],
@@ -407,24 +404,31 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._send_error_and_close(error)
 
-    @staticmethod
-    def _error_response(error: ServiceError, path: str) -> tuple[int, bytes]:
-        status, body = error_response(path, status_code(error), error.code, str(error))
-        return status, json.dumps(body).encode()
+    def _whole_answer(self, status: int, header_lines: bytes, body: bytes, close: bool) -> bytes:
+        """An answer's bytes as uvicorn's `send` writes them: the status line, uvicorn's default headers (date,
+        server), these header lines, `connection: close` if it closes, the body."""
+        head = [STATUS_LINE[status], *(name + b": " + value + b"\r\n" for name, value in
+                                       self.server_state.default_headers), header_lines]
+        if close:
+            head.append(b"connection: close\r\n")
+        return b"".join(head) + b"\r\n" + body
 
     def _send_error_and_close(self, error: ServiceError) -> None:
         # The path, when the request line got that far: a /v2 client gets the Open Inference Protocol's shape.
         url = getattr(self, "url", None) or b""
-        status, body = self._error_response(error, url.split(b"?", 1)[0].decode("latin-1"))
-        head = [STATUS_LINE[status]]
-        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
-        head += [b"content-type: application/json\r\n", b"content-length: %d\r\n" % len(body),
-                 b"connection: close\r\n\r\n"]
+        status, body = _error_json(url.split(b"?", 1)[0].decode("latin-1"), status_code(error), error.code, str(error))
+        header_lines = b"content-type: application/json\r\ncontent-length: %d\r\n" % len(body)
         client = "{}:{:d} - ".format(*self.client) if self.client else ""
         self.logger.info("%s%d %s: %s", client, status, error.code, error)
         self._refused = True
-        self.transport.write(b"".join(head) + body)
+        self.transport.write(self._whole_answer(status, header_lines, body, close=True))
         self.transport.close()
+
+
+def _error_json(path: str, status: int, code: str, message: str) -> tuple[int, bytes]:
+    """The status and encoded body of an error answered on `path`, in its protocol's shape."""
+    status, body = error_response(path, status, code, message)
+    return status, json.dumps(body).encode()
 
 
 class _PipelineBoundFlow(FlowControl):
@@ -462,8 +466,7 @@ class _Refusal:
 @lru_cache(maxsize=256)
 def _refusal(protocol_path: bool, status: int, code: str, message: str, retry_after_s: int) -> _Refusal:
     """Made once per distinct refusal (most under overload say the same): the JSON and the header lines."""
-    status, body = error_response("/v2/" if protocol_path else "/", status, code, message)
-    encoded = json.dumps(body).encode()
+    status, encoded = _error_json("/v2/" if protocol_path else "/", status, code, message)
     header_list = ((b"content-type", b"application/json"), (b"content-length", b"%d" % len(encoded)),
                    (b"retry-after", b"%d" % retry_after_s))
     return _Refusal(status, header_list, b"".join(n + b": " + v + b"\r\n" for n, v in header_list), encoded)
