@@ -42,10 +42,13 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
     return out
 
 
-def rate_by_round(rows: list[dict], server: str, path: str, connections: int) -> dict[int, float]:
-    """`server`'s 2xx req/s at that level in each round it was measured."""
-    return {r["round"]: r["ok_per_s"] for r in rows
-            if (r["server"], r["path"], r["connections"]) == (server, path, connections) and "skipped" not in r}
+def rate_by_round(rows: list[dict], server: str, path: str, connections: int,
+                  key: str = "ok_per_s") -> dict[int, float]:
+    """`server`'s 2xx req/s at that level in each round it was measured (`key`: wrk's count over its window, or
+    `steady_ok_per_s`, from the first answer to the last, where the run timed its answers)."""
+    return {r["round"]: r[key] for r in rows
+            if (r["server"], r["path"], r["connections"]) == (server, path, connections) and "skipped" not in r
+            and r.get(key) is not None}
 
 
 def ratios_by_round(rows: list[dict], numerator: str, denominator: str, path: str, connections: int) -> list[float]:
@@ -205,13 +208,21 @@ def _model_section(entry: dict, settings: dict) -> list[str]:
     return lines
 
 
-def served_of_alone(entry: dict, server: str, path: str, connections: int) -> float | None:
-    """The median over rounds of `server`'s req/s at that level over the session alone's best images/s measured in
-    the same round (None without both)."""
+def served_of_alone(entry: dict, server: str, path: str, connections: int,
+                    key: str = "ok_per_s") -> float | None:
+    """The median over rounds of `server`'s req/s at that level (`key`, as `rate_by_round`) over the session
+    alone's best images/s measured in the same round (None without both)."""
     best = {a["round"]: max(r["images_per_s"] for r in a["raw"]) for a in entry.get("session_alone_rounds", [])}
-    rates = rate_by_round(entry["rounds"], server, path, connections)
+    rates = rate_by_round(entry["rounds"], server, path, connections, key)
     ratios = [rate / best[n] for n, rate in rates.items() if best.get(n)]
     return statistics.median(ratios) if ratios else None
+
+
+def _alone_cell(entry: dict, server: str, path: str, connections: int) -> str:
+    """The share from the first answer to the last, and in brackets wrk's over its window; older reports: wrk's."""
+    steady = served_of_alone(entry, server, path, connections, "steady_ok_per_s")
+    window = number(served_of_alone(entry, server, path, connections), ".2f")
+    return window if steady is None else f"{steady:.2f} ({window})"
 
 
 def _alone_table(entry: dict, servers: list[str]) -> list[str]:
@@ -220,12 +231,14 @@ def _alone_table(entry: dict, servers: list[str]) -> list[str]:
     if not alone:
         return []
     levels = [(e["path"], e["connections"]) for e in entry["summary"]]
-    rows = [[PATH_LABELS[path], str(c)] + [number(served_of_alone(entry, s, path, c), ".2f") for s in servers]
-            for path, c in levels]
+    rows = [[PATH_LABELS[path], str(c)] + [_alone_cell(entry, s, path, c) for s in servers] for path, c in levels]
     rounds = "; ".join(f"round {a['round']} " + ", ".join(f"{r['images_per_s']:.1f} at {r['batch_size']}"
                                                         for r in a["raw"]) for a in alone)
     return ["", "Served as a share of the session alone (req/s over the session's best images/s, the session run as "
-            "one more turn of the same round, on the same cores; medians over rounds):", "",
+            "one more turn of the same round, on the same cores; medians over rounds). The req/s: the answers after "
+            "the first batch's over the time from the first batch's answers to the last's (bench/peers/wrk.py "
+            "`steady_rate`), as the session is timed call by call; in brackets wrk's count over its fixed window, "
+            "which loses the work in flight when the window closes (up to a batch):", "",
             *table(["path", "clients", *(LABELS[s] for s in servers)], rows), "",
             f"The session alone, images/s at each batch size: {rounds}.", ""]
 

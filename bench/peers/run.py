@@ -27,8 +27,8 @@ from vitserve.bench.peers.report import summarise
 from vitserve.bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
                                  vitserve_spec)
 from vitserve.bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
-from vitserve.bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, threads_for, wrk_argv, wrk_version,
-                             write_script)
+from vitserve.bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, steady_rate, take_answer_times, threads_for,
+                                      wrk_argv, wrk_version, write_script)
 from vitserve.bench.presets import resolve_model
 from vitserve.bench.raw import bench_raw, load_raw_model, preprocessed
 from vitserve.bench.reliability import alternated
@@ -51,6 +51,9 @@ class ModelUnderTest:
     duration_s: int  # measured wrk run per level
     work_dir: Path
     temperature: float = 1.0  # the file's (vitserve serves softmax(logits / T) on /v1)
+    # a compute-bound model's answers come a batch at a time: its runs also time each answer (`steady_rate`), with
+    # answers this close together counted as one batch's
+    burst_gap_s: float | None = None
 
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
@@ -111,7 +114,9 @@ def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path
                        ("image",) if compute_bound else PATHS,
                        cfg.compute_bound_concurrency if compute_bound else cfg.concurrency,
                        max(cfg.duration_s, cfg.compute_bound_duration_s) if compute_bound else cfg.duration_s,
-                       cfg.work_dir / "requests" / model_path.stem, model["temperature"])
+                       cfg.work_dir / "requests" / model_path.stem, model["temperature"],
+                       # a batch's answers leave together; the next batch's at least a batch-1 call later
+                       cfg.compute_bound_ms / 2000 if compute_bound else None)
     kind = "compute" if compute_bound else "HTTP"
     print(f"{model_path}: raw batch-1 p50 {batch_one['p50_ms']:.2f} ms ({kind}-bound); "
           f"paths {', '.join(m.paths)} at {m.concurrency} connections, {m.duration_s} s each", flush=True)
@@ -180,7 +185,7 @@ def load_level(cfg: PeersConfig, m: ModelUnderTest, wrk: str, running: RunningSe
     script = write_script(m.work_dir, f"{row['server']}-{row['path']}", request)
     try:
         row = {**row, **measure_level(cfg, wrk, running.url + request.target, script, row["connections"],
-                                      m.duration_s, request, running.cpu_seconds)}
+                                      m.duration_s, request, running.cpu_seconds, m.burst_gap_s)}
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         row = {**row, "skipped": f"wrk failed: {str(e)[:200]}"}
         print(f"  {row['server']} {row['path']} c={row['connections']}: {row['skipped']}", flush=True)
@@ -269,21 +274,26 @@ def _get_json(url: str) -> dict:
 
 
 def measure_level(cfg: PeersConfig, wrk: str, url: str, script: Path, connections: int, duration_s: int,
-                  request: PeerRequest, cpu_seconds: Callable[[], float]) -> dict:
+                  request: PeerRequest, cpu_seconds: Callable[[], float], burst_gap_s: float | None = None) -> dict:
     """At `url` (the path's whole URL): a discarded warm-up run, then the measured one, each followed by one
     request answered alone; when some answers were not 2xx, a short run counting their status codes. With the
     measured run, the server's CPU time per answer (`cpu_seconds`: its whole process tree's): on a machine it
-    saturates, what decides its req/s."""
+    saturates, what decides its req/s. With `burst_gap_s` (a compute-bound model) the measured run also times each
+    2xx answer: `steady_ok_per_s` (wrk.steady_rate)."""
     limit = duration_s + cfg.wrk_timeout_s + 60
     server = url.removesuffix(request.target)
     run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s, script), limit)
     post(server, request, cfg.wrk_timeout_s)
     load = os.getloadavg()[0]
-    argv = wrk_argv(wrk, url, connections, duration_s, cfg.wrk_timeout_s, script)
+    measured = script.with_suffix(".times.lua") if burst_gap_s is not None else script
+    argv = wrk_argv(wrk, url, connections, duration_s, cfg.wrk_timeout_s, measured)
     cpu_before = cpu_seconds()
     result = run_wrk(argv, limit)
     cpu_ms = (cpu_seconds() - cpu_before) * 1000
     result["server_cpu_ms_per_answer"] = cpu_ms / result["requests"] if result["requests"] else None
+    if burst_gap_s is not None:
+        times, result["wrk_output"] = take_answer_times(result["wrk_output"])
+        result["steady_ok_per_s"] = steady_rate(times, burst_gap_s)
     if result["non_2xx"]:
         counted = run_wrk(wrk_argv(wrk, url, connections, cfg.warmup_s, cfg.wrk_timeout_s,
                                    script.with_suffix(".status.lua")), limit)

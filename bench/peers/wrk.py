@@ -60,21 +60,77 @@ end
 """
 
 
+# Appended to a script, this prints the monotonic time of every 2xx answer (LuaJIT's ffi: wrk's Lua has no clock
+# finer than a second). For a model slow enough that answers come back a batch at a time, wrk's count over its
+# fixed window loses the work in flight when the window closes (up to a batch: a fifteenth of a 15 s window where a
+# batch takes a second), which a session timed call by call does not; `steady_rate` counts from the first answer
+# to the last instead. One Lua call and one table entry per
+# answer: meant for runs of tens of answers a second, not thousands.
+ANSWER_TIMES = """
+local ffi = require("ffi")
+ffi.cdef[[
+typedef struct { long tv_sec; long tv_nsec; } vitserve_timespec;
+int clock_gettime(int clock_id, vitserve_timespec *tp);
+]]
+local CLOCK_MONOTONIC = 1
+local clock = ffi.new("vitserve_timespec")
+local threads = {}
+function setup(thread) table.insert(threads, thread) end
+function init(args) answered_at = {} end
+function response(status, headers, body)
+  if status >= 200 and status < 300 then
+    ffi.C.clock_gettime(CLOCK_MONOTONIC, clock)
+    answered_at[#answered_at + 1] = tonumber(clock.tv_sec) + tonumber(clock.tv_nsec) * 1e-9
+  end
+end
+function done(summary, latency, requests)
+  for _, t in ipairs(threads) do
+    for _, at in ipairs(t:get("answered_at")) do io.write(string.format("answered at %.6f\\n", at)) end
+  end
+end
+"""
+
+
 def write_script(directory: Path, name: str, request: PeerRequest) -> Path:
-    """`name`.body, `name`.lua and `name`.status.lua (the same, counting status codes) in `directory`; the
-    script's path."""
+    """`name`.body, `name`.lua, `name`.status.lua (the same, counting status codes) and `name`.times.lua (the
+    same, printing when each 2xx answer came) in `directory`; the script's path."""
     directory.mkdir(parents=True, exist_ok=True)
     body_path = directory / f"{name}.body"
     body_path.write_bytes(request.body)
     script = directory / f"{name}.lua"
     script.write_text(lua_script(body_path, request))
     script.with_suffix(".status.lua").write_text(lua_script(body_path, request) + STATUS_COUNTER)
+    script.with_suffix(".times.lua").write_text(lua_script(body_path, request) + ANSWER_TIMES)
     return script
 
 
 def parse_statuses(text: str) -> dict[str, int]:
     """The status counts a STATUS_COUNTER script printed, e.g. {"200": 877, "429": 438}."""
     return {code: int(n) for code, n in sorted(re.findall(r"^status (\d+): (\d+)$", text, re.M))}
+
+
+_ANSWERED_AT = re.compile(r"^answered at ([\d.]+)\n", re.M)
+
+
+def take_answer_times(text: str) -> tuple[list[float], str]:
+    """The times an ANSWER_TIMES script printed, sorted, and wrk's report without them."""
+    return sorted(float(t) for t in _ANSWERED_AT.findall(text)), _ANSWERED_AT.sub("", text)
+
+
+def steady_rate(times: list[float], burst_gap_s: float) -> float | None:
+    """Answers per second from the first answer to the last, for answers that come in bursts (a batch's answers
+    within `burst_gap_s` of each other): the answers of every burst after the first over the time from the first
+    burst's start to the last's. Bursts b apart in time t give b / t, however the window cut them; answers one at a
+    time are bursts of one. None with fewer than two bursts."""
+    starts, sizes = [], []
+    for i, t in enumerate(times):
+        if i == 0 or t - times[i - 1] > burst_gap_s:
+            starts.append(t)
+            sizes.append(0)
+        sizes[-1] += 1
+    if len(starts) < 2 or starts[-1] <= starts[0]:
+        return None
+    return sum(sizes[1:]) / (starts[-1] - starts[0])
 
 
 def threads_for(connections: int) -> int:

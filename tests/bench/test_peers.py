@@ -21,7 +21,8 @@ from vitserve.bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
 from vitserve.bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
 from vitserve.bench.peers.report import ratios_by_round, render, served_of_alone, summarise
 from vitserve.bench.peers.venvs import REQUIREMENTS
-from vitserve.bench.peers.wrk import lua_script, parse_statuses, parse_wrk, threads_for, wrk_argv, write_script
+from vitserve.bench.peers.wrk import (lua_script, parse_statuses, parse_wrk, steady_rate, take_answer_times,
+                                      threads_for, wrk_argv, write_script)
 from vitserve.bench.reliability import alternated
 from vitserve.service.schemas.binary_tensors import HEADER_LENGTH, join_body, split_body, take_sections, tensor_bytes, unpack_bytes
 
@@ -73,6 +74,25 @@ WRK_SOCKET_ERRORS = """Running 2s test @ http://127.0.0.1:18399/
 Requests/sec:  10029.31
 Transfer/sec:    558.27KB
 """
+# `wrk -t2 -c4 -d1s --timeout 10s --latency -s x.times.lua` against a server answering what it holds every 250 ms:
+# four batches of four in 1.10 s, which wrk counts as 14.54 answers a second; the batches say 16
+WRK_ANSWER_TIMES = """Running 1s test @ http://127.0.0.1:18779/p
+  2 threads and 4 connections
+  Thread Stats   Avg      Stdev     Max   +/- Stdev
+    Latency   214.07ms   65.96ms 251.08ms   75.00%
+    Req/Sec     9.00      1.85    10.00     75.00%
+  Latency Distribution
+     50%  250.90ms
+     75%  250.99ms
+     90%  251.04ms
+     99%  251.08ms
+  16 requests in 1.10s, 640.00B read
+Requests/sec:     14.54
+Transfer/sec:     581.77B
+""" + "".join(f"answered at {t}\n" for t in (
+    "71542.938185", "71542.938254", "71543.189191", "71543.189224", "71543.440187", "71543.440265", "71543.691301",
+    "71543.691312", "71542.938381", "71542.938398", "71543.189238", "71543.189264", "71543.440244", "71543.440388",
+    "71543.691309", "71543.691319"))
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +188,8 @@ def test_wrk_command_and_script(tmp_path, png, pixels):
     assert f'io.open("{(tmp_path / "triton-oip-binary.body").resolve()}", "rb")' in text
     assert 'wrk.method = "POST"' in text and 'wrk.body = f:read("*a")' in text
     assert f'wrk.headers["{HEADER_LENGTH}"] = "{request.headers[HEADER_LENGTH]}"' in text
+    timed = script.with_suffix(".times.lua").read_text()
+    assert timed.startswith(text) and "clock_gettime(CLOCK_MONOTONIC" in timed and 'string.format("answered at' in timed
     assert [threads_for(c) for c in (1, 8, 32, 64)] == [1, 2, 2, 2]
     assert wrk_argv("wrk", "http://h:1/p", 32, 5, 60, script) == [
         "wrk", "-t", "2", "-c", "32", "-d", "5s", "--timeout", "60s", "--latency", "-s", str(script), "http://h:1/p"]
@@ -181,6 +203,25 @@ def test_the_status_counting_script_and_its_output(tmp_path, png, pixels):
     output = "Requests/sec:    260.82\nTransfer/sec:    197.13KB\nstatus 429: 438\nstatus 200: 877\n"
     assert parse_statuses(output) == {"200": 877, "429": 438}
     assert parse_statuses(WRK_OK) == {}
+
+
+def test_answer_times_are_taken_out_of_wrk_s_report_and_give_the_batches_rate():
+    times, report = take_answer_times(WRK_ANSWER_TIMES)
+    assert len(times) == 16 and times == sorted(times) and "answered at" not in report
+    assert parse_wrk(report)["ok_per_s"] == pytest.approx(16 / 1.10)  # the window: the last batch's time lost
+    assert steady_rate(times, 0.005) == pytest.approx(12 / (71543.691301 - 71542.938185))
+    assert steady_rate(times, 0.005) == pytest.approx(16.0, rel=0.01)  # four answers every 250 ms
+
+
+def test_steady_rate_counts_whole_batches_however_a_window_cuts_them():
+    # batches of 16 every 0.86 s (a compute-bound model at 32 clients), each batch's answers 0.3 ms apart
+    batches = [start * 0.86 + i * 3e-4 for start in range(1, 18) for i in range(16)]
+    assert steady_rate(batches, 0.005) == pytest.approx(16 / 0.86, rel=1e-3)
+    assert len(batches) / 15 < 0.98 * 16 / 0.86  # what a 15 s window counts: 17 batches, not 17.4
+    one_at_a_time = [0.066 * i for i in range(200)]  # one client: each answer a batch of one
+    assert steady_rate(one_at_a_time, 0.005) == pytest.approx(1 / 0.066)
+    assert steady_rate([1.0, 1.001, 1.002], 0.005) is None  # one batch: no interval to measure
+    assert steady_rate([], 0.005) is None
 
 
 def test_lua_strings_are_escaped():
@@ -277,6 +318,25 @@ def test_a_compute_bound_model_is_served_as_a_share_of_the_session_measured_in_t
     assert "| image | 8 | 0.94 | 0.75 |" in text
     assert "round 1 15.5 at 1, 16.0 at 8; round 2 12.0 at 1, 11.0 at 8; round 3 20.0 at 1" in text
     assert "share of the session alone" not in render(_fake_report())  # an HTTP-bound model: no session turns
+
+
+def test_the_share_of_the_session_counts_from_the_first_answer_to_the_last_where_the_run_timed_them():
+    """A run that timed its answers (`steady_ok_per_s`) is judged by that, wrk's window beside it in brackets."""
+    rows = [{**_row("vitserve", 1, 15.0, 500), "steady_ok_per_s": 15.5},
+            {**_row("vitserve", 2, 12.0, 600), "steady_ok_per_s": 12.4},
+            {**_row("triton", 1, 12.0, 600), "steady_ok_per_s": None}, _row("triton", 2, 9.0, 700)]
+    alone = [{"round": 1, "raw": [{"batch_size": 8, "images_per_s": 16.0, "p50_ms": 500.0}]},
+             {"round": 2, "raw": [{"batch_size": 8, "images_per_s": 12.0, "p50_ms": 720.0}]}]
+    report = _fake_report()
+    report["settings"]["servers"] = ["vitserve", "triton"]
+    report["models"][0].update(rounds=rows, summary=summarise(rows, ["vitserve", "triton"], ["image"], [8]),
+                               session_alone_rounds=alone)
+    entry = report["models"][0]
+    steady = served_of_alone(entry, "vitserve", "image", 8, "steady_ok_per_s")
+    assert steady == pytest.approx((15.5 / 16 + 12.4 / 12) / 2)
+    assert served_of_alone(entry, "vitserve", "image", 8) == pytest.approx((15 / 16 + 1.0) / 2)
+    assert served_of_alone(entry, "triton", "image", 8, "steady_ok_per_s") is None  # never timed: wrk's alone
+    assert f"| image | 8 | {steady:.2f} (0.97) | 0.75 |" in render(report)
 
 
 def test_the_session_alone_takes_a_turn_in_each_rounds_alternating_order(monkeypatch, tmp_path):
