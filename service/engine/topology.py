@@ -60,7 +60,10 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
         # of N workers it would put N times as many threads on the cores.
         return EngineChoice("process", f"--intra-op-threads {settings.intra_op_threads}: the threads of one shared "
                                        f"session")
-    model, _ = chosen_model(settings)
+    # Without its maps-free graph: a heavy model's engine times that graph itself, at its own load and on its own
+    # threads, and a light model's is timed below on the one thread the workers will have. Timed here too, it
+    # doubled the wait for a heavy model (ViT-S/16 on the Xeon: 27 s of a 71 s start).
+    model, _ = chosen_model(settings.model_copy(update={"maps_free": "off"}))
     pinned = {} if settings.runtime != "auto" else {name.upper(): value for name, value in runtime_of(model).items()}
     if not runs_on_cpu(model.provider):
         return EngineChoice("process", f"the model runs on {model.provider}", pinned)

@@ -69,6 +69,26 @@ def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx
     assert set(choice.pinned) == {"RUNTIME", "PRECISION_HINT"}  # the engine does not race the runtimes again
 
 
+@pytest.mark.parametrize("heavy", [False, True])
+def test_the_maps_free_graph_is_timed_once_where_the_model_will_run(tiny_onnx, monkeypatch, heavy):
+    """A heavy model's engine times its maps-free graph at its own load; a light model's is timed on the one thread
+    its workers will have. The probe that decides which is neither."""
+    from vitserve.service.engine import onnx_runtime
+    timed = []
+
+    def maps_free_pays(*args, **kwargs):
+        timed.append(args)
+        return False
+
+    monkeypatch.setattr(onnx_runtime, "maps_free_pays", maps_free_pays)
+    if heavy:
+        monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="auto"))
+    assert choice is not None and choice.engine == ("process" if heavy else "inline")
+    assert len(timed) == (0 if heavy else 1)
+    assert "MAPS_FREE" not in choice.pinned if heavy else choice.pinned["MAPS_FREE"] == "off"
+
+
 def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_model(tiny_onnx, tmp_path, monkeypatch):
     monkeypatch.setattr(topology, "chosen_model", _not_loaded)
     repository = tmp_path / "repository"
