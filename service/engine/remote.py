@@ -23,7 +23,6 @@ from functools import partial
 
 import numpy as np
 import zmq
-import zmq.asyncio
 
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
@@ -70,7 +69,9 @@ class _Link:
 
     address: str
     requests: zmq.Socket  # plain: read from the loop by `reader` (service/engine/socket_reader.py)
-    status_socket: zmq.asyncio.Socket
+    # plain too, read by `status_reader`: a status arrives every 20 ms while the engine works, in every HTTP worker,
+    # busy or not, and through pyzmq's asyncio socket each cost a worker about as much as an answer's receive did
+    status_socket: zmq.Socket
     status: EngineStatus | None = None  # None before the first, and once it went silent (`_watch`)
     # the engine process it last heard from, kept when it goes silent: a restart after a silence (the new engine
     # loads its models for longer than engine_timeout_s) is still a restart, whose generations count from 0 again
@@ -83,6 +84,7 @@ class _Link:
     # message, a frame each, instead of one message and one send (one wake-up of ZeroMQ's I/O thread) per image.
     outbox: list[tuple[int | None, bytes]] = field(default_factory=list)
     reader: SocketReader = field(init=False)  # reads the engine's answers from `requests`, and sends on it
+    status_reader: SocketReader = field(init=False)
 
     @property
     def ready(self) -> bool:
@@ -114,7 +116,6 @@ class RemoteEngine:
         self.arena: TensorArena | None = None
         self._ids = itertools.count()
         self._links: list[_Link] = []
-        self._context: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
         self._late: set[asyncio.Future] = set()  # sends retried while an engine reconnects (`_send_late`)
         self.views: WorkerViews | None = None
@@ -130,8 +131,7 @@ class RemoteEngine:
         # The process's one context (ZeroMQ's advice), held by pyzmq for the process's life: a context of this
         # engine's own, dropped without close() (a test's failure path), would be terminated by the garbage
         # collector while its sockets, in the same cycle, are still open: term() then waits for ever.
-        self._context = zmq.asyncio.Context.instance()
-        plain: zmq.Context = zmq.Context.instance()  # the same rule, for the sockets read from the loop (SocketReader)
+        plain: zmq.Context = zmq.Context.instance()
         for address in self.settings.engine_addresses:
             requests = plain.socket(zmq.DEALER)
             requests.setsockopt(zmq.LINGER, 0)
@@ -139,7 +139,7 @@ class RemoteEngine:
             requests.setsockopt(zmq.RCVHWM, 0)  # the engine's answers are never dropped (its ROUTER's note)
             requests.setsockopt(zmq.RECONNECT_IVL, 10)  # ms: back soon after an engine restarts
             requests.connect(address)
-            status = self._context.socket(zmq.SUB)
+            status = plain.socket(zmq.SUB)
             status.setsockopt(zmq.LINGER, 0)
             status.setsockopt(zmq.SUBSCRIBE, b"")
             status.setsockopt(zmq.RECONNECT_IVL, 10)
@@ -147,8 +147,9 @@ class RemoteEngine:
             link = _Link(address, requests, status)
             link.reader = SocketReader(requests, partial(self._answers, link))
             link.reader.start()
+            link.status_reader = SocketReader(status, partial(self._status, link))
+            link.status_reader.start()
             self._links.append(link)
-            self._tasks.append(asyncio.create_task(self._statuses(link)))
         self._tasks.append(asyncio.create_task(self._watch()))
         # Hear each engine once before this worker accepts connections (uvicorn accepts after the lifespan's
         # startup): a worker that started after its engine warmed up is ready from its first request.
@@ -418,19 +419,18 @@ class RemoteEngine:
         else:
             pending.future.set_exception(error_of(answer))
 
-    async def _statuses(self, link: _Link) -> None:
-        while True:
-            status = self.codec.status.decode(await link.status_socket.recv())
-            if link.incarnation is not None and status.incarnation != link.incarnation:
-                log.error("the engine at %s restarted (%s -> %s): %d request(s) it held are lost", link.address,
-                          link.incarnation, status.incarnation, len(link.pending))
-                self._fail_pending(link, "the inference engine restarted; this request was lost: retry it")
-                self._index = None  # the new engine's generations count from the start again
-            link.status, link.incarnation, link.seen_at, link.sent_cost = status, status.incarnation, \
-                time.monotonic(), 0
-            if self._index is None or status.generation != self._index.generation:
-                self._refresh_started()
-            self._update_ready()
+    def _status(self, link: _Link, frames: list[bytes]) -> None:
+        """A status from the engine (one frame)."""
+        status = self.codec.status.decode(frames[0])
+        if link.incarnation is not None and status.incarnation != link.incarnation:
+            log.error("the engine at %s restarted (%s -> %s): %d request(s) it held are lost", link.address,
+                      link.incarnation, status.incarnation, len(link.pending))
+            self._fail_pending(link, "the inference engine restarted; this request was lost: retry it")
+            self._index = None  # the new engine's generations count from the start again
+        link.status, link.incarnation, link.seen_at, link.sent_cost = status, status.incarnation, time.monotonic(), 0
+        if self._index is None or status.generation != self._index.generation:
+            self._refresh_started()
+        self._update_ready()
 
     async def _watch(self) -> None:
         """Give up on engines that went silent: their requests fail now, not at their deadlines."""
@@ -479,6 +479,7 @@ class RemoteEngine:
             self._fail_pending(link, "shutting down")
         for link in self._links:
             link.reader.stop()
+            link.status_reader.stop()
             link.requests.close(linger=0)
             link.status_socket.close(linger=0)
         if self.arena is not None:

@@ -28,10 +28,12 @@ def _engine_with_link(address: str) -> tuple[RemoteEngine, _Link]:
     requests.setsockopt(zmq.LINGER, 0)
     requests.setsockopt(zmq.IMMEDIATE, 1)  # as `start` sets it: nothing queued for an engine not connected
     requests.connect(address)
-    link = _Link(address, requests, zmq.asyncio.Context.instance().socket(zmq.SUB),
+    link = _Link(address, requests, zmq.Context.instance().socket(zmq.SUB),
                  status=EngineStatus("incarnation", True, "CPUExecutionProvider", 0, [], 0.0))
     link.reader = SocketReader(requests, partial(engine._answers, link))
     link.reader.start()
+    link.status_reader = SocketReader(link.status_socket, partial(engine._status, link))
+    link.status_reader.start()
     engine._links.append(link)
     return engine, link
 
