@@ -1,6 +1,7 @@
 """A plain ZeroMQ socket read from the running asyncio loop through its file descriptor (`ZMQ_FD`, libzmq's
-documented way to join another event loop), for the two sockets every image crosses: the engine's ROUTER
-(service/engine/server.py) and each frontend's DEALER (service/engine/remote.py).
+documented way to join another event loop), for the two sockets every image crosses, the engine's ROUTER
+(service/engine/server.py) and each frontend's DEALER (service/engine/remote.py), and for the frontend's SUB that
+hears the engine's status every 20 ms while it works.
 
 Not pyzmq's asyncio sockets: they make a future, a poller event and a few enum operations per message in each
 direction, which were most of what an engine process spent on a lone image (docs/latency-budget.md). The owner sends
