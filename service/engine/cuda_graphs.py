@@ -126,9 +126,11 @@ def median_ms(call, calls: int) -> float:
     return float(np.median(call_times_ms(call, calls)))
 
 
-def call_times_ms(call, calls: int) -> list[float]:
-    """The ms of each of `calls` calls of `call()`, after one that is not counted (it sets things up)."""
-    call()
+def call_times_ms(call, calls: int, set_up: bool = True) -> list[float]:
+    """The ms of each of `calls` calls of `call()`, after one that is not counted (it sets things up), unless
+    `set_up` is False (a caller that made it already)."""
+    if set_up:
+        call()
     times = []
     for _ in range(calls):
         started = time.perf_counter()

@@ -122,26 +122,40 @@ class RuntimeSpec:
 # On a CPU a maps-free graph is kept under `maps_free: auto` when it costs at most this share of the rollout graph's
 # time: a smaller gain is within the load-time measurement's noise, and not worth the second graph's memory.
 MAPS_FREE_CPU_SHARE = 0.95
+# Each size's cost in a round is the fastest of MAPS_FREE_CALLS calls, or of as many as fit in MAPS_FREE_ROUND_MS
+# (at least MAPS_FREE_MIN_CALLS) for a graph whose calls are long: such a call's own noise is small beside the
+# share's 5%, and 7 calls of ViT-S/16 at batch 8 in each of 3 rounds for both graphs took 26 s of its 38 s start on a
+# 2-core Xeon. A light model (milliseconds a call) keeps its 7.
+MAPS_FREE_CALLS, MAPS_FREE_MIN_CALLS, MAPS_FREE_ROUND_MS = 7, 3, 1000.0
 
 
 def maps_free_pays(run_with_maps: Callable[[np.ndarray], Outputs], run_maps_free: Callable[[np.ndarray], Outputs],
                    info: ModelInfo, max_batch: int, rounds: int = 3) -> bool:
     """Whether the maps-free graph costs at most MAPS_FREE_CPU_SHARE of the rollout graph's time per image at batch 1
-    plus at batch min(max_batch, 8), the two timed alternately at load (each size's fastest of 7 calls, the median
-    of the rounds: nearer the graphs' own cost than a median of calls on a machine others share): on a CPU the gain
-    depends on the chip and the runtime (the default model on a Xeon with AVX-512: 5-15%; none measured on an EPYC
-    with AVX2). Near the share the choice can differ between starts, and with it a map=none answer's last bits
-    (1e-6 of a logit), as the light model's thread count can (service/engine/runtime.py). Logged."""
+    plus at batch min(max_batch, 8), the two timed alternately at load (each size's fastest call of a round, the
+    median of the rounds: nearer the graphs' own cost than a median of calls on a machine others share): on a CPU
+    the gain depends on the chip and the runtime (the default model on a Xeon with AVX-512: 5-15%; none measured on
+    an EPYC with AVX2). Near the share the choice can differ between starts, and with it a map=none answer's last
+    bits (1e-6 of a logit), as the light model's thread count can (service/engine/runtime.py). Logged."""
     sizes = sorted({1, max(1, min(max_batch, 8))})
     batches = [np.resize(probe_pixels(info), (size, info.channels, *info.image_size)).astype(np.float32)
                for size in sizes]
-    costs: dict[str, list[float]] = {"rollout": [], "maps-free": []}
+    graphs = {"rollout": run_with_maps, "maps-free": run_maps_free}
+    # one call of each graph and size sets it up (not counted) and says how many of its calls a round can afford
+    calls = {}
+    for name, run in graphs.items():
+        for i, x in enumerate(batches):
+            set_up_ms = call_times_ms(functools.partial(run, x), 1, set_up=False)[0]
+            calls[name, i] = max(MAPS_FREE_MIN_CALLS, min(MAPS_FREE_CALLS, int(MAPS_FREE_ROUND_MS // max(set_up_ms, 1e-3))))
+    costs: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
-        for name, run in (("rollout", run_with_maps), ("maps-free", run_maps_free)):
-            costs[name].append(sum(min(call_times_ms(functools.partial(run, x), 7)) / len(x) for x in batches))
+        for name, run in graphs.items():
+            costs[name].append(sum(min(call_times_ms(functools.partial(run, x), calls[name, i], set_up=False))
+                                   / len(x) for i, x in enumerate(batches)))
     with_maps, without = (float(np.median(costs[name])) for name in ("rollout", "maps-free"))
     pays = without <= MAPS_FREE_CPU_SHARE * with_maps
     log.info("maps-free graph of %s %s %s on this CPU: %.3f ms per image at batch %s against the rollout graph's %.3f",
              info.name, info.version, "kept" if pays else "left out", without, " plus ".join(map(str, sizes)),
              with_maps)
     return pays
+

@@ -257,6 +257,27 @@ def test_the_timing_keeps_a_graph_at_most_its_share_of_the_rollout_graph_s_time(
     assert not maps_free_pays(costing(2.0), costing(2.0 * MAPS_FREE_CPU_SHARE + 0.4), info, max_batch=2, rounds=1)
 
 
+def test_a_graph_whose_calls_are_long_is_timed_with_fewer_calls(tiny_model, monkeypatch):
+    from vitserve.service.engine import inference_model
+
+    monkeypatch.setattr(inference_model, "MAPS_FREE_ROUND_MS", 200.0)
+    counted: dict[str, list[int]] = {"rollout": [], "maps-free": []}
+
+    def costing(name, ms):
+        def run(pixels):
+            counted[name].append(len(pixels))
+            time.sleep(ms / 1000 * len(pixels))
+            return ()
+        return run
+    inference_model.maps_free_pays(costing("rollout", 40.0), costing("maps-free", 1.0), tiny_model.info,
+                                   max_batch=2, rounds=2)
+    # one uncounted call of each size, then each round's: 40 ms calls, as many as 200 ms holds (a sleep overshoots:
+    # 4 or 5); 80 ms, the least (3); 1-2 ms, the most (7)
+    per_round = (counted["rollout"].count(1) - 1) / 2
+    assert per_round in (4, 5) and counted["rollout"].count(2) == 1 + 2 * 3
+    assert counted["maps-free"].count(1) == counted["maps-free"].count(2) == 1 + 2 * 7
+
+
 def test_openvino_serves_its_own_maps_free_graph_that_answers_as_the_rollout_graph(tiny_onnx):
     pytest.importorskip("openvino")
     from vitserve.service.engine.openvino_runtime import load_openvino_model
