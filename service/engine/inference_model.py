@@ -145,8 +145,8 @@ def maps_free_pays(run_with_maps: Callable[[np.ndarray], Outputs], run_maps_free
     calls = {}
     for name, run in graphs.items():
         for i, x in enumerate(batches):
-            set_up_ms = call_times_ms(functools.partial(run, x), 1, set_up=False)[0]
-            calls[name, i] = max(MAPS_FREE_MIN_CALLS, min(MAPS_FREE_CALLS, int(MAPS_FREE_ROUND_MS // max(set_up_ms, 1e-3))))
+            set_up_ms = max(call_times_ms(functools.partial(run, x), 1, set_up=False)[0], 1e-3)
+            calls[name, i] = max(MAPS_FREE_MIN_CALLS, min(MAPS_FREE_CALLS, int(MAPS_FREE_ROUND_MS // set_up_ms)))
     costs: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, run in graphs.items():
