@@ -158,4 +158,3 @@ def maps_free_pays(run_with_maps: Callable[[np.ndarray], Outputs], run_maps_free
              info.name, info.version, "kept" if pays else "left out", without, " plus ".join(map(str, sizes)),
              with_maps)
     return pays
-
