@@ -13,7 +13,9 @@ RUNTIME_SERVERS = {"vitserve-openvino": {"VITSERVE_RUNTIME": "openvino"},
                    "vitserve-bf16": {"VITSERVE_RUNTIME": "openvino", "VITSERVE_PRECISION_HINT": "bf16"},
                    # the model in one engine process that every HTTP worker feeds, whatever `--engine auto` would
                    # choose (service/engine/topology.py): the two topologies side by side
-                   "vitserve-process": {"VITSERVE_ENGINE": "process"}}
+                   "vitserve-process": {"VITSERVE_ENGINE": "process"},
+                   # two batches at once, each on one of the two cores' intra-op threads (Triton's instance count)
+                   "vitserve-2runners": {"VITSERVE_BATCH_RUNNERS": "2"}}
 # Triton with the model on OpenVINO at a precision (its Python backend compiles the file's fast graph, as vitserve's
 # OpenVINO runtime does): the same runtime and precision as vitserve's, side by side
 TRITON_OPENVINO = {"triton-bf16": "bf16", "triton-openvino": "fp32"}

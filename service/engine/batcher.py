@@ -9,7 +9,9 @@ it reaches `max_batch_size` images or `max_batch_cost` input values, or when its
 nobody to wait for), and keeps up to `max_batches_in_flight` batches assembled or running (one runs at a
 time on its own thread), so the next batch is stacked while the current one runs. Only a full batch waits
 assembled behind the running one: one that is not full stays open to newcomers until the runner is free,
-as Triton's dynamic batcher forms a batch when a model instance is free.
+as Triton's dynamic batcher forms a batch when a model instance is free. With `runners` (Triton's instance
+count) that many batches run at once, each on a runner thread of its own; runners free together share out a
+group larger than the last batch.
 
 An item may also be `maps_free`: it needs less of the computation than the others (the engine: no rollout). With
 `maps_free_batches`, such items batch apart from the rest, and their batches run as `run_batch(stacked, targets,
@@ -121,7 +123,7 @@ class DynamicBatcher:
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
                  max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
-                 trace_attributes: dict | None = None, maps_free_batches: bool = False):
+                 trace_attributes: dict | None = None, maps_free_batches: bool = False, runners: int = 1):
         self._run_batch = run_batch
         self.maps_free_batches = maps_free_batches  # maps-free items batch apart, run maps-free (module doc)
         self._trace_attributes = trace_attributes or {}  # on each batch's span, when tracing is on
@@ -143,12 +145,13 @@ class DynamicBatcher:
         self._active = 0  # batches taken from the queue and not yet answered
         self._free_since = float("-inf")  # when the last batch in flight finished (the runner went idle)
         self._last_size = 1  # images in the last batch that finished: how many clients may be coming back
-        self._slots = asyncio.Semaphore(max_batches_in_flight)
+        self.runners = runners
+        self._slots = asyncio.Semaphore(max_batches_in_flight + runners - 1)
         self._wakeup = asyncio.Event()
         self._closing = False
         # a model whose threads run at a lowered priority (a shadow, a background model) never runs on the loop's
         self._runs_at_loop_priority = runner_priority == "normal"
-        self._runner = ThreadPoolExecutor(max_workers=1, thread_name_prefix="batch-runner",
+        self._runner = ThreadPoolExecutor(max_workers=runners, thread_name_prefix="batch-runner",
                                           initializer=lower_thread_priority, initargs=(runner_priority,))
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -310,7 +313,7 @@ class DynamicBatcher:
         8-client loop for good into groups that took turns on the engine (mean batch 2.7 of 8)."""
         if self._closing or self._batch_length(group) < len(group) or len(group) >= self._largest_batch(group):
             return 0.0
-        if self._active:
+        if self._active >= self.runners:
             return float("inf")
         if not self.dispatch_when_idle:
             return group[0].enqueued + self.max_queue_delay_s - now
@@ -351,7 +354,13 @@ class DynamicBatcher:
 
     def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
         now = time.perf_counter()
-        batch = [group.popleft() for _ in range(self._batch_length(group))]
+        length = self._batch_length(group)
+        free = self.runners - self._active
+        if free > 1:
+            # Runners free together share a group larger than the last batch, none left idle; not one the size of
+            # the last batch (the clients it answered coming back), which halved would halve every batch after it.
+            length = min(length, max(self._last_size, -(-len(group) // free)))
+        batch = [group.popleft() for _ in range(length)]
         if not group:
             del self._groups[shape]
         self._last_served[shape] = now
@@ -433,7 +442,7 @@ class DynamicBatcher:
 
     def _batch_ended(self) -> None:
         self._active -= 1
-        if not self._active:
+        if self._active < self.runners:
             self._free_since = time.perf_counter()
         self._slots.release()
         self._wakeup.set()  # an idle model may now take what is queued

@@ -63,11 +63,14 @@ def read_model_file_info(path: Path) -> ModelInfo:
 
 
 def intra_op_threads(settings: Settings) -> int:
-    """The configured count; by default ORT's (one per core) for an engine process or a single worker, the cores
-    shared out among inline workers (each has its own session)."""
-    if settings.intra_op_threads or settings.engine != "inline" or settings.http_workers == 1:
+    """The configured count; by default ORT's (one per core) for an engine process or a single worker running one
+    batch at a time, else the cores shared out among inline workers (each has its own session) and among the
+    batches each runs at once (`batch_runners`)."""
+    if settings.intra_op_threads:
         return settings.intra_op_threads
-    return max(1, usable_cores() // settings.http_workers)
+    workers = settings.http_workers if settings.engine == "inline" else 1
+    sharing = workers * settings.batch_runners
+    return 0 if sharing == 1 else max(1, usable_cores() // sharing)
 
 
 def probe_pixels(info: ModelInfo, count: int = 16) -> np.ndarray:

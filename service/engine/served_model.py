@@ -99,7 +99,7 @@ class ServedModel:
                                       dispatch_when_idle=s.dispatch_when_idle,
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
-                                      runner_priority=self.cpu_priority,
+                                      runner_priority=self.cpu_priority, runners=s.batch_runners,
                                       maps_free_batches=getattr(self.model, "run_maps_free", None) is not None,
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()

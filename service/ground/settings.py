@@ -127,6 +127,10 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(5.0, ge=0)
     max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
+    batch_runners: int = Field(1, ge=1, description="batches of one model that run at once, each on a thread of "
+                                                    "its own, the intra-op threads shared out among them (Triton's "
+                                                    "instance count): more answers a second at a few clients, a lone "
+                                                    "request slower (docs/results.md)")
     dispatch_when_idle: bool = Field(True, description="with no batch in flight, run the queued requests at once "
                                                        "when they are as many as the last batch, instead of "
                                                        "waiting max_queue_delay_ms for company")
@@ -340,8 +344,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                                 "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads", "inter_op_threads",
                                 "intra_op_spinning", "graph_optimization", "pixel_transport", "maps_free",
                                 "warmup_batch_sizes"),
-    "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "dispatch_when_idle",
-                 "max_batch_cost"),
+    "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "batch_runners",
+                 "dispatch_when_idle", "max_batch_cost"),
     "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "overload_keeps_batches",
                              "max_queue_wait_ms", "max_loop_lag_ms",
                              "max_pixels_in_flight", "large_image_pixels", "max_upload_bytes", "max_image_pixels",

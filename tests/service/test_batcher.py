@@ -428,3 +428,38 @@ async def test_a_lone_image_goes_to_the_runner_behind_other_work_or_when_its_bat
         assert (await batcher.submit(item(value), 10, alone=True)).output == value * 10
     assert loop_thread not in lowered.threads and len(lowered.threads) == 2
     await batcher.close()
+
+
+async def test_with_two_runners_a_second_batch_runs_while_the_first_is_still_running():
+    """`runners` batches at once, each on a thread of its own; with one, the second full batch waits assembled."""
+    for runners, running_together in ((1, 1), (2, 2)):
+        recorder = Recorder()
+        batcher = make(recorder, max_batches_in_flight=2, runners=runners)
+        recorder.gate.clear()
+        futures = [batcher.enqueue(item(v), 10) for v in range(1, 9)]  # two full batches
+        await until(lambda: len(recorder.started) == running_together, f"{running_together} batch(es) running")
+        await asyncio.sleep(0.05)
+        assert len(recorder.started) == running_together
+        recorder.gate.set()
+        await asyncio.wait_for(asyncio.gather(*futures), PATIENCE_S)
+        assert sorted(recorder.batches) == [[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]
+        assert len(set(recorder.threads)) == runners
+        await batcher.close()
+
+
+async def test_runners_free_together_share_a_group_larger_than_the_last_batch_but_not_one_its_size():
+    """Six queued with both runners idle: three each, no runner left idle. Then the three clients one batch answered
+    come back together: one batch of three, not halved (halving it would halve every batch after it)."""
+    recorder = Recorder()
+    batcher = make(recorder, max_batch_size=8, max_queue_delay_s=1.0, dispatch_when_idle=True,
+                   max_batches_in_flight=2, runners=2)
+    recorder.gate.clear()
+    six = [batcher.enqueue(item(v), 10) for v in range(1, 7)]  # in one loop turn: the dispatcher sees all six
+    await until(lambda: len(recorder.started) == 2, "two batches running")
+    assert sorted(recorder.started) == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    recorder.gate.set()
+    await asyncio.wait_for(asyncio.gather(*six), PATIENCE_S)
+    three = [batcher.enqueue(item(v), 10) for v in (7, 8, 9)]
+    results = await asyncio.wait_for(asyncio.gather(*three), PATIENCE_S)
+    assert recorder.batches[-1] == [7.0, 8.0, 9.0] and all(r.batch_size == 3 for r in results)
+    await batcher.close()

@@ -67,6 +67,10 @@ def test_cores_are_the_ones_this_process_may_run_on(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
     assert Settings().http_workers == 4
     assert intra_op_threads(Settings(engine="inline", workers=2)) == 2
+    # batches run at once share their process's threads: the engine's cores, or an inline worker's share of them
+    assert intra_op_threads(Settings(batch_runners=2)) == 2
+    assert intra_op_threads(Settings(engine="inline", workers=2, batch_runners=2)) == 1
+    assert intra_op_threads(Settings(batch_runners=3, intra_op_threads=4)) == 4  # a count set is the count
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5})
     assert Settings().http_workers == 1 and intra_op_threads(Settings(engine="inline", workers=2)) == 1
 
