@@ -11,7 +11,8 @@ LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-base": "vitserve (baseline commit)", "vitserve-openvino": "vitserve on OpenVINO",
           "vitserve-onnxruntime": "vitserve on ONNX Runtime", "vitserve-bf16": "vitserve on OpenVINO bf16",
           "triton-bf16": "Triton on OpenVINO bf16", "triton-openvino": "Triton on OpenVINO",
-          "vitserve-process": "vitserve with an engine process"}
+          "vitserve-process": "vitserve with an engine process",
+          "vitserve-2runners": "vitserve, two batches at once"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 

@@ -17,7 +17,7 @@ from vitserve.bench.peers.answers import TOLERANCE, answer_values, compare
 from vitserve.bench.peers.bodies import (TRITON_IMAGE_MODEL, TRITON_TENSOR_MODEL, multipart_image, peer_request,
                                 triton_image_request)
 from vitserve.bench.peers.cli import build_parser, config_from, config_from_bench_args
-from vitserve.bench.peers.config import QUICK, SERVED_PATHS, PeersConfig
+from vitserve.bench.peers.config import KNOWN_SERVERS, QUICK, SERVED_PATHS, PeersConfig
 from vitserve.bench.peers.image_classifier import LIMITS, ImageClassifier, session_options, softmax
 from vitserve.bench.peers.report import ratios_by_round, render, served_of_alone, summarise
 from vitserve.bench.peers.venvs import REQUIREMENTS
@@ -639,6 +639,7 @@ def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_reque
                                                                                         "vitserve-openvino"]
     assert family("vitserve-openvino") == "vitserve" and SERVED_PATHS["vitserve-openvino"] == SERVED_PATHS["vitserve"]
     assert LABELS["vitserve-openvino"] == "vitserve on OpenVINO"
+    assert set(KNOWN_SERVERS) <= set(LABELS)  # every arm the command takes has its name in the report
     bf16 = server_spec("vitserve-bf16", tmp_path / "m.onnx", {}, None)
     assert bf16.name == "vitserve-bf16"
     assert (bf16.env["VITSERVE_RUNTIME"], bf16.env["VITSERVE_PRECISION_HINT"]) == ("openvino", "bf16")
