@@ -140,7 +140,9 @@ class OpenVinoModel:
 
     @classmethod
     def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int,
-                relevance=None, maps: bool = True) -> OpenVinoModel:
+                relevance=None, maps: bool = True, streams: int = 1) -> OpenVinoModel:
+        """`threads` per inference (0: OpenVINO's choice), on `streams` that run as many inferences at once (the
+        batcher's runners: one stream would run their batches one after another)."""
         import openvino as ov
 
         core = ov.Core()
@@ -148,8 +150,10 @@ class OpenVinoModel:
             raise ModelLoadError("precision bf16: this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX; "
                                  f"OpenVINO says {sorted(cpu_capabilities())}); OpenVINO would run float32")
         config = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision], "PERFORMANCE_HINT": "LATENCY"}
+        if streams > 1:
+            config["NUM_STREAMS"] = str(streams)
         if threads:
-            config["INFERENCE_NUM_THREADS"] = str(threads)
+            config["INFERENCE_NUM_THREADS"] = str(threads * streams)  # OpenVINO's count is all streams' together
         try:
             with signal_stack_kept():
                 model = core.read_model(fast_graph)
@@ -195,7 +199,7 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
         chain: list[tuple[str, dict]] = [(CPU, {})]
         relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
-                                  relevance)
+                                  relevance, streams=settings.batch_runners)
     if settings.maps_free != "off":
         model.run_maps_free = maps_free_run(model, paths.fast, settings)
     log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
@@ -214,7 +218,7 @@ def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[n
     graph.graph.output.extend(kept)
     try:
         lean = OpenVinoModel.compile(graph.SerializeToString(), info, model.precision, intra_op_threads(settings),
-                                     maps=False)
+                                     maps=False, streams=settings.batch_runners)
     except ModelLoadError as e:
         log.warning("no maps-free graph for %s %s: %s", info.name, info.version, e)
         return None

@@ -208,3 +208,26 @@ def test_int8_on_a_cpu_without_dot_product_units_is_served_with_a_warning(tiny_m
         assert not caplog.records
         assert runtime.warn_if_int8_does_not_pay(int8, has_dot_product=lambda: False)
     assert "no int8 dot-product units" in caplog.text and "docs/int8.md" in caplog.text
+
+
+def test_batch_runners_get_a_stream_each_with_their_threads_and_the_same_answers(tiny_onnx):
+    """One stream runs one inference at a time: the batcher's two runners would take turns on it. With two runners
+    the model compiles to two streams, the intra-op threads per inference (cores // runners) times two in all, and
+    two inferences at once answer as one after the other do."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vitserve.service.engine.inference_model import intra_op_threads
+
+    settings = settings_for(tiny_onnx, runtime="openvino", batch_runners=2)  # one intra-op thread (settings_for)
+    model = load_model(settings)
+    assert int(model.compiled.get_property("NUM_STREAMS")) == 2
+    assert int(model.compiled.get_property("INFERENCE_NUM_THREADS")) == 2 * intra_op_threads(settings) == 2
+    one = load_model(settings_for(tiny_onnx, runtime="openvino"))
+    assert int(one.compiled.get_property("NUM_STREAMS")) == 1
+    images = [np.random.default_rng(i).standard_normal((3, 3, 32, 32)).astype(np.float32) for i in range(8)]
+    alone = [model.run(x)[0] for x in images]
+    with ThreadPoolExecutor(2) as runners:
+        together = list(runners.map(lambda x: model.run(x)[0], images))
+    for got, want, reference in zip(together, alone, (one.run(x)[0] for x in images)):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(got, reference)
