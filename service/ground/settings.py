@@ -127,7 +127,7 @@ class Settings(BaseSettings):
     max_queue_delay_ms: float = Field(5.0, ge=0)
     max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
-    batch_runners: int = Field(1, ge=1, description="batches of one model that run at once, each on a thread of "
+    batch_runners: int = Field(1, ge=1, le=64, description="batches of one model that run at once, each on a thread of "
                                                     "its own, the intra-op threads shared out among them (Triton's "
                                                     "instance count): more answers a second at a few clients, a lone "
                                                     "request slower (docs/results.md)")
