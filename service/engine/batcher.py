@@ -143,10 +143,10 @@ class DynamicBatcher:
         self._seconds_per_cost: dict[bool, float] = {}  # targeted -> run_batch time per input value (moving average)
         self._alone_per_cost: dict[bool, float] = {}  # targeted -> the last batch of one's time per input value
         self._active = 0  # batches taken from the queue and not yet answered
-        self._free_since = float("-inf")  # when the last batch in flight finished (the runner went idle)
+        self._free_since = float("-inf")  # when a runner last went idle (a batch finished with fewer left running)
         self._last_size = 1  # images in the last batch that finished: how many clients may be coming back
         self.runners = runners
-        self._slots = asyncio.Semaphore(max_batches_in_flight + runners - 1)
+        self._slots = asyncio.Semaphore(max(max_batches_in_flight, runners))  # at least a batch per runner
         self._wakeup = asyncio.Event()
         self._closing = False
         # a model whose threads run at a lowered priority (a shadow, a background model) never runs on the loop's

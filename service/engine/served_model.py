@@ -95,7 +95,7 @@ class ServedModel:
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
-                                      max_batches_in_flight=s.max_batches_in_flight,
+                                      max_batches_in_flight=s.batches_in_flight,
                                       dispatch_when_idle=s.dispatch_when_idle,
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,

@@ -126,7 +126,8 @@ class Settings(BaseSettings):
                                                                "activations, several times a fast batch's memory")
     max_queue_delay_ms: float = Field(5.0, ge=0)
     max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
-    max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs)")
+    max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs; "
+                                                            "one more per batch runner past the first)")
     batch_runners: int = Field(1, ge=1, le=64, description="batches of one model that run at once, each on a thread of "
                                                     "its own, the intra-op threads shared out among them (Triton's "
                                                     "instance count): more answers a second at a few clients, a lone "
@@ -295,6 +296,12 @@ class Settings(BaseSettings):
         if self.ray_max_replicas is not None and self.ray_max_replicas < self.ray_replicas:
             raise ValueError(f"ray_max_replicas {self.ray_max_replicas} is below ray_replicas {self.ray_replicas}")
         return self
+
+    @property
+    def batches_in_flight(self) -> int:
+        """Batches a model keeps assembled or running at once: `max_batches_in_flight`, one more for each runner
+        past the first (each runs one while the next waits assembled: service/engine/batcher.py)."""
+        return self.max_batches_in_flight + self.batch_runners - 1
 
     @property
     def http_workers(self) -> int:

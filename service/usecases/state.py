@@ -92,13 +92,14 @@ class ServiceState:
 
 
 def shedding_floor(s: Settings) -> int:
-    """Requests a shedding process still admits: its share of the engine's batches (max_batches_in_flight of
-    max_batch_size among the HTTP workers; all of them for its own engine, inline), since fewer leave the engine
-    small batches that cost more per image (docs/reliability.md); 0 with overload_keeps_batches off."""
+    """Requests a shedding process still admits: its share of the engine's batches (the batches it keeps assembled
+    or running, of max_batch_size, among the HTTP workers; all of them for its own engine, inline), since fewer
+    leave the engine small batches that cost more per image (docs/reliability.md); 0 with overload_keeps_batches
+    off."""
     if not s.overload_keeps_batches:
         return 0
     sharing = 1 if s.engine == "inline" else max(1, s.http_workers)
-    return math.ceil(s.max_batch_size * s.max_batches_in_flight / sharing)
+    return math.ceil(s.max_batch_size * s.batches_in_flight / sharing)
 
 
 class ImagePools:

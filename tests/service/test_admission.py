@@ -369,6 +369,8 @@ def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_on
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, overload_keeps_batches=False) == 0
     # a session in each worker: its batches are all its own
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, engine="inline") == 32
+    # two batches at once: one more batch in flight, so that both runners have one while shedding
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, batch_runners=2) == 24
 
 
 def test_a_closed_loop_within_the_limit_is_never_refused_and_keeps_the_full_limit():

@@ -35,12 +35,15 @@ async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
     return np.asarray(output["data"], np.float32).reshape(output["shape"])
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8", "openvino-fp32", "openvino-bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "int8", "openvino-fp32", "openvino-bf16", "fp32-two-runners",
+                                       "openvino-fp32-two-runners"])
 async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8):
+    """Two runners: batches on two threads at once, on one session (ONNX Runtime) or two streams (OpenVINO)."""
     from vitserve.service.engine.runtime import load_model
 
     path = tiny_int8 if precision == "int8" else tiny_onnx
-    runtime = {}
+    runtime: dict = {"batch_runners": 2} if precision.endswith("-two-runners") else {}
+    precision = precision.removesuffix("-two-runners")
     if precision.startswith("openvino"):
         pytest.importorskip("openvino")
         from vitserve.service.engine import openvino_runtime
@@ -48,7 +51,7 @@ async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(prec
         hint = precision.split("-")[1]
         if hint == "bf16" and "BF16" not in openvino_runtime.cpu_capabilities():
             pytest.skip("this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX)")
-        runtime = {"runtime": "openvino", "precision_hint": hint}
+        runtime.update(runtime="openvino", precision_hint=hint)
     settings = settings_for(path, max_batch_size=8, max_queue_delay_ms=20, **runtime)
     model = WrappedModel(load_model(settings))
     rng = np.random.default_rng(11)
