@@ -3,12 +3,13 @@
 A frontend (DEALER socket) sends `Submit` for each image, naming the model version it was routed to: the pixels
 themselves are in the frontend's shared-memory arena (`service/engine/shm.py`); the message says where. It may
 send `Cancel` for an image whose client went away. What a frontend has to send at the end of its loop's turn
-travels as one multipart message, a `Submit` or `Cancel` a frame. The engine (ROUTER socket) answers every
-`Submit` exactly once, with `Result` or `Failure` (the answers it has for one frontend at the end of its loop's
-turn travel as one multipart message, an answer a frame: a batch's answers wake the frontend once), and publishes
-`EngineStatus` on a PUB socket several times a second: readiness, which engine incarnation is running (a restarted
-engine has a new one), the repository's generation (it changes whenever a version's state does) and each version's
-queue, for the frontends' admission.
+travels as one message of one frame, a msgpack array of its `Submit`s and `Cancel`s (a ZeroMQ frame costs each side
+about as much Python as the rest of an image's message: 4.5 us to send and receive, against 0.2 to encode and 0.6 to
+decode a Submit in an array). The engine (ROUTER socket) answers every `Submit` exactly once, with `Result` or
+`Failure`; the answers it has for one frontend at the end of its loop's turn travel the same way, one frame (a
+batch's answers wake the frontend once). It publishes `EngineStatus` on a PUB socket several times a second:
+readiness, which engine incarnation is running (a restarted engine has a new one), the repository's generation
+(it changes whenever a version's state does) and each version's queue, for the frontends' admission.
 
 `Control` asks the engine for its repository index, or to load or unload a model; it gets one `ControlReply`
 with the outcome and the index after it (every version's state, and the metadata of those loaded, which the
@@ -138,9 +139,11 @@ class Codec:
 
     def __init__(self):
         self.encoder = msgspec.msgpack.Encoder()
-        self.to_engine = msgspec.msgpack.Decoder(ToEngine)
-        self.from_engine = msgspec.msgpack.Decoder(FromEngine)
+        # a turn's messages each way: one frame holding an array of them
+        self.to_engine = msgspec.msgpack.Decoder(list[ToEngine])
+        self.from_engine = msgspec.msgpack.Decoder(list[FromEngine])
         self.status = msgspec.msgpack.Decoder(EngineStatus)
 
     def encode(self, message) -> bytes:
+        """One message (a status), or a turn's messages as a list (what `to_engine` and `from_engine` read)."""
         return self.encoder.encode(message)

@@ -81,8 +81,9 @@ class _Link:
     pending: dict[int, _Pending] = field(default_factory=dict)
     controls: dict[int, asyncio.Future] = field(default_factory=dict)
     # This loop turn's Submits (with their id) and Cancels (None), sent together when the turn ends: one ZeroMQ
-    # message, a frame each, instead of one message and one send (one wake-up of ZeroMQ's I/O thread) per image.
-    outbox: list[tuple[int | None, bytes]] = field(default_factory=list)
+    # message of one frame (service/engine/messages.py), not a message and a send (a wake-up of ZeroMQ's I/O thread)
+    # per image, nor a frame per image (pyzmq's per-frame calls cost as much as the rest of the image's message)
+    outbox: list[tuple[int | None, Submit | Cancel]] = field(default_factory=list)
     reader: SocketReader = field(init=False)  # reads the engine's answers from `requests`, and sends on it
     status_reader: SocketReader = field(init=False)
 
@@ -209,12 +210,12 @@ class RemoteEngine:
                          timeout_s, target, maps_free)
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
-        self._post(link, id, self.codec.encode(message))
+        self._post(link, id, message)
         try:
             result = await future
         except asyncio.CancelledError:
             if id in link.pending:  # the engine drops it (or its result) and still answers, freeing the region
-                self._post(link, None, self.codec.encode(Cancel(id)))
+                self._post(link, None, Cancel(id))
             raise
         result.version = handle.version
         return result
@@ -274,7 +275,7 @@ class RemoteEngine:
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         link.controls[id] = future
         try:
-            if not await self._send(link, [self.codec.encode(Control(id, op, name))], RECONNECT_GRACE_S):
+            if not await self._send(link, [self.codec.encode([Control(id, op, name)])], RECONNECT_GRACE_S):
                 raise NotReady("the inference engine is not reachable")
             return await asyncio.wait_for(future, CONTROL_TIMEOUT_S)
         except TimeoutError:
@@ -345,18 +346,18 @@ class RemoteEngine:
                     return False
                 await asyncio.sleep(0.005)
 
-    def _post(self, link: _Link, id: int | None, payload: bytes) -> None:
-        """Send `payload` (a Submit with its `id`, or a Cancel) with the rest of this loop turn's (`_Link.outbox`)."""
+    def _post(self, link: _Link, id: int | None, message: Submit | Cancel) -> None:
+        """Send `message` (a Submit with its `id`, or a Cancel) with the rest of this loop turn's (`_Link.outbox`)."""
         if not link.outbox:
             asyncio.get_running_loop().call_soon(self._flush, link)
-        link.outbox.append((id, payload))
+        link.outbox.append((id, message))
 
     def _flush(self, link: _Link) -> None:
         posted, link.outbox = link.outbox, []
         if not posted:  # failed meanwhile (`_fail_pending`)
             return
         try:
-            link.reader.send([payload for _, payload in posted])
+            link.reader.send([self._turn(posted)])
         except zmq.Again:  # not connected (IMMEDIATE: nothing is queued for an engine that is not): try for a while
             retry = asyncio.ensure_future(self._send_late(link, posted))
             self._late.add(retry)
@@ -365,19 +366,22 @@ class RemoteEngine:
         except zmq.ZMQError:  # the socket is closed (shutting down)
             self._fail_posted(link, posted)
 
-    async def _send_late(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
+    def _turn(self, posted: list[tuple[int | None, Submit | Cancel]]) -> bytes:
+        return self.codec.encode([message for _, message in posted])
+
+    async def _send_late(self, link: _Link, posted: list[tuple[int | None, Submit | Cancel]]) -> None:
         """Posted messages the socket refused: sent within the reconnection grace, or their images fail (503)."""
-        posted = [(id, payload) for id, payload in posted if id is None or id in link.pending]  # not failed since
+        posted = [(id, message) for id, message in posted if id is None or id in link.pending]  # not failed since
         if not posted:
             return
         try:
-            if await self._send(link, [payload for _, payload in posted], RECONNECT_GRACE_S):
+            if await self._send(link, [self._turn(posted)], RECONNECT_GRACE_S):
                 return
         except zmq.ZMQError:  # the socket closed meanwhile
             pass
         self._fail_posted(link, posted)
 
-    def _fail_posted(self, link: _Link, posted: list[tuple[int | None, bytes]]) -> None:
+    def _fail_posted(self, link: _Link, posted: list[tuple[int | None, Submit | Cancel]]) -> None:
         for id, _ in posted:
             pending = link.pending.pop(id, None) if id is not None else None
             if pending is not None:
@@ -391,13 +395,19 @@ class RemoteEngine:
             pending.future.set_exception(NotReady(message))
 
     def _answers(self, link: _Link, frames: list[bytes]) -> None:
-        """A message from the engine: its answers of one turn, a frame each."""
+        """A message from the engine: its answers of one turn, in one frame."""
         for frame in frames:
             try:
-                self._take_answer(link, self.codec.from_engine.decode(frame))
-            except Exception:  # one answer it cannot read must not stop every later one from arriving
-                log.exception("an answer from the engine at %s could not be taken (%d bytes); dropped",
-                              link.address, len(frame))
+                answers = self.codec.from_engine.decode(frame)
+            except Exception:  # a message it cannot read must not stop every later one from arriving
+                log.exception("answers from the engine at %s could not be read (%d bytes); dropped", link.address,
+                              len(frame))
+                continue
+            for answer in answers:
+                try:
+                    self._take_answer(link, answer)
+                except Exception:  # one answer it cannot take must not stop the others
+                    log.exception("an answer from the engine at %s could not be taken; dropped", link.address)
 
     def _take_answer(self, link: _Link, answer: Result | Failure | ControlReply) -> None:
         if isinstance(answer, ControlReply):

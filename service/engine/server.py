@@ -167,18 +167,24 @@ class EngineServer:
         return self.reader
 
     def _take_all(self, frames: list[bytes], router) -> None:
-        """A frontend's message: its identity, then a frame per Submit, Cancel or Control (a frontend sends its
-        loop turn's together: service/engine/remote.py)."""
+        """A frontend's message: its identity, then its loop turn's Submits, Cancels and Controls as one frame
+        (service/engine/messages.py)."""
         frontend = frames[0]
         for payload in frames[1:]:
             try:
-                self._take(frontend, payload, router)
-            except Exception:  # one message it cannot read (a frontend of another version) must not end the loop
-                log.exception("a message from frontend %r could not be taken (%d bytes); dropped", frontend,
+                messages = self.codec.to_engine.decode(payload)
+            except Exception:  # a message it cannot read (a frontend of another version) must not end the loop
+                log.exception("a message from frontend %r could not be read (%d bytes); dropped", frontend,
                               len(payload))
+                continue
+            for message in messages:
+                try:
+                    self._take(frontend, message, router)
+                except Exception:  # one it cannot take must not cost the others
+                    log.exception("a %s from frontend %r could not be taken; dropped", type(message).__name__,
+                                  frontend)
 
-    def _take(self, frontend: bytes, payload: bytes, router) -> None:
-        message = self.codec.to_engine.decode(payload)
+    def _take(self, frontend: bytes, message: Submit | Cancel | Control, router) -> None:
         self.work_arrived.set()
         key = (frontend, message.id)
         if isinstance(message, Cancel):
@@ -224,22 +230,38 @@ class EngineServer:
                            outcome.queue_s, outcome.inference_s, outcome.batch_size, outcome.batch_span)
         self._answer(router, frontend, reply)
 
-    def _answer(self, router, frontend: bytes, reply) -> None:
+    def _answer(self, router, frontend: bytes, reply: Result | Failure | ControlReply) -> None:
         """Queue `reply` for `frontend`; the queue is sent when the loop's turn ends."""
         if not self.outbox:
             asyncio.get_running_loop().call_soon(self._send_answers)
-        self.outbox.setdefault(frontend, []).append(self.codec.encode(reply))
+        self.outbox.setdefault(frontend, []).append(reply)
 
     def _send_answers(self) -> None:
-        """The loop turn's answers, one message per frontend, sent through the socket's reader. A ROUTER never
-        blocks (no high-water mark here) and drops what is addressed to a frontend that is gone."""
+        """The loop turn's answers, one message of one frame per frontend, sent through the socket's reader. A
+        ROUTER never blocks (no high-water mark here) and drops what is addressed to a frontend that is gone."""
         outbox, self.outbox, reader = self.outbox, {}, self.reader
         assert reader is not None, "answers come only to messages `listen` took"
         try:
-            for frontend, frames in outbox.items():
-                reader.send([frontend, *frames])
+            for frontend, replies in outbox.items():
+                reader.send([frontend, self._encoded(replies)])
         except zmq.ZMQError as e:  # the socket closed (shutting down): nobody hears these answers any more
             log.debug("answers not sent: %s", e)
+
+    def _encoded(self, replies: list[Result | Failure | ControlReply]) -> bytes:
+        """A turn's answers as one frame. One that cannot be encoded (a bug) becomes a Failure of its own, so that
+        the images answered beside it are not lost with it."""
+        try:
+            return self.codec.encode(replies)
+        except Exception:
+            log.exception("a turn's %d answers could not be encoded together; encoding them one by one", len(replies))
+        kept: list[Result | Failure | ControlReply] = []
+        for reply in replies:
+            try:
+                self.codec.encode(reply)
+                kept.append(reply)
+            except Exception:
+                kept.append(Failure(reply.id, "internal_error", "the engine's answer could not be encoded"))
+        return self.codec.encode(kept)
 
     async def _control(self, router, frontend: bytes, control: Control) -> None:
         """A repository request: its outcome and the index after it."""

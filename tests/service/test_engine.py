@@ -35,11 +35,11 @@ from service_fixtures import PATIENCE_S, settings_for, until
                                                                                            {"max_batch_size": 4})],
                                     {"n": "config.json: bad"}), "model_load_failed", "no version"),
 ])
-def test_every_message_round_trips(message):
+def test_every_message_round_trips_in_a_turn(message):
     codec = Codec()
-    decoder = codec.status if isinstance(message, EngineStatus) else (
-        codec.to_engine if isinstance(message, (Submit, Cancel, Control)) else codec.from_engine)
-    assert decoder.decode(codec.encode(message)) == message
+    decoder = codec.to_engine if isinstance(message, (Submit, Cancel, Control)) else codec.from_engine
+    assert decoder.decode(codec.encode([message])) == [message]
+    assert decoder.decode(codec.encode([message, message])) == [message, message]
 
 
 def test_status_round_trips_and_a_message_for_the_other_side_is_refused():
@@ -47,7 +47,7 @@ def test_status_round_trips_and_a_message_for_the_other_side_is_refused():
     status = EngineStatus("abc", True, "CPUExecutionProvider", 4, [VersionQueue("m", "1", 3, 768, None)], 1.5)
     assert codec.status.decode(codec.encode(status)) == status
     with pytest.raises(msgspec.ValidationError):
-        codec.to_engine.decode(codec.encode(Failure(1, "x", "y")))
+        codec.to_engine.decode(codec.encode([Failure(1, "x", "y")]))
 
 
 def test_an_engine_failure_is_the_same_error_on_the_frontend():
@@ -243,9 +243,9 @@ def test_a_message_the_engine_cannot_read_is_dropped_and_the_next_ones_are_taken
 
     from vitserve.service.engine.server import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused")
-    server._take_all([b"frontend", b"\xff not a message", Codec().encode(Cancel(7))], router=None)
+    server._take_all([b"frontend", b"\xff not a message", Codec().encode([Cancel(7)])], router=None)
     assert server.work_arrived.is_set()  # the Cancel after it was taken
-    assert "could not be taken" in caplog.text
+    assert "could not be read" in caplog.text
 
 
 @pytest.mark.anyio
@@ -283,8 +283,9 @@ async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_ar
 
 
 @pytest.mark.anyio
-async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_frame_each():
-    # a batch's answers finish together: one message per frontend wakes it once, not once per image
+async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_of_one_frame():
+    # a batch's answers finish together: one message per frontend wakes it once, not once per image, and one frame
+    # (pyzmq's calls per frame cost as much as the rest of an image's answer)
     from types import SimpleNamespace
 
     from vitserve.service.engine.messages import Codec, Failure, Result, Tensor
@@ -316,7 +317,7 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     await asyncio.sleep(0)
     assert sorted(frames[0] for frames in sent) == [b"a", b"b"]
     for frames in sent:
-        assert [codec.from_engine.decode(frame) for frame in frames[1:]] == answers[frames[0]]
+        assert len(frames) == 2 and codec.from_engine.decode(frames[1]) == answers[frames[0]]  # one frame
     server._answer(router, b"a", Failure(3, "deadline_exceeded", "late"))
     await asyncio.sleep(0)
     assert len(sent) == 3 and len(sent[2]) == 2  # the next turn's answer: a message of its own
@@ -326,6 +327,20 @@ async def test_the_answers_of_one_turn_go_to_each_frontend_as_one_message_a_fram
     server.reader.stop()
     os.close(quiet)
     os.close(unused)
+
+
+def test_an_answer_that_cannot_be_encoded_fails_alone_and_the_turns_other_answers_arrive(caplog):
+    # a turn's answers are encoded together: a bug in one (a report holding what msgpack cannot write) must not cost
+    # the images answered beside it
+    from types import SimpleNamespace
+
+    from vitserve.service.engine.server import EngineServer
+    server, codec = EngineServer(SimpleNamespace(settings=Settings()), "ipc://unused"), Codec()
+    index = RepositoryIndex(1, [], [], {})
+    result = Result(1, [Tensor((2,), b"\0" * 8)], 0.1, 0.2, 2)
+    answers = codec.from_engine.decode(server._encoded([result, ControlReply(2, index, report={"x": object()})]))
+    assert answers == [result, Failure(2, "internal_error", "the engine's answer could not be encoded")]
+    assert "could not be encoded together" in caplog.text
 
 
 @pytest.mark.anyio
@@ -341,8 +356,8 @@ async def test_the_engine_reads_every_message_of_many_frontends_while_it_answers
     from vitserve.service.engine.messages import Codec, Failure
     from vitserve.service.engine.server import EngineServer
     server = EngineServer(SimpleNamespace(settings=Settings()), "unused")
-    server._take = lambda frontend, payload, router: server._answer(  # an echo in place of the engine
-        router, frontend, Failure(int(payload), "echo", ""))
+    server._take = lambda frontend, message, router: server._answer(  # an echo in place of the engine
+        router, frontend, Failure(message.id, "echo", ""))
     address = f"ipc://{tmp_path}/engine.sock"
     plain, context, codec = zmq.Context(), zmq.asyncio.Context(), Codec()
     router = plain.socket(zmq.ROUTER)
@@ -359,15 +374,16 @@ async def test_the_engine_reads_every_message_of_many_frontends_while_it_answers
 
         async def receive() -> None:
             while len(answered) < len(ids):
-                answered.update(codec.from_engine.decode(frame).id for frame in await dealer.recv_multipart())
+                answered.update(answer.id for frame in await dealer.recv_multipart()
+                                for answer in codec.from_engine.decode(frame))
 
         receiving = asyncio.ensure_future(receive())
         for start in range(0, len(ids), 50):
             burst = ids[start:start + 50]
-            cut = rng.randrange(1, len(burst) + 1)  # a message of many frames, then the rest one by one
-            await dealer.send_multipart([str(i).encode() for i in burst[:cut]])
+            cut = rng.randrange(1, len(burst) + 1)  # a turn of many messages, then the rest one by one
+            await dealer.send(codec.encode([Cancel(i) for i in burst[:cut]]))
             for i in burst[cut:]:
-                await dealer.send(str(i).encode())
+                await dealer.send(codec.encode([Cancel(i)]))
             if rng.random() < 0.3:
                 await asyncio.sleep(0)
         await asyncio.wait_for(receiving, 30)
