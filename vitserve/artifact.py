@@ -14,6 +14,8 @@ Imports numpy only, so the torch world (export) and the ONNX Runtime world (serv
 """
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from collections.abc import Callable
@@ -331,10 +333,18 @@ def _metadata_reader(props: dict[str, str]) -> Callable[..., Any]:
 
 
 def normalization_table(mean: list[float], std: list[float]) -> np.ndarray:
-    """(C, 256) float32: what `normalize_pixels` makes of each 8-bit value per channel, with its arithmetic, so a
-    gather from it is bit-identical to the reference (the service's preprocessing and the engine's, tested)."""
+    """(C, 256) float32, read-only: what `normalize_pixels` makes of each 8-bit value per channel, with its
+    arithmetic, so a gather from it is bit-identical to the reference (the service's preprocessing and the
+    engine's, tested). Made once per model's mean and std: every image's preprocessing asks for it."""
+    return _normalization_table(tuple(mean), tuple(std))
+
+
+@functools.lru_cache(maxsize=64)
+def _normalization_table(mean: tuple[float, ...], std: tuple[float, ...]) -> np.ndarray:
     levels = np.arange(256, dtype=np.float32) / np.float32(255.0)  # (256,)
-    return ((levels[None, :] - np.asarray(mean, np.float32)[:, None]) / np.asarray(std, np.float32)[:, None])
+    table = (levels[None, :] - np.asarray(mean, np.float32)[:, None]) / np.asarray(std, np.float32)[:, None]
+    table.flags.writeable = False  # shared by every caller
+    return table
 
 
 def normalize_pixels(pixels: np.ndarray, mean: list[float], std: list[float], channel_axis: int = 1) -> np.ndarray:
