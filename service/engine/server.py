@@ -109,10 +109,10 @@ class EngineServer:
         self.running: dict[tuple[bytes, int], asyncio.Future] = {}  # (frontend, id) -> its work (cancellable)
         self.work_arrived = asyncio.Event()  # a frontend's message since the status publisher last looked
         self.stopping = False
-        # Answers not sent yet, by frontend: a batch's answers finish together and go out as one message per
-        # frontend (a frame each) at the end of the loop's turn, instead of one message, and one wake-up of the
-        # frontend's ZeroMQ thread and event loop, per image.
-        self.outbox: dict[bytes, list[bytes]] = {}
+        # Answers not sent yet, by frontend: a batch's answers finish together and go out as one message of one
+        # frame per frontend at the end of the loop's turn, instead of one message, and one wake-up of the
+        # frontend's ZeroMQ thread and event loop, per image (service/engine/messages.py).
+        self.outbox: dict[bytes, list[Result | Failure | ControlReply]] = {}
         self.reader: SocketReader | None = None  # the frontends' messages, from `listen`
 
     async def run(self, stop, parent_pid: int, started) -> None:

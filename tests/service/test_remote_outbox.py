@@ -1,5 +1,5 @@
 """A frontend's messages to its engine (service/engine/remote.py): the Submits and Cancels of one loop turn travel
-as one ZeroMQ message, a frame each; a socket that cannot send yet (an engine reconnecting) is retried within the
+as one ZeroMQ message of one frame; a socket that cannot send yet (an engine reconnecting) is retried within the
 grace, then each image fails with 503 and its shared memory is freed."""
 from __future__ import annotations
 
