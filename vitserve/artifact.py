@@ -15,7 +15,6 @@ Imports numpy only, so the torch world (export) and the ONNX Runtime world (serv
 from __future__ import annotations
 
 import functools
-
 import json
 import math
 from collections.abc import Callable
