@@ -463,3 +463,35 @@ async def test_runners_free_together_share_a_group_larger_than_the_last_batch_bu
     results = await asyncio.wait_for(asyncio.gather(*three), PATIENCE_S)
     assert recorder.batches[-1] == [7.0, 8.0, 9.0] and all(r.batch_size == 3 for r in results)
     await batcher.close()
+
+
+
+def test_a_wait_for_company_sleeps_in_whole_milliseconds_which_uvloop_never_runs_early(monkeypatch):
+    # uvloop counts a timer in whole milliseconds, to the nearest, and runs one due within half a millisecond at once:
+    # the batcher's wait for company spun through its last fraction of a millisecond, a new wait each loop turn
+    uvloop = pytest.importorskip("uvloop")
+    timeouts: list[float] = []
+    wait_for = asyncio.wait_for
+
+    def recorded(awaitable, timeout):
+        timeouts.append(timeout)
+        return wait_for(awaitable, timeout)
+
+    monkeypatch.setattr(batcher_module.asyncio, "wait_for", recorded)
+
+    async def main():
+        batcher = make(Recorder(), max_queue_delay_s=0.0024)
+        timeouts.clear()
+        result = await batcher.submit(item(1), 10)
+        waits = [t for t in timeouts if t is not None]  # the batch's, not close()'s
+        await batcher.close()
+        return result, waits
+
+    for _ in range(5):  # a loop late by the whole delay dispatches without a wait: nothing to check, again
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            result, waits = runner.run(main())
+        if waits:
+            break
+    assert result.batch_size == 1 and result.queue_s >= 0.0024
+    assert waits and all(t >= 0.001 and abs(t * 1000 - round(t * 1000)) < 1e-9 for t in waits), waits
+    assert len(waits) <= 3  # one wait, or more where uvloop's clock, read at the turn's start, fired it early
