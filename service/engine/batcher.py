@@ -41,7 +41,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -66,6 +65,11 @@ STACK_INLINE_BYTES = 256 * 1024
 # loop then keeps a request that arrives meanwhile waiting, which the runner thread would keep waiting for its
 # batch anyway. A heavy model (ViT-S/16: 72 ms on 2 cores) always goes to the runner.
 ON_LOOP_MAX_S = 0.005
+
+# A group due within this long goes now. uvloop counts a timer in whole milliseconds, to the nearest, and runs one
+# due within half a millisecond at once: a wait's last fraction of a millisecond spun the loop, a new wait each
+# turn, until the clock passed the delay. A batch now goes up to half a millisecond early instead.
+TIMER_SLACK_S = 0.0005
 
 # (B, ...) and the batch's targets (B,) int64, or None for untargeted items -> B per-item outputs (or exceptions);
 # for a batch of maps-free items, also `maps_free=True`
@@ -290,15 +294,14 @@ class DynamicBatcher:
                 continue
             now = time.perf_counter()
             waits = {shape: self._wait_s(group, now) for shape, group in self._groups.items()}
-            ready = [shape for shape, wait in waits.items() if wait <= 0]
+            ready = [shape for shape, wait in waits.items() if wait <= TIMER_SLACK_S]
             if ready:
                 shape = min(ready, key=lambda s: (self._last_served.get(s, float("-inf")), self._groups[s][0].enqueued))
                 return self._take(shape, self._groups[shape])
             self._wakeup.clear()
             timeout = min(waits.values())
             try:  # new items and a batch finishing set the wakeup too
-                await asyncio.wait_for(self._wakeup.wait(), timeout=None if timeout == float("inf") else
-                                       whole_milliseconds(timeout))
+                await asyncio.wait_for(self._wakeup.wait(), timeout=None if timeout == float("inf") else timeout)
             except TimeoutError:
                 pass
 
@@ -510,14 +513,6 @@ class DynamicBatcher:
             if self._loop_task:
                 self._loop_task.cancel()
         self._runner.shutdown(wait=False)
-
-
-def whole_milliseconds(seconds: float) -> float:
-    """`seconds` rounded up to whole milliseconds: uvloop counts a timer in whole milliseconds, to the nearest, and
-    runs one due within half a millisecond at once, so a wait's last fraction of a millisecond would spin the loop
-    through it, a new wait each turn (a remainder of 0.4 ms took 40 turns). The batch then goes at most a
-    millisecond after its delay."""
-    return math.ceil(seconds * 1000) / 1000
 
 
 def _timed_call(function: Callable, *args, **kwargs) -> tuple[Any, float]:

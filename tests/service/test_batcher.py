@@ -466,7 +466,8 @@ async def test_runners_free_together_share_a_group_larger_than_the_last_batch_bu
 
 
 
-def test_a_wait_for_company_sleeps_in_whole_milliseconds_which_uvloop_never_runs_early(monkeypatch):
+
+def test_a_wait_for_company_never_asks_uvloop_for_a_timer_it_would_run_at_once(monkeypatch):
     # uvloop counts a timer in whole milliseconds, to the nearest, and runs one due within half a millisecond at once:
     # the batcher's wait for company spun through its last fraction of a millisecond, a new wait each loop turn
     uvloop = pytest.importorskip("uvloop")
@@ -482,16 +483,14 @@ def test_a_wait_for_company_sleeps_in_whole_milliseconds_which_uvloop_never_runs
     async def main():
         batcher = make(Recorder(), max_queue_delay_s=0.0024)
         timeouts.clear()
-        result = await batcher.submit(item(1), 10)
-        waits = [t for t in timeouts if t is not None]  # the batch's, not close()'s
+        results = [await batcher.submit(item(1), 10) for _ in range(5)]  # where the timer fires varies
+        waits = [t for t in timeouts if t is not None]  # the batches', not close()'s
         await batcher.close()
-        return result, waits
+        return results, waits
 
-    for _ in range(5):  # a loop late by the whole delay dispatches without a wait: nothing to check, again
-        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-            result, waits = runner.run(main())
-        if waits:
-            break
-    assert result.batch_size == 1 and result.queue_s >= 0.0024
-    assert waits and all(t >= 0.001 and abs(t * 1000 - round(t * 1000)) < 1e-9 for t in waits), waits
-    assert len(waits) <= 3  # one wait, or more where uvloop's clock, read at the turn's start, fired it early
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        results, waits = runner.run(main())
+    assert all(r.batch_size == 1 and r.queue_s >= 0.0024 - batcher_module.TIMER_SLACK_S for r in results)
+    assert waits and min(waits) > batcher_module.TIMER_SLACK_S, waits
+    assert len(waits) <= 3 * len(results)  # one wait each, or more where uvloop's clock (read at the turn's start)
+    # fired it early
