@@ -124,7 +124,9 @@ class Settings(BaseSettings):
     max_relevance_batch_size: int = Field(8, ge=1, description="images per batch on the relevance path (map="
                                                                "relevance): its backward pass keeps every layer's "
                                                                "activations, several times a fast batch's memory")
-    max_queue_delay_ms: float = Field(5.0, ge=0)
+    max_queue_delay_ms: float = Field(5.0, ge=0, description="how long a batch that is not full waits for company "
+                                                          "once the runner is free (within half a millisecond: "
+                                                          "the event loop's timers count whole milliseconds)")
     max_queue_size: int = Field(256, ge=1, description="queued images before new ones get 429")
     max_batches_in_flight: int = Field(2, ge=1, description="batches assembled or running at once (one runs; "
                                                             "one more per batch runner past the first)")
