@@ -4,7 +4,7 @@ A frontend (DEALER socket) sends `Submit` for each image, naming the model versi
 themselves are in the frontend's shared-memory arena (`service/engine/shm.py`); the message says where. It may
 send `Cancel` for an image whose client went away. What a frontend has to send at the end of its loop's turn
 travels as one message of one frame, a msgpack array of its `Submit`s and `Cancel`s (a ZeroMQ frame costs each side
-about as much Python as the rest of an image's message: 4.5 us to send and receive, against 0.2 to encode and 0.6 to
+about as much Python as the rest of an image's message: 4.5 us to send and receive, against 0.2 to encode and 0.5 to
 decode a Submit in an array). The engine (ROUTER socket) answers every `Submit` exactly once, with `Result` or
 `Failure`; the answers it has for one frontend at the end of its loop's turn travel the same way, one frame (a
 batch's answers wake the frontend once). It publishes `EngineStatus` on a PUB socket several times a second:
