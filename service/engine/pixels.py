@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from vitserve.artifact import INPUT_NAME, normalization_table
+from vitserve.artifact import INPUT_NAME, lookup, normalization_table
 from vitserve.service.engine.providers import GPU_PROVIDERS
 
 if TYPE_CHECKING:  # onnx is imported where the engine builds the graph, not by every frontend that reads this
@@ -43,7 +43,7 @@ class PixelTable:
         """(B, C, H, W) uint8 -> float32, on the CPU: what the frontend would have sent."""
         out = np.empty(pixels.shape, np.float32)
         for c in range(self.channels):
-            self.table[c].take(pixels[:, c], out=out[:, c])
+            lookup(self.table[c], pixels[:, c], out=out[:, c])
         return out
 
     def graph(self) -> onnx.ModelProto:

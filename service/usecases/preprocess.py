@@ -22,7 +22,7 @@ from typing import Literal
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from vitserve.artifact import ModelInfo, normalization_table
+from vitserve.artifact import ModelInfo, lookup, normalization_table
 from vitserve.service.ground.errors import (
     ImageDecodeError,
     ImageTooLarge,
@@ -324,15 +324,16 @@ def decode_need(size: tuple[int, int], target: tuple[int, int], box: tuple[int, 
 def normalize_image(image: Image.Image, mean: list[float], std: list[float]) -> np.ndarray:
     """(H, W[, C]) uint8 -> (C, H, W) float32: the fast path of `vitserve.artifact.normalize_pixels`.
 
-    Through a per-channel table of the 256 possible values: one gather a channel instead of four float passes
-    and a transposing copy (0.5 against 1.2 ms for 224x224 RGB here), with the same float32 arithmetic per value,
-    so the result is bit-identical to the reference (tested).
+    Through a per-channel table of the 256 possible values: one gather a channel, from the channel as Pillow splits
+    it out, contiguous, instead of four float passes and a transposing copy, with the same float32 arithmetic per
+    value, so the result is bit-identical to the reference (tested). 224x224 RGB: 0.23 ms, against 0.80 gathering
+    from the interleaved array and 1.12 in float passes (medians of 7 alternating rounds).
     """
-    array = np.asarray(image)
-    if array.ndim == 2:
-        array = array[:, :, None]
-    table = normalization_table(mean, std)  # (C, 256)
-    return np.stack([table[c].take(array[:, :, c]) for c in range(array.shape[2])])  # (C, H, W)
+    table, channels = normalization_table(mean, std), image.split()  # (C, 256); C images of mode "L"
+    out = np.empty((len(channels), image.height, image.width), np.float32)
+    for c, channel in enumerate(channels):
+        lookup(table[c], np.asarray(channel), out=out[c])
+    return out
 
 
 def image_channels(image: Image.Image) -> np.ndarray:

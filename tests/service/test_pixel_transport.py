@@ -46,6 +46,20 @@ def test_a_models_table_is_made_once_and_no_caller_can_change_it_for_the_others(
     assert table[0, 0] != 0
 
 
+def test_a_lookup_takes_only_indices_that_cannot_leave_its_table():
+    # "clip" would silently answer the last value for an index past the table: only types that cannot get there
+    from vitserve.artifact import lookup
+
+    table = np.arange(256, dtype=np.float32) * 2
+    pixels = np.array([[0, 7], [128, 255]], np.uint8)
+    assert np.array_equal(lookup(table, pixels), pixels.astype(np.float32) * 2)
+    out = np.zeros((2, 2), np.float32)
+    assert lookup(table, pixels, out=out) is out and np.array_equal(out, pixels * 2.0)
+    for wider in (np.uint16, np.int16, np.int64):
+        with pytest.raises(ValueError, match="could leave a table of 256"):
+            lookup(table, pixels.astype(wider))
+
+
 def test_the_frontend_sends_raw_pixels_only_to_an_engine_that_normalises_them():
     from vitserve.service.engine.pixels import engine_normalises
 
