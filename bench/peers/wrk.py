@@ -33,13 +33,13 @@ def wrk_version(wrk: str) -> str:
 def lua_script(body_path: Path, request: PeerRequest) -> str:
     """A script that POSTs the file's bytes, with the request's headers (wrk adds Host and Content-Length)."""
     lines = ["-- written by bench/peers/wrk.py: the same body on every request",
-             f"local f = assert(io.open({_lua_string(str(body_path.resolve()))}, \"rb\"))",
+             f"local f = assert(io.open({lua_string(str(body_path.resolve()))}, \"rb\"))",
              "wrk.method = \"POST\"", "wrk.body = f:read(\"*a\")", "f:close()"]
-    lines += [f"wrk.headers[{_lua_string(k)}] = {_lua_string(v)}" for k, v in request.headers.items()]
+    lines += [f"wrk.headers[{lua_string(k)}] = {lua_string(v)}" for k, v in request.headers.items()]
     return "\n".join(lines) + "\n"
 
 
-def _lua_string(text: str) -> str:
+def lua_string(text: str) -> str:
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
