@@ -7,10 +7,11 @@ stage's p50, p90 and p99 over the answers, and its mean over the slowest 1% of t
 mean batch over the window, from the server's `vitserve_batch_size` histogram.
 
 Arms are settings, given as environment variables: `--arm NAME:VITSERVE_X=V[,VITSERVE_Y=W]` (`--arm base:` the
-defaults). Each arm gets a fresh server every round, after `--warmup-s` of the same load; the arms alternate within a
-round, their order reversed every other round, as this machine's speed drifts within minutes. The bench's own
-environment reaches every arm (`VITSERVE_RUNTIME=onnxruntime python -m vitserve.bench.tail ...` pins the runtime for
-all of them). Output: Markdown and JSON (`--out`).
+defaults); `--baseline-commit REV` adds an arm serving that commit's tree with its defaults (`git archive`), so a
+change's before and after alternate in one run. Each arm gets a fresh server every round, after `--warmup-s` of the
+same load; the arms alternate within a round, their order reversed every other round, as this machine's speed drifts
+within minutes. The bench's own environment reaches every arm (`VITSERVE_RUNTIME=onnxruntime python -m
+vitserve.bench.tail ...` pins the runtime for all of them). Output: Markdown and JSON (`--out`).
 """
 from __future__ import annotations
 
@@ -96,7 +97,9 @@ def batch_totals(port: int) -> tuple[float, float]:
     return total, count
 
 
-def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wrk: str) -> dict:
+def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wrk: str,
+                source: Path | None = None) -> dict:
+    """One arm's server (the tree's code, or `source`'s) under the loop: warm-up, then the measured window."""
     port = free_port()
     timings_path = script_dir / f"{name}.timings"
     body_path, body = script_dir / "request.body", args.image.read_bytes()
@@ -107,7 +110,11 @@ def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wr
     url = f"http://{LOOPBACK}:{port}/v1/classify?top_k=5"
     env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0", "VITSERVE_SERVER_TIMING": "true",
            **variables}
-    with ServerProcess(serve_argv(args.model, port), port, env=env, log_path=script_dir / f"{name}.log"):
+    argv = serve_argv(args.model.resolve(), port)
+    if source is not None:  # -P: this repository, the working directory, must not come first and shadow `source`
+        argv.insert(1, "-P")
+        env["PYTHONPATH"] = str(source)
+    with ServerProcess(argv, port, env=env, log_path=script_dir / f"{name}.log"):
         run_wrk(wrk_argv(wrk, url, args.clients, args.warmup_s, 30, script), args.warmup_s + 60)
         before = batch_totals(port)
         load = run_wrk(wrk_argv(wrk, url, args.clients, args.duration_s, 30, script), args.duration_s + 60)
@@ -123,11 +130,18 @@ def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wr
 def run(args, command: str, work_dir: Path) -> dict:
     wrk = find_wrk()
     arms = args.arm or [("base", {})]
+    sources: dict[str, Path] = {}
+    if args.baseline_commit:
+        from vitserve.bench.peers.servers import export_commit
+
+        tree, sha = export_commit(args.baseline_commit, work_dir / "baseline")
+        sources[sha[:12]] = tree
+        arms = [*arms, (sha[:12], {})]
     rows = []
     for round_ in range(args.rounds):
         order = arms if round_ % 2 == 0 else arms[::-1]
         for name, variables in order:
-            row = {"round": round_ + 1, **measure_arm(args, name, variables, work_dir, wrk)}
+            row = {"round": round_ + 1, **measure_arm(args, name, variables, work_dir, wrk, sources.get(name))}
             queue = row["stages"].get("queue", {})
             print(f"round {row['round']} {name}: {row['requests_per_s']:.1f} req/s, p50 {row['p50_ms']:.1f} ms, "
                   f"p99 {row['p99_ms']:.1f} ms, mean batch {row['mean_batch'] or 0:.1f}, queue p50/p90/p99 "
@@ -135,7 +149,9 @@ def run(args, command: str, work_dir: Path) -> dict:
             rows.append(row)
     return {"command": command, "machine": {"cpu": cpu_model_name(), "load_average": load_average()},
             "model": str(args.model), "image": str(args.image), "clients": args.clients,
-            "duration_s": args.duration_s, "arms": [{"name": n, "settings": v} for n, v in arms], "rows": rows}
+            "duration_s": args.duration_s, "baseline_commit": next(iter(sources), None),
+            "arms": [{"name": n, "settings": v, "code": "commit " + n if n in sources else "this tree"}
+                     for n, v in arms], "rows": rows}
 
 
 def markdown(report: dict) -> str:
@@ -154,7 +170,7 @@ def markdown(report: dict) -> str:
     for arm in report["arms"]:
         rows = [r for r in report["rows"] if r["arm"] == arm["name"]]
         settings = ", ".join(f"`{k}={v}`" for k, v in arm["settings"].items()) or "the defaults"
-        lines += ["", f"## {arm['name']} ({settings}): each stage in ms, medians over the rounds", "",
+        lines += ["", f"## {arm['name']} ({arm['code']}, {settings}): each stage in ms, medians over the rounds", "",
                   "| stage | p50 | p90 | p99 | the slowest 1% (mean) |", "| --- | ---: | ---: | ---: | ---: |"]
         for stage in STAGES:
             per_round = [r["stages"][stage] for r in rows if stage in r["stages"]]
@@ -177,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=at_least(1), default=2)
     parser.add_argument("--arm", type=parse_arm, action="append",
                         help="NAME:VITSERVE_X=V[,...] (repeatable; default one arm, `base:`)")
+    parser.add_argument("--baseline-commit", metavar="REV", help="one more arm: that commit's tree with its defaults")
     parser.add_argument("--out", type=Path, help="the Markdown report; its JSON beside it")
     args = parser.parse_args(argv)
     if len({name for name, _ in args.arm or []}) != len(args.arm or []):

@@ -45,10 +45,15 @@ def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
     image.write_bytes(make_images("png", (32, 32), channels=3, count=1)[0])
     out = tmp_path / "tail.md"
     main(["--model", str(tiny_onnx), "--image", str(image), "--clients", "4", "--duration-s", "1",
-          "--warmup-s", "1", "--rounds", "1", "--arm", "one:VITSERVE_WORKERS=1", "--out", str(out)])
+          "--warmup-s", "1", "--rounds", "1", "--arm", "one:VITSERVE_WORKERS=1", "--baseline-commit", "HEAD",
+          "--out", str(out)])
     report = json.loads(out.with_suffix(".json").read_text())
-    (row,) = report["rows"]
+    row, baseline = report["rows"]
     assert row["arm"] == "one" and row["settings"] == {"VITSERVE_WORKERS": "1"} and row["non_2xx"] == 0
+    # the commit's own tree served beside it (git archive), its answers as complete
+    assert baseline["arm"] == report["baseline_commit"] and len(baseline["arm"]) == 12
+    assert baseline["non_2xx"] == 0 and baseline["stages"]["inference"]["p50"] > 0
+    assert report["arms"][1]["code"] == f"commit {baseline['arm']}"
     # every 200 answer's header was kept: as many budgets as wrk counted (give or take the ones in flight at its end)
     assert row["answers"] >= 0.9 * row["requests_per_s"] > 0
     for stage in ("decode", "queue", "inference", "total"):
