@@ -20,9 +20,12 @@ class LoopLag:
 
     It looks every `interval_s` while the process has requests in flight, and every `idle_interval_s` while it
     has none: an idle server woke 200 times a second per HTTP worker for it (with the engine's statuses, 7% of a
-    core on two cores doing nothing). The first admitted request brings the next look forward."""
+    core on two cores doing nothing). The first admitted request brings the next look forward. Busy, every 20 ms,
+    not 5: a worker whose requests wait on a slow model (ViT-S/16: half a second a batch) is busy all the time and
+    woke 200 times a second for this alone, most of its event loop's CPU per answer. A loop that is behind runs the
+    look late by its backlog whatever the interval, so the backlog still shows within a few looks."""
 
-    def __init__(self, interval_s: float = 0.005, idle_interval_s: float = 0.1):
+    def __init__(self, interval_s: float = 0.02, idle_interval_s: float = 0.1):
         self.interval_s, self.idle_interval_s = interval_s, idle_interval_s
         self.lag_s = 0.0  # a moving average
         self.busy = False
