@@ -198,6 +198,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if len({name for name, _ in args.arm or []}) != len(args.arm or []):
         parser.error("each --arm needs a name of its own")
+    for option, path in (("--model", args.model), ("--image", args.image)):
+        if not path.is_file():
+            parser.error(f"{option}: no file {path}")
     with tempfile.TemporaryDirectory(prefix="vitserve-tail-") as work:
         report = run(args, command_line("python -m vitserve.bench.tail", argv), Path(work))
     publish(markdown(report), report, args.out)

@@ -31,10 +31,13 @@ def test_the_slowest_hundredth_is_chosen_by_the_servers_total():
     assert summarise([]) == {"answers": 0, "stages": {}}
 
 
-def test_two_arms_with_one_name_are_refused(capsys):
+def test_two_arms_with_one_name_and_missing_files_are_refused(capsys, tmp_path):
     with pytest.raises(SystemExit):
         main(["--arm", "a:", "--arm", "a:VITSERVE_WORKERS=1"])
     assert "each --arm needs a name of its own" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--image", str(tmp_path / "none.png")])
+    assert f"--image: no file {tmp_path / 'none.png'}" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
