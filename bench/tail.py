@@ -1,10 +1,12 @@
 """`python -m vitserve.bench.tail`: where the slowest answers of a closed loop wait, stage by stage.
 
-A closed loop of `--clients` keep-alive connections (Debian's wrk) sends the PNG as the body of `POST /v1/classify`
-to `vitserve serve --model M --server-timing true`, and a Lua script keeps every answer's Server-Timing header
-(docs/latency-budget.md names the stages). Per arm and round: wrk's req/s, p50 and p99 (the client's view); each
-stage's p50, p90 and p99 over the answers, and its mean over the slowest 1% of them by the server's `total`; the
-mean batch over the window, from the server's `vitserve_batch_size` histogram.
+A closed loop of `--clients` keep-alive connections (Debian's wrk) sends the PNG to `vitserve serve --model M
+--server-timing true` on `--path`: `image`, its bytes as the body of `POST /v1/classify?top_k=5`; `oip-json` and
+`oip-binary`, the server's own preprocessing of it as an Open Inference Protocol tensor, JSON or binary, to `POST
+/v2/models/NAME/infer` (bench/peers/bodies.py, the peers bench's requests); a Lua script keeps every answer's
+Server-Timing header (docs/latency-budget.md names the stages). Per arm and round: wrk's req/s, p50 and p99 (the
+client's view); each stage's p50, p90 and p99 over the answers, and its mean over the slowest 1% of them by the
+server's `total`; the mean batch over the window, from the server's `vitserve_batch_size` histogram.
 
 Arms are settings, given as environment variables: `--arm NAME:VITSERVE_X=V[,VITSERVE_Y=W]` (`--arm base:` the
 defaults); `--baseline-commit REV` adds an arm serving that commit's tree with its defaults (`git archive`), so a
@@ -24,7 +26,7 @@ import httpx
 
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.latency_budget import percentile, stages_of
-from vitserve.bench.peers.bodies import PeerRequest
+from vitserve.bench.peers.bodies import PeerRequest, peer_request
 from vitserve.bench.peers.wrk import find_wrk, lua_script, lua_string, run_wrk, wrk_argv
 from vitserve.bench.report import at_least, command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
@@ -32,7 +34,7 @@ from vitserve.machine import cpu_model_name, load_average
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 DEFAULT_IMAGE = Path("examples/ankle-boot.png")
-STAGES = ("accept", "admit", "route", "body", "decode", "decode_wait", "queue", "inference", "engine_hop",
+STAGES = ("accept", "admit", "route", "body", "parse", "decode", "decode_wait", "queue", "inference", "engine_hop",
           "postprocess", "encode", "total")
 _ARM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 _VARIABLE = re.compile(r"^VITSERVE_[A-Z0-9_]{1,60}$")
@@ -97,17 +99,30 @@ def batch_totals(port: int) -> tuple[float, float]:
     return total, count
 
 
-def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wrk: str,
+def the_request(model: Path, png: bytes, path: str) -> PeerRequest:
+    """What the loop sends on `path`: the peers bench's request for vitserve, the tensor paths carrying vitserve's own
+    preprocessing of `png` for `model`."""
+    from vitserve.service.engine.inference_model import read_model_file_info
+    from vitserve.service.ground.settings import Settings
+    from vitserve.service.usecases.preprocess import prepare_image
+
+    info, s = read_model_file_info(model), Settings()
+    pixels = prepare_image(png, info, resize="fit", max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels,
+                           max_tokens=s.max_native_tokens).pixels[None]
+    return peer_request("vitserve", path, png, pixels, info.name)
+
+
+def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wrk: str, request: PeerRequest,
                 source: Path | None = None) -> dict:
     """One arm's server (the tree's code, or `source`'s) under the loop: warm-up, then the measured window."""
     port = free_port()
     timings_path = script_dir / f"{name}.timings"
-    body_path, body = script_dir / "request.body", args.image.read_bytes()
-    body_path.write_bytes(body)
+    body_path = script_dir / "request.body"
+    body_path.write_bytes(request.body)
     script = script_dir / f"{name}.lua"
-    script.write_text(lua_script(body_path, PeerRequest("/v1/classify", body, {"Content-Type": "image/png"}))
-                      + TIMINGS.format(path=lua_string(str(timings_path.resolve()))))
-    url = f"http://{LOOPBACK}:{port}/v1/classify?top_k=5"
+    script.write_text(lua_script(body_path, request) + TIMINGS.format(path=lua_string(str(timings_path.resolve()))))
+    query = "?top_k=5" if args.path == "image" else ""
+    url = f"http://{LOOPBACK}:{port}{request.target}{query}"
     env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0", "VITSERVE_SERVER_TIMING": "true",
            **variables}
     argv = serve_argv(args.model.resolve(), port)
@@ -129,6 +144,7 @@ def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wr
 
 def run(args, command: str, work_dir: Path) -> dict:
     wrk = find_wrk()
+    request = the_request(args.model, args.image.read_bytes(), args.path)
     arms = args.arm or [("base", {})]
     sources: dict[str, Path] = {}
     if args.baseline_commit:
@@ -141,14 +157,15 @@ def run(args, command: str, work_dir: Path) -> dict:
     for round_ in range(args.rounds):
         order = arms if round_ % 2 == 0 else arms[::-1]
         for name, variables in order:
-            row = {"round": round_ + 1, **measure_arm(args, name, variables, work_dir, wrk, sources.get(name))}
+            row = {"round": round_ + 1, **measure_arm(args, name, variables, work_dir, wrk, request, sources.get(name))}
             queue = row["stages"].get("queue", {})
             print(f"round {row['round']} {name}: {row['requests_per_s']:.1f} req/s, p50 {row['p50_ms']:.1f} ms, "
                   f"p99 {row['p99_ms']:.1f} ms, mean batch {row['mean_batch'] or 0:.1f}, queue p50/p90/p99 "
                   f"{queue.get('p50', 0):.2f}/{queue.get('p90', 0):.2f}/{queue.get('p99', 0):.2f} ms", flush=True)
             rows.append(row)
     return {"command": command, "machine": {"cpu": cpu_model_name(), "load_average": load_average()},
-            "model": str(args.model), "image": str(args.image), "clients": args.clients,
+            "model": str(args.model), "image": str(args.image), "path": args.path, "target": request.target,
+            "clients": args.clients,
             "duration_s": args.duration_s, "baseline_commit": next(iter(sources), None),
             "arms": [{"name": n, "settings": v, "code": "commit " + n if n in sources else "this tree"}
                      for n, v in arms], "rows": rows}
@@ -156,8 +173,8 @@ def run(args, command: str, work_dir: Path) -> dict:
 
 def markdown(report: dict) -> str:
     lines = ["# Where the slowest answers wait", "", f"`{report['command']}`", "",
-             f"{report['machine']['cpu']}; `{report['model']}`, `{report['image']}` as the body of "
-             f"`POST /v1/classify?top_k=5`; {report['clients']} clients (wrk, closed loop), {report['duration_s']} s "
+             f"{report['machine']['cpu']}; `{report['model']}`, `{report['image']}` on the {report['path']} path "
+             f"(`POST {report['target']}`); {report['clients']} clients (wrk, closed loop), {report['duration_s']} s "
              "a round after the warm-up; each arm a fresh server every round.", "",
              "| round | arm | req/s | p50 ms | p99 ms | mean batch | queue p50 / p90 / p99 ms | server total p99 ms |",
              "| ---: | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -187,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m vitserve.bench.tail", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--image", type=Path, default=DEFAULT_IMAGE)
+    parser.add_argument("--path", choices=("image", "oip-json", "oip-binary"), default="image",
+                        help="what the clients send (the module's doc)")
     parser.add_argument("--clients", type=at_least(1), default=32)
     parser.add_argument("--duration-s", type=at_least(1), default=10, help="the measured window, per arm and round")
     parser.add_argument("--warmup-s", type=at_least(1), default=3)

@@ -64,3 +64,20 @@ def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
     assert row["stages"]["total"]["p99"] >= row["stages"]["inference"]["p99"]
     assert row["mean_batch"] >= 1
     assert "| `queue` |" in out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+def test_a_tensor_path_sends_the_servers_own_preprocessing_and_reports_its_parse(tiny_onnx, tmp_path):
+    from vitserve.bench.load import make_images
+
+    image = tmp_path / "image.png"
+    image.write_bytes(make_images("png", (32, 32), channels=3, count=1)[0])
+    out = tmp_path / "tail.md"
+    main(["--model", str(tiny_onnx), "--image", str(image), "--path", "oip-binary", "--clients", "2",
+          "--duration-s", "1", "--warmup-s", "1", "--rounds", "1", "--out", str(out)])
+    report = json.loads(out.with_suffix(".json").read_text())
+    (row,) = report["rows"]
+    assert report["path"] == "oip-binary" and report["target"].startswith("/v2/models/")
+    assert row["non_2xx"] == 0 and row["answers"] > 0
+    # a tensor arrives decoded: the /v2 parse instead of an image's decode
+    assert "parse" in row["stages"] and "decode" not in row["stages"]
