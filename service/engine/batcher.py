@@ -25,6 +25,9 @@ its process) when the batcher is idle and its batch is predicted, from the measu
 the dispatch loop's turns) cost a light model's lone request 0.4-0.5 ms of a 4.7 ms answer on 2 cores
 (docs/latency-budget.md). Its answer is the same batch of one the runner would have run.
 
+More than a batch queued and less than two goes as two halves, not a full batch and a few left over a batch
+behind.
+
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
 waits for at most the batches already in flight, not for the whole burst.
@@ -360,6 +363,13 @@ class DynamicBatcher:
     def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
         now = time.perf_counter()
         length = self._batch_length(group)
+        if length < len(group) < 2 * length:
+            # More than a batch queued and less than two: two halves, the smaller first, not a full batch and the
+            # few left over. Seventeen clients of one process ran as 16 and then the 17th a whole batch and its way
+            # back later, turn after turn (the 32-client tail: docs/latency-budget.md); as 8 and 9 they take turns,
+            # each waiting one batch, and the 9 go as soon as the runner frees (as many as the last batch, and
+            # more). From two batches' worth on, full batches: a backlog keeps the batches it can fill.
+            length = len(group) // 2
         free = self.runners - self._active
         if free > 1:
             # Runners free together share a group larger than the last batch, none left idle; not one the size of

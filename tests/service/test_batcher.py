@@ -64,8 +64,9 @@ async def test_concurrent_requests_share_batches_up_to_the_maximum():
     batcher = make(recorder, max_queue_delay_s=0.5)
     results = await asyncio.gather(*(batcher.submit(item(i), 10) for i in range(10)))
     assert [r.output for r in results] == [i * 10 for i in range(10)]
-    assert sorted(len(b) for b in recorder.batches) == [2, 4, 4]  # full batches go at once, the rest after the delay
-    assert all(r.batch_size in (2, 4) for r in results)
+    # ten queued at once, two batches' worth and more: a full batch; then six, between one batch and two: halves
+    assert [len(b) for b in recorder.batches] == [4, 3, 3]
+    assert all(r.batch_size in (3, 4) for r in results)
     await batcher.close()
 
 
@@ -110,13 +111,31 @@ async def test_a_batch_that_is_not_full_stays_open_while_another_runs_and_a_full
         waiting.append(asyncio.ensure_future(batcher.submit(item(value), 10)))
         await asyncio.sleep(0.05)
     assert batcher.queued == 3  # still open: none taken while the runner is busy
-    full = [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in (5, 6, 7)]  # 4, 5 ... fill one batch
-    await until(lambda: batcher.queued == 2, "a full batch taken to wait behind the running one")
+    full = [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in (5, 6, 7, 8)]  # 4, 5 ... fill one batch
+    # seven queued, more than a batch and less than two: its first half taken to wait behind the running one
+    await until(lambda: batcher.queued == 4, "a full batch taken to wait behind the running one")
     recorder.gate.set()
     results = await asyncio.wait_for(asyncio.gather(first, *waiting, *full), PATIENCE_S)
-    assert recorder.batches == [[1.0], [2.0, 3.0, 4.0, 5.0], [6.0, 7.0]]
-    assert [r.batch_size for r in results] == [1, 4, 4, 4, 4, 2, 2]
+    assert recorder.batches == [[1.0], [2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]
+    assert [r.batch_size for r in results] == [1, 3, 3, 3, 4, 4, 4, 4]
     await batcher.close()
+
+
+async def test_more_than_a_batch_and_less_than_two_go_as_halves_and_a_backlog_as_full_batches():
+    """Seventeen clients of one process ran as 16 and the 17th a whole batch later, turn after turn."""
+    for queued, batches in ((5, [2, 3]), (7, [3, 4]), (8, [4, 4]), (9, [4, 2, 3]), (4, [4]), (3, [3])):
+        recorder = Recorder()
+        batcher = make(recorder, max_queue_delay_s=0.2, dispatch_when_idle=True, max_batches_in_flight=2)
+        recorder.gate.clear()
+        first = asyncio.ensure_future(batcher.submit(item(0), 10))  # runs alone, then blocks in the model
+        await until(lambda: recorder.started == [[0.0]], "the first batch running")
+        rest = [asyncio.ensure_future(batcher.submit(item(v), 10)) for v in range(1, queued + 1)]
+        await asyncio.sleep(0.05)
+        recorder.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, *rest), PATIENCE_S)
+        assert [len(b) for b in recorder.batches[1:]] == batches, queued
+        assert sorted(v for b in recorder.batches for v in b) == list(range(queued + 1))  # in order, each once
+        await batcher.close()
 
 
 async def test_an_idle_model_waits_for_the_clients_its_last_batch_answered_but_never_for_a_lone_client():
@@ -290,7 +309,8 @@ async def test_targeted_items_batch_apart_with_their_targets_and_their_own_limit
     results = await asyncio.gather(*plain, *targeted)
     assert [r.output for r in results] == [0, 10, 20, 100, 110, 120]
     runs = sorted(zip(recorder.batches, recorder.targets), key=lambda run: run[0])
-    assert runs == [([0.0, 1.0, 2.0], None), ([10.0, 11.0], [-1, 0]), ([12.0], [1])]
+    # three targeted, between one batch of theirs (2) and two: halves, the smaller first
+    assert runs == [([0.0, 1.0, 2.0], None), ([10.0], [-1]), ([11.0, 12.0], [0, 1])]
     await batcher.close()
 
 
