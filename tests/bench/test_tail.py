@@ -40,17 +40,22 @@ def test_two_arms_with_one_name_and_missing_files_are_refused(capsys, tmp_path):
     assert f"--image: no file {tmp_path / 'none.png'}" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
-def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
+def served(tiny_onnx, tmp_path, *options: str) -> tuple[dict, str]:
+    """The bench run for one short round on the tiny model and a 32x32 PNG: its JSON report and its Markdown."""
     from vitserve.bench.load import make_images
 
     image = tmp_path / "image.png"
     image.write_bytes(make_images("png", (32, 32), channels=3, count=1)[0])
     out = tmp_path / "tail.md"
-    main(["--model", str(tiny_onnx), "--image", str(image), "--clients", "4", "--duration-s", "1",
-          "--warmup-s", "1", "--rounds", "1", "--arm", "one:VITSERVE_WORKERS=1", "--baseline-commit", "HEAD",
-          "--out", str(out)])
-    report = json.loads(out.with_suffix(".json").read_text())
+    main(["--model", str(tiny_onnx), "--image", str(image), "--duration-s", "1", "--warmup-s", "1", "--rounds", "1",
+          *options, "--out", str(out)])
+    return json.loads(out.with_suffix(".json").read_text()), out.read_text()
+
+
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
+    report, text = served(tiny_onnx, tmp_path, "--clients", "4", "--arm", "one:VITSERVE_WORKERS=1",
+                          "--baseline-commit", "HEAD")
     row, baseline = report["rows"]
     assert row["arm"] == "one" and row["settings"] == {"VITSERVE_WORKERS": "1"} and row["non_2xx"] == 0
     # the commit's own tree served beside it (git archive), its answers as complete
@@ -63,19 +68,12 @@ def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
         assert 0 < row["stages"][stage]["p50"] <= row["stages"][stage]["p99"]
     assert row["stages"]["total"]["p99"] >= row["stages"]["inference"]["p99"]
     assert row["mean_batch"] >= 1
-    assert "| `queue` |" in out.read_text()
+    assert "| `queue` |" in text
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
 def test_a_tensor_path_sends_the_servers_own_preprocessing_and_reports_its_parse(tiny_onnx, tmp_path):
-    from vitserve.bench.load import make_images
-
-    image = tmp_path / "image.png"
-    image.write_bytes(make_images("png", (32, 32), channels=3, count=1)[0])
-    out = tmp_path / "tail.md"
-    main(["--model", str(tiny_onnx), "--image", str(image), "--path", "oip-binary", "--clients", "2",
-          "--duration-s", "1", "--warmup-s", "1", "--rounds", "1", "--out", str(out)])
-    report = json.loads(out.with_suffix(".json").read_text())
+    report, _ = served(tiny_onnx, tmp_path, "--path", "oip-binary", "--clients", "2")
     (row,) = report["rows"]
     assert report["path"] == "oip-binary" and report["target"].startswith("/v2/models/")
     assert row["non_2xx"] == 0 and row["answers"] > 0
