@@ -22,20 +22,19 @@ import re
 import statistics
 from pathlib import Path
 
-import httpx
-
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.latency_budget import percentile, stages_of
 from vitserve.bench.peers.bodies import PeerRequest, peer_request
 from vitserve.bench.peers.wrk import find_wrk, lua_script, lua_string, run_wrk, wrk_argv
 from vitserve.bench.report import at_least, command_line, publish
-from vitserve.bench.servers import ServerProcess, free_port, serve_argv
+from vitserve.bench.servers import ServerProcess, free_port, scrape_metrics, serve_argv
 from vitserve.machine import cpu_model_name, load_average
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 DEFAULT_IMAGE = Path("examples/ankle-boot.png")
 STAGES = ("accept", "admit", "route", "body", "parse", "decode", "decode_wait", "queue", "inference", "engine_hop",
           "postprocess", "encode", "total")
+BATCH_METRICS = ("vitserve_batch_size_sum", "vitserve_batch_size_count")  # images batched, batches: every model's
 _ARM_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,40}$")
 _VARIABLE = re.compile(r"^VITSERVE_[A-Z0-9_]{1,60}$")
 
@@ -87,18 +86,6 @@ def summarise(budgets: list[dict[str, float]]) -> dict:
     return {"answers": len(budgets), "stages": stages}
 
 
-def batch_totals(port: int) -> tuple[float, float]:
-    """The server's images batched and batches so far (`vitserve_batch_size` sum and count, every model)."""
-    text = httpx.get(f"http://{LOOPBACK}:{port}/metrics", timeout=10).text
-    total, count = 0.0, 0.0
-    for kind, value in re.findall(r"^vitserve_batch_size_(sum|count)\{[^}]*\} ([\d.e+]+)$", text, re.M):
-        if kind == "sum":
-            total += float(value)
-        else:
-            count += float(value)
-    return total, count
-
-
 def the_request(model: Path, png: bytes, path: str) -> PeerRequest:
     """What the loop sends on `path`: the peers bench's request for vitserve, the tensor paths carrying vitserve's own
     preprocessing of `png` for `model`."""
@@ -131,15 +118,15 @@ def measure_arm(args, name: str, variables: dict[str, str], script_dir: Path, wr
         env["PYTHONPATH"] = str(source)
     with ServerProcess(argv, port, env=env, log_path=script_dir / f"{name}.log"):
         run_wrk(wrk_argv(wrk, url, args.clients, args.warmup_s, 30, script), args.warmup_s + 60)
-        before = batch_totals(port)
+        before = scrape_metrics(port, BATCH_METRICS)
         load = run_wrk(wrk_argv(wrk, url, args.clients, args.duration_s, 30, script), args.duration_s + 60)
-        after = batch_totals(port)
+        after = scrape_metrics(port, BATCH_METRICS)
     budgets = [stages_of(line) for line in timings_path.read_text().splitlines() if line]
-    batches = after[1] - before[1]
+    images, batches = (after.get(name, 0.0) - before.get(name, 0.0) for name in BATCH_METRICS)
     return {"arm": name, "settings": variables, "requests_per_s": load["requests_per_s"],
             "p50_ms": load.get("p50_ms"), "p99_ms": load.get("p99_ms"), "non_2xx": load["non_2xx"],
             "socket_errors": load["socket_errors"],
-            "mean_batch": (after[0] - before[0]) / batches if batches else None, **summarise(budgets)}
+            "mean_batch": images / batches if batches else None, **summarise(budgets)}
 
 
 def run(args, command: str, work_dir: Path) -> dict:
