@@ -21,11 +21,13 @@ import argparse
 import re
 import statistics
 from pathlib import Path
+from types import SimpleNamespace
 
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.latency_budget import percentile, stages_of
 from vitserve.bench.peers.bodies import PeerRequest, peer_request
 from vitserve.bench.peers.wrk import find_wrk, lua_script, lua_string, run_wrk, wrk_argv
+from vitserve.bench.raw import preprocessed
 from vitserve.bench.report import at_least, command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, scrape_metrics, serve_argv
 from vitserve.machine import cpu_model_name, load_average
@@ -90,12 +92,9 @@ def the_request(model: Path, png: bytes, path: str) -> PeerRequest:
     """What the loop sends on `path`: the peers bench's request for vitserve, the tensor paths carrying vitserve's own
     preprocessing of `png` for `model`."""
     from vitserve.service.engine.inference_model import read_model_file_info
-    from vitserve.service.ground.settings import Settings
-    from vitserve.service.usecases.preprocess import prepare_image
 
-    info, s = read_model_file_info(model), Settings()
-    pixels = prepare_image(png, info, resize="fit", max_bytes=s.max_upload_bytes, max_pixels=s.max_image_pixels,
-                           max_tokens=s.max_native_tokens).pixels[None]
+    info = read_model_file_info(model)
+    pixels = preprocessed(SimpleNamespace(info=info), [png])  # (1, C, H, W); it reads only the model's info
     return peer_request("vitserve", path, png, pixels, info.name)
 
 
