@@ -28,6 +28,11 @@ the dispatch loop's turns) cost a light model's lone request 0.4-0.5 ms of a 4.7
 More than a batch queued and less than two goes as two halves, not a full batch and a few left over a batch
 behind.
 
+With `wide_lone_batches` (a model whose runners share the cores out, one thread each, and which has a session with
+every core's thread beside them), a batch of one image taken while no batch runs and nothing else is queued runs as
+`run_batch(stacked, targets, wide=True)`, on every core, and no other batch starts until it ends: a lone request
+gets the model's best speed, a loaded server its runners.
+
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
 waits for at most the batches already in flight, not for the whole burst.
@@ -120,6 +125,7 @@ class _Item:
     target: int | None = None
     maps_free: bool = False  # needs only the cheaper computation (module doc)
     dispatched: float = field(default=0.0)
+    wide: bool = False  # runs as a batch of one on every core (module doc)
 
     @property
     def targeted(self) -> bool:
@@ -131,8 +137,11 @@ class DynamicBatcher:
                  max_queue_size: int, max_batches_in_flight: int = 2, dispatch_when_idle: bool = True,
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
                  max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
-                 trace_attributes: dict | None = None, maps_free_batches: bool = False, runners: int = 1):
+                 trace_attributes: dict | None = None, maps_free_batches: bool = False, runners: int = 1,
+                 wide_lone_batches: bool = False):
         self._run_batch = run_batch
+        self.wide_lone_batches = wide_lone_batches and runners > 1  # a lone image on every core (module doc)
+        self._wide_running = False  # a wide batch runs: no other starts beside it
         self.maps_free_batches = maps_free_batches  # maps-free items batch apart, run maps-free (module doc)
         self._trace_attributes = trace_attributes or {}  # on each batch's span, when tracing is on
         self.max_batch_size = max_batch_size
@@ -289,6 +298,10 @@ class DynamicBatcher:
         from the ready group served longest ago."""
         while True:
             self._drop_finished()
+            if self._wide_running:  # a batch on every core: nothing starts beside it (module doc)
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
             if not self._groups:
                 if self._closing:
                     return None
@@ -378,6 +391,8 @@ class DynamicBatcher:
         batch = [group.popleft() for _ in range(length)]
         if not group:
             del self._groups[shape]
+        if self._runs_wide(batch):
+            batch[0].wide = self._wide_running = True
         self._last_served[shape] = now
         if len(self._last_served) > 2 * len(self._groups) + 64:  # forget shapes no longer queued: bounded memory
             self._last_served = {s: t for s, t in self._last_served.items() if s in self._groups or s == shape}
@@ -387,6 +402,13 @@ class DynamicBatcher:
         self._set_queued(self._queued - len(batch), costs)
         self._active += 1
         return batch
+
+    def _runs_wide(self, batch: list[_Item]) -> bool:
+        """Whether `batch`, just taken, is one image with nothing running or queued beside it, of the kind the
+        wide session runs (the fast path: no target, maps wanted)."""
+        item = batch[0]
+        return (self.wide_lone_batches and len(batch) == 1 and not self._active and not self._groups
+                and not item.targeted and not item.maps_free)
 
     def _dispatch(self, batch: list[_Item], now: float) -> None:
         """The batch's items taken off the queue at `now`, their waits recorded: from here only the batch's run
@@ -432,10 +454,10 @@ class DynamicBatcher:
             self._batch_ended()
 
     def _call_of(self, batch: list[_Item], stacked: np.ndarray) -> Callable[[], tuple[Sequence[Any], float]]:
-        """The batch's `run_batch` call, timed where it runs: with its targets, and `maps_free` only when set (a
-        run_batch with one computation need not take it)."""
+        """The batch's `run_batch` call, timed where it runs: with its targets, and `maps_free` and `wide` only when
+        set (a run_batch with one computation need not take them)."""
         targets = np.array([item.target for item in batch], np.int64) if batch[0].targeted else None  # one group
-        options = {"maps_free": True} if batch[0].maps_free else {}
+        options = {"maps_free": True} if batch[0].maps_free else {"wide": True} if batch[0].wide else {}
         return functools.partial(_timed_call, self._run_batch, stacked, targets, **options)
 
     def _answer(self, batch: list[_Item], outputs: Sequence[Any] | Exception, seconds: float, started_ns: int,
@@ -457,6 +479,7 @@ class DynamicBatcher:
 
     def _batch_ended(self) -> None:
         self._active -= 1
+        self._wide_running = False  # a wide batch runs alone: whichever batch ended, none is wide now
         if self._active < self.runners:
             self._free_since = time.perf_counter()
         self._slots.release()
@@ -470,7 +493,9 @@ class DynamicBatcher:
                 and rate * item.array.size <= ON_LOOP_MAX_S)
 
     def _run_on_loop(self, item: _Item) -> None:
-        """A batch of the one item, run here on the event loop, as the runner would have run it."""
+        """A batch of the one item, run here on the event loop, as the runner would have run it (nothing runs beside
+        it: on every core where the model has a wide session)."""
+        item.wide = self.wide_lone_batches and not item.targeted and not item.maps_free
         self._dispatch([item], time.perf_counter())
         try:
             started_ns = tracing.now_ns()
@@ -487,13 +512,15 @@ class DynamicBatcher:
         finally:
             self._free_since = time.perf_counter()
 
-    def _learn_speed(self, targeted: bool, seconds: float, cost: int, size: int) -> None:
+    def _learn_speed(self, targeted: bool, seconds: float, cost: int, size: int, wide: bool = False) -> None:
         """An exponential moving average of seconds per input value, per kind of work, for `predicted_wait_s`; and
         apart, the last batch of one's, for `_runs_on_loop` (an average would carry a cold first call, 8.6 ms
-        against 2-3.5 after it for the default model, past ON_LOOP_MAX_S for the next ten batches)."""
+        against 2-3.5 after it for the default model, past ON_LOOP_MAX_S for the next ten batches). A wide batch
+        (every core on one image) says nothing of the queue's wait: queued work runs on the runners."""
         rate = seconds / max(cost, 1)
         previous = self._seconds_per_cost.get(targeted)
-        self._seconds_per_cost[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
+        if not wide or previous is None:
+            self._seconds_per_cost[targeted] = rate if previous is None else 0.8 * previous + 0.2 * rate
         if size == 1:
             self._alone_per_cost[targeted] = rate
 

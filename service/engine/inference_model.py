@@ -35,8 +35,10 @@ class InferenceModel(Protocol):
     target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
     Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
     (service/engine/pixels.py). `run_maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that
-    need no map (None: `run` serves them). The server reads those two with getattr, so a model without them (a
-    test's wrapper) takes float32 and runs every batch with its maps."""
+    need no map (None: `run` serves them). `run_wide`: `run` with every core's thread, for a batch of one with nothing
+    beside it where the batcher's runners share the cores out (None: `run` serves it). The server reads those three
+    with getattr, so a model without them (a test's wrapper) takes float32 and runs every batch with its maps on its
+    runners."""
 
     info: ModelInfo
     provider: str
@@ -48,6 +50,9 @@ class InferenceModel(Protocol):
 
     @property
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None: ...
+
+    @property
+    def run_wide(self) -> Callable[[np.ndarray], Outputs] | None: ...
 
     def run(self, pixel_values: np.ndarray) -> Outputs: ...
 

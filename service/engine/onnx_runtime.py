@@ -31,6 +31,7 @@ from vitserve.service.engine.inference_model import (
 from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable, engine_normalises
 from vitserve.service.engine.providers import CPU, CUDA, GPU_PROVIDERS, ORT_PROVIDERS
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Provider, Settings
 
 log = logging.getLogger("vitserve.runtime")
@@ -113,12 +114,24 @@ class OnnxModel:
         # where this model takes uint8 pixels (service/engine/pixels.py)
         self.normaliser: DeviceNormaliser | None = None
         self.maps_free_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
+        # The fast graph again with every core's thread, where the batcher's runners share the cores out (one
+        # thread each on two cores): what a batch of one runs on while nothing else does (`wide_session_for`).
+        self.wide_session = None
 
     @property
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None:
         """`MapsFreePath.run` (`run`'s outputs, the rollout empty) where this model serves the maps-free graph, else
         None: what the engine calls for a batch that needs no map."""
         return self.maps_free_path.run if self.maps_free_path is not None else None
+
+    @property
+    def run_wide(self) -> Callable[[np.ndarray], Outputs] | None:
+        """`run` on the session with every core's thread, where this model has one (`wide_session`), else None:
+        what the engine calls for a batch that runs with no other beside it."""
+        return self._run_wide if self.wide_session is not None else None
+
+    def _run_wide(self, pixel_values: np.ndarray) -> Outputs:
+        return tuple(self.run_graph(self.wide_session, self.info.output_names(), None, pixel_values))
 
     @property
     def takes_raw_pixels(self) -> bool:
@@ -143,6 +156,9 @@ class OnnxModel:
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
+        wide = wide_settings(settings, model.provider)
+        if wide is not None:
+            model.wide_session = new_session(fast, wide, chain, path, from_branch=split)
         if serves_maps_free(settings.maps_free, model.provider):
             lean = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
             measured = settings.maps_free == "auto" and model.provider not in GPU_PROVIDERS
@@ -181,6 +197,21 @@ class OnnxModel:
 
     def _run(self, session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return run_session(session, outputs, feeds, self._device if self.io_binding else None)
+
+
+def wide_settings(settings: Settings, provider: str) -> Settings | None:
+    """The settings of a second fast-path session with every core's thread, or None where the one session has them
+    already. Only where the batcher's runners share the cores out (`batch_runners`) on the CPU: there a batch of one
+    with nothing beside it would run on one core of two. Several runners each on a session of one thread serve more
+    under load than one two-thread session: a thread of an ONNX Runtime call that loses its core to a decoder or an
+    HTTP worker holds up the call, whose caller busy-waits at the end of each parallel loop (1.15-1.46x the images/s
+    of the two-thread session beside a process decoding photos, docs/results.md); so the wide session runs only the
+    batches that have the cores to themselves."""
+    if settings.batch_runners == 1 or provider != CPU or settings.intra_op_threads:
+        return None
+    wide = settings.model_copy(update={"batch_runners": 1})
+    threads = [intra_op_threads(s) or usable_cores() for s in (wide, settings)]  # 0: ORT's own, one per core
+    return wide if threads[0] > threads[1] else None
 
 
 def serves_maps_free(setting: str, provider: str) -> bool:

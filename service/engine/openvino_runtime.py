@@ -131,6 +131,8 @@ class OpenVinoModel:
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         # the maps-free graph's `run` where this model has one (`with_maps_free`); None: `run` serves all batches
         self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
+        # one compiled model: its streams (the runners') run every batch, a lone one too
+        self.run_wide: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
         self._maps = maps  # False: compiled without the rollout, which `run` returns empty ((B, 0))
         names = info.output_names() if maps else tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
         self._outputs = [compiled.output(name) for name in names]  # by name, in the contract's order

@@ -108,6 +108,7 @@ class WrappedModel:
         self.entered: list[int] = []  # batch size of every call that started, held or not
         self.batch_sizes: list[int] = []  # batch size of every call that got past the gate
         self.explained: list[list[int]] = []  # targets of every relevance-path call
+        self.wide: list[int] = []  # batch size of every call on the session with every core's thread
         self.gate = threading.Event()
         self.gate.set()
 
@@ -121,6 +122,18 @@ class WrappedModel:
 
     def run(self, pixel_values: np.ndarray):
         return self._gated(lambda: self.inner.run(pixel_values), len(pixel_values))
+
+    @property
+    def run_wide(self):
+        """The inner model's wide session's call, gated like `run` (None where it has none); `wide` records it."""
+        inner = getattr(self.inner, "run_wide", None)
+        if inner is None:
+            return None
+
+        def run_wide(pixel_values: np.ndarray):
+            self.wide.append(len(pixel_values))
+            return self._gated(lambda: inner(pixel_values), len(pixel_values))
+        return run_wide
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray):
         """The relevance path, gated like `run`; `explained` records each call's targets."""

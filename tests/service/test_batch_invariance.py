@@ -4,6 +4,7 @@ CPU that computes it; docs/architecture.md, "Batch invariance")."""
 from __future__ import annotations
 
 import asyncio
+import os
 
 import numpy as np
 import pytest
@@ -36,14 +37,20 @@ async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "openvino-fp32", "openvino-bf16", "fp32-two-runners",
-                                       "openvino-fp32-two-runners"])
-async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8):
-    """Two runners: batches on two threads at once, on one session (ONNX Runtime) or two streams (OpenVINO)."""
+                                       "fp32-two-runners-wide", "openvino-fp32-two-runners"])
+async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8,
+                                                                            monkeypatch):
+    """Two runners: batches on two threads at once, on one session (ONNX Runtime) or two streams (OpenVINO); with
+    the cores shared out by the server (not one thread set), a lone image runs on the session with every core's."""
     from vitserve.service.engine.runtime import load_model
 
     path = tiny_int8 if precision == "int8" else tiny_onnx
-    runtime: dict = {"batch_runners": 2} if precision.endswith("-two-runners") else {}
-    precision = precision.removesuffix("-two-runners")
+    runtime: dict = {"batch_runners": 2} if "-two-runners" in precision else {}
+    wide = precision.endswith("-wide")
+    if wide:
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})  # a thread per runner, two for the wide
+        runtime["intra_op_threads"] = 0
+    precision = precision.removesuffix("-wide").removesuffix("-two-runners")
     if precision.startswith("openvino"):
         pytest.importorskip("openvino")
         from vitserve.service.engine import openvino_runtime
@@ -61,6 +68,7 @@ async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(prec
     async with serving(settings, model) as client:
         alone = [await logits_of(client, watched[i:i + 1]) for i in range(len(watched))]
         assert set(model.batch_sizes) == {1}
+        assert model.wide == ([1] * len(watched) if wide else [])
         model.batch_sizes.clear()
         order = rng.permutation(len(watched) + len(traffic))
         everything = np.concatenate([watched, traffic])

@@ -24,6 +24,7 @@ class Recorder:
         self.started: list[list[float]] = []  # batches that entered run_batch, held at the gate or not
         self.targets: list[list[int] | None] = []  # each batch's targets (None: an untargeted batch)
         self.maps_free: list[bool] = []  # each batch: run as maps_free (every item maps_free)
+        self.wide: list[bool] = []  # each batch: run wide (one image on every core)
         self.batches: list[list[float]] = []  # batches that ran
         self.threads: list[int] = []  # the thread each batch ran on
         self.fail_when = lambda values: False
@@ -31,11 +32,13 @@ class Recorder:
         self.gate = threading.Event()
         self.gate.set()
 
-    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False):
+    def __call__(self, stacked: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False,
+                 wide: bool = False):
         values = [float(x.ravel()[0]) for x in stacked]
         self.threads.append(threading.get_ident())
         self.started.append(values)
         self.maps_free.append(maps_free)
+        self.wide.append(wide)
         self.targets.append(None if targets is None else targets.tolist())
         if not self.gate.wait(PATIENCE_S):
             raise RuntimeError("the test never opened the gate")
@@ -485,6 +488,37 @@ async def test_runners_free_together_share_a_group_larger_than_the_last_batch_bu
     await batcher.close()
 
 
+
+
+async def test_a_lone_image_runs_wide_and_alone_and_a_loaded_batcher_on_its_runners():
+    """One image with nothing running or queued runs wide, and nothing starts beside it, a runner free or not; what
+    queued meanwhile runs on the runners, two batches at once. A lone targeted or maps-free image never runs wide
+    (the wide session is the fast path's), nor any image where the model has no wide session or one runner."""
+    recorder = Recorder()
+    batcher = make(recorder, max_batch_size=4, max_queue_delay_s=0.01, dispatch_when_idle=True,
+                   max_batches_in_flight=2, runners=2, wide_lone_batches=True, maps_free_batches=True)
+    recorder.gate.clear()
+    lone = batcher.enqueue(item(1), 10)
+    await until(lambda: len(recorder.started) == 1, "the lone image running")
+    eight = [batcher.enqueue(item(v), 10) for v in range(2, 10)]  # two full batches, one runner free
+    await asyncio.sleep(0.05)
+    assert recorder.started == [[1.0]] and recorder.wide == [True]
+    recorder.gate.set()
+    assert (await asyncio.wait_for(lone, PATIENCE_S)).output == 10.0
+    await asyncio.wait_for(asyncio.gather(*eight), PATIENCE_S)
+    assert sorted(recorder.batches[1:]) == [[2.0, 3.0, 4.0, 5.0], [6.0, 7.0, 8.0, 9.0]]
+    assert recorder.wide == [True, False, False]
+    for options in ({"target": 3}, {"maps_free": True}):
+        await asyncio.wait_for(batcher.submit(item(1), 10, **options), PATIENCE_S)
+    assert recorder.wide[3:] == [False, False]
+    await batcher.close()
+
+    for options in ({"runners": 1, "wide_lone_batches": True}, {"runners": 2}):
+        recorder = Recorder()
+        batcher = make(recorder, dispatch_when_idle=True, **options)
+        await asyncio.wait_for(batcher.submit(item(1), 10), PATIENCE_S)
+        assert recorder.wide == [False], options
+        await batcher.close()
 
 
 def test_a_wait_for_company_never_asks_uvloop_for_a_timer_it_would_run_at_once(monkeypatch):

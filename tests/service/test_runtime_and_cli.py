@@ -75,6 +75,24 @@ def test_cores_are_the_ones_this_process_may_run_on(monkeypatch):
     assert Settings().http_workers == 1 and intra_op_threads(Settings(engine="inline", workers=2)) == 1
 
 
+def test_a_wide_session_only_where_the_runners_share_the_cores_out_on_the_cpu(monkeypatch):
+    from vitserve.service.engine.onnx_runtime import wide_settings
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    wide = wide_settings(Settings(batch_runners=2), "CPUExecutionProvider")
+    assert wide is not None and wide.batch_runners == 1 and intra_op_threads(wide) == 0  # every core's thread
+    assert wide_settings(Settings(), "CPUExecutionProvider") is None  # one runner has them already
+    assert wide_settings(Settings(batch_runners=2, intra_op_threads=1), "CPUExecutionProvider") is None  # a count set
+    assert wide_settings(Settings(batch_runners=2), "CUDAExecutionProvider") is None
+    # inline workers, each with its own session: a worker's share of the cores, wider than a runner's
+    assert wide_settings(Settings(engine="inline", workers=2, batch_runners=2), "CPUExecutionProvider") is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    inline = wide_settings(Settings(engine="inline", workers=2, batch_runners=2), "CPUExecutionProvider")
+    assert inline is not None and intra_op_threads(inline) == 2
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+    assert wide_settings(Settings(batch_runners=2), "CPUExecutionProvider") is None  # one core: nothing wider
+
+
 def test_model_runs_at_several_resolutions(tiny_model):
     warm_up(tiny_model, [1, 2])
     for batch, height, width in ((1, 32, 32), (3, 16, 48), (2, 40, 24)):
