@@ -78,6 +78,21 @@ def intra_op_threads(settings: Settings) -> int:
     return 0 if sharing == 1 else max(1, usable_cores() // sharing)
 
 
+def wide_settings(settings: Settings, on_cpu: bool) -> Settings | None:
+    """The settings of a second compilation of the fast graph with every core's thread (each runtime's
+    `run_wide`), or None where the model's one has them already. Only where the batcher's runners share the cores out
+    (`batch_runners`) on the CPU: there a batch of one with nothing beside it would run on one core of two. Runners
+    each on one thread serve more under load than one call on every core: a thread of an ONNX Runtime call that
+    loses its core to a decoder or an HTTP worker holds the call up, and its caller busy-waits at the end of each
+    parallel loop (`python -m vitserve.bench.interference`, docs/results.md); so the wide compilation runs only the
+    batches that have the cores to themselves."""
+    if settings.batch_runners == 1 or not on_cpu or settings.intra_op_threads:
+        return None
+    wide = settings.model_copy(update={"batch_runners": 1})
+    threads = [intra_op_threads(s) or usable_cores() for s in (wide, settings)]  # 0: the runtime's own, every core
+    return wide if threads[0] > threads[1] else None
+
+
 def probe_pixels(info: ModelInfo, count: int = 16) -> np.ndarray:
     """Deterministic images at the trained size (smooth patterns plus noise, normalised as the server does)."""
     rng = np.random.default_rng(0)

@@ -27,11 +27,11 @@ from vitserve.service.engine.inference_model import (
     maps_free_pays,
     probe_pixels,
     read_model_file_info,
+    wide_settings,
 )
 from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable, engine_normalises
 from vitserve.service.engine.providers import CPU, CUDA, GPU_PROVIDERS, ORT_PROVIDERS
 from vitserve.service.ground.errors import ModelLoadError
-from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Provider, Settings
 
 log = logging.getLogger("vitserve.runtime")
@@ -156,7 +156,7 @@ class OnnxModel:
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
-        wide = wide_settings(settings, model.provider)
+        wide = wide_settings(settings, on_cpu=model.provider == CPU)
         if wide is not None:
             model.wide_session = new_session(fast, wide, chain, path, from_branch=split)
         if serves_maps_free(settings.maps_free, model.provider):
@@ -197,21 +197,6 @@ class OnnxModel:
 
     def _run(self, session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
         return run_session(session, outputs, feeds, self._device if self.io_binding else None)
-
-
-def wide_settings(settings: Settings, provider: str) -> Settings | None:
-    """The settings of a second fast-path session with every core's thread, or None where the one session has them
-    already. Only where the batcher's runners share the cores out (`batch_runners`) on the CPU: there a batch of one
-    with nothing beside it would run on one core of two. Several runners each on a session of one thread serve more
-    under load than one two-thread session: a thread of an ONNX Runtime call that loses its core to a decoder or an
-    HTTP worker holds up the call, whose caller busy-waits at the end of each parallel loop (1.15-1.46x the images/s
-    of the two-thread session beside a process decoding photos, docs/results.md); so the wide session runs only the
-    batches that have the cores to themselves."""
-    if settings.batch_runners == 1 or provider != CPU or settings.intra_op_threads:
-        return None
-    wide = settings.model_copy(update={"batch_runners": 1})
-    threads = [intra_op_threads(s) or usable_cores() for s in (wide, settings)]  # 0: ORT's own, one per core
-    return wide if threads[0] > threads[1] else None
 
 
 def serves_maps_free(setting: str, provider: str) -> bool:

@@ -33,6 +33,7 @@ from vitserve.service.engine.inference_model import (
     logits_disagree,
     maps_free_pays,
     probe_pixels,
+    wide_settings,
 )
 from vitserve.service.engine.onnx_runtime import RelevancePath, make_relevance_session, read_artifact
 from vitserve.service.engine.providers import CPU, openvino_provider
@@ -131,7 +132,8 @@ class OpenVinoModel:
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         # the maps-free graph's `run` where this model has one (`with_maps_free`); None: `run` serves all batches
         self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
-        # one compiled model: its streams (the runners') run every batch, a lone one too
+        # the fast graph compiled with one stream of every core's thread, where the runners' streams share the
+        # cores out (`wide_settings`): for a batch of one with nothing beside it; None: `run` serves all batches
         self.run_wide: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
         self._maps = maps  # False: compiled without the rollout, which `run` returns empty ((B, 0))
         names = info.output_names() if maps else tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
@@ -200,8 +202,12 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     if relevance is None and paths.relevance is not None:
         chain: list[tuple[str, dict]] = [(CPU, {})]
         relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
-    model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
-                                  relevance, streams=settings.batch_runners)
+    fast = paths.fast.SerializeToString()
+    model = OpenVinoModel.compile(fast, info, precision, intra_op_threads(settings), relevance,
+                                  streams=settings.batch_runners)
+    wide = wide_settings(settings, on_cpu=True)
+    if wide is not None:
+        model.run_wide = OpenVinoModel.compile(fast, info, precision, intra_op_threads(wide)).run
     if settings.maps_free != "off":
         model.run_maps_free = maps_free_run(model, paths.fast, settings)
     log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)

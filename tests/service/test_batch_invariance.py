@@ -37,11 +37,13 @@ async def logits_of(client, pixels: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int8", "openvino-fp32", "openvino-bf16", "fp32-two-runners",
-                                       "fp32-two-runners-wide", "openvino-fp32-two-runners"])
+                                       "fp32-two-runners-wide", "openvino-fp32-two-runners",
+                                       "openvino-fp32-two-runners-wide", "openvino-bf16-two-runners-wide"])
 async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(precision, tiny_onnx, tiny_int8,
                                                                             monkeypatch):
     """Two runners: batches on two threads at once, on one session (ONNX Runtime) or two streams (OpenVINO); with
-    the cores shared out by the server (not one thread set), a lone image runs on the session with every core's."""
+    the cores shared out by the server (not one thread set), a lone image runs on the fast graph compiled again with
+    every core's thread."""
     from vitserve.service.engine.runtime import load_model
 
     path = tiny_int8 if precision == "int8" else tiny_onnx

@@ -76,21 +76,21 @@ def test_cores_are_the_ones_this_process_may_run_on(monkeypatch):
 
 
 def test_a_wide_session_only_where_the_runners_share_the_cores_out_on_the_cpu(monkeypatch):
-    from vitserve.service.engine.onnx_runtime import wide_settings
+    from vitserve.service.engine.inference_model import wide_settings
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
-    wide = wide_settings(Settings(batch_runners=2), "CPUExecutionProvider")
+    wide = wide_settings(Settings(batch_runners=2), on_cpu=True)
     assert wide is not None and wide.batch_runners == 1 and intra_op_threads(wide) == 0  # every core's thread
-    assert wide_settings(Settings(), "CPUExecutionProvider") is None  # one runner has them already
-    assert wide_settings(Settings(batch_runners=2, intra_op_threads=1), "CPUExecutionProvider") is None  # a count set
-    assert wide_settings(Settings(batch_runners=2), "CUDAExecutionProvider") is None
+    assert wide_settings(Settings(), on_cpu=True) is None  # one runner has them already
+    assert wide_settings(Settings(batch_runners=2, intra_op_threads=1), on_cpu=True) is None  # a count set
+    assert wide_settings(Settings(batch_runners=2), on_cpu=False) is None  # a GPU
     # inline workers, each with its own session: a worker's share of the cores, wider than a runner's
-    assert wide_settings(Settings(engine="inline", workers=2, batch_runners=2), "CPUExecutionProvider") is None
+    assert wide_settings(Settings(engine="inline", workers=2, batch_runners=2), on_cpu=True) is None
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    inline = wide_settings(Settings(engine="inline", workers=2, batch_runners=2), "CPUExecutionProvider")
+    inline = wide_settings(Settings(engine="inline", workers=2, batch_runners=2), on_cpu=True)
     assert inline is not None and intra_op_threads(inline) == 2
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
-    assert wide_settings(Settings(batch_runners=2), "CPUExecutionProvider") is None  # one core: nothing wider
+    assert wide_settings(Settings(batch_runners=2), on_cpu=True) is None  # one core: nothing wider
 
 
 def test_model_runs_at_several_resolutions(tiny_model):
