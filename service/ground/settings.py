@@ -133,8 +133,8 @@ class Settings(BaseSettings):
     batch_runners: int = Field(1, ge=1, le=64, description="batches of one model that run at once, each on a thread of "
                                                     "its own, the intra-op threads shared out among them (Triton's "
                                                     "instance count): more answers a second at a few clients, a "
-                                                    "longer tail; on ONNX Runtime's CPU provider a lone request "
-                                                    "still runs on every core (docs/results.md)")
+                                                    "longer tail; on the CPU a lone request still runs on every "
+                                                    "core (docs/results.md)")
     dispatch_when_idle: bool = Field(True, description="with no batch in flight, run the queued requests at once "
                                                        "when they are as many as the last batch, instead of "
                                                        "waiting max_queue_delay_ms for company")
