@@ -28,10 +28,11 @@ the dispatch loop's turns) cost a light model's lone request 0.4-0.5 ms of a 4.7
 More than a batch queued and less than two goes as two halves, not a full batch and a few left over a batch
 behind.
 
-With `wide_lone_batches` (a model whose runners share the cores out, one thread each, and which has a session with
-every core's thread beside them), a batch of one image taken while no batch runs and nothing else is queued runs as
-`run_batch(stacked, targets, wide=True)`, on every core, and no other batch starts until it ends: a lone request
-gets the model's best speed, a loaded server its runners.
+With `wide_lone_batches` (a model whose runners share the cores out, one thread each, and which is loaded a second
+time with every core's thread), a batch of one image taken while no batch runs and nothing else is queued runs as
+`run_batch(stacked, targets, wide=True)` (with `maps_free=True` too for a maps-free image), on every core, and no
+other batch starts until it ends: a lone request gets the model's best speed, a loaded server its runners. A
+targeted image runs on a runner (the relevance path is loaded once).
 
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
@@ -404,11 +405,9 @@ class DynamicBatcher:
         return batch
 
     def _runs_wide(self, batch: list[_Item]) -> bool:
-        """Whether `batch`, just taken, is one image with nothing running or queued beside it, of the kind the
-        wide session runs (the fast path: no target, maps wanted)."""
-        item = batch[0]
+        """Whether `batch`, just taken, is one untargeted image with nothing running or queued beside it."""
         return (self.wide_lone_batches and len(batch) == 1 and not self._active and not self._groups
-                and not item.targeted and not item.maps_free)
+                and not batch[0].targeted)
 
     def _dispatch(self, batch: list[_Item], now: float) -> None:
         """The batch's items taken off the queue at `now`, their waits recorded: from here only the batch's run
@@ -457,7 +456,7 @@ class DynamicBatcher:
         """The batch's `run_batch` call, timed where it runs: with its targets, and `maps_free` and `wide` only when
         set (a run_batch with one computation need not take them)."""
         targets = np.array([item.target for item in batch], np.int64) if batch[0].targeted else None  # one group
-        options = {"maps_free": True} if batch[0].maps_free else {"wide": True} if batch[0].wide else {}
+        options = {**({"maps_free": True} if batch[0].maps_free else {}), **({"wide": True} if batch[0].wide else {})}
         return functools.partial(_timed_call, self._run_batch, stacked, targets, **options)
 
     def _answer(self, batch: list[_Item], outputs: Sequence[Any] | Exception, seconds: float, started_ns: int,
@@ -494,8 +493,8 @@ class DynamicBatcher:
 
     def _run_on_loop(self, item: _Item) -> None:
         """A batch of the one item, run here on the event loop, as the runner would have run it (nothing runs beside
-        it: on every core where the model has a wide session)."""
-        item.wide = self.wide_lone_batches and not item.targeted and not item.maps_free
+        it: on every core where the model is loaded wide too)."""
+        item.wide = self.wide_lone_batches and not item.targeted
         self._dispatch([item], time.perf_counter())
         try:
             started_ns = tracing.now_ns()

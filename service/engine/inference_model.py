@@ -35,10 +35,10 @@ class InferenceModel(Protocol):
     target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
     Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
     (service/engine/pixels.py). `run_maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that
-    need no map (None: `run` serves them). `run_wide`: `run` with every core's thread, for a batch of one with nothing
-    beside it where the batcher's runners share the cores out (None: `run` serves it). The server reads those three
-    with getattr, so a model without them (a test's wrapper) takes float32 and runs every batch with its maps on its
-    runners."""
+    need no map (None: `run` serves them). `wide`: the same model loaded with every core's thread, for a batch of one
+    with nothing beside it where the batcher's runners share the cores out (None: the runners run every batch). The
+    server reads those three with getattr, so a model without them (a test's wrapper) takes float32 and runs every
+    batch with its maps on its runners."""
 
     info: ModelInfo
     provider: str
@@ -52,7 +52,7 @@ class InferenceModel(Protocol):
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None: ...
 
     @property
-    def run_wide(self) -> Callable[[np.ndarray], Outputs] | None: ...
+    def wide(self) -> InferenceModel | None: ...
 
     def run(self, pixel_values: np.ndarray) -> Outputs: ...
 
@@ -79,12 +79,12 @@ def intra_op_threads(settings: Settings) -> int:
 
 
 def wide_settings(settings: Settings, on_cpu: bool) -> Settings | None:
-    """The settings of a second compilation of the fast graph with every core's thread (each runtime's
-    `run_wide`), or None where the model's one has them already. Only where the batcher's runners share the cores out
-    (`batch_runners`) on the CPU: there a batch of one with nothing beside it would run on one core of two. Runners
+    """The settings of the model loaded a second time with every core's thread (each runtime's `wide`), or None
+    where the model has them already. Only where the batcher's runners share the cores out (`batch_runners`) on the
+    CPU: there a batch of one with nothing beside it would run on one core of two. Runners
     each on one thread serve more under load than one call on every core: a thread of an ONNX Runtime call that
     loses its core to a decoder or an HTTP worker holds the call up, and its caller busy-waits at the end of each
-    parallel loop (`python -m vitserve.bench.interference`, docs/results.md); so the wide compilation runs only the
+    parallel loop (`python -m vitserve.bench.interference`, docs/results.md); so the wide copy runs only the
     batches that have the cores to themselves."""
     if settings.batch_runners == 1 or not on_cpu or settings.intra_op_threads:
         return None

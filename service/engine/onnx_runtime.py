@@ -114,9 +114,9 @@ class OnnxModel:
         # where this model takes uint8 pixels (service/engine/pixels.py)
         self.normaliser: DeviceNormaliser | None = None
         self.maps_free_path: MapsFreePath | None = None  # the maps-free graph, where this model serves one
-        # The fast graph again with every core's thread, where the batcher's runners share the cores out (one
-        # thread each on two cores): what a batch of one runs on while nothing else does (`wide_session_for`).
-        self.wide_session = None
+        # The model loaded again with every core's thread, where the batcher's runners share the cores out (one
+        # thread each on two cores): what a batch of one runs on while nothing else does (`wide_settings`).
+        self.wide: OnnxModel | None = None
 
     @property
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None:
@@ -125,22 +125,16 @@ class OnnxModel:
         return self.maps_free_path.run if self.maps_free_path is not None else None
 
     @property
-    def run_wide(self) -> Callable[[np.ndarray], Outputs] | None:
-        """`run` on the session with every core's thread, where this model has one (`wide_session`), else None:
-        what the engine calls for a batch that runs with no other beside it."""
-        return self._run_wide if self.wide_session is not None else None
-
-    def _run_wide(self, pixel_values: np.ndarray) -> Outputs:
-        return tuple(self.run_graph(self.wide_session, self.info.output_names(), None, pixel_values))
-
-    @property
     def takes_raw_pixels(self) -> bool:
         """`run` takes (B, C, H, W) uint8 pixels and normalises them on the model's device."""
         return self.normaliser is not None
 
     @classmethod
-    def load(cls, settings: Settings, artifact: tuple[ModelInfo, ModelPaths] | None = None) -> OnnxModel:
-        """`artifact`: the file's info and graphs, when the caller has read them already (`read_artifact`)."""
+    def load(cls, settings: Settings, artifact: tuple[ModelInfo, ModelPaths] | None = None,
+             probe: bool = True) -> OnnxModel:
+        """`artifact`: the file's info and graphs, when the caller has read them already (`read_artifact`).
+        `probe`: check the maps-free graph's answers on probe images (off for a wide copy: its model checked the
+        same graph, and a batch of probes would grow the arena of sessions that run one image)."""
         import onnxruntime as ort
         path = Path(settings.model_path)
         info, paths = artifact or read_artifact(path)
@@ -156,14 +150,15 @@ class OnnxModel:
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
-        wide = wide_settings(settings, on_cpu=model.provider == CPU)
-        if wide is not None:
-            model.wide_session = new_session(fast, wide, chain, path, from_branch=split)
         if serves_maps_free(settings.maps_free, model.provider):
-            lean = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split)
+            lean = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split, probe)
             measured = settings.maps_free == "auto" and model.provider not in GPU_PROVIDERS
             model.maps_free_path = lean if lean is None or not measured or lean.pays(settings.max_batch_size) \
                 else None
+        wide = wide_settings(settings, on_cpu=model.provider == CPU)
+        if wide is not None:  # the fast graph, and the maps-free one where this model kept it (not timed again)
+            model.wide = cls.load(wide.model_copy(update={"maps_free": "on" if model.maps_free_path else "off"}),
+                                  (info, paths), probe=False)
         del paths  # the relevance graph is read again from the file if a request ever asks for it
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
                   info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
@@ -218,9 +213,9 @@ class MapsFreePath:
 
     @classmethod
     def load(cls, model: OnnxModel, info: ModelInfo, fast: onnx.ModelProto, dims, settings: Settings,
-             chain: list[tuple[str, dict]], path: Path, from_branch: bool) -> MapsFreePath | None:
-        """The path, checked against the fast graph on probe images; None (with a warning) where the graph cannot
-        be made or its answers differ: the fast graph then runs every batch, as without it."""
+             chain: list[tuple[str, dict]], path: Path, from_branch: bool, probe: bool = True) -> MapsFreePath | None:
+        """The path, checked against the fast graph on probe images (unless not `probe`); None (with a warning)
+        where the graph cannot be made or its answers differ: the fast graph then runs every batch, as without it."""
         started = time.perf_counter()
         rollout = info.output_names()[1]
         names = tuple(name for name in info.output_names() if name != rollout)
@@ -230,7 +225,7 @@ class MapsFreePath:
             session = new_session(graph_bytes, settings, chain, path, from_branch=from_branch)
             lean = cls(model, session, names)
             pixels = probe_pixels(info)
-            disagreement = logits_disagree(lean.run(pixels)[0], model.run(pixels)[0])
+            disagreement = logits_disagree(lean.run(pixels)[0], model.run(pixels)[0]) if probe else ""
         except Exception as e:  # noqa: BLE001 - the rewrite's or the runtime's: an optimisation never stops a load
             log.warning("no maps-free graph for %s: %s", path, str(e).splitlines()[0][:300] if str(e) else repr(e))
             return None

@@ -132,9 +132,9 @@ class OpenVinoModel:
         self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
         # the maps-free graph's `run` where this model has one (`with_maps_free`); None: `run` serves all batches
         self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
-        # the fast graph compiled with one stream of every core's thread, where the runners' streams share the
-        # cores out (`wide_settings`): for a batch of one with nothing beside it; None: `run` serves all batches
-        self.run_wide: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
+        # the model compiled again with one stream of every core's thread, where the runners' streams share the
+        # cores out (`wide_settings`): for a batch of one with nothing beside it; None: the streams run every batch
+        self.wide: OpenVinoModel | None = None
         self._maps = maps  # False: compiled without the rollout, which `run` returns empty ((B, 0))
         names = info.output_names() if maps else tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
         self._outputs = [compiled.output(name) for name in names]  # by name, in the contract's order
@@ -202,14 +202,14 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     if relevance is None and paths.relevance is not None:
         chain: list[tuple[str, dict]] = [(CPU, {})]
         relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
-    fast = paths.fast.SerializeToString()
-    model = OpenVinoModel.compile(fast, info, precision, intra_op_threads(settings), relevance,
-                                  streams=settings.batch_runners)
-    wide = wide_settings(settings, on_cpu=True)
-    if wide is not None:
-        model.run_wide = OpenVinoModel.compile(fast, info, precision, intra_op_threads(wide)).run
+    model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
+                                  relevance, streams=settings.batch_runners)
     if settings.maps_free != "off":
         model.run_maps_free = maps_free_run(model, paths.fast, settings)
+    wide = wide_settings(settings, on_cpu=True)
+    if wide is not None:  # the fast graph, and the maps-free one where this model kept it (not timed again)
+        pinned = wide.model_copy(update={"maps_free": "on" if model.run_maps_free else "off"})
+        model.wide = openvino_model(pinned, precision, relevance, (info, paths))
     log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
     return model
 

@@ -101,7 +101,7 @@ class ServedModel:
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
                                       runner_priority=self.cpu_priority, runners=s.batch_runners,
                                       maps_free_batches=getattr(self.model, "run_maps_free", None) is not None,
-                                      wide_lone_batches=getattr(self.model, "run_wide", None) is not None,
+                                      wide_lone_batches=getattr(self.model, "wide", None) is not None,
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
@@ -150,10 +150,13 @@ class ServedModel:
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
         `maps_free`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
         maps-free graph); that graph runs them (the rollout then empty, (0,), the other outputs as ever).
-        `wide`: the batch runs with no other beside it (the batcher asks so only for a model with a `run_wide`); the
-        session with every core's thread runs it.
+        `wide`: the batch runs with no other beside it (the batcher asks so only for a model with a `wide`): the
+        model loaded with every core's thread runs it.
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
         model = self.loaded_model
+        wide_model = model.wide if wide else None  # the batcher asks for it only where the model has one
+        if wide_model is not None and (not maps_free or wide_model.run_maps_free is not None):
+            model = wide_model
         if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(model, "takes_raw_pixels", False)):
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
             self._pixel_table = self._pixel_table or PixelTable(model.info.mean, model.info.std)
@@ -164,10 +167,6 @@ class ServedModel:
             run_maps_free = model.run_maps_free
             assert run_maps_free is not None, "the batcher forms maps-free batches only for a model with that graph"
             outputs = run_maps_free(pixel_values)
-        elif wide:
-            run_wide = model.run_wide
-            assert run_wide is not None, "the batcher asks for wide batches only for a model with that session"
-            outputs = run_wide(pixel_values)
         else:
             outputs = model.run(pixel_values)
         if any(output.shape[0] != len(pixel_values) for output in outputs):

@@ -108,7 +108,7 @@ class WrappedModel:
         self.entered: list[int] = []  # batch size of every call that started, held or not
         self.batch_sizes: list[int] = []  # batch size of every call that got past the gate
         self.explained: list[list[int]] = []  # targets of every relevance-path call
-        self.wide: list[int] = []  # batch size of every call on the session with every core's thread
+        self.wide_batches: list[int] = []  # batch size of every call on the model loaded with every core's thread
         self.gate = threading.Event()
         self.gate.set()
 
@@ -124,16 +124,11 @@ class WrappedModel:
         return self._gated(lambda: self.inner.run(pixel_values), len(pixel_values))
 
     @property
-    def run_wide(self):
-        """The inner model's wide session's call, gated like `run` (None where it has none); `wide` records it."""
-        inner = getattr(self.inner, "run_wide", None)
-        if inner is None:
-            return None
-
-        def run_wide(pixel_values: np.ndarray):
-            self.wide.append(len(pixel_values))
-            return self._gated(lambda: inner(pixel_values), len(pixel_values))
-        return run_wide
+    def wide(self):
+        """The inner model's wide copy (None where it has none), its `run` gated like this one's and recorded in
+        `wide_batches`."""
+        inner = getattr(self.inner, "wide", None)
+        return None if inner is None else _WideView(self, inner)
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray):
         """The relevance path, gated like `run`; `explained` records each call's targets."""
@@ -149,6 +144,18 @@ class WrappedModel:
             self.fail_next -= 1
             raise RuntimeError("injected ONNX Runtime failure")
         return call()
+
+
+class _WideView:
+    """A WrappedModel's inner model's wide copy, as the engine calls it."""
+
+    def __init__(self, owner: WrappedModel, inner):
+        self.owner, self.inner, self.info, self.provider = owner, inner, inner.info, inner.provider
+        self.run_maps_free = None  # as its owner: a WrappedModel serves every batch with its maps
+
+    def run(self, pixel_values: np.ndarray):
+        self.owner.wide_batches.append(len(pixel_values))
+        return self.owner._gated(lambda: self.inner.run(pixel_values), len(pixel_values))
 
 
 async def classify(client, data: bytes, content_type="image/png", **params):

@@ -70,7 +70,7 @@ async def test_an_image_answers_the_same_alone_and_among_concurrent_traffic(prec
     async with serving(settings, model) as client:
         alone = [await logits_of(client, watched[i:i + 1]) for i in range(len(watched))]
         assert set(model.batch_sizes) == {1}
-        assert model.wide == ([1] * len(watched) if wide else [])
+        assert model.wide_batches == ([1] * len(watched) if wide else [])
         model.batch_sizes.clear()
         order = rng.permutation(len(watched) + len(traffic))
         everything = np.concatenate([watched, traffic])

@@ -492,8 +492,9 @@ async def test_runners_free_together_share_a_group_larger_than_the_last_batch_bu
 
 async def test_a_lone_image_runs_wide_and_alone_and_a_loaded_batcher_on_its_runners():
     """One image with nothing running or queued runs wide, and nothing starts beside it, a runner free or not; what
-    queued meanwhile runs on the runners, two batches at once. A lone targeted or maps-free image never runs wide
-    (the wide session is the fast path's), nor any image where the model has no wide session or one runner."""
+    queued meanwhile runs on the runners, two batches at once. A lone maps-free image runs wide and maps-free; a lone
+    targeted one on a runner (the relevance path is loaded once); none where the model has no wide copy or one
+    runner."""
     recorder = Recorder()
     batcher = make(recorder, max_batch_size=4, max_queue_delay_s=0.01, dispatch_when_idle=True,
                    max_batches_in_flight=2, runners=2, wide_lone_batches=True, maps_free_batches=True)
@@ -510,7 +511,7 @@ async def test_a_lone_image_runs_wide_and_alone_and_a_loaded_batcher_on_its_runn
     assert recorder.wide == [True, False, False]
     for options in ({"target": 3}, {"maps_free": True}):
         await asyncio.wait_for(batcher.submit(item(1), 10, **options), PATIENCE_S)
-    assert recorder.wide[3:] == [False, False]
+    assert recorder.wide[3:] == [False, True] and recorder.maps_free[3:] == [False, True]
     await batcher.close()
 
     for options in ({"runners": 1, "wide_lone_batches": True}, {"runners": 2}):

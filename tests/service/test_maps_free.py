@@ -289,3 +289,29 @@ def test_openvino_serves_its_own_maps_free_graph_that_answers_as_the_rollout_gra
     assert len(with_maps) == len(without) and without[1].shape == (3, 0) and with_maps[1].shape[0] == 3
     for index in [0, *range(2, len(without))]:
         np.testing.assert_allclose(without[index], with_maps[index], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("runtime", ["onnxruntime", "openvino"])
+def test_the_wide_copy_of_a_model_with_runners_keeps_the_graphs_the_model_kept_and_answers_as_it(tiny_onnx, runtime,
+                                                                                                 monkeypatch):
+    """Two runners on two cores: a thread each, and the model loaded once more with both for a lone image; that copy
+    serves the maps-free graph where the model does (a lone `map=none` request keeps every core), and neither more
+    copies nor other answers."""
+    if runtime == "openvino":
+        pytest.importorskip("openvino")
+    from vitserve.service.engine.runtime import load_model
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    x = np.random.default_rng(5).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    for maps_free in ("on", "off"):
+        model = load_model(settings_for(tiny_onnx, runtime=runtime, maps_free=maps_free, batch_runners=2,
+                                        intra_op_threads=0))
+        wide = model.wide
+        assert wide is not None and wide.wide is None and wide.runtime == model.runtime
+        assert (wide.run_maps_free is not None) == (model.run_maps_free is not None) == (maps_free == "on")
+        for ours, theirs in zip(wide.run(x), model.run(x)):
+            np.testing.assert_array_equal(ours, theirs)
+        if maps_free == "on":
+            for ours, theirs in zip(wide.run_maps_free(x), model.run_maps_free(x)):
+                np.testing.assert_array_equal(ours, theirs)
+    assert load_model(settings_for(tiny_onnx, runtime=runtime, intra_op_threads=0)).wide is None  # one runner

@@ -75,7 +75,7 @@ def test_cores_are_the_ones_this_process_may_run_on(monkeypatch):
     assert Settings().http_workers == 1 and intra_op_threads(Settings(engine="inline", workers=2)) == 1
 
 
-def test_a_wide_session_only_where_the_runners_share_the_cores_out_on_the_cpu(monkeypatch):
+def test_a_wide_copy_only_where_the_runners_share_the_cores_out_on_the_cpu(monkeypatch):
     from vitserve.service.engine.inference_model import wide_settings
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
