@@ -62,8 +62,10 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
                                        f"session")
     # Without its maps-free graph: a heavy model's engine times that graph itself, at its own load and on its own
     # threads, and a light model's is timed below on the one thread the workers will have. Timed here too, it
-    # doubled the wait for a heavy model (ViT-S/16 on the Xeon: 27 s of a 71 s start).
-    model, _ = chosen_model(settings.model_copy(update={"maps_free": "off"}))
+    # doubled the wait for a heavy model (ViT-S/16 on the Xeon: 27 s of a 71 s start). And on one batch runner:
+    # the runners' wide copy of each candidate (service/engine/inference_model.py `wide_settings`) would be loaded
+    # here only to be dropped.
+    model, _ = chosen_model(settings.model_copy(update={"maps_free": "off", "batch_runners": 1}))
     pinned = {} if settings.runtime != "auto" else {name.upper(): value for name, value in runtime_of(model).items()}
     if not runs_on_cpu(model.provider):
         return EngineChoice("process", f"the model runs on {model.provider}", pinned)

@@ -69,6 +69,25 @@ def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx
     assert set(choice.pinned) == {"RUNTIME", "PRECISION_HINT"}  # the engine does not race the runtimes again
 
 
+def test_the_probe_loads_no_wide_copy_for_runners_it_will_not_serve_with(tiny_onnx, monkeypatch):
+    """With batch runners a heavy model's engine loads the model once more with every core's thread; the probe that
+    decides where the model runs drops its models, so it loads them on one runner, without that copy."""
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
+    probed = []
+    chosen_model = topology.chosen_model
+
+    def recorded(settings):
+        model, raced = chosen_model(settings)
+        probed.append(model)
+        return model, raced
+
+    monkeypatch.setattr(topology, "chosen_model", recorded)
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", batch_runners=2, intra_op_threads=0))
+    assert choice is not None and choice.engine == "process"
+    assert len(probed) == 1 and probed[0].wide is None
+
+
 @pytest.mark.parametrize("heavy", [False, True])
 def test_the_maps_free_graph_is_timed_once_where_the_model_will_run(tiny_onnx, monkeypatch, heavy):
     """A heavy model's engine times its maps-free graph at its own load; a light model's is timed on the one thread
