@@ -674,7 +674,9 @@ def test_serve_refuses_a_grpc_port_in_use_in_one_line(tiny_onnx, private_environ
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        assert main(["serve", "--model", str(tiny_onnx), "--grpc-port", str(port)]) == 2
+        # the HTTP port free too (not the default 8000, which a server of the developer's may hold): the gRPC one
+        # is the refusal under test
+        assert main(["serve", "--model", str(tiny_onnx), "--port", str(free_port()), "--grpc-port", str(port)]) == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and f"127.0.0.1:{port} is in use" in error and "--grpc-port" in error
 
