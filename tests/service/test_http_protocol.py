@@ -554,6 +554,10 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
                     sent += 50
                 except TimeoutError:
                     pass
+                except ConnectionResetError:
+                    # Now and then the server closes this client, which never reads its answers (a clean close on
+                    # the server's side, its cause not pinned down): the bound below holds up to then.
+                    break
                 deepest = max(deepest, len(made[0].pipeline)) if made else 0
     finally:
         server.should_exit = True
@@ -562,7 +566,7 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
     # What the client got into the socket is the kernel's buffers' business (their sizes vary by machine); what
     # the server queued is ours: at most a handful of uvloop's 256 KiB reads (about 700 here; 98,962 before).
     reads_worth = 4 * 256 * 1024 // len(request)
-    assert deepest <= reads_worth, (deepest, sent)
+    assert sent and deepest <= reads_worth, (deepest, sent)
 
 
 def test_the_app_counts_the_connections_open_in_its_process():
