@@ -33,6 +33,24 @@ def bucket_sizes(max_batch_size: int) -> list[int]:
     return [*sizes, max_batch_size]
 
 
+def pad_rows(pixel_values: np.ndarray, size: int) -> np.ndarray:
+    """`pixel_values` with zero images after them up to `size` rows (itself where it has as many)."""
+    count = len(pixel_values)
+    if count >= size:
+        return pixel_values
+    padding = np.zeros((size - count, *pixel_values.shape[1:]), pixel_values.dtype)
+    return np.concatenate([pixel_values, padding])
+
+
+def padded_size(count: int, step: int, largest: int) -> int:
+    """`count` rounded up to a multiple of `step`, or below `step` to a power of two (1, 2, 4, ... as vLLM's CUDA
+    graph sizes: a lone image stays one), but not past `largest` (nor below `count`); `step` 0 or 1: itself."""
+    if step <= 1:
+        return count
+    rounded = -(-count // step) * step if count > step // 2 else 1 << (count - 1).bit_length()
+    return max(count, min(rounded, largest))
+
+
 class CapturedBucket:
     """One batch size's static session, its device buffers and its IOBinding."""
 
@@ -55,9 +73,7 @@ class CapturedBucket:
         """`fill(pixels, device_input)`: writes raw pixels into the bucket's input on the device (the engine's
         normaliser: service/engine/pixels.py); None: `pixel_values` are the float32 input itself."""
         count = len(pixel_values)
-        if count < self.batch:  # zero images fill the bucket; their rows are dropped below
-            padding = np.zeros((self.batch - count, *pixel_values.shape[1:]), pixel_values.dtype)
-            pixel_values = np.concatenate([pixel_values, padding])
+        pixel_values = pad_rows(pixel_values, self.batch)  # their rows are dropped below
         with self.lock:  # one set of device buffers per bucket
             if fill is None:
                 self.input.update_inplace(np.ascontiguousarray(pixel_values, np.float32))

@@ -16,7 +16,7 @@ import onnx
 
 from vitserve.artifact import INPUT_NAME, RELEVANCE_NAME, TARGET_NAME, ModelInfo
 from vitserve.service.engine.attention_fusion import count_fused, maps_free
-from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes
+from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, pad_rows, padded_size
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.inference_model import (
     Artifact,
@@ -59,8 +59,11 @@ def provider_chain(settings: Settings, available: list[str]) -> list[tuple[str, 
 
 def _provider_options(name: Provider, s: Settings) -> dict:
     if name == "cuda":
+        # The arena grows by powers of two (ORT's default): growing by exactly what a call asks for left ViT-B/16's
+        # sessions holding 9.3 GB after ten batch sizes against 3.8 GB, each size's second call as slow as its first
+        # (an H200, docs/results/bench-gpu.md).
         options = {"device_id": s.cuda_device_id, "cudnn_conv_algo_search": s.cudnn_conv_algo_search,
-                   "arena_extend_strategy": "kSameAsRequested", "do_copy_in_default_stream": True}
+                   "arena_extend_strategy": "kNextPowerOfTwo", "do_copy_in_default_stream": True}
         if s.cuda_mem_limit_bytes:
             options["gpu_mem_limit"] = s.cuda_mem_limit_bytes
         return options
@@ -117,6 +120,9 @@ class OnnxModel:
         # The model loaded again with every core's thread, where the batcher's runners share the cores out (one
         # thread each on two cores): what a batch of one runs on while nothing else does (`wide_settings`).
         self.wide: OnnxModel | None = None
+        # On a GPU, what a batch on a dynamic session is padded to (`gpu_batch_step`): each new batch size's first
+        # call there costs far more than the call itself, so the sizes are few and all run at load.
+        self.batch_step, self.max_batch_size = 0, 0
 
     @property
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None:
@@ -148,6 +154,8 @@ class OnnxModel:
         warn_on_fallback(model, chain)
         if engine_normalises(settings.pixel_transport, model.provider):
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
+        if model._device == "cuda":
+            model.batch_step, model.max_batch_size = settings.gpu_batch_step, settings.max_batch_size
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
         if serves_maps_free(settings.maps_free, model.provider):
@@ -179,9 +187,24 @@ class OnnxModel:
                 raise TypeError("this model takes normalised float32 pixels (it has no device normaliser)")
         if captured is not None and captured.covers(pixel_values):
             return captured.run(pixel_values, normaliser.to_device if normaliser is not None else None)
+        count = len(pixel_values)
+        pixel_values = pad_rows(pixel_values, padded_size(count, self.batch_step, self.max_batch_size))
         if normaliser is not None:  # normalised into device memory and bound there: nothing float32 crosses over
-            return run_session(session, names, {INPUT_NAME: normaliser.to_device(pixel_values)}, self._device)
-        return self._run(session, names, {INPUT_NAME: pixel_values})
+            outputs = run_session(session, names, {INPUT_NAME: normaliser.to_device(pixel_values)}, self._device)
+        else:
+            outputs = self._run(session, names, {INPUT_NAME: pixel_values})
+        return outputs if len(pixel_values) == count else [output[:count] for output in outputs]
+
+    @property
+    def padded_batch_sizes(self) -> list[int]:
+        """The batch sizes a dynamic session runs at the trained size on a GPU (`gpu_batch_step`; none where it is
+        0): what `warm_up` runs before the model serves, so no client pays a size's first call."""
+        if not self.batch_step:
+            return []
+        graphs = [self.captured] + ([self.maps_free_path.captured] if self.maps_free_path is not None else [])
+        return sorted({padded_size(count, self.batch_step, self.max_batch_size)
+                       for count in range(1, self.max_batch_size + 1)
+                       if any(c is None or c.bucket_for(count) not in c.buckets for c in graphs)})
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray) -> Outputs:
         """The relevance path: `targets` (B,) int64 names the class to explain per image, -1 its top-1."""

@@ -179,15 +179,19 @@ def batch_one_ms(model: InferenceModel, calls: int = 9) -> float:
     return min(call_times_ms(lambda: model.run(pixels), calls))
 
 
-def warm_up(model: InferenceModel, batch_sizes: list[int]) -> None:
+def warm_up(model: InferenceModel, batch_sizes: list[int]) -> list[int]:
     """Run each batch size once at the trained resolution, so the first real request pays no set-up cost: in the
     pixels' type the frontends will send (a model that `takes_raw_pixels` gets uint8 ones), on each graph the
-    model serves (the maps-free one too, where it has one)."""
+    model serves (the maps-free one too, where it has one); the sizes a model pads its batches to on a GPU
+    (`padded_batch_sizes`) too, twice. Returns the sizes run."""
     height, width = model.info.image_size
     dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
     maps_free = getattr(model, "run_maps_free", None)
-    for batch in batch_sizes:
+    padded = getattr(model, "padded_batch_sizes", [])
+    for batch in sorted({*batch_sizes, *padded}):
         pixels = np.zeros((batch, model.info.channels, height, width), dtype)
-        model.run(pixels)
-        if maps_free is not None:
-            maps_free(pixels)
+        for _ in range(2 if batch in padded else 1):  # a size's second call on a GPU can still pay for its first
+            model.run(pixels)
+            if maps_free is not None:
+                maps_free(pixels)
+    return sorted({*batch_sizes, *padded})

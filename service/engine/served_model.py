@@ -108,12 +108,12 @@ class ServedModel:
     async def warm_up(self) -> None:
         """Run the warm-up batches; ready afterwards. An exception here means the version must not be served."""
         started = time.perf_counter()
-        await asyncio.to_thread(warm_up, self.loaded_model, self.settings.warmup_batch_sizes)
+        sizes = await asyncio.to_thread(warm_up, self.loaded_model, self.settings.warmup_batch_sizes)
         self.ready = True
         self.metrics.set_ready(True)
         self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset)
         log.info("ready: %s version %s on %s, warmed up at batch sizes %s in %.2f s", self.name, self.version,
-                 self.provider, self.settings.warmup_batch_sizes, time.perf_counter() - started)
+                 self.provider, sizes, time.perf_counter() - started)
 
     @asynccontextmanager
     async def admitted(self):

@@ -105,3 +105,54 @@ def test_a_batch_runs_captured_only_where_its_bucket_was_kept():
     assert [graphs.covers(batch(n)) for n in (1, 2, 3, 4, 5)] == [True, True, False, False, False]
     assert not graphs.covers(batch(1, 48)) and not graphs.covers(batch(0))
     assert graphs.run(batch(1))[0].tolist() == [[1]] and graphs.run(batch(2))[0].tolist() == [[2], [2]]
+
+
+@pytest.mark.parametrize("step, largest, sizes", [
+    (8, 64, [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]), (8, 12, [1, 2, 4, 8, 12]), (4, 16, [1, 2, 4, 8, 12, 16]),
+    (1, 5, [1, 2, 3, 4, 5]), (0, 5, [1, 2, 3, 4, 5])])
+def test_a_gpu_batch_on_a_dynamic_session_pads_to_few_sizes_never_below_it_nor_past_the_largest(step, largest, sizes):
+    from vitserve.service.engine.cuda_graphs import padded_size
+
+    padded = [padded_size(count, step, largest) for count in range(1, largest + 1)]
+    assert sorted(set(padded)) == sizes
+    assert all(count <= size <= largest for count, size in zip(range(1, largest + 1), padded))
+    assert padded_size(20, 8, 64) == 24 and padded_size(3, 8, 64) == 4 and padded_size(1, 8, 64) == 1
+
+
+class SeenBatches:
+    """A session that records the batch size of every call it is given, and makes it."""
+
+    def __init__(self, session):
+        self.session, self.batches = session, []
+
+    def run(self, names, feeds, *args):
+        self.batches.append(len(feeds[INPUT_NAME]))
+        return self.session.run(names, feeds, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.session, name)
+
+
+def test_a_padded_batch_answers_as_the_unpadded_one_and_load_runs_each_padded_size_twice(tiny_model):
+    """The padding a GPU's dynamic session gets (`gpu_batch_step`), forced on the CPU session: here is where it ran
+    (no GPU). The session sees the padded batch; the caller gets its own rows, as without the padding; `warm_up`
+    runs every size the model pads to, twice, beside the ones it is asked for."""
+    from vitserve.service.engine.cuda_graphs import CudaGraphBuckets
+    from vitserve.service.engine.runtime import warm_up
+
+    assert tiny_model.batch_step == 0 and tiny_model.padded_batch_sizes == []  # on the CPU, nothing padded
+    seen = SeenBatches(tiny_model.session)
+    padded = OnnxModel(seen, tiny_model.info)
+    padded.batch_step, padded.max_batch_size = 8, 16
+    pixels = np.random.default_rng(3).normal(size=(3, 3, 32, 32)).astype(np.float32)
+    for plain, from_padded in zip(tiny_model.run(pixels), padded.run(pixels)):
+        assert from_padded.shape == plain.shape
+        np.testing.assert_allclose(from_padded, plain, rtol=1e-5, atol=1e-6)
+    assert seen.batches == [4]
+    assert padded.padded_batch_sizes == [1, 2, 4, 8, 16]
+    # buckets 1 and 2 captured: the sizes they cover never reach the dynamic session
+    padded.captured = CudaGraphBuckets({1: object(), 2: object()}, [1, 2, 4, 8, 16], (3, 32, 32))  # type: ignore
+    assert padded.padded_batch_sizes == [4, 8, 16]
+    padded.captured, seen.batches = None, []
+    assert warm_up(padded, [1, 16]) == [1, 2, 4, 8, 16]
+    assert seen.batches == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]

@@ -35,7 +35,7 @@ def test_provider_chain_prefers_accelerators_and_falls_back_to_cpu():
     chain = provider_chain(settings, everything)
     assert [name for name, _ in chain] == everything
     trt, cuda, cpu = (options for _, options in chain)
-    assert cuda == {"device_id": 1, "cudnn_conv_algo_search": "EXHAUSTIVE", "arena_extend_strategy": "kSameAsRequested",
+    assert cuda == {"device_id": 1, "cudnn_conv_algo_search": "EXHAUSTIVE", "arena_extend_strategy": "kNextPowerOfTwo",
                     "do_copy_in_default_stream": True, "gpu_mem_limit": 2**30}
     assert trt == {"device_id": 1, "trt_fp16_enable": True, "trt_engine_cache_enable": True,
                    "trt_engine_cache_path": "/tmp/trt"}
