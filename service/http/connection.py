@@ -138,6 +138,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         self._read_bytes = 0  # of the read being parsed
         self._head_arrived = 0  # bytes read while the head was incomplete: a bound on what the parser holds
         self._head_began_in_read = False
+        self._message_ended_in_read = False
         self._body_bytes = 0  # delivered by on_body, ever
         self._unparsed_in_body = 0  # bytes read since the last body byte that no on_body delivered: trailers
         self._trailer_bytes = 0
@@ -173,9 +174,8 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's own, plus the refusals the parser callbacks raise and the byte count of an incomplete head."""
         if self._refused:
             return
-        in_message = self._phase is not _IDLE
         self._read_bytes = len(data)
-        self._head_began_in_read = False
+        self._head_began_in_read = self._message_ended_in_read = False
         self._unset_keepalive_if_required()
         body_before = self._body_bytes
         try:
@@ -193,8 +193,9 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
                 self.send_400_response(f"invalid HTTP request: {e}")
             return
         # httptools holds a header's bytes until the header ends, so a huge one is counted as it arrives. A read
-        # that also ended an earlier message holds an unknown share of this head: it is left out (one read).
-        if self._phase is _HEAD and not (in_message and self._head_began_in_read):
+        # that also ended an earlier message holds an unknown share of this head: it is left out (one read). That
+        # earlier message may have begun in this read too: a pipelining client's read holds many whole requests.
+        if self._phase is _HEAD and not (self._message_ended_in_read and self._head_began_in_read):
             self._head_arrived += len(data)
             if self._head_arrived > self.limits.max_header_bytes:
                 self._refuse(HeadersTooLarge(self._too_large_message()))
@@ -303,6 +304,7 @@ class LimitedHttpToolsProtocol(HttpToolsProtocol):
     def on_message_complete(self) -> None:
         super().on_message_complete()
         self._phase = _IDLE
+        self._message_ended_in_read = True
         discarded = self._on_timeout == self._rest_of_body_timed_out
         self._deadline = self._on_timeout = None  # the body is all here: no one waits for it any more
         if discarded:

@@ -262,6 +262,22 @@ def test_pipelined_requests_are_answered_in_order(served):
         (200, {"bytes": 3}), (200, {"hello": "world"}), (200, {"bytes": 2})]
 
 
+def test_a_read_of_many_pipelined_requests_ending_in_a_head_is_not_an_oversized_head(served):
+    """One read can hold many whole pipelined requests and then the start of another's head, whose share of that
+    read is unknown: it is not counted against the head's limit. (It was, all of it, where the read began between
+    requests: a pipelining client whose read passed `max_header_bytes` got its connection closed after the
+    requests before it.)"""
+    port, _ = served
+    whole = 2 * LIMITS.max_header_bytes // len(get("/"))  # twice the limit in whole requests
+    with RawConnection(port) as client:
+        client.send(get("/") * whole + get("/")[:10])
+        time.sleep(0.2)  # the head's start in the read that brought the whole requests, its rest in another
+        client.send(get("/")[10:])
+        answers = [client.response() for _ in range(whole + 1)]
+    assert [a.status for a in answers] == [200] * (whole + 1)
+    assert json.loads(answers[-1].body) == {"hello": "world"}
+
+
 def test_a_head_trickled_behind_a_running_request_times_out_after_its_answer(served):
     """The head's clock starts over while an earlier request is being answered (uvicorn reads no further
     meanwhile); the earlier answer comes whole, then the 408."""
@@ -553,11 +569,7 @@ def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_
                     client.sendall(request * 50)
                     sent += 50
                 except TimeoutError:
-                    pass
-                except ConnectionResetError:
-                    # Now and then the server closes this client, which never reads its answers (a clean close on
-                    # the server's side, its cause not pinned down): the bound below holds up to then.
-                    break
+                    pass  # the server reads no further: the client's sends stop in the kernel's buffers
                 deepest = max(deepest, len(made[0].pipeline)) if made else 0
     finally:
         server.should_exit = True
