@@ -12,7 +12,9 @@ and says which it skipped and why, so it runs (and CI keeps it working) on a mac
    largest |logit|, top-1 agreement, the largest rollout difference;
 5. on a GPU, for each file (`--gpu-steps`): CUDA graphs against the dynamic session, as the server runs them
    (service/engine/cuda_graphs.py: their answers side by side, images/s per batch size, each bucket's load-time
-   timing); the maps-free graph with ONNX Runtime's transformer fusions against the rollout graph; and served: a
+   timing); the maps-free graph with ONNX Runtime's transformer fusions against the rollout graph; the first
+   calls at batch sizes the load did not run, with the dynamic session's batches padded (`gpu_batch_step`) and
+   not (`first-calls`); and served: a
    real `vitserve serve` loaded by wrk pinned to cores of its own, the GPU's utilisation sampled per level and
    the server's own account of its batches read from /metrics (bench/gpu_served.py), once per
    `--served-variants` settings overlay;
@@ -59,7 +61,7 @@ class GpuKitConfig:
     served_concurrency: str = "32,64"  # wrk's connections per served level (on a GPU)
     served_duration_s: int = 5
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
-    gpu_steps: str = "graphs,fused,served"  # which of the GPU steps run (fewer: a shorter run)
+    gpu_steps: str = "graphs,fused,first-calls,served"  # which of the GPU steps run (fewer: a shorter run)
     # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
     # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
     served_variants: str = ""
@@ -290,6 +292,37 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
             "rows": rows}
 
 
+def first_calls(path: Path, sizes: tuple[int, ...] = (17, 21, 25, 29, 33, 37, 41, 45, 50, 58),
+                largest: int = 64) -> dict:
+    """The first three calls at batch sizes the load did not run, on each graph the server runs (the rollout graph
+    and the maps-free one), each model loaded and warmed up as the engine does it (uint8 pixels, CUDA graphs), its
+    dynamic session's batches padded (`gpu_batch_step` 8) and not (0), the two alternating size by size. On the
+    CUDA provider a new batch size's first calls can cost many times its later ones."""
+    from vitserve.service.engine.cuda_graphs import call_times_ms
+    from vitserve.service.engine.runtime import warm_up
+
+    models, warmed = {}, {}
+    for step in (0, 8):
+        started = time.monotonic()
+        models[step] = server_model(path, max_batch_size=largest, pixel_transport="uint8", gpu_batch_step=step,
+                                    maps_free="on")
+        sizes_run = warm_up(models[step], [1, largest])
+        warmed[f"step {step}"] = f"{sizes_run} in {time.monotonic() - started:.1f} s (load and warm-up)"
+    info = models[0].info
+    rng = np.random.default_rng(0)
+    rows = []
+    for batch in sizes:
+        raw = rng.integers(0, 256, (batch, info.channels, *info.image_size), dtype=np.uint8)
+        row: dict = {"batch_size": batch}
+        for step, model in models.items():
+            for graph, call in (("rollout", model.run), ("maps_free", model.run_maps_free)):
+                if call is not None:
+                    times = call_times_ms(lambda c=call: c(raw), 3, set_up=False)
+                    row[f"{graph}_step{step}_ms"] = " / ".join(f"{t:.1f}" for t in times)
+        rows.append(row)
+    return {"warmed_up": warmed, "rows": rows}
+
+
 def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Path) -> dict:
     """The fast path with its rollout against two maps-free graphs, each a dynamic CUDA session with IOBinding,
     images/s per batch size in alternating rounds (ONNX Runtime's own profiler would time each CUDA kernel's launch,
@@ -469,6 +502,8 @@ def run(cfg: GpuKitConfig) -> Kit:
                 if "fused" in steps:
                     kit.step(f"{name} {precision}: fused maps-free vs rollout, raw", maps_free_fused, path,
                              batch_sizes, duration, cfg.work)
+                if "first-calls" in steps:
+                    kit.step(f"{name} {precision}: first calls at new batch sizes", first_calls, path)
                 if "served" in steps and (not cfg.served_files
                                           or f"{model}:{precision}" in cfg.served_files.split(",")):
                     for round_, variant, overlay in served_schedule(cfg.served_variants, cfg.served_rounds):

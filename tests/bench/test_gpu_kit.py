@@ -132,3 +132,16 @@ def test_a_mistyped_preset_override_is_a_one_line_error(override, why, tmp_path,
         main(["vit-fmnist-random", str(tmp_path / "x.onnx"), "--override", override])
     assert exit_.value.code == 2 and why in capsys.readouterr().err
     assert not (tmp_path / "x.onnx").exists()
+
+
+def test_the_first_calls_step_times_each_graph_padded_and_not_at_sizes_the_load_did_not_run(tiny_onnx):
+    """It runs on the CPU as on a GPU (where the padding applies): three calls per graph, per size, per model."""
+    from vitserve.bench.gpu import first_calls
+
+    result = first_calls(tiny_onnx, sizes=(3,), largest=4)
+    assert set(result["warmed_up"]) == {"step 0", "step 8"}
+    assert all(text.startswith("[1, 4] in ") for text in result["warmed_up"].values())
+    (row,) = result["rows"]
+    timed = {key: value for key, value in row.items() if key != "batch_size"}
+    assert row["batch_size"] == 3 and {"rollout_step0_ms", "rollout_step8_ms"} <= set(timed)
+    assert all(len(value.split(" / ")) == 3 for value in timed.values())
