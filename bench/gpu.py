@@ -317,7 +317,7 @@ def first_calls(path: Path, sizes: tuple[int, ...] = (17, 21, 25, 29, 33, 37, 41
         for step, model in models.items():
             for graph, call in (("rollout", model.run), ("maps_free", model.run_maps_free)):
                 if call is not None:
-                    times = call_times_ms(lambda c=call: c(raw), 3, set_up=False)
+                    times = call_times_ms(lambda c=call, r=raw: c(r), 3, set_up=False)
                     row[f"{graph}_step{step}_ms"] = " / ".join(f"{t:.1f}" for t in times)
         rows.append(row)
     return {"warmed_up": warmed, "rows": rows}
