@@ -100,8 +100,8 @@ class Settings(BaseSettings):
     gpu_batch_step: int = Field(8, ge=0, le=1024, description="on a GPU, a batch that runs on ONNX Runtime's dynamic "
                                 "session (no CUDA graph for its size) is padded with zero images up to a multiple of "
                                 "this (at most max_batch_size), and each such size is run at load: the CUDA "
-                                "provider's first call at a new batch size costs ViT-B/16 50-90 ms, which no "
-                                "client then pays; 1 pads nothing and runs every size at load, 0 does neither")
+                                "provider's first call at a new batch size cost ViT-B/16 48-94 ms on an H200, which "
+                                "no client then pays; 1 pads nothing and runs every size at load, 0 does neither")
     tensorrt_fp16: bool = False
     tensorrt_cache_dir: Path | None = None
     intra_op_threads: int = Field(0, ge=0, description="threads inside one ORT call; "
@@ -357,9 +357,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "engine and ONNX Runtime": ("precision_hint", "engine_arena_bytes", "engine_timeout_s", "cuda_device_id",
                                 "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",
                                 "gpu_batch_step", "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads",
-                                "inter_op_threads",
-                                "intra_op_spinning", "graph_optimization", "pixel_transport", "maps_free",
-                                "warmup_batch_sizes"),
+                                "inter_op_threads", "intra_op_spinning", "graph_optimization", "pixel_transport",
+                                "maps_free", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "batch_runners",
                  "dispatch_when_idle", "max_batch_cost"),
     "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "overload_keeps_batches",
