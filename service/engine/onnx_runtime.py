@@ -154,7 +154,7 @@ class OnnxModel:
         warn_on_fallback(model, chain)
         if engine_normalises(settings.pixel_transport, model.provider):
             model.normaliser = _normaliser(info, settings, chain, path, model._device)
-        if model._device == "cuda":
+        if model.provider == CUDA:  # measured there; TensorRT's engine covers a range of batch sizes at once
             model.batch_step, model.max_batch_size = settings.gpu_batch_step, settings.max_batch_size
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)

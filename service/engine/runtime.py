@@ -188,7 +188,9 @@ def warm_up(model: InferenceModel, batch_sizes: list[int]) -> list[int]:
     dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
     maps_free = getattr(model, "run_maps_free", None)
     padded = getattr(model, "padded_batch_sizes", [])
-    for batch in sorted({*batch_sizes, *padded}):
+    # the sizes asked for first (1 and the largest by default: a runtime that plans for a range of sizes, as
+    # TensorRT's engine does, then plans once for all of them), the padded ones after
+    for batch in [*batch_sizes, *sorted(set(padded) - set(batch_sizes))]:
         pixels = np.zeros((batch, model.info.channels, height, width), dtype)
         for _ in range(2 if batch in padded else 1):  # a size's second call on a GPU can still pay for its first
             model.run(pixels)

@@ -97,7 +97,7 @@ class Settings(BaseSettings):
     cuda_graphs: bool = Field(True, description="on CUDA: batches at the trained size run as CUDA graphs, one "
                                                 "captured per batch bucket (1, 2, 4, ... max_batch_size; a batch "
                                                 "is padded up to its bucket)")
-    gpu_batch_step: int = Field(8, ge=0, le=1024, description="on a GPU, a batch that runs on ONNX Runtime's dynamic "
+    gpu_batch_step: int = Field(8, ge=0, le=1024, description="on CUDA, a batch that runs on ONNX Runtime's dynamic "
                                 "session (no CUDA graph for its size) is padded with zero images up to a multiple of "
                                 "this (at most max_batch_size), and each such size is run at load: the CUDA "
                                 "provider's first call at a new batch size cost ViT-B/16 48-94 ms on an H200, which "

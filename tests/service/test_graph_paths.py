@@ -155,4 +155,4 @@ def test_a_padded_batch_answers_as_the_unpadded_one_and_load_runs_each_padded_si
     assert padded.padded_batch_sizes == [4, 8, 16]
     padded.captured, seen.batches = None, []
     assert warm_up(padded, [1, 16]) == [1, 2, 4, 8, 16]
-    assert seen.batches == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+    assert seen.batches == [1, 1, 16, 16, 2, 2, 4, 4, 8, 8]  # the sizes asked for first: 1 and the largest
