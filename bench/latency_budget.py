@@ -26,6 +26,7 @@ import contextlib
 import http.client
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -157,6 +158,10 @@ def run(args, command: str) -> dict:
             baseline = baseline_arm(sha)
             arms[baseline] = Client(baseline_port, "/v1/classify", png, "image/png").send
         card = json.loads(_get(vitserve_port, "/v1/models"))
+        # each server chose its runtime and precision at its own start (`auto` times them): said beside the figures
+        runs_on = {"vitserve": runs_on_of(_get(vitserve_port, "/metrics"))}
+        if baseline is not None:
+            runs_on[baseline] = runs_on_of(_get(baseline_port, "/metrics"))
         rounds = []
         for number in range(args.rounds):
             order = list(arms) if number % 2 == 0 else list(reversed(arms))
@@ -167,7 +172,13 @@ def run(args, command: str) -> dict:
     return {"command": command, "baseline": baseline,
             "machine": f"{cpu_model_name()}, {len(os.sched_getaffinity(0))} cores, load average {load_average()}",
             "model": str(args.model), "image": str(args.image),
-            "requests": args.requests, "vitserve_models": card, "rounds": rounds}
+            "requests": args.requests, "vitserve_models": card, "runs_on": runs_on, "rounds": rounds}
+
+
+def runs_on_of(metrics: bytes) -> str:
+    """Where a vitserve's model runs, from its `vitserve_model_info` series (e.g. "OpenVINO/CPU/bf16")."""
+    found = re.search(rb'vitserve_model_info\{[^}]*provider="([^"]*)"', metrics)
+    return found.group(1).decode() if found else "unknown"
 
 
 def baseline_arm(sha: str) -> str:
@@ -189,7 +200,8 @@ def markdown(report: dict) -> str:
     lines = ["# The latency budget of one request", "",
              f"`{report['command']}`: {report['machine']}. Model `{report['model']}`, image `{report['image']}`, "
              f"{report['requests']} sequential requests per arm and round, {len(report['rounds'])} rounds, the arms "
-             f"alternating (bench/latency_budget.py says how).", "",
+             f"alternating (bench/latency_budget.py says how)."
+             + "".join(f" {arm} ran on {where}." for arm, where in report.get("runs_on", {}).items()), "",
              "| arm | p50 ms | p99 ms |", "|---|---:|---:|"]
     for arm in sorted(arms):
         lines.append(f"| {arm} | {medians(report, arm, 'p50_ms'):.2f} | {medians(report, arm, 'p99_ms'):.2f} |")

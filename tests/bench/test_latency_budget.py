@@ -42,7 +42,9 @@ def test_with_a_baseline_the_report_sets_each_stage_before_beside_after():
                "vitserve": arm(4.5, {"decode": 300.0, "total": 4000.0}),
                before: arm(6.0, {"decode": 300.0, "decode_wait": 300.0, "total": 5500.0})} for _ in range(3)]
     text = latency_budget.markdown({"command": "c", "machine": "m", "model": "x.onnx", "image": "a.png",
-                                    "requests": 10, "rounds": rounds, "baseline": before})
+                                    "requests": 10, "rounds": rounds, "baseline": before,
+                                    "runs_on": {"vitserve": "OpenVINO/CPU/bf16", before: "CPUExecutionProvider"}})
+    assert "vitserve ran on OpenVINO/CPU/bf16. vitserve at 0123456789ab ran on CPUExecutionProvider." in text
     assert "| stage | vitserve µs | vitserve at 0123456789ab µs |" in text
     assert "| decode | 300 | 300 |" in text and "| decode_wait |  | 300 |" in text  # a stage the change removed
     assert "| total | 4000 | 5500 |" in text and "| outside the app (client p50 less the server's total) | 500 | 500 |" in text
@@ -94,3 +96,10 @@ def test_each_arm_measures_on_a_fresh_connection_and_hangs_up_after_it():
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_where_a_vitserve_runs_is_read_from_its_model_info_series():
+    metrics = (b'# TYPE vitserve_model_info gauge\n'
+               b'vitserve_model_info{name="m",opset="20",provider="OpenVINO/CPU/bf16",version="1"} 1.0\n')
+    assert latency_budget.runs_on_of(metrics) == "OpenVINO/CPU/bf16"
+    assert latency_budget.runs_on_of(b"vitserve_up 1\n") == "unknown"
