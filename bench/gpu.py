@@ -46,6 +46,7 @@ import numpy as np
 DEFAULT_CHECKPOINT = Path("models/vit-fmnist/checkpoint")
 CUDA, TENSORRT, CPU = "CUDAExecutionProvider", "TensorrtExecutionProvider", "CPUExecutionProvider"
 VENV = Path("build/gpu/venv")
+GPU_STEPS = ("graphs", "fused", "first-calls", "served")
 
 
 @dataclass
@@ -61,7 +62,7 @@ class GpuKitConfig:
     served_concurrency: str = "32,64"  # wrk's connections per served level (on a GPU)
     served_duration_s: int = 5
     served_files: str = ""  # which files get the served step, e.g. "vit-b16:fp16,default:fp32"; empty: every file
-    gpu_steps: str = "graphs,fused,first-calls,served"  # which of the GPU steps run (fewer: a shorter run)
+    gpu_steps: str = ",".join(GPU_STEPS)  # which of the GPU steps run (fewer: a shorter run)
     # server settings to compare in the served step, each its own run: "name:VITSERVE_X=1,VITSERVE_Y=2;name2:..."
     # ("name:" alone: the kit's own settings); empty: one run with the kit's settings
     served_variants: str = ""
@@ -592,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
         p.error(str(e))
     if cfg.served_rounds < 1:
         p.error(f"--served-rounds: {cfg.served_rounds} is not a count of rounds (1 or more)")
+    unknown = [step for step in cfg.gpu_steps.split(",") if step not in GPU_STEPS]
+    if unknown:  # a mistyped step would run nothing, seen only in the report once the GPU's time is spent
+        p.error(f"--gpu-steps: no step {', '.join(unknown)} (the steps: {', '.join(GPU_STEPS)})")
     import onnxruntime as ort
     if cfg.install and CUDA not in ort.get_available_providers() and shutil.which("nvidia-smi"):
         rerun = install_and_rerun(cfg, [a for a in argv if a != "--no-install"])

@@ -145,3 +145,10 @@ def test_the_first_calls_step_times_each_graph_padded_and_not_at_sizes_the_load_
     timed = {key: value for key, value in row.items() if key != "batch_size"}
     assert row["batch_size"] == 3 and {"rollout_step0_ms", "rollout_step8_ms"} <= set(timed)
     assert all(len(value.split(" / ")) == 3 for value in timed.values())
+
+
+def test_a_mistyped_gpu_step_is_a_one_line_error_before_anything_runs(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--gpu-steps", "graphs,first-call"])
+    assert exit_.value.code == 2
+    assert "--gpu-steps: no step first-call (the steps: graphs, fused, first-calls, served)" in capsys.readouterr().err
