@@ -26,7 +26,6 @@ import contextlib
 import http.client
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -177,8 +176,10 @@ def run(args, command: str) -> dict:
 
 def runs_on_of(metrics: bytes) -> str:
     """Where a vitserve's model runs, from its `vitserve_model_info` series (e.g. "OpenVINO/CPU/bf16")."""
-    found = re.search(rb'vitserve_model_info\{[^}]*provider="([^"]*)"', metrics)
-    return found.group(1).decode() if found else "unknown"
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return next((sample.labels["provider"] for family in text_string_to_metric_families(metrics.decode())
+                 for sample in family.samples if sample.name == "vitserve_model_info"), "unknown")
 
 
 def baseline_arm(sha: str) -> str:

@@ -190,10 +190,11 @@ def warm_up(model: InferenceModel, batch_sizes: list[int]) -> list[int]:
     padded = getattr(model, "padded_batch_sizes", [])
     # the sizes asked for first (1 and the largest by default: a runtime that plans for a range of sizes, as
     # TensorRT's engine does, then plans once for all of them), the padded ones after
-    for batch in [*batch_sizes, *sorted(set(padded) - set(batch_sizes))]:
+    sizes = [*batch_sizes, *sorted(set(padded) - set(batch_sizes))]
+    for batch in sizes:
         pixels = np.zeros((batch, model.info.channels, height, width), dtype)
         for _ in range(2 if batch in padded else 1):  # a size's second call on a GPU can still pay for its first
             model.run(pixels)
             if maps_free is not None:
                 maps_free(pixels)
-    return sorted({*batch_sizes, *padded})
+    return sorted(set(sizes))
