@@ -4,7 +4,8 @@ A Python client on the same cores as the server could not say whether the server
 Here the load is Debian's `wrk` (C, a few percent of
 a core per thousand requests/s) pinned with `taskset` to the last `client_cores` cores, the server to the others,
 and each level reports the client's CPU beside the server's and the GPU's utilisation sampled by `nvidia-smi`
-while the level ran. The body is one JPEG sent raw (`Content-Type: image/jpeg`) to `/v1/classify`.
+while the level ran, and how the clients and the CPU fell on the HTTP workers (`worker_split`). The body is one
+JPEG sent raw (`Content-Type: image/jpeg`) to `/v1/classify`.
 """
 from __future__ import annotations
 
@@ -18,8 +19,8 @@ from pathlib import Path
 
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import parse_wrk, write_script
-from vitserve.bench.servers import (STAGE_METRICS, ServerProcess, free_port, scrape_metrics, serve_argv,
-                                   server_stages)
+from vitserve.bench.servers import STAGE_METRICS, ServerProcess, free_port, scrape_metrics, serve_argv, server_stages
+from vitserve.machine import process_cpu_seconds, process_tree
 
 
 def split_cores(client_cores: int) -> tuple[list[int], list[int]]:
@@ -75,20 +76,46 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def process_tree_cpu_s(pid: int) -> float | None:
+def cpu_by_process(pids: list[int]) -> dict[int, float]:
+    """Each process's CPU seconds so far, by pid."""
+    return {pid: process_cpu_seconds(pid) for pid in pids}
+
+
+def connections_on(pids: list[int], port: int) -> dict[int, int]:
+    """Each process's established TCP connections on local `port` (an HTTP worker's clients), by pid; a process
+    holding none is left out, and so is every process without psutil."""
     try:
         import psutil
     except ImportError:
-        return None
-    try:
-        root = psutil.Process(pid)
-        total = 0.0
-        for proc in [root, *root.children(recursive=True)]:
-            times = proc.cpu_times()
-            total += times.user + times.system
-        return total
-    except psutil.Error:
-        return None
+        return {}
+    counts = {}
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)  # net_connections is psutil 6's name; the GPU machine's may be older
+            listed = proc.net_connections("tcp") if hasattr(proc, "net_connections") else proc.connections("tcp")
+        except psutil.Error:
+            continue
+        held = sum(1 for c in listed if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port)
+        if held:
+            counts[pid] = held
+    return counts
+
+
+def worker_split(cpu_before: dict[int, float], cpu_after: dict[int, float], connections: dict[int, int],
+                 wall_s: float) -> dict:
+    """How a level's clients and CPU fell on the server's processes: the clients each HTTP worker held (a process
+    with connections on the port), most first; the busiest worker's cores (near 1: that worker's event loop is the
+    limit, however idle the others); and the cores of the processes holding none (the engine, the supervisors).
+    The kernel hands a shared socket's connections to whichever worker accepts first, so the split is seldom even
+    (docs/results/bench-gpu.md)."""
+    if not connections or wall_s <= 0:
+        return {}
+    # a process gone meanwhile reads 0 seconds after: it counts for nothing, not for less than nothing
+    cores = {pid: max(0.0, cpu_after[pid] - cpu_before.get(pid, 0.0)) / wall_s for pid in cpu_after}
+    workers = [cores.get(pid, 0.0) for pid in connections]
+    return {"worker_clients": "/".join(str(n) for n in sorted(connections.values(), reverse=True)),
+            "busiest_worker_cores": round(max(workers), 2),
+            "other_cores": round(sum(c for pid, c in cores.items() if pid not in connections), 2)}
 
 
 def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: int, env: dict[str, str],
@@ -111,21 +138,25 @@ def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: 
             wrk_argv[wrk_argv.index("-d") + 1] = f"{duration_s}s"
             wrk_argv.insert(-1, "--latency")
             stages_before = scrape_metrics(port, STAGE_METRICS)
-            sampler, client_before, server_before = GpuSampler(), children_cpu_s(), process_tree_cpu_s(srv.pid)
+            pids = process_tree(srv.pid)
+            sampler, client_before, server_before = GpuSampler(), children_cpu_s(), cpu_by_process(pids)
             started = time.monotonic()
             with sampler.sampling():
-                out = subprocess.run(wrk_argv, capture_output=True, text=True, timeout=duration_s + 60)
+                load = subprocess.Popen(wrk_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                time.sleep(duration_s / 2)  # every connection open and busy: who holds them
+                connections = connections_on(pids, port)
+                stdout, stderr = load.communicate(timeout=duration_s + 60)
             wall = time.monotonic() - started
-            server_after = process_tree_cpu_s(srv.pid)
+            server_after = cpu_by_process(pids)
             stages = server_stages(stages_before, scrape_metrics(port, STAGE_METRICS), wall)
-            if out.returncode != 0:
-                raise RuntimeError(f"wrk exited {out.returncode}: {out.stderr[-500:]}")
-            result = parse_wrk(out.stdout)
+            if load.returncode != 0:
+                raise RuntimeError(f"wrk exited {load.returncode}: {stderr[-500:]}")
+            result = parse_wrk(stdout)
             levels.append({"concurrency": clients, **{k: result.get(k) for k in (
                 "requests_per_s", "ok_per_s", "p50_ms", "p90_ms", "p99_ms", "non_2xx", "socket_errors")},
                 "client_cores": round((children_cpu_s() - client_before) / wall, 2),
-                "server_cores": None if server_before is None or server_after is None else
-                round((server_after - server_before) / wall, 2), **stages, **sampler.summary()})
+                "server_cores": round((sum(server_after.values()) - sum(server_before.values())) / wall, 2),
+                **worker_split(server_before, server_after, connections, wall), **stages, **sampler.summary()})
             print(f"  served {clients:3d} clients: {result['ok_per_s']:8.1f} req/s 2xx  p99 {result.get('p99_ms')} ms"
                   f"  GPU {levels[-1].get('gpu_util_mean')}%", flush=True)
     return {"server_cores": server_cores, "client_cores": wrk_cores, "jpeg_bytes": len(jpeg), "query": query,

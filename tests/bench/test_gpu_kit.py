@@ -3,6 +3,7 @@ skipped and why, and writes its report; on a GPU the same code runs the CUDA ste
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -152,3 +153,27 @@ def test_a_mistyped_gpu_step_is_a_one_line_error_before_anything_runs(capsys):
         main(["--gpu-steps", "graphs,first-call"])
     assert exit_.value.code == 2
     assert "--gpu-steps: no step first-call (the steps: graphs, fused, first-calls, served)" in capsys.readouterr().err
+
+
+def test_a_served_level_says_how_its_clients_and_cpu_fell_on_the_http_workers():
+    """The connections are counted from the kernel's table for each process (here this one, holding both ends);
+    the cores from each process's CPU over the level."""
+    import socket
+
+    from vitserve.bench.gpu_served import connections_on, worker_split
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        accepted = [listener.accept()[0] for _ in clients]
+        try:
+            # the clients' ends are on ephemeral ports: only the accepted ends count, and a pid without any is left out
+            assert connections_on([os.getpid(), 2 ** 22 + 1], port) == {os.getpid(): 3}
+        finally:
+            for s in clients + accepted:
+                s.close()
+    before = {10: 1.0, 11: 2.0, 12: 5.0, 13: 3.0}
+    after = {10: 1.5, 11: 3.6, 12: 7.0, 13: 0.0}  # 13 is gone: its zero counts for nothing
+    assert worker_split(before, after, {11: 24, 12: 8}, 2.0) == {
+        "worker_clients": "24/8", "busiest_worker_cores": 1.0, "other_cores": 0.25}
+    assert worker_split(before, after, {}, 2.0) == {}  # no worker held a client: nothing to say
