@@ -15,12 +15,13 @@ import shutil
 import subprocess
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import parse_wrk, write_script
 from vitserve.bench.servers import STAGE_METRICS, ServerProcess, free_port, scrape_metrics, serve_argv, server_stages
-from vitserve.machine import process_cpu_seconds, process_tree
+from vitserve.machine import main_thread_cpu_seconds, process_cpu_seconds, process_tree
 
 
 def split_cores(client_cores: int) -> tuple[list[int], list[int]]:
@@ -76,9 +77,17 @@ def children_cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def cpu_by_process(pids: list[int]) -> dict[int, float]:
-    """Each process's CPU seconds so far, by pid."""
-    return {pid: process_cpu_seconds(pid) for pid in pids}
+@dataclass(frozen=True)
+class CpuSnapshot:
+    """The CPU seconds so far of each of the server's processes, and of each one's main thread, where an HTTP
+    worker and the engine run their event loops: a loop near a whole core is where requests queue."""
+    process_s: dict[int, float]
+    loop_s: dict[int, float]
+
+
+def cpu_snapshot(pids: list[int]) -> CpuSnapshot:
+    return CpuSnapshot({pid: process_cpu_seconds(pid) for pid in pids},
+                       {pid: main_thread_cpu_seconds(pid) for pid in pids})
 
 
 def connections_on(pids: list[int], port: int) -> dict[int, int]:
@@ -101,21 +110,28 @@ def connections_on(pids: list[int], port: int) -> dict[int, int]:
     return counts
 
 
-def worker_split(cpu_before: dict[int, float], cpu_after: dict[int, float], connections: dict[int, int],
-                 wall_s: float) -> dict:
+def worker_split(before: CpuSnapshot, after: CpuSnapshot, connections: dict[int, int], wall_s: float) -> dict:
     """How a level's clients and CPU fell on the server's processes: the clients each HTTP worker held (a process
-    with connections on the port), most first; the busiest worker's cores (near 1: that worker's event loop is the
-    limit, however idle the others); and the cores of the processes holding none (the engine, the supervisors).
-    The kernel hands a shared socket's connections to whichever worker accepts first, so the split is seldom even
+    with connections on the port), most first; the busiest worker's cores and its event loop's (near 1: that loop
+    is the limit, however idle the others); and the cores of the processes holding none (the engine, the
+    supervisors) with the busiest of their loops (the engine's: every worker's requests pass through it). The
+    kernel hands a shared socket's connections to whichever worker accepts first, so the split is seldom even
     (docs/results/bench-gpu.md)."""
     if not connections or wall_s <= 0:
         return {}
-    # a process gone meanwhile reads 0 seconds after: it counts for nothing, not for less than nothing
-    cores = {pid: max(0.0, cpu_after[pid] - cpu_before.get(pid, 0.0)) / wall_s for pid in cpu_after}
-    workers = [cores.get(pid, 0.0) for pid in connections]
+
+    def cores(seconds_before: dict[int, float], seconds_after: dict[int, float]) -> dict[int, float]:
+        # a process gone meanwhile reads 0 seconds after: it counts for nothing, not for less than nothing
+        return {pid: max(0.0, seconds_after[pid] - seconds_before.get(pid, 0.0)) / wall_s for pid in seconds_after}
+
+    process, loop = cores(before.process_s, after.process_s), cores(before.loop_s, after.loop_s)
+    busiest = max(connections, key=lambda pid: process.get(pid, 0.0))
+    others = [pid for pid in process if pid not in connections]
     return {"worker_clients": "/".join(str(n) for n in sorted(connections.values(), reverse=True)),
-            "busiest_worker_cores": round(max(workers), 2),
-            "other_cores": round(sum(c for pid, c in cores.items() if pid not in connections), 2)}
+            "busiest_worker_cores": round(process.get(busiest, 0.0), 2),
+            "busiest_worker_loop_cores": round(loop.get(busiest, 0.0), 2),
+            "other_cores": round(sum(process[pid] for pid in others), 2),
+            "busiest_other_loop_cores": round(max((loop.get(pid, 0.0) for pid in others), default=0.0), 2)}
 
 
 def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: int, env: dict[str, str],
@@ -139,7 +155,7 @@ def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: 
             wrk_argv.insert(-1, "--latency")
             stages_before = scrape_metrics(port, STAGE_METRICS)
             pids = process_tree(srv.pid)
-            sampler, client_before, server_before = GpuSampler(), children_cpu_s(), cpu_by_process(pids)
+            sampler, client_before, server_before = GpuSampler(), children_cpu_s(), cpu_snapshot(pids)
             started = time.monotonic()
             with sampler.sampling():
                 load = subprocess.Popen(wrk_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -147,7 +163,7 @@ def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: 
                 connections = connections_on(pids, port)
                 stdout, stderr = load.communicate(timeout=duration_s + 60)
             wall = time.monotonic() - started
-            server_after = cpu_by_process(pids)
+            server_after = cpu_snapshot(pids)
             stages = server_stages(stages_before, scrape_metrics(port, STAGE_METRICS), wall)
             if load.returncode != 0:
                 raise RuntimeError(f"wrk exited {load.returncode}: {stderr[-500:]}")
@@ -155,7 +171,8 @@ def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: 
             levels.append({"concurrency": clients, **{k: result.get(k) for k in (
                 "requests_per_s", "ok_per_s", "p50_ms", "p90_ms", "p99_ms", "non_2xx", "socket_errors")},
                 "client_cores": round((children_cpu_s() - client_before) / wall, 2),
-                "server_cores": round((sum(server_after.values()) - sum(server_before.values())) / wall, 2),
+                "server_cores": round((sum(server_after.process_s.values()) - sum(server_before.process_s.values()))
+                                      / wall, 2),
                 **worker_split(server_before, server_after, connections, wall), **stages, **sampler.summary()})
             print(f"  served {clients:3d} clients: {result['ok_per_s']:8.1f} req/s 2xx  p99 {result.get('p99_ms')} ms"
                   f"  GPU {levels[-1].get('gpu_util_mean')}%", flush=True)

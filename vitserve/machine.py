@@ -72,11 +72,19 @@ def process_tree_cpu_seconds(pid: int | None) -> float:
 
 def process_cpu_seconds(pid: int | None) -> float:
     """User plus system CPU seconds of process `pid` (its own threads, not its children); 0 when it is gone."""
-    if pid is None:
-        return 0.0
+    return 0.0 if pid is None else _cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def main_thread_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process `pid`'s main thread alone (a server's event loop runs there); 0 when
+    it is gone."""
+    return _cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+
+
+def _cpu_seconds(stat: Path) -> float:
     try:
         # the command name in parentheses may hold spaces: count the fields after its closing parenthesis
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        fields = stat.read_text().rsplit(")", 1)[1].split()
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime

@@ -160,7 +160,7 @@ def test_a_served_level_says_how_its_clients_and_cpu_fell_on_the_http_workers():
     the cores from each process's CPU over the level."""
     import socket
 
-    from vitserve.bench.gpu_served import connections_on, worker_split
+    from vitserve.bench.gpu_served import CpuSnapshot, connections_on, worker_split
 
     with socket.create_server(("127.0.0.1", 0)) as listener:
         port = listener.getsockname()[1]
@@ -172,8 +172,33 @@ def test_a_served_level_says_how_its_clients_and_cpu_fell_on_the_http_workers():
         finally:
             for s in clients + accepted:
                 s.close()
-    before = {10: 1.0, 11: 2.0, 12: 5.0, 13: 3.0}
-    after = {10: 1.5, 11: 3.6, 12: 7.0, 13: 0.0}  # 13 is gone: its zero counts for nothing
+    # 10 the engine, 11 and 12 the workers, 13 gone by the end: its zero counts for nothing
+    before = CpuSnapshot({10: 1.0, 11: 2.0, 12: 5.0, 13: 3.0}, {10: 0.5, 11: 1.0, 12: 4.0, 13: 1.0})
+    after = CpuSnapshot({10: 2.5, 11: 3.6, 12: 7.0, 13: 0.0}, {10: 1.7, 11: 1.2, 12: 5.8, 13: 0.0})
     assert worker_split(before, after, {11: 24, 12: 8}, 2.0) == {
-        "worker_clients": "24/8", "busiest_worker_cores": 1.0, "other_cores": 0.25}
+        "worker_clients": "24/8", "busiest_worker_cores": 1.0, "busiest_worker_loop_cores": 0.9,
+        "other_cores": 0.75, "busiest_other_loop_cores": 0.6}
     assert worker_split(before, after, {}, 2.0) == {}  # no worker held a client: nothing to say
+
+
+def test_a_cpu_snapshot_reads_a_process_and_its_main_thread_apart():
+    """A thread of this process spins for 0.2 s of its own CPU while the main thread waits for it: the process's
+    seconds grow by that, the main thread's (where an HTTP worker's or the engine's event loop runs) do not."""
+    import threading
+    import time
+
+    from vitserve.bench.gpu_served import cpu_snapshot
+
+    def spin() -> None:
+        start = time.thread_time()
+        while time.thread_time() - start < 0.2:
+            pass
+
+    pid = os.getpid()
+    before = cpu_snapshot([pid])
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    spinner.join()
+    after = cpu_snapshot([pid])
+    assert after.process_s[pid] - before.process_s[pid] >= 0.15  # /proc counts in clock ticks (10 ms)
+    assert after.loop_s[pid] - before.loop_s[pid] < 0.1
