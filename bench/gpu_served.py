@@ -158,10 +158,14 @@ def served_levels(model: Path, jpeg: bytes, concurrency: list[int], duration_s: 
             sampler, client_before, server_before = GpuSampler(), children_cpu_s(), cpu_snapshot(pids)
             started = time.monotonic()
             with sampler.sampling():
-                load = subprocess.Popen(wrk_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                time.sleep(duration_s / 2)  # every connection open and busy: who holds them
-                connections = connections_on(pids, port)
-                stdout, stderr = load.communicate(timeout=duration_s + 60)
+                with subprocess.Popen(wrk_argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as load:
+                    try:
+                        time.sleep(duration_s / 2)  # every connection open and busy: who holds them
+                        connections = connections_on(pids, port)
+                        stdout, stderr = load.communicate(timeout=duration_s + 60)
+                    except BaseException:  # a wrk that hangs (or an interrupt) does not outlive the level
+                        load.kill()
+                        raise
             wall = time.monotonic() - started
             server_after = cpu_snapshot(pids)
             stages = server_stages(stages_before, scrape_metrics(port, STAGE_METRICS), wall)
