@@ -96,6 +96,64 @@ def _metavar(annotation) -> str:
     return "VALUE"
 
 
+# The settings a measurement depends on (service/engine/serving_plan.py KEYED_SETTINGS) and where it is recorded
+_TUNE_SETTINGS = ("model_path", "runtime", "precision_hint", "providers", "max_batch_size", "tuning_dir")
+
+
+def add_tune_parser(subparsers) -> argparse.ArgumentParser:
+    """`vitserve tune --model FILE`: measure how the file is best served on this machine, once, and record it."""
+    from vitserve.service.ground.settings import Settings
+    parser = subparsers.add_parser(
+        "tune", help="measure once, on a quiet machine, how a model file is best served here, and record it",
+        usage="vitserve tune --model MODEL.onnx [options]",
+        description="Times the runtimes and precisions that agree with the file (ONNX Runtime, OpenVINO fp32 and "
+                    "bf16), its maps-free graph and its batch-1 call, and writes a tuning record keyed by the "
+                    "file's hash, this CPU and these settings. Every later load with the same key (`vitserve "
+                    "serve`, every replica that reads the same tuning directory) serves the file as recorded, "
+                    "without timing anything. Refuses on a busy machine.")
+    for name in _TUNE_SETTINGS:
+        _add_setting(parser, name, Settings.model_fields[name], shown=True)
+    parser.add_argument("--json", action="store_true", help="print the record as JSON")
+    parser.set_defaults(func=run_tune)
+    return parser
+
+
+def run_tune(args: argparse.Namespace) -> int:
+    import json
+
+    from pydantic import ValidationError
+
+    from vitserve.service.engine.tuning import tune
+    from vitserve.service.ground.errors import ServiceError
+    from vitserve.service.ground.logs import configure_logging
+    from vitserve.service.ground.settings import Settings
+    given = {name: getattr(args, name) for name in _TUNE_SETTINGS if getattr(args, name, None) is not None}
+    try:
+        settings = Settings(**given)
+    except ValidationError as e:
+        print(f"vitserve tune: invalid settings: {settings_problems(e)}", file=sys.stderr)
+        return 2
+    configure_logging("warning")
+    try:
+        path, choice = tune(settings)
+    except (ServiceError, OSError) as e:
+        print(f"vitserve tune: {settings.model_path}: {e}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(path.read_text(), end="")
+        return 0
+    record = json.loads(path.read_text())
+    costs = record["measured"]["ms_per_image_at_1_plus_max_batch"]
+    print(f"{settings.model_path}: {choice['runtime']}/{choice['precision_hint']}, maps-free graph "
+          f"{'kept' if choice['maps_free'] else 'left out'}, {'light' if choice['light'] else 'heavy'}")
+    for name, ms in costs.items():
+        print(f"  {name:<24} {ms:8.3f} ms per image at batch 1 plus at batch {settings.max_batch_size}")
+    for name, why in record["measured"]["left_out"].items():
+        print(f"  {name:<24} left out: {why}")
+    print(f"recorded in {path}")
+    return 0
+
+
 def run_serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 

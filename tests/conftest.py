@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 
 import numpy as np
 import pytest
 
 # Tests run beside long jobs on two cores; one intra-op thread keeps them predictable.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Tuning records of their own (service/engine/serving_plan.py): a developer's ~/.cache/vitserve/tuning must not decide
+# how a test's model is served, and the tests' records must not land there.
+os.environ.setdefault("VITSERVE_TUNING_DIR", tempfile.mkdtemp(prefix="vitserve-tuning-tests-"))
 
 TINY_LABELS = ["cat", "dog", "bird"]
 

@@ -14,7 +14,7 @@ _COMMANDS = [
     ("vitserve.export.cli", ["add_export_parser"], None),
     ("vitserve.evaluation.cli", ["add_accuracy_parser", "add_calibration_parser", "add_explanations_command"],
      "evaluate"),
-    ("vitserve.service.cli", ["add_serve_parser"], None),
+    ("vitserve.service.cli", ["add_serve_parser", "add_tune_parser"], None),
     ("vitserve.service.client", ["add_predict_parser"], None),
     ("vitserve.bench.cli", ["add_bench_parser"], None),
     ("vitserve.bench.cli", ["add_evaluate_bench_parser", "add_relevance_cost_command"], "evaluate"),

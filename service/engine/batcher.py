@@ -456,7 +456,8 @@ class DynamicBatcher:
         """The batch's `run_batch` call, timed where it runs: with its targets, and `maps_free` and `wide` only when
         set (a run_batch with one computation need not take them)."""
         targets = np.array([item.target for item in batch], np.int64) if batch[0].targeted else None  # one group
-        options = {name: True for name in ("maps_free", "wide") if getattr(batch[0], name)}
+        first = batch[0]
+        options = {name: True for name, wanted in (("maps_free", first.maps_free), ("wide", first.wide)) if wanted}
         return functools.partial(_timed_call, self._run_batch, stacked, targets, **options)
 
     def _answer(self, batch: list[_Item], outputs: Sequence[Any] | Exception, seconds: float, started_ns: int,

@@ -6,7 +6,6 @@ A runtime is one file: ONNX Runtime's is service/engine/onnx_runtime.py, OpenVIN
 """
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -17,8 +16,8 @@ import numpy as np
 
 from vitserve.artifact import ArtifactError, ModelInfo
 from vitserve.onnx_header import read_model_info
-from vitserve.service.engine.cuda_graphs import call_times_ms
 from vitserve.service.engine.graph_paths import ModelPaths
+from vitserve.service.engine.serving_plan import ServingPlan
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
@@ -29,30 +28,41 @@ Artifact = tuple[ModelInfo, ModelPaths]  # a file's info and graphs, read once f
 Outputs = tuple[np.ndarray, ...]  # the arrays `info.output_names()` names, in its order, each (B, ...)
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a loaded model offers the engine beside `run` and `explain`, declared by its runtime at load (never
+    probed): the batcher and `ServedModel.run_batch` read this one object.
+
+    `raw_pixels`: `run` also takes (B, C, H, W) uint8 pixels and normalises them on the model's device
+    (service/engine/pixels.py). `maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that need no
+    map (None: `run` serves them). `wide`: the same model loaded with every core's thread, for a batch of one with
+    nothing beside it where the batcher's runners share the cores out (None: the runners run every batch).
+    `padded_batch_sizes`: the batch sizes a GPU session pads to, each run at warm-up. `cuda_graphs`: batches at the
+    trained size run as captured CUDA graphs. `plan`: how it came to be served so (service/engine/serving_plan.py;
+    None for a model handed over whole, as tests do), `load_stages`: what each stage of its load took, in seconds."""
+
+    raw_pixels: bool = False
+    maps_free: Callable[[np.ndarray], Outputs] | None = None
+    wide: InferenceModel | None = None
+    padded_batch_sizes: tuple[int, ...] = ()
+    cuda_graphs: bool = False
+    plan: ServingPlan | None = None
+    load_stages: tuple[tuple[str, float], ...] = ()
+
+
 class InferenceModel(Protocol):
     """The contract between the server and a model: pixels (B, C, H, W) -> (logits (B, K), rollout (B, h, w), then
     the file's optional outputs); and, for a model whose `info.explains_classes`, the relevance path: pixels and a
     target class per image (B,) (-1: the top-1) -> (logits, rollout, relevance (B, h, w), then the optional ones).
-    Pixels are float32, normalised; a model whose `takes_raw_pixels` is true also takes them uint8 on the fast path
-    (service/engine/pixels.py). `run_maps_free`: `run`'s outputs with the rollout empty (B, 0), for batches that
-    need no map (None: `run` serves them). `wide`: the same model loaded with every core's thread, for a batch of one
-    with nothing beside it where the batcher's runners share the cores out (None: the runners run every batch). The
-    server reads those three with getattr, so a model without them (a test's wrapper) takes float32 and runs every
-    batch with its maps on its runners."""
+    Pixels are float32, normalised, or uint8 where `capabilities.raw_pixels`; what else the model offers is its
+    `capabilities`."""
 
     info: ModelInfo
     provider: str
     runtime: str  # the registered name of the runtime that computes it (service/engine/runtime.py's RUNTIMES)
     precision_hint: str  # the settings' precision_hint that loads it again as it is
 
-    @property
-    def takes_raw_pixels(self) -> bool: ...
-
-    @property
-    def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None: ...
-
-    @property
-    def wide(self) -> InferenceModel | None: ...
+    capabilities: Capabilities  # declared by its runtime at load; `load_model` adds the plan and the load's stages
 
     def run(self, pixel_values: np.ndarray) -> Outputs: ...
 
@@ -132,52 +142,14 @@ class RuntimeSpec:
 
     `load(settings, artifact)`: the model of `settings.model_path` at `settings.precision_hint` (`artifact`: the
     file's info and graphs when the caller has read them, else None). `available()`: whether this machine has the
-    runtime's package. `candidates(settings, artifact, reference)`: for `--runtime auto` on the CPU, the models this
-    runtime offers to race ONNX Runtime on the file's own precision (`reference`), each by the name the log gives
-    it; None: it takes no part in `auto`."""
+    runtime's package. `computes_bf16()`: whether it computes bfloat16 on this machine's units (a declared fact:
+    `--runtime auto` serves such a runtime in bf16 where no record says otherwise, service/engine/serving_plan.py).
+    `candidates(settings, artifact, reference)`: the models this runtime offers `vitserve tune` to measure against
+    ONNX Runtime on the file's own precision (`reference`), each by the name the record gives it; None: it takes no
+    part."""
 
     name: str
     load: Callable[[Settings, Artifact | None], InferenceModel]
     available: Callable[[], bool] = lambda: True
+    computes_bf16: Callable[[], bool] = lambda: False
     candidates: Callable[[Settings, Artifact, InferenceModel], Iterator[tuple[str, InferenceModel]]] | None = None
-
-
-# On a CPU a maps-free graph is kept under `maps_free: auto` when it costs at most this share of the rollout graph's
-# time: a smaller gain is within the load-time measurement's noise, and not worth the second graph's memory.
-MAPS_FREE_CPU_SHARE = 0.95
-# Each size's cost in a round is the fastest of MAPS_FREE_CALLS calls, or of as many as fit in MAPS_FREE_ROUND_MS
-# (at least MAPS_FREE_MIN_CALLS) for a graph whose calls are long: such a call's own noise is small beside the
-# share's 5%, and 7 calls of ViT-S/16 at batch 8 in each of 3 rounds for both graphs took 26 s of its 38 s start on a
-# 2-core Xeon. A light model (milliseconds a call) keeps its 7.
-MAPS_FREE_CALLS, MAPS_FREE_MIN_CALLS, MAPS_FREE_ROUND_MS = 7, 3, 1000.0
-
-
-def maps_free_pays(run_with_maps: Callable[[np.ndarray], Outputs], run_maps_free: Callable[[np.ndarray], Outputs],
-                   info: ModelInfo, max_batch: int, rounds: int = 3) -> bool:
-    """Whether the maps-free graph costs at most MAPS_FREE_CPU_SHARE of the rollout graph's time per image at batch 1
-    plus at batch min(max_batch, 8), the two timed alternately at load (each size's fastest call of a round, the
-    median of the rounds: nearer the graphs' own cost than a median of calls on a machine others share): on a CPU
-    the gain depends on the chip and the runtime (the default model on a Xeon with AVX-512: 5-15%; none measured on
-    an EPYC with AVX2). Near the share the choice can differ between starts, and with it a map=none answer's last
-    bits (1e-6 of a logit), as the light model's thread count can (service/engine/runtime.py). Logged."""
-    sizes = sorted({1, max(1, min(max_batch, 8))})
-    batches = [np.resize(probe_pixels(info), (size, info.channels, *info.image_size)).astype(np.float32)
-               for size in sizes]
-    graphs = {"rollout": run_with_maps, "maps-free": run_maps_free}
-    # one call of each graph and size sets it up (not counted) and says how many of its calls a round can afford
-    calls = {}
-    for name, run in graphs.items():
-        for i, x in enumerate(batches):
-            set_up_ms = max(call_times_ms(functools.partial(run, x), 1, set_up=False)[0], 1e-3)
-            calls[name, i] = max(MAPS_FREE_MIN_CALLS, min(MAPS_FREE_CALLS, int(MAPS_FREE_ROUND_MS // set_up_ms)))
-    costs: dict[str, list[float]] = {name: [] for name in graphs}
-    for _ in range(rounds):
-        for name, run in graphs.items():
-            costs[name].append(sum(min(call_times_ms(functools.partial(run, x), calls[name, i], set_up=False))
-                                   / len(x) for i, x in enumerate(batches)))
-    with_maps, without = (float(np.median(costs[name])) for name in ("rollout", "maps-free"))
-    pays = without <= MAPS_FREE_CPU_SHARE * with_maps
-    log.info("maps-free graph of %s %s %s on this CPU: %.3f ms per image at batch %s against the rollout graph's %.3f",
-             info.name, info.version, "kept" if pays else "left out", without, " plus ".join(map(str, sizes)),
-             with_maps)
-    return pays

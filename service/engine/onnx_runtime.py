@@ -20,11 +20,11 @@ from vitserve.service.engine.cuda_graphs import CudaGraphBuckets, bucket_sizes, 
 from vitserve.service.engine.graph_paths import ModelPaths, split_paths, symbolic_dims
 from vitserve.service.engine.inference_model import (
     Artifact,
+    Capabilities,
     Outputs,
     RuntimeSpec,
     intra_op_threads,
     logits_disagree,
-    maps_free_pays,
     probe_pixels,
     read_model_file_info,
     wide_settings,
@@ -123,6 +123,11 @@ class OnnxModel:
         # On a GPU, what a batch on a dynamic session is padded to (`gpu_batch_step`): each new batch size's first
         # call there costs far more than the call itself, so the sizes are few and all run at load.
         self.batch_step, self.max_batch_size = 0, 0
+        self.capabilities = Capabilities()  # what `load` made, declared once it has (`declared_capabilities`)
+
+    def declared_capabilities(self) -> Capabilities:
+        return Capabilities(raw_pixels=self.takes_raw_pixels, maps_free=self.run_maps_free, wide=self.wide,
+                            padded_batch_sizes=tuple(self.padded_batch_sizes), cuda_graphs=self.captured is not None)
 
     @property
     def run_maps_free(self) -> Callable[[np.ndarray], Outputs] | None:
@@ -158,16 +163,14 @@ class OnnxModel:
             model.batch_step, model.max_batch_size = settings.gpu_batch_step, settings.max_batch_size
         if model.provider == CUDA and settings.cuda_graphs:
             model.captured = _capture(model, fast, dims, settings, chain, path, split)
-        if serves_maps_free(settings.maps_free, model.provider):
-            lean = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split, probe)
-            measured = settings.maps_free == "auto" and model.provider not in GPU_PROVIDERS
-            model.maps_free_path = lean if lean is None or not measured or lean.pays(settings.max_batch_size) \
-                else None
+        if settings.maps_free != "off":
+            model.maps_free_path = MapsFreePath.load(model, info, paths.fast, dims, settings, chain, path, split, probe)
         wide = wide_settings(settings, on_cpu=model.provider == CPU)
-        if wide is not None:  # the fast graph, and the maps-free one where this model kept it (not timed again)
+        if wide is not None:  # the fast graph, and the maps-free one where this model has it
             model.wide = cls.load(wide.model_copy(update={"maps_free": "on" if model.maps_free_path else "off"}),
                                   (info, paths), probe=False)
         del paths  # the relevance graph is read again from the file if a request ever asks for it
+        model.capabilities = model.declared_capabilities()
         log.debug("read %s %s (%s, opset %s) from %s on %s%s", info.name, info.version, info.precision,
                   info.opset, path, model.provider, " with CUDA graphs" if model.captured else "")
         return model
@@ -217,14 +220,6 @@ class OnnxModel:
         return run_session(session, outputs, feeds, self._device if self.io_binding else None)
 
 
-def serves_maps_free(setting: str, provider: str) -> bool:
-    """Whether a model on `provider` gets the maps-free graph (the `maps_free` setting): on, or auto (on a GPU; on
-    a CPU where it measures faster at load: `MapsFreePath.pays`)."""
-    return setting in ("on", "auto")
-
-
-
-
 class MapsFreePath:
     """The fast graph without the rollout, attention fused (service/engine/attention_fusion.py), for batches that
     need no map: its own session and, on CUDA, its own captured buckets. `run` returns what `OnnxModel.run` does,
@@ -270,10 +265,6 @@ class MapsFreePath:
 
     def run_dynamic(self, pixel_values: np.ndarray) -> list[np.ndarray]:
         return self.model.run_graph(self.session, self.names, None, pixel_values)
-
-    def pays(self, max_batch: int) -> bool:
-        """Whether this path is worth its session on this CPU (`maps_free_pays`)."""
-        return maps_free_pays(self.model.run, self.run, self.model.info, max_batch)
 
 
 def run_session(session, outputs: tuple[str, ...], feeds: dict[str, np.ndarray], device: str | None) -> list:

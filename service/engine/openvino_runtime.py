@@ -27,11 +27,11 @@ import onnx
 from vitserve.artifact import EMBEDDING_NAME, OUTPUT_NAMES, ModelInfo
 from vitserve.service.engine.inference_model import (
     Artifact,
+    Capabilities,
     InferenceModel,
     RuntimeSpec,
     intra_op_threads,
     logits_disagree,
-    maps_free_pays,
     probe_pixels,
     wide_settings,
 )
@@ -125,18 +125,19 @@ class OpenVinoModel:
     """The fast path compiled by OpenVINO for the CPU at a precision; `explain` runs ONNX Runtime's relevance path
     (`relevance`: service.engine.runtime.RelevancePath)."""
 
-    def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None, maps: bool = True):
+    def __init__(self, compiled, info: ModelInfo, precision: str, relevance=None, with_rollout: bool = True):
         self.compiled, self.info, self.precision = compiled, info, precision
         self.provider = openvino_provider(precision)
         self.runtime, self.precision_hint = "openvino", precision
-        self.takes_raw_pixels = False  # its inputs come normalised (the engine normalises raw ones on the host)
-        # the maps-free graph's `run` where this model has one (`with_maps_free`); None: `run` serves all batches
+        # the maps-free graph's `run` where this model has one (`maps_free_run`); None: `run` serves all batches
         self.run_maps_free: Callable[[np.ndarray], tuple[np.ndarray, ...]] | None = None
         # the model compiled again with one stream of every core's thread, where the runners' streams share the
         # cores out (`wide_settings`): for a batch of one with nothing beside it; None: the streams run every batch
         self.wide: OpenVinoModel | None = None
-        self._maps = maps  # False: compiled without the rollout, which `run` returns empty ((B, 0))
-        names = info.output_names() if maps else tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
+        self.capabilities = Capabilities()  # what `openvino_model` made, declared once it has
+        self._with_rollout = with_rollout  # False: compiled without the rollout, which `run` returns empty ((B, 0))
+        names = info.output_names() if with_rollout else \
+            tuple(n for n in info.output_names() if n != OUTPUT_NAMES[1])
         self._outputs = [compiled.output(name) for name in names]  # by name, in the contract's order
         self._bfloat16 = [output.get_element_type().to_string() == "bf16" for output in self._outputs]
         self._requests = threading.local()  # an InferRequest is not safe to share between threads
@@ -144,7 +145,7 @@ class OpenVinoModel:
 
     @classmethod
     def compile(cls, fast_graph: bytes, info: ModelInfo, precision: str, threads: int,
-                relevance=None, maps: bool = True, streams: int = 1) -> OpenVinoModel:
+                relevance=None, with_rollout: bool = True, streams: int = 1) -> OpenVinoModel:
         """`threads` per inference (0: OpenVINO's choice), on `streams` that run as many inferences at once (the
         batcher's runners: one stream would run their batches one after another)."""
         import openvino as ov
@@ -169,7 +170,7 @@ class OpenVinoModel:
         ran = compiled_precision(compiled)
         if ran != PRECISION_HINTS[precision]:
             raise ModelLoadError(f"OpenVINO compiled {info.name} in {ran}, not {PRECISION_HINTS[precision]}")
-        return cls(compiled, info, precision, relevance, maps)
+        return cls(compiled, info, precision, relevance, with_rollout)
 
     def run(self, pixel_values: np.ndarray) -> tuple[np.ndarray, ...]:
         request = getattr(self._requests, "request", None)
@@ -179,7 +180,7 @@ class OpenVinoModel:
         # copies: the request's output buffers are reused by its next call
         outputs = tuple(widened_bfloat16(results[output]) if bfloat16 else np.array(results[output])
                         for output, bfloat16 in zip(self._outputs, self._bfloat16))
-        if self._maps:
+        if self._with_rollout:
             return outputs
         return (outputs[0], np.empty((len(pixel_values), 0), np.float32), *outputs[1:])
 
@@ -207,9 +208,11 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     if settings.maps_free != "off":
         model.run_maps_free = maps_free_run(model, paths.fast, settings)
     wide = wide_settings(settings, on_cpu=True)
-    if wide is not None:  # the fast graph, and the maps-free one where this model kept it (not timed again)
+    if wide is not None:  # the fast graph, and the maps-free one where this model has it
         pinned = wide.model_copy(update={"maps_free": "on" if model.run_maps_free else "off"})
         model.wide = openvino_model(pinned, precision, relevance, (info, paths))
+    # its inputs come normalised (the engine normalises raw ones on the host); no CUDA graphs, no padding
+    model.capabilities = Capabilities(maps_free=model.run_maps_free, wide=model.wide)
     log.debug("read %s %s (%s) from %s on %s", info.name, info.version, info.precision, path, model.provider)
     return model
 
@@ -217,8 +220,8 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
 def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[np.ndarray], tuple] | None:
     """The fast graph compiled again without the rollout output (OpenVINO then leaves out the nodes that only it
     needs; the attention fusion of ONNX Runtime's maps-free graph is not for OpenVINO: it has no com.microsoft
-    operators), for batches that need no map; kept where it agrees with the rollout graph on probe images and, with
-    `maps_free: auto`, where it is faster (`maps_free_pays`). None otherwise, with a warning where it failed."""
+    operators), for batches that need no map; kept where it agrees with the rollout graph on probe images. None
+    otherwise, with a warning."""
     info, graph = model.info, onnx.ModelProto()
     graph.CopyFrom(fast)
     kept = [output for output in graph.graph.output if output.name != OUTPUT_NAMES[1]]
@@ -226,7 +229,7 @@ def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[n
     graph.graph.output.extend(kept)
     try:
         lean = OpenVinoModel.compile(graph.SerializeToString(), info, model.precision, intra_op_threads(settings),
-                                     maps=False, streams=settings.batch_runners)
+                                     with_rollout=False, streams=settings.batch_runners)
     except ModelLoadError as e:
         log.warning("no maps-free graph for %s %s: %s", info.name, info.version, e)
         return None
@@ -236,8 +239,6 @@ def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[n
         log.warning("no maps-free graph for %s %s: its answers differ from the rollout graph's: %s", info.name,
                     info.version, disagreement)
         return None
-    if settings.maps_free == "auto" and not maps_free_pays(model.run, lean.run, info, settings.max_batch_size):
-        return None
     return lean.run
 
 
@@ -246,15 +247,20 @@ def load_openvino_model(settings: Settings, artifact: Artifact | None = None) ->
                           artifact=artifact)
 
 
-def auto_candidates(settings: Settings, artifact: Artifact,
-                    reference: InferenceModel) -> Iterator[tuple[str, InferenceModel]]:
-    """`--runtime auto`'s OpenVINO candidates: fp32, and bf16 where this CPU computes it (or the one the hint
-    names), sharing the reference's relevance path; one that will not compile is left out, with a warning."""
+def computes_bf16() -> bool:
+    """OpenVINO is installed and this CPU computes bfloat16 natively (AVX512-BF16 or AMX), as its CPU plugin says."""
+    return available() and "BF16" in cpu_capabilities()
+
+
+def tuning_candidates(settings: Settings, artifact: Artifact,
+                      reference: InferenceModel) -> Iterator[tuple[str, InferenceModel]]:
+    """`vitserve tune`'s OpenVINO candidates: fp32, and bf16 where this CPU computes it (or the one the hint names);
+    one that will not compile is left out, with a warning."""
     for precision in auto_precisions(settings.precision_hint, cpu_capabilities()):
         try:
-            model = openvino_model(settings, precision, getattr(reference, "relevance", None), artifact)
+            model = openvino_model(settings, precision, None, artifact)
         except ModelLoadError as e:
-            log.warning("runtime auto: OpenVINO %s left out: %s", precision, e)
+            log.warning("tuning: OpenVINO %s left out: %s", precision, e)
             continue
         yield candidate_name("openvino", reference.info.precision, precision), model
 
@@ -268,4 +274,4 @@ def candidate_name(runtime: str, file_precision: str, compute_precision: str) ->
         f"{runtime}/{file_precision}+{compute_precision}"
 
 
-OPENVINO = RuntimeSpec("openvino", load_openvino_model, available, auto_candidates)
+OPENVINO = RuntimeSpec("openvino", load_openvino_model, available, computes_bf16, tuning_candidates)

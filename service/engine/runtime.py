@@ -1,14 +1,18 @@
-"""The runtimes a model can be served on, registered once (`RUNTIMES`), and the choice among them: `load_model`
-loads a file on the runtime the settings name, or with `auto` races each registered runtime's candidates against
-ONNX Runtime and keeps the fastest that agrees with it; `load_engine_model` gives a light model one thread.
+"""The runtimes a model can be served on, registered once (`RUNTIMES`), and the load on a plan: `load_model` serves
+a file as its `ServingPlan` says (service/engine/serving_plan.py: the settings, a record of measurements made once by
+`vitserve tune` (service/engine/tuning.py), or declared facts), and reports each stage of the load;
+`load_engine_model` gives a light model one thread.
 
 A new runtime is one file that defines its model (`InferenceModel`, service/engine/inference_model.py) and a
 `RuntimeSpec`, and one line in `RUNTIMES`.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -16,10 +20,10 @@ import numpy as np
 from vitserve.artifact import ModelInfo
 from vitserve.machine import has_int8_dot_product
 from vitserve.service.engine import openvino_runtime
-from vitserve.service.engine.cuda_graphs import call_times_ms, median_ms
-from vitserve.service.engine.inference_model import InferenceModel, RuntimeSpec, disagrees, probe_pixels
-from vitserve.service.engine.onnx_runtime import ONNX_RUNTIME, OnnxModel, read_artifact
-from vitserve.service.engine.providers import runs_on_cpu
+from vitserve.service.engine.inference_model import Artifact, InferenceModel, RuntimeSpec, disagrees
+from vitserve.service.engine.onnx_runtime import ONNX_RUNTIME, provider_chain, read_artifact
+from vitserve.service.engine.providers import GPU_PROVIDERS
+from vitserve.service.engine.serving_plan import ServingPlan, plan_key, read_record, serving_plan
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
@@ -41,93 +45,91 @@ def runtime_named(name: str) -> RuntimeSpec:
     return spec
 
 
-# A model whose batch-1 call at its trained size takes less than this with every core is light: a server of it is
-# HTTP-bound, and on the CPU its engine is better off leaving the cores to the HTTP workers (service/engine).
-LIGHT_MODEL_MS = 10.0
+def load_model(settings: Settings) -> InferenceModel:
+    """The model of `settings.model_path` served as its plan says (`plan_for`: the settings, a record of this file
+    on this machine, or declared facts; never a stopwatch), its capabilities carrying the plan and what each stage
+    of the load took. The same file, machine and settings load the same way every time, and answer bit for bit
+    the same."""
+    return load_on_plan(settings)
 
 
 def load_engine_model(settings: Settings) -> InferenceModel:
-    """The model for an engine process: `load_model`, and with the intra-op thread count left to us (0) on the
-    CPU, a light model reloaded on one thread. The HTTP workers share the cores with the engine, and an ORT call
-    spread over every core waits for the one a worker holds: vit-fmnist on 2 cores, 2 workers, served 315-525
-    requests/s with 2 intra-op threads against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core
-    for its one-client latency. A light model is measured as `auto` left it (without its maps-free graph, when it
-    raced), and loaded once, on one thread, with everything its settings ask for."""
-    model, raced = chosen_model(settings)
-    if settings.intra_op_threads or not runs_on_cpu(model.provider) or usable_cores() == 1:
-        return with_maps_free(model, raced, settings)
-    milliseconds = batch_one_ms(model)
-    if milliseconds >= LIGHT_MODEL_MS:
-        return with_maps_free(model, raced, settings)
-    log.info("a light model (%.2f ms at batch 1 on every core): one intra-op thread, the other cores for the HTTP "
-             "workers (--intra-op-threads sets it)", milliseconds)
-    return on_one_thread(model, settings)
+    """`load_model` for an engine process: a light model (its plan says so) on one intra-op thread where the count
+    is left to us. The HTTP workers share the cores with the engine, and an ORT call spread over every core waits for
+    the one a worker holds: vit-fmnist on 2 cores, 2 workers, served 315-525 requests/s with 2 intra-op threads
+    against 590-620 with one. A heavy model (ViT-S/16: 72 ms) keeps every core for its one-client latency."""
+    return load_on_plan(settings, light_on_one_thread=True)
 
 
-def on_one_thread(model: InferenceModel, settings: Settings) -> InferenceModel:
-    """A light model loaded again on one intra-op thread, with everything its settings ask for, on the runtime and
-    precision it has: choosing them again would cost the load as much again."""
-    return load_model(settings.model_copy(update={"intra_op_threads": 1, **runtime_of(model)}))
+class LoadStages:
+    """The seconds each stage of a load took, in order: what the log line that says a version is ready reports."""
+
+    def __init__(self) -> None:
+        self.seconds: list[tuple[str, float]] = []
+
+    @contextlib.contextmanager
+    def stage(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds.append((name, time.perf_counter() - started))
 
 
-def runtime_of(model: InferenceModel) -> dict[str, str]:
-    """The runtime and precision `model` runs on, as the Settings fields that load it so again."""
-    return {"runtime": model.runtime, "precision_hint": model.precision_hint}
+def load_on_plan(settings: Settings, light_on_one_thread: bool = False) -> InferenceModel:
+    stages = LoadStages()
+    with stages.stage("read"):
+        artifact = read_artifact(Path(settings.model_path))
+    with stages.stage("plan"):
+        plan = plan_for(settings, artifact)
+    served = settings.model_copy(update=plan.settings_update)
+    if light_on_one_thread and plan.light and not settings.intra_op_threads and usable_cores() > 1:
+        served = served.model_copy(update={"intra_op_threads": 1})
+    with stages.stage("sessions"):
+        model = runtime_named(plan.runtime).load(served, artifact)
+    if plan.source == "declared" and plan.runtime != ONNX_RUNTIME.name:
+        with stages.stage("check"):
+            model, plan = checked_against_onnx_runtime(model, plan, served, artifact)
+    model.capabilities = replace(model.capabilities, plan=plan, load_stages=tuple(stages.seconds))
+    log.info("%s %s on %s (%s: %s; plan %s), %.0fM multiply-adds an image%s", artifact[0].name, artifact[0].version,
+             model.provider, plan.source, plan.why, plan.key or "unrecorded", plan.multiply_adds / 1e6,
+             ": light, one intra-op thread" if served.intra_op_threads == 1 and plan.light else "")
+    return model
 
 
-# ------------------------------------------------------------------------------------------ choosing the runtime
-
-# OpenVINO must beat ONNX Runtime by this much to be chosen: near a tie the choice would flip between restarts with
-# the machine's noise, and with it the answers' last bits.
-AUTO_MARGIN = 0.9
-
-
-def load_model(settings: Settings) -> InferenceModel:
-    """The model on the runtime and precision `settings.runtime` and `settings.precision_hint` name.
-
-    A registered runtime's name: that runtime (`onnxruntime`: CUDA when there, else the CPU; `openvino`: the fast
-    path compiled by OpenVINO for the CPU, the relevance path on ONNX Runtime). `auto`: ONNX Runtime on a GPU (the
-    CUDA session is the mission's engine); on the CPU ONNX Runtime on the file's own precision and every candidate
-    the other registered runtimes offer on this machine (OpenVINO: fp32, and bf16 where the CPU has bfloat16
-    arithmetic) that agrees with it on probe images, timed at batch 1 and at the largest batch, the fastest kept,
-    ONNX Runtime unless another is at least 10% faster. What it chose and why is logged; the model's provider (the
-    card, /v2 config, metrics) names it."""
-    return with_maps_free(*chosen_model(settings), settings)
+def plan_for(settings: Settings, artifact: Artifact) -> ServingPlan:
+    """The file's plan on this machine (service/engine/serving_plan.py); with `tuning write-when-idle` and no record
+    yet, the record made first where the machine is idle."""
+    from vitserve.service.engine import tuning
+    info, paths = artifact
+    on_gpu = provider_chain(settings, available_providers())[0][0] in GPU_PROVIDERS
+    key = plan_key(Path(settings.model_path), settings) if settings.tuning != "off" else None
+    if key is not None and settings.tuning == "write-when-idle" and settings.runtime == "auto" and not on_gpu \
+            and read_record(settings, key) is None:
+        tuning.record_when_idle(settings, artifact, key)
+    bf16 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_bf16()), None)
+    return serving_plan(settings, info, paths.fast, on_gpu, bf16, key)
 
 
-def chosen_model(settings: Settings) -> tuple[InferenceModel, bool]:
-    """The model `load_model` serves, and whether it won `auto`'s race, which the candidates other than ONNX Runtime
-    run without their maps-free graphs (each would be built and timed for nothing)."""
-    if settings.runtime != "auto":
-        return runtime_named(settings.runtime).load(settings, None), False
-    others = [spec for spec in RUNTIMES.values() if spec.candidates is not None and spec.available()]
-    if not others:
-        return ONNX_RUNTIME.load(settings, None), False
-    artifact = read_artifact(Path(settings.model_path))  # once, for every candidate
-    reference = OnnxModel.load(settings, artifact)
-    if not runs_on_cpu(reference.provider):
-        return reference, False
-    racing = settings.model_copy(update={"maps_free": "off"})
-    # first: the reference the others must beat
-    candidates: dict[str, InferenceModel] = {f"onnxruntime/{reference.info.precision}": reference}
-    for spec in others:
-        assert spec.candidates is not None
-        for name, model in spec.candidates(racing, artifact, reference):
-            disagreement = disagrees(model, reference)
-            if disagreement:
-                log.warning("runtime auto: %s left out: %s", name, disagreement)
-                continue
-            candidates[name] = model
-    chosen = choose_fastest(candidates, settings.max_batch_size)
-    return chosen, chosen is not reference
+def available_providers() -> list[str]:
+    import onnxruntime as ort
+    return ort.get_available_providers()
 
 
-def with_maps_free(model: InferenceModel, raced: bool, settings: Settings) -> InferenceModel:
-    """`model`, or where it raced without its maps-free graph and the settings want one, the same runtime and
-    precision loaded once more with it."""
-    if not raced or settings.maps_free == "off":
-        return model
-    return load_model(settings.model_copy(update=runtime_of(model)))
+def checked_against_onnx_runtime(model: InferenceModel, plan: ServingPlan, settings: Settings,
+                                 artifact: Artifact) -> tuple[InferenceModel, ServingPlan]:
+    """A declared plan's model on another runtime or precision than the file's own, checked against ONNX Runtime on
+    the file's own precision on the probe images (`disagrees`: deterministic, no timing); where it disagrees, ONNX
+    Runtime serves the file, with a warning."""
+    reference = ONNX_RUNTIME.load(settings.model_copy(update={"runtime": ONNX_RUNTIME.name, "precision_hint": "auto",
+                                                              "maps_free": "off", "batch_runners": 1}), artifact)
+    disagreement = disagrees(model, reference)
+    if not disagreement:
+        return model, plan
+    log.warning("%s left out: %s; ONNX Runtime serves the file's own precision", model.provider, disagreement)
+    fallback = replace(plan, runtime=ONNX_RUNTIME.name, precision_hint="auto",
+                       why=f"{model.provider} disagreed with the file's own precision ({disagreement})")
+    return ONNX_RUNTIME.load(settings.model_copy(update=fallback.settings_update), artifact), fallback
 
 
 def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], bool] = has_int8_dot_product) -> bool:
@@ -141,53 +143,15 @@ def warn_if_int8_does_not_pay(info: ModelInfo, has_dot_product: Callable[[], boo
     return True
 
 
-def choose_fastest(candidates: dict[str, InferenceModel], max_batch: int, rounds: int = 3) -> InferenceModel:
-    """The candidate with the least time per image at batch 1 plus at `max_batch` (rounds alternate), the first
-    (ONNX Runtime on the file's own precision) unless another is faster by more than AUTO_MARGIN: auto never serves
-    a candidate slower than the file as it is."""
-    if len(candidates) == 1:
-        return next(iter(candidates.values()))
-    info = next(iter(candidates.values())).info
-    batches = {size: np.resize(probe_pixels(info), (size, info.channels, *info.image_size)).astype(np.float32)
-               for size in sorted({1, max_batch})}
-    times: dict[str, list[float]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, model in candidates.items():
-            times[name].append(sum(batch_ms(model, pixels) / len(pixels) for pixels in batches.values()))
-    cost = {name: float(np.median(t)) for name, t in times.items()}
-    reference = next(iter(candidates))  # ONNX Runtime on the file's own precision
-    best = min(cost, key=cost.__getitem__)
-    if best != reference and cost[best] > AUTO_MARGIN * cost[reference]:
-        best = reference
-    log.info("runtime auto chose %s: ms per image at batch 1 plus at batch %d: %s", best, max_batch,
-             ", ".join(f"{name} {ms:.3f}" for name, ms in cost.items()))
-    return candidates[best]
-
-
-def batch_ms(model: InferenceModel, pixels: np.ndarray, calls: int = 3) -> float:
-    """The median ms of `calls` calls on `pixels`, after one that is not counted (it sets things up)."""
-    return median_ms(lambda: model.run(pixels), calls)
-
-
-def batch_one_ms(model: InferenceModel, calls: int = 9) -> float:
-    """The fastest batch-1 call at the trained size (the first call, which sets things up, not counted): nearer the
-    model's own cost than a median, which measures the machine's load as much. With both cores of this 2-core
-    machine kept busy by other processes, the default model's median of 5 came to 6.5-9.4 ms (2.7 ms idle), near
-    LIGHT_MODEL_MS; the fastest of 9, 3.0 and 7.8 ms. A server that misjudges takes the other thread count, and
-    answers that differ in their last bits from another start's (1.9e-6 in a logit)."""
-    pixels = np.zeros((1, model.info.channels, *model.info.image_size), np.float32)
-    return min(call_times_ms(lambda: model.run(pixels), calls))
-
-
 def warm_up(model: InferenceModel, batch_sizes: list[int]) -> list[int]:
     """Run each batch size once at the trained resolution, so the first real request pays no set-up cost: in the
-    pixels' type the frontends will send (a model that `takes_raw_pixels` gets uint8 ones), on each graph the
+    pixels' type the frontends will send (a model that takes raw pixels gets uint8 ones), on each graph the
     model serves (the maps-free one too, where it has one); the sizes a model pads its batches to on a GPU
     (`padded_batch_sizes`) too, twice. Returns the sizes run."""
     height, width = model.info.image_size
-    dtype = np.uint8 if getattr(model, "takes_raw_pixels", False) else np.float32
-    maps_free = getattr(model, "run_maps_free", None)
-    padded = getattr(model, "padded_batch_sizes", [])
+    capabilities = model.capabilities
+    dtype = np.uint8 if capabilities.raw_pixels else np.float32
+    maps_free, padded = capabilities.maps_free, capabilities.padded_batch_sizes
     # the sizes asked for first (1 and the largest by default: a runtime that plans for a range of sizes, as
     # TensorRT's engine does, then plans once for all of them), the padded ones after
     sizes = [*batch_sizes, *sorted(set(padded) - set(batch_sizes))]

@@ -21,7 +21,7 @@ import numpy as np
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import InferenceResult
 from vitserve.service.engine.batcher import DynamicBatcher
-from vitserve.service.engine.inference_model import InferenceModel
+from vitserve.service.engine.inference_model import Capabilities, InferenceModel
 from vitserve.service.engine.pixels import PixelTable
 from vitserve.service.engine.providers import runs_on_cpu
 from vitserve.service.engine.runtime import load_model, warm_up, warn_if_int8_does_not_pay
@@ -49,6 +49,8 @@ class ServedModel:
         self._maps = maps  # the maps this model offers (its config), None: all its file computes
         self.cpu_priority = cpu_priority  # of the threads that load and run it (service/engine/threads.py)
         self._info: ModelInfo | None = None
+        self.capabilities = Capabilities()  # the loaded model's, read once at load: what run_batch may ask of it
+        self._load_started = 0.0
         self._pixel_table: PixelTable | None = None
         self.batcher: DynamicBatcher | None = None
         self.ready = False
@@ -78,17 +80,18 @@ class ServedModel:
 
     async def load(self) -> None:
         """The session (unless given) and the batcher; ModelLoadError if the file cannot be served."""
+        self._load_started = time.perf_counter()
         if self.model is None:
             # ONNX Runtime starts a session's intra-op threads when it creates the session, and a Linux thread
             # starts with its creator's priority: a session created on a lowered thread computes lowered.
             self.model = await run_on_new_thread(lambda: self._loader(self.settings), self.cpu_priority)
-        info = self.model.info
+        info, self.capabilities = self.model.info, self.model.capabilities
         maps = tuple(m for m in info.maps if self._maps is None or m in self._maps) or ("rollout",)
         self._info = replace(info, name=self.name, version=self.version, maps=maps)
         # The repository's name and version, which clients use; the file's own (its metadata) only beside them
         log.info("loaded %s version %s (file: %s %s, %s, opset %s) from %s on %s%s", self.name, self.version,
                  info.name, info.version, info.precision, info.opset, self.settings.model_path, self.provider,
-                 " with CUDA graphs" if getattr(self.model, "captured", None) else "")
+                 " with CUDA graphs" if self.capabilities.cuda_graphs else "")
         if runs_on_cpu(self.provider):  # once per served version (an engine may load a light model twice)
             warn_if_int8_does_not_pay(info)
         s = self.settings
@@ -100,8 +103,8 @@ class ServedModel:
                                       max_batch_cost=s.max_batch_cost or s.max_batch_size * trained_cost,
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
                                       runner_priority=self.cpu_priority, runners=s.batch_runners,
-                                      maps_free_batches=getattr(self.model, "run_maps_free", None) is not None,
-                                      wide_lone_batches=getattr(self.model, "wide", None) is not None,
+                                      maps_free_batches=self.capabilities.maps_free is not None,
+                                      wide_lone_batches=self.capabilities.wide is not None,
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
@@ -109,11 +112,15 @@ class ServedModel:
         """Run the warm-up batches; ready afterwards. An exception here means the version must not be served."""
         started = time.perf_counter()
         sizes = await asyncio.to_thread(warm_up, self.loaded_model, self.settings.warmup_batch_sizes)
+        stages = [*self.capabilities.load_stages, ("warm-up", time.perf_counter() - started)]
         self.ready = True
         self.metrics.set_ready(True)
-        self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset)
-        log.info("ready: %s version %s on %s, warmed up at batch sizes %s in %.2f s", self.name, self.version,
-                 self.provider, sizes, time.perf_counter() - started)
+        plan = self.capabilities.plan
+        self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset,
+                                       plan.source if plan else "given", plan.key if plan else "")
+        log.info("ready: %s version %s on %s in %.2f s (%s), warmed up at batch sizes %s", self.name, self.version,
+                 self.provider, time.perf_counter() - self._load_started,
+                 ", ".join(f"{name} {seconds:.2f}" for name, seconds in stages), sizes)
 
     @asynccontextmanager
     async def admitted(self):
@@ -153,18 +160,18 @@ class ServedModel:
         `wide`: the batch runs with no other beside it (the batcher asks so only for a model with a `wide`): the
         model loaded with every core's thread runs it.
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
-        model = self.loaded_model
-        wide_model = model.wide if wide else None  # the batcher asks for it only where the model has one
-        if wide_model is not None and (not maps_free or wide_model.run_maps_free is not None):
-            model = wide_model
-        if pixel_values.dtype == np.uint8 and (targets is not None or not getattr(model, "takes_raw_pixels", False)):
+        model, capabilities = self.loaded_model, self.capabilities
+        wide_model = capabilities.wide if wide else None  # the batcher asks for it only where the model has one
+        if wide_model is not None and (not maps_free or wide_model.capabilities.maps_free is not None):
+            model, capabilities = wide_model, wide_model.capabilities
+        if pixel_values.dtype == np.uint8 and (targets is not None or not capabilities.raw_pixels):
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
             self._pixel_table = self._pixel_table or PixelTable(model.info.mean, model.info.std)
             pixel_values = self._pixel_table.host(pixel_values)
         if targets is not None:
             outputs = model.explain(pixel_values, targets)
         elif maps_free:
-            run_maps_free = model.run_maps_free
+            run_maps_free = capabilities.maps_free
             assert run_maps_free is not None, "the batcher forms maps-free batches only for a model with that graph"
             outputs = run_maps_free(pixel_values)
         else:

@@ -16,19 +16,17 @@ worker), a heavy model (in a worker its session would get a share of the cores; 
 all of them), and a model repository (versions loaded and unloaded on request, shadows, one registry that every
 worker routes with).
 
-What `auto` decides at load by timing (the runtime and precision, the maps-free graph) is decided here once and
-handed to every worker pinned: workers that each raced would disagree start to start, and two workers' answers
-to the same image would differ in their last bits.
+The choice reads the file's plan (service/engine/serving_plan.py: a tuning record, else declared facts; nothing is
+timed here), the same plan every worker then loads: the workers serve the file alike, bit for bit.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
-import onnxruntime as ort
-
-from vitserve.service.engine.onnx_runtime import provider_chain
-from vitserve.service.engine.providers import CPU, runs_on_cpu
-from vitserve.service.engine.runtime import LIGHT_MODEL_MS, batch_one_ms, chosen_model, on_one_thread, runtime_of
+from vitserve.service.engine.onnx_runtime import provider_chain, read_artifact
+from vitserve.service.engine.providers import CPU
+from vitserve.service.engine.runtime import available_providers, plan_for
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
 
@@ -37,7 +35,7 @@ from vitserve.service.ground.settings import Settings
 class EngineChoice:
     engine: str  # "process" or "inline"
     why: str
-    # settings every process of the server takes (names without the VITSERVE_ prefix): what auto chose, pinned
+    # settings every process of the server takes (names without the VITSERVE_ prefix)
     pinned: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -46,39 +44,26 @@ class EngineChoice:
 
 
 def engine_choice(settings: Settings) -> EngineChoice | None:
-    """Where the model runs, for `settings.engine` auto (None for process or inline: as set). Loads the model
-    file here where the answer depends on it (on the CPU, a single file): `vitserve serve` runs this in a child
-    process, so the memory goes with it."""
+    """Where the model runs, for `settings.engine` auto (None for process or inline: as set). Reads the file and its
+    plan (no session is made): `vitserve serve` runs this in a child process, so the runtimes' libraries it imports
+    go with it."""
     if settings.engine != "auto":
         return None
     if settings.model_repository is not None:
         return EngineChoice("process", "a model repository: one registry that every HTTP worker routes with")
-    if provider_chain(settings, ort.get_available_providers())[0][0] != CPU:
-        return EngineChoice("process", "a GPU provider: one session per device, fed by every HTTP worker")
     if settings.intra_op_threads:
         # A thread count set for the server sizes one shared session (docs/kubernetes.md: the CPU limit); in each
         # of N workers it would put N times as many threads on the cores.
         return EngineChoice("process", f"--intra-op-threads {settings.intra_op_threads}: the threads of one shared "
                                        f"session")
-    # Without its maps-free graph: a heavy model's engine times that graph itself, at its own load and on its own
-    # threads, and a light model's is timed below on the one thread the workers will have. Timed here too, it
-    # doubled the wait for a heavy model (ViT-S/16 on the Xeon: 27 s of a 71 s start). And on one batch runner:
-    # the runners' wide copy of each candidate (service/engine/inference_model.py `wide_settings`) would be loaded
-    # here only to be dropped.
-    model, _ = chosen_model(settings.model_copy(update={"maps_free": "off", "batch_runners": 1}))
-    pinned = {} if settings.runtime != "auto" else {name.upper(): value for name, value in runtime_of(model).items()}
-    if not runs_on_cpu(model.provider):
-        return EngineChoice("process", f"the model runs on {model.provider}", pinned)
-    milliseconds = batch_one_ms(model)
-    if milliseconds >= LIGHT_MODEL_MS:
-        return EngineChoice("process", f"a heavy model ({milliseconds:.1f} ms at batch 1): one session with every "
-                                       f"core", pinned)
+    if provider_chain(settings, available_providers())[0][0] != CPU:
+        return EngineChoice("process", "a GPU provider: one session per device, fed by every HTTP worker")
+    plan = plan_for(settings, read_artifact(Path(settings.model_path)))
+    if not plan.light:
+        return EngineChoice("process", f"a heavy model ({plan.multiply_adds / 1e6:.0f}M multiply-adds an image, "
+                                       f"{plan.source}): one session with every core")
     # one thread in each worker: the engine's own rule for a light model (service/engine/runtime.py)
-    pinned["INTRA_OP_THREADS"] = "1"
-    pinned["WORKERS"] = str(settings.workers or usable_cores())
-    if settings.maps_free == "auto":  # timed at load: decided here, on the thread the workers will have
-        maps_free = getattr(on_one_thread(model, settings), "run_maps_free", None) is not None
-        pinned["MAPS_FREE"] = "on" if maps_free else "off"
-    return EngineChoice("inline", f"a light model on the CPU ({milliseconds:.2f} ms at batch 1): a session of "
-                                  f"{pinned['INTRA_OP_THREADS']} thread(s) in each of the {pinned['WORKERS']} HTTP "
-                                  f"workers", pinned)
+    pinned = {"INTRA_OP_THREADS": "1", "WORKERS": str(settings.workers or usable_cores())}
+    return EngineChoice("inline", f"a light model on the CPU ({plan.multiply_adds / 1e6:.0f}M multiply-adds an "
+                                  f"image, {plan.source}): a session of 1 thread in each of the {pinned['WORKERS']} "
+                                  f"HTTP workers", pinned)

@@ -132,8 +132,12 @@ class ServiceMetrics:
         self.model_load_failures = metric(Counter, "vitserve_model_load_failures", "Model versions whose load or "
                                           "warm-up failed (the repository index says why)", ["model"])
         # An Info metric has no multiprocess support; a constant-1 gauge with labels is the same series.
-        self.model_info = metric(Gauge, "vitserve_model_info", "A served model version",
-                                 ["name", "version", "provider", "opset"], multiprocess_mode="livemax")
+        # plan: what decided how it is served (settings, recorded, declared; given: a model handed over whole), and
+        # plan_key the tuning record's name (service/engine/serving_plan.py): equal on every replica of one file and
+        # machine, so a dashboard sees replicas that serve one file differently
+        self.model_info = metric(Gauge, "vitserve_model_info", "A served model version and how it is served",
+                                 ["name", "version", "provider", "opset", "plan", "plan_key"],
+                                 multiprocess_mode="livemax")
         # (model, version) -> every (metric, label values) recorded for it, so `retire` can remove them through
         # prometheus-client's public `remove`
         self._children: dict[tuple[str, str], set[tuple]] = defaultdict(set)
@@ -197,8 +201,9 @@ class ServiceMetrics:
     def set_workers(self, count: int) -> None:
         self.workers.set(count)
 
-    def set_model(self, name: str, version: str, provider: str, opset: int | None) -> None:
-        values = (name, version, provider, str(opset if opset is not None else ""))
+    def set_model(self, name: str, version: str, provider: str, opset: int | None, plan: str = "given",
+                  plan_key: str = "") -> None:
+        values = (name, version, provider, str(opset if opset is not None else ""), plan, plan_key)
         self.labelled(name, version, self.model_info, values).set(1)
 
     def load_failed(self, model: str) -> None:

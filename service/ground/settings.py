@@ -79,11 +79,20 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = Field(None, description="if set, the inference and model routes require it too "
                                                         "(health, metrics and the web page's files stay open)")
 
-    # The runtime: ONNX Runtime (CUDA when there, else the CPU), or OpenVINO for the CPU; auto measures at load
+    # The runtime: ONNX Runtime (CUDA when there, else the CPU), or OpenVINO for the CPU; auto follows the file's
+    # plan on this machine (service/engine/serving_plan.py), decided without timing anything at load
     runtime: Runtime = Field(
-        "auto", description="onnxruntime, openvino, or auto: ONNX Runtime on a GPU; on the CPU the fastest of ONNX "
-                            "Runtime and OpenVINO (fp32, and bf16 where the CPU has it) that agrees with ONNX "
-                            "Runtime's float32, timed at load")
+        "auto", description="onnxruntime, openvino, or auto: what a tuning record of this file on this machine "
+                            "chose (vitserve tune), else ONNX Runtime on a GPU, OpenVINO bf16 on a CPU that computes "
+                            "bfloat16 (AVX512-BF16, AMX) where it agrees with the file, ONNX Runtime otherwise")
+    tuning: Literal["read", "write-when-idle", "off"] = Field(
+        "read", description="read: a tuning record of this file on this machine (vitserve tune) decides runtime, "
+                            "precision, maps-free graph and threads where there is one, declared facts otherwise; "
+                            "write-when-idle: also, a load with no record measures and records one when the machine "
+                            "is idle; off: declared facts only")
+    tuning_dir: Path | None = Field(None, description="where tuning records are read and written (one JSON file per "
+                                    "file, machine and settings); unset: $XDG_CACHE_HOME/vitserve/tuning, else "
+                                    "~/.cache/vitserve/tuning")
     precision_hint: PrecisionHint = Field(
         "auto", description="the compute precision asked of the runtime (bf16: OpenVINO on a CPU with AVX512-BF16 "
                             "or AMX); an int8 file computes its quantized layers in int8 whatever this says")
@@ -119,8 +128,9 @@ class Settings(BaseSettings):
     maps_free: Literal["auto", "on", "off"] = Field(
         "auto", description="a batch whose requests all ask for no map (map=none, /v2 without the rollout output, "
                             "embeddings) runs a second graph without the rollout, each block's attention one fused "
-                            "operator (service/engine/attention_fusion.py); auto: on a GPU (1.4x the rollout graph, "
-                            "ViT-B/16 fp16, batch 64), and on a CPU where it times at least 5% faster at load")
+                            "operator (service/engine/attention_fusion.py); auto: on, unless a tuning record of this "
+                            "file on this machine measured it no faster (on a GPU 1.4x the rollout graph, ViT-B/16 "
+                            "fp16, batch 64; on a CPU 5-22% faster)")
     warmup_batch_sizes: Annotated[list[int], NoDecode] = Field(
         default_factory=list, description="batch sizes run at the trained resolution before ready; empty = 1 and max")
 
@@ -354,8 +364,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "TLS": ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs"),
     "tracing": ("otlp_endpoint", "trace_sample_ratio", "server_timing"),
     "repository": ("repository_poll_secs",),
-    "engine and ONNX Runtime": ("precision_hint", "engine_arena_bytes", "engine_timeout_s", "cuda_device_id",
-                                "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",
+    "engine and ONNX Runtime": ("precision_hint", "tuning", "tuning_dir", "engine_arena_bytes", "engine_timeout_s",
+                                "cuda_device_id", "cuda_device_ids", "cuda_mem_limit_bytes", "cudnn_conv_algo_search", "cuda_graphs",
                                 "gpu_batch_step", "tensorrt_fp16", "tensorrt_cache_dir", "intra_op_threads",
                                 "inter_op_threads", "intra_op_spinning", "graph_optimization", "pixel_transport",
                                 "maps_free", "warmup_batch_sizes"),

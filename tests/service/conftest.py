@@ -25,4 +25,4 @@ def tiny_model(tiny_onnx):
 def private_environ(monkeypatch):
     """`serve` writes its flags into os.environ (for uvicorn's workers); keep that inside the test."""
     monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if not k.startswith("VITSERVE_")
-                                        and k != "PROMETHEUS_MULTIPROC_DIR"})
+                                        and k != "PROMETHEUS_MULTIPROC_DIR" or k == "VITSERVE_TUNING_DIR"})

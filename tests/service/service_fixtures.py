@@ -26,9 +26,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vitserve.bench.servers import free_port  # the one port picker, below the ephemeral range
 from vitserve.service.app import create_app
+from vitserve.service.engine.inference_model import Capabilities
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.http.dependencies import client_gone
-from vitserve.service.http.errors import is_protocol_path
+from vitserve.service.schemas.paths import is_protocol_path
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.settings import Settings
 
@@ -70,7 +71,7 @@ def ready_over_http(process: subprocess.Popen, base_url: str, output: Callable[[
 def settings_for(model_path: Path, **overrides) -> Settings:
     """Test settings: one thread everywhere (two shared cores), small batches, short delays."""
     # max_loop_lag_ms off: a test's requests must not be shed because the machine running it is busy; maps_free
-    # off: under auto a CPU times the maps-free graph at load, and a test's answers must not depend on a timing
+    # off: one graph per model, the maps-free one only where a test asks for it
     values = dict(model_path=model_path, providers=["cpu"], intra_op_threads=1, inter_op_threads=1,
                   intra_op_spinning=False, preprocess_threads=1, max_batch_size=4, max_queue_delay_ms=2,
                   warmup_batch_sizes=[1], max_loop_lag_ms=None, runtime="onnxruntime", maps_free="off")
@@ -124,11 +125,12 @@ class WrappedModel:
         return self._gated(lambda: self.inner.run(pixel_values), len(pixel_values))
 
     @property
-    def wide(self):
-        """The inner model's wide copy (None where it has none), its `run` gated like this one's and recorded in
-        `wide_batches`."""
-        inner = getattr(self.inner, "wide", None)
-        return None if inner is None else _WideView(self, inner)
+    def capabilities(self) -> Capabilities:
+        """The inner model's plan, and its wide copy (where it has one) with `run` gated like this one's and recorded
+        in `wide_batches`; float32 pixels, every batch with its maps."""
+        inner = self.inner.capabilities
+        wide = None if inner.wide is None else _WideView(self, inner.wide)
+        return Capabilities(wide=wide, plan=inner.plan, load_stages=inner.load_stages)
 
     def explain(self, pixel_values: np.ndarray, targets: np.ndarray):
         """The relevance path, gated like `run`; `explained` records each call's targets."""
@@ -151,7 +153,7 @@ class _WideView:
 
     def __init__(self, owner: WrappedModel, inner):
         self.owner, self.inner, self.info, self.provider = owner, inner, inner.info, inner.provider
-        self.run_maps_free = None  # as its owner: a WrappedModel serves every batch with its maps
+        self.capabilities = Capabilities()  # as its owner: a WrappedModel serves every batch with its maps
 
     def run(self, pixel_values: np.ndarray):
         self.owner.wide_batches.append(len(pixel_values))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from dataclasses import replace
 
 import numpy as np
 import onnx
@@ -77,12 +78,11 @@ def test_a_block_that_differs_from_the_pattern_is_left_as_it_is(tiny_onnx):
 
 
 def test_the_model_serves_the_maps_free_graph_where_the_setting_says(tiny_onnx):
-    from vitserve.service.engine.onnx_runtime import OnnxModel, serves_maps_free
+    from vitserve.service.engine.onnx_runtime import OnnxModel
 
-    assert serves_maps_free("auto", "CUDAExecutionProvider") and serves_maps_free("on", "CPUExecutionProvider")
-    assert not serves_maps_free("off", "CUDAExecutionProvider") and not serves_maps_free("off", "CPUExecutionProvider")
-    assert OnnxModel.load(settings_for(tiny_onnx, maps_free="off")).run_maps_free is None
+    assert OnnxModel.load(settings_for(tiny_onnx, maps_free="off")).capabilities.maps_free is None
     model = OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
+    assert model.capabilities.maps_free is not None
     x = np.random.default_rng(2).standard_normal((3, model.info.channels, 40, 24)).astype(np.float32)
     with_maps, without = model.run(x), model.run_maps_free(x)
     assert len(with_maps) == len(without) and without[1].shape == (3, 0)  # the rollout's place kept, empty
@@ -107,7 +107,7 @@ def test_a_maps_free_graph_that_answers_differently_is_not_served(tiny_onnx, mon
     monkeypatch.setattr(runtime, "maps_free", broken)
     with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
         model = runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on"))
-    assert model.maps_free_path is None and model.run_maps_free is None
+    assert model.maps_free_path is None and model.capabilities.maps_free is None
     assert "answers differ" in caplog.text
 
 
@@ -117,6 +117,7 @@ class PathRecordingModel:
     def __init__(self, model):
         self.inner, self.info, self.provider = model, model.info, model.provider
         self.paths: list[str] = []
+        self.capabilities = replace(model.capabilities, maps_free=self.run_maps_free, wide=None)
 
     def run(self, pixel_values):
         self.paths.append("rollout")
@@ -230,22 +231,31 @@ def test_a_server_process_runs_requests_without_maps_on_the_maps_free_graph(tiny
     assert labels["none"] == labels["rollout"]
 
 
-@pytest.mark.parametrize("pays", [True, False])
-def test_on_a_cpu_auto_keeps_the_maps_free_graph_only_where_it_times_faster(tiny_onnx, monkeypatch, pays):
-    """Its gain on a CPU depends on the chip (10-15% on a Xeon with AVX-512, none on an EPYC with AVX2): under
-    auto it is timed against the rollout graph at load; `on` keeps it whatever the timing."""
-    from vitserve.service.engine import onnx_runtime
+def test_auto_serves_the_maps_free_graph_unless_a_record_measured_it_no_faster(tiny_onnx, monkeypatch):
+    """Its gain on a CPU depends on the chip (10-15% on a Xeon with AVX-512, none on an EPYC with AVX2): a tuning
+    record measures it once (service/engine/tuning.py); with no record `auto` serves it; nothing is timed at load."""
+    from vitserve.service.engine import runtime, tuning
 
-    timed = []
-    monkeypatch.setattr(onnx_runtime, "maps_free_pays", lambda *args: timed.append(args) or pays)
-    assert (onnx_runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="auto")).run_maps_free is not None) == pays
-    assert len(timed) == 1
-    assert onnx_runtime.OnnxModel.load(settings_for(tiny_onnx, maps_free="on")).run_maps_free is not None
-    assert len(timed) == 1  # `on` is not timed
+    monkeypatch.setattr(tuning, "maps_free_costs", lambda *args, **kwargs: pytest.fail("timed at load"))
+    assert runtime.load_model(settings_for(tiny_onnx, maps_free="auto")).capabilities.maps_free is not None
 
 
-def test_the_timing_keeps_a_graph_at_most_its_share_of_the_rollout_graph_s_time(tiny_model):
-    from vitserve.service.engine.inference_model import MAPS_FREE_CPU_SHARE, maps_free_pays
+@pytest.mark.parametrize("share, kept", [(0.5, True), (0.99, False)])
+def test_a_record_keeps_the_maps_free_graph_only_where_it_measured_faster(tiny_onnx, monkeypatch, share, kept):
+    from vitserve.service.engine import runtime, tuning
+
+    monkeypatch.setattr(tuning, "others_busy_share", lambda: 0.0)
+    monkeypatch.setattr(tuning, "maps_free_costs", lambda *args, **kwargs: (2.0, 2.0 * share))
+    settings = settings_for(tiny_onnx, maps_free="auto")
+    _, choice = tuning.tune(settings, "test")
+    assert choice["maps_free"] is kept
+    model = runtime.load_model(settings)
+    assert model.capabilities.plan is not None and model.capabilities.plan.maps_free is kept
+    assert (model.capabilities.maps_free is not None) is kept
+
+
+def test_the_measurement_keeps_a_graph_at_most_its_share_of_the_rollout_graph_s_time(tiny_model):
+    from vitserve.service.engine.tuning import MAPS_FREE_CPU_SHARE, maps_free_costs
 
     def costing(ms):
         def run(pixels):
@@ -253,14 +263,17 @@ def test_the_timing_keeps_a_graph_at_most_its_share_of_the_rollout_graph_s_time(
             return ()
         return run
     info = tiny_model.info
-    assert maps_free_pays(costing(2.0), costing(1.0), info, max_batch=2, rounds=1)
-    assert not maps_free_pays(costing(2.0), costing(2.0 * MAPS_FREE_CPU_SHARE + 0.4), info, max_batch=2, rounds=1)
+    rollout, lean = maps_free_costs(costing(2.0), costing(1.0), info, max_batch=2, rounds=1)
+    assert lean <= MAPS_FREE_CPU_SHARE * rollout
+    rollout, lean = maps_free_costs(costing(2.0), costing(2.0 * MAPS_FREE_CPU_SHARE + 0.4), info, max_batch=2,
+                                    rounds=1)
+    assert lean > MAPS_FREE_CPU_SHARE * rollout
 
 
 def test_a_graph_whose_calls_are_long_is_timed_with_fewer_calls(tiny_model, monkeypatch):
-    from vitserve.service.engine import inference_model
+    from vitserve.service.engine import tuning
 
-    monkeypatch.setattr(inference_model, "MAPS_FREE_ROUND_MS", 200.0)
+    monkeypatch.setattr(tuning, "MAPS_FREE_ROUND_MS", 200.0)
     counted: dict[str, list[int]] = {"rollout": [], "maps-free": []}
 
     def costing(name, ms):
@@ -269,8 +282,8 @@ def test_a_graph_whose_calls_are_long_is_timed_with_fewer_calls(tiny_model, monk
             time.sleep(ms / 1000 * len(pixels))
             return ()
         return run
-    inference_model.maps_free_pays(costing("rollout", 40.0), costing("maps-free", 1.0), tiny_model.info,
-                                   max_batch=2, rounds=2)
+    tuning.maps_free_costs(costing("rollout", 40.0), costing("maps-free", 1.0), tiny_model.info, max_batch=2,
+                           rounds=2)
     # one uncounted call of each size, then each round's: 40 ms calls, as many as 200 ms holds (a sleep overshoots:
     # 4 or 5); 80 ms, the least (3); 1-2 ms, the most (7)
     per_round = (counted["rollout"].count(1) - 1) / 2
@@ -283,7 +296,7 @@ def test_openvino_serves_its_own_maps_free_graph_that_answers_as_the_rollout_gra
     from vitserve.service.engine.openvino_runtime import load_openvino_model
 
     model = load_openvino_model(settings_for(tiny_onnx, runtime="openvino", maps_free="on"))
-    assert load_openvino_model(settings_for(tiny_onnx, runtime="openvino")).run_maps_free is None  # off
+    assert load_openvino_model(settings_for(tiny_onnx, runtime="openvino")).capabilities.maps_free is None  # off
     x = np.random.default_rng(4).standard_normal((3, model.info.channels, 16, 16)).astype(np.float32)
     with_maps, without = model.run(x), model.run_maps_free(x)
     assert len(with_maps) == len(without) and without[1].shape == (3, 0) and with_maps[1].shape[0] == 3
@@ -306,12 +319,13 @@ def test_the_wide_copy_of_a_model_with_runners_keeps_the_graphs_the_model_kept_a
     for maps_free in ("on", "off"):
         model = load_model(settings_for(tiny_onnx, runtime=runtime, maps_free=maps_free, batch_runners=2,
                                         intra_op_threads=0))
-        wide = model.wide
-        assert wide is not None and wide.wide is None and wide.runtime == model.runtime
-        assert (wide.run_maps_free is not None) == (model.run_maps_free is not None) == (maps_free == "on")
+        wide = model.capabilities.wide
+        assert wide is not None and wide.capabilities.wide is None and wide.runtime == model.runtime
+        assert (wide.capabilities.maps_free is not None) == (model.capabilities.maps_free is not None) == \
+            (maps_free == "on")
         for ours, theirs in zip(wide.run(x), model.run(x)):
             np.testing.assert_array_equal(ours, theirs)
         if maps_free == "on":
             for ours, theirs in zip(wide.run_maps_free(x), model.run_maps_free(x)):
                 np.testing.assert_array_equal(ours, theirs)
-    assert load_model(settings_for(tiny_onnx, runtime=runtime, intra_op_threads=0)).wide is None  # one runner
+    assert load_model(settings_for(tiny_onnx, runtime=runtime, intra_op_threads=0)).capabilities.wide is None

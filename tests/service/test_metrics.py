@@ -69,7 +69,9 @@ async def test_counts_and_sums_match_the_requests_sent(tiny_onnx, tiny_model):
     assert value(m, "vitserve_queue_depth") == 0 and value(m, "vitserve_ready") == 1
     assert value(m, "vitserve_requests_in_flight") == 1  # the scrape itself
     info = [k for k in m if k[0] == "vitserve_model_info"]
+    # a model handed over whole: no plan of its own
     assert info == [("vitserve_model_info", (("name", "tiny-vit"), ("opset", str(tiny_model.info.opset)),
+                                             ("plan", "given"), ("plan_key", ""),
                                              ("provider", "CPUExecutionProvider"), ("version", "7")))]
 
 

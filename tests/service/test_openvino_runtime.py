@@ -1,9 +1,11 @@
 """The second runtime (service/engine/openvino_runtime.py) and `--runtime auto` (service/engine/runtime.py):
-OpenVINO answers as ONNX Runtime does, at any size, with the relevance path on ONNX Runtime; auto keeps only the
-candidates that agree and picks the fastest by a margin; a precision the CPU lacks is refused in one line."""
+OpenVINO answers as ONNX Runtime does, at any size, with the relevance path on ONNX Runtime; auto serves the declared
+runtime only where it agrees with the file, and a recorded measurement picks the fastest by a margin; a precision the
+CPU lacks is refused in one line."""
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -13,8 +15,9 @@ from vitserve.service.engine import runtime
 from vitserve.service.engine.onnx_runtime import OnnxModel
 from vitserve.service.engine import openvino_runtime
 from vitserve.service.engine.openvino_runtime import auto_precisions
-from vitserve.service.engine.runtime import choose_fastest, load_model
-from vitserve.service.engine.inference_model import disagrees
+from vitserve.service.engine.runtime import load_model
+from vitserve.service.engine.tuning import fastest
+from vitserve.service.engine.inference_model import disagrees, probe_pixels
 from service_fixtures import settings_for
 
 openvino = pytest.importorskip("openvino")
@@ -56,7 +59,7 @@ def test_bf16_compiles_to_bfloat16_where_the_cpu_has_it(tiny_onnx):
     model = load_model(settings_for(tiny_onnx, runtime="openvino", precision_hint="bf16"))
     assert model.provider == "OpenVINO/CPU/bf16"
     assert openvino_runtime.compiled_precision(model.compiled) == "bf16"
-    x = runtime.probe_pixels(model.info)
+    x = probe_pixels(model.info)
     got, want = model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0]
     # bfloat16 really ran (float32 agrees to 1e-6 here), and within auto's gate
     assert 1e-4 < np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
@@ -90,28 +93,42 @@ def test_a_candidate_that_changes_the_answers_is_left_out(tiny_model):
                                            ({"onnxruntime/fp32": 1.0, "openvino/fp32": 0.95}, "onnxruntime/fp32"),
                                            ({"onnxruntime/fp32": 1.0, "openvino/fp32": 2.0}, "onnxruntime/fp32"),
                                            ({"onnxruntime/fp32": 1.0, "openvino/fp32": 0.8, "openvino/bf16": 0.3},
-                                            "openvino/bf16")])
-def test_auto_keeps_onnx_runtime_unless_another_is_faster_by_the_margin(tiny_model, monkeypatch, caplog, costs,
-                                                                       chosen):
-    candidates = {name: Scripted(tiny_model) for name in costs}
-    by_model = {id(model): costs[name] for name, model in candidates.items()}
-    monkeypatch.setattr(runtime, "batch_ms", lambda model, pixels, calls=3: by_model[id(model)] * len(pixels))
-    with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
-        assert choose_fastest(candidates, max_batch=4) is candidates[chosen]
-    assert f"runtime auto chose {chosen}" in caplog.text
+                                            "openvino/bf16"),
+                                           # an int8 file is the reference as it is: 5% is within the margin
+                                           ({"onnxruntime/int8": 1.0, "openvino/int8": 0.95,
+                                             "openvino/int8+bf16": 1.2}, "onnxruntime/int8")])
+def test_a_recorded_choice_keeps_onnx_runtime_unless_another_is_faster_by_the_margin(costs, chosen):
+    assert fastest(costs) == chosen
 
 
-def test_auto_loads_a_runtime_that_agrees_and_names_it(tiny_onnx, caplog):
+def test_auto_serves_the_declared_runtime_checked_against_the_file(tiny_onnx, caplog):
+    """No record: OpenVINO bf16 where this CPU computes bfloat16, ONNX Runtime otherwise; never timed."""
     with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
         model = load_model(settings_for(tiny_onnx, runtime="auto"))
-    assert model.provider in ("CPUExecutionProvider", "OpenVINO/CPU/fp32", "OpenVINO/CPU/bf16")
-    assert "runtime auto chose" in caplog.text
+    plan = model.capabilities.plan
+    assert plan is not None and plan.source == "declared"
+    want_bf16 = openvino_runtime.computes_bf16()
+    assert model.provider == ("OpenVINO/CPU/bf16" if want_bf16 else "CPUExecutionProvider"), plan
+    assert "declared" in caplog.text and "ms per image" not in caplog.text
     x = np.random.default_rng(0).standard_normal((3, 3, 32, 32)).astype(np.float32)
     got, want = model.run(x)[0], OnnxModel.load(settings_for(tiny_onnx)).run(x)[0]
-    if model.provider.endswith("bf16"):  # bfloat16's 8-bit mantissa: auto's own gate
+    if want_bf16:  # bfloat16's 8-bit mantissa: the load's own gate
         assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
     else:
-        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_declared_runtime_that_disagrees_with_the_file_gives_way_to_onnx_runtime(tiny_onnx, monkeypatch, caplog):
+    monkeypatch.setattr(runtime, "disagrees", lambda model, reference: "3 of 5 clear probe images change class")
+    monkeypatch.setattr(openvino_runtime, "computes_bf16", lambda: True)
+    monkeypatch.setitem(runtime.RUNTIMES, "openvino", replace(openvino_runtime.OPENVINO, computes_bf16=lambda: True,
+                                                               load=lambda settings, artifact: OnnxModel.load(
+                                                                   settings, artifact)))
+    with caplog.at_level(logging.WARNING, logger="vitserve.runtime"):
+        model = load_model(settings_for(tiny_onnx, runtime="auto"))
+    plan = model.capabilities.plan
+    assert plan is not None and (plan.runtime, plan.precision_hint) == ("onnxruntime", "auto")
+    assert "disagreed" in plan.why and "change class" in caplog.text
 
 
 def test_compiling_leaves_the_threads_signal_stack_as_it_was(tiny_onnx):
@@ -174,7 +191,7 @@ def test_bf16_keeps_the_residual_stream_in_bfloat16_when_the_file_has_an_embeddi
     layer_norms = [op.get_rt_info()["runtimePrecision"].astype(str) for op in model.compiled.get_runtime_model()
                    .get_ordered_ops() if op.get_rt_info()["layerType"].astype(str) == "MVN"]
     assert layer_norms and set(layer_norms) == {"bf16"}, layer_norms
-    x = runtime.probe_pixels(model.info)
+    x = probe_pixels(model.info)
     names = model.info.output_names()
     got = dict(zip(names, model.run(x)))
     want = dict(zip(names, OnnxModel.load(settings_for(tiny_onnx)).run(x)))
@@ -183,19 +200,11 @@ def test_bf16_keeps_the_residual_stream_in_bfloat16_when_the_file_has_an_embeddi
     assert np.abs(got["embedding"] - want["embedding"]).max() < 0.05 * scale
 
 
-def test_an_int8_file_is_the_reference_auto_must_beat_and_is_named_int8(tiny_model, monkeypatch, caplog):
-    """`runtime auto chose onnxruntime/fp32` was logged for an int8 file: the candidates are named by what they
-    compute, and OpenVINO must beat the int8 file as it is, not a float32 one."""
+def test_an_int8_files_candidates_are_named_by_what_they_compute():
+    """`chose onnxruntime/fp32` was once logged for an int8 file: the candidates are named by what they compute."""
     assert openvino_runtime.candidate_name("openvino", "int8", "fp32") == "openvino/int8"
     assert openvino_runtime.candidate_name("openvino", "int8", "bf16") == "openvino/int8+bf16"
     assert openvino_runtime.candidate_name("openvino", "fp32", "bf16") == "openvino/bf16"
-    costs = {"onnxruntime/int8": 1.0, "openvino/int8": 0.95, "openvino/int8+bf16": 1.2}
-    candidates = {name: Scripted(tiny_model) for name in costs}
-    by_model = {id(model): costs[name] for name, model in candidates.items()}
-    monkeypatch.setattr(runtime, "batch_ms", lambda model, pixels, calls=3: by_model[id(model)] * len(pixels))
-    with caplog.at_level(logging.INFO, logger="vitserve.runtime"):
-        assert choose_fastest(candidates, max_batch=4) is candidates["onnxruntime/int8"]  # 5% is within the margin
-    assert "runtime auto chose onnxruntime/int8: " in caplog.text and "fp32" not in caplog.text
 
 
 def test_int8_on_a_cpu_without_dot_product_units_is_served_with_a_warning(tiny_model, caplog):

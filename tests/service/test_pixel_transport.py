@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from vitserve.service.engine.inference_model import Capabilities
 from service_fixtures import classify, patterned_png, serving, settings_for
 
 pytest.importorskip("onnxruntime")
@@ -98,7 +99,7 @@ class RecordingModel:
 
     def __init__(self, model):
         self.inner, self.info, self.provider = model, model.info, model.provider
-        self.takes_raw_pixels = getattr(model, "takes_raw_pixels", False)
+        self.capabilities = Capabilities(raw_pixels=model.capabilities.raw_pixels)
         self.dtypes: list[str] = []
 
     def run(self, pixel_values):
@@ -121,7 +122,7 @@ async def test_a_server_sending_raw_pixels_answers_as_one_sending_normalised_one
     for transport in ("float32", "uint8"):
         settings = settings_for(tiny_onnx, pixel_transport=transport)
         model = RecordingModel(load_model(settings))
-        model.takes_raw_pixels = model.takes_raw_pixels and engine_normalises
+        model.capabilities = Capabilities(raw_pixels=model.capabilities.raw_pixels and engine_normalises)
         async with serving(settings, model) as client:
             answers[transport] = [(await classify(client, patterned_png((48 + 16 * i, 40)), top_k=3,
                                                   map=kind)).json() for i in range(3) for kind in ("none", "relevance")]

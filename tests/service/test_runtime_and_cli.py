@@ -326,12 +326,11 @@ def test_a_provider_in_the_build_that_fails_to_start_is_a_warning(tiny_onnx, cap
 
 
 def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_core(tiny_onnx, monkeypatch):
-    import vitserve.service.engine.runtime as runtime
-    # ONNX Runtime named: `auto` would time the runtimes, and OpenVINO wins on the tiny model in some runs
+    from vitserve.service.engine import serving_plan
     ort = {"model_path": tiny_onnx, "providers": ["cpu"], "runtime": "onnxruntime"}
     light = load_engine_model(Settings(**ort))
     assert light.session.get_session_options().intra_op_num_threads == 1  # the tiny model is light
-    monkeypatch.setattr(runtime, "LIGHT_MODEL_MS", 0.0)  # every model heavy
+    monkeypatch.setattr(serving_plan, "LIGHT_MODEL_MULTIPLY_ADDS", 1.0)  # every model heavy
     heavy = load_engine_model(Settings(**ort))
     assert heavy.session.get_session_options().intra_op_num_threads == 0  # ORT's default: every core
     chosen = load_engine_model(Settings(**ort, intra_op_threads=2))
@@ -340,7 +339,7 @@ def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_cor
 
 def test_a_two_worker_start_logs_each_fact_once(tmp_path):
     """What `vitserve serve` says at start, at the default log level, for the shipped int8 file with two workers:
-    gRPC named once (in the first line, not once per worker), and `auto`'s choice named by the file's precision."""
+    gRPC named once (in the first line, not once per worker), and the plan named by the file's precision."""
     from service_fixtures import REPO, free_port, uvicorn_server
 
     grpc_port = free_port()
@@ -350,6 +349,6 @@ def test_a_two_worker_start_logs_each_fact_once(tmp_path):
     lines = process.stdout.read().decode().splitlines()
     assert sum("gRPC" in line for line in lines) == 1, lines
     assert any(f"gRPC on port {grpc_port}: 2 HTTP worker(s)" in line for line in lines), lines
-    chose = [line for line in lines if "runtime auto chose" in line]
-    assert chose and all("auto chose onnxruntime/int8" in line or "auto chose openvino/int8" in line
-                         for line in chose), chose
+    planned = [line for line in lines if "multiply-adds an image" in line]  # each worker's load, on its plan
+    assert planned and all("declared: the file's own precision (int8) on ONNX Runtime" in line
+                           for line in planned), planned

@@ -14,7 +14,7 @@ import pytest
 
 from vitserve import artifact
 from vitserve.service.engine import runtime
-from vitserve.service.engine.inference_model import RuntimeSpec, read_model_file_info
+from vitserve.service.engine.inference_model import Capabilities, RuntimeSpec, read_model_file_info
 from vitserve.service.ground.errors import ModelLoadError
 from service_fixtures import serving, settings_for
 
@@ -28,7 +28,7 @@ class MeanPixelModel:
     and the new output."""
 
     runtime, precision_hint, provider = "numpy_mean", "auto", "CPUExecutionProvider"
-    takes_raw_pixels, run_maps_free = False, None
+    capabilities = Capabilities()  # float32 pixels, every batch with its maps, no wide copy
 
     def __init__(self, info: artifact.ModelInfo):
         self.info = info

@@ -1,5 +1,5 @@
-"""`--engine auto`: a light model on the CPU served from one file gets a session in each HTTP worker, with what
-auto chose at load pinned for every worker; a repository, a GPU or a heavy model gets the engine process."""
+"""`--engine auto`: a light model on the CPU served from one file gets a session of one thread in each HTTP worker,
+decided from the file's plan without a session; a repository, a GPU or a heavy model gets the engine process."""
 from __future__ import annotations
 
 import os
@@ -19,8 +19,16 @@ def auto(model_path, **overrides) -> Settings:
     return settings_for(model_path, **{"engine": "auto", "intra_op_threads": 0, **overrides})
 
 
-def _not_loaded(*args, **kwargs):
-    raise AssertionError("the model was loaded to decide what needs no load")
+def _no_session(*args, **kwargs):
+    raise AssertionError("a session was made to decide what needs none")
+
+
+@pytest.fixture
+def sessionless(monkeypatch):
+    """The choice reads the file and its plan: no runtime makes a session for it."""
+    from vitserve.service.engine import onnx_runtime, openvino_runtime
+    monkeypatch.setattr(onnx_runtime.OnnxModel, "load", _no_session)
+    monkeypatch.setattr(openvino_runtime, "openvino_model", _no_session)
 
 
 def test_an_engine_named_by_the_user_is_kept(tiny_onnx):
@@ -29,18 +37,21 @@ def test_an_engine_named_by_the_user_is_kept(tiny_onnx):
     assert Settings().engine == "auto"
 
 
-def test_a_light_model_on_the_cpu_runs_in_every_worker_with_what_auto_chose_pinned(tiny_onnx):
+def test_a_light_model_on_the_cpu_runs_in_every_worker_on_one_thread_decided_without_a_session(tiny_onnx,
+                                                                                              sessionless):
     choice = topology.engine_choice(auto(tiny_onnx, runtime="auto", maps_free="auto"))
     assert choice is not None and choice.engine == "inline" and "light model" in choice.why
-    pinned = choice.pinned
-    assert pinned["RUNTIME"] in ("onnxruntime", "openvino") and "PRECISION_HINT" in pinned
-    assert pinned["INTRA_OP_THREADS"] == "1" and pinned["WORKERS"] == str(usable_cores())
-    assert pinned["MAPS_FREE"] in ("on", "off")
-    # every worker builds these settings and loads the same model, with no race and no timing of its own
-    worker = Settings(**{**auto(tiny_onnx).model_dump(), **{k.lower(): v for k, v in choice.environment.items()}})
+    assert choice.pinned == {"INTRA_OP_THREADS": "1", "WORKERS": str(usable_cores())}
+
+
+def test_every_worker_loads_the_same_plan_and_answers_with_the_same_bits(tiny_onnx):
+    choice = topology.engine_choice(auto(tiny_onnx, runtime="auto", maps_free="auto"))
+    assert choice is not None
+    worker = Settings(**{**auto(tiny_onnx, runtime="auto", maps_free="auto").model_dump(),
+                         **{k.lower(): v for k, v in choice.environment.items()}})
     assert (worker.engine, worker.http_workers, intra_op_threads(worker)) == ("inline", usable_cores(), 1)
-    assert worker.runtime == pinned["RUNTIME"] and worker.maps_free == pinned["MAPS_FREE"]
     first, second = load_model(worker), load_model(worker)
+    assert first.capabilities.plan == second.capabilities.plan
     pixels = np.random.default_rng(0).normal(size=(3, first.info.channels, *first.info.image_size))
     pixels = pixels.astype(np.float32)
     for a, b in zip(first.run(pixels), second.run(pixels)):
@@ -53,76 +64,35 @@ def test_what_the_user_set_is_not_pinned_over(tiny_onnx):
     assert choice.pinned == {"INTRA_OP_THREADS": "1", "WORKERS": "3"}
 
 
-def test_a_thread_count_set_for_one_shared_session_keeps_the_engine_process(tiny_onnx, monkeypatch):
+def test_a_thread_count_set_for_one_shared_session_keeps_the_engine_process(tiny_onnx, sessionless):
     # the Kubernetes overlays set the threads and the workers to the CPU limit: in each worker that would be
     # workers x threads on the cores
-    monkeypatch.setattr(topology, "chosen_model", _not_loaded)
     choice = topology.engine_choice(auto(tiny_onnx, intra_op_threads=4, workers=4))
     assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
     assert "intra-op-threads 4" in choice.why
 
 
-def test_a_heavy_model_keeps_the_engine_process_and_its_runtime_pinned(tiny_onnx, monkeypatch):
-    monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
+def test_a_heavy_model_keeps_the_engine_process(tiny_onnx, monkeypatch, sessionless):
+    from vitserve.service.engine import serving_plan
+    monkeypatch.setattr(serving_plan, "LIGHT_MODEL_MULTIPLY_ADDS", 1.0)  # every model heavy
     choice = topology.engine_choice(auto(tiny_onnx, runtime="auto"))
-    assert choice is not None and choice.engine == "process" and "heavy model (50.0 ms" in choice.why
-    assert set(choice.pinned) == {"RUNTIME", "PRECISION_HINT"}  # the engine does not race the runtimes again
+    assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
+    assert "heavy model (" in choice.why and "multiply-adds" in choice.why
 
 
-def test_the_probe_loads_no_wide_copy_for_runners_it_will_not_serve_with(tiny_onnx, monkeypatch):
-    """With batch runners a heavy model's engine loads the model once more with every core's thread; the probe that
-    decides where the model runs drops its models, so it loads them on one runner, without that copy."""
-    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
-    probed = []
-    chosen_model = topology.chosen_model
-
-    def recorded(settings):
-        model, raced = chosen_model(settings)
-        probed.append(model)
-        return model, raced
-
-    monkeypatch.setattr(topology, "chosen_model", recorded)
-    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", batch_runners=2, intra_op_threads=0))
-    assert choice is not None and choice.engine == "process"
-    assert len(probed) == 1 and probed[0].wide is None
-
-
-@pytest.mark.parametrize("heavy", [False, True])
-def test_the_maps_free_graph_is_timed_once_where_the_model_will_run(tiny_onnx, monkeypatch, heavy):
-    """A heavy model's engine times its maps-free graph at its own load; a light model's is timed on the one thread
-    its workers will have. The probe that decides which is neither."""
-    from vitserve.service.engine import onnx_runtime
-    timed = []
-
-    def maps_free_pays(*args, **kwargs):
-        timed.append(args)
-        return False
-
-    monkeypatch.setattr(onnx_runtime, "maps_free_pays", maps_free_pays)
-    if heavy:
-        monkeypatch.setattr(topology, "batch_one_ms", lambda model: topology.LIGHT_MODEL_MS + 40)
-    choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="auto"))
-    assert choice is not None and choice.engine == ("process" if heavy else "inline")
-    assert len(timed) == (0 if heavy else 1)
-    assert "MAPS_FREE" not in choice.pinned if heavy else choice.pinned["MAPS_FREE"] == "off"
-
-
-def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_model(tiny_onnx, tmp_path, monkeypatch):
-    monkeypatch.setattr(topology, "chosen_model", _not_loaded)
+def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_model(tiny_onnx, tmp_path, monkeypatch,
+                                                                                  sessionless):
     repository = tmp_path / "repository"
     (repository / "m" / "1").mkdir(parents=True)
     (repository / "m" / "1" / "model.onnx").write_bytes(tiny_onnx.read_bytes())
     choice = topology.engine_choice(auto(tiny_onnx, model_repository=repository))
     assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
-    monkeypatch.setattr(topology.ort, "get_available_providers",
-                        lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
+    monkeypatch.setattr(topology, "available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     choice = topology.engine_choice(auto(tiny_onnx, providers=["cuda", "cpu"]))
     assert choice is not None and choice.engine == "process" and "GPU" in choice.why
-    # the CPU named alone: the GPU build's CUDA is not used, the model is timed
-    monkeypatch.setattr(topology, "chosen_model", lambda settings: (_ for _ in ()).throw(LookupError("timed")))
-    with pytest.raises(LookupError):
-        topology.engine_choice(auto(tiny_onnx, providers=["cpu"]))
+    # the CPU named alone: the GPU build's CUDA is not used, and the light model runs in the workers
+    choice = topology.engine_choice(auto(tiny_onnx, providers=["cpu"]))
+    assert choice is not None and choice.engine == "inline"
 
 
 def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_environ, monkeypatch):
@@ -137,7 +107,7 @@ def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_envir
     kwargs, settings, metrics_dir_made = calls[0]
     assert settings.engine == "inline" and not settings.engine_addresses  # no engine process started
     assert kwargs["workers"] == settings.http_workers == usable_cores()
-    assert intra_op_threads(settings) == 1 and settings.maps_free in ("on", "off")
+    assert intra_op_threads(settings) == 1 and settings.maps_free == "auto"  # each worker reads the same plan
     assert metrics_dir_made == (usable_cores() > 1)
 
 
