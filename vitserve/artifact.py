@@ -28,14 +28,14 @@ OUTPUT_NAMES = ("logits", "rollout")
 TARGET_NAME = "target_class"
 RELEVANCE_NAME = "relevance"
 TOP1_TARGET = -1
-# Optional outputs, after the required ones (in this order, where present), in the fast path and the relevance path:
-# the image embedding, the class token after the final LayerNorm and before the head, float32 [batch, D] (files
-# the exporter writes; ModelInfo.embedding_size says D, 0: absent); and the out-of-distribution score, float32
-# [batch], the squared Mahalanobis distance of the embedding to the nearest class mean, computed in the graph from
-# statistics fitted at export (files exported with --eval; ModelInfo.ood says how it was fitted and its threshold).
+# Optional outputs, after the required ones (where present, in OPTIONAL_OUTPUT_SPECS's order), in the fast path and
+# the relevance path: the image embedding, the class token after the final LayerNorm and before the head, float32
+# [batch, D] (files the exporter writes; ModelInfo.embedding_size says D, 0: absent); and the out-of-distribution
+# score, float32 [batch], the squared Mahalanobis distance of the embedding to the nearest class mean, computed in
+# the graph from statistics fitted at export (files exported with --eval; ModelInfo.ood says how it was fitted and
+# its threshold).
 EMBEDDING_NAME = "embedding"
 OOD_SCORE_NAME = "ood_score"
-OPTIONAL_OUTPUTS = (EMBEDDING_NAME, OOD_SCORE_NAME)  # the exporter writes them in this order
 MAPS = ("rollout", "relevance")  # the explanation maps a model can compute; every model computes rollout
 # Bump when a reader of the old format would misread a new file; readers refuse newer versions.
 FORMAT_VERSION = 1

@@ -21,7 +21,7 @@ from vitserve.service.schemas.inference_protocol import (
     output_arrays,
     raw_bytes,
 )
-from vitserve.service.schemas.v1 import ModelMetadata
+from vitserve.service.schemas.v2 import ModelMetadata
 
 # The typed contents field each datatype travels in (InferTensorContents); the server reads these two.
 CONTENTS_FIELDS = {"FP32": "fp32_contents", "UINT8": "uint_contents", "BYTES": "bytes_contents"}

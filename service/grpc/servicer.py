@@ -19,6 +19,7 @@ import grpc
 
 from vitserve.service.ground import errors, tracing
 from vitserve.service.ground.errors import InvalidModelName, InvalidParameter, NotReady, ServiceError
+from vitserve.service.ground.model_names import check_name_lengths
 from vitserve.service.ground.request_record import RequestRecord
 from vitserve.service.grpc import messages
 from vitserve.service.grpc.generated import grpc_service_pb2 as pb
@@ -206,9 +207,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         state = self.state
         _check_names(request.model_name, request.model_version)
         served["requested"] = request.model_name
-        with pipeline.admit(state, request.model_name, on_route=lambda n, v: served.update(name=n, version=v)) as call:
+        with pipeline.admit(state, request.model_name, on_route=lambda n, v: served.update(name=n, version=v),
+                            client_seconds_left=context.time_remaining()) as call:
             handle = call.route(request.model_name, request.model_version or None)
-            call.shorten(context.time_remaining())
             parsed = messages.parsed_from_grpc(request, limits_for(state.settings, handle.info))
             parse_s = time.perf_counter() - call.started
             outcome = await inference.infer(call, parsed, parse_s)
@@ -260,13 +261,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             raise InvalidParameter("repository_name: this server has one repository; leave it empty")
 
 
-MAX_NAME_CHARS = 256
-
-
 def _check_names(name: str, version: str) -> None:
-    """A model must be named (gRPC has no path that could name the only one); name and version are bounded before
-    they reach routing."""
+    """A model must be named (gRPC has no path that could name the only one); name and version are held to /v1's
+    limits, those of a name the repository can hold, before they reach routing (docs/open-inference-protocol.md)."""
     if not name:
         raise InvalidModelName("name the model (model_name / name): this call has none")
-    if len(name) > MAX_NAME_CHARS or len(version) > MAX_NAME_CHARS:
-        raise InvalidModelName(f"model names and versions are at most {MAX_NAME_CHARS} characters")
+    check_name_lengths(name, version)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from fastapi import Request
 
+from vitserve.service.schemas.paths import PROTOCOL_ROOT
 from vitserve.service.usecases.keys import check_authorization, check_repository_access
 
-OPEN_PROTOCOL_PATHS = frozenset({"/v2", "/v2/health/live", "/v2/health/ready"})
+OPEN_PROTOCOL_PATHS = frozenset({PROTOCOL_ROOT, PROTOCOL_ROOT + "/health/live", PROTOCOL_ROOT + "/health/ready"})
 
 
 # The dependencies are coroutines: FastAPI runs a plain function dependency in its thread pool, a thread hop on

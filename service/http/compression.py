@@ -30,6 +30,7 @@ import zlib
 import anyio.to_thread
 
 from vitserve.service.http import inference_routes
+from vitserve.service.schemas.paths import is_protocol_path
 
 CODINGS = ("gzip", "deflate")  # in the order preferred when a client weighs both the same
 _WINDOW_BITS = {"gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}  # gzip's header and trailer; zlib's
@@ -68,7 +69,7 @@ def _quality(params: str) -> float:
 
 def compressible_path(path: str) -> bool:
     """Whether answers on `path` may be compressed: on /v2 an inference route's only, any on vitserve's own."""
-    if path.startswith("/v2"):  # the protocol's (or no route's: an error, never compressed)
+    if is_protocol_path(path):  # the protocol's (or no route's: an error, never compressed)
         found = inference_routes.match(path)
         return found is not None and found[0].protocol
     return True

@@ -48,7 +48,8 @@ from typing import TYPE_CHECKING
 
 from vitserve.service.ground.errors import HeadersTooLarge, MalformedRequest, RequestTimeout, ServiceError, UriTooLong
 from vitserve.service.ground.settings import Settings
-from vitserve.service.http.errors import error_response, is_protocol_path, status_code
+from vitserve.service.http.errors import error_response, status_code
+from vitserve.service.schemas.paths import PROTOCOL_ROOT, is_protocol_path
 
 if TYPE_CHECKING:  # checked as it runs where httptools is installed: without it, nothing below is instantiated
     import httptools
@@ -468,7 +469,7 @@ class _Refusal:
 @lru_cache(maxsize=256)
 def _refusal(protocol_path: bool, status: int, code: str, message: str, retry_after_s: int) -> _Refusal:
     """Made once per distinct refusal (most under overload say the same): the JSON and the header lines."""
-    status, encoded = _error_json("/v2/" if protocol_path else "/", status, code, message)
+    status, encoded = _error_json(PROTOCOL_ROOT if protocol_path else "/", status, code, message)
     header_list = ((b"content-type", b"application/json"), (b"content-length", b"%d" % len(encoded)),
                    (b"retry-after", b"%d" % retry_after_s))
     return _Refusal(status, header_list, b"".join(n + b": " + v + b"\r\n" for n, v in header_list), encoded)

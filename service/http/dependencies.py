@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from vitserve.service.ground.errors import InvalidParameter
+from vitserve.service.schemas.paths import model_in_protocol_path
 from vitserve.service.usecases import pipeline
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.state import ServiceState
@@ -32,9 +33,7 @@ async def get_state(request: Request) -> ServiceState:
 def model_in_path(path: str) -> str | None:
     """The model an inference path names (/v2/models/NAME/...), or None (/v1: a query parameter, or the only
     model)."""
-    if path.startswith("/v2/models/"):
-        return path.split("/", 4)[3] or None
-    return None
+    return model_in_protocol_path(path)
 
 
 async def get_ready_state(request: Request) -> ServiceState:

@@ -45,6 +45,7 @@ from vitserve.service.ground.errors import (
     VersionRetired,
 )
 from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.schemas.paths import is_protocol_path
 from vitserve.service.usecases.pipeline import retry_after_s
 
 # The single domain-error -> status-code table (most specific class first is not needed: exact types).
@@ -107,11 +108,6 @@ def status_code(exc: ServiceError) -> int:
 
 def error_body(code: str, message: str) -> dict:
     return {"error": {"code": code, "message": message}}
-
-
-def is_protocol_path(path: str) -> bool:
-    """Whether `path` belongs to the Open Inference Protocol (KServe v2), whose errors have their own shape."""
-    return path == "/v2" or path.startswith("/v2/")
 
 
 def error_response(path: str, status: int, code: str, message: str) -> tuple[int, dict]:

@@ -90,7 +90,7 @@ def match(path: str) -> tuple[InferenceRoute, dict[str, str]] | None:
     route = _BY_PATH.get(path)
     if route is not None:
         return route, {}
-    if not path.startswith("/v2/models/"):  # the common case of every other route: one prefix check
+    if not path.startswith(paths.PROTOCOL_MODELS):  # the common case of every other route: one prefix check
         return None
     for route in _TEMPLATED:
         found = route.pattern.fullmatch(path)

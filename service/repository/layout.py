@@ -5,7 +5,7 @@ patch size, normalisation) still comes from each file's own metadata. An optiona
 says what the file cannot: the version policy (Triton's `version_policy` in its JSON form), batching limits, and
 which maps to offer. `--model FILE` is a repository of one (`single_file_source`).
 
-Nothing here reads outside the root: names are checked against `MODEL_NAME` before they touch a path, and
+Nothing here reads outside the root: names are checked (service/ground/model_names.py) before they touch a path, and
 every path is resolved and must stay under the resolved root (a symbolic link pointing out is refused, with a
 reason the index shows). Scanning reads directory entries and `stat`s only; a file's header is read at load time.
 """
@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
+from vitserve.service.ground.errors import ModelNotFound, RepositoryError
+from vitserve.service.ground.model_names import VERSION_NAME, check_model_name, is_model_name
+from vitserve.service.ground.model_names import check_version as check_version  # service/engine/routing.py's
 from vitserve.service.ground.settings import PrecisionHint, Runtime
 
 MODEL_FILENAME = "model.onnx"
@@ -28,23 +29,6 @@ CONFIG_FILENAME = "config.json"
 MAX_CONFIG_BYTES = 64 * 1024
 MAX_MODELS = 1000  # folders read per scan: a repository is a handful of models, not a file system to walk
 MAX_VERSIONS = 1000
-# Triton's names are free-form; ours must be safe as one path component and in a URL, a metric label and a log
-# line: letters, digits, '_', '-', '.', starting with a letter or digit (so never '.' or '..'), 64 at most.
-MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
-VERSION_NAME = re.compile(r"[1-9][0-9]{0,17}")
-
-
-def check_model_name(name: str) -> str:
-    if not MODEL_NAME.fullmatch(name) or ".." in name:
-        raise InvalidModelName(f"{name[:80]!r} is not a model name: 1-64 letters, digits, '_', '-' or '.', "
-                               f"starting with a letter or digit")
-    return name
-
-
-def check_version(version: str) -> str:
-    if not VERSION_NAME.fullmatch(version):
-        raise InvalidModelName(f"{version[:40]!r} is not a version: a positive whole number")
-    return version
 
 
 class LatestPolicy(BaseModel):
@@ -192,8 +176,7 @@ class ModelRepository:
             for entry in entries:
                 if len(found) >= MAX_MODELS:
                     break
-                if MODEL_NAME.fullmatch(entry.name) and ".." not in entry.name and entry.is_dir() and \
-                        self._inside(Path(entry.path)) is not None:
+                if is_model_name(entry.name) and entry.is_dir() and self._inside(Path(entry.path)) is not None:
                     found.append(entry.name)
         return sorted(found)
 

@@ -6,7 +6,7 @@ input (`pixel_values` as a float32 array, or `image` as encoded images), the out
 named (it runs the model's costlier relevance path); `parameters.target` (a class index or label) chooses the
 class it explains for every image of the request, the top-1 of each by default. `encode_response` turns the model's
 outputs back into a body. Every refusal is an `InvalidParameter` (400 on /v2) or `PayloadTooLarge` (413)
-that names the field; the limits are those of `service.schemas.v1` plus the `ProtocolLimits` given.
+that names the field; the limits are those of `service.schemas.v2` plus the `ProtocolLimits` given.
 
 Extensions: binary tensors (`binary_data_size` on inputs, `binary_data` on outputs, `binary_data_output` on
 the request), classification (`classification` on an output: BYTES `"value:index:label"`, best first, as
@@ -37,7 +37,8 @@ from vitserve.service.schemas.binary_tensors import (
     tensor_bytes,
     unpack_bytes,
 )
-from vitserve.service.schemas.v1 import (
+from vitserve.service.schemas.v1 import ResizePolicy
+from vitserve.service.schemas.v2 import (
     DEEP_DATA_ERROR,
     IMAGE_INPUT_NAME,
     INPUT_DATATYPES,
@@ -53,7 +54,6 @@ from vitserve.service.schemas.v1 import (
     InferRequest,
     flatten_deep_data,
 )
-from vitserve.service.usecases.preprocess import ResizePolicy
 
 RESIZE_POLICIES: tuple[ResizePolicy, ...] = get_args(ResizePolicy)
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
@@ -157,7 +157,7 @@ class TensorInput:
 def checked_infer_request(id: str, parameters: dict, tensor: TensorInput, tensor_parameters: dict, section: memoryview,
                  outputs: list[tuple[str, dict]] | None, limits: ProtocolLimits) -> ParsedInferRequest:
     """The call a request makes that no JSON parser has checked (gRPC's ModelInfer, read from its protobuf): the
-    same limits as /v2's `InferRequest` (service.schemas.v1), then the same call."""
+    same limits as /v2's `InferRequest` (service.schemas.v2), then the same call."""
     if len(id) > MAX_ID_CHARS:
         raise InvalidParameter(f"id: at most {MAX_ID_CHARS} characters, got {len(id)}")
     _check_parameters(parameters, "parameters")
@@ -183,7 +183,7 @@ def checked_infer_request(id: str, parameters: dict, tensor: TensorInput, tensor
 
 
 def _check_parameters(parameters: dict, where: str) -> None:
-    """`Parameters`' limits (service.schemas.v1): how many, key length, and each value a boolean, a finite
+    """`Parameters`' limits (service.schemas.v2): how many, key length, and each value a boolean, a finite
     number or a short string."""
     if len(parameters) > MAX_PARAMETERS:
         raise InvalidParameter(f"{where}: at most {MAX_PARAMETERS} entries, got {len(parameters)}")
@@ -217,7 +217,7 @@ def build_infer_request(id: str | None, parameters: dict | None, tensor, section
 
 
 def parse_header(header: bytes, max_values: int) -> InferRequest:
-    """The JSON header as an `InferRequest` (every field within the limits in `service.schemas.v1`), or
+    """The JSON header as an `InferRequest` (every field within the limits in `service.schemas.v2`), or
     InvalidParameter naming what is wrong; PayloadTooLarge, before any parsing, past `max_values` JSON values.
 
     The values are counted by their separating commas first, and the arrays by their opening brackets: the parse
@@ -462,7 +462,7 @@ def validation_problems(error: ValidationError, shown: int = 3) -> str:
         loc = e["loc"]
         in_data = len(loc) > 3 and loc[0] == "inputs" and loc[2] == "data"  # then loc[3] names the list depth
         place, index = (loc[:3], loc[4:]) if in_data else (loc, ())
-        # data nested past the union's depths: its own error (service.schemas.v1.flatten_deep_data) says more
+        # data nested past the union's depths: its own error (service.schemas.v2.flatten_deep_data) says more
         rank = (e["type"] == DEEP_DATA_ERROR, index)
         if place not in places or rank > places[place][0]:
             places[place] = (rank, index, _json_message(e["msg"]))

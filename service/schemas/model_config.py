@@ -11,7 +11,7 @@ from __future__ import annotations
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo, optional_outputs_of
 from vitserve.service.engine.providers import GPU_PROVIDERS
 from vitserve.service.ground.settings import Settings
-from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
+from vitserve.service.schemas.v2 import IMAGE_INPUT_NAME, ModelMetadata, TensorMetadata
 
 PLATFORM = "onnxruntime_onnx"
 # The protocol's extensions vitserve serves, on HTTP and gRPC alike

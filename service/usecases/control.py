@@ -19,11 +19,12 @@ import asyncio
 
 from vitserve.service.engine import IndexEntry, ModelHandle
 from vitserve.service.ground.errors import ServiceError
-from vitserve.service.repository.layout import check_model_name
+from vitserve.service.ground.model_names import check_model_name
 from vitserve.service.schemas import paths
 from vitserve.service.schemas.model_config import model_metadata, triton_config
 from vitserve.service.schemas.statistics import triton_statistics
-from vitserve.service.schemas.v1 import ModelCard, ModelMetadata, TemperatureCurve
+from vitserve.service.schemas.v1 import ModelCard, TemperatureCurve
+from vitserve.service.schemas.v2 import ModelMetadata
 from vitserve.service.usecases.state import ServiceState
 
 

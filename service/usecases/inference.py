@@ -8,6 +8,10 @@ the stages' metrics and spans.
                                               parsed by service/schemas/inference_protocol.py) -> its outputs by name,
                                               which the transport encodes within `outcome.encoding()`
 
+A transport calls a request's whole work, which runs within the call's deadline (`Call.run`): `infer`, and for
+/v1's uploads `classify_image`, `classify_images`, `embed_image`, `embed_images`, where an image of several that
+fails (its upload, or its own work) is that image's error in its place, never its neighbours' failure.
+
 The results of classify and embed are the /v1 documents (service/schemas/v1.py): /v1 is their only transport, and
 a copy from a dataclass into them would cost every answer an object per field.
 
@@ -17,6 +21,7 @@ meanwhile: the answer names the version that ran it, and so does `call.served`.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -31,6 +36,8 @@ from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.schemas.inference_protocol import ParsedInferRequest
 from vitserve.service.schemas.v1 import (
     ClassifyResponse,
+    ErrorDetail,
+    ErrorResponse,
     ExplainedClass,
     ImageEmbedding,
     MapKind,
@@ -38,6 +45,7 @@ from vitserve.service.schemas.v1 import (
     OodScore,
     RelevanceGrid,
     RelevanceImage,
+    ResizePolicy,
     RolloutFormat,
     RolloutGrid,
     Timing,
@@ -45,8 +53,12 @@ from vitserve.service.schemas.v1 import (
 from vitserve.service.usecases import postprocess
 from vitserve.service.usecases.explanations import relevance_target
 from vitserve.service.usecases.pipeline import Call
-from vitserve.service.usecases.preprocess import PreparedImage, ResizePolicy
+from vitserve.service.usecases.preprocess import PreparedImage
 from vitserve.service.usecases.state import ServiceState
+
+log = logging.getLogger("vitserve.inference")
+
+Upload = bytes | ServiceError  # an image as its transport read it, or why it could not be read
 
 
 @dataclass(frozen=True)
@@ -114,6 +126,52 @@ async def classify(call: Call, image: bytes, options: ClassifyOptions) -> Classi
         return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, ood=ood,
                                 timing_ms=timing)
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, timing_ms=timing)
+
+
+async def classify_image(call: Call, upload: Upload, options: ClassifyOptions) -> ClassifyResponse:
+    """One image, within the call's deadline; its error (its upload's, or its own) is the request's."""
+    return await call.run(classify(call, _read(upload), options))
+
+
+async def classify_images(call: Call, uploads: list[Upload],
+                          options: ClassifyOptions) -> list[ClassifyResponse | ErrorResponse]:
+    """Every image at once, within the call's deadline: each answer, or that image's error, in its place."""
+    return await call.run(_each_answer(call.state, uploads, lambda data: classify(call, data, options), "a batch"))
+
+
+async def embed_image(call: Call, upload: Upload, options: EmbedOptions) -> ImageEmbedding:
+    """One image's embedding, within the call's deadline; its error is the request's."""
+    return await call.run(embed(call, _read(upload), options))
+
+
+async def embed_images(call: Call, uploads: list[Upload],
+                       options: EmbedOptions) -> list[ImageEmbedding | ErrorResponse]:
+    """Every image's embedding at once, within the call's deadline: each, or that image's error, in its place."""
+    work = _each_answer(call.state, uploads, lambda data: embed(call, data, options), "an embed request")
+    return await call.run(work)
+
+
+def _read(upload: Upload) -> bytes:
+    if isinstance(upload, ServiceError):
+        raise upload
+    return upload
+
+
+async def _each_answer(state: ServiceState, uploads: list[Upload], work, what: str) -> list:
+    """`work(data)` for every upload at once, each answer in its place: an upload's own error (a read that failed,
+    or the work's) becomes its entry in /v1's error shape and is counted, never its neighbours' failure."""
+    async def one(upload: Upload):
+        try:
+            return await work(_read(upload))
+        except ServiceError as e:
+            error = e
+        except Exception as e:  # a bug shows in this image's answer and the log, never in its neighbours'
+            log.exception("unexpected error on one file of %s", what)
+            error = ServiceError(f"internal error: {type(e).__name__}")
+        state.metrics.rejected_request(error.code)
+        return ErrorResponse(error=ErrorDetail(code=error.code, message=str(error)))
+
+    return await asyncio.gather(*(one(upload) for upload in uploads))
 
 
 def check_embeds(handle: ModelHandle) -> None:

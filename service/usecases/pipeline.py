@@ -2,16 +2,19 @@
 
     admit -> deadline -> resolve the model version -> (the transport reads its body) -> decode -> submit -> encode
 
+The deadline is made once, by `admit`: the server's (request_timeout_s), or the client's own when that is sooner
+(gRPC's deadline; later the protocol's `timeout` parameter, through `Call.shorten`). Every wait on the call's work
+honours it through `Call.run`: the use cases' (service/usecases/inference.py) and the transport's read of its body.
+
 Every transport enters it the same way, with `admit`: the handlers of HTTP's inference route table (/v1/classify,
 /v1/classify/batch, /v1/embed, /v2/.../infer; service/http/inference_routes.py), and gRPC's
 ModelInfer. What each transport still owns is its protocol: reading its body, its error shapes and codes, its
 request metrics and server span (the HTTP middleware's and the gRPC frame's, over every route, not only these).
 
-    with admit(state, model_named_by_the_request, on_route=remember, watch_client=...) as call:
+    with admit(state, model_named_by_the_request, on_route=remember, client_seconds_left=...) as call:
         call.route(name, version)            # ModelNotFound, ModelUnavailable, ...: before any body byte is read
-        call.shorten(client_seconds_left)    # the client's own deadline (gRPC's), never later than the server's
         body = await call.run(reading, on_timeout=RequestTimeout(...), watch=False)
-        answer = await inference.classify(call, data, options)  # or embed, infer
+        answer = await inference.classify_image(call, body, options)  # or classify_images, embed_..., infer
     call.served                              # (name, version) of the version that ran it, also given to on_route
 
 The use cases (service/usecases/inference.py) take the `Call` and record the stages' metrics and spans once, for every
@@ -87,17 +90,20 @@ class Call:
 
 @contextmanager
 def admit(state: ServiceState, requested: str | None, *, on_route: Callable[[str, str], None] | None = None,
-          watch_client: Callable[[], Awaitable] | None = None, received: float | None = None) -> Iterator[Call]:
+          watch_client: Callable[[], Awaitable] | None = None, received: float | None = None,
+          client_seconds_left: float | None = None) -> Iterator[Call]:
     """The call, once admitted: NotReady (warming up, shutting down) or Overloaded at once otherwise, before its
     body is read. The queued work it is measured against is its own model's: an overloaded big model does not
-    refuse a small one's requests. The deadline (request_timeout_s) starts here. `received`: when the transport
-    took the request in (time.perf_counter), for the call's first stage, `accept`."""
+    refuse a small one's requests. The deadline starts here: request_timeout_s, or `client_seconds_left` (the
+    client's own deadline, as its transport carries one) when sooner. `received`: when the transport took the
+    request in (time.perf_counter), for the call's first stage, `accept`."""
     entered = time.perf_counter()
     state.require_ready()
     admission = state.admission
     admission.enter(state.engine.predicted_wait_s(requested), state.queue_wait_limit_s)
     try:
         call = Call(state, requested, Deadline.after(state.request_timeout_s), on_route, watch_client)
+        call.shorten(client_seconds_left)
         call.received = received or entered
         call.stages += (("accept", entered - call.received), ("admit", call.started - entered))
         yield call

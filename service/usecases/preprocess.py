@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import cache
-from typing import Literal
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -30,8 +29,8 @@ from vitserve.service.ground.errors import (
     ServiceError,
     UnsupportedMediaType,
 )
+from vitserve.service.schemas.v1 import ResizePolicy
 
-ResizePolicy = Literal["fit", "native"]
 # Pillow format names we accept (MPO is the multi-picture JPEG many phones write).
 ALLOWED_FORMATS = frozenset({"JPEG", "MPO", "PNG", "WEBP", "BMP", "GIF", "TIFF"})
 # The media types an image may be sent as: each format's own (the ones documented), and two older aliases

@@ -26,11 +26,11 @@ from vitserve.service.ground.errors import NotReady
 from vitserve.service.ground.memory import return_large_frees_to_the_os
 from vitserve.service.ground.metrics import ServiceMetrics, mark_process_dead
 from vitserve.service.ground.settings import Settings
+from vitserve.service.schemas.v1 import ResizePolicy
 from vitserve.service.usecases.admission import Admission, PixelBudget
 from vitserve.service.usecases.inspection import InspectionCache
 from vitserve.service.usecases.preprocess import (
     PreparedImage,
-    ResizePolicy,
     cheap_decode_pixels,
     peek_pixels,
     prepare_image,

@@ -24,6 +24,7 @@ import tritonclient.http as triton_http
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
+from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS
 from service_fixtures import (PATIENCE_S, WrappedModel, free_port, image_bytes, patterned_png, samples, settings_for,
                               until, uvicorn_server, value)
 
@@ -235,7 +236,7 @@ def _raw_request(**changes) -> service_pb2.ModelInferRequest:
 def test_the_protobuf_is_held_to_v2s_limits_without_its_json_models(server):
     """gRPC reads ModelInfer field by field (service/schemas/inference_protocol.py `checked_infer_request`), with the
     limits /v2's pydantic models hold for JSON: each one refused, naming the field."""
-    from vitserve.service.schemas.v1 import (MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
+    from vitserve.service.schemas.v2 import (MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS, MAX_PARAMETER_KEY_CHARS,
                                                     MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
     string = service_pb2.InferParameter
     cases = [
@@ -345,6 +346,11 @@ def test_errors_have_tritons_status_codes(client):
         ((client.infer, MODEL, [image_input([patterned_png(), b"not an image"], [2])]), "INVALID_ARGUMENT", "item 1"),
         ((client.infer, "../etc", [pixel_input(array)]), "NOT_FOUND", "../etc"),  # routing only looks names up
         ((client.infer, "x" * 10_000, [pixel_input(array)]), "INVALID_ARGUMENT", "at most"),
+        # the names /v1 and the repository allow, no longer: a name longer than any served is refused, not looked up
+        ((client.infer, "x" * (MAX_NAME_CHARS + 1), [pixel_input(array)]), "INVALID_ARGUMENT",
+         f"at most {MAX_NAME_CHARS} characters"),
+        ((client.infer, MODEL, [pixel_input(array)], "9" * (MAX_VERSION_CHARS + 1)), "INVALID_ARGUMENT",
+         f"versions at most {MAX_VERSION_CHARS}"),
         ((client.infer, "", [pixel_input(array)]), "INVALID_ARGUMENT", "name the model"),
     ]
     for (call, *args), code, words in cases:

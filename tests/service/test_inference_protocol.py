@@ -20,12 +20,13 @@ from vitserve.service.schemas.binary_tensors import (HEADER_LENGTH, BinaryFormat
 from vitserve.service.ground.errors import InvalidParameter, PayloadTooLarge, UnsupportedMediaType
 from vitserve.service.schemas.inference_protocol import ProtocolLimits, classify, encode_response, parse_infer_request
 from vitserve.service.schemas.model_config import model_metadata, triton_config
-from vitserve.service.schemas import v1
-from vitserve.service.schemas.v1 import MAX_DATA_DEPTH
+from vitserve.service.schemas import v2
+from vitserve.service.schemas.v2 import MAX_DATA_DEPTH
 from vitserve.service.http.routes.uploads import decode_content
 from vitserve.service.ground.settings import Settings
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.schemas.paths import INFERENCE as INFERENCE_ENDPOINTS
+from vitserve.service.schemas.paths import is_protocol_path, model_in_protocol_path
 from vitserve.service.schemas.statistics import triton_statistics
 from vitserve.artifact import (EMBEDDING_NAME, INPUT_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo,
                               requestable_outputs)
@@ -160,12 +161,12 @@ def test_a_binary_tensor_holds_only_normalised_pixels(value):
 
 def test_the_names_a_request_may_use_are_the_model_file_s():
     # the schema spells its Literals out for the type checker; the model file's contract names them
-    assert get_args(v1.InputName) == (INPUT_NAME, v1.IMAGE_INPUT_NAME)
+    assert get_args(v2.InputName) == (INPUT_NAME, v2.IMAGE_INPUT_NAME)
     # the outputs are the artifact's own list, read where a request is checked, and the OpenAPI document's enum
     assert requestable_outputs() == (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME, OOD_SCORE_NAME)
-    schema = v1.RequestedOutput.model_json_schema()["properties"]["name"]
-    assert schema["enum"] == list(requestable_outputs()) and schema["maxLength"] == v1.MAX_OUTPUT_NAME_CHARS
-    assert v1.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
+    schema = v2.RequestedOutput.model_json_schema()["properties"]["name"]
+    assert schema["enum"] == list(requestable_outputs()) and schema["maxLength"] == v2.MAX_OUTPUT_NAME_CHARS
+    assert v2.INPUT_DATATYPES == ("FP32", "UINT8", "BYTES")
 
 
 @pytest.mark.parametrize("header, sections, message", [
@@ -435,3 +436,10 @@ def test_the_metadata_declares_the_batch_dimension_as_triton_does():
     assert ours["inputs"][1] == {"name": "image", "datatype": "BYTES", "shape": [-1, 1]}
     assert triton_json("images_model_metadata")["inputs"][0]["shape"] == [-1, 1]
     assert ours["outputs"] == [{**triton["outputs"][0], "shape": [-1, 2]}, triton["outputs"][1]]
+
+
+def test_the_protocol_s_paths_are_told_apart_by_one_test():
+    assert [is_protocol_path(p) for p in ("/v2", "/v2/", "/v2/models/m/infer", "/v2x", "/v1/classify", "/")] == \
+        [True, True, True, False, False, False]
+    assert [model_in_protocol_path(p) for p in ("/v2/models/m/infer", "/v2/models/m", "/v2/models/", "/v2/health/ready",
+                                                "/v1/models/m/inspect")] == ["m", "m", None, None, None]

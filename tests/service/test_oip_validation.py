@@ -10,7 +10,7 @@ import pytest
 
 from vitserve.service.schemas.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 
-from vitserve.service.schemas.v1 import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
+from vitserve.service.schemas.v2 import (MAX_ABS_PIXEL_VALUE, MAX_DATA_DEPTH, MAX_DIM, MAX_ID_CHARS, MAX_OUTPUTS,
                                       MAX_PARAMETER_STRING_CHARS, MAX_PARAMETERS)
 from vitserve.service.ground.settings import Settings
 from service_fixtures import serving, settings_for

@@ -15,7 +15,10 @@ import numpy as np
 import pytest
 
 from vitserve.service.ground.errors import InvalidModelName, ModelNotFound, RepositoryError
-from vitserve.service.repository.layout import ModelRepository, VersionPolicy, check_model_name
+from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS, check_model_name, check_name_lengths
+from vitserve.service.http.routes.classify import ClassifyQuery
+from vitserve.service.http.routes.embed import EmbedQuery
+from vitserve.service.repository.layout import ModelRepository, VersionPolicy
 from service_fixtures import (PATIENCE_S, assert_error, classify, image_bytes, samples, scrape, serving,
                               settings_for, uvicorn_server, value, wait_until)
 
@@ -118,6 +121,23 @@ def test_a_bad_config_is_the_models_problem_and_names_what_is_wrong(tmp_path, ti
     with pytest.raises(RepositoryError):
         ModelRepository(root / "a" / "1" / "model.onnx")  # a file is no repository
     assert check_model_name("vit-b16_v2.onnx") == "vit-b16_v2.onnx"
+
+
+def test_one_name_limit_holds_for_the_repository_and_every_front_end():
+    longest, version = "a" * MAX_NAME_CHARS, "9" * MAX_VERSION_CHARS
+    assert check_model_name(longest) == longest
+    with pytest.raises(InvalidModelName, match=f"1-{MAX_NAME_CHARS} letters"):
+        check_model_name(longest + "a")
+    check_name_lengths(longest, version)  # gRPC's names
+    for name, too_long in ((longest + "a", version), (longest, version + "9")):
+        with pytest.raises(InvalidModelName, match=f"at most {MAX_NAME_CHARS} characters, versions at most "
+                                                   f"{MAX_VERSION_CHARS}"):
+            check_name_lengths(name, too_long)
+    for query in (ClassifyQuery, EmbedQuery):  # /v1's parameters
+        properties = query.model_json_schema()["properties"]
+        limits = [next(a["maxLength"] for a in properties[field]["anyOf"] if "maxLength" in a)
+                  for field in ("model", "version")]
+        assert limits == [MAX_NAME_CHARS, MAX_VERSION_CHARS], query
 
 
 # --- an in-process server of a repository ---

@@ -11,16 +11,16 @@ from fastapi import Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from vitserve.artifact import ModelInfo
-from vitserve.service.ground.errors import InvalidParameter, ServiceError
+from vitserve.service.ground.errors import InvalidParameter
+from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
-from vitserve.service.http.routes.uploads import each_file, image_body, read_files, upload_within
-from vitserve.service.schemas.v1 import BatchResponse, MapFormat, MapKind, RolloutFormat
+from vitserve.service.http.routes.uploads import image_body, read_files, upload_within
+from vitserve.service.schemas.v1 import BatchResponse, MapFormat, MapKind, ResizePolicy, RolloutFormat
 from vitserve.service.usecases import inference
 from vitserve.service.usecases.explanations import MAX_TARGET_CHARS, relevance_target
 from vitserve.service.usecases.inference import ClassifyOptions
 from vitserve.service.usecases.pipeline import Call
-from vitserve.service.usecases.preprocess import ResizePolicy
 
 IMAGE_BODY = image_body(several=False)
 BATCH_BODY = image_body(several=True, raw=False)
@@ -44,10 +44,10 @@ class ClassifyQuery(BaseModel):
         "the older spelling: rollout=F is map=rollout&map_format=F, rollout=none is map=none"))
     resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
                                                     "aspect, snap to patches")
-    model: str | None = Field(None, max_length=64, description="the model to run (GET /v1/models lists them); "
-                                                               "default: the only model")
-    version: str | None = Field(None, max_length=20, description="the model's version; default: its newest ready "
-                                                                 "version")
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the model to run (GET /v1/models lists "
+                                                                           "them); default: the only model")
+    version: str | None = Field(None, max_length=MAX_VERSION_CHARS, description="the model's version; default: its "
+                                                                                "newest ready version")
 
 
 class ClassifyParams:
@@ -79,9 +79,7 @@ async def classify(request: Request, path: dict[str, str]) -> Response:
         handle = call.route(params.model, params.version)
         options = params.options_for(handle.info)
         files = await upload(request, call, max_files=1)
-        if isinstance(files[0], ServiceError):
-            raise files[0]
-        answer = await call.run(inference.classify(call, files[0], options))
+        answer = await inference.classify_image(call, files[0], options)
     return json_answer(call, answer)
 
 
@@ -93,8 +91,7 @@ async def classify_batch(request: Request, path: dict[str, str]) -> Response:
         handle = call.route(params.model, params.version)
         options = params.options_for(handle.info)
         files = await upload(request, call, max_files=call.state.settings.max_batch_files)
-        work = each_file(call.state, files, lambda data: inference.classify(call, data, options), "a batch")
-        results = await call.run(work)
+        results = await inference.classify_images(call, files, options)
     answer = BatchResponse(model=inference.model_ref(handle.name, handle.version), results=results)
     return json_answer(call, answer)
 

@@ -14,15 +14,14 @@ import time
 from fastapi import Request, Response
 from pydantic import BaseModel, Field
 
-from vitserve.service.ground.errors import ServiceError
+from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
 from vitserve.service.http.routes.classify import upload
-from vitserve.service.http.routes.uploads import each_file, image_body, media_type
-from vitserve.service.schemas.v1 import EmbedResponse
+from vitserve.service.http.routes.uploads import image_body, media_type
+from vitserve.service.schemas.v1 import EmbedResponse, ErrorResponse, ImageEmbedding, ResizePolicy
 from vitserve.service.usecases import inference
 from vitserve.service.usecases.inference import EmbedOptions
-from vitserve.service.usecases.preprocess import ResizePolicy
 
 log = logging.getLogger("vitserve.embed")
 
@@ -33,9 +32,10 @@ class EmbedQuery(BaseModel):
     normalize: bool = Field(False, description="L2-normalise each vector (cosine similarity becomes a dot product)")
     resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
                                                     "aspect, snap to patches")
-    model: str | None = Field(None, max_length=64, description="the model to run; default: the only model")
-    version: str | None = Field(None, max_length=20, description="the model's version; default: its newest ready "
-                                                                 "version")
+    model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the model to run; default: the only "
+                                                                           "model")
+    version: str | None = Field(None, max_length=MAX_VERSION_CHARS, description="the model's version; default: its "
+                                                                                "newest ready version")
 
 
 async def embed(request: Request, path: dict[str, str]) -> Response:
@@ -47,14 +47,12 @@ async def embed(request: Request, path: dict[str, str]) -> Response:
         inference.check_embeds(handle)
         options = EmbedOptions(query.resize, query.normalize)
         files = await upload(request, call, max_files=call.state.settings.max_batch_files)
+        results: list[ImageEmbedding | ErrorResponse]
         if media_type(request) != "multipart/form-data":
             # one image as the body: its error is the request's, with its status, as on /v1/classify
-            if isinstance(files[0], ServiceError):
-                raise files[0]
-            results = [await call.run(inference.embed(call, files[0], options))]
+            results = [await inference.embed_image(call, files[0], options)]
         else:
-            work = each_file(call.state, files, lambda data: inference.embed(call, data, options), "an embed request")
-            results = await call.run(work)
+            results = await inference.embed_images(call, files, options)
             log.debug("embedded %d images in %.1f ms", len(files), (time.perf_counter() - call.started) * 1000)
     answer = EmbedResponse(model=inference.model_ref(handle.name, handle.version), results=results)
     return json_answer(call, answer)

@@ -21,6 +21,7 @@ from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, answer, get_ready_state, get_state
 from vitserve.service.http.errors import openapi_responses
 from vitserve.service.http.routes.uploads import decode_content, read_raw_body, upload_within
+from vitserve.service.schemas import paths
 from vitserve.service.schemas.binary_tensors import BINARY_MEDIA_TYPE, HEADER_LENGTH
 from vitserve.service.schemas.inference_protocol import (
     ParsedInferRequest,
@@ -29,12 +30,13 @@ from vitserve.service.schemas.inference_protocol import (
     parse_infer_request,
 )
 from vitserve.service.schemas.model_config import server_document
-from vitserve.service.schemas.v1 import InferRequest, InferResponse, ModelMetadata
+from vitserve.service.schemas.v2 import InferRequest, InferResponse, ModelMetadata
 from vitserve.service.usecases import control, inference
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.state import ServiceState
 
-router = APIRouter(prefix="/v2", tags=["open inference protocol (v2)"], dependencies=[Depends(require_api_key)])
+router = APIRouter(prefix=paths.PROTOCOL_ROOT, tags=["open inference protocol (v2)"],
+                   dependencies=[Depends(require_api_key)])
 
 MODEL = "/models/{name}"
 VERSIONED = "/models/{name}/versions/{version}"

@@ -8,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Query, Response
 
+from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import get_state
 from vitserve.service.http.errors import openapi_responses
@@ -31,8 +32,8 @@ async def models(state: Annotated[ServiceState, Depends(get_state)]) -> ModelLis
 @router.get("/v1/model", response_model=ModelCard, dependencies=[Depends(require_api_key)],
             responses=openapi_responses(400, 401, 403, 404, 503))
 async def model_card(state: Annotated[ServiceState, Depends(get_state)],
-                     model: Annotated[str | None, Query(max_length=64)] = None,
-                     version: Annotated[str | None, Query(max_length=20)] = None) -> ModelCard:
+                     model: Annotated[str | None, Query(max_length=MAX_NAME_CHARS)] = None,
+                     version: Annotated[str | None, Query(max_length=MAX_VERSION_CHARS)] = None) -> ModelCard:
     """A model version's card (default: the only model, its newest ready version)."""
     return control.card(state, model, version)
 
@@ -40,8 +41,8 @@ async def model_card(state: Annotated[ServiceState, Depends(get_state)],
 @router.get("/v1/models/{name}/inspect", dependencies=[Depends(require_api_key)],
             responses=openapi_responses(400, 401, 403, 404, 503))
 async def inspect_model(state: Annotated[ServiceState, Depends(get_state)],
-                        name: Annotated[str, Path(max_length=64)],
-                        version: Annotated[str | None, Query(max_length=20)] = None) -> dict:
+                        name: Annotated[str, Path(max_length=MAX_NAME_CHARS)],
+                        version: Annotated[str | None, Query(max_length=MAX_VERSION_CHARS)] = None) -> dict:
     """What the model version learned, as the paper's Figure 7 shows it: the principal components of its
     patch-embedding filters (a hybrid's stem filters) with their explained variance, the cosine similarity of its
     position embeddings, and the mean attention distance of each head at each depth, in pixels. Computed by
@@ -52,7 +53,7 @@ async def inspect_model(state: Annotated[ServiceState, Depends(get_state)],
 @router.get("/v1/models/{name}/shadow", response_model=ShadowReport, dependencies=[Depends(require_api_key)],
             responses=openapi_responses(401, 403, 404, 503))
 async def shadow_report(state: Annotated[ServiceState, Depends(get_state)],
-                        name: Annotated[str, Path(max_length=64)]) -> ShadowReport:
+                        name: Annotated[str, Path(max_length=MAX_NAME_CHARS)]) -> ShadowReport:
     """How far model `name`'s shadow version agrees with the versions that answer, over the copies compared since
     its config named it: top-1 agreement, the mean Jensen-Shannon divergence of the served probabilities, the mean
     rank correlation of the rollout maps, the shadow's latency, and the copies dropped or failed (docs/shadow.md).

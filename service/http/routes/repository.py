@@ -13,10 +13,12 @@ from vitserve.service.ground.errors import InvalidParameter
 from vitserve.service.http.access import require_admin_key, require_explicit_control
 from vitserve.service.http.dependencies import get_ready_state
 from vitserve.service.http.errors import openapi_responses
+from vitserve.service.schemas.paths import PROTOCOL_ROOT
 from vitserve.service.usecases import control
 from vitserve.service.usecases.state import ServiceState
 
-router = APIRouter(prefix="/v2/repository", tags=["model repository (v2)"], dependencies=[Depends(require_admin_key)])
+router = APIRouter(prefix=PROTOCOL_ROOT + "/repository", tags=["model repository (v2)"],
+                   dependencies=[Depends(require_admin_key)])
 
 MAX_BODY_BYTES = 64 * 1024  # {"ready": true} or a load's parameters: small
 

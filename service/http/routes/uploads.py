@@ -6,8 +6,6 @@ byte is read, and a chunked body is counted as it streams in. A client that hang
 """
 from __future__ import annotations
 
-import asyncio
-import logging
 import time
 import zlib
 
@@ -24,12 +22,8 @@ from vitserve.service.ground.errors import (
     ServiceError,
     UnsupportedMediaType,
 )
-from vitserve.service.http.errors import error_body
-from vitserve.service.schemas.v1 import ErrorResponse
 from vitserve.service.usecases.pipeline import Call
 from vitserve.service.usecases.preprocess import IMAGE_MEDIA_TYPES, MEDIA_TYPES
-
-log = logging.getLogger("vitserve.uploads")
 
 MULTIPART_OVERHEAD_BYTES = 64 * 1024  # boundaries and part headers on top of the files themselves
 
@@ -168,22 +162,3 @@ async def upload_within(call: Call, reading):
     body = await call.run(reading, on_timeout=timeout, watch=False)
     call.stages.append(("body", time.perf_counter() - started))
     return body
-
-
-async def each_file(state, files: list, work, what: str) -> list:
-    """`work(data)` for every uploaded file at once, each answer in its place: a file's own error (a read that
-    failed, or the work's) becomes its entry in /v1's error shape and is counted, never its neighbours' failure."""
-    async def one(data):
-        try:
-            if isinstance(data, ServiceError):
-                raise data
-            return await work(data)
-        except ServiceError as e:
-            error = e
-        except Exception as e:  # a bug shows in this file's answer and the log, never in its neighbours'
-            log.exception("unexpected error on one file of %s", what)
-            error = ServiceError(f"internal error: {type(e).__name__}")
-        state.metrics.rejected_request(error.code)
-        return ErrorResponse.model_validate(error_body(error.code, str(error)))
-
-    return await asyncio.gather(*(one(f) for f in files))
