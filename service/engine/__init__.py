@@ -31,6 +31,7 @@ class ModelHandle:
     pinned: bool = False
     batching: dict = field(default_factory=dict, compare=False)  # its own batching limits (config.json), if any
     version_policy: dict = field(default_factory=dict, compare=False)  # its model's (Triton's JSON form); {}: none
+    serving: dict = field(default_factory=dict, compare=False)  # how the version is served and why ({}: unknown)
 
 
 @dataclass

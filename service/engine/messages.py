@@ -62,6 +62,7 @@ class LoadedVersion(msgspec.Struct, array_like=True):
     batching: dict[str, int | float]  # its own batching limits (config.json)
     shadow: bool = False  # its model's shadow version: routed to only when named
     version_policy: dict = msgspec.field(default_factory=dict)  # its model's (config.json), Triton's JSON form
+    serving: dict = msgspec.field(default_factory=dict)  # how it is served and why (ServedModel.serving)
 
 
 class RepositoryIndex(msgspec.Struct, array_like=True):

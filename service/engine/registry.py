@@ -132,7 +132,8 @@ class ModelRegistry:
         if self._table is None:
             self._table = RoutingTable({key: VersionView(r.state, r.reason, r.served.info if r.served else None,
                                                          r.served.batching if r.served else {}, r.shadow,
-                                                         r.served.version_policy if r.served else {})
+                                                         r.served.version_policy if r.served else {},
+                                                         r.served.serving if r.served else {})
                                         for key, r in self.records.items()}, dict(self.model_problems))
         return self._table
 

@@ -322,7 +322,8 @@ class RemoteEngine:
                 views[row.model, row.version] = VersionView(row.state, row.reason, info,
                                                             served.batching if served else {},
                                                             served.shadow if served else False,
-                                                            served.version_policy if served else {})
+                                                            served.version_policy if served else {},
+                                                            served.serving if served else {})
         table = RoutingTable(views, dict(index.problems))
         retired = self.table.live() - table.live()
         self._index, self.table = index, table

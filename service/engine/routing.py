@@ -30,6 +30,7 @@ class VersionView:
     batching: dict = field(default_factory=dict)  # its own batching limits (from its config.json)
     shadow: bool = False  # its model's shadow version: routed to only when a client names it
     version_policy: dict = field(default_factory=dict)  # its model's, as its config.json says ({}: none)
+    serving: dict = field(default_factory=dict)  # how it is served and why (ServedModel.serving; {}: not loaded)
 
 
 @dataclass
@@ -54,7 +55,8 @@ class RoutingTable:
                 raise ModelUnavailable(f"model {name!r} has no ready version ({states})")
             view = versions[ready[0]]
             assert view.info is not None, "a ready version is loaded"
-            return ModelHandle(name, ready[0], view.info, batching=view.batching, version_policy=view.version_policy)
+            return ModelHandle(name, ready[0], view.info, batching=view.batching, version_policy=view.version_policy,
+                               serving=view.serving)
         named = versions.get(version)
         if named is None:
             check_version(version)
@@ -65,7 +67,7 @@ class RoutingTable:
                                    + (f": {named.reason}" if named.reason else ""))
         assert named.info is not None, "a ready version is loaded"
         return ModelHandle(name, version, named.info, pinned=True, batching=named.batching,
-                           version_policy=named.version_policy)
+                           version_policy=named.version_policy, serving=named.serving)
 
     def reroute(self, handle: ModelHandle) -> ModelHandle:
         """Where a request goes whose version was retired before it ran: unpinned, the newest ready version, if

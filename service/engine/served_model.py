@@ -50,7 +50,8 @@ class ServedModel:
         self.cpu_priority = cpu_priority  # of the threads that load and run it (service/engine/threads.py)
         self._info: ModelInfo | None = None
         self.capabilities = Capabilities()  # the loaded model's, read once at load: what run_batch may ask of it
-        self._load_started = 0.0
+        self._load_started, self._ready_s = 0.0, 0.0
+        self._stages: list[tuple[str, float]] = []
         self._pixel_table: PixelTable | None = None
         self.batcher: DynamicBatcher | None = None
         self.ready = False
@@ -67,6 +68,17 @@ class ServedModel:
     def batching(self) -> dict:
         """Its batching limits where they differ from the server's (its model's config.json)."""
         return {k: getattr(self.settings, k) for k in BATCHING_LIMITS if k in self.settings.model_fields_set}
+
+    @property
+    def serving(self) -> dict:
+        """How this version is served and why, as the model card and /v2 config show it: its plan
+        (service/engine/serving_plan.py) and what each stage of its load took; {} before it is ready."""
+        if not self.ready:
+            return {}
+        plan = self.capabilities.plan
+        described = plan.describe() if plan is not None else {"source": "given", "why": "a model object handed over"}
+        return {**described, "provider": self.provider, "ready_s": round(self._ready_s, 3),
+                "load_stages_s": {name: round(seconds, 3) for name, seconds in self._stages}}
 
     @property
     def provider(self) -> str:
@@ -113,13 +125,14 @@ class ServedModel:
         started = time.perf_counter()
         sizes = await asyncio.to_thread(warm_up, self.loaded_model, self.settings.warmup_batch_sizes)
         stages = [*self.capabilities.load_stages, ("warm-up", time.perf_counter() - started)]
+        self._stages, self._ready_s = stages, time.perf_counter() - self._load_started
         self.ready = True
         self.metrics.set_ready(True)
         plan = self.capabilities.plan
         self.metrics.service.set_model(self.name, self.version, self.provider, self.info.opset,
                                        plan.source if plan else "given", plan.key if plan else "")
         log.info("ready: %s version %s on %s in %.2f s (%s), warmed up at batch sizes %s", self.name, self.version,
-                 self.provider, time.perf_counter() - self._load_started,
+                 self.provider, self._ready_s,
                  ", ".join(f"{name} {seconds:.2f}" for name, seconds in stages), sizes)
 
     @asynccontextmanager

@@ -285,7 +285,7 @@ class EngineServer:
         registry = self.engine.registry
         rows = [IndexRow(e.name, e.version, e.state, e.reason) for e in registry.index()]
         loaded = [LoadedVersion(n, v, view.info.to_metadata(), view.info.opset, view.batching, view.shadow,
-                                view.version_policy)
+                                view.version_policy, view.serving)
                   for (n, v), view in registry.table.versions.items() if view.info is not None]
         return RepositoryIndex(registry.generation, rows, loaded, dict(registry.model_problems))
 
