@@ -1,24 +1,22 @@
 """`vitserve predict IMAGE...`: the top-k classes of each image as a table, and its rollout overlay as a PNG.
 
-With `--url` the images go to a running server (`POST /v1/classify?rollout=overlay`); without, the ONNX model
-runs in this process through the service's own code (runtime, preprocessing, postprocessing), so the
-answers are the server's. Either way one image's failure is reported on its row and the others go on.
+With `--url` the images go to a running server (`POST /v1/classify`); without, to the service's own app in this
+process (the same use case, plan, preprocessing and encoding as `vitserve serve`; no port opened), so the answers
+are the server's. Either way one image's failure is reported on its row and the others go on.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
+import contextlib
 import io
 import logging
 import math
 import mimetypes
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from vitserve.help_format import DefaultsHelpFormatter
-
-if TYPE_CHECKING:  # the service's modules are imported only when a predictor is made
-    from vitserve.service.usecases.preprocess import ResizePolicy
 
 DEFAULT_MODEL = Path("models/vit-fmnist/model.onnx")
 # The long side an overlay file gets at least: the server draws it at the input's size, and a 28x28 Fashion-MNIST
@@ -36,75 +34,30 @@ class Prediction:
     error: str | None = None  # "code: message" when the image failed
 
 
-class LocalPredictor:
-    """The model in this process: service.engine.runtime's session, service.usecases.preprocess,
-    service.usecases.postprocess."""
+class Predictor:
+    """One `POST /v1/classify` per image, the image as a multipart `file`: to a running server, or to the service's
+    own app in this process (`in_process`), so a local answer is the server's, its calibrated scores, its plan
+    (runtime and precision) and its maps included."""
 
-    def __init__(self, model_path: Path, top_k: int, resize: ResizePolicy, map_kind: str = "rollout",
-                 target: str | None = None):
-        from vitserve.service.engine.onnx_runtime import OnnxModel
-        from vitserve.service.ground.settings import Settings
-        from vitserve.service.usecases.explanations import relevance_target
-
-        logging.getLogger("vitserve.runtime").setLevel(logging.ERROR)  # not "CUDA skipped" on every CPU run
-        self.settings = Settings(model_path=model_path)
-        self.model = OnnxModel.load(self.settings)
-        self.top_k, self.resize = top_k, resize
-        # The class to explain (relevance), checked against the labels before any image is read.
-        self.target = relevance_target(target, self.model.info) if map_kind == "relevance" else None
-
-    def predict(self, image: Path, want_overlay: bool) -> Prediction:
-        from vitserve.service.ground.errors import ServiceError
-        from vitserve.service.schemas.v1 import RolloutImage
-        from vitserve.service.usecases.postprocess import encode_result  # the server's own encoding: same answers
-        from vitserve.service.usecases.preprocess import prepare_image
-
-        s, info = self.settings, self.model.info
-        try:
-            prepared = prepare_image(image.read_bytes(), info, resize=self.resize, max_bytes=s.max_upload_bytes,
-                                     max_pixels=s.max_image_pixels, max_tokens=s.max_native_tokens,
-                                     keep_source=want_overlay, max_render_side=s.max_rollout_image_side)
-        except ServiceError as e:
-            return Prediction(image, error=f"{e.code}: {e}")
-        if self.target is None:
-            logits, shown = self.model.run(prepared.pixels[None])[:2]  # (1, K), (1, h, w)
-        else:
-            import numpy as np
-
-            logits, _, shown = self.model.explain(prepared.pixels[None], np.array([self.target]))[:3]
-        predictions, heat = encode_result(info.labels, prepared, logits[0], shown[0], self.top_k,
-                                          "overlay" if want_overlay else "none", info.temperature_for(logits[0]))
-        return Prediction(image, [(p.label, p.score) for p in predictions],
-                          base64.b64decode(heat.data) if isinstance(heat, RolloutImage) else None)
-
-    def close(self) -> None:
-        pass
-
-
-class RemotePredictor:
-    """A running server: one `POST /v1/classify` per image, the image as a multipart `file`."""
-
-    def __init__(self, url: str, top_k: int, resize: str, timeout_s: float, map_kind: str = "rollout",
-                 target: str | None = None):
-        import httpx
-
-        self.client = httpx.Client(base_url=url.rstrip("/"), timeout=timeout_s)
+    def __init__(self, client, top_k: int, resize: str, map_kind: str = "rollout", target: str | None = None):
+        self.client = client  # an httpx.AsyncClient
         self.top_k, self.resize, self.map, self.target = top_k, resize, map_kind, target
 
-    def predict(self, image: Path, want_overlay: bool) -> Prediction:
+    async def predict(self, image: Path, want_overlay: bool) -> Prediction:
         import httpx
 
         media_type = mimetypes.guess_type(image.name)[0] or "application/octet-stream"
-        params: dict[str, str | int] = {
-            "top_k": self.top_k, "resize": self.resize, "map": self.map if want_overlay else "none",
-            "map_format": "overlay", **({"target": self.target} if self.target is not None else {})}
-        if not want_overlay:
-            params.pop("map_format")
+        params: dict[str, str | int] = {"top_k": self.top_k, "resize": self.resize,
+                                        "map": self.map if want_overlay else "none"}
+        if want_overlay:
+            params["map_format"] = "overlay"
+        if self.target is not None:
+            params["target"] = self.target
         try:
-            r = self.client.post("/v1/classify", params=params, files={"file": (image.name, image.read_bytes(),
-                                                                                  media_type)})
+            r = await self.client.post("/v1/classify", params=params,
+                                       files={"file": (image.name, image.read_bytes(), media_type)})
         except httpx.HTTPError as e:
-            return Prediction(image, error=f"connection_failed: {e}")
+            return Prediction(image, error=f"connection_failed: {self.client.base_url}: {e}")
         body = _json_or_none(r)
         if r.status_code != 200 or body is None:
             error = (body or {}).get("error", {})
@@ -116,8 +69,42 @@ class RemotePredictor:
             result.overlay_png = base64.b64decode(shown["data"])
         return result
 
-    def close(self) -> None:
-        self.client.close()
+
+@contextlib.asynccontextmanager
+async def in_process(model_path: Path):
+    """An httpx client of the service's own app serving `model_path` in this process (its settings from the
+    environment, as `vitserve serve`'s; no port opened), once the model is loaded and warmed up."""
+    import httpx
+
+    from vitserve.service.app import create_app
+    from vitserve.service.ground.settings import Settings
+
+    logging.getLogger("vitserve").setLevel(logging.ERROR)  # the table is the output, not the server's log
+    settings = Settings(model_path=model_path, engine="inline", workers=1, grpc_port=0, max_loop_lag_ms=None)
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        engine = app.state.service.engine
+        if not await engine.warmed_up():
+            reasons = "; ".join(entry.reason for entry in await engine.index() if entry.reason)
+            raise SystemExit(f"vitserve predict: {model_path} cannot be served: {reasons or 'it did not load'}")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://vitserve.in-process") as client:
+            yield client
+
+
+def checked_model(model_path: Path, map_kind: str, target: str | None) -> None:
+    """A local model file that can be read, and the class to explain among its labels, before anything loads:
+    SystemExit with the one-line reason otherwise."""
+    from vitserve.service.engine.inference_model import read_model_file_info
+    from vitserve.service.ground.errors import InvalidParameter, ModelLoadError
+    from vitserve.service.usecases.explanations import relevance_target
+
+    try:
+        info = read_model_file_info(model_path)
+        if map_kind == "relevance":
+            relevance_target(target, info)
+    except (ModelLoadError, InvalidParameter) as e:
+        raise SystemExit(f"vitserve predict: {e}") from None
 
 
 def _json_or_none(response) -> dict | None:
@@ -213,32 +200,32 @@ def run_predict(args) -> int:
         raise SystemExit("vitserve predict: --top-k must be at least 1")
     if args.target is not None and args.map != "relevance":
         raise SystemExit("vitserve predict: --target needs --map relevance")
-    predictor: LocalPredictor | RemotePredictor
-    if args.url:
-        predictor = RemotePredictor(args.url, args.top_k, args.resize, args.timeout, args.map, args.target)
-    else:
-        from vitserve.service.ground.errors import InvalidParameter, ModelLoadError
-
-        try:
-            predictor = LocalPredictor(args.model, args.top_k, args.resize, args.map, args.target)
-        except (ModelLoadError, InvalidParameter) as e:
-            raise SystemExit(f"vitserve predict: {e}") from None
+    if not args.url:
+        checked_model(args.model, args.map, args.target)
     if args.out_dir:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-    results, written = [], []
+    results = asyncio.run(_predict_all(args))
+    written = []
     destinations = overlay_paths(args.images, args.out_dir, args.map)
-    try:
-        for image in args.images:
-            result = predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file() else \
-                Prediction(image, error="not_found: no such file")
-            if result.overlay_png:
-                path = destinations[image]
-                written.append((path, path.exists()))
-                path.write_bytes(display_size(result.overlay_png))
-            results.append(result)
-    finally:
-        predictor.close()
+    for result in results:
+        if result.overlay_png:
+            path = destinations[result.image]
+            written.append((path, path.exists()))
+            path.write_bytes(display_size(result.overlay_png))
     print(format_table(results))
     for path, existed in written:
         print(f"{'replaced' if existed else 'wrote'} {path}")
     return 1 if any(r.error for r in results) else 0
+
+
+async def _predict_all(args) -> list[Prediction]:
+    import httpx
+
+    if args.url:
+        client = httpx.AsyncClient(base_url=args.url.rstrip("/"), timeout=args.timeout)
+    else:
+        client = in_process(args.model)
+    async with client as connected:
+        predictor = Predictor(connected, args.top_k, args.resize, args.map, args.target)
+        return [await predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file()
+                else Prediction(image, error="not_found: no such file") for image in args.images]

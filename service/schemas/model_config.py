@@ -42,11 +42,13 @@ def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
     return [(OUTPUT_NAMES[0], [info.num_classes]), *((name, [-1, -1]) for name in maps), *extras]
 
 
-def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None) -> dict:
+def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None,
+                  serving: dict | None = None) -> dict:
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
     the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
     as this server runs it, its instances on the execution provider in use: one in an engine process, one per
-    HTTP worker inline (each worker's session runs its own batches)."""
+    HTTP worker inline (each worker's session runs its own batches); how the version is served and why (`serving`:
+    its plan, service/engine/serving_plan.py) as string parameters, Triton's only kind."""
     on_gpu = provider in GPU_PROVIDERS
     count = settings.http_workers if settings.engine == "inline" else 1
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": count,
@@ -71,6 +73,16 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str, version_po
         "default_model_filename": settings.model_path.name,
         "parameters": {"execution_provider": {"string_value": provider},
                        "image_size": {"string_value": "x".join(map(str, info.image_size))},
-                       "patch_size": {"string_value": str(info.patch_size)}},
+                       "patch_size": {"string_value": str(info.patch_size)},
+                       **plan_parameters(serving or {})},
         "model_warmup": [],
     }
+
+
+# The plan's fields that /v2 config names, each as the parameter `plan_<field>`
+PLAN_PARAMETERS = ("runtime", "precision_hint", "maps_free", "light", "source", "why", "key")
+
+
+def plan_parameters(serving: dict) -> dict:
+    return {f"plan_{name}": {"string_value": str(serving[name]).lower() if isinstance(serving[name], bool)
+                             else str(serving[name])} for name in PLAN_PARAMETERS if name in serving}

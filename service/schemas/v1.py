@@ -202,3 +202,8 @@ class ModelCard(BaseModel):
     calibration: dict | None = Field(description="what the temperature was fitted on and the expected calibration "
                                                  "error it measured before and after, on images it was not fitted "
                                                  "on; null for an uncalibrated file")
+    serving: dict = Field(default_factory=dict, description="how this server serves the version and why: its plan "
+                          "(runtime, precision_hint, maps_free, light; source: settings, recorded by `vitserve tune`, "
+                          "declared from the machine's units, or given; why; key: the tuning record's name, the same "
+                          "on every replica of this file and machine), provider, and the seconds its load took in "
+                          "all (ready_s) and by stage (docs/tuning.md)")

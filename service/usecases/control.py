@@ -55,7 +55,7 @@ def card(state: ServiceState, name: str | None, version_name: str | None) -> Mod
                      temperature_by_entropy=None if info.temperature_by_entropy is None
                      else TemperatureCurve(**info.temperature_by_entropy.to_json()),
                      embedding_size=info.embedding_size, ood=info.ood or None,
-                     calibration=info.calibration or None)
+                     calibration=info.calibration or None, serving=handle.serving)
 
 
 def live_versions(state: ServiceState) -> set[tuple[str, str]]:
@@ -75,7 +75,7 @@ def configuration(state: ServiceState, name: str | None, version_name: str | Non
     config.json)."""
     handle = version(state, name, version_name)
     return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider,
-                         handle.version_policy)
+                         handle.version_policy, handle.serving)
 
 
 async def statistics(state: ServiceState, name: str | None, version_name: str | None) -> list[dict]:

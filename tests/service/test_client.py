@@ -128,7 +128,8 @@ def test_predict_without_a_model_file_exits_with_a_message(tmp_path):
         main(["predict", str(tmp_path / "x.png"), "--model", str(tmp_path / "absent.onnx")])
 
 
-def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, capsys):
+def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")  # local predict reads the server's settings, as serve does
     assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "3",
                  "--out-dir", str(tmp_path / "local")]) == 0
     local = parse_table(capsys.readouterr().out)
@@ -151,7 +152,8 @@ def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, ca
         assert np.abs(remote_px - local_px).max() <= 2
 
 
-def test_predict_relevance_overlays_locally_and_via_a_server(tiny_onnx, images, tmp_path, capsys):
+def test_predict_relevance_overlays_locally_and_via_a_server(tiny_onnx, images, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")
     explain = ["--map", "relevance", "--target", "dog"]
     assert main(["predict", str(images[0]), "--model", str(tiny_onnx), *explain, "--out-dir", str(tmp_path / "l")]) == 0
     with uvicorn_server(tiny_onnx) as (base_url, _):
@@ -173,7 +175,8 @@ def test_predict_via_url_reports_an_unreachable_server(images, capsys):
     from service_fixtures import free_port
 
     assert main(["predict", str(images[0]), "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
-    assert re.search(r"error\s+connection_failed: ", capsys.readouterr().out)
+    out = capsys.readouterr().out
+    assert re.search(r"error\s+connection_failed: http://127\.0\.0\.1:\d+: ", out), out  # the URL named
 
 
 def test_a_small_overlay_is_enlarged_in_whole_blocks_for_display():
@@ -199,3 +202,21 @@ def test_format_table_is_aligned():
         "                  2  bird   0.1250",
         "long/name.jpg     -  error  invalid_image: broken",
     ]
+
+
+def test_predict_locally_answers_as_the_server_does_with_its_ood_score_and_plan(tiny_onnx, images, monkeypatch):
+    """The local path is the server's own use case in this process: the same JSON a server sends (its calibrated
+    scores, its OOD field), on the plan the server would load (here ONNX Runtime, named in the environment)."""
+    import asyncio
+
+    from vitserve.service.client import in_process
+    monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")
+
+    async def ask():
+        async with in_process(tiny_onnx) as client:
+            answer = await client.post("/v1/classify", files={"file": ("p.png", images[0].read_bytes(), "image/png")})
+            card = await client.get("/v1/model")
+        return answer.json(), card.json()
+    answer, card = asyncio.run(ask())
+    assert {"predictions", "ood", "timing_ms", "model"} <= set(answer)
+    assert card["serving"]["runtime"] == "onnxruntime" and card["serving"]["source"] == "settings"

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from service_fixtures import serving, settings_for
 
 from vitserve.service.engine import cuda_graphs, runtime, serving_plan, tuning
 from vitserve.service.engine.onnx_runtime import read_artifact
 from vitserve.service.engine.serving_plan import PlanKey, cpu_flags, declared_runtime, multiply_adds, plan_key
 from vitserve.service.ground.errors import ModelLoadError
-from service_fixtures import settings_for
 
 AUTO = {"runtime": "auto", "maps_free": "auto"}
 
@@ -180,3 +180,25 @@ def test_the_key_names_the_cpus_deciding_flags(tmp_path):
     assert cpu_flags(tmp_path / "missing") == ()
     key = PlanKey("ab" * 32, "CPU", ("avx2",), 2, ("onnxruntime 1",), (("runtime", "auto"),))
     assert key.as_json()["flags"] == ["avx2"] and key.digest == replace(key).digest
+
+
+@pytest.mark.anyio
+async def test_the_card_v2_config_and_log_say_how_the_version_is_served_and_what_its_load_took(tiny_onnx, tuning_dir,
+                                                                                             caplog):
+    settings = settings_for(tiny_onnx, tuning_dir=tuning_dir, **AUTO)
+    with caplog.at_level(logging.INFO):
+        async with serving(settings) as client:
+            card = (await client.get("/v1/model")).json()
+            config = (await client.get(f"/v2/models/{card['name']}/config")).json()
+    plan = card["serving"]
+    assert plan["source"] == "declared" and plan["key"] == plan_key(tiny_onnx, settings).digest
+    assert plan["provider"] == card["provider"] and plan["runtime"] in ("onnxruntime", "openvino")
+    stages = plan["load_stages_s"]
+    assert list(stages)[:3] == ["read", "plan", "sessions"] and list(stages)[-1] == "warm-up"
+    assert sum(stages.values()) <= plan["ready_s"] + 0.01
+    parameters = config["parameters"]
+    assert parameters["plan_source"] == {"string_value": "declared"}
+    assert parameters["plan_key"] == {"string_value": plan["key"]}
+    assert parameters["plan_maps_free"] == {"string_value": "true"}
+    ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
+    assert len(ready) == 1 and "(read " in ready[0] and ", warm-up " in ready[0], ready
