@@ -38,9 +38,10 @@ from vitserve.service.app import create_app
 from vitserve.service.ground.deadlines import InUse
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.metrics import Recorder, ServiceMetrics
+from vitserve.service.ground.model_names import check_model_name
 from vitserve.service.ground.settings import Settings
-from vitserve.service.http.dependencies import model_in_path
-from vitserve.service.repository.layout import ModelRepository, check_model_name
+from vitserve.service.repository.layout import ModelRepository
+from vitserve.service.schemas.paths import PROTOCOL_ROOT, model_in_protocol_path
 
 log = logging.getLogger("vitserve.ray")
 
@@ -130,14 +131,14 @@ class HeldModel:
         await self.engine.unload(self.name)
 
 
-_REPOSITORY_CONTROL = re.compile(r"^/v2/repository/models/[^/]+/(load|unload)$")
+_REPOSITORY_CONTROL = re.compile(rf"^{re.escape(PROTOCOL_ROOT)}/repository/models/[^/]+/(load|unload)$")
 MULTIPLEX_HEADER = b"serve_multiplexed_model_id"  # Ray's proxy routes by it
 
 
 def requested_model(scope) -> str | None:
     """The model a request names: in its path (/v2/models/NAME/...), its `model` query parameter (/v1), or Ray's
     multiplexing header; None if none."""
-    if name := model_in_path(scope["path"]):
+    if name := model_in_protocol_path(scope["path"]):
         return name
     try:
         for key, value in parse_qsl(scope.get("query_string", b"").decode("latin-1"), max_num_fields=32):

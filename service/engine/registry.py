@@ -38,8 +38,9 @@ from vitserve.service.ground.errors import (
 )
 from vitserve.service.ground.memory import collect_cycles, give_freed_memory_back
 from vitserve.service.ground.metrics import ServiceMetrics
+from vitserve.service.ground.model_names import check_model_name
 from vitserve.service.ground.settings import Settings
-from vitserve.service.repository.layout import ModelEntry, VersionFile, check_model_name, single_file_source
+from vitserve.service.repository.layout import ModelEntry, VersionFile, single_file_source
 
 log = logging.getLogger("vitserve.repository")
 

@@ -19,7 +19,7 @@ from vitserve.service.ground.errors import (
     ModelUnavailable,
     VersionRetired,
 )
-from vitserve.service.repository.layout import check_model_name, check_version
+from vitserve.service.ground.model_names import check_model_name, check_version
 
 
 @dataclass(frozen=True)
