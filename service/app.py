@@ -115,11 +115,19 @@ def openapi_document(app: FastAPI) -> dict:
 def engine_for(settings: Settings, metrics: ServiceMetrics, model: InferenceModel | None) -> Engine:
     """The engine process at `settings.engine_addresses` (a frontend started by `vitserve serve`), or the model
     registry in this process."""
-    if settings.engine_addresses and model is None:
-        from vitserve.service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
-        return RemoteEngine(settings, metrics)
     from vitserve.service.engine.local import LocalEngine
     from vitserve.service.engine.registry import ModelRegistry, model_source
+    if settings.engine_addresses and model is None:
+        from vitserve.service.engine.remote import RemoteEngine  # pyzmq: only for a frontend
+        remote = RemoteEngine(settings, metrics)
+        if not settings.lone_request_path or settings.model_repository is not None:
+            return remote
+        from vitserve.service.engine.lone_path import LonePathEngine
+        from vitserve.service.engine.runtime import load_engine_model
+        # the engine process's own rule for the model's threads (a light model: one), so both answer alike
+        local = LocalEngine(settings, metrics, ModelRegistry(model_source(settings), settings, metrics,
+                                                             loader=load_engine_model))
+        return LonePathEngine(remote, local, metrics)
     return LocalEngine(settings, metrics, ModelRegistry(model_source(settings, model), settings, metrics))
 
 

@@ -172,6 +172,10 @@ class RemoteEngine:
         ready = [link.predicted_wait_s(name) for link in self._links if link.ready]
         return min(ready) if ready else 0.0
 
+    def in_flight(self) -> bool:
+        """Whether this frontend has an image in an engine that has not been answered yet."""
+        return any(link.pending for link in self._links)
+
     def live_versions(self) -> set[tuple[str, str]]:
         return self.table.live()
 

@@ -73,6 +73,9 @@ class ServiceMetrics:
                                        per_model)
         self.maps_free_images = metric(Counter, "vitserve_maps_free_images", "Images run through the maps-free graph "
                                        "(requests that asked for no map, on a model that has the graph)", per_model)
+        self.lone_path_images = metric(Counter, "vitserve_lone_path_images", "Images an HTTP worker ran on its own "
+                                       "session, alone, instead of sending them to the engine process "
+                                       "(lone_request_path)", per_model)
         self.postprocess = metric(Histogram, "vitserve_postprocess_seconds", "Encoding one image's result: top-k and "
                                   "rollout rendering, or its share of a tensor response", per_model,
                                   buckets=LATENCY_BUCKETS)
@@ -181,6 +184,9 @@ class ServiceMetrics:
         rejected, duration = series
         rejected.inc()
         duration.observe(0.0)
+
+    def lone_path_image(self, model: str, version: str) -> None:
+        self.labelled(model, version, self.lone_path_images, (model, version)).inc()
 
     def for_model(self, model: str, version: str) -> ModelMetrics:
         """What one model version reports: its batches, queue and images, under its labels (made once: every

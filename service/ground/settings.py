@@ -37,6 +37,12 @@ class Settings(BaseSettings):
                             "(service/engine/topology.py)")
     workers: int | None = Field(None, ge=1, description="HTTP worker processes (uvicorn); unset: one per core, 1 "
                                                         "with engine=inline")
+    lone_request_path: bool = Field(False, description="with engine=process and one model file: each HTTP worker "
+                                    "also loads the model, as the engine does, and runs a request there when it is "
+                                    "the only one in flight in the worker and the engine has none of the worker's "
+                                    "and nothing queued (no hop for a lone request; every batch under load in the "
+                                    "engine); engine auto turns it on for a light model on the CPU "
+                                    "(service/engine/lone_path.py)")
     engine_arena_bytes: int = Field(64 * 2**20, ge=2**20, description="shared memory each HTTP worker writes pixels "
                                                                       "into for the engine (at most a quarter of "
                                                                       "what /dev/shm has free)")
@@ -357,7 +363,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
     "common": ("model_path", "model_repository", "host", "port", "grpc_port", "model_control_mode", "load_models",
                "admin_key", "api_key", "runtime", "providers", "workers", "max_batch_size", "max_queue_delay_ms",
                "request_timeout_ms", "log_level"),
-    "server": ("engine", "limit_concurrency", "drain_timeout_s", "retry_after_s", "max_header_bytes", "max_headers",
+    "server": ("engine", "lone_request_path", "limit_concurrency", "drain_timeout_s", "retry_after_s",
+               "max_header_bytes", "max_headers",
                "header_timeout_s", "body_timeout_s", "max_requests_per_connection",
                "grpc_max_concurrent_streams", "grpc_max_metadata_bytes",
                "compress_min_bytes", "compress_max_bytes", "grpc_response_compression"),
