@@ -9,7 +9,10 @@ Triton's model management, in its order:
   runs what is queued, then drops its session and its metrics' series.
 - poll mode reads the repository every `repository_poll_secs`: a version is loaded once its file has stayed the
   same size and age for a whole interval (not while it is still being copied), a failure is reported and tried
-  again only once the file changes, and a model folder that disappears is unloaded.
+  again only once the file changes, and a model folder that disappears is unloaded. A model's config.json is
+  watched the same way: once a change of what it says (or its appearing or going) has stayed for an interval, the
+  model's versions are loaded again with it, each old one serving until its new one is warmed up, as Triton
+  reloads a model whose configuration changed. An explicit load applies a changed config.json the same way.
 One load or unload per model at a time (a lock per model), and one load at a time overall (two big models coming
 up at once must not double the peak memory).
 """
@@ -40,7 +43,13 @@ from vitserve.service.ground.memory import collect_cycles, give_freed_memory_bac
 from vitserve.service.ground.metrics import ServiceMetrics
 from vitserve.service.ground.model_names import check_model_name
 from vitserve.service.ground.settings import Settings
-from vitserve.service.repository.layout import ModelEntry, VersionFile, single_file_source
+from vitserve.service.repository.layout import (
+    ConfigFile,
+    ModelEntry,
+    VersionFile,
+    same_config,
+    single_file_source,
+)
 
 log = logging.getLogger("vitserve.repository")
 
@@ -95,12 +104,24 @@ class VersionRecord:
     served: ServedModel | None = None
     file: VersionFile | None = None
     shadow: bool = False  # the model's shadow version (its config.json's `shadow`)
+    config: ConfigFile | None = None  # its model's config.json as it was loaded with (None: there was none)
 
 
 @dataclass
 class _PollMemory:
     seen: dict[tuple[str, str], VersionFile] = field(default_factory=dict)  # each version's file at the last poll
-    failed: dict[str, tuple] = field(default_factory=dict)  # model -> the files whose load failed
+    configs: dict[str, ConfigFile | None] = field(default_factory=dict)  # each model's config.json at the last poll
+    failed: dict[str, tuple] = field(default_factory=dict)  # model -> the files and config.json whose load failed
+
+    def settled(self, entry: ModelEntry, files: dict[str, VersionFile]) -> bool:
+        """Whether `files` and the model's config.json are as the last poll saw them (not being written); what
+        this poll sees is remembered for the next."""
+        name = entry.name
+        stable = all(self.seen.get((name, v)) == f for v, f in files.items()) and \
+            name in self.configs and self.configs[name] == entry.config_file
+        self.seen.update({(name, v): f for v, f in entry.versions.items()})
+        self.configs[name] = entry.config_file
+        return stable
 
 
 class ModelRegistry:
@@ -187,6 +208,9 @@ class ModelRegistry:
             entry = self.source.entry(check_model_name(name))  # ModelNotFound when the folder is gone
             if "" in entry.problems:
                 self.model_problems[name] = entry.problems[""]
+                for (n, _), record in self.records.items():
+                    if n == name and record.state == READY:  # it serves on with the config it was loaded with
+                        record.reason = f"reload failed: {entry.problems['']}"
                 self._changed()
                 raise ModelLoadError(f"model {name!r}: {entry.problems['']}")
             if self.model_problems.pop(name, None) is not None:
@@ -209,7 +233,7 @@ class ModelRegistry:
             await self._set_shadow(entry)
             for (n, v), record in list(self.records.items()):
                 if n == name and v not in wanted and record.state in (READY, LOADING):
-                    await self._retire(record, f"version {v} is no longer in the version policy")
+                    await self._retire(record, _why_not_wanted(entry, v))
 
     async def _set_shadow(self, entry: ModelEntry) -> None:
         """Compare with the shadow the config names now (a changed config starts the comparison afresh)."""
@@ -234,14 +258,15 @@ class ModelRegistry:
         (startup), it is left LOADING with its session: `warm_up_loading` finishes the job."""
         key, file = (entry.name, version), entry.versions[version]
         shadow = version == entry.shadow_version
-        current = self.records.get(key)
-        if current is not None and current.state == READY and current.file == file:
-            if current.shadow != shadow:  # promoted from shadow, or made one: routing changes, the session stays
-                current.shadow = shadow
+        current, config = self.records.get(key), entry.config_file
+        if current is not None and current.state == READY and current.file == file and \
+                same_config(current.config, config):
+            if current.shadow != shadow or current.reason:  # made the shadow or no longer (routing changes, the
+                current.shadow, current.reason = shadow, ""  # session stays), or a failed reload since undone
                 self._changed()
-            return None  # the same file: nothing to load
+            return None  # the same file and config: nothing to load
         if current is None or current.state != READY:
-            self.records[key] = VersionRecord(entry.name, version, LOADING, file=file, shadow=shadow)
+            self.records[key] = VersionRecord(entry.name, version, LOADING, file=file, shadow=shadow, config=config)
             self._changed()
         try:
             served = await self._bring_up(entry, version, file, warm)
@@ -252,13 +277,14 @@ class ModelRegistry:
             if current is not None and current.state == READY:
                 current.reason = f"reload failed: {reason}"  # the old file goes on serving
             else:
-                self.records[key] = VersionRecord(entry.name, version, UNAVAILABLE, reason, file=file, shadow=shadow)
+                self.records[key] = VersionRecord(entry.name, version, UNAVAILABLE, reason, file=file, shadow=shadow,
+                                                  config=config)
             self._changed()
             return f"version {version}: {reason}"
         self.records[key] = VersionRecord(entry.name, version, READY if warm else LOADING, served=served, file=file,
-                                          shadow=shadow)
+                                          shadow=shadow, config=config)
         self._changed()
-        if current is not None and current.served is not None:  # a changed file replaced in place
+        if current is not None and current.served is not None:  # a changed file or config replaced in place
             self._in_background(self._close_replaced(current.served, served))
         return None
 
@@ -300,7 +326,7 @@ class ModelRegistry:
                                                         overrides["max_batch_size"])
         return self.settings.model_copy(update=overrides)
 
-    async def unload(self, name: str) -> None:
+    async def unload(self, name: str, reason: str = "unloaded") -> None:
         async with self._lock(check_model_name(name)):
             records = [r for (n, _), r in self.records.items() if n == name]
             if not records and name not in self.source.names():
@@ -309,7 +335,7 @@ class ModelRegistry:
                 await self.shadows.pop(name).close()
             for record in records:
                 if record.state in (READY, LOADING):
-                    await self._retire(record, "unloaded")
+                    await self._retire(record, reason)
 
     async def _retire(self, record: VersionRecord, reason: str) -> None:
         record.state, record.reason = UNLOADING, ""
@@ -342,6 +368,7 @@ class ModelRegistry:
                 log.error("at startup: %s", e)
         if self.settings.model_control_mode == "poll":
             self._poll_memory.seen = {(n, v): r.file for (n, v), r in self.records.items() if r.file}
+            self._poll_memory.configs = {n: r.config for (n, _), r in self.records.items()}
             self._poller = asyncio.create_task(self._poll(), name="repository-poll")
 
     async def warm_up_loading(self) -> bool:
@@ -382,13 +409,12 @@ class ModelRegistry:
         for name in {n for n, _ in self.records} - set(entries):
             if any(r.state in (READY, LOADING) for (n, _), r in self.records.items() if n == name):
                 log.info("model %s left the repository: unloading it", name)
-                await self.unload(name)
+                await self.unload(name, reason="its model folder left the repository")
         for name, entry in entries.items():
             files = {v: entry.versions[v] for v in entry.wanted()}
-            stable = all(memory.seen.get((name, v)) == f for v, f in files.items())
-            memory.seen.update({(name, v): f for v, f in entry.versions.items()})
-            signature = tuple(sorted(files.items()))
-            if not files or not stable or memory.failed.get(name) == signature or self._serves(name, files):
+            signature = (tuple(sorted(files.items())), entry.config_file)
+            if not memory.settled(entry, files) or memory.failed.get(name) == signature or \
+                    not self._differs(entry, files):
                 continue
             try:
                 await self.load(name)
@@ -407,10 +433,15 @@ class ModelRegistry:
                 log.warning("poll: %s", e)
         return entries
 
-    def _serves(self, name: str, files: dict[str, VersionFile]) -> bool:
-        """Whether exactly these files are what serves `name` now."""
-        serving = {v: r.file for (n, v), r in self.records.items() if n == name and r.state == READY}
-        return serving == files
+    def _differs(self, entry: ModelEntry, files: dict[str, VersionFile]) -> bool:
+        """Whether a load would change what serves model `entry.name`: its config.json is broken (a load reports it)
+        or was (a load clears that), or the ready versions are not exactly `files`, each loaded with the config.json
+        there is now."""
+        if "" in entry.problems or entry.name in self.model_problems:
+            return True
+        serving = {v: r for (n, v), r in self.records.items() if n == entry.name and r.state == READY}
+        return bool(files) and (serving.keys() != files.keys() or any(
+            r.file != files[v] or not same_config(r.config, entry.config_file) for v, r in serving.items()))
 
     async def close(self, timeout_s: float) -> None:
         if self._poller:
@@ -454,6 +485,13 @@ def _retired(record: VersionRecord, served: ServedModel) -> bool:
     """Whether `served`, loading as `record`'s version, was retired by an unload or a poll while it waited or warmed
     up (its session closed)."""
     return record.served is not served or record.state != LOADING
+
+
+def _why_not_wanted(entry: ModelEntry, version: str) -> str:
+    """Why a loaded version of `entry` is retired by a load: its file is gone, or the policy no longer picks it."""
+    if version in entry.versions:
+        return f"version {version} is no longer in the version policy"
+    return entry.problems.get(version) or f"version {version} is no longer in the repository (its folder is gone)"
 
 
 def _reason(error: BaseException) -> str:

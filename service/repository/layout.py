@@ -7,10 +7,12 @@ which maps to offer. `--model FILE` is a repository of one (`single_file_source`
 
 Nothing here reads outside the root: names are checked (service/ground/model_names.py) before they touch a path, and
 every path is resolved and must stay under the resolved root (a symbolic link pointing out is refused, with a
-reason the index shows). Scanning reads directory entries and `stat`s only; a file's header is read at load time.
+reason the index shows). Scanning reads directory entries, `stat`s and each model's config.json (64 KiB at most); a
+model file's header is read at load time.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -121,6 +123,22 @@ class VersionFile:
     mtime_ns: int
 
 
+@dataclass(frozen=True)
+class ConfigFile:
+    """A model's config.json as the scan read it: `size` and `mtime_ns` tell one still being written, `sha256` (of
+    the bytes read) a change of what it says."""
+
+    size: int
+    mtime_ns: int
+    sha256: str
+
+
+def same_config(a: ConfigFile | None, b: ConfigFile | None) -> bool:
+    """Whether two readings of a config.json say the same (None: there was none): a file touched or rewritten with
+    the same bytes is the same config, one that appears or goes is not."""
+    return (a.sha256 if a else None) == (b.sha256 if b else None)
+
+
 @dataclass
 class ModelEntry:
     """One model folder: its config, its usable versions, and why the others are not usable."""
@@ -130,6 +148,7 @@ class ModelEntry:
     versions: dict[str, VersionFile] = field(default_factory=dict)
     problems: dict[str, str] = field(default_factory=dict)  # version ("" for the model) -> reason
     fixed: bool = False  # a single file: its version comes from its metadata, no policy applies
+    config_file: ConfigFile | None = None  # its config.json as read (None: there is none, or it could not be read)
 
     def wanted(self) -> list[str]:
         """The versions to load, highest first: those the policy picks, and the shadow version if there is one."""
@@ -190,7 +209,10 @@ class ModelRepository:
             config = self._inside(folder / CONFIG_FILENAME)
             if config is None:  # a link out of the repository: nothing outside it is read
                 raise RepositoryError(f"{CONFIG_FILENAME} points outside the repository")
-            model.config = read_config(config)
+            read = read_config_file(config)
+            if read is not None:  # a broken one keeps its reading: a poll waits until it has stopped changing
+                data, model.config_file = read
+                model.config = parse_config(data)
         except RepositoryError as e:
             model.problems[""] = str(e)
             return model
@@ -238,23 +260,32 @@ class ModelRepository:
         return resolved if resolved.is_relative_to(self.root) else None
 
 
-def read_config(path: Path) -> ModelConfig:
-    """A model's config.json, or the defaults when there is none; RepositoryError says what is wrong with it."""
+def read_config_file(path: Path) -> tuple[bytes, ConfigFile] | None:
+    """A config.json's bytes (up to one past the limit) and the file as they were read; None when there is none."""
     if not path.exists():
-        return ModelConfig()
+        return None
     if not path.is_file():  # a FIFO would block the reader (the engine's loop) until someone wrote to it
         raise RepositoryError(f"{CONFIG_FILENAME} is not a regular file")
     try:
         with path.open("rb") as f:
+            stat = os.fstat(f.fileno())
             data = f.read(MAX_CONFIG_BYTES + 1)
-        if len(data) > MAX_CONFIG_BYTES:
-            raise RepositoryError(f"{CONFIG_FILENAME} is over {MAX_CONFIG_BYTES} bytes")
+    except OSError as e:
+        raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(e)}") from None
+    return data, ConfigFile(stat.st_size, stat.st_mtime_ns, hashlib.sha256(data).hexdigest())
+
+
+def parse_config(data: bytes) -> ModelConfig:
+    """A config.json's bytes as the model's config; RepositoryError says what is wrong with them."""
+    if len(data) > MAX_CONFIG_BYTES:
+        raise RepositoryError(f"{CONFIG_FILENAME} is over {MAX_CONFIG_BYTES} bytes")
+    try:
         return ModelConfig.model_validate(json.loads(data))
     except ValidationError as e:  # its own text quotes the values; a problem's place and kind are enough
         problems = "; ".join(f"{'.'.join(map(str, p['loc'])) or 'config'}: {p['msg']}"
                              for p in e.errors(include_url=False, include_input=False)[:3])
         raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(problems)}") from None
-    except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+    except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise RepositoryError(f"{CONFIG_FILENAME}: {_one_line(e)}") from None
     except RecursionError:
         raise RepositoryError(f"{CONFIG_FILENAME}: its JSON nests too deep") from None

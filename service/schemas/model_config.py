@@ -43,12 +43,13 @@ def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
 
 
 def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None,
-                  serving: dict | None = None) -> dict:
+                  serving: dict | None = None, model_filename: str | None = None) -> dict:
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
     the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
     as this server runs it, its instances on the execution provider in use: one in an engine process, one per
     HTTP worker inline (each worker's session runs its own batches); how the version is served and why (`serving`:
-    its plan, service/engine/serving_plan.py) as string parameters, Triton's only kind."""
+    its plan, service/engine/serving_plan.py) as string parameters, Triton's only kind; `model_filename`: the
+    version's own file's name (default: the settings' model file's)."""
     on_gpu = provider in GPU_PROVIDERS
     count = settings.http_workers if settings.engine == "inline" else 1
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": count,
@@ -70,7 +71,7 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str, version_po
                              "max_queue_delay_microseconds": round(settings.max_queue_delay_ms * 1000),
                              "preserve_ordering": False},
         "instance_group": [instance],
-        "default_model_filename": settings.model_path.name,
+        "default_model_filename": model_filename or settings.model_path.name,
         "parameters": {"execution_provider": {"string_value": provider},
                        "image_size": {"string_value": "x".join(map(str, info.image_size))},
                        "patch_size": {"string_value": str(info.patch_size)},

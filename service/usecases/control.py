@@ -20,6 +20,7 @@ import asyncio
 from vitserve.service.engine import IndexEntry, ModelHandle
 from vitserve.service.ground.errors import ServiceError
 from vitserve.service.ground.model_names import check_model_name
+from vitserve.service.repository.layout import MODEL_FILENAME
 from vitserve.service.schemas import paths
 from vitserve.service.schemas.model_config import model_metadata, triton_config
 from vitserve.service.schemas.statistics import triton_statistics
@@ -71,11 +72,12 @@ def metadata(state: ServiceState, name: str, version_name: str | None) -> ModelM
 
 
 def configuration(state: ServiceState, name: str | None, version_name: str | None) -> dict:
-    """Triton's model configuration of a version, with its own batching limits and its model's version policy (its
-    config.json)."""
+    """Triton's model configuration of a version, with its own batching limits, its model's version policy (its
+    config.json) and its own file's name (a repository's version folder holds model.onnx; else `--model`'s)."""
     handle = version(state, name, version_name)
+    filename = MODEL_FILENAME if state.settings.model_repository is not None else state.settings.model_path.name
     return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider,
-                         handle.version_policy, handle.serving)
+                         handle.version_policy, handle.serving, model_filename=filename)
 
 
 async def statistics(state: ServiceState, name: str | None, version_name: str | None) -> list[dict]:

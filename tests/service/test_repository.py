@@ -305,6 +305,104 @@ async def test_poll_mode_loads_a_version_once_its_file_is_complete_and_reports_a
                      "repository_control_disabled")  # poll mode: the files decide
 
 
+def served_objects(registry, name: str) -> dict[str, object]:
+    """Each ready version of `name` and the session object serving it (a reload replaces it)."""
+    return {v: r.served for (n, v), r in registry.records.items() if n == name and r.state == "READY"}
+
+
+async def config_of(client, name: str) -> dict:
+    answer = await client.get(f"/v2/models/{name}/config")
+    assert answer.status_code == 200, answer.text
+    return answer.json()
+
+
+async def test_poll_mode_reloads_a_model_whose_config_json_changed_once_it_is_settled(tmp_path, tiny_onnx):
+    """Triton reloads a model whose configuration changed: each version comes up anew with the new config.json
+    (the old one serving meanwhile), once the file has stayed the same for an interval, as a model file must."""
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1, 2]})
+    config = root / "m" / "config.json"
+    config.write_text(json.dumps({"version_policy": {"all": {}}}))
+    settings = repo_settings(root, model_control_mode="poll", repository_poll_secs=3600)
+    async with serving(settings) as client:
+        registry = client.app.state.service.engine.registry
+        before = served_objects(registry, "m")
+        assert set(before) == {"1", "2"}
+        served = await config_of(client, "m")
+        assert (served["max_batch_size"], served["version_policy"]) == (4, {"all": {}})  # the server's batch size
+        assert served["default_model_filename"] == "model.onnx"  # the version's file, not the server's --model
+        config.write_text(json.dumps({"version_policy": {"all": {}}, "max_batch_size": 2}))
+        await registry.poll_once()  # seen once: it may still be being written
+        assert served_objects(registry, "m") == before and (await config_of(client, "m"))["max_batch_size"] == 4
+        await registry.poll_once()  # the same for a whole interval: every version loaded again with it
+        after = served_objects(registry, "m")
+        assert set(after) == {"1", "2"} and all(after[v] is not before[v] for v in after)
+        for version in ("1", "2"):
+            served = (await client.get(f"/v2/models/m/versions/{version}/config")).json()
+            assert (served["max_batch_size"], served["version_policy"]) == (2, {"all": {}}), version
+        assert {e.version: (e.state, e.reason) for e in registry.index()} == {"1": ("READY", ""), "2": ("READY", "")}
+        generation = registry.generation
+        await registry.poll_once()  # nothing changed since: nothing happens
+        config.write_bytes(config.read_bytes())  # rewritten with the same bytes (a new age): the same config
+        os.utime(config, ns=(1, 1))
+        await registry.poll_once()
+        await registry.poll_once()
+        assert registry.generation == generation and served_objects(registry, "m") == after
+
+
+async def test_poll_mode_follows_a_config_json_removed_or_broken_and_says_why_a_version_went(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1, 2, 3]})
+    config = root / "m" / "config.json"
+    config.write_text(json.dumps({"version_policy": {"all": {}}}))
+    settings = repo_settings(root, model_control_mode="poll", repository_poll_secs=3600)
+    async with serving(settings) as client:
+        registry = client.app.state.service.engine.registry
+        shutil.rmtree(root / "m" / "1")  # a version of an `all` model deleted: the index says its folder is gone
+        await registry.poll_once()
+        index = {e.version: (e.state, e.reason) for e in registry.index()}
+        assert index["1"] == ("UNAVAILABLE", "version 1 is no longer in the repository (its folder is gone)")
+        assert index["2"][0] == index["3"][0] == "READY"
+
+        config.unlink()  # no config.json: the default policy, the latest one
+        await registry.poll_once()
+        assert {e.version: e.state for e in registry.index()}["2"] == "READY"  # seen once: nothing yet
+        version_3 = served_objects(registry, "m")["3"]
+        await registry.poll_once()
+        index = {e.version: (e.state, e.reason) for e in registry.index()}
+        assert index["2"] == ("UNAVAILABLE", "version 2 is no longer in the version policy")
+        assert index["3"] == ("READY", "") and served_objects(registry, "m")["3"] is not version_3
+        assert (await config_of(client, "m"))["version_policy"] == {"latest": {"num_versions": 1}}
+
+        config.write_text('{"max_batch_size": ')  # broken: reported once settled, version 3 serves on
+        await registry.poll_once()
+        await registry.poll_once()
+        index = {e.version: (e.state, e.reason) for e in registry.index()}
+        assert index["3"][0] == "READY" and index["3"][1].startswith("reload failed: config.json: ")
+        assert (await classify(client, image_bytes("PNG"), model="m")).json()["model"]["version"] == "3"
+        generation = registry.generation
+        await registry.poll_once()  # not tried again while the file is the same
+        assert registry.generation == generation
+        config.unlink()  # back to what version 3 was loaded with: nothing to reload, nothing wrong
+        serving_3 = served_objects(registry, "m")["3"]
+        await registry.poll_once()
+        await registry.poll_once()
+        assert {e.version: (e.state, e.reason) for e in registry.index()}["3"] == ("READY", "")
+        assert served_objects(registry, "m")["3"] is serving_3 and "m" not in registry.model_problems
+
+
+async def test_an_explicit_load_applies_a_changed_config_json_and_reloads_nothing_unchanged(tmp_path, tiny_onnx):
+    root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
+    settings = repo_settings(root, model_control_mode="explicit", admin_key=ADMIN, load_models=["m"])
+    async with serving(settings) as client:
+        registry = client.app.state.service.engine.registry
+        first = served_objects(registry, "m")["1"]
+        assert (await client.post("/v2/repository/models/m/load", headers=AUTH)).status_code == 200
+        assert served_objects(registry, "m")["1"] is first  # nothing changed: nothing reloaded
+        (root / "m" / "config.json").write_text(json.dumps({"max_batch_size": 2}))
+        assert (await client.post("/v2/repository/models/m/load", headers=AUTH)).status_code == 200
+        assert served_objects(registry, "m")["1"] is not first
+        assert (await config_of(client, "m"))["max_batch_size"] == 2
+
+
 async def test_a_version_file_replaced_in_place_keeps_its_ready_gauge_at_1(tmp_path, tiny_onnx):
     # the new session takes the version's place, then the old one closes in the background: the gauge is the
     # version's (one for both), and must end saying the new one is ready, not that the old one closed

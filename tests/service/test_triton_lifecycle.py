@@ -403,11 +403,13 @@ def test_dynamic_model_modify(tmp_path, files):
 
         # Triton's first change was to the configuration alone: a config.json change that leaves the versions as
         # they are must be served within the same wait too (last here, so that the steps above run either way).
-        # The configuration served is then config.json's as it is now: its batch size, the default version policy.
+        # The configuration served is then config.json's as it is now: its batch size, the default version policy
+        # (and, as Triton's, the version's own file name).
         changed = time.monotonic()
         for name in models:
             (root / name / "config.json").write_text(json.dumps({"max_batch_size": 2}))
-        now = {"max_batch_size": 2, "version_policy": {"latest": {"num_versions": 1}}}
+        now = {"max_batch_size": 2, "version_policy": {"latest": {"num_versions": 1}},
+               "default_model_filename": "model.onnx"}
         for name in models:
             wait_for_config(server, name, now, changed, case,
                             f"{name}'s config.json changed (max_batch_size 2): served")
