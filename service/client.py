@@ -221,6 +221,7 @@ def run_predict(args) -> int:
 async def _predict_all(args) -> list[Prediction]:
     import httpx
 
+    client: contextlib.AbstractAsyncContextManager[httpx.AsyncClient]
     if args.url:
         client = httpx.AsyncClient(base_url=args.url.rstrip("/"), timeout=args.timeout)
     else:

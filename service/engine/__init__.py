@@ -72,7 +72,10 @@ def same_geometry(a: ModelInfo, b: ModelInfo) -> bool:
 class Engine(Protocol):
     """What the serving side needs of an engine, wherever it runs."""
 
-    ready: bool  # reachable, and the models it starts with loaded and warmed up
+    @property
+    def ready(self) -> bool:
+        """Reachable, and the models it starts with loaded and warmed up."""
+
     on_ready: Callable[[bool], None]  # called when `ready` changes
 
     @property
