@@ -143,7 +143,9 @@ class RuntimeSpec:
     `load(settings, artifact)`: the model of `settings.model_path` at `settings.precision_hint` (`artifact`: the
     file's info and graphs when the caller has read them, else None). `available()`: whether this machine has the
     runtime's package. `computes_bf16()`: whether it computes bfloat16 on this machine's units (a declared fact:
-    `--runtime auto` serves such a runtime in bf16 where no record says otherwise, service/engine/serving_plan.py).
+    `--runtime auto` serves such a runtime in bf16 where no record says otherwise, service/engine/serving_plan.py);
+    `computes_int8()`: whether it runs an int8 file's quantized layers as integer products on this machine's units
+    (declared the same way, for int8 files).
     `candidates(settings, artifact, reference)`: the models this runtime offers `vitserve tune` to measure against
     ONNX Runtime on the file's own precision (`reference`), each by the name the record gives it; None: it takes no
     part."""
@@ -152,4 +154,5 @@ class RuntimeSpec:
     load: Callable[[Settings, Artifact | None], InferenceModel]
     available: Callable[[], bool] = lambda: True
     computes_bf16: Callable[[], bool] = lambda: False
+    computes_int8: Callable[[], bool] = lambda: False
     candidates: Callable[[Settings, Artifact, InferenceModel], Iterator[tuple[str, InferenceModel]]] | None = None

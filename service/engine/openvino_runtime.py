@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 
 from vitserve.artifact import EMBEDDING_NAME, OUTPUT_NAMES, ModelInfo
+from vitserve.machine import has_int8_dot_product
 from vitserve.service.engine.inference_model import (
     Artifact,
     Capabilities,
@@ -252,6 +253,12 @@ def computes_bf16() -> bool:
     return available() and "BF16" in cpu_capabilities()
 
 
+def computes_int8() -> bool:
+    """OpenVINO is installed and this CPU multiplies int8 vectors natively (VNNI or AMX): OpenVINO's low-precision
+    transformations then run an int8 file's quantize-dequantize layers as integer products."""
+    return available() and has_int8_dot_product()
+
+
 def tuning_candidates(settings: Settings, artifact: Artifact,
                       reference: InferenceModel) -> Iterator[tuple[str, InferenceModel]]:
     """`vitserve tune`'s OpenVINO candidates: fp32, and bf16 where this CPU computes it (or the one the hint names);
@@ -274,4 +281,4 @@ def candidate_name(runtime: str, file_precision: str, compute_precision: str) ->
         f"{runtime}/{file_precision}+{compute_precision}"
 
 
-OPENVINO = RuntimeSpec("openvino", load_openvino_model, available, computes_bf16, tuning_candidates)
+OPENVINO = RuntimeSpec("openvino", load_openvino_model, available, computes_bf16, computes_int8, tuning_candidates)

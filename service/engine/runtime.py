@@ -108,7 +108,8 @@ def plan_for(settings: Settings, artifact: Artifact) -> ServingPlan:
             and read_record(settings, key) is None:
         tuning.record_when_idle(settings, artifact, key)
     bf16 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_bf16()), None)
-    return serving_plan(settings, info, paths.fast, on_gpu, bf16, key)
+    int8 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_int8()), None)
+    return serving_plan(settings, info, paths.fast, on_gpu, bf16, key, int8)
 
 
 def available_providers() -> list[str]:

@@ -156,6 +156,9 @@ def test_the_declared_runtime_follows_the_machines_units_and_the_files_precision
     assert declared_runtime(settings, fp32, on_gpu=False, bf16_runtime="openvino")[:2] == ("openvino", "bf16")
     assert declared_runtime(settings, fp32, on_gpu=False, bf16_runtime=None)[:2] == ("onnxruntime", "auto")
     assert declared_runtime(settings, int8, on_gpu=False, bf16_runtime="openvino")[:2] == ("onnxruntime", "auto")
+    # an int8 file where a runtime runs its layers as integer products (OpenVINO on VNNI), the rest in float32
+    assert declared_runtime(settings, int8, False, "openvino", int8_runtime="openvino")[:2] == ("openvino", "fp32")
+    assert declared_runtime(settings, fp32, False, None, int8_runtime="openvino")[:2] == ("onnxruntime", "auto")
     fp32_asked = settings.model_copy(update={"precision_hint": "fp32"})
     assert declared_runtime(fp32_asked, fp32, on_gpu=False, bf16_runtime="openvino")[:2] == ("onnxruntime", "auto")
 
