@@ -43,6 +43,13 @@ from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
 
+# Importing OpenVINO sends a telemetry event (openvino/tools/ovc/__init__.py, through the openvino_telemetry package,
+# which starts a process to post it); a server sends nothing anywhere it was not asked to. OpenVINO's only switches
+# are a consent file in the user's home (its `opt_in_out` command) and CI=true; with the package absent from the
+# import system, OpenVINO falls back to its own stub (telemetry_stub) and nothing is sent. A process that imported
+# the package before this module keeps it.
+sys.modules.setdefault("openvino_telemetry", None)  # type: ignore[arg-type]
+
 PRECISION_HINTS = {"fp32": "f32", "bf16": "bf16"}
 
 

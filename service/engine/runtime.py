@@ -104,11 +104,18 @@ def plan_for(settings: Settings, artifact: Artifact) -> ServingPlan:
     info, paths = artifact
     on_gpu = provider_chain(settings, available_providers())[0][0] in GPU_PROVIDERS
     key = plan_key(Path(settings.model_path), settings) if settings.tuning != "off" else None
+    unrecorded = key is None or read_record(settings, key) is None
     if key is not None and settings.tuning == "write-when-idle" and settings.runtime == "auto" and not on_gpu \
-            and read_record(settings, key) is None:
+            and unrecorded:
         tuning.record_when_idle(settings, artifact, key)
-    bf16 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_bf16()), None)
-    int8 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_int8()), None)
+        unrecorded = read_record(settings, key) is None
+    # the other runtimes' facts only where they decide: a runtime named or recorded loads no other runtime's library
+    # (OpenVINO's, with its telemetry process, into a server that serves on ONNX Runtime)
+    declared = settings.runtime == "auto" and not on_gpu and unrecorded
+    bf16 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_bf16()), None) \
+        if declared else None
+    int8 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_int8()), None) \
+        if declared else None
     return serving_plan(settings, info, paths.fast, on_gpu, bf16, key, int8)
 
 
