@@ -49,10 +49,11 @@ serve: $(VENV)/.serve-installed
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The linter and the type checker over model/, export/, service/ and vitserve/ (settings: pyproject.toml)
+# The linter and the type checker over model/, export/, service/, vitserve/ and the tools beside them, bench/ and
+# evaluation/ (settings: pyproject.toml)
 .PHONY: lint
 lint: $(VENV)/.dev-installed
-	$(BIN)/ruff check model export service vitserve
+	$(BIN)/ruff check model export service vitserve bench evaluation
 	$(BIN)/mypy
 
 # What the whole suite uses from Debian beside Python (as root; tests that need one skip, saying so, without it):

@@ -15,11 +15,12 @@ import shlex
 import sys
 from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 from vitserve.bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
 from vitserve.bench.presets import PRESETS
-from vitserve.bench.reliability import MODES, ReliabilityConfig, parse_cpu_list
 from vitserve.bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
+from vitserve.bench.reliability import MODES, ReliabilityConfig, parse_cpu_list
 from vitserve.help_format import DefaultsHelpFormatter
 
 
@@ -58,7 +59,8 @@ def add_bench_parser(subparsers) -> None:
                         "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
                         "for minutes, memory and file descriptors; oip: the Open Inference Protocol's request "
                         "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side; peers: "
-                        "side by side with Triton and LitServe under wrk (bench/peers/cli.py, docs/results/bench-peers.md)")
+                        "side by side with Triton and LitServe under wrk (bench/peers/cli.py, "
+                        "docs/results/bench-peers.md)")
     d = BenchConfig()  # for the help text only: a flag not given stays None, and the field's default holds
     p.add_argument("--model", metavar="MODEL", help=f"an ONNX artifact, or a preset made on first use with random "
                                                     f"weights (needs torch): {', '.join(PRESETS)} (default {d.model})")
@@ -94,7 +96,7 @@ def add_bench_parser(subparsers) -> None:
 
 
 def _add_timing_and_paths(p: argparse.ArgumentParser, d: BenchConfig) -> None:
-    seconds = {"type": float, "metavar": "SECONDS"}
+    seconds: dict[str, Any] = {"type": float, "metavar": "SECONDS"}
     p.add_argument("--duration", dest="duration_s", **seconds, help=f"measured per served level (default "
                                                                     f"{d.duration_s:g})")
     p.add_argument("--warmup", dest="warmup_s", **seconds, help=f"discarded before each served level (default "
@@ -121,7 +123,7 @@ def _shape(text: str) -> tuple[int, int, int]:
 
 def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
     d = ReliabilityConfig()
-    s = {"type": float, "metavar": "SECONDS"}
+    s: dict[str, Any] = {"type": float, "metavar": "SECONDS"}
     g.add_argument("--checkout", dest="checkouts", type=Path, action="append", metavar="DIR",
                    help="serve with the code in DIR (its .venv's python if it has one, else this one, with "
                         "PYTHONPATH=DIR); given twice, the two alternate round by round (default: this code)")

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 LOOPBACK = "127.0.0.1"
 
@@ -36,8 +37,8 @@ class BenchConfig:
 
 INPUT_KINDS = ("png", "jpeg")
 # `--quick`: a smoke run; flags given still win over these
-QUICK = {"batch_sizes": [1, 8], "concurrency": [1, 8], "duration_s": 1.0, "warmup_s": 0.5, "raw_duration_s": 0.5,
-         "pairs": 5}
+QUICK: dict[str, Any] = {"batch_sizes": [1, 8], "concurrency": [1, 8], "duration_s": 1.0, "warmup_s": 0.5,
+                         "raw_duration_s": 0.5, "pairs": 5}
 
 
 def with_server_defaults(cfg: BenchConfig) -> BenchConfig:

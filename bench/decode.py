@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import io
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 from PIL import Image
@@ -56,10 +58,17 @@ def pillow_draft_to_target(data: bytes) -> np.ndarray:
         return np.asarray(image.convert("RGB").resize(TARGET, Image.Resampling.BICUBIC))
 
 
-def decoders() -> dict[str, dict]:
+class Decoder(TypedDict):
+    formats: tuple[str, ...]  # the image formats it reads
+    full: Callable[[bytes], np.ndarray] | None  # the image at its own size
+    to_target: Callable[[bytes], np.ndarray]  # the image at TARGET, by the decoder's cheapest way there
+
+
+def decoders() -> dict[str, Decoder]:
     """{name: {"formats", "full", "to_target"}}: each decoder's calls, None where it has no such mode."""
-    table = {"Pillow": {"formats": ("PNG", "JPEG"), "full": pillow_full, "to_target": pillow_to_target},
-             "Pillow draft": {"formats": ("JPEG",), "full": None, "to_target": pillow_draft_to_target}}
+    table: dict[str, Decoder] = {
+        "Pillow": {"formats": ("PNG", "JPEG"), "full": pillow_full, "to_target": pillow_to_target},
+        "Pillow draft": {"formats": ("JPEG",), "full": None, "to_target": pillow_draft_to_target}}
     try:
         import simplejpeg
     except ImportError:
@@ -76,7 +85,8 @@ def decoders() -> dict[str, dict]:
 
 def median_ms(call, data: bytes, seconds: float) -> float:
     call(data)
-    times, started = [], time.perf_counter()
+    times: list[float] = []
+    started = time.perf_counter()
     while len(times) < 5 or time.perf_counter() - started < seconds:
         begun = time.perf_counter()
         call(data)

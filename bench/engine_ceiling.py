@@ -1,4 +1,5 @@
-"""`python -m vitserve.bench.engine_ceiling`: how many images per second the engine process moves when the model costs nothing.
+"""`python -m vitserve.bench.engine_ceiling`: how many images per second the engine process moves when the model
+costs nothing.
 
 On a GPU the model is fast and the serving machinery around it sets the pace. This takes the HTTP side away: an
 engine process (service/engine/server.py, as `vitserve serve` starts it) serves a model whose graph does almost no
@@ -64,8 +65,8 @@ def submitter(settings, in_flight: int, seconds: float, start_at: float, results
     """One frontend process: `in_flight` requests at a time through RemoteEngine until the window closes."""
     import resource
 
-    from vitserve.service.ground.metrics import ServiceMetrics
     from vitserve.service.engine.remote import RemoteEngine
+    from vitserve.service.ground.metrics import ServiceMetrics
 
     async def drive() -> int:
         engine = RemoteEngine(settings, ServiceMetrics())
@@ -151,6 +152,11 @@ def run(levels: list[tuple[int, int]], seconds: float, max_batch_size: int) -> d
     return {"cpus": os.cpu_count(), "max_batch_size": max_batch_size, "rows": rows}
 
 
+def _level(spec: str) -> tuple[int, int]:
+    submitters, in_flight = (int(n) for n in spec.split("x"))
+    return submitters, in_flight
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m vitserve.bench.engine_ceiling", description=__doc__.split("\n\n")[0])
     p.add_argument("--levels", default="1x64,2x64,4x64", help="SUBMITTERSxIN_FLIGHT, comma separated")
@@ -158,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-batch-size", type=int, default=64)
     p.add_argument("--out", type=Path, help="the JSON report")
     args = p.parse_args(argv)
-    levels = [tuple(int(n) for n in spec.split("x")) for spec in args.levels.split(",")]
+    levels = [_level(spec) for spec in args.levels.split(",")]
     report = run(levels, args.seconds, args.max_batch_size)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1) + "\n")

@@ -21,11 +21,11 @@ import numpy as np
 import onnx
 from torch import nn
 
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.bench.measure import alternating_rounds_ms
 from vitserve.export.int8 import quantize_int8
 from vitserve.export.onnx_export import ViTWithRollout, example_input, to_onnx
 from vitserve.export.verify import cpu_session
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 
 class LogitsOnly(nn.Module):
@@ -62,11 +62,11 @@ def compare(vit, batches=(1, 8), rounds: int = 7, seconds: float = 0.7) -> dict:
     for batch in batches:
         x = np.random.default_rng(0).standard_normal((batch, cfg.in_channels, *cfg.image_size)).astype(np.float32)
         reference = sessions["rollout (today)"][0].run(["logits"], {INPUT_NAME: x})[0]
-        for name, (session, outputs) in sessions.items():  # the float32 graphs compute the same logits
+        for name, (session, _) in sessions.items():  # the float32 graphs compute the same logits
             logits = session.run(["logits"], {INPUT_NAME: x})[0]
             if "int8" not in name and np.abs(logits - reference).max() > 1e-3 * max(1.0, np.abs(reference).max()):
                 raise AssertionError(f"{name} computes other logits than the artifact's fast path")
-        times = alternating_rounds_ms({name: lambda s=session, o=outputs: s.run(o, {INPUT_NAME: x})
+        times = alternating_rounds_ms({name: lambda s=session, o=outputs, x=x: s.run(o, {INPUT_NAME: x})
                                        for name, (session, outputs) in sessions.items()}, rounds, seconds)
         base = float(np.median(times["rollout (today)"]))
         results[batch] = {name: {"ms": float(np.median(t)), "speedup": base / float(np.median(t))}

@@ -1,12 +1,13 @@
-"""`make bench-gpu` (`python -m vitserve.bench.gpu`): the GPU kit, in one command. It runs every step this machine allows
-and says which it skipped and why, so it runs (and CI keeps it working) on a machine without a GPU too.
+"""`make bench-gpu` (`python -m vitserve.bench.gpu`): the GPU kit, in one command. It runs every step this machine
+allows and says which it skipped and why, so it runs (and CI keeps it working) on a machine without a GPU too.
 
 1. environment: onnxruntime's version and providers, `nvidia-smi -L`, whether torch (the exporter) is there;
 2. install: without the CUDA provider, `pip install onnxruntime-gpu` into build/gpu/venv (with this environment's
    packages visible) and the kit again from there (`--no-install`: not; `--wheels DIR`: from that folder only, on a
    machine without a network);
 3. export: each model (the default model from its checkpoint, and the random-weight presets ViT-S/16 and ViT-B/16
-   at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m vitserve.export.presets` in child processes;
+   at 224) at each precision (fp32, fp16), with `vitserve export` / `python -m vitserve.export.presets` in child
+   processes;
 4. verify on the provider: each file on CUDA (else the CPU) against the fp32 file on ONNX Runtime's CPU provider,
    on random images at the trained size and at a larger one: the largest logit difference relative to the
    largest |logit|, top-1 agreement, the largest rollout difference;
@@ -38,8 +39,11 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -89,7 +93,8 @@ class Step:
 
 class Kit:
     def __init__(self, cfg: GpuKitConfig):
-        self.cfg, self.steps = cfg, []
+        self.cfg = cfg
+        self.steps: list[Step] = []
 
     def write(self) -> None:
         """The report as it stands: written after every step, so a run cut short (a time limit, a lost machine)
@@ -203,7 +208,7 @@ def export_file(model: str, precision: str, work: Path, checkpoint: Path = DEFAU
 def session(path: Path, provider: str, options: dict | None = None):
     import onnxruntime as ort
 
-    providers = [(provider, options or {})] + ([] if provider == CPU else [(CPU, {})])  # type: ignore[list-item]
+    providers = [(provider, options or {})] + ([] if provider == CPU else [(CPU, {})])
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     return ort.InferenceSession(str(path), opts, providers=providers)
@@ -267,15 +272,16 @@ def cuda_graphs_raw(path: Path, batch_sizes: list[int], seconds: float) -> dict:
         for model, floats in ((graphs, l1), (dynamic, l0)):
             worst_raw = max(worst_raw, float(np.abs(model.run(raw)[0] - floats).max()))
         agree, total = agree + int((l1.argmax(1) == l0.argmax(1)).sum()), total + batch
-        calls = {"graphs": lambda: graphs.run(x), "dynamic": lambda: dynamic.run(x),
-                 "graphs_uint8": lambda: graphs.run(raw), "dynamic_uint8": lambda: dynamic.run(raw)}
+        calls: dict[str, Callable[[], Any]] = {
+            "graphs": partial(graphs.run, x), "dynamic": partial(dynamic.run, x),
+            "graphs_uint8": partial(graphs.run, raw), "dynamic_uint8": partial(dynamic.run, raw)}
         if graphs.run_maps_free is not None:  # the maps-free graph as the server runs it (map=none)
-            calls["maps_free_uint8"] = lambda: graphs.run_maps_free(raw)
+            calls["maps_free_uint8"] = partial(graphs.run_maps_free, raw)
             lean = graphs.run_maps_free(raw)[0]
             worst_maps_free = max(worst_maps_free, float(np.abs(lean - l1).max() / max(1.0, np.abs(l1).max())))
             agree_maps_free += int((lean.argmax(1) == l1.argmax(1)).sum())
         ms = alternating_rounds_ms(calls, rounds=5, seconds=seconds / 5)
-        row = {"batch_size": batch}
+        row: dict[str, float] = {"batch_size": batch}
         for name, times in ms.items():
             median = float(np.median(times))
             row.update({f"{name}_ms": median, f"{name}_images_per_s": batch * 1000 / median})
@@ -371,8 +377,8 @@ def maps_free_fused(path: Path, batch_sizes: list[int], seconds: float, work: Pa
     rows = []
     for batch in batch_sizes:
         x = rng.standard_normal((batch, info.channels, *info.image_size)).astype(np.float32)
-        calls = {name: (lambda s=s, g=graphs[name]: run_session(s, tuple(o.name for o in g.graph.output),
-                                                                   {INPUT_NAME: x}, device))
+        calls = {name: (lambda s=s, g=graphs[name], x=x: run_session(s, tuple(o.name for o in g.graph.output),
+                                                                        {INPUT_NAME: x}, device))
                  for name, s in sessions.items()}  # every output each graph has: the rollout's cost is the point
         answers = {name: call()[0] for name, call in calls.items()}
         reference = answers["rollout"]
@@ -397,8 +403,8 @@ def jpeg_for(info) -> bytes:
 
     from vitserve.bench.load import make_images
 
-    image = Image.open(io.BytesIO(make_images("jpeg", (480, 640), 3, 1)[0]))
-    image = image.resize(info.image_size[::-1]).convert("L" if info.channels == 1 else "RGB")
+    source = Image.open(io.BytesIO(make_images("jpeg", (480, 640), 3, 1)[0]))
+    image = source.resize(info.image_size[::-1]).convert("L" if info.channels == 1 else "RGB")
     out = io.BytesIO()
     image.save(out, format="JPEG", quality=90)
     return out.getvalue()
@@ -429,7 +435,7 @@ def served_schedule(spec: str, rounds: int) -> list[tuple[int, str, dict[str, st
             for name, overlay in (variants if r % 2 == 0 else variants[::-1])]
 
 
-def served_with_wrk(path: Path, cfg: GpuKitConfig, overlay: dict[str, str] | None = None) -> dict:
+def served_with_wrk(path: Path, cfg: GpuKitConfig, overlay: dict[str, str] | None = None) -> dict | Step:
     """A real `vitserve serve` on CUDA (batches up to 64, CUDA graphs) loaded by wrk on its own cores; `overlay`
     changes the server's settings for a comparison."""
     from vitserve.bench.gpu_served import served_levels

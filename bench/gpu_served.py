@@ -40,7 +40,8 @@ class GpuSampler:
     """`nvidia-smi` printing the GPU's utilisation every `interval_ms` while the `with` block runs."""
 
     def __init__(self, interval_ms: int = 100):
-        self.interval_ms, self.samples = interval_ms, []
+        self.interval_ms = interval_ms
+        self.samples: list[tuple[float, ...]] = []  # (utilisation %, memory MiB) per line of nvidia-smi
 
     @contextmanager
     def sampling(self):

@@ -99,7 +99,7 @@ class FatbinStats:
     llm_groups_dropped: int = 0
     llm_bytes: int = 0
 
-    def merge(self, other: "FatbinStats") -> None:
+    def merge(self, other: FatbinStats) -> None:
         self.containers += other.containers
         self.entries.update(other.entries)
         self.zeroed.update(other.zeroed)
@@ -161,7 +161,7 @@ def zstd_decompress(data: bytes) -> bytes | None:
     """A cubin's bytes, to read its kernel names. The `zstd` command (Python 3.11 has no zstd module); None where
     it is missing, and the LLM-kernel pass then keeps everything."""
     try:
-        import zstandard  # type: ignore[import-not-found]
+        import zstandard
         return zstandard.ZstdDecompressor().decompress(data, max_output_size=1 << 30)
     except ImportError:
         pass
@@ -173,9 +173,10 @@ def zstd_decompress(data: bytes) -> bytes | None:
 
 def kernel_names(buf, entry: Entry) -> list[str] | None:
     """The kernels of one cubin entry, from its `.text.<mangled name>` section names; None when unreadable."""
-    data = bytes(buf[entry.payload][:entry.data_size or entry.padded_size])
+    stored = bytes(buf[entry.payload][:entry.data_size or entry.padded_size])
+    data: bytes | None = stored
     if entry.flags & FLAG_ZSTD:
-        data = zstd_decompress(data)
+        data = zstd_decompress(stored)
     elif entry.flags & FLAG_LZ4:
         return None
     if data is None:

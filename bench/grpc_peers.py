@@ -34,9 +34,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vitserve.bench.perf_analyzer_inputs import perf_analyzer_inputs
 from vitserve.bench.peers.servers import RunningServer, triton_spec, vitserve_spec
 from vitserve.bench.peers.venvs import ensure_venv, library_dir
+from vitserve.bench.perf_analyzer_inputs import perf_analyzer_inputs
 from vitserve.machine import cpu_model_name, load_average
 
 PATHS = ("vitserve grpc", "vitserve http-binary", "triton grpc")
@@ -103,7 +103,8 @@ def summary(result: dict) -> str:
         return sorted((r for r in rows if r["path"] == path and r["concurrency"] == level), key=lambda r: r["round"])
 
     lines = [f"# gRPC side by side: vitserve against Triton ({result['when']})", "",
-             f"`python -m vitserve.bench.grpc_peers` on {result['machine']['cpu']}, {result['machine']['cores']} cores, "
+             f"`python -m vitserve.bench.grpc_peers` on {result['machine']['cpu']}, "
+             f"{result['machine']['cores']} cores, "
              f"model {result['model']}: perf_analyzer 2.51.0 closed loop, `pixel_values` raw tensors, "
              f"{result['rounds']} rounds alternating the servers' order, {result['window_ms']} ms windows.", "",
              "| clients | path | req/s per round | median req/s | p50 ms (median) | p99 ms (median) |",

@@ -17,15 +17,16 @@ import argparse
 import json
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
 
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
 from vitserve.bench.measure import alternating_rounds_ms
 from vitserve.export.accuracy_gate import EvalSetError, load_labelled_set, spearman
 from vitserve.export.int8 import LINEAR_OP_TYPES, linear_nodes, quantize_int8
 from vitserve.export.verify import cpu_session
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, normalize_pixels
 
 
 def dynamic_int8(fp32: onnx.ModelProto, keep_float: list[str] | tuple[str, ...] = ()) -> onnx.ModelProto:
@@ -62,7 +63,7 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
 
     vit, meta = load_checkpoint(checkpoint)
     cfg = vit.cfg
-    labelled = load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels, tuple(cfg.image_size))
+    labelled = load_labelled_set(eval_dir, list(meta.labels), cfg.in_channels, cfg.image_size)
     pixels = normalize_pixels(labelled.images, meta.mean, meta.std, channel_axis=1)
     fp32 = to_onnx(ViTWithRollout(vit), cfg.patch_size, example_input(vit), OUTPUT_NAMES)
     candidates = {"fp32": fp32, "static QDQ (shipped)": quantize_int8(fp32, pixels[:calibration_images]),
@@ -74,7 +75,7 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
         outputs[name] = tuple(np.concatenate([r[k] for r in runs]) for k in (0, 1))
     ref_logits, ref_rollout = outputs["fp32"]
     sample = slice(0, len(pixels), max(1, len(pixels) // 200))
-    results = {}
+    results: dict[str, dict[str, Any]] = {}
     for name, (logits, rollout) in outputs.items():
         rho = spearman(rollout[sample], ref_rollout[sample])
         results[name] = {"accuracy": float((logits.argmax(1) == labelled.labels).mean()),
@@ -83,7 +84,7 @@ def compare(checkpoint: str, eval_dir: str, calibration_images: int, rounds: int
         results[name]["invariance"] = batch_invariance(sessions[name], pixels[:invariance_images])
     for batch in (1, 8):
         x = pixels[:batch]
-        times = alternating_rounds_ms({name: lambda s=session: s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
+        times = alternating_rounds_ms({name: lambda s=session, x=x: s.run(list(OUTPUT_NAMES), {INPUT_NAME: x})
                                        for name, session in sessions.items()}, rounds, 0.5)
         for name in sessions:
             results[name][f"batch{batch}_ms"] = float(np.median(times[name]))

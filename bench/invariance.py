@@ -1,4 +1,5 @@
-"""`python -m vitserve.bench.invariance --model FILE [--model FILE ...]`: batch invariance measured through a real server.
+"""`python -m vitserve.bench.invariance --model FILE [--model FILE ...]`: batch invariance measured through a real
+server.
 
 Same input, same answer (docs/architecture.md, "Batch invariance"): for each model file, `vitserve serve` is started
 as a user starts it and sent the first `--images` Fashion-MNIST test images as PNGs (the `image` input of `/v2`,
@@ -107,14 +108,16 @@ def run_file(path: Path, pngs: list[bytes], max_burst: int, seed: int, runtime: 
     with ServerProcess(serve_argv(path, port), port, env=env, log_path=log_path):
         started = time.perf_counter()
         row = asyncio.run(measure(port, pngs, max_burst, seed))
-    return {"file": str(path), "runtime": runtime, "precision_hint": precision_hint, **row, "seconds": round(time.perf_counter() - started, 1)}
+    return {"file": str(path), "runtime": runtime, "precision_hint": precision_hint, **row,
+            "seconds": round(time.perf_counter() - started, 1)}
 
 
 def render(rows: list[dict], command: str) -> str:
     lines = ["# Batch invariance through the server", "", f"`{command}`", "",
-             "| file | runtime | precision hint | images | top-1 changes | largest logit difference | mean batch alone | "
-             "mean batch mixed |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-    lines += [f"| {r['file']} | {r['runtime']} | {r['precision_hint']} | {r['images']} | {r['top1_changes']} | {r['max_logit_diff']:.3g} | "
+             "| file | runtime | precision hint | images | top-1 changes | largest logit difference | "
+             "mean batch alone | mean batch mixed |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines += [f"| {r['file']} | {r['runtime']} | {r['precision_hint']} | {r['images']} | {r['top1_changes']} | "
+              f"{r['max_logit_diff']:.3g} | "
               f"{r['mean_batch_alone']:.2f} | {r['mean_batch_mixed']:.2f} |" for r in rows]
     return "\n".join(lines) + "\n"
 

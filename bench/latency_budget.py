@@ -9,8 +9,8 @@ per arm and round after a warm-up, the arms alternating within each round (the o
   JSON (bench/peers/image_classifier.py, the work every peer does);
 - **FastAPI app**: bench/peers/fastapi_app.py under uvicorn, the same work in a sync endpoint, the image as the
   multipart field `file`;
-- **vitserve**: `vitserve serve --model M` as `make serve` starts it, with `--server-timing true`, the PNG as the body of
-  `POST /v1/classify` (top 5 and the rollout grid, the defaults); and the same with `map=none` (top 5 alone);
+- **vitserve**: `vitserve serve --model M` as `make serve` starts it, with `--server-timing true`, the PNG as the body
+  of `POST /v1/classify` (top 5 and the rollout grid, the defaults); and the same with `map=none` (top 5 alone);
 - with `--baseline-commit REV`, **vitserve at REV** beside it: the same server and flags from that commit's tree
   (`git archive`, bench/peers/servers.py `export_commit`), so a change's before and after alternate in one run.
 

@@ -58,29 +58,31 @@ class HttpConnection:
 
     async def request(self, payload: bytes) -> tuple[int, bytes]:
         """Send one encoded request; return (status, body)."""
-        if self.writer is None:
+        if self.reader is None or self.writer is None:  # both are set together, on first use
             self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        reader = self.reader
         self.writer.write(payload)
-        head = await self.reader.readuntil(b"\r\n\r\n")
+        head = await reader.readuntil(b"\r\n\r\n")
         lines = head.decode("latin-1").split("\r\n")
         status = int(lines[0].split(" ", 2)[1])
         headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
         if "content-length" in headers:
-            body = await self.reader.readexactly(int(headers["content-length"]))
+            body = await reader.readexactly(int(headers["content-length"]))
         elif headers.get("transfer-encoding", "").lower() == "chunked":
-            body = await self._read_chunked()
+            body = await self._read_chunked(reader)
         else:
-            body = await self.reader.read()
+            body = await reader.read()
             await self.close()
         if headers.get("connection", "").lower() == "close":
             await self.close()
         return status, body
 
-    async def _read_chunked(self) -> bytes:
-        parts = []
+    @staticmethod
+    async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
+        parts: list[bytes] = []
         for _ in range(1_000_000):  # bounded: a chunked body of a million chunks is not one we sent for
-            size = int((await self.reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            data = await self.reader.readexactly(size + 2)
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            data = await reader.readexactly(size + 2)
             if size == 0:
                 return b"".join(parts)
             parts.append(data[:-2])
@@ -119,7 +121,7 @@ class Window:
     def open_at(self, now: float) -> bool:
         return self.end is None or now < self.end
 
-    def record(self, sent: float, done: float, status) -> None:
+    def record(self, sent: float, done: float, status: int | str) -> None:
         if done >= self.start and self.open_at(done):
             self.latencies.append(done - sent) if status == 200 else self.errors.update([str(status)])
 
@@ -136,6 +138,7 @@ async def _closed_loop_client(conn: HttpConnection, payloads: list[bytes], first
             if not window.open_at(loop.time()):
                 break
             sent = loop.time()
+            status: int | str  # the HTTP status, or the exception's name when none came
             try:
                 status, _ = await asyncio.wait_for(conn.request(payloads[k % len(payloads)]), timeout_s)
             except _REQUEST_ERRORS as e:
@@ -159,24 +162,25 @@ async def closed_loop(host: str, port: int, payloads: list[bytes], concurrency: 
     window = Window(loop.time() + warmup_s)
     last_end = window.start + max(duration_s, max_duration_s or 0)
 
-    async def timekeeper() -> None:
+    async def timekeeper() -> float:
         await asyncio.sleep(max(window.start - loop.time(), 0))
         if on_window:
             await on_window("start")
         await asyncio.sleep(duration_s)
         while window.answered < min_completed and loop.time() < last_end:
             await asyncio.sleep(0.05)
-        window.end = loop.time()
+        window.end = end = loop.time()
         if on_window:
             await on_window("end")
+        return end
 
     clients = [asyncio.create_task(_closed_loop_client(HttpConnection(host, port), payloads, i, concurrency, window,
                                                        timeout_s)) for i in range(concurrency)]
-    await timekeeper()
+    end = await timekeeper()
     for task in clients:  # requests still in flight are not counted: hang up (the server drops them unrun)
         task.cancel()
     await asyncio.gather(*clients, return_exceptions=True)
-    measured = window.end - window.start
+    measured = end - window.start
     return {"concurrency": concurrency, "completed": len(window.latencies), "errors": dict(window.errors),
             "window_s": measured, "requests_per_s": len(window.latencies) / measured,
             **latency_summary(window.latencies)}

@@ -52,10 +52,11 @@ class CpuSnapshot:
     machine: float
 
     @classmethod
-    def take(cls, server_pid: int | None) -> "CpuSnapshot":
-        return cls(time.perf_counter(), process_tree_cpu_seconds(server_pid), time.process_time(), machine_busy_seconds())
+    def take(cls, server_pid: int | None) -> CpuSnapshot:
+        return cls(time.perf_counter(), process_tree_cpu_seconds(server_pid), time.process_time(),
+                   machine_busy_seconds())
 
-    def usage(self, later: "CpuSnapshot") -> dict[str, float]:
+    def usage(self, later: CpuSnapshot) -> dict[str, float]:
         """Average cores busy between two snapshots: server, client, and everything else on the machine."""
         wall = max(later.wall - self.wall, 1e-9)
         server = (later.server - self.server) / wall

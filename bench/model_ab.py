@@ -1,10 +1,10 @@
 """`python -m vitserve.bench.model_ab A.onnx B.onnx`: the same server code serving two model files, side by side:
 does a re-export (new outputs, a new opset, other weights) cost the served latency?
 
-Each round starts `vitserve serve --model FILE --engine process` for A, then for B (B first in even rounds), and drives each with
-Debian's wrk at every client count on /v1/classify (one Fashion-MNIST test image as PNG): 2 s settling, then the
-measured window. Reports answers/s, p50 and p99 per arm, and B's medians over the rounds as ratios to the same
-round's A. Writes a Markdown report and its JSON.
+Each round starts `vitserve serve --model FILE --engine process` for A, then for B (B first in even rounds), and
+drives each with Debian's wrk at every client count on /v1/classify (one Fashion-MNIST test image as PNG): 2 s
+settling, then the measured window. Reports answers/s, p50 and p99 per arm, and B's medians over the rounds as ratios
+to the same round's A. Writes a Markdown report and its JSON.
 
 With `--profile-seconds N`, after the rounds each file is served once more at the largest client count while
 py-spy samples every process of the server for N seconds (outside the measured rounds: the sampler costs CPU):
@@ -24,16 +24,17 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
 
-from vitserve.machine import process_cpu_seconds, process_tree
 from vitserve.bench.peers.bodies import PeerRequest
 from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import publish
 from vitserve.bench.servers import free_port
 from vitserve.bench.shadow import machine, png, test_images
+from vitserve.machine import process_cpu_seconds, process_tree
 from vitserve.service.engine.server import PROCESS_NAME as ENGINE_PROCESS_NAME
 
 
@@ -102,7 +103,8 @@ def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path,
 
 # A py-spy raw line: "frame;frame;... COUNT", a frame "function (path:line)"
 _FRAME_LINE = re.compile(r":\d+\)$")
-# a layer's file as the server imported it (vitserve/service/..., through vitserve/'s link) -> its path in the repository
+# a layer's file as the server imported it (vitserve/service/..., through vitserve/'s link) -> its path in the
+# repository
 _LAYER_LINK = re.compile(r"\(vitserve/(model|export|service|evaluation|bench)/")
 PROFILE_ROWS = 12
 
@@ -116,7 +118,8 @@ def inclusive_shares(raw: str) -> tuple[Counter, int]:
     """py-spy's raw (collapsed) stacks -> (samples in which each function is on the stack, at any depth, counted
     once per sample; all samples). A function is its name and file, its line dropped, so a function's lines add
     up."""
-    counts, total = Counter(), 0
+    counts: Counter[str] = Counter()
+    total = 0
     for line in raw.splitlines():
         stack, _, number = line.rpartition(" ")
         if not stack or not number.isdigit():
@@ -196,7 +199,7 @@ def render_profile(profiles: list[dict], clients: int, seconds: int) -> list[str
     return lines
 
 
-def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profile: list[str] = ()) -> str:
+def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profile: Sequence[str] = ()) -> str:
     lines = ["# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
              f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
@@ -213,7 +216,8 @@ def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profil
               "| --- | --- | --- | --- | --- | --- | --- |"]
     spreads = []
     for count in sorted({r["clients"] for r in rows}):
-        ratios = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms", "cpu_ms", "engine_cpu_ms", "frontend_cpu_ms")}
+        ratios: dict[str, list[float]] = {key: [] for key in ("ok_per_s", "p50_ms", "p99_ms", "cpu_ms", "engine_cpu_ms",
+                                                              "frontend_cpu_ms")}
         for round_ in sorted({r["round"] for r in rows}):
             pair = {r["file"]: r for r in rows if (r["round"], r["clients"]) == (round_, count)}
             for key in ratios:
@@ -266,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
                 rows += arm(model, label, clients, args.seconds, script, wrk, round_)
                 print(rows[-1], flush=True)
         if args.profile_seconds:
+            assert spy is not None  # p.error refused --profile-seconds without py-spy
             for label, model in [("A", args.a), ("B", args.b)]:
                 profiles.append(profile_arm(model, label, max(clients), args.profile_seconds, script, wrk, spy,
                                             Path(directory)))

@@ -26,18 +26,26 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.bench.config import LOOPBACK, BenchConfig, with_server_defaults
 from vitserve.bench.load import encode_request, make_images, settle
 from vitserve.bench.reliability import ServerUnderTest, alternated, contention, number, preamble, table
 from vitserve.bench.run import run_level
 from vitserve.bench.servers import free_port, server_settings
-from vitserve.service.schemas.binary_tensors import (HEADER_LENGTH, NUMPY_DTYPES, join_body, pack_bytes, split_body, take_sections,
-                                    tensor_bytes)
+from vitserve.service.schemas.binary_tensors import (
+    HEADER_LENGTH,
+    NUMPY_DTYPES,
+    join_body,
+    pack_bytes,
+    split_body,
+    take_sections,
+    tensor_bytes,
+)
 from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 ENCODINGS = ("json", "binary", "image", "classify")
 _PROTOCOL = ("json", "binary", "image")  # the encodings answered with logits (classify answers with scores)
@@ -64,7 +72,7 @@ class OipConfig:
 
 
 # `--quick`: a smoke run; flags given still win over these
-OIP_QUICK = {"concurrency": [1, 8], "rounds": 2, "duration_s": 1.0, "warmup_s": 0.5}
+OIP_QUICK: dict[str, Any] = {"concurrency": [1, 8], "rounds": 2, "duration_s": 1.0, "warmup_s": 0.5}
 
 # ---------------------------------------------------------------------------------------------------- requests
 

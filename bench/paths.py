@@ -16,7 +16,7 @@ from pathlib import Path
 from vitserve.bench.load import make_images
 from vitserve.bench.oip import classify_request, image_request, infer_target
 from vitserve.bench.peers.bodies import PeerRequest, multipart_image
-from vitserve.bench.peers.wrk import find_wrk, run_wrk, wrk_argv, write_script
+from vitserve.bench.peers.wrk import find_wrk, run_wrk, write_script, wrk_argv
 from vitserve.bench.report import command_line, publish
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 from vitserve.machine import process_cpu_seconds, process_tree

@@ -16,13 +16,13 @@ from pathlib import Path
 
 import numpy as np
 
+from vitserve.artifact import INPUT_NAME
 from vitserve.bench.load import make_images
-from vitserve.service.schemas.binary_tensors import pack_bytes
-from vitserve.service.usecases.preprocess import prepare_image
 from vitserve.service.engine.inference_model import read_model_file_info
 from vitserve.service.ground.settings import Settings
+from vitserve.service.schemas.binary_tensors import pack_bytes
 from vitserve.service.schemas.v1 import IMAGE_INPUT_NAME
-from vitserve.artifact import INPUT_NAME
+from vitserve.service.usecases.preprocess import prepare_image
 
 
 def perf_analyzer_inputs(model_path: Path, count: int = 4) -> dict[str, dict]:
@@ -41,7 +41,8 @@ def perf_analyzer_inputs(model_path: Path, count: int = 4) -> dict[str, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vitserve.bench.perf_analyzer_inputs", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m vitserve.bench.perf_analyzer_inputs",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=Path("models/vit-fmnist/model.onnx"))
     parser.add_argument("--out", type=Path, default=Path("build/perf-analyzer"))
     parser.add_argument("--count", type=int, default=4, help="distinct images (default 4)")

@@ -32,7 +32,7 @@ def compare(fp32: OnnxModel, int8: OnnxModel, batches: list[int], rounds: int, s
     rows = []
     for batch in batches:
         pixels = np.random.default_rng(0).standard_normal((batch, fp32.info.channels, height, width), np.float32)
-        calls = {"fp32": lambda: fp32.run(pixels), "int8": lambda: int8.run(pixels)}
+        calls = {"fp32": lambda pixels=pixels: fp32.run(pixels), "int8": lambda pixels=pixels: int8.run(pixels)}
         alternating_rounds_ms(calls, 1, 0.2)  # warm-up
         times = alternating_rounds_ms(calls, rounds, seconds)
         ratios = [a / b for a, b in zip(times["fp32"], times["int8"])]
@@ -54,7 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     lines = ["# float32 against int8, raw ONNX Runtime", "",
-             f"`python -m vitserve.bench.precision {' '.join('--pair ' + x for x in args.pair)} --batches {args.batches} "
+             f"`python -m vitserve.bench.precision {' '.join('--pair ' + x for x in args.pair)} "
+             f"--batches {args.batches} "
              f"--rounds {args.rounds} --seconds {args.seconds} --threads {args.threads}`", "",
              "| model | batch | fp32 ms | int8 ms | speed-up (per-round range) |", "|---|---|---|---|---|"]
     results = {}

@@ -1,7 +1,7 @@
 """`--model` names the bench makes itself, with random weights (speed does not depend on the weights).
 
-They are made by `python -m vitserve.export.presets NAME OUT.onnx` in a child process: export needs torch, and the bench,
-like the server it measures, never imports it.
+They are made by `python -m vitserve.export.presets NAME OUT.onnx` in a child process: export needs torch, and the
+bench, like the server it measures, never imports it.
 """
 from __future__ import annotations
 

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
+from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.bench.config import BenchConfig
 from vitserve.bench.measure import CpuSnapshot, latency_summary, timed_calls
-from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 
 
 def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s: float,
@@ -27,18 +28,19 @@ def bench_raw(run_batch, samples: np.ndarray, batch_sizes: list[int], duration_s
     for bs in batch_sizes:
         batch = np.ascontiguousarray(samples[np.arange(bs) % len(samples)])  # (bs, C, H, W)
         run_batch(batch)
-        times = timed_calls(lambda: run_batch(batch), duration_s, min_calls, max_calls)
+        times = timed_calls(lambda batch=batch: run_batch(batch), duration_s, min_calls, max_calls)
         results.append({"batch_size": bs, "calls": len(times), "images_per_s": bs * len(times) / sum(times),
                         **latency_summary(times)})
     return results
 
 
 def load_raw_model(model_path: Path, server_env: dict[str, str]):
-    """The server's own session: `service.engine.onnx_runtime.OnnxModel` with the settings (`VITSERVE_*`) the server gets."""
+    """The server's own session: `service.engine.onnx_runtime.OnnxModel` with the settings (`VITSERVE_*`) the server
+    gets."""
     from vitserve.service.engine.onnx_runtime import OnnxModel
     from vitserve.service.ground.settings import Settings
 
-    values = {k.removeprefix("VITSERVE_").lower(): v for k, v in server_env.items()}
+    values: dict[str, Any] = {k.removeprefix("VITSERVE_").lower(): v for k, v in server_env.items()}
     return OnnxModel.load(Settings(**{**values, "model_path": model_path}))
 
 
@@ -51,8 +53,8 @@ def model_summary(model, path: Path) -> dict:
 
 def preprocessed(model, images: list[bytes]) -> np.ndarray:
     """The server's own preprocessing of `images` (default settings, resize=fit): (n, C, H, W)."""
-    from vitserve.service.usecases.preprocess import prepare_image
     from vitserve.service.ground.settings import Settings
+    from vitserve.service.usecases.preprocess import prepare_image
 
     s = Settings()
     return np.stack([prepare_image(data, model.info, resize="fit", max_bytes=s.max_upload_bytes,
@@ -62,6 +64,8 @@ def preprocessed(model, images: list[bytes]) -> np.ndarray:
 
 def raw_phase(model, samples: np.ndarray, cfg: BenchConfig) -> list[dict]:
     """The session alone, fed the server's own preprocessing of the pre-sized PNGs."""
+    if cfg.max_batch_size is None:
+        raise ValueError("the server's max batch size is unset: with_server_defaults(cfg) fills it")
     sizes = sorted(set(cfg.batch_sizes) | {cfg.max_batch_size})
     print(f"raw ONNX Runtime, batch sizes {sizes}", flush=True)
     rows = []
@@ -116,8 +120,8 @@ def benchmark(vit, batch_sizes: list[int], *, threads: int | None = None, min_se
     for batch in batch_sizes:
         x = example_input(vit, batch)
         feed = {INPUT_NAME: x.numpy()}
-        cases = {("torch", r): (lambda r=r: modules[r](x)) for r in (False, True)}
-        cases.update({("onnxruntime", r): (lambda r=r: sessions[r].run(None, feed)) for r in (False, True)})
+        cases = {("torch", r): (lambda r=r, x=x: modules[r](x)) for r in (False, True)}
+        cases.update({("onnxruntime", r): (lambda r=r, feed=feed: sessions[r].run(None, feed)) for r in (False, True)})
         best = dict.fromkeys(cases, 0.0)
         with torch.inference_mode():
             for _ in range(rounds):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import shutil
 import statistics
 import subprocess
@@ -24,6 +25,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -87,7 +89,8 @@ def replica_rss_mib() -> float:
 
 
 def measure(layout: str, base: str, work: Path, cfg: RayRepositoryBenchConfig, body: bytes) -> dict:
-    wrk, results = find_wrk(), {}
+    wrk = find_wrk()
+    results: dict[str, Any] = {}
     for mix, split in MIXES.items():
         runs = []
         for name, connections in zip(("a", "b"), split(cfg.connections)):
@@ -132,7 +135,7 @@ def run(cfg: RayRepositoryBenchConfig) -> dict:
         root, work = Path(directory) / "repository", Path(directory) / "wrk"
         for name in ("a", "b"):
             place(root, name, 1, cfg.model)
-        ray.init(include_dashboard=False, logging_level="ERROR")
+        ray.init(include_dashboard=False, logging_level=logging.ERROR)
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         try:
             for round_ in range(cfg.rounds):

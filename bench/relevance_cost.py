@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 from pathlib import Path
+from typing import TypedDict
 
 from vitserve.bench.measure import timed_calls
 from vitserve.bench.reliability import number, table, write_report
@@ -166,12 +167,20 @@ def measure_batch(models: dict, pixels, threads: int, rounds: int, seconds: floa
     return summarise(per_round, len(pixels), threads, other)
 
 
+class CaseSummary(TypedDict):
+    calls: int
+    p50_ms: float
+    p90_ms: float
+    images_per_s: float
+    round_p50_ms: list[float]  # each round's median
+
+
 def summarise(per_round: dict[str, list[list[float]]], batch: int, threads: int, other_cores: float) -> dict:
     """One row: per case the latency percentiles over every call, images/s and the per-round medians; per ratio
     the ratio of the medians and the range of the per-round ratios."""
     from vitserve.bench.measure import latency_summary
 
-    cases = {}
+    cases: dict[str, CaseSummary] = {}
     for case, rounds in per_round.items():
         every = [t for times in rounds for t in times]
         summary = latency_summary(every)

@@ -16,7 +16,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.servers import ServerProcess
@@ -197,7 +197,10 @@ def servers_under_test(cfg: ReliabilityConfig) -> list[ServerUnderTest]:
     return [ServerUnderTest(p) for p in cfg.checkouts] or [ServerUnderTest()]
 
 
-def alternated(servers: list, rounds: int) -> list[tuple[int, object]]:
+_Arm = TypeVar("_Arm")  # a server, an encoding, a model file: whatever takes turns
+
+
+def alternated(servers: list[_Arm], rounds: int) -> list[tuple[int, _Arm]]:
     """(round, server) in the order they run: A B, then B A, ... so that a machine whose speed drifts favours
     neither."""
     return [(r, s) for r in range(rounds) for s in (servers if r % 2 == 0 else servers[::-1])]
@@ -249,13 +252,14 @@ class TreeSampler:
             self.samples.append(await asyncio.to_thread(sample_tree, self.pid))
             await asyncio.sleep(self.interval_s)
 
-    async def __aenter__(self) -> "TreeSampler":
+    async def __aenter__(self) -> TreeSampler:
         self._task = asyncio.create_task(self._run())
         return self
 
     async def __aexit__(self, *exc) -> None:
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
         self.samples.append(await asyncio.to_thread(sample_tree, self.pid))
 
     @property

@@ -219,7 +219,7 @@ async def idle_second_model(cfg: RepositoryBenchConfig, root: Path, body: bytes)
     """`small`'s throughput alone and beside an idle `big`, alternating rounds in one server. The load is wrk (C,
     little CPU of its own on a machine the server shares), else these Python clients."""
     server = Server(root, ["small"])
-    rates = {"alone": [], "beside_idle_big": []}
+    rates: dict[str, list[float]] = {"alone": [], "beside_idle_big": []}
     try:
         for _ in range(cfg.rounds):
             for case in ("alone", "beside_idle_big"):
@@ -341,8 +341,9 @@ async def run(cfg: RepositoryBenchConfig, parts: list[str]) -> Report:
         if "idle" in parts:
             report.idle_model = await idle_second_model(cfg, root, body)
         if "isolation" in parts:
-            from PIL import Image
             import io
+
+            from PIL import Image
             buffer = io.BytesIO()
             Image.new("RGB", (224, 224), (120, 60, 30)).save(buffer, "PNG")
             report.isolation = await isolation(cfg, root, body, buffer.getvalue())

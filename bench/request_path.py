@@ -37,6 +37,7 @@ def trace(model: Path, runs: int = 5) -> dict:
     """In the tree on sys.path: each kind of request's stops, rooms and visits (the run with the fewest stops)."""
     import numpy as np
     from PIL import Image
+
     import vitserve.service
     # as Python loaded it (frames carry that path): vitserve/service, a link to service/, in a tree that has links
     service_dir = str(Path(vitserve.service.__file__).parent)
@@ -46,6 +47,7 @@ def trace(model: Path, runs: int = 5) -> dict:
 async def _trace(model: Path, service_dir: str, np, Image, runs: int) -> dict:
     import grpc
     import httpx
+
     from vitserve.bench.servers import free_port
     from vitserve.service.app import create_app
     from vitserve.service.ground.settings import Settings
@@ -106,7 +108,8 @@ async def _traced(send, service_dir: str) -> dict:
     status = getattr(answer, "status_code", 200)
     assert status == 200, status
     rooms = Counter(module for module, _ in order)
-    visits, previous = Counter(), None
+    visits: Counter[str] = Counter()
+    previous = None
     for module, _ in order:
         if module != previous:
             visits[module] += 1
@@ -125,6 +128,10 @@ def run_tree(tree: Path, model: Path) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _room_cell(side: dict, module: str) -> str:
+    return f"{side[module]['stops']} ({side[module]['visits']})" if module in side else ""
+
+
 def report(results: dict, baseline: str, head: str) -> str:
     lines = ["# One request's path through the service, before and after", "",
              f"`python -m vitserve.bench.request_path --baseline-commit {baseline[:12]}`: this tree ({head}) and "
@@ -140,8 +147,7 @@ def report(results: dict, baseline: str, head: str) -> str:
         lines += ["", f"## {kind}", "", "| room | before: stops (visits) | after: stops (visits) |", "|---|---|---|"]
         before, after = results["before"][kind]["by_room"], results["after"][kind]["by_room"]
         for module in sorted(set(before) | set(after)):
-            cell = lambda side: (f"{side[module]['stops']} ({side[module]['visits']})" if module in side else "")
-            lines.append(f"| `{module}` | {cell(before)} | {cell(after)} |")
+            lines.append(f"| `{module}` | {_room_cell(before, module)} | {_room_cell(after, module)} |")
     return "\n".join(lines) + "\n"
 
 

@@ -10,6 +10,7 @@ import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Protocol
 
 from vitserve.bench.config import LOOPBACK, BenchConfig, with_server_defaults
 from vitserve.bench.load import closed_loop, encode_request, make_images, paired_one_client, settle
@@ -128,7 +129,16 @@ def run_levels(server: ServerProcess, payloads: dict[str, list[bytes]], cfg: Ben
     return rows
 
 
-def run_level(server: ServerProcess, payloads: list[bytes], concurrency: int, cfg: BenchConfig) -> dict:
+class LevelConfig(Protocol):
+    """What one closed-loop level reads of its run's configuration: BenchConfig's and OipConfig's fields."""
+    warmup_s: float
+    duration_s: float
+    request_timeout_s: float
+    min_completed_per_client: int
+    max_duration_factor: float
+
+
+def run_level(server: ServerProcess, payloads: list[bytes], concurrency: int, cfg: LevelConfig) -> dict:
     """One closed-loop level against a running server, with CPU use and batch statistics over its window."""
     edges: dict[str, tuple[CpuSnapshot, dict]] = {}
 

@@ -1,4 +1,5 @@
-"""`python -m vitserve.bench.runtimes FILE...`: every runtime and precision this CPU can run, on the same files, side by side.
+"""`python -m vitserve.bench.runtimes FILE...`: every runtime and precision this CPU can run, on the same files, side
+by side.
 
 For each file, the server's own model objects (`service.engine.runtime.load_model`, as `--runtime onnxruntime` and
 `--runtime openvino` with each precision hint OpenVINO can compute here), raw (no server), at each batch size at the
@@ -23,6 +24,7 @@ import argparse
 import os
 import platform
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -34,7 +36,7 @@ def candidates(path: Path, threads: int) -> dict:
     from vitserve.service.engine.runtime import load_model
     from vitserve.service.ground.settings import Settings
 
-    base = dict(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64)
+    base: dict[str, Any] = dict(model_path=path, providers=["cpu"], intra_op_threads=threads, max_batch_size=64)
     models = {"onnxruntime": load_model(Settings(**base, runtime="onnxruntime"))}
     if openvino_runtime.available():
         precisions = ["fp32"] + (["bf16"] if "BF16" in openvino_runtime.cpu_capabilities() else [])
@@ -47,8 +49,8 @@ def candidates(path: Path, threads: int) -> dict:
 def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads: int,
             accuracy_dir: Path | None = None) -> dict:
     from vitserve.bench.measure import alternating_rounds_ms
-    from vitserve.service.engine.runtime import load_model
     from vitserve.service.engine.inference_model import probe_pixels
+    from vitserve.service.engine.runtime import load_model
     from vitserve.service.ground.settings import Settings
 
     models = candidates(path, threads)
@@ -59,8 +61,8 @@ def compare(path: Path, batches: list[int], rounds: int, seconds: float, threads
     rows = []
     for batch in batches:
         pixels = np.resize(probe, (batch, info.channels, *info.image_size)).astype(np.float32)
-        times = alternating_rounds_ms({name: (lambda m=m: m.run(pixels)) for name, m in models.items()}, rounds,
-                                      seconds)
+        times = alternating_rounds_ms({name: (lambda m=m, pixels=pixels: m.run(pixels)) for name, m in models.items()},
+                                      rounds, seconds)
         for name, values in times.items():
             ms = float(np.median(values))
             rows.append({"batch": batch, "candidate": name, "ms": ms, "images_per_s": batch * 1000 / ms})
@@ -120,7 +122,7 @@ def matmul_peak_gflops(precision: str, threads: int, size: int = 2048, rounds: i
 def peak_fraction(report: dict, path: Path, peaks: dict[str, float]) -> dict:
     """Each OpenVINO candidate's best images/s as GFLOP/s, and as a fraction of the measured peak at its precision."""
     gflops = graph_gflops(path)
-    out = {"gflops_per_image": gflops, "candidates": {}}
+    out: dict[str, Any] = {"gflops_per_image": gflops, "candidates": {}}
     for name in {r["candidate"] for r in report["rows"]}:
         precision = "bf16" if name.endswith("bf16") else "fp32"
         best = max((r for r in report["rows"] if r["candidate"] == name), key=lambda r: r["images_per_s"])
@@ -176,16 +178,16 @@ def render(reports: list[dict], command: str) -> str:
         lines.append("")
         if report.get("peak"):
             peak = report["peak"]
-            lines += [f"Matrix arithmetic used: {peak['gflops_per_image']:.2f} GFLOP per image (the fast graph's MatMuls "
-                      "and convolutions at the trained size), at each candidate's best batch, against this CPU's "
-                      "measured peak at its precision (OpenVINO's 2048-cubed MatMul, every core):", "",
+            lines += [f"Matrix arithmetic used: {peak['gflops_per_image']:.2f} GFLOP per image (the fast graph's "
+                      "MatMuls and convolutions at the trained size), at each candidate's best batch, against this "
+                      "CPU's measured peak at its precision (OpenVINO's 2048-cubed MatMul, every core):", "",
                       "| candidate | batch | images/s | GFLOP/s | peak GFLOP/s | fraction of peak |",
                       "|---|---|---|---|---|---|"]
             lines += [f"| {name} | {c['batch']} | {c['images_per_s']:,.1f} | {c['gflop_per_s']:,.0f} | "
                       f"{c['peak_gflop_per_s']:,.0f} | {c['fraction']:.0%} |"
                       for name, c in sorted(peak["candidates"].items())]
-            lines += ["", "The probe GEMM is a lower bound of the peak: a fraction over 100% says the model's own matrix "
-                      "shapes ran faster than the 2048-cubed probe, not that the chip exceeded its peak.", ""]
+            lines += ["", "The probe GEMM is a lower bound of the peak: a fraction over 100% says the model's own "
+                      "matrix shapes ran faster than the 2048-cubed probe, not that the chip exceeded its peak.", ""]
         if report.get("accuracy"):
             lines += [f"On the {next(iter(report['accuracy'].values()))['images']:,} test images:", "",
                       "| candidate | accuracy | top-1 agreement with onnxruntime | rollout Spearman, mean | min |",

@@ -26,19 +26,23 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.servers import ServerProcess, free_port, serve_argv
 from vitserve.machine import cpu_model_name
 
+if TYPE_CHECKING:  # playwright loads only when screenshots are taken
+    from playwright.sync_api import ViewportSize
+
 REPO = Path(__file__).resolve().parents[1]
 MODEL = REPO / "models" / "vit-fmnist" / "model.onnx"
 RECORD = "web-page.json"
 COMMAND = "make screenshots"
-VIEWPORT = {"width": 1280, "height": 960}
+VIEWPORT: ViewportSize = {"width": 1280, "height": 960}
 # The pictures show ONNX Runtime's float32 answers, the README's figures: `--runtime auto` would serve bfloat16 on a
 # CPU that computes it, and the shown scores and the card's precision would then depend on the machine.
 SERVE_FLAGS = ("--runtime", "onnxruntime", "--providers", "cpu", "--workers", "1", "--grpc-port", "0")
@@ -77,8 +81,8 @@ def click_sample(page, label: str) -> None:
 
 
 def upload_photo(page) -> None:
-    from skimage import data as skimage_data  # a photo every install of scikit-image carries
     from PIL import Image
+    from skimage import data as skimage_data  # a photo every install of scikit-image carries
 
     buffer = io.BytesIO()
     Image.fromarray(skimage_data.astronaut()).save(buffer, "PNG")

@@ -78,25 +78,25 @@ class ServerProcess:
         self.log_path = log_path
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         log = open(self.log_path, "wb") if self.log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                                      stdin=subprocess.DEVNULL)
-        if self.log_path:
+        if not isinstance(log, int):  # the child holds its own copy of the log file; DEVNULL is a constant
             log.close()
         try:
-            self._wait_ready()
+            self._wait_ready(self.proc)
         except BaseException:
             self.stop()
             raise
         return self
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, proc: subprocess.Popen) -> None:
         url = f"http://{LOOPBACK}:{self.port}{self.ready_path}"
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with code {self.proc.returncode} before it was ready"
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {proc.returncode} before it was ready"
                                    f"{self._log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
@@ -120,8 +120,11 @@ class ServerProcess:
         return "; its log ends:\n" + self.log_path.read_text(errors="replace")[-2000:]
 
     @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+    def pid(self) -> int:
+        """The server's process id, inside `with`: a server not yet started has none."""
+        if self.proc is None:
+            raise RuntimeError("the server is not started: use it inside `with`")
+        return self.proc.pid
 
     def stop(self) -> None:
         """SIGTERM (the server drains), then SIGKILL after 30 s."""

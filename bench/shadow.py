@@ -116,6 +116,14 @@ def shadow_report(server: Server) -> dict | None:
     return reply.json() if reply.status_code == 200 else None
 
 
+def _shadow_pair(server: Server) -> dict:
+    """The one shadow pair's counts and figures, from a server that has loaded the shadow."""
+    report = shadow_report(server)
+    if report is None:
+        raise RuntimeError(f"{MODEL} has no shadow report: is its shadow loaded?")
+    return report["pairs"][0]
+
+
 def cost_arm(server: Server, root: Path, fraction: float, clients: int, script: Path, wrk: str,
              cfg: ShadowBenchConfig) -> dict:
     (root / MODEL / "config.json").write_text(json.dumps(config_for(fraction, cfg.shadow_priority)))
@@ -188,10 +196,9 @@ def agreement(server: Server, root: Path, primary: Path, shadow: Path, count: in
               np.array(info.std, np.float32)[:, None, None]).astype(np.float32)
     versions = asyncio.run(send_tensors(server.url, pixels))
     deadline = time.monotonic() + 120
-    while (report := shadow_report(server))["pairs"][0]["compared"] + report["pairs"][0]["dropped"] + \
-            report["pairs"][0]["failed"] < count and time.monotonic() < deadline:
+    while (served := _shadow_pair(server))["compared"] + served["dropped"] + served["failed"] < count \
+            and time.monotonic() < deadline:
         time.sleep(0.2)
-    served = report["pairs"][0]
     expected = offline(primary, shadow, pixels)
     return {"answered_by": sorted(set(versions)), "served": {k: served[k] for k in (
         "offered", "compared", "dropped", "failed", "top1_agreement", "mean_js_divergence",
@@ -212,7 +219,8 @@ def render(report: Report) -> str:
              "copies offered | compared | dropped | failed |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- "
              "| --- | --- | --- |"]
     for arm in report.arms:
-        lines.append(f"| {arm['round']} | {arm['clients']} | {arm['fraction']:g} | {arm['ok_per_s']:.1f} | {arm['p50_ms']:.2f} | "
+        lines.append(f"| {arm['round']} | {arm['clients']} | {arm['fraction']:g} | {arm['ok_per_s']:.1f} | "
+                     f"{arm['p50_ms']:.2f} | "
                      f"{arm['p99_ms']:.2f} | {arm['non_2xx']} | {arm['engine_cpu_ms_per_answer']:.3f} | "
                      f"{arm.get('offered', '')} | {arm.get('compared', '')} | {arm.get('dropped', '')} | "
                      f"{arm.get('failed', '')} |")
@@ -239,10 +247,11 @@ def render(report: Report) -> str:
 def summary(report: Report) -> dict:
     """(clients, fraction) -> the medians over the rounds of each arm's ratio to the same round's no-shadow arm."""
     import statistics
-    out = {}
+    out: dict[tuple[int, float], dict] = {}
     for clients, fraction in sorted({(a["clients"], a["fraction"]) for a in report.arms if a["fraction"]},
                                     key=lambda key: (-key[0], key[1])):
-        ratios, shares = {"throughput": [], "p99": [], "cpu": []}, []
+        ratios: dict[str, list[float]] = {"throughput": [], "p99": [], "cpu": []}
+        shares: list[float] = []
         for arm in (a for a in report.arms if (a["clients"], a["fraction"]) == (clients, fraction)):
             base = next(b for b in report.arms if (b["round"], b["clients"], b["fraction"]) ==
                         (arm["round"], clients, 0))

@@ -26,15 +26,34 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
+from vitserve.artifact import INPUT_NAME
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.load import HttpConnection, encode_request, make_images
 from vitserve.bench.measure import CpuSnapshot, latency_summary
-from vitserve.bench.overload import (HUNG_UP, Answer, OpenLoop, Request, Setup, exchange, one_at_a_time,
-                            outcome_summary, saturation, target_lines)
-from vitserve.bench.reliability import (ReliabilityConfig, ServerUnderTest, TreeSample, TreeSampler, alternated, number,
-                               preamble, sample_tree, table)
+from vitserve.bench.overload import (
+    HUNG_UP,
+    Answer,
+    OpenLoop,
+    Request,
+    Setup,
+    exchange,
+    one_at_a_time,
+    outcome_summary,
+    saturation,
+    target_lines,
+)
+from vitserve.bench.reliability import (
+    ReliabilityConfig,
+    ServerUnderTest,
+    TreeSample,
+    TreeSampler,
+    alternated,
+    number,
+    preamble,
+    sample_tree,
+    table,
+)
 from vitserve.bench.servers import free_port
-from vitserve.artifact import INPUT_NAME
 
 _STREAM_LIMIT_S = 86_400.0  # the head-of-line test's small requests run until told to stop; this only bounds them
 
@@ -191,7 +210,7 @@ async def _head_of_line(pid: int, port: int, small: list[Request], heavy: list[R
     rate = cfg.hol_rate or min(20.0, 0.5 / float(np.median([a.latency_s for a in alone])))
     idle = await steady_resources(pid)
     stream, stop = OpenLoop(LOOPBACK, port, small, rate, _STREAM_LIMIT_S, timeout_s), asyncio.Event()
-    edges = {}
+    edges: dict[str, CpuSnapshot] = {}
     async with TreeSampler(pid, 0.1) as memory:
         sending = asyncio.create_task(stream.send(stop, on_window=lambda e: edges.__setitem__(e,
                                                                                        CpuSnapshot.take(pid))))
@@ -289,7 +308,7 @@ async def _soak(pid: int, port: int, sequence: list[Request], mix: list[MixItem]
     await one_at_a_time(port, [mix[0].request.payload], 3, deadline_s)  # warm
     idle = await steady_resources(pid)
     load = OpenLoop(LOOPBACK, port, sequence, rate, cfg.soak_minutes * 60, deadline_s + cfg.timeout_margin_s)
-    edges = {}
+    edges: dict[str, CpuSnapshot] = {}
     async with TreeSampler(pid, cfg.sample_s) as sampler:
         await load.send(on_window=lambda e: edges.__setitem__(e, CpuSnapshot.take(pid)))
         await load.drain()

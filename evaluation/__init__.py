@@ -4,7 +4,8 @@ vitserve/) never imports it (tests/test_layers.py), and the serving images leave
 
 Modules: `accuracy` (ONNX Runtime accuracy on Fashion-MNIST at several resolutions, `vitserve evaluate accuracy`),
 `explanations` (how faithful the rollout and relevance maps are, `vitserve evaluate explanations`),
-`self_supervision` (does masked-patch pre-training help when labels are few, `python -m vitserve.evaluation.self_supervision`),
+`self_supervision` (does masked-patch pre-training help when labels are few,
+`python -m vitserve.evaluation.self_supervision`),
 `calibration` (the served probabilities before and after the file's temperature, `vitserve evaluate calibration`),
 `ood` (which out-of-distribution score separates Fashion-MNIST from what a user could send by mistake,
 `python -m vitserve.evaluation.ood`),

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
-from vitserve.export.verify import cpu_session
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES, ModelInfo, normalize_pixels
+from vitserve.export.verify import cpu_session
 
 
 def accuracy_at_sizes(model_path: str | Path, images: torch.Tensor, labels: torch.Tensor,

@@ -9,26 +9,27 @@ the export, when the set is the one it was fitted on); the whole set's are besid
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from vitserve.artifact import ModelInfo, softmax
 from vitserve.export.accuracy_gate import load_labelled_set
-from vitserve.export.calibration import (BINS, calibrate, graph_logits, halves, negative_log_likelihood,
-                                         reliability)
+from vitserve.export.calibration import BINS, calibrate, graph_logits, halves, negative_log_likelihood, reliability
 from vitserve.export.verify import cpu_session
 
 
 def measure(model_path: str | Path, eval_dir: str | Path, limit: int | None = None, threads: int = 0) -> dict:
     session = cpu_session(str(model_path), threads=threads)
     info = ModelInfo.from_metadata(session.get_modelmeta().custom_metadata_map)
-    labelled = load_labelled_set(eval_dir, list(info.labels), info.channels, tuple(info.image_size), limit)
+    labelled = load_labelled_set(eval_dir, list(info.labels), info.channels, info.image_size, limit)
     logits, labels = graph_logits(session, labelled.images, info.mean, info.std), labelled.labels
     _, report = halves(len(labels))
     parts = {"held-out half (not fitted on)": report, "whole set": np.arange(len(labels))}
     # what a calibration divides the logits by: none, the file's one temperature, and the server's (the curve)
-    ways = {"none": lambda z: 1.0, f"one temperature ({info.temperature:.4f})": lambda z: info.temperature}
+    ways: dict[str, Callable[[np.ndarray], float | np.ndarray]] = {
+        "none": lambda z: 1.0, f"one temperature ({info.temperature:.4f})": lambda z: info.temperature}
     if info.temperature_by_entropy is not None:
         ways["per answer, by its entropy (served)"] = info.temperature_for
     rows, diagram = [], {}
@@ -138,7 +139,8 @@ test split, so the calibration is fitted on half of the test split and every fig
 other half, which it never saw; the whole split's figures are beside them, for reference.
 
 Reproduce: `make export-default` (the export, then this page), or
-`vitserve evaluate calibration models/vit-fmnist/model.onnx --eval /usr/share/datasets/fashion-mnist --out docs/calibration.md`.
+`vitserve evaluate calibration models/vit-fmnist/model.onnx --eval /usr/share/datasets/fashion-mnist \
+--out docs/calibration.md`.
 
 ## Measured
 """

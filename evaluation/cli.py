@@ -1,5 +1,6 @@
-"""`vitserve evaluate accuracy`, `calibration` and `explanations`: argument parsing only; torch loads when a command runs.
-vitserve/cli.py gathers them with the benchmarks' `evaluate` subcommands (bench/cli.py) under `vitserve evaluate`."""
+"""`vitserve evaluate accuracy`, `calibration` and `explanations`: argument parsing only; torch loads when a command
+runs. vitserve/cli.py gathers them with the benchmarks' `evaluate` subcommands (bench/cli.py) under
+`vitserve evaluate`."""
 from __future__ import annotations
 
 import json

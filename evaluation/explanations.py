@@ -25,8 +25,12 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from vitserve.help_format import DefaultsHelpFormatter
+
+if TYPE_CHECKING:  # for annotations only: numpy loads when a measurement runs
+    import numpy as np
 
 DEFAULT_DATA_DIR = "/usr/share/datasets/fashion-mnist"
 DEFAULT_OUT = "build/explanations/explanations.md"  # docs/ only when asked: the committed report is written on purpose
@@ -220,7 +224,7 @@ def faithfulness_curves(score, pixels, orders: dict, grid, patch, baselines: dic
 
     which = torch.arange(len(pixels))
     image_scores = score(pixels, which)
-    curves = {}
+    curves: dict[str, dict[str, dict[str, np.ndarray]]] = {}
     for name, baseline in baselines.items():
         base_scores = score(baseline, which)
         curves[name] = {}
@@ -714,7 +718,8 @@ def write_report(results: dict, examples: dict, labels: list[str], out: Path) ->
     plot_overlays(examples, labels, figures["overlays"])
     relative = {name: f"{figure_dir.name}/{p.name}" for name, p in figures.items()}
     md_path.write_text(markdown_report(results, relative))
-    from vitserve.model.checkpoint import strict_json  # NaN (an interval of one image) as null: strict readers refuse NaN
+    # NaN (an interval of one image) as null: strict readers refuse NaN
+    from vitserve.model.checkpoint import strict_json
 
     json_path.write_text(json.dumps(strict_json(results), indent=1, allow_nan=False) + "\n")
     return [md_path, json_path, *figures.values()]
@@ -772,7 +777,7 @@ def code_commit() -> str:
 
 def run_explanations(args, load_images=load_test_images) -> int:
     """`vitserve evaluate explanations`; `load_images(data_dir, limit) -> (uint8 images, labels)` is replaceable."""
-    from datetime import datetime, timezone
+    from datetime import UTC, datetime
 
     import torch
 
@@ -789,7 +794,7 @@ def run_explanations(args, load_images=load_test_images) -> int:
     results["model"] = {"name": meta.name, "version": meta.version, "checkpoint": str(args.checkpoint),
                         "weights_sha256": weights_sha256(vit.state_dict()), "metrics": meta.metrics}
     results["run"] = {"command": command_line(args), "commit": code_commit(), "threads": torch.get_num_threads(),
-                      "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+                      "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")}
     results["targets"] = target_checks(results)
     for path in write_report(results, examples, meta.labels, Path(args.out)):
         print(path)

@@ -123,7 +123,7 @@ def font_digits(count: int, seed: int, size: tuple[int, int] = (28, 28)) -> np.n
     from PIL import Image, ImageDraw, ImageFont
 
     rng = np.random.default_rng(seed)
-    fonts: dict[int, ImageFont.FreeTypeFont] = {}
+    fonts: dict[int, ImageFont.FreeTypeFont | ImageFont.ImageFont] = {}
     out = np.zeros((count, 1, *size), np.uint8)
     for i in range(count):
         font_size = int(rng.integers(24, 49))

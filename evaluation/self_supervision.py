@@ -49,7 +49,7 @@ def measure(args) -> dict:
 
 
 def markdown(result: dict) -> str:
-    lines = [f"| seed | from scratch | from masked-patch pre-training | difference |", "|---|---|---|---|"]
+    lines = ["| seed | from scratch | from masked-patch pre-training | difference |", "|---|---|---|---|"]
     for r in result["runs"]:
         lines.append(f"| {r['seed']} | {100 * r['scratch']:.2f}% | {100 * r['pretrained']:.2f}% | "
                      f"{100 * (r['pretrained'] - r['scratch']):+.2f} points |")
@@ -60,7 +60,8 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m vitserve.evaluation.self_supervision", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m vitserve.evaluation.self_supervision",
+                                description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--label-fraction", type=float, default=0.1)
     p.add_argument("--pretrain-epochs", type=int, default=4)

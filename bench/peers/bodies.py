@@ -1,6 +1,6 @@
 """What each server is sent on each path: one request (target, body, headers) per server and path, for the same
-image. The Open Inference Protocol bodies are bench/oip.py's (framed by service/schemas/binary_tensors.py), byte for byte
-the same to vitserve and to Triton.
+image. The Open Inference Protocol bodies are bench/oip.py's (framed by service/schemas/binary_tensors.py), byte for
+byte the same to vitserve and to Triton.
 
 - `image`: each server's own way of taking an encoded image. vitserve: `POST /v1/classify`, the PNG as the body
   (Content-Type image/png). Triton: `POST /v2/models/vit-image/infer`, the PNG as a binary BYTES input `image` of

@@ -1,6 +1,6 @@
-"""`python -m vitserve.bench.peers` flags onto `PeersConfig` (a flag left out keeps the field's default, or `--quick`'s), and
-`vitserve bench --mode peers`, which takes the bench command's shared flags (--model, --out, --concurrency,
---duration, --warmup, --rounds, --time-limit, --quick, --cache-dir, --log-dir) onto the same object."""
+"""`python -m vitserve.bench.peers` flags onto `PeersConfig` (a flag left out keeps the field's default, or
+`--quick`'s), and `vitserve bench --mode peers`, which takes the bench command's shared flags (--model, --out,
+--concurrency, --duration, --warmup, --rounds, --time-limit, --quick, --cache-dir, --log-dir) onto the same object."""
 from __future__ import annotations
 
 import argparse
@@ -83,8 +83,9 @@ def config_from_bench_args(args: argparse.Namespace) -> PeersConfig:
         raise SystemExit(f"vitserve bench: --mode peers does not use {', '.join(stray or ['--set'])}")
     given = {n: getattr(args, n, None) for n in _BENCH_SHARED}
     for n in ("duration_s", "warmup_s"):
-        if given[n] is not None:
-            given[n] = max(1, round(given[n]))
+        seconds = given[n]
+        if seconds is not None:
+            given[n] = max(1, round(seconds))
     if getattr(args, "model", None):
         given["models"] = [args.model]
     return config_from(given, args.quick)

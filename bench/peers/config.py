@@ -1,8 +1,10 @@
 """The peer comparison's settings, and the only place their defaults are written (the command line overrides them)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 SERVERS = ("vitserve", "triton", "litserve")
 # vitserve on Ray Serve (`vitserve serve --ray`) with one and two replicas: on request only (`--servers`)
@@ -14,6 +16,12 @@ RUNTIME_SERVERS = {"vitserve-openvino": {"VITSERVE_RUNTIME": "openvino"},
                    # the model in one engine process that every HTTP worker feeds, whatever `--engine auto` would
                    # choose (service/engine/topology.py): the two topologies side by side
                    "vitserve-process": {"VITSERVE_ENGINE": "process"},
+                   # a session in each HTTP worker, one thread each (what `--engine auto` chose for a light model)
+                   "vitserve-inline": {"VITSERVE_ENGINE": "inline", "VITSERVE_INTRA_OP_THREADS": "1",
+                                       "VITSERVE_WORKERS": str(len(os.sched_getaffinity(0)))},
+                   # the engine process for every batch, and a lone request on its worker's own session
+                   # (service/engine/lone_path.py)
+                   "vitserve-lone": {"VITSERVE_ENGINE": "process", "VITSERVE_LONE_REQUEST_PATH": "true"},
                    # two batches at once, each on one of the two cores' intra-op threads (Triton's instance count)
                    "vitserve-2runners": {"VITSERVE_BATCH_RUNNERS": "2"}}
 # Triton with the model on OpenVINO at a precision (its Python backend compiles the file's fast graph, as vitserve's
@@ -25,7 +33,8 @@ BF16_SERVERS = {"vitserve-bf16", "triton-bf16"}
 BASELINE = "vitserve-base"
 KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO, BASELINE)
 # the req/s ratios the report gives, where both servers ran: (numerator, denominator)
-RATIOS = (("vitserve", "triton"), ("vitserve", BASELINE), ("vitserve", "vitserve-process"),
+RATIOS = (("vitserve", "triton"), ("vitserve-inline", "triton"),
+          ("vitserve-lone", "triton"), ("vitserve", BASELINE), ("vitserve", "vitserve-process"),
           ("vitserve-process", "triton"), ("vitserve-bf16", "triton-bf16"), ("vitserve-bf16", "vitserve-onnxruntime"),
           ("vitserve-openvino", "triton-openvino"))
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
@@ -76,5 +85,5 @@ class PeersConfig:
 
 
 # `--quick`: a smoke run of the default model; flags given still win over these
-QUICK = {"models": ["models/vit-fmnist/model.onnx"], "rounds": 1, "concurrency": [1, 8], "duration_s": 2,
-         "raw_duration_s": 0.5, "quiet_wait_s": 0.0}
+QUICK: dict[str, Any] = {"models": ["models/vit-fmnist/model.onnx"], "rounds": 1, "concurrency": [1, 8],
+                         "duration_s": 2, "raw_duration_s": 0.5, "quiet_wait_s": 0.0}

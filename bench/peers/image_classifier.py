@@ -1,28 +1,37 @@
-"""The per-image work every peer server does, the same as vitserve's: `service.usecases.preprocess.prepare_image` (Pillow
-decode, resize, normalise), one ONNX Runtime call per batch returning logits and rollout, then the top 5 classes
-and the rollout grid scaled to [0, 1] (as service/usecases/postprocess.py computes them).
+"""The per-image work every peer server does, the same as vitserve's: `service.usecases.preprocess.prepare_image`
+(Pillow decode, resize, normalise), one ONNX Runtime call per batch returning logits and rollout, then the top 5
+classes and the rollout grid scaled to [0, 1] (as service/usecases/postprocess.py computes them).
 
 It runs inside the peers' own virtual environments (Triton's, LitServe's), which hold numpy, Pillow and onnxruntime
-and nothing of vitserve's serving stack: so this module imports only `service.usecases.preprocess` and `vitserve.onnx_header`
-(both pure), and writes down vitserve's default limits and session options instead of importing `service.settings`
-(pydantic). tests/bench/test_peers.py holds them equal to vitserve's. With `openvino_precision` (Triton's venv holds
-onnx and openvino for it) the model is compiled by vitserve's own `OpenVinoModel.compile` and `graph_paths`, which
-import no more of the serving stack than its error classes.
+and nothing of vitserve's serving stack: so this module imports only `service.usecases.preprocess` and
+`vitserve.onnx_header` (both pure), and writes down vitserve's default limits and session options instead of importing
+`service.settings` (pydantic). tests/bench/test_peers.py holds them equal to vitserve's. With `openvino_precision`
+(Triton's venv holds onnx and openvino for it) the model is compiled by vitserve's own `OpenVinoModel.compile` and
+`graph_paths`, which import no more of the serving stack than its error classes.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
-from vitserve.service.usecases.preprocess import prepare_image
 from vitserve.artifact import INPUT_NAME, OUTPUT_NAMES
 from vitserve.onnx_header import read_model_info
+from vitserve.service.usecases.preprocess import prepare_image
 
 TOP_K = 5
+
+
+class Limits(TypedDict):
+    max_bytes: int
+    max_pixels: int
+    max_tokens: int
+
+
 # vitserve's defaults (service/ground/settings.py): max_upload_bytes, max_image_pixels, max_native_tokens
-LIMITS = {"max_bytes": 20 * 2**20, "max_pixels": 40_000_000, "max_tokens": 1024}
+LIMITS: Limits = {"max_bytes": 20 * 2**20, "max_pixels": 40_000_000, "max_tokens": 1024}
 
 
 def session_options(workers: int = 1):
@@ -85,6 +94,7 @@ class ImageClassifier:
         if self.openvino is not None:
             logits, rollout, *_ = self.openvino.run(pixels)  # the file's optional outputs after these two
             return logits, rollout
+        assert self.session is not None  # __init__ makes the session where it makes no OpenVINO model
         logits, rollout = self.session.run(list(OUTPUT_NAMES), {INPUT_NAME: pixels})
         return logits, rollout
 

@@ -12,6 +12,8 @@ LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-onnxruntime": "vitserve on ONNX Runtime", "vitserve-bf16": "vitserve on OpenVINO bf16",
           "triton-bf16": "Triton on OpenVINO bf16", "triton-openvino": "Triton on OpenVINO",
           "vitserve-process": "vitserve with an engine process",
+          "vitserve-inline": "vitserve, a session in each HTTP worker",
+          "vitserve-lone": "vitserve, an engine process and a lone request in its worker",
           "vitserve-2runners": "vitserve, two batches at once"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
@@ -25,14 +27,15 @@ def summarise(rows: list[dict], servers: list[str], paths: list[str], concurrenc
         for connections in concurrency:
             entry: dict = {"path": path, "connections": connections}
             for server in servers:
-                mine = [r for r in rows if (r["server"], r["path"], r["connections"]) == (server, path, connections)
+                runs = [r for r in rows if (r["server"], r["path"], r["connections"]) == (server, path, connections)
                         and "skipped" not in r]
-                if mine:
-                    cpu = [r.get("server_cpu_ms_per_answer") for r in mine]  # absent from older reports
-                    entry[server] = {**{k: statistics.median(r[k] for r in mine) for k in _MEDIANS},
-                                     "cpu_ms": statistics.median(cpu) if None not in cpu else None,
-                                     "rounds": len(mine), "non_2xx": sum(r["non_2xx"] for r in mine),
-                                     "socket_errors": sum(sum(r["socket_errors"].values()) for r in mine)}
+                if runs:
+                    cpu = [r.get("server_cpu_ms_per_answer") for r in runs]  # absent from older reports
+                    known_cpu = [c for c in cpu if c is not None]
+                    entry[server] = {**{k: statistics.median(r[k] for r in runs) for k in _MEDIANS},
+                                     "cpu_ms": statistics.median(known_cpu) if len(known_cpu) == len(cpu) else None,
+                                     "rounds": len(runs), "non_2xx": sum(r["non_2xx"] for r in runs),
+                                     "socket_errors": sum(sum(r["socket_errors"].values()) for r in runs)}
             if len(entry) > 2:
                 for numerator, denominator in RATIOS:
                     mine, theirs = entry.get(numerator), entry.get(denominator)
@@ -114,12 +117,12 @@ def _versions(env: dict) -> list[str]:
 def _commands(report: dict) -> list[str]:
     """How to rerun it, and what each server was started with (ports are chosen free for every start)."""
     lines = ["## Commands", "", "Rerun: `make bench-peers` (`.venv/bin/python -m vitserve.bench.peers --out "
-             "docs/results/bench-peers.md`; `vitserve bench --mode peers` is the same). It makes build/peers/venv-triton and "
-             "build/peers/venv-litserve with pinned versions (bench/peers/venvs.py) when absent and needs Debian's "
-             "`wrk`.", "",
+             "docs/results/bench-peers.md`; `vitserve bench --mode peers` is the same). It makes "
+             "build/peers/venv-triton and build/peers/venv-litserve with pinned versions (bench/peers/venvs.py) when "
+             "absent and needs Debian's `wrk`.", "",
              "Servers, as started for the first model:", "", "```"]
     first = report["models"][0]["servers"] if report["models"] else {}
-    for server, facts in first.items():
+    for facts in first.values():
         env = " ".join(f"{k}={v}" for k, v in facts["env"].items())
         lines.append(f"{env} {' '.join(facts['argv'])}".strip())
     rows = [r for m in report["models"] for r in m["rounds"] if "wrk_argv" in r]

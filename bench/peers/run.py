@@ -15,20 +15,45 @@ import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import TypeAlias
 
 import numpy as np
 
 from vitserve.bench.load import make_images
 from vitserve.bench.peers.answers import check, post
 from vitserve.bench.peers.bodies import PeerRequest, peer_request
-from vitserve.bench.peers.config import (BASELINE, BF16_SERVERS, PATHS, RAY_SERVERS, RUNTIME_SERVERS, SERVED_PATHS,
-                                         TRITON_OPENVINO, PeersConfig, family)
+from vitserve.bench.peers.config import (
+    BASELINE,
+    BF16_SERVERS,
+    PATHS,
+    RAY_SERVERS,
+    RUNTIME_SERVERS,
+    SERVED_PATHS,
+    TRITON_OPENVINO,
+    PeersConfig,
+    family,
+)
 from vitserve.bench.peers.report import summarise
-from vitserve.bench.peers.servers import (RunningServer, ServerSpec, export_commit, litserve_spec, triton_spec,
-                                 vitserve_spec)
+from vitserve.bench.peers.servers import (
+    RunningServer,
+    ServerSpec,
+    export_commit,
+    litserve_spec,
+    triton_spec,
+    vitserve_spec,
+)
 from vitserve.bench.peers.venvs import VERSIONS_OF, ensure_venv, library_dir, package_versions
-from vitserve.bench.peers.wrk import (find_wrk, parse_statuses, run_wrk, steady_rate, take_answer_times, threads_for,
-                                      wrk_argv, wrk_version, write_script)
+from vitserve.bench.peers.wrk import (
+    find_wrk,
+    parse_statuses,
+    run_wrk,
+    steady_rate,
+    take_answer_times,
+    threads_for,
+    write_script,
+    wrk_argv,
+    wrk_version,
+)
 from vitserve.bench.presets import resolve_model
 from vitserve.bench.raw import bench_raw, load_raw_model, preprocessed
 from vitserve.bench.reliability import alternated
@@ -37,6 +62,8 @@ from vitserve.machine import cpu_model_name, load_average
 
 _STARTUP_ALLOWANCE_S = 40.0  # what a level's time check adds for a server yet to start
 SESSION_ALONE = "session alone"  # the arm of the rounds that runs the raw session, no server
+# The vitserve code served: None for this tree, a commit's tree, or {"vitserve": either, BASELINE: a commit's tree}
+CodeSource: TypeAlias = Path | dict[str, Path | None] | None
 
 
 @dataclass
@@ -60,15 +87,16 @@ def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
     pythons = {family(p): ensure_venv(cfg.work_dir, family(p), cfg.venv_python) for p in cfg.servers
                if family(p) != "vitserve"}
-    source = None
+    tree: Path | None = None
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
-        source, env["vitserve_commit"] = export_commit(cfg.vitserve_commit, cfg.work_dir)
+        tree, env["vitserve_commit"] = export_commit(cfg.vitserve_commit, cfg.work_dir)
+    source: CodeSource = tree
     if BASELINE in cfg.servers:
         if not cfg.baseline_commit:
             raise SystemExit(f"bench peers: {BASELINE} serves --baseline-commit REV: name the commit")
         baseline, env["baseline_commit"] = export_commit(cfg.baseline_commit, cfg.work_dir)
-        source = {"vitserve": source, BASELINE: baseline}
+        source = {"vitserve": tree, BASELINE: baseline}
     env["loadavg_start"], env["waited_for_quiet_s"] = wait_for_quiet(cfg.quiet_load, cfg.quiet_wait_s)
     budget = Budget(cfg.time_limit_s)
     models = [measure_model(cfg, name, wrk, pythons, source, budget) for name in cfg.models]
@@ -104,7 +132,7 @@ def wait_for_quiet(quiet_load: float, wait_s: float) -> tuple[str, float]:
     return load_average(), round(time.monotonic() - started, 1)
 
 
-def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path], source: Path | None,
+def measure_model(cfg: PeersConfig, name: str, wrk: str, pythons: dict[str, Path], source: CodeSource,
                   budget: Budget) -> dict:
     model_path = resolve_model(name, cfg.cache_dir)
     model, raw = raw_session(cfg, model_path)
@@ -137,7 +165,10 @@ def run_rounds(cfg: PeersConfig, m: ModelUnderTest, wrk: str, spec_of, budget: B
                session_alone: Callable[[], list[dict]] | None = None) -> tuple[list, dict, dict, list]:
     """Every server once per round, one at a time, and with `session_alone` the session alone as one more turn: (a
     row per level, answer checks, how each server ran, the session's rows of each round)."""
-    rows, checks, servers, alone = [], {}, {}, []
+    rows: list[dict] = []
+    checks: dict[str, dict[str, list[dict]]] = {}  # server -> path -> each round's check
+    servers: dict[str, dict] = {}
+    alone: list[dict] = []
     arms = [*cfg.servers, *([SESSION_ALONE] if session_alone is not None else [])]
     for round_, server in alternated(arms, cfg.rounds):
         if server == SESSION_ALONE:
@@ -223,7 +254,7 @@ def model_summary_of(model_path: Path) -> dict:
             "precision": info.precision, "size_mb": round(model_path.stat().st_size / 2**20, 1)}
 
 
-def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: Path | dict | None) -> ServerSpec:
+def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source: CodeSource) -> ServerSpec:
     """How `server` starts; `source`: the vitserve code to serve (a dict when a baseline is served beside it)."""
     if isinstance(source, dict):
         if server == BASELINE:

@@ -93,8 +93,8 @@ def triton_spec(model: Path, python: Path, library_dir: str, openvino_precision:
                 name: str = "triton") -> ServerSpec:
     """Triton (pytriton) serving `model` on ONNX Runtime, or with `openvino_precision` on OpenVINO at it."""
     http, grpc, metrics = _distinct_free_ports(3)
-    argv = [str(python), "-m", "vitserve.bench.peers.triton_server", "--model", str(model.resolve()), "--http-port", str(http),
-            "--grpc-port", str(grpc), "--metrics-port", str(metrics),
+    argv = [str(python), "-m", "vitserve.bench.peers.triton_server", "--model", str(model.resolve()),
+            "--http-port", str(http), "--grpc-port", str(grpc), "--metrics-port", str(metrics),
             *(["--openvino-precision", openvino_precision] if openvino_precision else [])]
     path = os.pathsep.join(p for p in (library_dir, os.environ.get("LD_LIBRARY_PATH", "")) if p)
     # tritonserver is ready before pytriton has loaded the models into it
@@ -105,7 +105,8 @@ def triton_spec(model: Path, python: Path, library_dir: str, openvino_precision:
 
 def litserve_spec(model: Path, python: Path) -> ServerSpec:
     port = free_port()
-    argv = [str(python), "-m", "vitserve.bench.peers.litserve_server", "--model", str(model.resolve()), "--port", str(port)]
+    argv = [str(python), "-m", "vitserve.bench.peers.litserve_server", "--model", str(model.resolve()),
+            "--port", str(port)]
     return ServerSpec("litserve", argv, [port], ["/health"], {"PYTHONPATH": str(REPO)})
 
 
@@ -136,7 +137,7 @@ class RunningServer:
             self.proc = subprocess.Popen(self.spec.argv, env={**os.environ, **self.spec.env}, cwd=REPO, stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            self._wait_ready()
+            self._wait_ready(self.proc)
         except BaseException:
             self.stop()
             raise
@@ -145,6 +146,8 @@ class RunningServer:
         """User and system CPU time of the server and every process under it so far: an answer's whole cost,
         its front end and its model process alike (a process that exits takes its share with it)."""
         import psutil
+        if self.proc is None:
+            raise RuntimeError(f"{self.spec.name} is not started")
         try:
             root = psutil.Process(self.proc.pid)
             processes = [root, *root.children(recursive=True)]
@@ -159,7 +162,7 @@ class RunningServer:
             total += times.user + times.system
         return total
 
-    def __enter__(self) -> "RunningServer":  # an already started server: `with` only stops it
+    def __enter__(self) -> RunningServer:  # an already started server: `with` only stops it
         if self.proc is None:
             self.start()
         return self
@@ -171,11 +174,11 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{LOOPBACK}:{self.spec.port}"
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, proc: subprocess.Popen) -> None:
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.spec.name} exited with code {self.proc.returncode} before it was ready; "
+            if proc.poll() is not None:
+                raise RuntimeError(f"{self.spec.name} exited with code {proc.returncode} before it was ready; "
                                    f"its log ends:\n{self.log_path.read_text(errors='replace')[-2000:]}")
             if all(self._answers_200(path) for path in self.spec.ready_paths):
                 return

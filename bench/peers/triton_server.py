@@ -10,9 +10,10 @@ Two models over the same ONNX file:
   vitserve's /v2 infer answers.
 
 Both batch dynamically: max batch 16, queue delay 5 ms. `--openvino-precision fp32|bf16`: the model on OpenVINO
-instead of ONNX Runtime (bench/peers/image_classifier.py), for a side by side at vitserve's runtime and precision. Run in the Triton venv (bench/peers/venvs.py) with the
-repository on PYTHONPATH: `python -m vitserve.bench.peers.triton_server --model M --http-port P --grpc-port G
---metrics-port Q`. SIGTERM stops Triton and exits 0.
+instead of ONNX Runtime (bench/peers/image_classifier.py), for a side by side at vitserve's runtime and precision.
+Run in the Triton venv (bench/peers/venvs.py) with the repository on PYTHONPATH:
+`python -m vitserve.bench.peers.triton_server --model M --http-port P --grpc-port G --metrics-port Q`. SIGTERM stops
+Triton and exits 0.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import sys
 
 import numpy as np
 
-from vitserve.bench.peers.image_classifier import TOP_K, ImageClassifier, top_classes, unit_grid
 from vitserve.artifact import INPUT_NAME
+from vitserve.bench.peers.image_classifier import TOP_K, ImageClassifier, top_classes, unit_grid
 
 IMAGE_MODEL, TENSOR_MODEL = "vit-image", "vit-tensor"
 MAX_BATCH_SIZE, QUEUE_DELAY_US = 16, 5000
