@@ -26,19 +26,16 @@ def logits(base_url: str, body: dict) -> list[float]:
 
 
 def test_a_lone_request_runs_in_the_worker_and_answers_as_the_engine_does(tiny_onnx):
-    card = None
     with uvicorn_server(tiny_onnx, *LONE) as (base_url, _):
         card = httpx.get(f"{base_url}/v1/model", timeout=30).json()
         bodies = [probe(card["channels"], card["image_height"], card["image_width"], seed) for seed in range(3)]
         alone = [logits(base_url, body) for body in bodies]  # one at a time: each alone in the worker
         lone_images = value(scrape(base_url), "vitserve_lone_path_images_total")
         assert lone_images >= 2, lone_images  # the first may come before the worker's session is warmed up
-        # many at once: the worker has others in flight, so they go to the engine
+        # many at once: the worker has others in flight, so most go to the engine
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             crowded = list(pool.map(lambda body: logits(base_url, body), bodies * 8))
-        assert value(scrape(base_url), "vitserve_lone_path_images_total") < lone_images + len(crowded)
-    with uvicorn_server(tiny_onnx, "--engine", "process") as (base_url, _):  # the engine alone
-        engine = [logits(base_url, body) for body in bodies]
-        assert value(scrape(base_url), "vitserve_lone_path_images_total") == 0
-    assert alone == engine  # the same bits, whichever path ran them
+        in_worker = value(scrape(base_url), "vitserve_lone_path_images_total") - lone_images
+        assert in_worker < len(crowded) // 2, in_worker
+    # the same bits, whichever path ran them
     assert all(answer == alone[i % 3] for i, answer in enumerate(crowded))
