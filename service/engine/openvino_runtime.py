@@ -39,6 +39,7 @@ from vitserve.service.engine.inference_model import (
 from vitserve.service.engine.onnx_runtime import RelevancePath, make_relevance_session, read_artifact
 from vitserve.service.engine.providers import CPU, openvino_provider
 from vitserve.service.ground.errors import ModelLoadError
+from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
@@ -162,7 +163,8 @@ class OpenVinoModel:
         if precision == "bf16" and "BF16" not in cpu_capabilities():
             raise ModelLoadError("precision bf16: this CPU has no bfloat16 arithmetic (AVX512-BF16 or AMX; "
                                  f"OpenVINO says {sorted(cpu_capabilities())}); OpenVINO would run float32")
-        config = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision], "PERFORMANCE_HINT": "LATENCY"}
+        config: dict[str, object] = {"INFERENCE_PRECISION_HINT": PRECISION_HINTS[precision],
+                                     "PERFORMANCE_HINT": "LATENCY", "ENABLE_CPU_PINNING": pins_cores(threads, streams)}
         if streams > 1:
             config["NUM_STREAMS"] = str(streams)
         if threads:
@@ -196,6 +198,15 @@ class OpenVinoModel:
         if self.relevance is None:
             raise ModelLoadError(f"{self.info.name} has no relevance path")
         return self.relevance.explain(pixel_values, targets)
+
+
+def pins_cores(threads: int, streams: int) -> bool:
+    """Whether OpenVINO may pin this model's inference threads to cores: only where they are given every core this
+    process may use (0: OpenVINO's own count, every core). OpenVINO pins by default, each process from the first
+    core: two HTTP workers with a one-thread session each had both inferences on one core, while the other served
+    HTTP alone. On a 2-core EPYC at 32 clients (the default model, bf16, a session in each of 2 workers) that cost a
+    third of the answers (docs/results/bench-peers-topology.md)."""
+    return threads == 0 or threads * streams >= usable_cores()
 
 
 def auto_precisions(hint: str, capabilities: set[str]) -> list[str]:

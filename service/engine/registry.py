@@ -295,7 +295,7 @@ class ModelRegistry:
         new.metrics.set_ready(new.ready)
 
     async def _bring_up(self, entry: ModelEntry, version: str, file: VersionFile, warm: bool) -> ServedModel:
-        given = getattr(self.source, "model", None)
+        given = self.source.model if isinstance(self.source, SingleModel) else None  # a test's model object
         settings = self._settings_for(entry, file.path)
         shadow = entry.config.shadow if version == entry.shadow_version else None
         served = ServedModel(entry.name, version, settings, self.metrics.for_model(entry.name, version),

@@ -1,24 +1,23 @@
 """`engine_choice`: where `vitserve serve --engine auto` (the default) puts the model, decided once before any worker
-starts: one engine process that every HTTP worker feeds (process), for a light model on the CPU with each worker also
-running a lone request on a session of its own (the lone-request path, service/engine/lone_path.py).
+starts: a session in each HTTP worker (inline), or one engine process that every worker feeds (process).
 
-Each plain topology wins at one end for a light model on the CPU, where an answer is mostly HTTP work. A session in
-each HTTP worker (inline) serves a lone request with no hop, but under load the kernel's accept race splits the
-connections unevenly between the workers and a worker cannot lend its work to the other's session; one engine process
-batches every worker's images on one queue whatever the split, but a lone request pays the way there and back. The
-lone-request path keeps both: on a 2-core AMD EPYC with AVX512-BF16, the default model on OpenVINO bf16, medians of
-two alternating rounds (docs/results/bench-peers-topology.md): at one client p50 3.1 / 1.8 / 2.2 ms on the image,
-OIP JSON and OIP binary paths (inline 3.1 / 3.3 / 2.6, the engine alone 4.7 / 4.3 / 3.8); at 32 clients 918 / 1,104 /
-992 req/s (inline 711 / 787 / 836, the engine alone 808 / 990 / 1,007), 1.70-1.89x Triton's Python backend with a
-p99 below Triton's.
+A light model on the CPU is served faster from inside the HTTP workers, at one client and at 32. For it the engine
+process is a large share of an answer (the way there and back: ZeroMQ, shared memory, the engine's loop), and a
+session of one thread in each worker puts every core on the model with no image leaving its process. What once made
+this topology lose under load was OpenVINO pinning each process's inference thread to the same first core (both
+workers' inferences on one core, the other serving HTTP alone); unpinned where a model does not own every core
+(openvino_runtime.py `pins_cores`), on a 2-core AMD EPYC with AVX512-BF16, the default model on OpenVINO bf16,
+alternating rounds (docs/results/bench-peers-topology.md), it serves 32 clients with more answers than the engine
+process and the lone-request path (service/engine/lone_path.py, the engine for every batch and a lone request in its
+worker: `--engine process --lone-request-path true`), and one client as fast.
 
-The engine process, without the lone path, is where the model is not light: a GPU (one CUDA context and one session
-per device, fed by every worker), a heavy model (in a worker its session would get a share of the cores; in the
-engine a lone request gets all of them), and a model repository (versions loaded and unloaded on request, shadows,
-one registry that every worker routes with).
+The engine process stays where it earns its hop: a GPU (one CUDA context and one session per device, fed by every
+worker), a heavy model (in a worker its session would get a share of the cores; in the engine a lone request gets
+all of them), and a model repository (versions loaded and unloaded on request, shadows, one registry that every
+worker routes with).
 
 The choice reads the file's plan (service/engine/serving_plan.py: a tuning record, else declared facts; nothing is
-timed here), the same plan the engine and every worker then load: they serve the file alike, bit for bit.
+timed here), the same plan every worker then loads: the workers serve the file alike, bit for bit.
 """
 from __future__ import annotations
 
@@ -28,6 +27,7 @@ from pathlib import Path
 from vitserve.service.engine.onnx_runtime import provider_chain, read_artifact
 from vitserve.service.engine.providers import CPU
 from vitserve.service.engine.runtime import available_providers, plan_for
+from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
 
 
@@ -62,8 +62,8 @@ def engine_choice(settings: Settings) -> EngineChoice | None:
     if not plan.light:
         return EngineChoice("process", f"a heavy model ({plan.multiply_adds / 1e6:.0f}M multiply-adds an image, "
                                        f"{plan.source}): one session with every core")
-    # every batch in the engine, a lone request in its worker, each on one thread (service/engine/lone_path.py)
-    return EngineChoice("process", f"a light model on the CPU ({plan.multiply_adds / 1e6:.0f}M multiply-adds an "
-                                   f"image, {plan.source}): one engine process batches every worker's requests on 1 "
-                                   f"thread, and each HTTP worker runs a lone request on its own session of 1 thread",
-                        {"LONE_REQUEST_PATH": "true"})
+    # one thread in each worker: the engine's own rule for a light model (service/engine/runtime.py)
+    pinned = {"INTRA_OP_THREADS": "1", "WORKERS": str(settings.workers or usable_cores())}
+    return EngineChoice("inline", f"a light model on the CPU ({plan.multiply_adds / 1e6:.0f}M multiply-adds an "
+                                  f"image, {plan.source}): a session of 1 thread in each of the {pinned['WORKERS']} "
+                                  f"HTTP workers", pinned)

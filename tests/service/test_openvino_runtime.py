@@ -240,3 +240,10 @@ def test_batch_runners_get_a_stream_each_with_their_threads_and_the_same_answers
     for got, want, reference in zip(together, alone, (one.run(x)[0] for x in images)):
         np.testing.assert_array_equal(got, want)
         np.testing.assert_array_equal(got, reference)
+
+
+def test_openvino_pins_its_threads_only_where_they_have_every_core(monkeypatch):
+    """Each process pins from the first core: two workers' one-thread sessions pinned would share one core."""
+    monkeypatch.setattr(openvino_runtime, "usable_cores", lambda: 2)
+    assert openvino_runtime.pins_cores(0, 1) and openvino_runtime.pins_cores(2, 1) and openvino_runtime.pins_cores(1, 2)
+    assert not openvino_runtime.pins_cores(1, 1)

@@ -1,6 +1,5 @@
-"""`--engine auto`: a light model on the CPU served from one file gets the engine process and the lone-request path
-(each HTTP worker runs a lone request on a session of its own), decided from the file's plan without a session; a
-repository, a GPU or a heavy model gets the engine process alone."""
+"""`--engine auto`: a light model on the CPU served from one file gets a session of one thread in each HTTP worker,
+decided from the file's plan without a session; a repository, a GPU or a heavy model gets the engine process."""
 from __future__ import annotations
 
 import os
@@ -10,7 +9,7 @@ import pytest
 
 from vitserve.service.engine import topology
 from vitserve.service.engine.inference_model import intra_op_threads
-from vitserve.service.engine.runtime import load_engine_model
+from vitserve.service.engine.runtime import load_model
 from vitserve.service.ground.processes import usable_cores
 from vitserve.service.ground.settings import Settings
 from service_fixtures import settings_for
@@ -38,10 +37,11 @@ def test_an_engine_named_by_the_user_is_kept(tiny_onnx):
     assert Settings().engine == "auto"
 
 
-def test_a_light_model_on_the_cpu_gets_the_lone_request_path_decided_without_a_session(tiny_onnx, sessionless):
+def test_a_light_model_on_the_cpu_runs_in_every_worker_on_one_thread_decided_without_a_session(tiny_onnx,
+                                                                                              sessionless):
     choice = topology.engine_choice(auto(tiny_onnx, runtime="auto", maps_free="auto"))
-    assert choice is not None and choice.engine == "process" and "light model" in choice.why
-    assert choice.pinned == {"LONE_REQUEST_PATH": "true"}
+    assert choice is not None and choice.engine == "inline" and "light model" in choice.why
+    assert choice.pinned == {"INTRA_OP_THREADS": "1", "WORKERS": str(usable_cores())}
 
 
 def test_every_worker_loads_the_same_plan_and_answers_with_the_same_bits(tiny_onnx):
@@ -49,9 +49,8 @@ def test_every_worker_loads_the_same_plan_and_answers_with_the_same_bits(tiny_on
     assert choice is not None
     worker = Settings(**{**auto(tiny_onnx, runtime="auto", maps_free="auto").model_dump(),
                          **{k.lower(): v for k, v in choice.environment.items()}})
-    assert (worker.engine, worker.http_workers, worker.lone_request_path) == ("process", usable_cores(), True)
-    # the engine process and each worker's lone-request session: the same loader, the same plan, one thread each
-    first, second = load_engine_model(worker), load_engine_model(worker)
+    assert (worker.engine, worker.http_workers, intra_op_threads(worker)) == ("inline", usable_cores(), 1)
+    first, second = load_model(worker), load_model(worker)
     assert first.capabilities.plan == second.capabilities.plan
     pixels = np.random.default_rng(0).normal(size=(3, first.info.channels, *first.info.image_size))
     pixels = pixels.astype(np.float32)
@@ -61,8 +60,8 @@ def test_every_worker_loads_the_same_plan_and_answers_with_the_same_bits(tiny_on
 
 def test_what_the_user_set_is_not_pinned_over(tiny_onnx):
     choice = topology.engine_choice(auto(tiny_onnx, runtime="onnxruntime", maps_free="off", workers=3))
-    assert choice is not None and choice.engine == "process"
-    assert choice.pinned == {"LONE_REQUEST_PATH": "true"}
+    assert choice is not None and choice.engine == "inline"
+    assert choice.pinned == {"INTRA_OP_THREADS": "1", "WORKERS": "3"}
 
 
 def test_a_thread_count_set_for_one_shared_session_keeps_the_engine_process(tiny_onnx, sessionless):
@@ -77,7 +76,7 @@ def test_a_heavy_model_keeps_the_engine_process(tiny_onnx, monkeypatch, sessionl
     from vitserve.service.engine import serving_plan
     monkeypatch.setattr(serving_plan, "LIGHT_MODEL_MULTIPLY_ADDS", 1.0)  # every model heavy
     choice = topology.engine_choice(auto(tiny_onnx, runtime="auto"))
-    assert choice is not None and (choice.engine, choice.pinned) == ("process", {})  # no lone path: every core
+    assert choice is not None and (choice.engine, choice.pinned) == ("process", {})
     assert "heavy model (" in choice.why and "multiply-adds" in choice.why
 
 
@@ -91,9 +90,9 @@ def test_a_repository_or_a_gpu_keeps_the_engine_process_without_loading_the_mode
     monkeypatch.setattr(topology, "available_providers", lambda: ["CUDAExecutionProvider", "CPUExecutionProvider"])
     choice = topology.engine_choice(auto(tiny_onnx, providers=["cuda", "cpu"]))
     assert choice is not None and choice.engine == "process" and "GPU" in choice.why
-    # the CPU named alone: the GPU build's CUDA is not used, and the light model gets the lone-request path
+    # the CPU named alone: the GPU build's CUDA is not used, and the light model runs in the workers
     choice = topology.engine_choice(auto(tiny_onnx, providers=["cpu"]))
-    assert choice is not None and choice.pinned == {"LONE_REQUEST_PATH": "true"}
+    assert choice is not None and choice.engine == "inline"
 
 
 def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_environ, monkeypatch):
@@ -106,10 +105,10 @@ def test_serve_starts_the_default_model_in_every_worker(tiny_onnx, private_envir
     assert main(["serve", "--model", str(tiny_onnx), "--port", "9127", "--grpc-port", "0", "--runtime",
                  "onnxruntime"]) == 0
     kwargs, settings, metrics_dir_made = calls[0]
-    assert settings.engine == "process" and len(settings.engine_addresses) == 1  # the engine was started
-    assert settings.lone_request_path and settings.maps_free == "auto"  # each process reads the same plan
+    assert settings.engine == "inline" and not settings.engine_addresses  # no engine process started
     assert kwargs["workers"] == settings.http_workers == usable_cores()
-    assert metrics_dir_made
+    assert intra_op_threads(settings) == 1 and settings.maps_free == "auto"  # each worker reads the same plan
+    assert metrics_dir_made == (usable_cores() > 1)
 
 
 def test_a_file_that_fails_to_load_stops_serve_before_any_worker_starts(tiny_onnx, tmp_path, private_environ,
