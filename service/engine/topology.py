@@ -9,7 +9,9 @@ workers' inferences on one core, the other serving HTTP alone); unpinned where a
 (openvino_runtime.py `pins_cores`), on a 2-core AMD EPYC with AVX512-BF16, the default model on OpenVINO bf16,
 alternating rounds (docs/results/bench-peers-topology.md), it serves 32 clients with more answers than the engine
 process and the lone-request path (service/engine/lone_path.py, the engine for every batch and a lone request in its
-worker: `--engine process --lone-request-path true`), and one client as fast.
+worker: `--engine process --lone-request-path true`): 1,184 / 1,227 / 1,328 req/s on the image, OIP JSON and OIP
+binary paths against 891 / 1,171 / 1,069 and 883 / 1,076 / 1,255 (Triton's Python backend: 491 / 664 / 583, its p99
+above all three), and one client as fast (p50 2.5 / 3.0 / 2.0 ms against 4.0 / 4.4 / 4.5 and 2.9 / 2.4 / 1.8).
 
 The engine process stays where it earns its hop: a GPU (one CUDA context and one session per device, fed by every
 worker), a heavy model (in a worker its session would get a share of the cores; in the engine a lone request gets
