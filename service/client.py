@@ -79,10 +79,9 @@ async def in_process(model_path: Path):
     from vitserve.service.app import create_app
     from vitserve.service.ground.settings import Settings
 
-    logging.getLogger("vitserve").setLevel(logging.ERROR)  # the table is the output, not the server's log
     settings = Settings(model_path=model_path, engine="inline", workers=1, grpc_port=0, max_loop_lag_ms=None)
     app = create_app(settings)
-    async with app.router.lifespan_context(app):
+    async with quiet_server_log(), app.router.lifespan_context(app):
         engine = app.state.service.engine
         if not await engine.warmed_up():
             reasons = "; ".join(entry.reason for entry in await engine.index() if entry.reason)
@@ -90,6 +89,18 @@ async def in_process(model_path: Path):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://vitserve.in-process") as client:
             yield client
+
+
+@contextlib.asynccontextmanager
+async def quiet_server_log():
+    """The server's own log at ERROR while the app runs here (the table is the output), as it was after."""
+    logger = logging.getLogger("vitserve")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def checked_model(model_path: Path, map_kind: str, target: str | None) -> None:

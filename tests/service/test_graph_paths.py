@@ -154,5 +154,7 @@ def test_a_padded_batch_answers_as_the_unpadded_one_and_load_runs_each_padded_si
     padded.captured = CudaGraphBuckets({1: object(), 2: object()}, [1, 2, 4, 8, 16], (3, 32, 32))  # type: ignore
     assert padded.padded_batch_sizes == [4, 8, 16]
     padded.captured, seen.batches = None, []
+    padded.capabilities = padded.declared_capabilities()  # as `OnnxModel.load` declares them, once it has made them
+    assert padded.capabilities.padded_batch_sizes == (1, 2, 4, 8, 16)
     assert warm_up(padded, [1, 16]) == [1, 2, 4, 8, 16]
     assert seen.batches == [1, 1, 16, 16, 2, 2, 4, 4, 8, 8]  # the sizes asked for first: 1 and the largest

@@ -189,7 +189,7 @@ def test_the_key_names_the_cpus_deciding_flags(tmp_path):
 async def test_the_card_v2_config_and_log_say_how_the_version_is_served_and_what_its_load_took(tiny_onnx, tuning_dir,
                                                                                              caplog):
     settings = settings_for(tiny_onnx, tuning_dir=tuning_dir, **AUTO)
-    with caplog.at_level(logging.INFO):
+    with caplog.at_level(logging.INFO, logger="vitserve"):
         async with serving(settings) as client:
             card = (await client.get("/v1/model")).json()
             config = (await client.get(f"/v2/models/{card['name']}/config")).json()
