@@ -77,9 +77,16 @@ async def in_process(model_path: Path):
     import httpx
 
     from vitserve.service.app import create_app
+    from vitserve.service.engine.topology import engine_choice
     from vitserve.service.ground.settings import Settings
 
-    settings = Settings(model_path=model_path, engine="inline", workers=1, grpc_port=0, max_loop_lag_ms=None)
+    settings = Settings(model_path=model_path, grpc_port=0, max_loop_lag_ms=None)
+    # the thread count `vitserve serve` would give the model (a light one: one, as in each worker), so that the
+    # answers are the server's bit for bit
+    choice = engine_choice(settings)
+    threads = int(choice.pinned.get("INTRA_OP_THREADS", settings.intra_op_threads)) if choice else \
+        settings.intra_op_threads
+    settings = settings.model_copy(update={"engine": "inline", "workers": 1, "intra_op_threads": threads})
     app = create_app(settings)
     async with quiet_server_log(), app.router.lifespan_context(app):
         engine = app.state.service.engine
