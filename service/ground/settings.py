@@ -90,7 +90,8 @@ class Settings(BaseSettings):
     runtime: Runtime = Field(
         "auto", description="onnxruntime, openvino, or auto: what a tuning record of this file on this machine "
                             "chose (vitserve tune), else ONNX Runtime on a GPU, OpenVINO bf16 on a CPU that computes "
-                            "bfloat16 (AVX512-BF16, AMX) where it agrees with the file, ONNX Runtime otherwise")
+                            "bfloat16 (AVX512-BF16, AMX) or runs an int8 file in integer arithmetic (VNNI, AMX) "
+                            "where it agrees with the file, ONNX Runtime otherwise (docs/tuning.md)")
     tuning: Literal["read", "write-when-idle", "off"] = Field(
         "read", description="read: a tuning record of this file on this machine (vitserve tune) decides runtime, "
                             "precision, maps-free graph and threads where there is one, declared facts otherwise; "
