@@ -247,3 +247,15 @@ def test_openvino_pins_its_threads_only_where_they_have_every_core(monkeypatch):
     monkeypatch.setattr(openvino_runtime, "usable_cores", lambda: 2)
     assert openvino_runtime.pins_cores(0, 1) and openvino_runtime.pins_cores(2, 1) and openvino_runtime.pins_cores(1, 2)
     assert not openvino_runtime.pins_cores(1, 1)
+
+
+def test_a_model_compiled_from_openvino_s_cache_answers_as_one_compiled_afresh(tiny_onnx, tmp_path):
+    """The compiled-model cache sits beside the tuning records; a load that reads it back gives the same bits."""
+    settings = settings_for(tiny_onnx, runtime="openvino", tuning_dir=tmp_path / "tuning")
+    fresh = load_model(settings)
+    assert list((tmp_path / "tuning" / "openvino").iterdir())  # written by the first compile
+    cached = load_model(settings)
+    x = np.random.default_rng(6).standard_normal((2, 3, 32, 32)).astype(np.float32)
+    for a, b in zip(fresh.run(x), cached.run(x)):
+        np.testing.assert_array_equal(a, b)
+    assert openvino_runtime.compiled_model_cache(settings.model_copy(update={"tuning": "off"})) is None
