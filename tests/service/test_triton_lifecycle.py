@@ -187,20 +187,25 @@ def metadata(client, model: str) -> dict:
     return client.get_model_metadata(model, as_json=True)
 
 
-def states_within(server: Server, expected: dict[tuple[str, str], bool], case: str, what: str,
-                  changed_at: float) -> float:
-    """Wait until `expected` holds, at most Triton's 5 s from `changed_at` (when the repository changed), then
-    check it over both clients; the seconds it took, recorded in LOAD_TO_READY."""
+def passes_within(check, changed_at: float) -> float:
+    """`check()` retried until it raises no AssertionError, at most Triton's 5 s from `changed_at` (its last failure
+    raised after that); the seconds from `changed_at` until it passed."""
     deadline = changed_at + TRITON_WAIT_S
     while True:
         try:
-            assert_states(server, expected)
-            break
+            check()
+            return time.monotonic() - changed_at
         except AssertionError:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.05)
-    took = time.monotonic() - changed_at
+
+
+def states_within(server: Server, expected: dict[tuple[str, str], bool], case: str, what: str,
+                  changed_at: float) -> float:
+    """Wait until `expected` holds, at most Triton's 5 s from `changed_at` (when the repository changed), then
+    check it over both clients; the seconds it took, recorded in LOAD_TO_READY."""
+    took = passes_within(lambda: assert_states(server, expected), changed_at)
     LOAD_TO_READY.append((case, what, took))
     print(f"{case}: {what} within {took:.2f} s (Triton waits {TRITON_WAIT_S:.0f} s)")
     return took
@@ -417,16 +422,7 @@ def test_dynamic_model_modify(tmp_path, files):
 
 def wait_for_labels(server: Server, model: str, version: str, file: Path, changed_at: float, case: str) -> None:
     """The classification names `file`'s labels within Triton's 5 s of the change."""
-    deadline = changed_at + TRITON_WAIT_S
-    while True:
-        try:
-            infer_labels(server, model, version, file, LABELS_9)
-            break
-        except AssertionError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
-    took = time.monotonic() - changed_at
+    took = passes_within(lambda: infer_labels(server, model, version, file, LABELS_9), changed_at)
     LOAD_TO_READY.append((case, f"{model} version {version} relabelled: served", took))
     print(f"{case}: {model} version {version}'s new labels served within {took:.2f} s")
 
