@@ -104,19 +104,24 @@ def plan_for(settings: Settings, artifact: Artifact) -> ServingPlan:
     info, paths = artifact
     on_gpu = provider_chain(settings, available_providers())[0][0] in GPU_PROVIDERS
     key = plan_key(Path(settings.model_path), settings) if settings.tuning != "off" else None
-    unrecorded = key is None or read_record(settings, key) is None
+    record = read_record(settings, key) if key is not None else None
     if key is not None and settings.tuning == "write-when-idle" and settings.runtime == "auto" and not on_gpu \
-            and unrecorded:
+            and record is None:
         tuning.record_when_idle(settings, artifact, key)
-        unrecorded = read_record(settings, key) is None
+        record = read_record(settings, key)
     # the other runtimes' facts only where they decide: a runtime named or recorded loads no other runtime's library
     # (OpenVINO's, with its telemetry process, into a server that serves on ONNX Runtime)
-    declared = settings.runtime == "auto" and not on_gpu and unrecorded
-    bf16 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_bf16()), None) \
-        if declared else None
-    int8 = next((spec.name for spec in RUNTIMES.values() if spec.available() and spec.computes_int8()), None) \
-        if declared else None
-    return serving_plan(settings, info, paths.fast, on_gpu, bf16, key, int8)
+    if settings.runtime != "auto" or on_gpu or record is not None:
+        bf16 = int8 = None
+    else:
+        bf16 = runtime_that(lambda spec: spec.computes_bf16())
+        int8 = runtime_that(lambda spec: spec.computes_int8())
+    return serving_plan(settings, info, paths.fast, on_gpu, bf16, record, int8, key.digest if key is not None else "")
+
+
+def runtime_that(fact: Callable[[RuntimeSpec], bool]) -> str | None:
+    """The first registered runtime installed here for which `fact` holds (`computes_bf16`, `computes_int8`)."""
+    return next((spec.name for spec in RUNTIMES.values() if spec.available() and fact(spec)), None)
 
 
 def available_providers() -> list[str]:

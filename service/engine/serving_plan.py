@@ -199,15 +199,14 @@ def write_record(settings: Settings, key: PlanKey, choice: dict, measured: dict,
 # ---------------------------------------------------------------------------------------------------- the plan
 
 def serving_plan(settings: Settings, info: ModelInfo, graph: onnx.ModelProto, on_gpu: bool,
-                 bf16_runtime: str | None, key: PlanKey | None, int8_runtime: str | None = None) -> ServingPlan:
+                 bf16_runtime: str | None, record: dict | None, int8_runtime: str | None = None,
+                 digest: str = "") -> ServingPlan:
     """The plan for a file whose `info` and fast `graph` are given. `on_gpu`: the first provider of the chain is a
     GPU's. `bf16_runtime`, `int8_runtime`: the registered runtime other than ONNX Runtime that computes bfloat16, or an
-    int8 file's layers in integer arithmetic, on this CPU (None: none does). `key`: the record's key (None: records
-    are not read, `tuning off`)."""
+    int8 file's layers in integer arithmetic, on this CPU (None: none does). `record`: the tuning record of this file
+    on this machine (`read_record`; None: there is none, or `tuning off`), `digest` its key's name."""
     macs = multiply_adds(info, graph)
     light = not on_gpu and macs < LIGHT_MODEL_MULTIPLY_ADDS
-    record = read_record(settings, key) if key is not None else None
-    digest = key.digest if key is not None else ""
     runtime: str
     precision: str
     if settings.runtime != "auto":
