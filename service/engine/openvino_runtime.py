@@ -244,10 +244,11 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     if relevance is None and paths.relevance is not None:
         chain: list[tuple[str, dict]] = [(CPU, {})]
         relevance = RelevancePath(functools.partial(make_relevance_session, path, settings, chain), info, None)
+    cache = compiled_model_cache(settings)
     model = OpenVinoModel.compile(paths.fast.SerializeToString(), info, precision, intra_op_threads(settings),
-                                  relevance, streams=settings.batch_runners, cache_dir=compiled_model_cache(settings))
+                                  relevance, streams=settings.batch_runners, cache_dir=cache)
     if settings.maps_free != "off":
-        model.run_maps_free = maps_free_run(model, paths.fast, settings)
+        model.run_maps_free = maps_free_run(model, paths.fast, settings, cache)
     wide = wide_settings(settings, on_cpu=True)
     if wide is not None:  # the fast graph, and the maps-free one where this model has it
         pinned = wide.model_copy(update={"maps_free": "on" if model.run_maps_free else "off"})
@@ -258,7 +259,8 @@ def openvino_model(settings: Settings, precision: str, relevance: RelevancePath 
     return model
 
 
-def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[np.ndarray], tuple] | None:
+def maps_free_run(model: OpenVinoModel, fast, settings: Settings,
+                  cache: Path | None = None) -> Callable[[np.ndarray], tuple] | None:
     """The fast graph compiled again without the rollout output (OpenVINO then leaves out the nodes that only it
     needs; the attention fusion of ONNX Runtime's maps-free graph is not for OpenVINO: it has no com.microsoft
     operators), for batches that need no map; kept where it agrees with the rollout graph on probe images. None
@@ -271,7 +273,7 @@ def maps_free_run(model: OpenVinoModel, fast, settings: Settings) -> Callable[[n
     try:
         lean = OpenVinoModel.compile(graph.SerializeToString(), info, model.precision, intra_op_threads(settings),
                                      with_rollout=False, streams=settings.batch_runners,
-                                     cache_dir=compiled_model_cache(settings))
+                                     cache_dir=cache)
     except ModelLoadError as e:
         log.warning("no maps-free graph for %s %s: %s", info.name, info.version, e)
         return None
