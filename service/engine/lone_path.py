@@ -1,11 +1,11 @@
-"""`LonePathEngine`: the engine process for every batch, and the same model in this HTTP worker for a request that is
-alone: the topology that holds at one client and at 32 (service/engine/topology.py).
+"""`LonePathEngine` (`--engine process --lone-request-path true`): the engine process for every batch, and the same
+model in this HTTP worker for a request that is alone.
 
-Each of the two plain topologies wins at one end. In each HTTP worker (inline) a lone request runs on the worker's
-own event loop with no hop, level with a 20-line FastAPI app; but under load the kernel's accept race splits the
-connections unevenly between the workers, and a worker with more than its share cannot lend its work to the other's
-session. Behind one engine process every worker's images batch together on one queue, whatever the split; but a lone
-request pays the way there and back (ZeroMQ, shared memory, the engine's loop).
+Behind one engine process every worker's images batch together on one queue, whatever the split of the connections
+between the workers; but a lone request pays the way there and back (ZeroMQ, shared memory, the engine's loop). This
+takes that hop away from a lone request. It is an option, not `--engine auto`'s choice: on the 2-core EPYC, with
+OpenVINO's threads unpinned, a session in each worker served 32 clients with more answers (1,184-1,328 req/s against
+883-1,255) and one client as fast (docs/results/bench-peers-topology.md).
 
 So a worker keeps both: the engine process (`RemoteEngine`) and a session of the same plan in the worker
 (`LocalEngine`, the file's plan on one thread: service/engine/serving_plan.py). A request runs on the worker's session
