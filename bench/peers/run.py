@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sysconfig
 import time
 import urllib.request
 from collections.abc import Callable
@@ -35,6 +36,7 @@ from vitserve.bench.peers.config import (
 )
 from vitserve.bench.peers.report import summarise
 from vitserve.bench.peers.servers import (
+    REPO,
     RunningServer,
     ServerSpec,
     export_commit,
@@ -289,9 +291,18 @@ def request_for_size(server: str, path: str, m: ModelUnderTest) -> bytes:
     return peer_request(family(server), path, m.png, m.pixels, "model").body
 
 
+def portable(text: str) -> str:
+    """A command's word as a report gives it: paths inside the checkout relative to it, and the base Python's library
+    folder (Triton's Python backend links libpython) by what it is, not where this machine keeps it."""
+    text = text.replace(f"{REPO}/", "").replace(str(REPO), ".")
+    library = sysconfig.get_config_var("LIBDIR")
+    return text.replace(library, "$(python3 -c 'import sysconfig; print(sysconfig.get_config_var(\"LIBDIR\"))')") \
+        if library else text
+
+
 def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
     """How the server was started, and what it says it is."""
-    facts = {"argv": spec.argv, "env": spec.env}
+    facts = {"argv": [portable(arg) for arg in spec.argv], "env": {k: portable(v) for k, v in spec.env.items()}}
     if family(server) == "triton":
         facts["server_metadata"] = _get_json(running.url + "/v2")
     if family(server) == "vitserve":
