@@ -92,11 +92,11 @@ def tune(settings: Settings, command: str = "") -> tuple[Path, dict]:
     Refuses (ModelLoadError) where the machine is not quiet: a measurement beside other work measures the work."""
     from vitserve.service.engine.onnx_runtime import read_artifact
     path = Path(settings.model_path)
+    artifact = read_artifact(path)  # a file that cannot be served is said first, busy machine or not
     busy = others_busy_share()
     if busy > QUIET_SHARE:
         raise ModelLoadError(f"the machine is busy (other processes kept {busy:.0%} of its {usable_cores()} cores "
                              f"busy): a measurement now would measure them; run it on a quiet machine")
-    artifact = read_artifact(path)
     key = plan_key(path, settings)
     choice, measured = measure(settings, artifact)
     record = write_record(settings, key, choice, measured, command or shlex.join(["vitserve", *sys.argv[1:]]))

@@ -205,3 +205,9 @@ async def test_the_card_v2_config_and_log_say_how_the_version_is_served_and_what
     assert parameters["plan_maps_free"] == {"string_value": "true"}
     ready = [r.getMessage() for r in caplog.records if r.getMessage().startswith("ready: ")]
     assert len(ready) == 1 and "(read " in ready[0] and ", warm-up " in ready[0], ready
+
+
+def test_tune_names_a_missing_file_before_it_looks_at_the_machine(tmp_path, monkeypatch):
+    monkeypatch.setattr(tuning, "others_busy_share", lambda: 0.9)  # busy too: the file is what is wrong first
+    with pytest.raises(ModelLoadError, match="not found"):
+        tuning.tune(settings_for(tmp_path / "absent.onnx", tuning_dir=tmp_path / "tuning"))
