@@ -80,15 +80,26 @@ def _fields(cls) -> list[tuple[dataclasses.Field, typing.Any]]:
 
 def _add_flag(group, dest: str, hint, metadata, default) -> None:
     name = metadata.get("flag", dest.rpartition(".")[2]).replace("_", "-")
+    kwargs: dict
     if hint is bool:  # the flag flips the default: --resume turns it on, --no-hflip turns it off
         flag = f"--no-{name}" if default else f"--{name}"
         kwargs, shown = {"action": "store_false" if default else "store_true"}, "on" if default else "off"
     else:
         flag, kwargs, shown = f"--{name}", _value_kwargs(hint), _shown(default)
+        if metadata.get("parse") == "pixel-sizes":  # one comma-separated word, not the backbone's blocks per stage
+            kwargs["type"] = _pixel_sizes
     if "metavar" in metadata:
         kwargs["metavar"] = metadata["metavar"]
     help_text = f"{metadata['help']} (default: {shown})"
     group.add_argument(flag, dest=dest, default=argparse.SUPPRESS, help=help_text.replace("%", "%%"), **kwargs)
+
+
+def _pixel_sizes(text: str) -> tuple[int, ...]:
+    """'12,16,20' -> (12, 16, 20): --grid-sizes."""
+    try:
+        return tuple(int(p) for p in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: sizes in pixels, comma-separated, e.g. 20,24,28") from None
 
 
 def _value_kwargs(hint) -> dict:
@@ -166,6 +177,8 @@ def _flag_words(f: dataclasses.Field, value, default) -> list[str]:
     name = f.metadata.get("flag", f.name).replace("_", "-")
     if isinstance(value, bool):
         return [f"--no-{name}" if default else f"--{name}"]
+    if f.metadata.get("parse") == "pixel-sizes":
+        return [f"--{name}", ",".join(map(str, value))]
     if default == ():  # a flag given once per value (--distill-from)
         return [word for item in value for word in (f"--{name}", str(item))]
     return [f"--{name}", *_value_words(value)]

@@ -108,6 +108,13 @@ class TrainConfig:
         "help": "with --distill-from: the teachers' share of the loss (the labels' is the rest)"})
     distill_temperature: float = field(default=2.0, metadata={
         "help": "with --distill-from: the temperature that softens the teachers' and the student's probabilities"})
+    grid_sizes: tuple[int, ...] = field(default=(), metadata={
+        "parse": "pixel-sizes", "metavar": "PX[,PX...]",
+        "help": "train at a grid drawn per step from these square input sizes in pixels, each a multiple of the "
+                "patch size (FlexiViT's random sequence length, for a fixed patch): the augmented batch is resized "
+                "to it (antialiased bilinear, as Pillow's BILINEAR), the teachers of --distill-from still see the "
+                "full image; the held-out images are scored at each size. A size listed twice is drawn twice as often. "
+                "none: the training size alone"})
     val_fraction: float = field(default=0.1, metadata={
         "help": "share of an image folder held out for validation, at least one image of each class"})
     max_steps_per_epoch: int | None = field(default=None, metadata={
@@ -141,6 +148,8 @@ class TrainConfig:
             if not ok:
                 value = getattr(self, flag.replace("-", "_"))
                 raise TrainingInputError(f"--{flag} {value}: must be {expected}")
+        if any(size < 1 for size in self.grid_sizes):
+            raise TrainingInputError(f"--grid-sizes {','.join(map(str, self.grid_sizes))}: each must be at least 1")
         if self.distill_from and self.pretrain != "none":
             raise TrainingInputError("--distill-from teaches class probabilities, and --pretrain masked-patch learns "
                                      "no classes: pre-train first, then distil while fine-tuning (--init-from)")

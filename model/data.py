@@ -168,3 +168,17 @@ def resize_batch(images: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
         return images
     out = torch.nn.functional.interpolate(images.float(), size=size, mode="bicubic", align_corners=False)
     return out.round().clamp(0, 255).to(torch.uint8)
+
+
+def resize_to_grid(x: torch.Tensor, side: int) -> torch.Tensor:
+    """float (B, C, H, W) -> (B, C, side, side), antialiased bilinear: what Pillow's BILINEAR resize, which the
+    server uses to answer at a smaller grid, makes of an image (bicubic without antialiasing would alias)."""
+    if tuple(x.shape[-2:]) == (side, side):
+        return x
+    return torch.nn.functional.interpolate(x, size=(side, side), mode="bilinear", antialias=True,
+                                           align_corners=False)
+
+
+def images_at_grid(images: torch.Tensor, side: int) -> torch.Tensor:
+    """uint8 (N, C, H, W) -> uint8 (N, C, side, side), as `resize_to_grid` and rounded as Pillow rounds."""
+    return resize_to_grid(images.float(), side).round().clamp(0, 255).to(torch.uint8)

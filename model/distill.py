@@ -9,8 +9,10 @@ ensemble's knowledge in one model of the student's size and serving cost). The l
 with w `--distill-weight` and T `--distill-temperature`; the T^2 keeps the soft term's gradients at the scale of
 the hard term's whatever T is. The teachers see the same augmented batch as the student, each under its own
 normalisation and at its own trained resolution (bicubic, as `--image-size` resizes training data: a teacher may
-look at an upsampled image, the student serves at the small one), are never trained and are not saved: the
-checkpoint is the student alone, and records which teachers (name, version, weights hash) it learned from.
+look at an upsampled image, the student serves at the small one); with `--grid-sizes` they see the batch at the
+training size, before it is resized to the step's grid for the student (FlexiViT's setup). They are never trained
+and are not saved: the checkpoint is the student alone, and records which teachers (name, version, weights hash) it
+learned from.
 """
 from __future__ import annotations
 

@@ -29,7 +29,15 @@ from vitserve.model.augment import augment_batch, normalize
 from vitserve.model.checkpoint import CheckpointMeta, load_checkpoint, load_meta, save_checkpoint
 from vitserve.model.config import AugmentConfig as AugmentConfig  # re-exported: `from model.train import AugmentConfig`
 from vitserve.model.config import TrainConfig, TrainingInputError
-from vitserve.model.data import DataSplits, labelled_share, load_fashion_mnist, load_image_folder, resize_batch
+from vitserve.model.data import (
+    DataSplits,
+    images_at_grid,
+    labelled_share,
+    load_fashion_mnist,
+    load_image_folder,
+    resize_batch,
+    resize_to_grid,
+)
 from vitserve.model.distill import Teachers, distillation_loss, load_teachers, teacher_meta
 from vitserve.model.pretrain import CORRUPTED_FRACTION, MaskedPatchPrediction, colour_classes
 from vitserve.model.vit import VisionTransformer, count_parameters, resample_pos_embed, vit_config
@@ -172,24 +180,27 @@ def autocast(rt: Runtime):
 class TrainLog:
     """log.csv (a row per evaluation), steps.csv (a row per optimiser step) and curves.png, written at every save.
 
-    On resume the rows after the saved step are dropped: they belong to steps the run will make again.
+    On resume the rows after the saved step are dropped: they belong to steps the run will make again. A run
+    with --grid-sizes adds a held-out accuracy per size (test_acc_20, ...) and each step's input side (grid).
     """
 
     FIELDS = ["epoch", "step", "lr", "train_loss", "train_acc", "test_loss", "test_acc",
               "images_per_s", "elapsed_s"]
     STEP_FIELDS = ["step", "epoch", "lr", "train_loss", "train_acc"]  # the training values of one batch
 
-    def __init__(self, out_dir: Path, resume_step: int | None = None):
+    def __init__(self, out_dir: Path, resume_step: int | None = None, grid_sizes: tuple[int, ...] = ()):
         self.csv_path, self.steps_path = out_dir / "log.csv", out_dir / "steps.csv"
         self.png_path = out_dir / "curves.png"
+        self.fields = self.FIELDS + [f"test_acc_{size}" for size in dict.fromkeys(grid_sizes)]
+        self.step_fields = self.STEP_FIELDS + (["grid"] if grid_sizes else [])
         self.rows = _read_rows(self.csv_path, resume_step)
         self.steps = _read_rows(self.steps_path, resume_step)
 
     def write(self) -> None:
-        for path, fields, rows in [(self.csv_path, self.FIELDS, self.rows),
-                                   (self.steps_path, self.STEP_FIELDS, self.steps)]:
+        for path, fields, rows in [(self.csv_path, self.fields, self.rows),
+                                   (self.steps_path, self.step_fields, self.steps)]:
             with path.open("w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=fields)
+                writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
                 writer.writeheader()
                 writer.writerows(rows)
         self.plot()
@@ -202,7 +213,7 @@ class TrainLog:
         fig, axes = plt.subplots(1, 2, figsize=(10, 4))
         for ax, (title, series), y_label in zip(axes, panels.items(), ["cross-entropy", "accuracy (%)"]):
             for label, (xs, ys) in series.items():
-                ax.plot(xs, ys, label=label, **({"marker": "o"} if label == "test" else {}))
+                ax.plot(xs, ys, label=label, **({"marker": "o"} if label.startswith("test") else {}))
             ax.set(xlabel=x_name, ylabel=y_label, title=title)
             ax.grid(alpha=0.3)
             ax.legend()
@@ -234,7 +245,16 @@ def curve_series(rows: list[dict], steps: list[dict]) -> tuple[str, dict[str, di
         panels[title] = {
             train_label: (xs, trailing_mean([scale * r[f"train_{key}"] for r in train], window)),
             "test": ([r[x_name] for r in rows], [scale * r[f"test_{key}"] for r in rows])}
+    for size in grid_columns(rows):
+        panels["accuracy"][f"test at {size} px"] = ([r[x_name] for r in rows],
+                                                    [100 * r[f"test_acc_{size}"] for r in rows])
     return x_name, panels
+
+
+def grid_columns(rows: list[dict]) -> list[int]:
+    """The sides of the test_acc_<side> columns (--grid-sizes) in log rows."""
+    prefix = "test_acc_"
+    return [int(k[len(prefix):]) for k in (rows[0] if rows else {}) if k.startswith(prefix)]
 
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
@@ -310,6 +330,7 @@ class Run:
     epoch_steps: int
     log: TrainLog | None
     teachers: Teachers | None = None  # --distill-from
+    test_at_grids: dict[int, torch.Tensor] = field(default_factory=dict)  # --grid-sizes: held-out images per side
 
     @property
     def out_dir(self) -> Path:
@@ -417,6 +438,7 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     splits = load_data(cfg, tuple(cfg.model_overrides["image_size"]) if "image_size" in cfg.model_overrides else None)
     cfg = fit_batch_size(cfg, len(splits.train), rt)
     model, meta = build_model(cfg, splits)
+    check_grid_sizes(cfg.grid_sizes, model.cfg)
     objective = MaskedPatchPrediction(model) if cfg.pretrain == "masked-patch" else model
     objective.to(rt.device).train()
     optimizer = make_optimizer(objective, cfg)
@@ -430,10 +452,12 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     log = None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = TrainLog(out_dir, pos.step if resuming else None)
+        log = TrainLog(out_dir, pos.step if resuming else None, cfg.grid_sizes)
     teachers = load_teachers(cfg.distill_from, meta.labels, model.cfg.in_channels, splits.mean, splits.std,
                              rt.device) if cfg.distill_from else None
-    run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log, teachers)
+    test_at_grids = {size: images_at_grid(splits.test.images, size) for size in cfg.grid_sizes}
+    run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log, teachers,
+              test_at_grids)
     if rt.is_main:
         announce(run, pos, resuming)
     return run, pos
@@ -475,6 +499,8 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
                                                                                          cfg.distill_from))
         lines.insert(2, f"distillation: from {taught}; {cfg.distill_weight:.0%} of the loss is their mean "
                         f"probabilities at temperature {cfg.distill_temperature:g}, the rest the labels")
+    if cfg.grid_sizes:
+        lines.insert(2, grids_line(cfg, c))
     if cfg.label_fraction < 1:
         lines.insert(1, f"labels: {cfg.label_fraction:.0%} of each class's training images ({len(splits.train):,}), "
                         f"chosen with seed {cfg.seed}")
@@ -489,6 +515,15 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
+def grids_line(cfg: TrainConfig, c) -> str:
+    tokens = ", ".join(f"{size} px ({(size // c.patch_size) ** 2} tokens)" for size in dict.fromkeys(cfg.grid_sizes))
+    teachers = f"; the teachers see the {c.image_size[0]} px image" if cfg.distill_from else ""
+    odds = " (a size repeated is drawn as often as it is listed)" if len(set(cfg.grid_sizes)) < len(cfg.grid_sizes) \
+        else ""
+    return (f"grids: each step's batch resized to one of {tokens}{odds}, drawn with seed {cfg.seed}{teachers}; "
+            f"test accuracy at each size")
+
+
 def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event) -> tuple[str | None, float]:
     """Trains from pos to the end of its epoch, or until a stop; returns ("interrupt", "time" or None, training
     images per second)."""
@@ -501,12 +536,12 @@ def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event)
     while pos.batch < run.epoch_steps and stop is None:
         idx = order[pos.batch * per_rank:(pos.batch + 1) * per_rank]
         lr = lr_at(pos.step, run.total_steps, run.warmup_steps, cfg)
-        loss, correct, count = train_step(run, idx, lr)
+        loss, correct, count, side = train_step(run, idx, lr)
         pos.batch, pos.step, seen = pos.batch + 1, pos.step + 1, seen + len(idx)
         pos.sums += torch.tensor([loss * count, correct, count], dtype=torch.float64)
         if run.log:
             run.log.steps.append({"step": pos.step, "epoch": pos.epochs_done(run.epoch_steps), "lr": lr,
-                                  "train_loss": loss, "train_acc": correct / count})
+                                  "train_loss": loss, "train_acc": correct / count, "grid": side})
         bar.set_postfix(loss=f"{pos.sums[0] / pos.sums[2]:.4f}", acc=f"{pos.sums[1] / pos.sums[2]:.4f}",
                         img_s=f"{seen * rt.world / (time.perf_counter() - start):.0f}")
         bar.update()
@@ -517,18 +552,20 @@ def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event)
     return stop, seen * rt.world / max(time.perf_counter() - start, 1e-9)
 
 
-def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int]:
-    """One optimiser step on the training images at idx; returns (mean loss, correct predictions, predictions):
-    one per image, or one per corrupted patch in masked-patch pre-training."""
+def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int, int]:
+    """One optimiser step on the training images at idx; returns (mean loss, correct predictions, predictions,
+    the input's side in pixels): a prediction per image, or one per corrupted patch in masked-patch pre-training."""
     cfg, rt, data = run.cfg, run.rt, run.splits
     x = augment_batch(data.train.images[idx], cfg.augment, data.mean, data.std, run.generator).to(rt.device)
     y = data.train.labels[idx].to(rt.device)
+    grid = draw_grid(cfg.grid_sizes, run.generator)
+    seen = x if grid is None else resize_to_grid(x, grid)  # (B, C, grid, grid)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
     with autocast(rt):
-        logits, y = predictions(run.ddp_model, x, y, data.mean, data.std, run.generator)
+        logits, y = predictions(run.ddp_model, seen, y, data.mean, data.std, run.generator)
         loss = F.cross_entropy(logits.float(), y, label_smoothing=cfg.label_smoothing)
-        if run.teachers is not None:
+        if run.teachers is not None:  # FlexiViT's teacher sees the full image, whatever grid the student has
             taught = distillation_loss(logits.float(), run.teachers.probabilities(x, cfg.distill_temperature),
                                        cfg.distill_temperature)
             loss = (1 - cfg.distill_weight) * loss + cfg.distill_weight * taught
@@ -537,7 +574,23 @@ def train_step(run: Run, idx: torch.Tensor, lr: float) -> tuple[float, int, int]
     if cfg.grad_clip:
         nn.utils.clip_grad_norm_(run.objective.parameters(), cfg.grad_clip)
     run.optimizer.step()
-    return float(loss.item()), int((logits.argmax(1) == y).sum().item()), len(y)
+    return float(loss.item()), int((logits.argmax(1) == y).sum().item()), len(y), seen.shape[-1]
+
+
+def draw_grid(sizes: tuple[int, ...], generator: torch.Generator) -> int | None:
+    """The input side of one step, drawn uniformly from sizes (--grid-sizes) with the run's generator, which
+    train_state.pt keeps, so that --resume draws what the run would have; None: the training size."""
+    if not sizes:
+        return None
+    return sizes[int(torch.randint(len(sizes), (1,), generator=generator))]
+
+
+def check_grid_sizes(sizes: tuple[int, ...], c) -> None:
+    """TrainingInputError unless each size cuts into whole tokens."""
+    for size in sizes:
+        if size % c.patch_size:
+            raise TrainingInputError(f"--grid-sizes {size}: not a multiple of the patch size {c.patch_size} "
+                                     f"(the model sees a grid of whole patches)")
 
 
 def stop_reason(run: Run, clock: Clock, pressed: threading.Event) -> str | None:
@@ -553,24 +606,39 @@ def evaluate_and_save(run: Run, pos: Position, clock: Clock, images_per_s: float
     """Evaluates the weights as they stand, logs the row and saves; at an epoch's end pos moves to the next one."""
     rt, splits = run.rt, run.splits
     test_loss, test_acc = evaluate(run.objective, splits.test.images, splits.test.labels, splits.mean, splits.std, rt)
+    at_grids = accuracy_at_grids(run, test_acc)
     sums = pos.sums.clone()
     if rt.world > 1:
         dist.all_reduce(sums)
     row = {"epoch": pos.epochs_done(run.epoch_steps), "step": pos.step, "lr": run.optimizer.param_groups[0]["lr"],
            "train_loss": (sums[0] / sums[2]).item(), "train_acc": (sums[1] / sums[2]).item(),
-           "test_loss": test_loss, "test_acc": test_acc, "images_per_s": images_per_s, "elapsed_s": clock.elapsed()}
+           "test_loss": test_loss, "test_acc": test_acc, "images_per_s": images_per_s, "elapsed_s": clock.elapsed(),
+           **{f"test_acc_{size}": acc for size, acc in at_grids.items()}}
     if pos.batch == run.epoch_steps:
         pos.epoch, pos.batch, pos.sums = pos.epoch + 1, 0, torch.zeros(3, dtype=torch.float64)
     if rt.is_main:
         print(f"epoch {row['epoch']}/{run.cfg.epochs}: train loss {row['train_loss']:.4f} acc {row['train_acc']:.4f} | "
-              f"test loss {test_loss:.4f} acc {test_acc:.4f} | {images_per_s:.0f} img/s | {row['elapsed_s']:.0f}s",
-              file=sys.stderr)
+              f"test loss {test_loss:.4f} acc {test_acc:.4f}{_grid_words(at_grids)} | {images_per_s:.0f} img/s | "
+              f"{row['elapsed_s']:.0f}s", file=sys.stderr)
         assert run.log is not None  # rank 0 keeps the log
         run.log.rows.append(row)
         save_progress(run, pos, clock, row)
     if rt.world > 1:
         dist.barrier()
     return row
+
+
+def accuracy_at_grids(run: Run, test_acc: float) -> dict[int, float]:
+    """{side: held-out accuracy with the images resized to side x side} for each --grid-sizes size; the training
+    size's is test_acc, not computed twice."""
+    splits, trained = run.splits, run.model.cfg.image_size
+    return {size: test_acc if (size, size) == tuple(trained) else
+            evaluate(run.objective, images, splits.test.labels, splits.mean, splits.std, run.rt)[1]
+            for size, images in run.test_at_grids.items()}
+
+
+def _grid_words(at_grids: dict[int, float]) -> str:
+    return "".join(f" | at {size} px {acc:.4f}" for size, acc in at_grids.items())
 
 
 def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None = None) -> None:
@@ -583,7 +651,8 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
                             "masked_patch_loss": evaluated["test_loss"], "epoch": evaluated["epoch"]}
     elif evaluated:
         run.meta.metrics = {"test_accuracy": evaluated["test_acc"], "test_loss": evaluated["test_loss"],
-                            "epoch": evaluated["epoch"]}
+                            "epoch": evaluated["epoch"],
+                            **{f"test_accuracy_{size}": evaluated[f"test_acc_{size}"] for size in run.cfg.grid_sizes}}
     else:
         run.meta.metrics = {"epoch": epochs_done, "step": pos.step}
     record = {**run.meta.training, **asdict(run.cfg)}  # keeps the last evaluation's images/s through later saves

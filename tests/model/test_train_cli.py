@@ -40,7 +40,8 @@ EVERY_FLAG = [
     "--erasing-scale", "0.1", "0.2", "--erasing-ratio", "0.5", "2", "--out", "runs/x", "--resume",
     "--pretrain", "masked-patch", "--label-fraction", "0.1",
     "--init-from", "runs/old/checkpoint", "--distill-from", "t1/checkpoint", "--distill-from", "t2",
-    "--distill-weight", "0.7", "--distill-temperature", "4", "--val-fraction", "0.2", "--max-steps-per-epoch", "9", "--time-limit", "30",
+    "--distill-weight", "0.7", "--distill-temperature", "4", "--grid-sizes", "16,24,32",
+    "--val-fraction", "0.2", "--max-steps-per-epoch", "9", "--time-limit", "30",
     "--save-every", "2.5", "--name", "cats", "--version", "2", "--threads", "3", "--no-progress",
 ]
 EVERY_FIELD_CHANGED = TrainConfig(
@@ -53,7 +54,8 @@ EVERY_FIELD_CHANGED = TrainConfig(
     augment=AugmentConfig(crop="rrc", crop_padding=4, rrc_scale=(0.5, 0.9), rrc_ratio=(0.8, 1.25), hflip=False,
                           erasing_prob=0.5, erasing_scale=(0.1, 0.2), erasing_ratio=(0.5, 2.0)),
     out_dir="runs/x", resume=True, pretrain="masked-patch", label_fraction=0.1, init_from="runs/old/checkpoint",
-    distill_from=("t1/checkpoint", "t2"), distill_weight=0.7, distill_temperature=4.0, val_fraction=0.2, max_steps_per_epoch=9,
+    distill_from=("t1/checkpoint", "t2"), distill_weight=0.7, distill_temperature=4.0, grid_sizes=(16, 24, 32),
+    val_fraction=0.2, max_steps_per_epoch=9,
     time_limit=30.0, save_every=2.5, name="cats", version="2", threads=3, progress=False)
 
 
@@ -92,7 +94,7 @@ def test_bool_flags_change_the_default():
 
 
 @pytest.mark.parametrize("argv", [["--hflip"], ["--progress"], ["--crop", "centre"], ["--channels", "2"],
-                                  ["--epochs", "2.5"], ["--rrc-scale", "0.5"]])
+                                  ["--epochs", "2.5"], ["--rrc-scale", "0.5"], ["--grid-sizes", "20,x"]])
 def test_invalid_flags_are_refused(argv, capsys):
     with pytest.raises(SystemExit) as exit:
         parse(*argv)
@@ -262,6 +264,7 @@ def train_error(capsys, *argv: str) -> str:
     (["--max-steps-per-epoch", "0"], "--max-steps-per-epoch 0: must be at least 1"),
     (["--time-limit", "0"], "--time-limit 0.0: must be above 0"),
     (["--save-every", "-1"], "--save-every -1.0: must be 0 or more"),
+    (["--grid-sizes", "0,8"], "--grid-sizes 0,8: each must be at least 1"),
 ])
 def test_a_bad_flag_value_is_one_line(argv, message, capsys, tmp_path):
     assert train_error(capsys, *argv, "--out", str(tmp_path / "run")) == f"vitserve train: error: {message}"
