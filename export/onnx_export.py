@@ -36,6 +36,7 @@ from vitserve.artifact import (
     ModelInfo,
     normalize_pixels,
 )
+from vitserve.budgets import derived_ladder
 from vitserve.export.inspection import DEFAULT_IMAGES, inspection_json, inspection_pixels
 from vitserve.export.rollout import attention_rollout
 from vitserve.export.verify import (
@@ -294,6 +295,7 @@ def export_onnx(checkpoint_dir: str | Path, out_path: str | Path, *, precision: 
                        temperature_by_entropy=fits.calibration.curve)
     if fits.ood is not None:
         info = replace(info, ood=fits.ood.summary)
+    info = replace(info, budgets=fits.budgets or derived_ladder(info.image_size, info.patch_size, info.architecture))
     metadata = info.to_metadata()
     if inspection_images > 0:
         pixels, source = inspection_pixels(vit, meta, inspection_images, inspection_dir)
@@ -341,12 +343,14 @@ class LabelledFits:
     uncalibrated: str | None = None
     ood: OodScore | None = None
     no_ood: str | None = None
+    budgets: tuple = ()  # the token budgets with each one's accuracy (export/budgets.py)
 
 
 def fit_on_labelled(fast: onnx.ModelProto, labelled, meta: CheckpointMeta, say) -> LabelledFits:
     """The temperature and the OOD statistics, each fitted on the same seeded half of the labelled set, from the
     float32 fast graph's logits and embeddings (through ONNX Runtime, as the server computes them). A set too small
     for one leaves it out, with the reason, and the export goes on (an int8 gate's small set)."""
+    from vitserve.export.budgets import ladder_table, measure_ladder
     from vitserve.export.calibration import MIN_IMAGES, calibrate, graph_outputs
     from vitserve.export.ood import OodFitError, fit_ood_score
     from vitserve.export.verify import cpu_session
@@ -365,6 +369,12 @@ def fit_on_labelled(fast: onnx.ModelProto, labelled, meta: CheckpointMeta, say) 
     except OodFitError as e:
         fits.no_ood = str(e)
         say(fits.no_ood)
+    cfg = meta.config
+    ladder = derived_ladder(cfg.image_size, cfg.patch_size, cfg.to_dict())
+    say(f"measuring the accuracy of {len(ladder)} token budgets on {count} labelled images")
+    fits.budgets = measure_ladder(cpu_session(fast), labelled.images, labelled.labels, list(meta.mean),
+                                  list(meta.std), ladder)
+    say("token budgets: " + ladder_table(fits.budgets))
     return fits
 
 

@@ -18,10 +18,12 @@ import functools
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
+
+from vitserve.budgets import LadderError, Rung, derived_ladder, ladder_from_json, ladder_to_json
 
 INPUT_NAME = "pixel_values"
 OUTPUT_NAMES = ("logits", "rollout")
@@ -202,7 +204,15 @@ class ModelInfo:
     # percentile), "quantiles": {"0.5": ..., "0.9": ..., "0.99": ..., "0.999": ...}, "fit_images": n,
     # "heldout_images": m, "source": ..., "rank": r of the projection}; empty: the file has no OOD score
     ood: dict = field(default_factory=dict)
+    # The token budgets the file serves (vitserve/budgets.py), the trained grid first, each rung's accuracy on the
+    # export's labelled set where it was measured; empty: a file exported before budgets (`ladder` derives one)
+    budgets: tuple[Rung, ...] = ()
     opset: int | None = None  # read from the graph's opset_import, not from metadata
+
+    @property
+    def ladder(self) -> tuple[Rung, ...]:
+        """The file's budgets, or for a file that stores none the grids its architecture gives (no accuracies)."""
+        return self.budgets or derived_ladder(self.image_size, self.patch_size, self.architecture)
 
     @property
     def num_classes(self) -> int:
@@ -254,6 +264,8 @@ class ModelInfo:
             props["embedding_size"] = str(self.embedding_size)
         if self.ood:
             props["ood"] = json.dumps(self.ood)
+        if self.budgets:
+            props["budgets"] = ladder_to_json(self.budgets)
         return {METADATA_PREFIX + key: value for key, value in props.items()}
 
     @classmethod
@@ -275,6 +287,12 @@ class ModelInfo:
             temperature=get("temperature", float, 1.0), calibration=get("calibration", json.loads, {}),
             temperature_by_entropy=get("temperature_by_entropy", _entropy_temperature, None),
             embedding_size=get("embedding_size", int, 0), ood=get("ood", json.loads, {}))
+        budgets = props.get(METADATA_PREFIX + "budgets")
+        if budgets is not None:
+            try:
+                info = replace(info, budgets=ladder_from_json(budgets, info.image_size, info.patch_size))
+            except LadderError as e:
+                raise ArtifactError(f"model metadata '{METADATA_PREFIX}budgets': {e}") from None
         info.check()
         return info
 

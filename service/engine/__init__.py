@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from vitserve.artifact import ModelInfo
+from vitserve.service.engine.budgets import FULL_BUDGET, BudgetAsk
 
 # A version's states, as Triton's repository index names them.
 LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
@@ -44,6 +45,8 @@ class InferenceResult:
     batch_size: int
     version: str = ""  # the version that ran it
     batch_span: str = ""  # the traced ORT run that served it ("traceid-spanid", service/ground/tracing.py), or ""
+    rung: int = 0  # the token budget it ran at: an index into its version's served ladder (0: the full budget)
+    reason: str | None = None  # why below the full budget ("asked", "load"); None at the full budget
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,10 @@ class Engine(Protocol):
         """A loaded version's metadata."""
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False,
+                     budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
         """Run one image (C, H, W) in some batch of the handle's version; its result, or its own ServiceError.
+        `budget`: the token budget asked for, and whether load may make it cheaper (service/engine/budgets.py).
         With a `target` (the class to explain, -1 the top-1) the relevance path, which batches apart. `maps`
         False: the answer needs no rollout, and a batch of such images only may run the model's maps-free graph
         (its rollout output then empty, shape (0,)). An unpinned request whose version was unloaded before it ran

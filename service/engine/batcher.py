@@ -34,6 +34,16 @@ time with every core's thread), a batch of one image taken while no batch runs a
 other batch starts until it ends: a lone request gets the model's best speed, a loaded server its runners. A
 targeted image runs on a runner (the relevance path is loaded once).
 
+Token budgets (service/engine/budgets.py): an item may ask for a cheaper `rung` (an index into its model's ladder
+of input grids), and may forbid load to make it cheaper still (`degradable` False). Items batch apart by rung asked
+and by that flag; a batch runs as `run_batch(stacked, targets, rung=k)` when k is not the full budget. With a
+`budgets` controller, each batch taken of degradable items of `resizable_shape` (the trained size: other sizes have
+no rungs) runs at the controller's rung where that is cheaper than the one asked, chosen from the queue's work and
+the arrivals (the controller hears of every batch taken and every item queued); a non-degradable item is refused
+(Overloaded) at once while the controller degrades. Speed is learnt at the full budget's scale (a batch at a rung
+did that rung's share of the work), and `predicted_wait_s`, admission's estimate, is the queue's work at the
+cheapest rung: what the controller would run it at, so admission refuses only what the cheapest cannot serve.
+
 Fairness: among the groups ready to go, the one served longest ago goes first, and the cost cap keeps a
 batch of large inputs short; so a burst of large images is cut into small batches and a small request
 waits for at most the batches already in flight, not for the whole burst.
@@ -50,6 +60,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import math
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -59,9 +70,10 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from vitserve.service.engine.budgets import FULL, BudgetController
 from vitserve.service.engine.threads import CpuPriority, lower_thread_priority
 from vitserve.service.ground import tracing
-from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, QueueFullError
+from vitserve.service.ground.errors import DeadlineExceeded, InferenceError, NotReady, Overloaded, QueueFullError
 
 log = logging.getLogger("vitserve.engine")
 
@@ -115,6 +127,8 @@ class BatchResult:
     inference_s: float  # the run_batch call of its batch
     batch_size: int
     batch_span: str = ""  # the traced batch ("traceid-spanid", service/ground/tracing.py), or ""
+    rung: int = FULL  # the token budget its batch ran at (an index into the served ladder)
+    reason: str | None = None  # why below the full budget: "asked", "load"; None at the full budget
 
 
 @dataclass(eq=False)
@@ -127,6 +141,9 @@ class _Item:
     maps_free: bool = False  # needs only the cheaper computation (module doc)
     dispatched: float = field(default=0.0)
     wide: bool = False  # runs as a batch of one on every core (module doc)
+    rung: int = FULL  # the budget asked for (module doc)
+    degradable: bool = True  # load may run it at a cheaper rung than asked
+    ran_rung: int = FULL  # the rung its batch ran at
 
     @property
     def targeted(self) -> bool:
@@ -139,8 +156,11 @@ class DynamicBatcher:
                  max_batch_cost: int | None = None, observer: BatchObserver | None = None,
                  max_targeted_batch_size: int | None = None, runner_priority: CpuPriority = "normal",
                  trace_attributes: dict | None = None, maps_free_batches: bool = False, runners: int = 1,
-                 wide_lone_batches: bool = False):
+                 wide_lone_batches: bool = False, budgets: BudgetController | None = None,
+                 resizable_shape: tuple[int, ...] | None = None):
         self._run_batch = run_batch
+        self.budgets = budgets  # chooses the rung of degradable batches under load (module doc); None: never
+        self.resizable_shape = resizable_shape  # the items that have cheaper rungs: those of this shape
         self.wide_lone_batches = wide_lone_batches and runners > 1  # a lone image on every core (module doc)
         self._wide_running = False  # a wide batch runs: no other starts beside it
         self.maps_free_batches = maps_free_batches  # maps-free items batch apart, run maps-free (module doc)
@@ -201,6 +221,11 @@ class DynamicBatcher:
     def predicted_wait_s(self, extra_cost: int = 0) -> float:
         """How long the work queued now (plus `extra_cost` input values of untargeted work) will take to run, from
         measured batch times of each kind; 0 until a batch has run."""
+        share = self.budgets.costs[-1] if self.budgets is not None else 1.0  # what it would cost at the cheapest
+        return share * self._queued_full_s(extra_cost)
+
+    def _queued_full_s(self, extra_cost: int = 0) -> float:
+        """`predicted_wait_s` at the full budget."""
         rates = self._seconds_per_cost
         if not rates:
             return 0.0
@@ -211,9 +236,10 @@ class DynamicBatcher:
         self._loop_task = asyncio.create_task(self._dispatch_loop(), name="batcher-dispatch")
 
     async def submit(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                     maps_free: bool = False, alone: bool = False) -> BatchResult:
+                     maps_free: bool = False, alone: bool = False, rung: int = FULL,
+                     degradable: bool = True) -> BatchResult:
         """Queue one item (with its target, if any) and wait for its result; raises the item's own error."""
-        future = self.enqueue(array, timeout_s, target, maps_free, alone)
+        future = self.enqueue(array, timeout_s, target, maps_free, alone, rung, degradable)
         try:
             return await future
         except asyncio.CancelledError:
@@ -221,22 +247,32 @@ class DynamicBatcher:
             raise
 
     def enqueue(self, array: np.ndarray, timeout_s: float, target: int | None = None,
-                maps_free: bool = False, alone: bool = False) -> asyncio.Future:
+                maps_free: bool = False, alone: bool = False, rung: int = FULL,
+                degradable: bool = True) -> asyncio.Future:
         """Queue one item; its future gets the BatchResult or the item's own error. Cancelling the future drops the
         item if it has not run. No task and no coroutine per item: an engine process answers a frontend's images
         from the futures' callbacks (service/engine/server.py). Raises NotReady or QueueFullError at once.
         `alone`: nothing else is in flight in the caller's process; the item may then run here, on the event loop,
-        and its future is done on return (module doc)."""
+        and its future is done on return (module doc). `rung`: the budget asked for; `degradable` False: Overloaded
+        at once while load answers cheaper, rather than a cheaper answer (module doc)."""
         if self._closing:
             raise NotReady("shutting down: not accepting new work")
         if self._queued >= self.max_queue_size:
             raise QueueFullError(f"queue full ({self._queued} images waiting)")
+        budgets = self.budgets
+        if budgets is not None:
+            if not degradable and rung < budgets.rung:
+                raise Overloaded("the server answers at a reduced token budget under load now, and this request "
+                                 "asked for none (degrade=never); retry later")
+            budgets.arrived()
         loop, now = asyncio.get_running_loop(), time.perf_counter()
-        item = _Item(array, loop.create_future(), now, now + timeout_s, target, maps_free and self.maps_free_batches)
+        item = _Item(array, loop.create_future(), now, now + timeout_s, target, maps_free and self.maps_free_batches,
+                     rung=rung, degradable=degradable)
         if alone and self._runs_on_loop(item):
             self._run_on_loop(item)
             return item.future
-        self._groups.setdefault((array.shape, array.dtype.str, item.targeted, item.maps_free), deque()).append(item)
+        key = (array.shape, array.dtype.str, item.targeted, item.maps_free, rung, degradable)
+        self._groups.setdefault(key, deque()).append(item)
         # counted in place, the depth gauge told once per loop turn, not a new dict and a metric's lock per image
         # (about 4% of an engine process's samples at its ceiling)
         self._queued += 1
@@ -370,12 +406,13 @@ class DynamicBatcher:
             else:
                 del self._groups[shape]
         costs = {False: 0, True: 0}
-        for (_, _, targeted, _), group in self._groups.items():
+        for (_, _, targeted, *_), group in self._groups.items():
             costs[targeted] += sum(item.array.size for item in group)
         self._set_queued(sum(len(g) for g in self._groups.values()), costs)
 
     def _take(self, shape: tuple, group: deque[_Item]) -> list[_Item]:
         now = time.perf_counter()
+        rung = self._rung_of(group[0], now)
         length = self._batch_length(group)
         if length < len(group) < 2 * length:
             # More than a batch queued and less than two: two halves, the smaller first, not a full batch and the
@@ -390,6 +427,7 @@ class DynamicBatcher:
             # the last batch (the clients it answered coming back), which halved would halve every batch after it.
             length = min(length, max(self._last_size, -(-len(group) // free)))
         batch = [group.popleft() for _ in range(length)]
+        batch[0].ran_rung = rung  # the batch's (read from its first item)
         if not group:
             del self._groups[shape]
         if self._runs_wide(batch):
@@ -403,6 +441,19 @@ class DynamicBatcher:
         self._set_queued(self._queued - len(batch), costs)
         self._active += 1
         return batch
+
+    def _rung_of(self, first: _Item, now: float) -> int:
+        """The rung a batch of `first`'s group runs at: the rung asked for, or under load the controller's where it
+        is cheaper and the items may be degraded (the controller hears of every batch taken, to follow the load)."""
+        budgets = self.budgets
+        if budgets is None:
+            return first.rung
+        rates = self._seconds_per_cost
+        image_s = rates.get(False, 0.0) * math.prod(self.resizable_shape or first.array.shape)
+        load = budgets.choose(now, self._queued_full_s(), image_s, self.max_batch_size, self.runners)
+        if first.degradable and first.array.shape == self.resizable_shape:
+            return max(first.rung, load)
+        return first.rung
 
     def _runs_wide(self, batch: list[_Item]) -> bool:
         """Whether `batch`, just taken, is one untargeted image with nothing running or queued beside it."""
@@ -457,7 +508,10 @@ class DynamicBatcher:
         set (a run_batch with one computation need not take them)."""
         targets = np.array([item.target for item in batch], np.int64) if batch[0].targeted else None  # one group
         first = batch[0]
-        options = {name: True for name, wanted in (("maps_free", first.maps_free), ("wide", first.wide)) if wanted}
+        options: dict[str, Any] = {name: True for name, wanted in (("maps_free", first.maps_free), ("wide", first.wide))
+                                   if wanted}
+        if first.ran_rung != FULL:
+            options["rung"] = first.ran_rung
         return functools.partial(_timed_call, self._run_batch, stacked, targets, **options)
 
     def _answer(self, batch: list[_Item], outputs: Sequence[Any] | Exception, seconds: float, started_ns: int,
@@ -471,10 +525,13 @@ class DynamicBatcher:
         targeted, maps_free = batch[0].targeted, batch[0].maps_free  # one group: all or none
         span = tracing.batch_span(started_ns, started_ns + int(seconds * 1e9), self._trace_attributes, len(batch),
                                   targeted)
+        rung = batch[0].ran_rung
         for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
-            self._resolve(item, output, seconds, len(batch), span)
+            self._resolve(item, output, seconds, len(batch), span, rung)
         self._last_size = len(batch)
-        self._learn_speed(targeted, seconds, sum(item.array.size for item in batch), len(batch))
+        # at the full budget's scale: a batch at a cheaper rung did that share of its work
+        share = self.budgets.costs[rung] if self.budgets is not None and rung < len(self.budgets.costs) else 1.0
+        self._learn_speed(targeted, seconds, round(share * sum(item.array.size for item in batch)), len(batch))
         self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, maps_free)
 
     def _batch_ended(self) -> None:
@@ -496,6 +553,7 @@ class DynamicBatcher:
         """A batch of the one item, run here on the event loop, as the runner would have run it (nothing runs beside
         it: on every core where the model is loaded wide too)."""
         item.wide = self.wide_lone_batches and not item.targeted
+        item.ran_rung = item.rung  # alone: nothing loads it
         self._dispatch([item], time.perf_counter())
         try:
             started_ns = tracing.now_ns()
@@ -525,13 +583,15 @@ class DynamicBatcher:
             self._alone_per_cost[targeted] = rate
 
     @staticmethod
-    def _resolve(item: _Item, output: Any, seconds: float, size: int, span: str) -> None:
+    def _resolve(item: _Item, output: Any, seconds: float, size: int, span: str, rung: int) -> None:
         if item.future.done():  # its client left while it ran
             return
         if isinstance(output, BaseException):
             item.future.set_exception(output)
         else:
-            item.future.set_result(BatchResult(output, item.dispatched - item.enqueued, seconds, size, span))
+            reason = None if rung == FULL else "asked" if rung == item.rung else "load"
+            item.future.set_result(BatchResult(output, item.dispatched - item.enqueued, seconds, size, span, rung,
+                                               reason))
 
     async def close(self, timeout_s: float = 30.0) -> None:
         """Stop accepting, run everything already queued, wait for running batches, then stop."""

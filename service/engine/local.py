@@ -16,6 +16,7 @@ import numpy as np
 
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.engine.budgets import FULL_BUDGET, BudgetAsk
 from vitserve.service.engine.registry import ModelRegistry
 from vitserve.service.ground.errors import InferenceError, VersionRetired
 from vitserve.service.ground.metrics import ServiceMetrics
@@ -56,19 +57,22 @@ class LocalEngine:
         return self.registry.serving(name, version).info
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False,
+                     budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
         try:
-            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps_free, alone)
+            return await self.run_on(handle.name, handle.version, pixels, timeout_s, target, maps_free, alone, budget)
         except VersionRetired:
             rerouted = self.registry.table.reroute(handle)
-            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps_free, alone)
+            return await self.run_on(rerouted.name, rerouted.version, pixels, timeout_s, target, maps_free, alone,
+                                     budget)
 
     async def run_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float,
-                     target: int | None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+                     target: int | None, maps_free: bool = False, alone: bool = False,
+                     budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
         """Run one image on exactly this version: `begin_on`, awaited."""
         answer = asyncio.get_running_loop().create_future()
         queued = self.begin_on(name, version, pixels, timeout_s, target, functools.partial(_settle, answer), maps_free,
-                               alone)
+                               alone, budget)
         try:
             return await answer
         except asyncio.CancelledError:
@@ -77,7 +81,7 @@ class LocalEngine:
 
     def begin_on(self, name: str, version: str, pixels: np.ndarray, timeout_s: float, target: int | None,
                  done: Callable[[InferenceResult | BaseException], None], maps_free: bool = False,
-                 alone: bool = False) -> asyncio.Future:
+                 alone: bool = False, budget: BudgetAsk = FULL_BUDGET) -> asyncio.Future:
         """`run_on` with no task and no coroutine per image, for an engine process at its ceiling: the image is
         queued now (routing errors and a full queue raise here) and `done` gets its InferenceResult, or its error
         (CancelledError when the returned future was cancelled), from the batch's callback. `alone`: nothing else
@@ -88,7 +92,8 @@ class LocalEngine:
         assert batcher is not None, "a served version's batcher starts when it loads"
         served.requests.hold()
         try:
-            future = batcher.enqueue(pixels, timeout_s, target, maps_free=maps_free, alone=alone)
+            future = batcher.enqueue(pixels, timeout_s, target, maps_free=maps_free, alone=alone,
+                                     rung=min(budget.rung, len(served.ladder) - 1), degradable=budget.degradable)
         except BaseException:
             served.requests.release()
             raise

@@ -22,6 +22,7 @@ import numpy as np
 
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.engine.budgets import FULL_BUDGET, BudgetAsk
 from vitserve.service.engine.local import LocalEngine
 from vitserve.service.engine.remote import RemoteEngine
 from vitserve.service.ground.metrics import ServiceMetrics
@@ -57,11 +58,13 @@ class LonePathEngine:
                 and (handle.name, handle.version) in self.local.ready_versions(handle.name))
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False,
+                     budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
         if self.takes_alone(handle, alone, target):
             self.metrics.lone_path_image(handle.name, handle.version)
-            return await self.local.run_on(handle.name, handle.version, pixels, timeout_s, None, maps_free, alone)
-        return await self.remote.submit(handle, pixels, timeout_s, target, maps_free, alone)
+            return await self.local.run_on(handle.name, handle.version, pixels, timeout_s, None, maps_free, alone,
+                                           budget)
+        return await self.remote.submit(handle, pixels, timeout_s, target, maps_free, alone, budget)
 
     def route(self, name: str | None, version: str | None = None) -> ModelHandle:
         return self.remote.route(name, version)

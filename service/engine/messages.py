@@ -35,6 +35,8 @@ class Submit(msgspec.Struct, tag="submit", array_like=True):
     timeout_s: float  # the time left before the request's deadline
     target: int | None = None  # the class to explain (relevance path; -1 the top-1); None: the fast path
     maps_free: bool = False  # the answer needs no rollout (the maps-free graph may run it)
+    rung: int = 0  # the token budget asked for: an index into the version's served ladder (service/engine/budgets.py)
+    degradable: bool = True  # load may answer it at a cheaper rung (False: refused instead)
 
 
 class Cancel(msgspec.Struct, tag="cancel", array_like=True):
@@ -92,6 +94,8 @@ class Result(msgspec.Struct, tag="result", array_like=True):
     inference_s: float
     batch_size: int
     batch_span: str = ""  # the traced batch, for the request's span to link to (service/ground/tracing.py)
+    rung: int = 0  # the token budget its batch ran at
+    reason: str = ""  # why below the full budget ("asked", "load"); empty at the full budget
 
 
 class Failure(msgspec.Struct, tag="failure", array_like=True):

@@ -26,6 +26,7 @@ import zmq
 
 from vitserve.artifact import ModelInfo
 from vitserve.service.engine import IndexEntry, InferenceResult, ModelHandle
+from vitserve.service.engine.budgets import FULL_BUDGET, BudgetAsk
 from vitserve.service.engine.messages import (
     Cancel,
     Codec,
@@ -186,18 +187,19 @@ class RemoteEngine:
         return self.ready  # the engine process warms up on its own; its status says when it is ready
 
     async def submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                     target: int | None = None, maps_free: bool = False, alone: bool = False) -> InferenceResult:
+                     target: int | None = None, maps_free: bool = False, alone: bool = False,
+                     budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
         # `alone` is not sent: the engine process has every frontend's images, and no frontend's loop to run one on
         try:
-            return await self._submit(handle, pixels, timeout_s, target, maps_free)
+            return await self._submit(handle, pixels, timeout_s, target, maps_free, budget)
         except VersionRetired:
             if handle.pinned:
                 raise
             await self._refresh_index()  # the engine has a newer index than this frontend routed with
-            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target, maps_free)
+            return await self._submit(self.table.reroute(handle), pixels, timeout_s, target, maps_free, budget)
 
     async def _submit(self, handle: ModelHandle, pixels: np.ndarray, timeout_s: float,
-                      target: int | None, maps_free: bool) -> InferenceResult:
+                      target: int | None, maps_free: bool, budget: BudgetAsk) -> InferenceResult:
         links = [link for link in self._links if link.ready]
         if not links:
             raise NotReady("no inference engine is ready (starting, restarting or shutting down)")
@@ -211,7 +213,7 @@ class RemoteEngine:
                 from None
         id, future = next(self._ids), asyncio.get_running_loop().create_future()
         message = Submit(id, handle.name, handle.version, arena.name, offset, pixels.shape, pixels.dtype.str,
-                         timeout_s, target, maps_free)
+                         timeout_s, target, maps_free, budget.rung, budget.degradable)
         link.pending[id] = _Pending(future, offset, pixels.nbytes)
         link.sent_cost += pixels.size
         self._post(link, id, message)
@@ -430,7 +432,8 @@ class RemoteEngine:
         if isinstance(answer, Result):
             outputs = tuple(np.frombuffer(t.data, "<f4").reshape(t.shape) for t in answer.outputs)
             pending.future.set_result(InferenceResult(outputs, answer.queue_s, answer.inference_s,
-                                                      answer.batch_size, batch_span=answer.batch_span))
+                                                      answer.batch_size, batch_span=answer.batch_span,
+                                                      rung=answer.rung, reason=answer.reason or None))
         else:
             pending.future.set_exception(error_of(answer))
 

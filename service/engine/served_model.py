@@ -19,8 +19,10 @@ from dataclasses import replace
 import numpy as np
 
 from vitserve.artifact import ModelInfo
+from vitserve.budgets import Rung, resample
 from vitserve.service.engine import InferenceResult
 from vitserve.service.engine.batcher import DynamicBatcher
+from vitserve.service.engine.budgets import FULL, BudgetController, served_ladder
 from vitserve.service.engine.inference_model import Capabilities, InferenceModel
 from vitserve.service.engine.pixels import PixelTable
 from vitserve.service.engine.providers import runs_on_cpu
@@ -53,6 +55,7 @@ class ServedModel:
         self._load_started, self._ready_s = 0.0, 0.0
         self._stages: list[tuple[str, float]] = []
         self._pixel_table: PixelTable | None = None
+        self.ladder: tuple[Rung, ...] = ()  # the token budgets it serves (service/engine/budgets.py), full first
         self.batcher: DynamicBatcher | None = None
         self.ready = False
         self.closing = False
@@ -108,6 +111,9 @@ class ServedModel:
             warn_if_int8_does_not_pay(info)
         s = self.settings
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
+        self.ladder = served_ladder(self._info, s)
+        under_load = s.degrade_under_load and len(self.ladder) > 1
+        budgets = BudgetController([r.cost for r in self.ladder], s.budget_queue_batches) if under_load else None
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,
                                       max_batches_in_flight=s.batches_in_flight,
@@ -116,7 +122,8 @@ class ServedModel:
                                       observer=self.metrics, max_targeted_batch_size=s.max_relevance_batch_size,
                                       runner_priority=self.cpu_priority, runners=s.batch_runners,
                                       maps_free_batches=self.capabilities.maps_free is not None,
-                                      wide_lone_batches=self.capabilities.wide is not None,
+                                      wide_lone_batches=self.capabilities.wide is not None, budgets=budgets,
+                                      resizable_shape=(info.channels, *info.image_size),
                                       trace_attributes={"vitserve.model": self.name, "vitserve.version": self.version})
         self.batcher.start()
 
@@ -154,7 +161,8 @@ class ServedModel:
     def result_of(self, batched) -> InferenceResult:
         """The batcher's BatchResult as the image's InferenceResult, naming this version."""
         return InferenceResult(batched.output, batched.queue_s, batched.inference_s, batched.batch_size,
-                               version=self.version, batch_span=batched.batch_span)
+                               version=self.version, batch_span=batched.batch_span, rung=batched.rung,
+                               reason=batched.reason)
 
     @property
     def busy(self) -> bool:
@@ -165,22 +173,25 @@ class ServedModel:
         return self.batcher.predicted_wait_s() if self.batcher else 0.0
 
     def run_batch(self, pixel_values: np.ndarray, targets: np.ndarray | None = None, maps_free: bool = False,
-                  wide: bool = False) -> list:
+                  wide: bool = False, rung: int = FULL) -> list:
         """The batcher's callback (runner thread): (B, C, H, W) -> B (logits (K,), rollout (h, w)) pairs, or with
         `targets` (B,) (the class to explain per image) the relevance path's (logits, rollout, relevance (h, w)).
         `maps_free`: no image of the batch needs its rollout (the batcher forms such batches only for a model with a
         maps-free graph); that graph runs them (the rollout then empty, (0,), the other outputs as ever).
         `wide`: the batch runs with no other beside it (the batcher asks so only for a model with a `wide`): the
         model loaded with every core's thread runs it.
+        `rung`: the token budget to run at (an index into `ladder`): each image resampled to its grid first.
         An item whose outputs are not finite gets its own InferenceError; its batch-mates are unaffected."""
         model, capabilities = self.loaded_model, self.capabilities
         wide_model = capabilities.wide if wide else None  # the batcher asks for it only where the model has one
         if wide_model is not None and (not maps_free or wide_model.capabilities.maps_free is not None):
             model, capabilities = wide_model, wide_model.capabilities
-        if pixel_values.dtype == np.uint8 and (targets is not None or not capabilities.raw_pixels):
+        if pixel_values.dtype == np.uint8 and (targets is not None or not capabilities.raw_pixels or rung != FULL):
             # a frontend sent raw pixels (the pixel_transport setting) to a path that takes them normalised
             self._pixel_table = self._pixel_table or PixelTable(model.info.mean, model.info.std)
             pixel_values = self._pixel_table.host(pixel_values)
+        if rung != FULL:
+            pixel_values = resample(pixel_values, self.ladder[rung].grid)
         if targets is not None:
             outputs = model.explain(pixel_values, targets)
         elif maps_free:

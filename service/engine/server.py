@@ -23,6 +23,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
+from vitserve.service.engine.budgets import BudgetAsk
 from vitserve.service.engine.local import LocalEngine
 from vitserve.service.engine.messages import (
     Cancel,
@@ -207,7 +208,8 @@ class EngineServer:
             pixels = self.arenas.array(submit.arena, submit.offset, submit.shape, submit.dtype)
             self.running[key] = self.engine.begin_on(
                 submit.model, submit.version, pixels, submit.timeout_s, submit.target,
-                lambda outcome: self._finish(router, frontend, submit.id, outcome), submit.maps_free)
+                lambda outcome: self._finish(router, frontend, submit.id, outcome), submit.maps_free,
+                budget=BudgetAsk(submit.rung, submit.degradable))
         except ServiceError as e:
             self._answer(router, frontend, failure_for(submit.id, e))
         except Exception as e:  # a bug here must not hang the frontend's request
@@ -227,7 +229,8 @@ class EngineServer:
             reply = Failure(id, "inference_failed", f"engine error: {type(outcome).__name__}")
         else:
             reply = Result(id, [Tensor(o.shape, np.ascontiguousarray(o, "<f4").tobytes()) for o in outcome.output],
-                           outcome.queue_s, outcome.inference_s, outcome.batch_size, outcome.batch_span)
+                           outcome.queue_s, outcome.inference_s, outcome.batch_size, outcome.batch_span,
+                           outcome.rung, outcome.reason or "")
         self._answer(router, frontend, reply)
 
     def _answer(self, router, frontend: bytes, reply: Result | Failure | ControlReply) -> None:

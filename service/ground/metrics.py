@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -88,6 +88,20 @@ class ServiceMetrics:
                                 "score divided by its model's threshold (the held-out images' 99th percentile)",
                                 per_model, buckets=OOD_RATIO_BUCKETS)
         self.images = metric(Counter, "vitserve_images", "Images run through the model", per_model)
+        # Token budgets (docs/token-budgets.md): every answered image by the tokens it ran on and why fewer than
+        # the full budget's (reason "": the full budget); and, for the answers whose budget has a measured accuracy,
+        # that accuracy summed: rate(accuracy sum) / rate(measured answers) is the estimated accuracy of what was
+        # served. `tokens` has a value per rung of a model's ladder (at most five), plus an image's own at
+        # resize=native.
+        self.budget_answers = metric(Counter, "vitserve_budget_answers", "Answered images by the token budget they "
+                                     "ran at (tokens) and why it was below the full budget (reason: asked, load; "
+                                     "empty at the full budget)", [*per_model, "tokens", "reason"])
+        self.estimated_accuracy = metric(Counter, "vitserve_budget_estimated_accuracy", "The accuracy of each answered "
+                                         "image's budget (measured at export), summed; over "
+                                         "vitserve_budget_measured_answers_total, the estimated accuracy served",
+                                         per_model)
+        self.measured_answers = metric(Counter, "vitserve_budget_measured_answers", "Answered images whose budget "
+                                       "has a measured accuracy", per_model)
         # A shadow version (service/engine/shadow.py): labelled by the served version that answered and the shadow
         # that ran the copy, so a promotion's evidence is per pair. Retired with the served version's series.
         pair = [*per_model, "shadow_version"]
@@ -325,11 +339,26 @@ class ModelMetrics:
         self._last, self._depth = child(m.last_inference), child(m.queue_depth_gauge)
         self._ready = child(m.model_ready)
         self._ood = child(m.ood_score)
+        self._estimated_accuracy, self._measured_answers = child(m.estimated_accuracy), child(m.measured_answers)
+        self._budgets: dict[tuple[int, str], Any] = {}  # (tokens, reason) -> its Counter child
         self._of_size: dict[int, tuple] = {}  # batch size -> its series (`_size_series`)
 
     def ood_score(self, ratio: float) -> None:
         """One image's OOD score over its model's threshold."""
         self._ood.observe(ratio)
+
+    def budget_answer(self, tokens: int, reason: str | None, accuracy: float | None) -> None:
+        """One answered image's token budget, why, and its budget's measured accuracy (None: not measured)."""
+        key = (tokens, reason or "")
+        series = self._budgets.get(key)
+        if series is None:
+            m = self.service
+            series = self._budgets[key] = m.labelled(self.model, self.version, m.budget_answers,
+                                                     (self.model, self.version, str(tokens), reason or ""))
+        series.inc()
+        if accuracy is not None:
+            self._estimated_accuracy.inc(accuracy)
+            self._measured_answers.inc()
 
     def image_stages(self, preprocess_s: float, postprocess_s: float) -> None:
         """One image's input prepared, and its result encoded."""

@@ -166,6 +166,21 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(30.0, ge=0, description="on SIGTERM, how long admitted requests may finish "
                                                            "(0: not at all); those still waiting then get 503")
 
+    # token budgets (docs/token-budgets.md): the model's own sequence length, smaller under load or when asked
+    degrade_under_load: bool = Field(True, description="under load, answer at a cheaper token budget (a smaller "
+                                                       "input grid) rather than refuse; false: refuse, as without "
+                                                       "budgets (a client's max_tokens is still honoured)")
+    budget_accuracy_floor: float = Field(1.0, ge=0, le=100, description="percentage points a budget's accuracy "
+                                                                        "(measured at export) may fall below the "
+                                                                        "full budget's; a cheaper one is never "
+                                                                        "served")
+    budget_unmeasured_rungs: bool = Field(False, description="serve budgets whose accuracy the file does not "
+                                                             "record (exported without --eval): their loss is "
+                                                             "unknown")
+    budget_queue_batches: float = Field(2.0, gt=0, description="degrade once more than this many full batches (per "
+                                                               "batch runner) are queued: at or below saturation "
+                                                               "the queue holds one")
+
     # admission: decided before a request's body is read
     max_requests_in_flight: int = Field(64, ge=1, description="inference requests admitted at once per process; "
                                                               "more get 429 at once")
@@ -380,6 +395,8 @@ SETTING_GROUPS: dict[str, tuple[str, ...]] = {
                                 "maps_free", "warmup_batch_sizes"),
     "batching": ("max_relevance_batch_size", "max_queue_size", "max_batches_in_flight", "batch_runners",
                  "dispatch_when_idle", "max_batch_cost"),
+    "token budgets": ("degrade_under_load", "budget_accuracy_floor", "budget_unmeasured_rungs",
+                      "budget_queue_batches"),
     "admission and limits": ("max_requests_in_flight", "overload_queue_ms", "overload_keeps_batches",
                              "max_queue_wait_ms", "max_loop_lag_ms",
                              "max_pixels_in_flight", "large_image_pixels", "max_upload_bytes", "max_image_pixels",

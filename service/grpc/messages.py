@@ -83,9 +83,15 @@ def _typed_section(tensor, typed: list[str], max_values: int) -> bytes:
 
 
 def infer_response(call: ParsedInferRequest, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
-                   labels: list[str]) -> pb.ModelInferResponse:
-    """The outputs asked for, each as raw bytes (Triton's server sends every output so)."""
+                   labels: list[str], parameters: dict | None = None) -> pb.ModelInferResponse:
+    """The outputs asked for, each as raw bytes (Triton's server sends every output so); the response's
+    `parameters` (int or string values: the token budget used)."""
     response = pb.ModelInferResponse(model_name=model_name, model_version=model_version, id=call.id or "")
+    for key, value in (parameters or {}).items():
+        if isinstance(value, int):
+            response.parameters[key].int64_param = value
+        else:
+            response.parameters[key].string_param = str(value)
     for wanted, array, datatype in output_arrays(call, tensors, labels):
         response.outputs.add(name=wanted.name, datatype=datatype, shape=array.shape)
         response.raw_output_contents.append(raw_bytes(array, datatype))

@@ -215,7 +215,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             outcome = await inference.infer(call, parsed, parse_s)
             info = outcome.info
             with outcome.encoding():
-                return messages.infer_response(parsed, info.name, info.version, outcome.outputs, info.labels)
+                return messages.infer_response(parsed, info.name, info.version, outcome.outputs, info.labels,
+                                               outcome.parameters)
 
     # --- the model repository extension (the admin key; explicit mode for load and unload) ---
     @rpc(open_=True)

@@ -56,6 +56,8 @@ from vitserve.service.schemas.v2 import (
 )
 
 RESIZE_POLICIES: tuple[ResizePolicy, ...] = get_args(ResizePolicy)
+DEGRADE_POLICIES = ("load", "never")  # parameters.degrade: whether load may answer at a cheaper token budget
+MAX_TOKENS = 1_000_000  # parameters.max_tokens: a budget of more tokens than any model has is the full budget
 LABELLED_OUTPUT = OUTPUT_NAMES[0]  # logits: its classification strings carry the labels
 
 
@@ -99,6 +101,8 @@ class ParsedInferRequest:
     resize: ResizePolicy = "fit"
     timeout_s: float | None = None
     target: int | str | None = None  # parameters.target: the class the relevance output explains
+    max_tokens: int | None = None  # parameters.max_tokens: the token budget asked for (docs/token-budgets.md)
+    degrade: bool = True  # parameters.degrade "never": refused under load rather than answered cheaper
     extra: dict = field(default_factory=dict)  # request parameters the server does not use
 
     @property
@@ -270,7 +274,15 @@ def _read_request_parameters(parameters: dict, call: ParsedInferRequest) -> None
     if target is not None and type(target) not in (int, str):
         raise InvalidParameter(f"parameters.target must be a class index or label, got {target!r:.40}")
     call.target = target
-    known = {"resize", "timeout", "binary_data_output", "target"}
+    call.max_tokens = _parameter(parameters, "max_tokens", int)
+    if call.max_tokens is not None and not 1 <= call.max_tokens <= MAX_TOKENS:
+        raise InvalidParameter(f"parameters.max_tokens must be from 1 to {MAX_TOKENS}, got {call.max_tokens}")
+    degrade = _parameter(parameters, "degrade", str)
+    if degrade is not None and degrade not in DEGRADE_POLICIES:
+        raise InvalidParameter(f"parameters.degrade must be one of {', '.join(DEGRADE_POLICIES)}, "
+                               f"got {degrade[:32]!r}")
+    call.degrade = degrade != "never"
+    known = {"resize", "timeout", "binary_data_output", "target", "max_tokens", "degrade"}
     call.extra = {k: v for k, v in parameters.items() if k not in known}  # e.g. priority: accepted, not used
 
 
@@ -435,9 +447,10 @@ def raw_bytes(array: np.ndarray, datatype: str) -> bytes:
 
 
 def encode_response(call: ParsedInferRequest, model_name: str, model_version: str, tensors: dict[str, np.ndarray],
-                    labels: list[str]) -> tuple[bytes, dict[str, str]]:
+                    labels: list[str], parameters: dict | None = None) -> tuple[bytes, dict[str, str]]:
     """The response body and its framing headers: the requested outputs, each as JSON `data` or as binary bytes
-    after the JSON (with `binary_data_size`); `id` only when the request had one."""
+    after the JSON (with `binary_data_size`); `id` only when the request had one; the response's `parameters`
+    when given (the token budget used: `budget_parameters`)."""
     outputs, sections = [], []
     for wanted, array, datatype in output_arrays(call, tensors, labels):
         entry = {"name": wanted.name, "datatype": datatype, "shape": list(array.shape)}
@@ -449,7 +462,7 @@ def encode_response(call: ParsedInferRequest, model_name: str, model_version: st
             entry["data"] = array.ravel().tolist()
         outputs.append(entry)
     header = {**({"id": call.id} if call.id else {}), "model_name": model_name, "model_version": model_version,
-              "outputs": outputs}
+              **({"parameters": parameters} if parameters else {}), "outputs": outputs}
     return join_body(header, sections)
 
 

@@ -43,13 +43,15 @@ def _output_dims(info: ModelInfo) -> list[tuple[str, list[int]]]:
 
 
 def triton_config(info: ModelInfo, settings: Settings, provider: str, version_policy: dict | None = None,
-                  serving: dict | None = None, model_filename: str | None = None) -> dict:
+                  serving: dict | None = None, model_filename: str | None = None, budgets: tuple = ()) -> dict:
     """Triton's model configuration as its JSON form: dims without the batch dimension (`max_batch_size` > 0),
     the version policy its model's config.json gives (else Triton's default, the latest one), the dynamic batcher
     as this server runs it, its instances on the execution provider in use: one in an engine process, one per
     HTTP worker inline (each worker's session runs its own batches); how the version is served and why (`serving`:
     its plan, service/engine/serving_plan.py) as string parameters, Triton's only kind; `model_filename`: the
-    version's own file's name (default: the settings' model file's)."""
+    version's own file's name (default: the settings' model file's); `budgets`: the token budgets it serves, as
+    `budget_tokens`, `budget_grids` and `budget_accuracy` (comma-separated, the full budget first; an accuracy not
+    measured is empty) and `degrade_under_load`."""
     on_gpu = provider in GPU_PROVIDERS
     count = settings.http_workers if settings.engine == "inline" else 1
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": count,
@@ -75,9 +77,20 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str, version_po
         "parameters": {"execution_provider": {"string_value": provider},
                        "image_size": {"string_value": "x".join(map(str, info.image_size))},
                        "patch_size": {"string_value": str(info.patch_size)},
-                       **plan_parameters(serving or {})},
+                       **plan_parameters(serving or {}), **budget_parameters(budgets, settings)},
         "model_warmup": [],
     }
+
+
+def budget_parameters(budgets: tuple, settings: Settings) -> dict:
+    if not budgets:
+        return {}
+    rows = {"budget_tokens": [str(r.tokens) for r in budgets],
+            "budget_grids": ["x".join(map(str, r.grid)) for r in budgets],
+            "budget_accuracy": ["" if r.accuracy is None else f"{r.accuracy:.4f}" for r in budgets]}
+    degrading = settings.degrade_under_load and len(budgets) > 1
+    return {**{key: {"string_value": ",".join(values)} for key, values in rows.items()},
+            "degrade_under_load": {"string_value": str(degrading).lower()}}
 
 
 # The plan's fields that /v2 config names, each as the parameter `plan_<field>`

@@ -81,6 +81,20 @@ class Timing(BaseModel):
     total: float
 
 
+class Budget(BaseModel):
+    """The token budget an image's answer used (docs/token-budgets.md)."""
+
+    tokens: int = Field(description="the sequence length the blocks computed on: patches, less the class token")
+    full_tokens: int = Field(description="the full budget's: the trained grid's (at resize=native, the image's own)")
+    grid: list[int] = Field(description="the input grid it ran at, [height, width] in pixels; its map is on this "
+                                        "grid's patches")
+    reason: Literal["asked", "load"] | None = Field(description="why fewer tokens than the full budget: the request "
+                                                                "asked (max_tokens), or load; null at the full "
+                                                                "budget")
+    accuracy: float | None = Field(None, description="this budget's accuracy on the model's labelled set, measured "
+                                                     "at export (null: not measured)")
+
+
 class OodScore(BaseModel):
     score: float = Field(description="the squared Mahalanobis distance of the image's embedding to the nearest class "
                                      "mean of the model's training distribution (fitted at export; docs/ood.md)")
@@ -98,6 +112,7 @@ class ClassifyResponse(BaseModel):
         None, description="map=relevance: the relevance of the explained class (`target`)")
     ood: OodScore | None = Field(None, description="how far the image is from the training distribution; null for a "
                                                    "model file exported without it (`vitserve export --eval`)")
+    budget: Budget | None = Field(None, description="the token budget the answer used")
     timing_ms: Timing
 
 
@@ -108,6 +123,7 @@ class ImageEmbedding(BaseModel):
     norm: float = Field(description="its L2 norm before any normalisation")
     ood: OodScore | None = Field(None, description="how far the image is from the training distribution; null for "
                                                    "a model file exported without it")
+    budget: Budget | None = Field(None, description="the token budget the answer used")
 
 
 class EmbedResponse(BaseModel):
@@ -202,6 +218,12 @@ class ModelCard(BaseModel):
     calibration: dict | None = Field(description="what the temperature was fitted on and the expected calibration "
                                                  "error it measured before and after, on images it was not fitted "
                                                  "on; null for an uncalibrated file")
+    budgets: list[dict] = Field(default_factory=list, description="its token budgets (docs/token-budgets.md), the "
+                                "full budget first: each one's input grid, tokens, multiply-adds relative to the full "
+                                "budget (cost), accuracy measured at export (null: not measured), and whether this "
+                                "server serves it (within budget_accuracy_floor of the full budget's accuracy)")
+    degrade_under_load: bool = Field(False, description="whether this server answers at a cheaper served budget "
+                                                        "under load, rather than refusing")
     serving: dict = Field(default_factory=dict, description="how this server serves the version and why: its plan "
                           "(runtime, precision_hint, maps_free, light; source: settings, recorded by `vitserve tune`, "
                           "declared from the machine's units, or given; why; key: the tuning record's name, the same "

@@ -56,7 +56,15 @@ def card(state: ServiceState, name: str | None, version_name: str | None) -> Mod
                      temperature_by_entropy=None if info.temperature_by_entropy is None
                      else TemperatureCurve(**info.temperature_by_entropy.to_json()),
                      embedding_size=info.embedding_size, ood=info.ood or None,
-                     calibration=info.calibration or None, serving=handle.serving)
+                     calibration=info.calibration or None, serving=handle.serving,
+                     budgets=budget_rows(state, info),
+                     degrade_under_load=s.degrade_under_load and len(state.ladder(info)) > 1)
+
+
+def budget_rows(state: ServiceState, info) -> list[dict]:
+    """A version's token budgets as its card lists them: the file's ladder, each marked served or not."""
+    served = {rung.tokens for rung in state.ladder(info)}
+    return [{**rung.to_json(), "served": rung.tokens in served} for rung in info.ladder]
 
 
 def live_versions(state: ServiceState) -> set[tuple[str, str]]:
@@ -77,7 +85,8 @@ def configuration(state: ServiceState, name: str | None, version_name: str | Non
     handle = version(state, name, version_name)
     filename = MODEL_FILENAME if state.settings.model_repository is not None else state.settings.model_path.name
     return triton_config(handle.info, state.settings.model_copy(update=handle.batching), state.engine.provider,
-                         handle.version_policy, handle.serving, model_filename=filename)
+                         handle.version_policy, handle.serving, model_filename=filename,
+                         budgets=state.ladder(handle.info))
 
 
 async def statistics(state: ServiceState, name: str | None, version_name: str | None) -> list[dict]:

@@ -31,10 +31,12 @@ import numpy as np
 
 from vitserve.artifact import EMBEDDING_NAME, OOD_SCORE_NAME, OUTPUT_NAMES, RELEVANCE_NAME, ModelInfo, optional_outputs
 from vitserve.service.engine import InferenceResult, ModelHandle
+from vitserve.service.engine.budgets import FULL_BUDGET, BudgetAsk, rung_for_tokens
 from vitserve.service.ground import tracing
 from vitserve.service.ground.errors import InvalidParameter, ServiceError
 from vitserve.service.schemas.inference_protocol import ParsedInferRequest
 from vitserve.service.schemas.v1 import (
+    Budget,
     ClassifyResponse,
     ErrorDetail,
     ErrorResponse,
@@ -71,6 +73,8 @@ class ClassifyOptions:
     map_format: RolloutFormat = "grid"
     resize: ResizePolicy = "fit"
     target_index: int | None = None  # map=relevance: the class to explain (-1: the top-1)
+    max_tokens: int | None = None  # the token budget asked for (None: the full budget; docs/token-budgets.md)
+    degrade: bool = True  # False (degrade=never): refused under load rather than answered at a cheaper budget
 
 
 @dataclass(frozen=True)
@@ -79,6 +83,8 @@ class EmbedOptions:
 
     resize: ResizePolicy = "fit"
     normalize: bool = False  # L2-normalise the vector
+    max_tokens: int | None = None  # as ClassifyOptions's
+    degrade: bool = True
 
 
 @dataclass
@@ -90,6 +96,12 @@ class InferOutcome:
     info: ModelInfo
     outputs: dict[str, np.ndarray]
     record_stages: Callable[[float], None]  # given the encode's seconds
+    budget: Budget | None = None  # the token budget its images used (one for all of them)
+
+    @property
+    def parameters(self) -> dict:
+        """The response's parameters: the token budget used (`budget_reason` only below the full budget)."""
+        return {} if self.budget is None else budget_parameters(self.budget)
 
     @contextmanager
     def encoding(self) -> Iterator[None]:
@@ -106,9 +118,12 @@ def model_ref(name: str, version: str) -> ModelRef:
 async def classify(call: Call, image: bytes, options: ClassifyOptions) -> ClassifyResponse:
     """One encoded image -> its top classes and its map."""
     state, target = call.state, options.target_index
+    ask = budget_ask(call, options.max_tokens, options.degrade)
     prepared, preprocess_s = await _decode(call, image, options.resize, options.map_format == "overlay")
-    result = await submit(call, prepared.pixels, target, maps_free=options.map == "none", alone=call.alone)
+    result = await submit(call, prepared.pixels, target, maps_free=options.map == "none", alone=call.alone,
+                          budget=ask)
     info = answering_info(call, result.version)
+    budget = used_budget(call, info, result, prepared.pixels)
     outputs = dict(zip(info.output_names(relevance=target is not None), result.output))
     logits = outputs[OUTPUT_NAMES[0]]
     shown = outputs[RELEVANCE_NAME] if options.map == "relevance" else outputs[OUTPUT_NAMES[1]]
@@ -124,8 +139,9 @@ async def classify(call: Call, image: bytes, options: ClassifyOptions) -> Classi
         assert target is not None, "the options of a relevance map name its class"
         body = _explained(map_body, info, logits, target)
         return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, ood=ood,
-                                timing_ms=timing)
-    return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, timing_ms=timing)
+                                budget=budget, timing_ms=timing)
+    return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, budget=budget,
+                            timing_ms=timing)
 
 
 async def classify_image(call: Call, upload: Upload, options: ClassifyOptions) -> ClassifyResponse:
@@ -185,9 +201,11 @@ async def embed(call: Call, image: bytes, options: EmbedOptions) -> ImageEmbeddi
     """One encoded image -> its embedding (the class token before the head; L2-normalised on request) and its OOD
     score, on the fast path (`check_embeds` first)."""
     state = call.state
+    ask = budget_ask(call, options.max_tokens, options.degrade)
     prepared, preprocess_s = await _decode(call, image, options.resize, False)
-    result = await submit(call, prepared.pixels, None, maps_free=True, alone=call.alone)
+    result = await submit(call, prepared.pixels, None, maps_free=True, alone=call.alone, budget=ask)
     info = answering_info(call, result.version)
+    budget = used_budget(call, info, result, prepared.pixels)
     outputs = dict(zip(info.output_names(), result.output))
     vector = outputs[EMBEDDING_NAME].astype(np.float64)
     norm = float(np.linalg.norm(vector))
@@ -195,7 +213,7 @@ async def embed(call: Call, image: bytes, options: EmbedOptions) -> ImageEmbeddi
         vector = vector / norm
     state.metrics.for_model(info.name, info.version).image_stages(preprocess_s, 0.0)
     return ImageEmbedding(embedding=vector.tolist(), norm=norm, ood=_ood(state, info, outputs.get(OOD_SCORE_NAME)),
-                          model=model_ref(info.name, info.version))
+                          model=model_ref(info.name, info.version), budget=budget)
 
 
 def _ood(state: ServiceState, info: ModelInfo, score) -> OodScore | None:
@@ -223,15 +241,16 @@ async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> Infe
                                f"without it (outputs: {outputs})")
     call.stages.append(("parse", parse_s))
     call.shorten(request.timeout_s)  # the client's own timeout can only make the deadline earlier
+    ask = budget_ask(call, request.max_tokens, request.degrade)
     # no outputs named: every output is sent, the rollout too
     maps_free = bool(request.outputs) and not any(o.name == OUTPUT_NAMES[1] for o in request.outputs)
     prepare_s: list[float] = []
     if request.images is not None:
-        work = run_encoded_images(call, request.images, request.resize, target, maps_free, prepare_s)
+        work = run_encoded_images(call, request.images, request.resize, target, maps_free, prepare_s, ask)
     else:
         assert request.pixels is not None, "a request carries its images or its pixels"
-        work = run_pixel_tensors(call, request.pixels, target, maps_free)
-    outputs, version = await call.run(work)
+        work = run_pixel_tensors(call, request.pixels, target, maps_free, ask)
+    outputs, version, budget = await call.run(work)
     info = answering_info(call, version)
     stages = state.metrics.for_model(info.name, info.version)
 
@@ -241,7 +260,40 @@ async def infer(call: Call, request: ParsedInferRequest, parse_s: float) -> Infe
             stages.tensor_stages(request.batch, parse_s, encode_s)
         for seconds in prepare_s:
             stages.image_stages(seconds, encode_s / request.batch)
-    return InferOutcome(info, outputs, record_stages)
+    return InferOutcome(info, outputs, record_stages, budget)
+
+
+def budget_ask(call: Call, max_tokens: int | None, degrade: bool) -> BudgetAsk:
+    """The budget a request asks of its routed version: the most accurate served rung within `max_tokens`
+    (InvalidParameter below the cheapest), and whether load may make it cheaper."""
+    if max_tokens is None and degrade:
+        return FULL_BUDGET
+    return BudgetAsk(rung_for_tokens(call.state.ladder(call.handle.info), max_tokens), degrade)
+
+
+def used_budget(call: Call, info: ModelInfo, result: InferenceResult, pixels: np.ndarray) -> Budget:
+    """The budget an image's answer used, counted in the model's metrics: its rung of the version's ladder, or
+    for an image not at the trained size (resize=native) its own grid, which has no cheaper rungs."""
+    height, width = pixels.shape[-2:]
+    if (height, width) == tuple(info.image_size):
+        ladder = call.state.ladder(info)
+        rung = ladder[min(result.rung, len(ladder) - 1)]
+        budget = Budget(tokens=rung.tokens, full_tokens=ladder[0].tokens, grid=list(rung.grid), reason=result.reason,
+                        accuracy=rung.accuracy)
+    else:
+        tokens = (height // info.patch_size) * (width // info.patch_size)
+        budget = Budget(tokens=tokens, full_tokens=tokens, grid=[height, width], reason=None)
+    call.state.metrics.for_model(info.name, info.version).budget_answer(budget.tokens, budget.reason, budget.accuracy)
+    return budget
+
+
+def budget_parameters(budget: Budget) -> dict:
+    """A budget as Open Inference Protocol response parameters (scalars; the reason only below the full budget)."""
+    parameters: dict = {"budget_tokens": budget.tokens, "budget_full_tokens": budget.full_tokens,
+                        "budget_grid": "x".join(str(side) for side in budget.grid)}
+    if budget.reason is not None:
+        parameters["budget_reason"] = budget.reason
+    return parameters
 
 
 def answering_info(call: Call, version: str) -> ModelInfo:
@@ -272,19 +324,46 @@ async def _encode(state: ServiceState, info: ModelInfo, prepared: PreparedImage,
     return postprocess.encode_result(*args), time.perf_counter() - started
 
 
-async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None,
-                            maps_free: bool = False) -> tuple[dict[str, np.ndarray], str]:
+async def run_pixel_tensors(call: Call, pixels: np.ndarray, target: int | None, maps_free: bool = False,
+                            budget: BudgetAsk = FULL_BUDGET) -> tuple[dict[str, np.ndarray], str, Budget]:
     """Run every image of the tensor (on the relevance path with a `target`; `maps_free`: the rollout is not
     needed, engine.submit); the first that fails fails the request, named, and the others are dropped. The outputs
-    by name, stacked, and the version that ran them."""
+    by name, stacked, the version that ran them, and the budget they used (one: `_one_budget`)."""
+    return await _run_all(call, list(pixels), target, maps_free, budget)
+
+
+async def _run_all(call: Call, pixels: list[np.ndarray], target: int | None, maps_free: bool,
+                   budget: BudgetAsk) -> tuple[dict[str, np.ndarray], str, Budget]:
     alone = len(pixels) == 1 and call.alone
-    results = await _each(list(pixels), lambda image: submit(call, image, target, maps_free, alone))
-    return _stacked(call, results, target is not None)
+    results = await _each(pixels, lambda image: submit(call, image, target, maps_free, alone, budget))
+    results = await _one_budget(call, pixels, results, target, maps_free)
+    outputs, version = _stacked(call, results, target is not None)
+    info = answering_info(call, version)
+    used = [used_budget(call, info, result, image) for result, image in zip(results, pixels)]
+    return outputs, version, used[0]
+
+
+async def _one_budget(call: Call, pixels: list[np.ndarray], results: list[InferenceResult], target: int | None,
+                      maps_free: bool) -> list[InferenceResult]:
+    """The results of a tensor's images at one token budget, so that its maps stack: where load split them across
+    batches at different budgets (rare: the budget changed between two batches), those that ran dearer run again
+    at the cheapest one's."""
+    cheapest = max(result.rung for result in results)
+    dearer = [i for i, result in enumerate(results) if result.rung != cheapest]
+    if not dearer:
+        return results
+    reason = next(result.reason for result in results if result.rung == cheapest)
+    again = await _each([pixels[i] for i in dearer],
+                        lambda image: submit(call, image, target, maps_free, False, BudgetAsk(cheapest, False)))
+    for i, result in zip(dearer, again):
+        result.reason = reason
+        results[i] = result
+    return results
 
 
 async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePolicy, target: int | None,
-                             maps_free: bool = False,
-                             prepare_s: list[float] | None = None) -> tuple[dict[str, np.ndarray], str]:
+                             maps_free: bool = False, prepare_s: list[float] | None = None,
+                             budget: BudgetAsk = FULL_BUDGET) -> tuple[dict[str, np.ndarray], str, Budget]:
     """Decode and prepare every image (as /v1/classify does; each one's seconds appended to `prepare_s`), then run
     them; the first image that fails fails the request, named by its index, and the others' work is cancelled."""
     prepared = await _each(images, lambda data: _decode(call, data, resize, False))
@@ -294,19 +373,17 @@ async def run_encoded_images(call: Call, images: list[bytes], resize: ResizePoli
     if len(shapes) > 1:
         raise InvalidParameter(f"with parameters.resize=native the images' sizes differ ({sorted(shapes)}), and a "
                                f"tensor must be rectangular: send them in separate requests, or resize=fit")
-    alone = len(prepared) == 1 and call.alone
-    results = await _each([p.pixels for p, _ in prepared],
-                          lambda pixels: submit(call, pixels, target, maps_free, alone))
-    return _stacked(call, results, target is not None)
+    return await _run_all(call, [p.pixels for p, _ in prepared], target, maps_free, budget)
 
 
 async def submit(call: Call, pixels: np.ndarray, target: int | None, maps_free: bool = False,
-                 alone: bool = False) -> InferenceResult:
+                 alone: bool = False, budget: BudgetAsk = FULL_BUDGET) -> InferenceResult:
     """One image through the engine (`maps_free`: its answer needs no rollout; `alone`: the only image in flight in
     this process); traced, its queue and inference spans; its stages: the wait in the batch queue (batch assembly
     included), the batch's run, and the rest of the time from submit to answer, the way to the engine and back."""
     submitted_ns, started = tracing.now_ns(), time.perf_counter()
-    result = await call.state.engine.submit(call.handle, pixels, call.deadline.remaining(), target, maps_free, alone)
+    result = await call.state.engine.submit(call.handle, pixels, call.deadline.remaining(), target, maps_free, alone,
+                                            budget)
     waited = time.perf_counter() - started
     call.stages += (("queue", result.queue_s), ("inference", result.inference_s),
                     ("engine_hop", max(0.0, waited - result.queue_s - result.inference_s)))

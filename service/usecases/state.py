@@ -19,7 +19,9 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from vitserve.artifact import ModelInfo
+from vitserve.budgets import Rung
 from vitserve.service.engine import Engine
+from vitserve.service.engine.budgets import served_ladder
 from vitserve.service.engine.pixels import engine_normalises
 from vitserve.service.ground.drain import Drain
 from vitserve.service.ground.errors import NotReady
@@ -56,6 +58,16 @@ class ServiceState:
         self.drain = Drain(s.drain_timeout_s, on_begin=lambda: self.metrics.set_worker_ready(False))
         # read by every call's admission: plain numbers, not the settings' properties
         self.request_timeout_s, self.queue_wait_limit_s = s.request_timeout_s, s.queue_wait_limit_s
+        self._ladders: dict[int, tuple[ModelInfo, tuple[Rung, ...]]] = {}
+
+    def ladder(self, info: ModelInfo) -> tuple[Rung, ...]:
+        """The token budgets served for a version of `info` (service/engine/budgets.py), made once per metadata."""
+        cached = self._ladders.get(id(info))
+        if cached is None or cached[0] is not info:
+            if len(self._ladders) > 64:  # versions come and go: bounded
+                self._ladders.clear()
+            cached = self._ladders[id(info)] = (info, served_ladder(info, self.settings))
+        return cached[1]
 
     @property
     def ready(self) -> bool:
@@ -94,12 +106,14 @@ class ServiceState:
 def shedding_floor(s: Settings) -> int:
     """Requests a shedding process still admits: its share of the engine's batches (the batches it keeps assembled
     or running, of max_batch_size, among the HTTP workers; all of them for its own engine, inline), since fewer
-    leave the engine small batches that cost more per image (docs/reliability.md); 0 with overload_keeps_batches
-    off."""
+    leave the engine small batches that cost more per image (docs/reliability.md), and with degrade_under_load the
+    budget_queue_batches more past which the engine answers cheaper; 0 with overload_keeps_batches off."""
     if not s.overload_keeps_batches:
         return 0
     sharing = 1 if s.engine == "inline" else max(1, s.http_workers)
-    return math.ceil(s.max_batch_size * s.batches_in_flight / sharing)
+    # degrading under load, it lets the engine see the backlog that makes it answer cheaper (service/engine/budgets.py)
+    batches = s.batches_in_flight + (s.budget_queue_batches if s.degrade_under_load else 0)
+    return math.ceil(s.max_batch_size * batches / sharing)
 
 
 class ImagePools:

@@ -251,6 +251,18 @@ function drawDistances(distances, maxDistance) { // a dot per head at each depth
   }));
 }
 
+// A cheaper answer says so (docs/token-budgets.md): the tokens it ran on, why, and that budget's measured accuracy.
+function showBudget(budget) {
+  const line = $("budget");
+  line.hidden = !budget || !budget.reason;
+  if (line.hidden) return;
+  const why = budget.reason === "load" ? "the server was under load" : "the request asked for it (max_tokens)";
+  line.textContent = `Answered at a reduced token budget because ${why}: ${budget.tokens} of ` +
+    `${budget.full_tokens} tokens (a ${budget.grid[0]}x${budget.grid[1]} input)` +
+    (budget.accuracy === null ? "." : `; this budget's measured accuracy is ${percent(budget.accuracy)}.`);
+  line.className = "warning";
+}
+
 // How far the image is from what the model was trained on (docs/ood.md): hidden for a file without the score.
 function showOod(ood) {
   const line = $("ood");
@@ -408,12 +420,16 @@ function showResult(answer, resize, roundTripMs) {
   }
   if (state.size) {
     state.geometry = geometry(resize, state.size, state.card);
-    if (map) state.geometry.input = [map.width, map.height].map((n) => n * state.card.patch_size); // the server's
+    // the server's input: a cheaper token budget resamples the trained-size input, whose region its map covers
+    const cheaper = answer.budget && answer.budget.reason && resize === "fit";
+    if (map) state.geometry.input = cheaper ? [state.card.image_width, state.card.image_height] :
+      [map.width, map.height].map((n) => n * state.card.patch_size);
     $("geometry").textContent = describeGeometry(resize, state.size, state.geometry, state.card.patch_size);
   }
   showPredictions(answer.predictions);
   $("predictions-heading").textContent = state.card.calibration ? "Top classes (calibrated confidence)" : "Top classes";
   showOod(answer.ood);
+  showBudget(answer.budget);
   showTiming(answer.timing_ms, roundTripMs);
   const target = answer.relevance && answer.relevance.target;
   $("map-caption").textContent = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` :

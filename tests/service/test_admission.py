@@ -362,9 +362,13 @@ def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_on
     from service_fixtures import settings_for
 
     def limit(**overrides) -> int:
-        return shedding_floor(settings_for(tiny_onnx, **overrides))
+        return shedding_floor(settings_for(tiny_onnx, **{"degrade_under_load": False, **overrides}))
 
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2) == 16
+    # degrading under load: budget_queue_batches more, the backlog past which the engine answers cheaper
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, degrade_under_load=True) == 32
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, degrade_under_load=True,
+                 budget_queue_batches=1) == 24
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=3) == 11
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, overload_keeps_batches=False) == 0
     # a session in each worker: its batches are all its own

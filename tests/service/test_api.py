@@ -31,7 +31,7 @@ async def test_classify_raw_body_every_format(settings, tiny_model, fmt, content
         response = await classify(client, image_bytes(fmt), content_type)
     assert response.status_code == 200, response.text
     body = response.json()
-    assert set(body) == {"model", "predictions", "rollout", "relevance", "ood", "timing_ms"} and body["relevance"] is None
+    assert set(body) == {"model", "predictions", "rollout", "relevance", "ood", "budget", "timing_ms"} and body["relevance"] is None
     assert body["ood"] is None  # the tiny model was exported without a labelled set
     assert body["model"] == {"name": "tiny-vit", "version": "7"}
     assert [set(p) for p in body["predictions"]] == [{"index", "label", "score"}] * 3  # top_k 5 capped at 3 classes

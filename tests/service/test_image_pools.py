@@ -152,13 +152,17 @@ async def test_only_a_lone_requests_only_image_may_run_its_batch_on_the_loop(in_
     asked: list[bool] = []
 
     class Engine:
-        async def submit(self, handle, pixels, timeout_s, target=None, maps_free=False, alone=False):
+        async def submit(self, handle, pixels, timeout_s, target=None, maps_free=False, alone=False, budget=None):
             asked.append(alone)
             await asyncio.sleep(0)
             return InferenceResult((np.ones(2, np.float32), np.ones((4, 4), np.float32)), 0.0, 0.001, 1, "1")
 
-    call = call_in(SimpleNamespace(engine=Engine(), admission=admitted(in_flight)))
-    outputs, version = await inference.run_pixel_tensors(call, np.zeros((images, 3, 32, 32), np.float32), None)
+    from vitserve.service.ground.metrics import ServiceMetrics
+
+    state = SimpleNamespace(engine=Engine(), admission=admitted(in_flight), metrics=ServiceMetrics(),
+                            ladder=lambda info: info.ladder)
+    outputs, version, _ = await inference.run_pixel_tensors(call_in(state), np.zeros((images, 3, 32, 32), np.float32),
+                                                            None)
     assert asked == [alone] * images and outputs["logits"].shape == (images, 2) and version == "1"
 
 

@@ -7,6 +7,8 @@ service/usecases/inference.py `classify`). Both routes are in the inference rout
 """
 from __future__ import annotations
 
+from typing import Literal
+
 from fastapi import Request, Response
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -16,6 +18,7 @@ from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHAR
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
 from vitserve.service.http.routes.uploads import image_body, read_files, upload_within
+from vitserve.service.schemas.inference_protocol import MAX_TOKENS
 from vitserve.service.schemas.v1 import BatchResponse, MapFormat, MapKind, ResizePolicy, RolloutFormat
 from vitserve.service.usecases import inference
 from vitserve.service.usecases.explanations import MAX_TARGET_CHARS, relevance_target
@@ -44,6 +47,12 @@ class ClassifyQuery(BaseModel):
         "the older spelling: rollout=F is map=rollout&map_format=F, rollout=none is map=none"))
     resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
                                                     "aspect, snap to patches")
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
+        "the token budget: answer at the most accurate input grid of at most this many tokens the model serves "
+        "(default: the full budget; below its cheapest: 400); the answer's `budget` says what was used"))
+    degrade: Literal["load", "never"] = Field("load", description=(
+        "load: under load the server may answer at a cheaper budget; never: refuse (429) rather than answer "
+        "cheaper than asked"))
     model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the model to run (GET /v1/models lists "
                                                                            "them); default: the only model")
     version: str | None = Field(None, max_length=MAX_VERSION_CHARS, description="the model's version; default: its "
@@ -62,13 +71,15 @@ class ClassifyParams:
         if query.target is not None and self.map != "relevance":
             raise InvalidParameter("target names the class to explain: it needs map=relevance")
         self.top_k, self.target, self.resize = query.top_k, query.target, query.resize
+        self.max_tokens, self.degrade = query.max_tokens, query.degrade != "never"
         self.model, self.version = query.model, query.version
 
     def options_for(self, info: ModelInfo) -> ClassifyOptions:
         """The use case's options, the class to explain resolved with the model's labels (before any upload is
         read)."""
         target_index = relevance_target(self.target, info) if self.map == "relevance" else None
-        return ClassifyOptions(self.top_k, self.map, self.map_format, self.resize, target_index)
+        return ClassifyOptions(self.top_k, self.map, self.map_format, self.resize, target_index, self.max_tokens,
+                               self.degrade)
 
 
 async def classify(request: Request, path: dict[str, str]) -> Response:

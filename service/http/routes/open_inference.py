@@ -161,7 +161,8 @@ async def infer(request: Request, path: dict[str, str]) -> Response:
         outcome = await inference.infer(call, parsed, parse_s)
         info = outcome.info
         with outcome.encoding():
-            body, headers = encode_response(parsed, info.name, info.version, outcome.outputs, info.labels)
+            body, headers = encode_response(parsed, info.name, info.version, outcome.outputs, info.labels,
+                                            outcome.parameters)
     return answer(call, body, None, headers)
 
 

@@ -1,0 +1,133 @@
+"""Token budgets in the engine: which of a file's rungs (vitserve/budgets.py) a version serves, which rung a client's
+`max_tokens` asks for, and the controller that chooses, per batch, the rung of the work that may be answered
+cheaper under load.
+
+The rungs served (`served_ladder`): the full budget, then each lower rung whose accuracy on the export's labelled
+set is within `budget_accuracy_floor` points of the full budget's; a rung the file has no accuracy for only with
+`budget_unmeasured_rungs` (a file exported without a labelled set: its loss is unknown). The same function of the
+file and the settings in every process, so a frontend describes the rung the engine ran by its index.
+
+The controller (`BudgetController`), asked as each batch is taken: the work queued (everything waiting, the batch
+being taken included, in seconds at the full budget, from the batcher's measured speed) against what the batcher
+keeps at saturation: `budget_queue_batches` full batches per runner. At or below saturation the queue never holds
+more (a closed loop of clients refills one batch while another runs), so it never degrades there. Above it, it
+takes the most accurate rung that would run the queue within that; it goes back up a rung only once the arrival
+rate has stayed for HOLD_S within UP_HEADROOM of what that rung can serve, so noise in one batch's queue does not
+move it, and a load that ends brings it back to full within HOLD_S a rung.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from vitserve.artifact import ModelInfo
+from vitserve.budgets import Rung
+from vitserve.service.ground.errors import InvalidParameter
+from vitserve.service.ground.settings import Settings
+
+FULL = 0  # the index of the full budget in a ladder
+REASONS = ("asked", "load")  # why an answer used less than the full budget
+
+
+def served_ladder(info: ModelInfo, settings: Settings) -> tuple[Rung, ...]:
+    """The rungs this server uses for a version of `info`, the full budget first (module doc)."""
+    ladder = info.ladder
+    full = ladder[0]
+    kept = [full]
+    for rung in ladder[1:]:
+        if rung.accuracy is None or full.accuracy is None:
+            if settings.budget_unmeasured_rungs:
+                kept.append(rung)
+        elif (full.accuracy - rung.accuracy) * 100 <= settings.budget_accuracy_floor + 1e-9:
+            kept.append(rung)
+    return tuple(kept)
+
+
+def rung_for_tokens(ladder: tuple[Rung, ...], max_tokens: int | None) -> int:
+    """The index of the most accurate served rung within `max_tokens` (None: the full budget); InvalidParameter
+    when even the cheapest has more tokens."""
+    if max_tokens is None or max_tokens >= ladder[FULL].tokens:
+        return FULL
+    for index, rung in enumerate(ladder):
+        if rung.tokens <= max_tokens:
+            return index
+    served = ", ".join(str(r.tokens) for r in ladder)
+    raise InvalidParameter(f"max_tokens={max_tokens} is below the cheapest budget this model serves "
+                           f"({ladder[-1].tokens} tokens; it serves {served})")
+
+
+@dataclass(frozen=True)
+class BudgetAsk:
+    """What a request asks of its images' budget: the rung (an index into the served ladder) and whether load may
+    answer it cheaper still (`degrade=never`: refused with 429 instead)."""
+
+    rung: int = FULL
+    degradable: bool = True
+
+
+FULL_BUDGET = BudgetAsk()
+
+
+class BudgetController:
+    """The rung of the degradable work, chosen per batch (module doc). `costs`: each served rung's multiply-adds
+    relative to the full budget, the full budget's 1.0 first."""
+
+    HOLD_S = 0.5
+    UP_HEADROOM = 0.8  # a rung is gone back up to only while the arrivals need at most this share of its speed
+    RATE_HALF_LIFE_S = 0.25
+
+    def __init__(self, costs: list[float], queue_batches: float):
+        self.costs = costs
+        self.queue_batches = queue_batches
+        self.rung = FULL
+        self.arrival_rate = 0.0  # images a second, a moving average
+        self._arrived = 0
+        self._rate_since: float | None = None
+        self._fits_since: list[float | None] = [None] * len(costs)  # since when each rung had headroom
+
+    @property
+    def degrading(self) -> bool:
+        return self.rung != FULL
+
+    def arrived(self) -> None:
+        self._arrived += 1
+
+    def choose(self, now: float, queued_s: float, image_s: float, batch_images: int, runners: int) -> int:
+        """The rung for the degradable batch taken now. `queued_s`: the queue's work at the full budget (the batch
+        included), in seconds of one runner; `image_s`: an image's at the full budget in a full batch (0: nothing
+        measured yet); `batch_images`: a full batch."""
+        sampled_since = self._update_rate(now)
+        if image_s <= 0:
+            return self.rung
+        allowed_s = self.queue_batches * batch_images * image_s  # the wall time of that many full batches
+        needed = next((i for i, cost in enumerate(self.costs) if queued_s * cost / runners <= allowed_s),
+                      len(self.costs) - 1)
+        for i, cost in enumerate(self.costs):
+            if self.arrival_rate * image_s * cost / runners > self.UP_HEADROOM:
+                self._fits_since[i] = None
+            elif self._fits_since[i] is None:
+                self._fits_since[i] = sampled_since  # the rate that fits was measured since then
+        if needed >= self.rung:
+            self.rung = needed  # down (or stay) at once: the queue cannot wait
+        else:
+            held = [i for i in range(needed, self.rung)
+                    if (since := self._fits_since[i]) is not None and now - since >= self.HOLD_S]
+            if held:
+                self.rung = held[0]
+        return self.rung
+
+    def _update_rate(self, now: float) -> float:
+        """The arrival rate's moving average brought to `now`; since when the sample it took was measured (an idle
+        gap is one long sample: a rung that fits then fits from the gap's start)."""
+        if self._rate_since is None:
+            self._rate_since, self._arrived = now, 0
+            return now
+        since = self._rate_since
+        elapsed = now - since
+        if elapsed < 0.02:  # too short to measure a rate from
+            return now
+        rate = self._arrived / elapsed
+        keep = math.exp(-elapsed * math.log(2) / self.RATE_HALF_LIFE_S)
+        self.arrival_rate = keep * self.arrival_rate + (1 - keep) * rate
+        self._rate_since, self._arrived = now, 0
+        return since
