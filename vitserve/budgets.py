@@ -34,7 +34,7 @@ class Rung:
     accuracy: float | None = None
 
     def to_json(self) -> dict:
-        return {"grid": list(self.grid), "tokens": self.tokens, "cost": round(self.cost, 4),
+        return {"grid": list(self.grid), "tokens": self.tokens, "cost": self.cost,
                 "accuracy": self.accuracy}
 
 
@@ -80,8 +80,8 @@ def derived_ladder(image_size: tuple[int, int], patch_size: int, architecture: d
     """The ladder of a file that stores none: its grids and their costs, no accuracies."""
     grids = ladder_grids(image_size, patch_size)
     full_tokens = _tokens(grids[0], patch_size)
-    return tuple(Rung(grid, _tokens(grid, patch_size), relative_cost(architecture, _tokens(grid, patch_size),
-                                                                       full_tokens)) for grid in grids)
+    return tuple(Rung(grid, _tokens(grid, patch_size),
+                      round(relative_cost(architecture, _tokens(grid, patch_size), full_tokens), 4)) for grid in grids)
 
 
 def _tokens(grid: tuple[int, int], patch_size: int) -> int:

@@ -230,3 +230,19 @@ async def test_the_card_and_the_triton_config_show_the_ladder_and_what_is_served
     assert parameters["budget_grids"] == {"string_value": "32x32,24x24"}
     assert parameters["budget_accuracy"] == {"string_value": "0.9300,0.9250"}
     assert parameters["degrade_under_load"] == {"string_value": "true"}
+
+
+def test_an_engine_process_runs_the_budget_asked_and_its_frontends_say_it(tiny_onnx):
+    """The budget crosses the engine's message contract (Submit's rung and degradable, Result's rung and reason)."""
+    import httpx
+    from service_fixtures import uvicorn_server
+
+    with uvicorn_server(tiny_onnx, "--budget-unmeasured-rungs", "true", workers=2) as (base_url, _):
+        answers = [httpx.post(f"{base_url}/v1/classify", params={"max_tokens": tokens}, content=image_bytes("PNG"),
+                              headers={"content-type": "image/png"}, timeout=60).json() for tokens in (4, 9, 100)]
+        never = httpx.post(f"{base_url}/v1/classify", params={"degrade": "never"}, content=image_bytes("PNG"),
+                           headers={"content-type": "image/png"}, timeout=60).json()
+    assert [(a["budget"]["tokens"], a["budget"]["reason"]) for a in answers] == [(4, "asked"), (9, "asked"),
+                                                                                  (16, None)]
+    assert [len(a["rollout"]["values"]) for a in answers] == [2, 3, 4]
+    assert never["budget"]["tokens"] == 16
