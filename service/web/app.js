@@ -292,12 +292,18 @@ function showCard(card) {
     ["Trained resolution", `${card.image_width}×${card.image_height} px, ${card.channels} channel(s)`],
     ["Patch size", `${card.patch_size} px`], ["Test accuracy", accuracy], ["Execution provider", card.provider],
     ["Precision", card.precision], ["Maps", card.maps.join(", ")], ["Confidence", calibrationText(card)],
-    ["Embedding", card.embedding_size ? `${card.embedding_size} values (POST v1/embed)` : "none in this file"]];
+    ["Embedding", card.embedding_size ? `${card.embedding_size} values (POST v1/embed)` : "none in this file"],
+    ["Token budgets", budgetsText(card)]];
   $("card-fields").replaceChildren(...fields.flatMap(([term, value]) => [element("dt", term), element("dd", value)]));
   $("labels-summary").textContent = `Labels (${card.labels.length})`;
   $("labels").replaceChildren(...card.labels.map((label) => element("li", label)));
   $("target").replaceChildren(new Option("the top-1", ""),
     ...card.labels.map((label, index) => new Option(`${index}: ${label}`, String(index))));
+  const cheaper = (card.budgets || []).filter((budget) => budget.served).slice(1);
+  $("max-tokens").replaceChildren(new Option("the full budget", ""), ...cheaper.map((b) =>
+    new Option(`${b.tokens} tokens (${b.grid[0]}×${b.grid[1]})` + (b.accuracy === null ? "" :
+      `, ${percent(b.accuracy)}`), String(b.tokens))));
+  $("max-tokens").disabled = !cheaper.length;
   $("top-k").max = card.labels.length;
   $("top-k").value = Math.min(5, card.labels.length);
   const relevance = card.maps.includes("relevance"), choice = document.querySelector('input[name="map"][value="relevance"]');
@@ -305,6 +311,14 @@ function showCard(card) {
   if (!relevance && choice.checked) document.querySelector('input[name="map"][value="rollout"]').checked = true;
   $("map-note").textContent = relevance ? "" : "This model's file has no relevance path: rollout only.";
   $("map-note").hidden = relevance;
+}
+
+// The budgets the server answers at (docs/token-budgets.md): tokens, with each one's measured accuracy.
+function budgetsText(card) {
+  const served = (card.budgets || []).filter((budget) => budget.served);
+  if (served.length < 2) return "the full budget only";
+  const rungs = served.map((b) => `${b.tokens}` + (b.accuracy === null ? "" : ` (${percent(b.accuracy)})`));
+  return `${rungs.join(", ")} tokens` + (card.degrade_under_load ? "; cheaper under load" : "; refuses under load");
 }
 
 function element(tag, text) {
@@ -363,6 +377,7 @@ function options() {
   const params = new URLSearchParams({...chosenModel(), top_k: $("top-k").value || "5", map, resize});
   if (map !== "none") params.set("map_format", "grid");
   if (map === "relevance" && $("target").value !== "") params.set("target", $("target").value);
+  if ($("max-tokens").value !== "") params.set("max_tokens", $("max-tokens").value);
   return {map, resize, params};
 }
 

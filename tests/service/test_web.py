@@ -121,7 +121,9 @@ def test_samples_are_fashion_mnist_test_images():
 def server(tiny_onnx):
     if _browser_missing():
         pytest.skip(_browser_missing())
-    with uvicorn_server(tiny_onnx, "--max-upload-bytes", str(MAX_UPLOAD_BYTES)) as (url, _):
+    # its file has no measured accuracies (exported without --eval): its cheaper budgets served on purpose
+    with uvicorn_server(tiny_onnx, "--max-upload-bytes", str(MAX_UPLOAD_BYTES), "--budget-unmeasured-rungs",
+                        "true") as (url, _):
         yield url
 
 
@@ -179,6 +181,19 @@ def answered(page, action) -> dict:
     page.wait_for_function("n => Number(document.getElementById('result').dataset.answers || 0) > n", arg=before)
     query = {k: v[0] for k, v in parse_qs(urlparse(response.value.url).query).items()}
     return {"query": query, "status": response.value.status, "body": response.value.json()}
+
+
+@needs_browser
+def test_page_asks_for_a_cheaper_budget_and_says_the_answer_used_one(page, server):
+    opened(page, server)
+    assert "16, 9, 4 tokens; cheaper under load" in page.inner_text("#card-fields")
+    upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png")
+    page.wait_for_function("() => document.getElementById('result').dataset.answers > 0")
+    assert page.locator("#budget").is_hidden()  # the full budget: nothing to say
+    result = answered(page, lambda: page.select_option("#max-tokens", "9"))
+    assert result["query"]["max_tokens"] == "9" and result["body"]["budget"]["tokens"] == 9
+    assert page.inner_text("#budget") == ("Answered at a reduced token budget because the request asked for it "
+                                          "(max_tokens): 9 of 16 tokens (a 24x24 input).")
 
 
 def upload(page, name: str, data: bytes, mime: str):
