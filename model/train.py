@@ -225,8 +225,8 @@ class TrainLog:
 def _read_rows(path: Path, until_step: int | None) -> list[dict]:
     if until_step is None or not path.is_file():
         return []
-    with path.open() as f:
-        rows = [{k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in row.items()}
+    with path.open() as f:  # an empty cell: a column added after the row was written
+        rows = [{k: int(v) if v.lstrip("-").isdigit() else float(v) for k, v in row.items() if v != ""}
                 for row in csv.DictReader(f)]
     return [row for row in rows if row["step"] <= until_step]
 
@@ -246,15 +246,16 @@ def curve_series(rows: list[dict], steps: list[dict]) -> tuple[str, dict[str, di
             train_label: (xs, trailing_mean([scale * r[f"train_{key}"] for r in train], window)),
             "test": ([r[x_name] for r in rows], [scale * r[f"test_{key}"] for r in rows])}
     for size in grid_columns(rows):
-        panels["accuracy"][f"test at {size} px"] = ([r[x_name] for r in rows],
-                                                    [100 * r[f"test_acc_{size}"] for r in rows])
+        scored = [r for r in rows if f"test_acc_{size}" in r]  # a size added on resume has no earlier rows
+        panels["accuracy"][f"test at {size} px"] = ([r[x_name] for r in scored],
+                                                    [100 * r[f"test_acc_{size}"] for r in scored])
     return x_name, panels
 
 
 def grid_columns(rows: list[dict]) -> list[int]:
-    """The sides of the test_acc_<side> columns (--grid-sizes) in log rows."""
+    """The sides of the test_acc_<side> columns (--grid-sizes) in log rows, in the order they first appear."""
     prefix = "test_acc_"
-    return [int(k[len(prefix):]) for k in (rows[0] if rows else {}) if k.startswith(prefix)]
+    return [int(k[len(prefix):]) for k in dict.fromkeys(k for r in rows for k in r) if k.startswith(prefix)]
 
 
 def trailing_mean(values: list[float], window: int) -> list[float]:
@@ -444,6 +445,7 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     optimizer = make_optimizer(objective, cfg)
     generator = torch.Generator().manual_seed(cfg.seed * 1000 + rt.rank)
     resuming = cfg.resume and (out_dir / TRAIN_STATE_FILE).is_file()
+    scored = scored_sizes(cfg.grid_sizes, out_dir / "log.csv" if resuming else None)
     pos = restore_state(out_dir, objective, optimizer, generator, rt) if resuming else Position()
     # Pre-training leaves the classifier head unused: DistributedDataParallel must be told
     ddp_model = nn.parallel.DistributedDataParallel(objective, find_unused_parameters=objective is not model) \
@@ -452,15 +454,25 @@ def start_run(cfg: TrainConfig) -> tuple[Run, Position]:
     log = None
     if rt.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        log = TrainLog(out_dir, pos.step if resuming else None, cfg.grid_sizes)
+        log = TrainLog(out_dir, pos.step if resuming else None, scored)
     teachers = load_teachers(cfg.distill_from, meta.labels, model.cfg.in_channels, splits.mean, splits.std,
                              rt.device) if cfg.distill_from else None
-    test_at_grids = {size: images_at_grid(splits.test.images, size) for size in cfg.grid_sizes}
+    test_at_grids = {size: images_at_grid(splits.test.images, size) for size in scored}
     run = Run(cfg, rt, splits, model, objective, meta, optimizer, generator, ddp_model, epoch_steps, log, teachers,
               test_at_grids)
     if rt.is_main:
         announce(run, pos, resuming)
     return run, pos
+
+
+def scored_sizes(grid_sizes: tuple[int, ...], resumed_log: Path | None) -> tuple[int, ...]:
+    """The sides the held-out set is scored at: --grid-sizes, and those a resumed run's log.csv already has (a run
+    resumed with another list keeps its columns and their history), smallest first."""
+    logged: list[int] = []
+    if resumed_log is not None and resumed_log.is_file():
+        with resumed_log.open() as f:
+            logged = grid_columns([dict.fromkeys(next(csv.reader(f), []))])
+    return tuple(sorted(set(grid_sizes) | set(logged)))
 
 
 def _tokens(c) -> str:
@@ -652,7 +664,8 @@ def save_progress(run: Run, pos: Position, clock: Clock, evaluated: dict | None 
     elif evaluated:
         run.meta.metrics = {"test_accuracy": evaluated["test_acc"], "test_loss": evaluated["test_loss"],
                             "epoch": evaluated["epoch"],
-                            **{f"test_accuracy_{size}": evaluated[f"test_acc_{size}"] for size in run.cfg.grid_sizes}}
+                            **{f"test_accuracy_{size}": evaluated[f"test_acc_{size}"]
+                               for size in grid_columns([evaluated])}}
     else:
         run.meta.metrics = {"epoch": epochs_done, "step": pos.step}
     record = {**run.meta.training, **asdict(run.cfg)}  # keeps the last evaluation's images/s through later saves

@@ -147,3 +147,15 @@ def test_curves_draw_the_test_accuracy_at_each_grid():
     _, panels = curve_series(rows, [])
     assert panels["accuracy"]["test at 8 px"] == ([1, 2, 3, 4, 5], [12.5, 25.0, 37.5, 50.0, 62.5])
     assert "test at 16 px" in panels["accuracy"] and "test at 8 px" not in panels["loss"]
+
+
+def test_a_run_resumed_with_another_list_keeps_scoring_its_logged_sizes(folder, tmp_path, interrupt_at_step):
+    interrupt_at_step(3)
+    with pytest.raises(TrainingInterrupted):
+        train(grid_config(folder, tmp_path, epochs=2))
+    row = train(grid_config(folder, tmp_path, epochs=2, grid_sizes=(12, 16), resume=True))
+    assert set(step_grids(tmp_path)[3:]) <= {12, 16} and len(step_grids(tmp_path)) == 2 * STEPS
+    with open(tmp_path / "log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [k for k in rows[0] if k.startswith("test_acc_")] == ["test_acc_8", "test_acc_12", "test_acc_16"]
+    assert all(r["test_acc_8"] != "" for r in rows) and float(rows[-1]["test_acc_8"]) == row["test_acc_8"]
