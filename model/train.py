@@ -512,7 +512,7 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
         lines.insert(2, f"distillation: from {taught}; {cfg.distill_weight:.0%} of the loss is their mean "
                         f"probabilities at temperature {cfg.distill_temperature:g}, the rest the labels")
     if cfg.grid_sizes:
-        lines.insert(2, grids_line(cfg, c))
+        lines.insert(2, grids_line(cfg, c, tuple(run.test_at_grids)))
     if cfg.label_fraction < 1:
         lines.insert(1, f"labels: {cfg.label_fraction:.0%} of each class's training images ({len(splits.train):,}), "
                         f"chosen with seed {cfg.seed}")
@@ -527,13 +527,13 @@ def announce(run: Run, pos: Position, resuming: bool) -> None:
     print("\n".join(lines), file=sys.stderr)
 
 
-def grids_line(cfg: TrainConfig, c) -> str:
+def grids_line(cfg: TrainConfig, c, scored: tuple[int, ...]) -> str:
     tokens = ", ".join(f"{size} px ({(size // c.patch_size) ** 2} tokens)" for size in dict.fromkeys(cfg.grid_sizes))
     teachers = f"; the teachers see the {c.image_size[0]} px image" if cfg.distill_from else ""
     odds = " (a size repeated is drawn as often as it is listed)" if len(set(cfg.grid_sizes)) < len(cfg.grid_sizes) \
         else ""
     return (f"grids: each step's batch resized to one of {tokens}{odds}, drawn with seed {cfg.seed}{teachers}; "
-            f"test accuracy at each size")
+            f"held-out accuracy at {', '.join(map(str, scored))} px")
 
 
 def train_epoch(run: Run, pos: Position, clock: Clock, pressed: threading.Event) -> tuple[str | None, float]:
