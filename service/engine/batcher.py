@@ -221,8 +221,14 @@ class DynamicBatcher:
     def predicted_wait_s(self, extra_cost: int = 0) -> float:
         """How long the work queued now (plus `extra_cost` input values of untargeted work) will take to run, from
         measured batch times of each kind; 0 until a batch has run."""
-        share = self.budgets.costs[-1] if self.budgets is not None else 1.0  # what it would cost at the cheapest
-        return share * self._queued_full_s(extra_cost)
+        full_s = self._queued_full_s(extra_cost)
+        if self.budgets is None:
+            return full_s
+        return full_s * self.budgets.share(len(self.budgets.costs) - 1, self._full_image_s())  # at the cheapest
+
+    def _full_image_s(self) -> float:
+        """An image's seconds at the full budget, from the learnt speed (0 before the first batch)."""
+        return self._seconds_per_cost.get(False, 0.0) * math.prod(self.resizable_shape or (0,))
 
     def _queued_full_s(self, extra_cost: int = 0) -> float:
         """`predicted_wait_s` at the full budget."""
@@ -448,9 +454,7 @@ class DynamicBatcher:
         budgets = self.budgets
         if budgets is None:
             return first.rung
-        rates = self._seconds_per_cost
-        image_s = rates.get(False, 0.0) * math.prod(self.resizable_shape or first.array.shape)
-        load = budgets.choose(now, self._queued_full_s(), image_s, self.max_batch_size, self.runners)
+        load = budgets.choose(now, self._queued, self._full_image_s(), self.max_batch_size, self.runners)
         if first.degradable and first.array.shape == self.resizable_shape:
             return max(first.rung, load)
         return first.rung
@@ -529,8 +533,11 @@ class DynamicBatcher:
         for item, output in zip(batch, outputs):  # answered first: a failing observer strands nobody
             self._resolve(item, output, seconds, len(batch), span, rung)
         self._last_size = len(batch)
-        # at the full budget's scale: a batch at a cheaper rung did that share of its work
-        share = self.budgets.costs[rung] if self.budgets is not None and rung < len(self.budgets.costs) else 1.0
+        share = 1.0
+        if self.budgets is not None and not targeted and batch[0].array.shape == self.resizable_shape:
+            self.budgets.ran(rung, len(batch), seconds, loaded=len(batch) >= max(1, self.max_batch_size // 2))
+            # at the full budget's scale: a batch at a cheaper rung did that share of the work
+            share = self.budgets.share(rung, self._full_image_s())
         self._learn_speed(targeted, seconds, round(share * sum(item.array.size for item in batch)), len(batch))
         self._observer.batch_done(len(batch), seconds, stack_seconds, targeted, maps_free)
 

@@ -7,13 +7,13 @@ set is within `budget_accuracy_floor` points of the full budget's; a rung the fi
 `budget_unmeasured_rungs` (a file exported without a labelled set: its loss is unknown). The same function of the
 file and the settings in every process, so a frontend describes the rung the engine ran by its index.
 
-The controller (`BudgetController`), asked as each batch is taken: the work queued (everything waiting, the batch
-being taken included, in seconds at the full budget, from the batcher's measured speed) against what the batcher
-keeps at saturation: `budget_queue_batches` full batches per runner. At or below saturation the queue never holds
-more (a closed loop of clients refills one batch while another runs), so it never degrades there. Above it, it
-takes the most accurate rung that would run the queue within that; it goes back up a rung only once the arrival
-rate has stayed for HOLD_S within UP_HEADROOM of what that rung can serve, so noise in one batch's queue does not
-move it, and a load that ends brings it back to full within HOLD_S a rung.
+The controller (`BudgetController`), asked as each batch is taken: the images waiting behind that batch against
+what the batcher keeps at saturation, `budget_queue_batches` full batches' time at the full budget per runner. At
+or below saturation nothing waits that long (a closed loop of clients refills one batch while another runs), so it
+never degrades there. Above it, it takes the most accurate rung that would run what waits within that time, from
+each rung's measured seconds an image in a loaded batch (before a rung has run loaded: the full budget's times its
+multiply-adds share). It goes back up only to a rung whose speed the arrivals have needed at most UP_HEADROOM of
+for HOLD_S, so noise in one batch's queue does not move it, and an idle gap brings it back to the full budget.
 """
 from __future__ import annotations
 
@@ -70,7 +70,8 @@ FULL_BUDGET = BudgetAsk()
 
 class BudgetController:
     """The rung of the degradable work, chosen per batch (module doc). `costs`: each served rung's multiply-adds
-    relative to the full budget, the full budget's 1.0 first."""
+    relative to the full budget, the full budget's 1.0 first: the estimate of a rung's speed until batches at it
+    have been measured (a light model's rungs save less than their multiply-adds: a call's fixed cost stays)."""
 
     HOLD_S = 0.5
     UP_HEADROOM = 0.8  # a rung is gone back up to only while the arrivals need at most this share of its speed
@@ -84,6 +85,7 @@ class BudgetController:
         self._arrived = 0
         self._rate_since: float | None = None
         self._fits_since: list[float | None] = [None] * len(costs)  # since when each rung had headroom
+        self._image_s: dict[int, float] = {}  # rung -> seconds an image in a loaded batch, a moving average
 
     @property
     def degrading(self) -> bool:
@@ -92,18 +94,37 @@ class BudgetController:
     def arrived(self) -> None:
         self._arrived += 1
 
-    def choose(self, now: float, queued_s: float, image_s: float, batch_images: int, runners: int) -> int:
-        """The rung for the degradable batch taken now. `queued_s`: the queue's work at the full budget (the batch
-        included), in seconds of one runner; `image_s`: an image's at the full budget in a full batch (0: nothing
-        measured yet); `batch_images`: a full batch."""
+    def ran(self, rung: int, images: int, seconds: float, loaded: bool) -> None:
+        """A batch at `rung` ran; `loaded`: it was as large as load makes them (a small one's image costs more)."""
+        if loaded and images:
+            previous = self._image_s.get(rung)
+            sample = seconds / images
+            self._image_s[rung] = sample if previous is None else 0.8 * previous + 0.2 * sample
+
+    def image_seconds(self, full_image_s: float) -> list[float]:
+        """Each rung's seconds an image in a loaded batch: measured, else the full budget's (measured, else
+        `full_image_s`, the batcher's estimate) times the rung's cost."""
+        base = self._image_s.get(FULL) or full_image_s
+        return [self._image_s.get(i) or base * cost for i, cost in enumerate(self.costs)]
+
+    def share(self, rung: int, full_image_s: float) -> float:
+        """A rung's work over the full budget's, as measured (or estimated)."""
+        seconds = self.image_seconds(full_image_s)
+        return seconds[rung] / seconds[FULL] if seconds[FULL] > 0 else self.costs[rung]
+
+    def choose(self, now: float, queued: int, full_image_s: float, batch_images: int, runners: int) -> int:
+        """The rung for the degradable batch taken now. `queued`: images queued, the batch being taken among them;
+        `full_image_s`: the batcher's estimate of an image's seconds at the full budget (0: nothing run yet);
+        `batch_images`: a full batch."""
         sampled_since = self._update_rate(now)
-        if image_s <= 0:
+        seconds = self.image_seconds(full_image_s)
+        if seconds[FULL] <= 0:
             return self.rung
-        allowed_s = self.queue_batches * batch_images * image_s  # the wall time of that many full batches
-        needed = next((i for i, cost in enumerate(self.costs) if queued_s * cost / runners <= allowed_s),
-                      len(self.costs) - 1)
-        for i, cost in enumerate(self.costs):
-            if self.arrival_rate * image_s * cost / runners > self.UP_HEADROOM:
+        waiting = max(0, queued - batch_images)  # behind this batch
+        allowed_s = self.queue_batches * batch_images * seconds[FULL]  # that many full batches' wall time
+        needed = next((i for i, s in enumerate(seconds) if waiting * s / runners <= allowed_s), len(seconds) - 1)
+        for i, s in enumerate(seconds):
+            if self.arrival_rate * s / runners > self.UP_HEADROOM:
                 self._fits_since[i] = None
             elif self._fits_since[i] is None:
                 self._fits_since[i] = sampled_since  # the rate that fits was measured since then

@@ -58,39 +58,54 @@ def test_max_tokens_picks_the_most_accurate_rung_within_it_and_refuses_below_the
 IMAGE_S, BATCH = 0.01, 4  # a full batch at the full budget: 40 ms
 
 
+def loaded(controller: BudgetController, seconds: list[float]) -> BudgetController:
+    """The controller having measured each rung's seconds an image in loaded batches."""
+    for rung, s in enumerate(seconds):
+        controller.ran(rung, BATCH, s * BATCH, loaded=True)
+    return controller
+
+
 def test_at_or_below_saturation_the_controller_never_degrades():
-    controller = BudgetController([1.0, 0.5, 0.25], queue_batches=2)
-    for step in range(100):  # one full batch queued each time a batch is taken, the arrivals the batches' speed
+    controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4])
+    for step in range(100):  # a batch taken, and a full batch waiting behind it, each time; the arrivals its speed
         controller._arrived += BATCH
-        assert controller.choose(step * 0.04, BATCH * IMAGE_S, IMAGE_S, BATCH, runners=1) == 0
+        assert controller.choose(step * BATCH * IMAGE_S, 2 * BATCH, IMAGE_S, BATCH, runners=1) == 0
 
 
 def test_a_backlog_takes_the_most_accurate_rung_that_runs_it_within_the_queue_allowed():
-    controller = BudgetController([1.0, 0.5, 0.25], queue_batches=2)
-    allowed = 2 * BATCH * IMAGE_S
-    assert controller.choose(0.0, 1.5 * allowed, IMAGE_S, BATCH, 1) == 1
-    assert controller.choose(0.001, 3.5 * allowed, IMAGE_S, BATCH, 1) == 2
-    assert controller.choose(0.002, 9 * allowed, IMAGE_S, BATCH, 1) == 2  # the cheapest: what it cannot, admission
+    controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4])
+    assert controller.choose(0.0, BATCH + 3 * BATCH, IMAGE_S, BATCH, 1) == 1  # 3 batches wait: twice as fast fits
+    assert controller.choose(0.001, BATCH + 7 * BATCH, IMAGE_S, BATCH, 1) == 2
+    assert controller.choose(0.002, BATCH + 30 * BATCH, IMAGE_S, BATCH, 1) == 2  # the cheapest: the rest, admission's
+
+
+def test_the_rungs_measured_speed_decides_not_their_multiply_adds():
+    """A light model's cheaper grid saves less than its multiply-adds say: a call's fixed cost stays."""
+    controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, 0.9 * IMAGE_S, 0.7 * IMAGE_S])
+    assert controller.choose(0.0, BATCH + 3 * BATCH, IMAGE_S, BATCH, 1) == 2
+    assert controller.share(1, IMAGE_S) == pytest.approx(0.9)
+    unmeasured = BudgetController([1.0, 0.5, 0.25], queue_batches=2)
+    assert unmeasured.share(2, IMAGE_S) == pytest.approx(0.25)  # before any loaded batch: the multiply-adds
 
 
 def test_it_goes_back_up_only_once_the_arrivals_have_fit_the_dearer_rung_for_the_hold():
-    controller = BudgetController([1.0, 0.5, 0.25], queue_batches=2)
+    controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4])
     now = 0.0
-    controller.choose(now, 10.0, IMAGE_S, BATCH, 1)  # overloaded: the cheapest
+    controller.choose(now, 100 * BATCH, IMAGE_S, BATCH, 1)  # overloaded: the cheapest
     # arrivals at 150 images a second: rung 1 serves 200 (75% of it, within the headroom), rung 0 100
     while now < 3.0:
         now += 0.02
         controller._arrived += 3
-        rung = controller.choose(now, 0.0, IMAGE_S, BATCH, 1)
+        rung = controller.choose(now, 1, IMAGE_S, BATCH, 1)
         if now < controller.HOLD_S:
             assert rung == 2, now  # not before the hold, however short the queue
     assert rung == 1  # never to the full budget, which those arrivals would overload
 
 
 def test_an_idle_gap_brings_it_back_to_the_full_budget_at_the_next_batch():
-    controller = BudgetController([1.0, 0.5, 0.25], queue_batches=2)
-    controller.choose(0.0, 10.0, IMAGE_S, BATCH, 1)
-    assert controller.choose(5.0, IMAGE_S, IMAGE_S, BATCH, 1) == 0
+    controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4])
+    controller.choose(0.0, 100 * BATCH, IMAGE_S, BATCH, 1)
+    assert controller.choose(5.0, 1, IMAGE_S, BATCH, 1) == 0
 
 
 # ------------------------------------------------------------------------------------------------ in the batcher
