@@ -20,12 +20,16 @@ from typing import Any
 from vitserve.bench.config import INPUT_KINDS, OIP_ONLY, QUICK, THROUGHPUT_ONLY, BenchConfig
 from vitserve.bench.presets import PRESETS
 from vitserve.bench.relevance_cost import add_relevance_cost_command  # noqa: F401 (vitserve/cli.py's _COMMANDS names it here)
-from vitserve.bench.reliability import MODES, ReliabilityConfig, parse_cpu_list
+from vitserve.bench.reliability import ARMS, FULL_BUDGET_ARM, MODES, ReliabilityConfig, arms_under_test, parse_cpu_list
 from vitserve.help_format import DefaultsHelpFormatter
 
 
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _floats(text: str) -> list[float]:
+    return [float(v) for v in text.split(",") if v.strip()]
 
 
 def _cpu_list(text: str) -> tuple[int, ...]:
@@ -37,6 +41,10 @@ def _cpu_list(text: str) -> tuple[int, ...]:
 
 def _csv(values: list) -> str:
     return ",".join(map(str, values))
+
+
+def _settings_text(settings: dict[str, str]) -> str:
+    return " ".join(f"{k}={v}" for k, v in settings.items())
 
 
 def _setting(text: str) -> tuple[str, str]:
@@ -56,8 +64,9 @@ def add_bench_parser(subparsers) -> None:
                     "--mode overload|hol|soak measures how the server holds up instead (docs/reliability.md).")
     p.add_argument("--mode", choices=("throughput", *MODES, "oip", "peers"), default="throughput",
                    help="throughput (default): raw vs served; overload: an open loop at twice the measured "
-                        "saturation; hol: small requests while heavy ones run, and memory; soak: mixed traffic "
-                        "for minutes, memory and file descriptors; oip: the Open Inference Protocol's request "
+                        "saturation (--overload-factor; --arms refuse,degrade: refusing against degrading); hol: "
+                        "small requests while heavy ones run, and memory; soak: mixed traffic for minutes, memory "
+                        "and file descriptors; oip: the Open Inference Protocol's request "
                         "encodings (JSON, binary tensors, the PNG as BYTES) and /v1/classify, side by side; peers: "
                         "side by side with Triton and LitServe under wrk (bench/peers/cli.py, "
                         "docs/results/bench-peers.md)")
@@ -127,6 +136,10 @@ def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--checkout", dest="checkouts", type=Path, action="append", metavar="DIR",
                    help="serve with the code in DIR (its .venv's python if it has one, else this one, with "
                         "PYTHONPATH=DIR); given twice, the two alternate round by round (default: this code)")
+    g.add_argument("--arms", type=lambda t: [a.strip() for a in t.split(",") if a.strip()], metavar="ARM,ARM",
+                   help=f"this code under different settings, alternated round by round like two checkouts (not "
+                        f"with --checkout): {', '.join(f'{a} ({_settings_text(s)})' for a, s in ARMS.items())}; "
+                        f"overload measures saturation once, on {FULL_BUDGET_ARM}")
     g.add_argument("--serve-flags", dest="server_args", type=shlex.split, metavar="'--FLAG VALUE ...'",
                    help="extra `vitserve serve` flags for every server, e.g. '--max-queue-size 64'")
     g.add_argument("--rounds", type=int, metavar="N", help=f"overload and hol runs per server (default {d.rounds})")
@@ -137,7 +150,9 @@ def _add_reliability_flags(g: argparse._ArgumentGroup) -> None:
                                                                          "generator, runs on (default: every core)")
     g.add_argument("--rate", type=float, metavar="REQ/S", help="overload: the open loop's rate (default: "
                                                                "--overload-factor x the measured saturation)")
-    g.add_argument("--overload-factor", type=float, metavar="X", help=f"default {d.overload_factor:g}")
+    g.add_argument("--overload-factor", dest="overload_factors", type=_floats, metavar="X,X",
+                   help=f"open-loop rates as multiples of the saturation, each its own section of the report, e.g. "
+                        f"2,4 (default {','.join(f'{x:g}' for x in d.overload_factors)})")
     g.add_argument("--saturation-clients", type=_ints, metavar="N,N", help=f"closed-loop levels measuring "
                                                                            f"saturation; the best counts (default "
                                                                            f"{_csv(d.saturation_clients)})")
@@ -180,7 +195,10 @@ def reliability_config_from_args(args: argparse.Namespace) -> ReliabilityConfig:
         raise SystemExit(f"vitserve bench: --mode {args.mode} does not use {', '.join(stray)}")
     given = {f.name: getattr(args, f.name) for f in fields(ReliabilityConfig)
              if getattr(args, f.name, None) is not None}
-    return ReliabilityConfig(**{**given, "mode": args.mode})
+    cfg = ReliabilityConfig(**{**given, "mode": args.mode})
+    if cfg.arms:  # before a preset model is exported, which can take minutes
+        arms_under_test(cfg, dict(args.settings))
+    return cfg
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -247,6 +265,7 @@ def run_reliability_command(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
     for r in report["runs"]:
         print("\n".join(overload.target_lines(r.get("targets", []))))
+    print("\n".join(overload.arm_target_lines(report)))
     return 0
 
 

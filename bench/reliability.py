@@ -1,6 +1,7 @@
 """What the reliability modes (`vitserve bench --mode overload|hol|soak`) share: their one set of defaults, the
-servers under test (this code, or up to two checkouts alternated round by round), the server's process tree read
-from /proc (CPU, resident memory, open file descriptors), and writing a report.
+servers under test (this code; up to two checkouts alternated round by round; or arms, this code with different
+settings, alternated the same way), the server's process tree read from /proc (CPU, resident memory, open file
+descriptors), and writing a report.
 
 Standard library only: `vitserve` imports this module for every command (the help text shows its defaults); the
 modes themselves live in bench/overload.py (overload) and bench/soak.py (head-of-line and soak).
@@ -27,6 +28,15 @@ if TYPE_CHECKING:  # bench/oip.py imports this module
 
 MODES = ("overload", "hol", "soak")
 
+# Arms: this code served with different settings, compared in one alternating run (`--arms refuse,degrade`). Under
+# load the server either refuses (429) or answers at a cheaper token budget (service/engine/budgets.py).
+ARMS: dict[str, dict[str, str]] = {
+    "refuse": {"degrade_under_load": "false"},
+    "degrade": {"degrade_under_load": "true"},
+}
+FULL_BUDGET_ARM = "refuse"  # every answer at the full budget: the arm whose closed loop is the saturation
+DEGRADING_ARM = "degrade"
+
 
 @dataclass
 class ReliabilityConfig:
@@ -34,6 +44,7 @@ class ReliabilityConfig:
     model: str = "models/vit-fmnist/model.onnx"  # an ONNX artifact, or a name in bench/presets.py
     out: Path | None = None  # None: build/bench/<mode>.md
     checkouts: list[Path] = field(default_factory=list)  # none: this code; two: alternated round by round
+    arms: list[str] = field(default_factory=list)  # names in ARMS: this code, each arm's settings, alternated
     server_args: list[str] = field(default_factory=list)  # extra `vitserve serve` flags, the same for every server
     rounds: int = 1  # overload and head-of-line runs per server
     # the cores the servers and this process (the load generator) may run on; None: every core, shared. Apart, the
@@ -44,9 +55,9 @@ class ReliabilityConfig:
     seed: int = 0
     cache_dir: Path = Path("build/bench-models")
     log_dir: Path = Path("build/bench-logs")
-    # overload: saturation by a closed loop, then an open loop at `overload_factor` x saturation
-    overload_factor: float = 2.0
-    rate: float | None = None  # requests/s offered; None: overload_factor x the highest saturation measured
+    # overload: saturation by a closed loop, then an open loop at each of `overload_factors` x saturation
+    overload_factors: list[float] = field(default_factory=lambda: [2.0])
+    rate: float | None = None  # requests/s offered; None: each factor x the saturation measured
     saturation_clients: list[int] = field(default_factory=lambda: [32, 64])  # the best level is saturation
     saturation_s: float = 5.0
     overload_warmup_s: float = 2.0  # open loop before the measured window (the queue fills)
@@ -81,18 +92,24 @@ class ReliabilityConfig:
 
 @dataclass(frozen=True)
 class ServerUnderTest:
-    """`vitserve serve` from this code (checkout None) or from another checkout, started as a user would."""
+    """`vitserve serve` from this code (checkout None) or from another checkout, started as a user would; an arm
+    (a name in ARMS) serves this code with that arm's settings over the run's own."""
 
     checkout: Path | None = None
+    arm: str | None = None
 
     @property
     def label(self) -> str:
-        return str(self.checkout.resolve()) if self.checkout else "this code"
+        return self.arm or (str(self.checkout.resolve()) if self.checkout else "this code")
 
     @property
     def slug(self) -> str:
         """The label as a file name (for the server's log)."""
-        return "-".join(self.checkout.resolve().parts[1:]) if self.checkout else "this-code"
+        return self.arm or ("-".join(self.checkout.resolve().parts[1:]) if self.checkout else "this-code")
+
+    @property
+    def arm_settings(self) -> dict[str, str]:
+        return ARMS[self.arm] if self.arm else {}
 
     @property
     def python(self) -> str:
@@ -108,7 +125,7 @@ class ServerUnderTest:
 
     def env(self, overrides: dict[str, str]) -> dict[str, str]:
         env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0",
-               **{f"VITSERVE_{k.upper()}": v for k, v in overrides.items()}}
+               **{f"VITSERVE_{k.upper()}": v for k, v in {**overrides, **self.arm_settings}.items()}}
         if self.checkout:
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(self.checkout.resolve()),
                                                               os.environ.get("PYTHONPATH")]))
@@ -120,7 +137,7 @@ class ServerUnderTest:
         return {"label": self.label, "path": str(where.resolve()), "python": self.python,
                 "commit": _git(where, "rev-parse", "HEAD"),
                 "uncommitted_files": len((_git(where, "status", "--porcelain") or "").splitlines()),
-                "settings": self.settings(overrides, server_args)}
+                "arm_settings": self.arm_settings, "settings": self.settings(overrides, server_args)}
 
     def settings(self, overrides: dict[str, str], server_args: list[str]) -> dict:
         """The server's effective `Settings`, read by the checkout's own code with the same variables and flags."""
@@ -188,13 +205,30 @@ def _git(where: Path, *args: str) -> str | None:
     return done.stdout.strip() if done.returncode == 0 else None
 
 
-def servers_under_test(cfg: ReliabilityConfig) -> list[ServerUnderTest]:
+def servers_under_test(cfg: ReliabilityConfig, overrides: dict[str, str] | None = None) -> list[ServerUnderTest]:
+    """This code, the checkouts, or the arms; SystemExit for a set that cannot be compared."""
+    if cfg.arms:
+        return arms_under_test(cfg, overrides or {})
     if len(cfg.checkouts) > 2:
         raise SystemExit("vitserve bench: at most two --checkout directories (they are compared round by round)")
     for path in cfg.checkouts:
         if not (path / "service").is_dir():
             raise SystemExit(f"vitserve bench: {path} is not a vitserve checkout (no service/ in it)")
     return [ServerUnderTest(p) for p in cfg.checkouts] or [ServerUnderTest()]
+
+
+def arms_under_test(cfg: ReliabilityConfig, overrides: dict[str, str]) -> list[ServerUnderTest]:
+    if cfg.checkouts:
+        raise SystemExit("vitserve bench: --arms and --checkout do not combine (arms compare settings on this code, "
+                         "checkouts compare code trees); give one of them")
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown or len(set(cfg.arms)) != len(cfg.arms):
+        raise SystemExit(f"vitserve bench: --arms takes distinct names among {', '.join(ARMS)}, got "
+                         f"{','.join(cfg.arms)}")
+    fixed = sorted({k for a in cfg.arms for k in ARMS[a]} & set(overrides))
+    if fixed:
+        raise SystemExit(f"vitserve bench: the arms set {', '.join(fixed)} themselves: leave it out of --set")
+    return [ServerUnderTest(arm=a) for a in cfg.arms]
 
 
 _Arm = TypeVar("_Arm")  # a server, an encoding, a model file: whatever takes turns
@@ -300,7 +334,8 @@ def preamble(report: dict, title: str) -> list[str]:
              "(`vitserve serve` in a child process on 127.0.0.1, default settings unless stated):", ""]
     for s in report["servers"]:
         dirty = f", {s['uncommitted_files']} uncommitted file(s)" if s["uncommitted_files"] else ""
-        lines.append(f"- **{s['label']}**: commit `{(s['commit'] or 'unknown')[:12]}`{dirty}; `{s['python']}`; "
+        arm = "".join(f" {k}={v}" for k, v in s.get("arm_settings", {}).items())
+        lines.append(f"- **{s['label']}**{arm}: commit `{(s['commit'] or 'unknown')[:12]}`{dirty}; `{s['python']}`; "
                      f"deadline (request_timeout_ms) {s['settings'].get('request_timeout_ms')} ms, max_queue_size "
                      f"{s['settings'].get('max_queue_size')}, max_batch_size {s['settings'].get('max_batch_size')}")
     settings = report["settings"]

@@ -1,19 +1,40 @@
 """The open-loop generator against a scripted loopback server (schedule, every outcome counted once), the overload
-mode's summaries and targets, and one short overload run on the tiny model. No timing is asserted: speed is what
-the benchmark measures, never what a test checks."""
+mode's summaries and targets, the token-budget counters and the degrading arm's targets, and short overload runs on
+the tiny model: one server, then the refusing and degrading arms. No timing is asserted: speed is what the
+benchmark measures, never what a test checks."""
 from __future__ import annotations
 
 import asyncio
 import json
 import os
+import re
 
 import pytest
 
+from vitserve.bench.cli import reliability_config_from_args
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.load import HttpConnection, encode_request
-from vitserve.bench.overload import (CONNECTION_ERROR, HUNG_UP, NOT_SENT, TIMEOUT, Answer, OpenLoop, Request, exchange,
-                            load_summary, overload_targets, recovery, render_overload, run_overload)
+from vitserve.bench.overload import (
+    CONNECTION_ERROR,
+    HUNG_UP,
+    NOT_SENT,
+    TIMEOUT,
+    Answer,
+    OpenLoop,
+    Request,
+    arm_targets,
+    budget_summary,
+    degrading_targets,
+    exchange,
+    load_summary,
+    overload_loads,
+    overload_targets,
+    recovery,
+    render_overload,
+    run_overload,
+)
 from vitserve.bench.reliability import ReliabilityConfig, write_report
+from vitserve.cli import build_parser
 
 
 async def _scripted_server(answers: dict[bytes, str], delay_s: float = 0.0):
@@ -169,8 +190,11 @@ def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_
         os.sched_setaffinity(0, every)  # the generator's pinning is this (pytest's) process's
     (c,), (r,) = report["calibration"], report["runs"]
     assert (r["server_cpus"], r["client_cpus"]) == (list(server_cpus), list(client_cpus))
-    assert report["rate"] == pytest.approx(2 * c["requests_per_s"]) and c["concurrency"] == 4
-    assert r["offered"] == sum(v["count"] for v in r["outcomes"].values()) == round(report["rate"] * 1.0)
+    (load,) = report["loads"]
+    assert load["rate"] == pytest.approx(2 * c["requests_per_s"]) and c["concurrency"] == 4 and r["factor"] == 2.0
+    assert report["saturation_per_s"] == c["requests_per_s"] and report["arm_targets"] == []
+    assert r["offered"] == sum(v["count"] for v in r["outcomes"].values()) == round(load["rate"] * 1.0)
+    assert r["over_saturation"] == pytest.approx(r["goodput_per_s"] / c["requests_per_s"])
     assert set(r["outcomes"]) <= {"200", "429", "503", "504", TIMEOUT, CONNECTION_ERROR, NOT_SENT}
     assert len(r["recovery"]["probes_ms"]) == 3 and len(r["targets"]) == 5
     (server,) = report["servers"]
@@ -178,10 +202,120 @@ def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_
     paths = write_report(report, render_overload(report), cfg.report_path)
     assert [p.name for p in paths] == ["overload.md", "overload.json"]
     text = paths[0].read_text()
-    assert "## Open loop: outcomes" in text and "### Targets: this code, round 1" in text
+    assert "## Open loop: outcomes" in text and "### Targets: this code, 2x, round 1" in text
+    assert "## At 2x saturation: " in text and "|  | this code, round 1 |" in text
     assert f"- cores: the servers on {','.join(map(str, server_cpus))}, the load generator on" in text
     # the engine's own account, from the server's counters: the batches of both phases
     for stages in (c["stages"], r["stages"]):
         assert stages["mean_batch"] >= 1.0 and stages["runner_busy"] > 0 and stages["call_ms"] > 0
-    assert "| this code | saturation, 4 clients |" in text and "| this code | open loop, round 1 |" in text
+    assert "| this code | saturation, 4 clients |" in text and "| this code | open loop 2x, round 1 |" in text
     assert json.loads(paths[1].read_text())["runs"][0]["offered"] == r["offered"]
+
+
+def test_the_budget_counters_give_each_rungs_share_and_the_estimated_accuracy_of_the_window():
+    before = {"196/": 100.0, "vitserve_budget_estimated_accuracy_total": 90.0,
+              "vitserve_budget_measured_answers_total": 100.0}
+    after = {"196/": 160.0, "100/load": 30.0, "144/load": 10.0, "144/asked": 0.0,
+             "vitserve_budget_estimated_accuracy_total": 90.0 + 60 * 0.95 + 40 * 0.90,
+             "vitserve_budget_measured_answers_total": 200.0}
+    b = budget_summary(before, after)
+    assert [(g["tokens"], g["reason"], g["answers"]) for g in b["rungs"]] == [(196, "", 60), (144, "load", 10),
+                                                                              (100, "load", 30)]
+    assert [g["share"] for g in b["rungs"]] == pytest.approx([0.6, 0.1, 0.3])
+    assert (b["answers"], b["measured_answers"]) == (100, 100) and b["degraded_share"] == pytest.approx(0.4)
+    assert b["estimated_accuracy"] == pytest.approx(0.93)
+    unmeasured = budget_summary({"16/": 5.0}, {"16/": 9.0, "9/load": 2.0})  # a file exported without --eval
+    assert unmeasured["estimated_accuracy"] is None and unmeasured["degraded_share"] == pytest.approx(2 / 6)
+    assert budget_summary({}, {}) == {"answers": 0, "rungs": [], "degraded_share": None, "estimated_accuracy": None,
+                                      "measured_answers": 0}  # a server without the counters
+
+
+def test_the_degrading_arms_targets_at_2x_and_4x_compare_with_saturation_and_the_refusing_arm():
+    run = {"factor": 2.0, "offered": 1000, "goodput_per_s": 195.0, "over_saturation": 1.95,
+           "unloaded": {"p99_ms": 10.0}, "outcomes": {"200": {"count": 995, "p99_ms": 35.0}, "429": {"count": 5}},
+           "budgets": {"estimated_accuracy": 0.93}}
+    refusing = {"goodput_per_s": 100.0}
+    met = {t["name"]: (t["value"], t["met"]) for t in degrading_targets(run, refusing)}
+    assert met == {"share of offered answered 200": (pytest.approx(0.995), True),
+                   "200s/s over the full-budget saturation": (1.95, True),
+                   "p99 of the 200s over the unloaded p99": (pytest.approx(3.5), False),
+                   "200s/s over the refusing arm's (same round)": (pytest.approx(1.95), True),
+                   "estimated accuracy of the 200s": (0.93, True)}
+    four = {**run, "factor": 4.0, "over_saturation": 2.4, "budgets": {"estimated_accuracy": None},
+            "outcomes": {"200": {"count": 900}, "429": {"count": 90, "p99_ms": 4.0}, "503": {"count": 10}}}
+    assert [(t["name"], t["met"]) for t in degrading_targets(four, None)] == [
+        ("200s/s over the full-budget saturation", False), ("p99 of the 429s", True), ("5xx answers", False),
+        ("200s/s over the refusing arm's (same round)", None), ("estimated accuracy of the 200s", None)]
+
+
+def _args(*flags: str):
+    return build_parser().parse_args(["bench", *flags])
+
+
+def test_arms_and_checkouts_do_not_combine_and_arms_are_named(tmp_path):
+    (tmp_path / "service").mkdir()
+    with pytest.raises(SystemExit, match="--arms and --checkout do not combine"):
+        reliability_config_from_args(_args("--mode", "overload", "--arms", "refuse,degrade", "--checkout",
+                                           str(tmp_path)))
+    with pytest.raises(SystemExit, match="--arms and --checkout do not combine"):  # before any model is made
+        run_overload(ReliabilityConfig(model="no-such-model", arms=["refuse"], checkouts=[tmp_path]), {}, "test")
+    with pytest.raises(SystemExit, match="distinct names among refuse, degrade"):
+        reliability_config_from_args(_args("--mode", "overload", "--arms", "refuse,shed"))
+    with pytest.raises(SystemExit, match="set degrade_under_load themselves"):
+        reliability_config_from_args(_args("--mode", "overload", "--arms", "refuse,degrade", "--set",
+                                           "degrade_under_load=false"))
+    cfg = reliability_config_from_args(_args("--mode", "overload", "--arms", "refuse,degrade", "--overload-factor",
+                                             "2,4", "--set", "budget_unmeasured_rungs=true"))
+    assert (cfg.arms, cfg.overload_factors) == (["refuse", "degrade"], [2.0, 4.0])
+
+
+_PERCENT_OR_NA = r"(\d+\.\d\d%|n/a)"
+
+
+def test_refusing_and_degrading_arms_alternate_on_one_saturation_at_the_full_budget(tiny_onnx, tmp_path):
+    # one factor keeps the test to three servers; the report of two is rendered from its runs below
+    cfg = ReliabilityConfig(mode="overload", model=str(tiny_onnx), arms=["refuse", "degrade"],
+                            overload_factors=[4.0], saturation_clients=[4], saturation_s=0.3,
+                            overload_warmup_s=0.2, overload_s=0.5, unloaded_requests=3, probes=2,
+                            log_dir=tmp_path / "logs", out=tmp_path / "overload.md")
+    report = run_overload(cfg, {"max_queue_size": "8", "budget_unmeasured_rungs": "true"}, command="test")
+    assert [(s["label"], s["settings"]["degrade_under_load"]) for s in report["servers"]] == [("refuse", False),
+                                                                                             ("degrade", True)]
+    (c,) = report["calibration"]  # saturation once, by the refusing arm: every answer at the full budget
+    assert c["server"] == "refuse" and "refuse arm" in report["saturation_of"]
+    assert [g["reason"] for g in c["budgets"]["rungs"]] == [""] and c["budgets"]["answers"] >= c["completed"]
+    assert [load["rate"] for load in report["loads"]] == pytest.approx([4 * c["requests_per_s"]])
+    assert [(r["factor"], r["server"]) for r in report["runs"]] == [(4.0, "refuse"), (4.0, "degrade")]
+    for r in report["runs"]:
+        assert r["offered"] == sum(v["count"] for v in r["outcomes"].values())
+        assert set(r["budgets"]) == {"answers", "rungs", "degraded_share", "estimated_accuracy", "measured_answers"}
+        assert r["budgets"]["estimated_accuracy"] is None  # the tiny file was exported without --eval
+        assert r["budgets"]["degraded_share"] is None or 0 <= r["budgets"]["degraded_share"] <= 1
+        assert r["server_cpu_ms_per_200"] is None or r["server_cpu_ms_per_200"] > 0
+    refusing = report["runs"][0]["budgets"]
+    assert refusing["degraded_share"] in (None, 0.0) and all(g["reason"] == "" for g in refusing["rungs"])
+    (checked,) = report["arm_targets"]
+    assert (checked["factor"], checked["round"], len(checked["targets"])) == (4.0, 1, 5)
+    assert checked["targets"][3]["value"] == pytest.approx(report["runs"][1]["goodput_per_s"]
+                                                           / report["runs"][0]["goodput_per_s"])
+    text = write_report(report, render_overload(report), cfg.report_path)[0].read_text()
+    assert "- **refuse** degrade_under_load=false: commit" in text
+    assert "## At 4x saturation: " in text and "|  | refuse, round 1 | degrade, round 1 |" in text
+    for row in ("estimated accuracy of the 200s", "degraded under load", r"answers at 16 tokens \(full budget\)"):
+        assert re.search(rf"^\| {row} \| {_PERCENT_OR_NA} \| {_PERCENT_OR_NA} \|$", text, re.M), row
+    assert re.search(r"^\| estimated accuracy of the 200s \| >= 92% \| n/a \|$", text, re.M)
+    assert json.loads(cfg.report_path.with_suffix(".json").read_text())["arm_targets"][0]["factor"] == 4.0
+
+    two = {**report, "loads": [{"factor": 2.0, "rate": report["loads"][0]["rate"] / 2}, *report["loads"]],
+           "runs": [*({**r, "factor": 2.0} for r in report["runs"]), *report["runs"]]}
+    text = render_overload({**two, "arm_targets": arm_targets(two)})
+    assert "# `vitserve bench --mode overload`: open loop at 2x and 4x saturation" in text
+    assert text.index("## At 2x saturation: ") < text.index("## At 4x saturation: ")
+    assert text.count("|  | refuse, round 1 | degrade, round 1 |") == 2
+    assert "### Targets of the degrade arm at 2x saturation" in text and "| share of offered answered 200 |" in text
+
+
+def test_the_loads_are_each_factor_of_the_saturation_or_the_rate_given():
+    assert overload_loads(ReliabilityConfig(overload_factors=[2.0, 4.0]), 100.0) == [
+        {"factor": 2.0, "rate": 200.0}, {"factor": 4.0, "rate": 400.0}]
+    assert overload_loads(ReliabilityConfig(rate=50.0), None) == [{"factor": None, "rate": 50.0}]
