@@ -77,15 +77,18 @@ async def run_phases(port: int, payloads: list[bytes], saturation: float, sample
     return {"phases": phases, "samples": samples}
 
 
-def intervals(samples: list[dict]) -> list[dict]:
-    """Between consecutive samples: answers a second, the mean tokens of those answers, the share degraded by load."""
+def intervals(samples: list[dict], window_s: float = 1.0) -> list[dict]:
+    """At each sample, over the `window_s` before it (batches answer in bursts): answers a second, their mean tokens,
+    the share degraded by load."""
     rows = []
-    for a, b in zip(samples, samples[1:]):
-        span = b["t"] - a["t"]
+    for j, b in enumerate(samples):
+        a = next((s for s in reversed(samples[:j]) if b["t"] - s["t"] >= window_s), None)
+        if a is None:
+            continue
         by_tokens = {k: b["tokens"].get(k, 0) - a["tokens"].get(k, 0) for k in b["tokens"]}
         answered = sum(by_tokens.values())
         load = b["reason"].get("load", 0) - a["reason"].get("load", 0)
-        rows.append({"t": b["t"], "answers_per_s": answered / span,
+        rows.append({"t": b["t"], "answers_per_s": answered / (b["t"] - a["t"]),
                      "mean_tokens": sum(int(k) * n for k, n in by_tokens.items()) / answered if answered else None,
                      "degraded_share": load / answered if answered else None})
     return rows

@@ -7,13 +7,22 @@ set is within `budget_accuracy_floor` points of the full budget's; a rung the fi
 `budget_unmeasured_rungs` (a file exported without a labelled set: its loss is unknown). The same function of the
 file and the settings in every process, so a frontend describes the rung the engine ran by its index.
 
-The controller (`BudgetController`), asked as each batch is taken: the images waiting behind that batch against
-what the batcher keeps at saturation, `budget_queue_batches` full batches' time at the full budget per runner. At
-or below saturation nothing waits that long (a closed loop of clients refills one batch while another runs), so it
-never degrades there. Above it, it takes the most accurate rung that would run what waits within that time, from
-each rung's measured seconds an image in a loaded batch (before a rung has run loaded: the full budget's times its
-multiply-adds share). It goes back up only to a rung whose speed the arrivals have needed at most UP_HEADROOM of
-for HOLD_S, so noise in one batch's queue does not move it, and an idle gap brings it back to the full budget.
+The controller (`BudgetController`), asked as each batch is taken, follows two signals:
+
+- the arrivals (images a second, a moving average) against each rung's speed, from its measured seconds an image in
+  a loaded batch (before a rung has run loaded: the full budget's times its multiply-adds share; a light model's
+  cheaper grid saves less than its multiply-adds, as a call's fixed cost stays). Once the arrivals need more than
+  OVERLOADED of the current rung's speed, it takes the most accurate rung they need at most UP_HEADROOM of. Up to
+  saturation (the full budget's speed) it never degrades on this ground, and it does not until a loaded batch at
+  the full budget has been measured;
+- the queue, for a burst the average has not seen yet: the images waiting behind the batch taken against
+  `budget_queue_batches` full batches' time at the full budget, per runner (a closed loop of clients at
+  saturation refills one batch while another runs, and waits no more). Past it, the most accurate rung that runs
+  what waits within that time.
+
+It goes down at once; back up only to a rung the arrivals have needed at most UP_HEADROOM of for HOLD_S, so noise
+in one batch's queue does not move it, and an idle gap (one long sample of the arrival rate) brings it back to the
+full budget at the next batch.
 """
 from __future__ import annotations
 
@@ -74,7 +83,8 @@ class BudgetController:
     have been measured (a light model's rungs save less than their multiply-adds: a call's fixed cost stays)."""
 
     HOLD_S = 0.5
-    UP_HEADROOM = 0.8  # a rung is gone back up to only while the arrivals need at most this share of its speed
+    OVERLOADED = 1.0  # arrivals needing more than a rung's speed: a cheaper rung, with headroom
+    UP_HEADROOM = 0.8  # the share of a rung's speed the arrivals may need for it to be chosen (or gone back up to)
     RATE_HALF_LIFE_S = 0.25
 
     def __init__(self, costs: list[float], queue_batches: float):
@@ -120,16 +130,22 @@ class BudgetController:
         seconds = self.image_seconds(full_image_s)
         if seconds[FULL] <= 0:
             return self.rung
+        cheapest = len(seconds) - 1
+        use = [self.arrival_rate * s / runners for s in seconds]  # the share of each rung's speed the arrivals need
+        by_rate = FULL
+        if FULL in self._image_s and use[self.rung] > self.OVERLOADED:  # past what the rung serves: headroom
+            by_rate = next((i for i, u in enumerate(use) if u <= self.UP_HEADROOM), cheapest)
         waiting = max(0, queued - batch_images)  # behind this batch
         allowed_s = self.queue_batches * batch_images * seconds[FULL]  # that many full batches' wall time
-        needed = next((i for i, s in enumerate(seconds) if waiting * s / runners <= allowed_s), len(seconds) - 1)
-        for i, s in enumerate(seconds):
-            if self.arrival_rate * s / runners > self.UP_HEADROOM:
+        by_queue = next((i for i, s in enumerate(seconds) if waiting * s / runners <= allowed_s), cheapest)
+        for i, u in enumerate(use):
+            if u > self.UP_HEADROOM:
                 self._fits_since[i] = None
             elif self._fits_since[i] is None:
                 self._fits_since[i] = sampled_since  # the rate that fits was measured since then
+        needed = max(by_rate, by_queue)
         if needed >= self.rung:
-            self.rung = needed  # down (or stay) at once: the queue cannot wait
+            self.rung = needed  # down (or stay) at once
         else:
             held = [i for i in range(needed, self.rung)
                     if (since := self._fits_since[i]) is not None and now - since >= self.HOLD_S]

@@ -65,11 +65,11 @@ def loaded(controller: BudgetController, seconds: list[float]) -> BudgetControll
     return controller
 
 
-def test_at_or_below_saturation_the_controller_never_degrades():
+def test_below_saturation_the_controller_never_degrades():
     controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4])
-    for step in range(100):  # a batch taken, and a full batch waiting behind it, each time; the arrivals its speed
+    for step in range(100):  # a batch taken, and a full batch waiting behind it, each time; 95% of its speed arriving
         controller._arrived += BATCH
-        assert controller.choose(step * BATCH * IMAGE_S, 2 * BATCH, IMAGE_S, BATCH, runners=1) == 0
+        assert controller.choose(step * BATCH * IMAGE_S / 0.95, 2 * BATCH, IMAGE_S, BATCH, runners=1) == 0
 
 
 def test_a_backlog_takes_the_most_accurate_rung_that_runs_it_within_the_queue_allowed():
@@ -261,3 +261,20 @@ def test_an_engine_process_runs_the_budget_asked_and_its_frontends_say_it(tiny_o
                                                                                   (16, None)]
     assert [len(a["rollout"]["values"]) for a in answers] == [2, 3, 4]
     assert never["budget"]["tokens"] == 16
+
+
+def test_arrivals_past_the_full_budgets_speed_take_the_rung_with_headroom_and_below_it_none():
+    speeds = [IMAGE_S, IMAGE_S / 2, IMAGE_S / 4]  # 100, 200 and 400 images a second
+
+    def settled(per_s: float) -> int:
+        controller = loaded(BudgetController([1.0, 0.5, 0.25], queue_batches=2), speeds)
+        now, rung = 0.0, 0
+        while now < 3.0:  # an open loop at per_s, a batch taken every 50 ms with nothing waiting behind it
+            now += 0.05
+            controller._arrived += round(per_s * 0.05)
+            rung = controller.choose(now, 1, IMAGE_S, BATCH, 1)
+        return rung
+
+    assert settled(80) == 0  # 0.8x the full budget's speed: never degraded
+    assert settled(160) == 1  # 1.6x: half the work, 80% of its speed
+    assert settled(220) == 2  # 2.2x: past rung 1's speed; a quarter's has headroom
