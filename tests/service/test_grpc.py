@@ -716,3 +716,19 @@ def test_serve_refuses_grpc_on_the_http_port_and_half_a_tls_pair(tiny_onnx, tmp_
     assert main(["serve", "--model", str(tiny_onnx), "--ssl-certfile", str(tmp_path / "missing.pem"),
                  "--ssl-keyfile", str(cert), "--grpc-port", "0"]) == 2
     assert "ssl_certfile" in capsys.readouterr().err
+
+
+def test_the_token_budget_is_asked_and_said_in_parameters(client):
+    """docs/token-budgets.md: request parameters max_tokens and degrade; response parameters budget_*. This server
+    serves the tiny file's full budget only (its cheaper ones have no measured accuracy)."""
+    result = client.infer(MODEL, [pixel_input(pixels(1, TRAINED))], parameters={"max_tokens": 16, "degrade": "never"})
+    said = result.get_response().parameters
+    assert (said["budget_tokens"].int64_param, said["budget_full_tokens"].int64_param,
+            said["budget_grid"].string_param) == (16, 16, "32x32")
+    assert "budget_reason" not in said  # the full budget
+    error = refused(client.infer, MODEL, [pixel_input(pixels(1, TRAINED))], parameters={"max_tokens": 9})
+    assert error.status() == "StatusCode.INVALID_ARGUMENT" and "cheapest budget this model serves (16 tokens" in \
+        error.message()
+    error = refused(client.infer, MODEL, [pixel_input(pixels(1, TRAINED))], parameters={"degrade": "sometimes"})
+    assert error.status() == "StatusCode.INVALID_ARGUMENT" and "parameters.degrade must be one of load, never" in \
+        error.message()

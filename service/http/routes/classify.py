@@ -29,7 +29,19 @@ IMAGE_BODY = image_body(several=False)
 BATCH_BODY = image_body(several=True, raw=False)
 
 
-class ClassifyQuery(BaseModel):
+class BudgetQuery(BaseModel):
+    """The token budget a /v1 inference request asks for (docs/token-budgets.md): /v1/classify's, /v1/classify/batch's
+    and /v1/embed's query parameters."""
+
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
+        "the token budget: answer at the most accurate input grid of at most this many tokens the model serves "
+        "(default: the full budget; below its cheapest: 422); the answer's `budget` says what was used"))
+    degrade: Literal["load", "never"] = Field("load", description=(
+        "load: under load the server may answer at a cheaper budget; never: refuse (429) rather than answer "
+        "cheaper than asked"))
+
+
+class ClassifyQuery(BudgetQuery):
     """The query parameters of /v1/classify and /v1/classify/batch, validated by `query_parameters` and documented
     by the route table."""
 
@@ -47,12 +59,6 @@ class ClassifyQuery(BaseModel):
         "the older spelling: rollout=F is map=rollout&map_format=F, rollout=none is map=none"))
     resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
                                                     "aspect, snap to patches")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
-        "the token budget: answer at the most accurate input grid of at most this many tokens the model serves "
-        "(default: the full budget; below its cheapest: 400); the answer's `budget` says what was used"))
-    degrade: Literal["load", "never"] = Field("load", description=(
-        "load: under load the server may answer at a cheaper budget; never: refuse (429) rather than answer "
-        "cheaper than asked"))
     model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the model to run (GET /v1/models lists "
                                                                            "them); default: the only model")
     version: str | None = Field(None, max_length=MAX_VERSION_CHARS, description="the model's version; default: its "

@@ -10,17 +10,15 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
 
 from fastapi import Request, Response
-from pydantic import BaseModel, Field
+from pydantic import Field
 
 from vitserve.service.ground.model_names import MAX_NAME_CHARS, MAX_VERSION_CHARS
 from vitserve.service.http.access import require_api_key
 from vitserve.service.http.dependencies import admitted_call, json_answer, query_parameters
-from vitserve.service.http.routes.classify import upload
+from vitserve.service.http.routes.classify import BudgetQuery, upload
 from vitserve.service.http.routes.uploads import image_body, media_type
-from vitserve.service.schemas.inference_protocol import MAX_TOKENS
 from vitserve.service.schemas.v1 import EmbedResponse, ErrorResponse, ImageEmbedding, ResizePolicy
 from vitserve.service.usecases import inference
 from vitserve.service.usecases.inference import EmbedOptions
@@ -30,16 +28,10 @@ log = logging.getLogger("vitserve.embed")
 EMBED_BODY = image_body(several=True)
 
 
-class EmbedQuery(BaseModel):
+class EmbedQuery(BudgetQuery):
     normalize: bool = Field(False, description="L2-normalise each vector (cosine similarity becomes a dot product)")
     resize: ResizePolicy = Field("fit", description="fit: scale and centre-crop to the trained size; native: keep "
                                                     "aspect, snap to patches")
-    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS, description=(
-        "the token budget: answer at the most accurate input grid of at most this many tokens the model serves "
-        "(default: the full budget; below its cheapest: 400); the answer's `budget` says what was used"))
-    degrade: Literal["load", "never"] = Field("load", description=(
-        "load: under load the server may answer at a cheaper budget; never: refuse (429) rather than answer "
-        "cheaper than asked"))
     model: str | None = Field(None, max_length=MAX_NAME_CHARS, description="the model to run; default: the only "
                                                                            "model")
     version: str | None = Field(None, max_length=MAX_VERSION_CHARS, description="the model's version; default: its "
