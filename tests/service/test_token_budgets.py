@@ -278,3 +278,13 @@ def test_arrivals_past_the_full_budgets_speed_take_the_rung_with_headroom_and_be
     assert settled(80) == 0  # 0.8x the full budget's speed: never degraded
     assert settled(160) == 1  # 1.6x: half the work, 80% of its speed
     assert settled(220) == 2  # 2.2x: past rung 1's speed; a quarter's has headroom
+
+
+async def test_a_cheaper_answers_map_is_drawn_at_the_images_size_like_the_full_ones(settings, tiny_model):
+    async with serving(settings, tiny_model) as client:
+        maps = {(tokens, kind): (await classify(client, image_bytes("PNG", size=(48, 40)), max_tokens=tokens,
+                                                map_format=kind)).json()["rollout"]
+                for tokens in (16, 4) for kind in ("png", "overlay")}
+    for kind in ("png", "overlay"):
+        full, cheap = maps[16, kind], maps[4, kind]
+        assert (cheap["height"], cheap["width"]) == (full["height"], full["width"]), kind
