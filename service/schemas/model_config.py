@@ -51,7 +51,7 @@ def triton_config(info: ModelInfo, settings: Settings, provider: str, version_po
     its plan, service/engine/serving_plan.py) as string parameters, Triton's only kind; `model_filename`: the
     version's own file's name (default: the settings' model file's); `budgets`: the token budgets it serves, as
     `budget_tokens`, `budget_grids` and `budget_accuracy` (comma-separated, the full budget first; an accuracy not
-    measured is empty) and `degrade_under_load`."""
+    measured is null) and `degrade_under_load`."""
     on_gpu = provider in GPU_PROVIDERS
     count = settings.http_workers if settings.engine == "inline" else 1
     instance = {"name": f"{info.name}_0", "kind": "KIND_GPU" if on_gpu else "KIND_CPU", "count": count,
@@ -87,7 +87,7 @@ def budget_parameters(budgets: tuple, settings: Settings) -> dict:
         return {}
     rows = {"budget_tokens": [str(r.tokens) for r in budgets],
             "budget_grids": ["x".join(map(str, r.grid)) for r in budgets],
-            "budget_accuracy": ["" if r.accuracy is None else f"{r.accuracy:.4f}" for r in budgets]}
+            "budget_accuracy": ["null" if r.accuracy is None else f"{r.accuracy:.4f}" for r in budgets]}
     degrading = settings.degrade_under_load and len(budgets) > 1
     return {**{key: {"string_value": ",".join(values)} for key, values in rows.items()},
             "degrade_under_load": {"string_value": str(degrading).lower()}}

@@ -58,6 +58,7 @@ def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
     """The one round trip of the contract: export writes ModelInfo, the service's reader gets it back."""
     from vitserve.model.checkpoint import weights_sha256
     from vitserve.artifact import ModelInfo
+    from vitserve.budgets import derived_ladder
     from vitserve.onnx_header import read_model_info
 
     props = cpu_session(str(tiny_export.path)).get_modelmeta().custom_metadata_map
@@ -69,7 +70,7 @@ def test_the_file_says_what_the_service_reads(tiny_export, tiny_model):
         exporter=f"vitserve 0.1.0, torch {torch.__version__}, onnx {onnx.__version__}",
         weights_sha256=weights_sha256(tiny_model.state_dict()), test_accuracy=0.5,
         architecture=tiny_model.cfg.to_dict(), opset=tiny_export.opset, maps=("rollout", "relevance"),
-        embedding_size=32)
+        embedding_size=32, budgets=derived_ladder((32, 32), 8, tiny_model.cfg.to_dict()))
     assert ModelInfo.from_metadata(props, tiny_export.opset) == info
 
 

@@ -48,6 +48,7 @@ PER_MODEL_ALERTS = ("VitserveLatencyObjectiveBreached", "VitserveHighErrorRatio"
 MODEL_VERSION_ALERT = "VitserveModelVersionNotReady"
 LOAD_FAILED_ALERT = "VitserveModelLoadFailed"
 DRIFT_ALERT = "VitserveInputDrift"  # per model, over the OOD score's histogram (docker/prometheus/tests/drift.test.yml)
+DEGRADED_ALERT = "VitserveDegradedUnderLoad"  # per model, answers load made cheaper (docker/prometheus/tests/budgets.test.yml)
 
 
 def documented_metrics() -> set[str]:
@@ -198,7 +199,7 @@ def test_rule_unit_tests_cover_every_alert(loaded_rules):
     """Each alert has a case where it fires (exp_alerts with labels) in the rule unit tests."""
     alerts = {r["name"] for r in loaded_rules if r["type"] == "alerting"}
     assert alerts == {*PER_MODEL_ALERTS, "VitserveTargetDown", "VitserveNotReady", MODEL_VERSION_ALERT,
-                      LOAD_FAILED_ALERT, DRIFT_ALERT}
+                      LOAD_FAILED_ALERT, DRIFT_ALERT, DEGRADED_ALERT}
     tests_text = "\n".join(p.read_text() for p in RULE_TESTS)
     for alert in alerts:
         fired = re.search(rf"alertname: {alert}\n\s+exp_alerts:\n\s+- exp_labels:", tests_text)
