@@ -134,7 +134,7 @@ class ServerUnderTest:
     def describe(self, overrides: dict[str, str], server_args: list[str]) -> dict:
         """What ran: the code's commit (and uncommitted changes), the interpreter, the server's settings."""
         where = self.checkout or Path.cwd()
-        return {"label": self.label, "path": str(where.resolve()), "python": self.python,
+        return {"label": self.label, "path": shown_path(where), "python": shown_path(Path(self.python)),
                 "commit": _git(where, "rev-parse", "HEAD"),
                 "uncommitted_files": len((_git(where, "status", "--porcelain") or "").splitlines()),
                 "arm_settings": self.arm_settings, "settings": self.settings(overrides, server_args)}
@@ -157,6 +157,14 @@ class ServerUnderTest:
         if cpus:  # taskset execs the server: the pid stays the server's, and it sizes itself to these
             argv = ["taskset", "--cpu-list", cpu_list(cpus), *argv]
         return ServerProcess(argv, port, env=self.env(overrides), log_path=cfg.log_dir / f"{log_name}.log")
+
+
+def shown_path(path: Path) -> str:
+    """A path as a report shows it: from the working directory (the checkout) when it is inside it, so a page names
+    no machine's folders; as given otherwise (a checkout the command named)."""
+    if path.is_absolute() and path.is_relative_to(Path.cwd()):
+        return str(path.relative_to(Path.cwd())) or "."
+    return str(path)
 
 
 def parse_cpu_list(text: str) -> tuple[int, ...]:
