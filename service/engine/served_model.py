@@ -112,7 +112,10 @@ class ServedModel:
         s = self.settings
         trained_cost = info.channels * info.image_size[0] * info.image_size[1]  # input values of one image
         self.ladder = served_ladder(self._info, s)
-        under_load = s.degrade_under_load and len(self.ladder) > 1
+        # A light model's server is bound by its HTTP path, not by the model (docs/token-budgets.md: the default
+        # model degrading at 2x answered 1.02x the refusing server's 200s): it refuses rather than answer cheaper.
+        light = self.capabilities.plan is not None and self.capabilities.plan.light
+        under_load = s.degrade_under_load and len(self.ladder) > 1 and not light
         budgets = BudgetController([r.cost for r in self.ladder], s.budget_queue_batches) if under_load else None
         self.batcher = DynamicBatcher(self.run_batch, max_batch_size=s.max_batch_size,
                                       max_queue_delay_s=s.max_queue_delay_s, max_queue_size=s.max_queue_size,

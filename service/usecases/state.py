@@ -106,13 +106,16 @@ class ServiceState:
 def shedding_floor(s: Settings) -> int:
     """Requests a shedding process still admits: its share of the engine's batches (the batches it keeps assembled
     or running, of max_batch_size, among the HTTP workers; all of them for its own engine, inline), since fewer
-    leave the engine small batches that cost more per image (docs/reliability.md), and with degrade_under_load the
-    budget_queue_batches more past which the engine answers cheaper; 0 with overload_keeps_batches off."""
+    leave the engine small batches that cost more per image (docs/reliability.md), and with degrade_under_load and
+    an engine process the budget_queue_batches more past which the engine answers cheaper; 0 with
+    overload_keeps_batches off."""
     if not s.overload_keeps_batches:
         return 0
     sharing = 1 if s.engine == "inline" else max(1, s.http_workers)
-    # degrading under load, it lets the engine see the backlog that makes it answer cheaper (service/engine/budgets.py)
-    batches = s.batches_in_flight + (s.budget_queue_batches if s.degrade_under_load else 0)
+    # degrading under load, it lets the engine process see the backlog that makes it answer cheaper
+    # (service/engine/budgets.py); a light model inline does not degrade, and a longer queue would slow its refusals
+    degrades = s.degrade_under_load and s.engine != "inline"
+    batches = s.batches_in_flight + (s.budget_queue_batches if degrades else 0)
     return math.ceil(s.max_batch_size * batches / sharing)
 
 

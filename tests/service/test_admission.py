@@ -369,6 +369,9 @@ def test_a_server_s_batch_share_is_its_engine_s_batches_over_its_workers(tiny_on
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, degrade_under_load=True) == 32
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, degrade_under_load=True,
                  budget_queue_batches=1) == 24
+    # a light model inline does not degrade: its refusals keep the short queue
+    assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, degrade_under_load=True,
+                 engine="inline") == 32
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=3) == 11
     assert limit(max_batch_size=16, max_batches_in_flight=2, workers=2, overload_keeps_batches=False) == 0
     # a session in each worker: its batches are all its own

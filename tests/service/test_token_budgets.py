@@ -288,3 +288,26 @@ async def test_a_cheaper_answers_map_is_drawn_at_the_images_size_like_the_full_o
     for kind in ("png", "overlay"):
         full, cheap = maps[16, kind], maps[4, kind]
         assert (cheap["height"], cheap["width"]) == (full["height"], full["width"]), kind
+
+
+async def test_a_light_model_refuses_under_load_rather_than_answer_cheaper(settings, tiny_model):
+    """Its server is bound by the HTTP path (docs/token-budgets.md): no controller; a client's max_tokens still."""
+    from vitserve.service.engine.inference_model import Capabilities
+    from vitserve.service.engine.served_model import ServedModel
+    from vitserve.service.engine.serving_plan import ServingPlan
+    from vitserve.service.ground.metrics import ServiceMetrics
+
+    def plan(light: bool) -> ServingPlan:
+        return ServingPlan("onnxruntime", "auto", False, light, "declared", "a test's")
+
+    class Planned:
+        def __init__(self, light: bool):
+            self.info, self.provider = tiny_model.info, tiny_model.provider
+            self.run, self.explain = tiny_model.run, tiny_model.explain
+            self.capabilities = Capabilities(plan=plan(light))
+
+    for light, controlled in ((True, False), (False, True)):
+        served = ServedModel("tiny-vit", "7", settings, ServiceMetrics().for_model("tiny-vit", "7"), Planned(light))
+        await served.load()
+        assert (served.batcher.budgets is not None) is controlled and len(served.ladder) == 3
+        await served.close(1.0)
