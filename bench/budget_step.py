@@ -22,12 +22,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.load import closed_loop, encode_request, make_images
 from vitserve.bench.overload import OpenLoop, Request
-from vitserve.bench.servers import free_port
+from vitserve.bench.servers import free_port, metric_samples
 from vitserve.onnx_header import read_model_info
 
 PHASES = ((0.5, 6.0), (2.0, 10.0), (0.5, 6.0))  # (x saturation, seconds)
@@ -35,15 +33,12 @@ PHASES = ((0.5, 6.0), (2.0, 10.0), (0.5, 6.0))  # (x saturation, seconds)
 
 def budget_counts(port: int) -> dict[str, dict[str, float]]:
     """vitserve_budget_answers_total now, by tokens and by reason (summed over versions)."""
-    with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as response:
-        text = response.read().decode()
     counts: dict[str, dict[str, float]] = {"tokens": {}, "reason": {}}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == "vitserve_budget_answers_total":
-                for key in ("tokens", "reason"):
-                    label = sample.labels[key] or "full"
-                    counts[key][label] = counts[key].get(label, 0.0) + sample.value
+    for sample in metric_samples(port):
+        if sample.name == "vitserve_budget_answers_total":
+            for key in ("tokens", "reason"):
+                label = sample.labels[key] or "full"
+                counts[key][label] = counts[key].get(label, 0.0) + sample.value
     return counts
 
 

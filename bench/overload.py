@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-import urllib.request
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from vitserve.bench.reliability import (
     table,
     verdict,
 )
-from vitserve.bench.servers import STAGE_METRICS, free_port, scrape_metrics, server_stages
+from vitserve.bench.servers import STAGE_METRICS, free_port, metric_samples, scrape_metrics, server_stages
 
 TIMEOUT = "timeout"
 CONNECTION_ERROR = "connection error"
@@ -281,22 +280,15 @@ def edge_counters(port: int) -> tuple[dict[str, float], dict[str, float]]:
 def scrape_budgets(port: int) -> dict[str, float]:
     """The token-budget counters summed over model versions: answers keyed "TOKENS/REASON", then the accuracy sum
     and the answers it covers; empty for a server that has none (or did not answer)."""
-    from prometheus_client.parser import text_string_to_metric_families
-    try:
-        with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
-        return {}
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == BUDGET_ANSWERS:
-                key = f"{sample.labels['tokens']}/{sample.labels['reason']}"
-            elif sample.name in (ACCURACY_SUM, MEASURED_ANSWERS):
-                key = sample.name
-            else:
-                continue
-            values[key] = values.get(key, 0.0) + sample.value
+    for sample in metric_samples(port):
+        if sample.name == BUDGET_ANSWERS:
+            key = f"{sample.labels['tokens']}/{sample.labels['reason']}"
+        elif sample.name in (ACCURACY_SUM, MEASURED_ANSWERS):
+            key = sample.name
+        else:
+            continue
+        values[key] = values.get(key, 0.0) + sample.value
     return values
 
 

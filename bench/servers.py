@@ -144,20 +144,25 @@ class ServerProcess:
 WORKER_METRICS = ("vitserve_http_workers_ready", "vitserve_http_workers")
 
 
-def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
-    """Current values of Prometheus samples (e.g. `vitserve_batch_size_sum`), summed over their labels (every
-    model version's); absent ones are left out."""
+def metric_samples(port: int) -> list:
+    """Every sample of the server's /metrics now (prometheus_client's Sample: name, labels, value); none when it
+    does not answer."""
     from prometheus_client.parser import text_string_to_metric_families
     try:
         with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
-        return {}
+        return []
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
+def scrape_metrics(port: int, names: tuple[str, ...]) -> dict[str, float]:
+    """Current values of Prometheus samples (e.g. `vitserve_batch_size_sum`), summed over their labels (every
+    model version's); absent ones are left out."""
     values: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in names:
-                values[sample.name] = values.get(sample.name, 0.0) + sample.value
+    for sample in metric_samples(port):
+        if sample.name in names:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
