@@ -14,10 +14,8 @@ import asyncio
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,7 +23,7 @@ from pathlib import Path
 from vitserve.bench.config import LOOPBACK
 from vitserve.bench.load import closed_loop, encode_request, make_images
 from vitserve.bench.overload import OpenLoop, Request
-from vitserve.bench.servers import free_port, metric_samples
+from vitserve.bench.servers import ServerProcess, free_port, metric_samples, serve_argv
 from vitserve.onnx_header import read_model_info
 
 PHASES = ((0.5, 6.0), (2.0, 10.0), (0.5, 6.0))  # (x saturation, seconds)
@@ -152,29 +150,10 @@ def main(argv: list[str] | None = None) -> int:
 def served(model: Path, settings: dict[str, str]) -> Iterator[int]:
     """`vitserve serve` with these settings on a free port, ready; its port."""
     port = free_port()
-    env = {**os.environ, "VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0",
+    env = {"VITSERVE_LOG_LEVEL": "warning", "VITSERVE_GRPC_PORT": "0",
            **{f"VITSERVE_{k.upper()}": v for k, v in settings.items()}}
-    server = subprocess.Popen([sys.executable, "-m", "vitserve.cli", "serve", "--model", str(model), "--host",
-                               LOOPBACK, "--port", str(port)], env=env)
-    try:
-        _wait_ready(port)
+    with ServerProcess(serve_argv(model, port), port, env=env):
         yield port
-    finally:
-        server.terminate()
-        server.wait(30)
-
-
-def _wait_ready(port: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{LOOPBACK}:{port}/v2/health/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"the server on port {port} was not ready after {timeout_s:.0f} s")
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ from vitserve.service.ground.errors import InvalidParameter
 from vitserve.service.ground.settings import Settings
 
 FULL = 0  # the index of the full budget in a ladder
-REASONS = ("asked", "load")  # why an answer used less than the full budget
 
 
 def served_ladder(info: ModelInfo, settings: Settings) -> tuple[Rung, ...]:
@@ -96,10 +95,6 @@ class BudgetController:
         self._rate_since: float | None = None
         self._fits_since: list[float | None] = [None] * len(costs)  # since when each rung had headroom
         self._image_s: dict[int, float] = {}  # rung -> seconds an image in a loaded batch, a moving average
-
-    @property
-    def degrading(self) -> bool:
-        return self.rung != FULL
 
     def arrived(self) -> None:
         self._arrived += 1
