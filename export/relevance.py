@@ -1,19 +1,34 @@
-"""Class-specific relevance: gradient-weighted attention rollout (Chefer, Gur, Wolf, ICCV 2021, "Generic
-Attention-model Explainability for Interpreting Bi-Modal and Encoder-Decoder Transformers", eq. 5-6).
+"""Class-specific relevance by conservative propagation: what each patch added to the explained class's logit.
 
-Attention rollout (export/rollout.py) never looks at the classifier head: it is one map for every class, and it
-survives randomising the head and the top blocks (docs/explanations.md). This rule weights each layer's
-attention by the gradient of the explained class's logit before propagating it:
+The rule (Ali et al., ICML 2022, "XAI for Transformers: Better Explanations through Conservative Propagation",
+with AttnLRP's identity rule for the GELU, Achtibat et al., ICML 2024) holds three things constant at their values on
+the image and takes gradient x input through what remains:
 
-    Ā_l = E_heads[(∇A_l ⊙ A_l)⁺]        R = (I + Ā_L) ... (I + Ā_1)        relevance = R[class token, patches]
+- the attention weights (softmax(QK^T)): relevance reaches a token through its value vector, never through the
+  weights that chose it;
+- each LayerNorm's standard deviation: the normalisation becomes an affine map;
+- each GELU's gate Phi(z) in GELU(z) = z Phi(z): the MLP becomes linear in its input.
 
-(R starts as I and accumulates R ← R + Ā_l R from the first layer to the last.) As for rollout, only the class
-token's row is served, so it is carried as a row vector: O(layers x tokens²).
+With those frozen, the network from the embedded tokens to the logit is affine, y = J x + c, and
 
-`explain` runs the model forward and backward in eager PyTorch; export traces it (forward and backward) into
-plain operations (`torch.fx.experimental.proxy_tensor.make_fx`) so the ONNX graph needs no autograd.
+    relevance[patch j] = sum_d (x_j - x0_j)_d J_(j, d)
+
+where x0 are the tokens of the reference image (every normalised pixel 0: the dataset mean, the image deletion
+tests start from) under the same frozen gates. The class token's share is 0 (its token is the same in both), so
+the patches' relevance sums to y(x) - (J x0 + c): what the image's content, against the mean image, added to the
+logit. It is signed: a negative patch lowered the class's score.
+
+Measured (docs/explanations.md) it is far more faithful than gradient-weighted attention rollout (Chefer et al. 2021,
+which this module computed before; the evaluation keeps it as a candidate) and needs less: one backward pass that
+never enters the softmax, against a backward pass into every attention matrix and a rollout of them.
+
+`explain` runs it in eager PyTorch; export traces the forward and backward (`make_fx`) into plain operations, so
+the ONNX graph needs no autograd (export/relevance_graph.py).
 """
 from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,57 +37,96 @@ from vitserve.export.rollout import attention_rollout
 TOP1 = -1  # the target class that means "whatever the model predicts" (the graph computes the arg max)
 
 
-def gradient_weighted_attention(attn: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
-    """(B, heads, N, N) attention probabilities and the gradient of the target logit w.r.t. them -> (B, N, N)."""
-    return (grad * attn).clamp(min=0).mean(dim=1)
+@dataclass
+class FrozenGates:
+    """The values the rule holds constant, per block: attention weights (B, heads, N, N), the two LayerNorms'
+    standard deviations (B, N, 1) and the GELU's gate (B, N, mlp); and the final LayerNorm's deviation."""
+
+    attention: list[torch.Tensor] = field(default_factory=list)
+    norm1: list[torch.Tensor] = field(default_factory=list)
+    norm2: list[torch.Tensor] = field(default_factory=list)
+    gelu: list[torch.Tensor] = field(default_factory=list)
+    final_norm: torch.Tensor | None = None
 
 
-def relevance_rollout(attentions: list[torch.Tensor], gradients: list[torch.Tensor]) -> torch.Tensor:
-    """The class token's relevance over every token but itself: (B, N - 1).
+def _layer_norm(x: torch.Tensor, norm, held: torch.Tensor | None, store: list | None) -> torch.Tensor:
+    """LayerNorm with its standard deviation held: computed and detached (stored) or given (`held`)."""
+    centred = x - x.mean(-1, keepdim=True)
+    std = held if held is not None else (centred.pow(2).mean(-1, keepdim=True) + norm.eps).sqrt().detach()
+    if store is not None:
+        store.append(std)
+    return centred / std * norm.weight + norm.bias
 
-    Args:
-        attentions: per layer, first to last, (B, heads, N, N) softmax attention, token 0 the class token.
-        gradients: the target logit's gradient w.r.t. each of `attentions`, same shapes.
+
+def _gelu_gate(z: torch.Tensor) -> torch.Tensor:
+    """Phi(z) of the exact GELU, z Phi(z) (nn.GELU's default): the gate the rule holds."""
+    return 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+
+
+def conservative_forward(vit, tokens: torch.Tensor, held: FrozenGates | None = None):
+    """The model from embedded tokens (B, N, D) to logits, with the rule's gates detached (or, `held`, given).
+
+    Returns logits (B, K), the class token after the final LayerNorm (B, D), and the gates it used. The values
+    equal the model's own forward (within float rounding); only the gradients differ.
     """
-    cams = [gradient_weighted_attention(a, g) for a, g in zip(attentions, gradients)]
-    # e0ᵀ R = e0ᵀ (I + Ā_L) ... (I + Ā_1). Carried without the e0 part (`row` = that product minus e0ᵀ):
-    # each step adds Ā_l's class row (e0ᵀ Ā_l) and row Ā_l. e0 is zero on the patches, so the result is the same,
-    # and no one-hot of the symbolic token count is built (its size would be frozen by tracing).
-    row = cams[-1][:, :1]  # (B, 1, N)
-    for cam in reversed(cams[:-1]):
-        row = row + cam[:, :1] + row @ cam  # (B, 1, N)
-    return row[:, 0, 1:]  # (B, N - 1)
+    gates, x = FrozenGates(), tokens
+
+    def take(name: str, index: int) -> torch.Tensor | None:
+        return getattr(held, name)[index] if held else None
+
+    for index, block in enumerate(vit.blocks):
+        attn = block.attn
+        h = _layer_norm(x, block.norm1, take("norm1", index), gates.norm1)
+        batch, count, dim = h.shape
+        qkv = attn.qkv(h).reshape(batch, count, 3, attn.num_heads, attn.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)  # each (B, heads, N, d)
+        weights = take("attention", index)
+        if weights is None:
+            weights = ((q * attn.scale) @ k.transpose(-2, -1)).softmax(dim=-1).detach()  # (B, heads, N, N)
+        gates.attention.append(weights)
+        x = x + attn.proj((weights @ v).transpose(1, 2).reshape(batch, count, dim))
+        z = block.mlp.fc1(_layer_norm(x, block.norm2, take("norm2", index), gates.norm2))  # (B, N, mlp)
+        gate = take("gelu", index)
+        if gate is None:
+            gate = _gelu_gate(z).detach()
+        gates.gelu.append(gate)
+        x = x + block.mlp.fc2(z * gate)
+    final: list[torch.Tensor] = []
+    normed = _layer_norm(x, vit.norm, held.final_norm if held else None, final)
+    gates.final_norm = final[0]
+    return vit.forward_head(normed), normed[:, 0], gates
 
 
-def class_token_maps(vit, tokens: torch.Tensor, target: torch.Tensor):
+def class_token_maps(vit, tokens: torch.Tensor, reference: torch.Tensor, target: torch.Tensor):
     """From embedded tokens: logits, the class token's rollout and relevance over the patches (flat), and its
     embedding.
 
     Args:
         vit: a model.vit.VisionTransformer.
-        tokens: (B, N, D) embedded tokens (`vit.embed`); gradients stop here, attention is all they reach.
+        tokens: (B, N, D) embedded tokens (`vit.embed`); gradients stop here.
+        reference: (1, N, D) the reference image's tokens (`vit.embed` of zeros), what relevance is measured against.
         target: (B,) int64 class per image; `TOP1` (-1) explains the predicted class.
     Returns:
         logits (B, K), rollout (B, N - 1), relevance (B, N - 1) and the embedding (B, D) (the class token after the
         final LayerNorm, what the head reads), all detached.
     """
     with torch.enable_grad():
-        # Gradients are taken w.r.t. the attention, whatever the parameters' requires_grad (a frozen model too).
-        x, attentions = tokens.detach().requires_grad_(True), []
-        for block in vit.blocks:
-            x, attn = block(x, return_attention=True)
-            attentions.append(attn)
-        normed = vit.norm(x)  # (B, N, D)
-        logits = vit.forward_head(normed)
+        # Gradients are taken w.r.t. the tokens, whatever the parameters' requires_grad (a frozen model too).
+        x = tokens.detach().requires_grad_(True)
+        logits, embedding, gates = conservative_forward(vit, x)
         chosen = torch.where(target < 0, logits.argmax(dim=-1), target)  # (B,)
         # Images are independent, so the gradient of the sum is each image's own gradient.
         score = logits.gather(1, chosen[:, None]).sum()
-        gradients = torch.autograd.grad(score, attentions)
-    attentions = [a.detach() for a in attentions]
-    flat_grid = (1, attentions[0].shape[-1] - 1)
-    rollout = attention_rollout(attentions, flat_grid)[:, 0]  # (B, N - 1)
-    relevance = relevance_rollout(attentions, [g.detach() for g in gradients])
-    return logits.detach(), rollout, relevance, normed[:, 0].detach()
+        (gradient,) = torch.autograd.grad(score, [x])
+    relevance = ((x.detach() - reference.detach()) * gradient).sum(-1)[:, 1:]  # (B, N - 1)
+    flat_grid = (1, tokens.shape[1] - 1)
+    rollout = attention_rollout(gates.attention, flat_grid)[:, 0]  # (B, N - 1)
+    return logits.detach(), rollout, relevance, embedding.detach()
+
+
+def reference_tokens(vit, pixels: torch.Tensor) -> torch.Tensor:
+    """(1, N, D): the tokens of the reference image (every normalised pixel 0) at `pixels`' size."""
+    return vit.embed(torch.zeros_like(pixels[:1])).detach()
 
 
 def explain(vit, pixels: torch.Tensor, target: torch.Tensor | None = None):
@@ -84,5 +138,34 @@ def explain(vit, pixels: torch.Tensor, target: torch.Tensor | None = None):
         target = torch.full((pixels.shape[0],), TOP1, dtype=torch.long)
     patch = vit.cfg.patch_size
     grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
-    logits, rollout, relevance, _ = class_token_maps(vit, vit.embed(pixels).detach(), target)
+    with torch.no_grad():
+        tokens, reference = vit.embed(pixels), reference_tokens(vit, pixels)
+    logits, rollout, relevance, _ = class_token_maps(vit, tokens, reference, target)
     return logits, rollout.reshape(-1, *grid), relevance.reshape(-1, *grid)
+
+
+def replacement_relevance(vit, pixels: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The same relevance without autograd, for checking: the frozen network is affine, so patch j's relevance is
+    the logit minus the logit with token j replaced by the reference's (gates held at the image's values).
+
+    (B, C, H, W) pixels -> (B, H/P, W/P); one forward pass per token and image, so for small inputs only.
+    """
+    patch = vit.cfg.patch_size
+    grid = (pixels.shape[-2] // patch, pixels.shape[-1] // patch)
+    with torch.no_grad():
+        tokens, reference = vit.embed(pixels), reference_tokens(vit, pixels)
+        rows = []
+        for image in range(len(pixels)):
+            x = tokens[image:image + 1]
+            logits, _, gates = conservative_forward(vit, x)
+            chosen = int(logits.argmax()) if int(target[image]) < 0 else int(target[image])
+            count = x.shape[1] - 1
+            replaced = x.repeat(count, 1, 1)  # (N - 1, N, D): row j has patch j swapped for the reference's
+            index = torch.arange(count)
+            replaced[index, index + 1] = reference[0, 1:]
+            held = FrozenGates(*[[g.expand(count, *g.shape[1:]) for g in getattr(gates, name)]
+                                 for name in ("attention", "norm1", "norm2", "gelu")],
+                               final_norm=gates.final_norm.expand(count, *gates.final_norm.shape[1:]))
+            without, _, _ = conservative_forward(vit, replaced, held)
+            rows.append(logits[0, chosen] - without[:, chosen])
+    return torch.stack(rows).reshape(-1, *grid)

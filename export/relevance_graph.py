@@ -1,10 +1,10 @@
 """The relevance path of the artifact: traced to plain operations, then joined to the fast graph by one `If`.
 
 Tracing: `torch.export` cannot export a forward that calls `autograd.grad`, so the forward and backward passes
-from embedded tokens to the maps are first traced into plain aten operations (`make_fx`, symbolic shapes so
-batch and token count stay dynamic). The patch embedding and position-embedding resampling stay outside the
-trace: gradients never reach them, and traced they would decompose the bicubic Resize into a hundred index
-operations. The traced module is then exported like the fast model.
+from embedded tokens (and the reference image's tokens, export/relevance.py) to the maps are first traced into
+plain aten operations (`make_fx`, symbolic shapes so batch and token count stay dynamic). The patch embedding and
+position-embedding resampling stay outside the trace: gradients never reach them, and traced they would decompose
+the bicubic Resize into a hundred index operations. The traced module is then exported like the fast model.
 
 Joining: ONNX Runtime runs every node of a graph whatever outputs are asked for (measured: a graph with two
 independent chains costs the same for one output as for both), so the two paths cannot simply share a graph. The
@@ -25,7 +25,7 @@ from onnx import TensorProto, helper, numpy_helper
 from torch import nn
 
 from vitserve.artifact import EMBEDDING_NAME, INPUT_NAME, OUTPUT_NAMES, RELEVANCE_NAME, TARGET_NAME
-from vitserve.export.relevance import class_token_maps
+from vitserve.export.relevance import class_token_maps, reference_tokens
 
 BRANCH_OUTPUTS = (*OUTPUT_NAMES, RELEVANCE_NAME, EMBEDDING_NAME)  # each branch's, and the `If`'s, in this order
 
@@ -40,7 +40,8 @@ class ViTWithRelevance(nn.Module):
 
     def forward(self, pixel_values: torch.Tensor, target_class: torch.Tensor):
         tokens = self.vit.embed(pixel_values)  # (B, N, D)
-        logits, rollout, relevance, embedding = self.traced_maps(tokens, target_class)  # maps (B, N - 1)
+        reference = reference_tokens(self.vit, pixel_values)  # (1, N, D): the mean image at this size
+        logits, rollout, relevance, embedding = self.traced_maps(tokens, reference, target_class)  # maps (B, N - 1)
         patch = self.vit.cfg.patch_size
         grid = (pixel_values.shape[-2] // patch, pixel_values.shape[-1] // patch)  # symbolic under export
         return logits, rollout.reshape(-1, grid[0], grid[1]), relevance.reshape(-1, grid[0], grid[1]), embedding
@@ -52,9 +53,10 @@ def trace_relevance(vit, example_pixels: torch.Tensor) -> ViTWithRelevance:
 
     vit = vit.eval()
     tokens = vit.embed(example_pixels).detach()
+    reference = reference_tokens(vit, example_pixels)
     target = torch.arange(example_pixels.shape[0], dtype=torch.long) % vit.cfg.num_classes - 1  # -1 and classes
-    traced = make_fx(lambda t, c: class_token_maps(vit, t, c), tracing_mode="symbolic",
-                     _allow_non_fake_inputs=True)(tokens, target)  # the parameters stay real tensors
+    traced = make_fx(lambda t, r, c: class_token_maps(vit, t, r, c), tracing_mode="symbolic",
+                     _allow_non_fake_inputs=True)(tokens, reference, target)  # the parameters stay real tensors
     return ViTWithRelevance(vit, traced)
 
 

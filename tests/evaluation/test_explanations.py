@@ -205,13 +205,25 @@ def test_trained_stage_explains_itself_exactly(tiny_model):
 # --- targets, report, command -------------------------------------------------------------------------------------
 
 
+def stage_means(*means, half_width=0.02):
+    return [{"relevance": {"mean": m, "low": m - half_width, "high": m + half_width}} for m in means]
+
+
 def test_randomisation_checks_on_known_means():
-    stages = [{"relevance": {"mean": m}} for m in (1.0, 0.45, 0.4, 0.35, 0.2)]  # depth 3: half random at stage 2
+    stages = stage_means(1.0, 0.45, 0.4, 0.35, 0.2)  # depth 3: half random at stage 2
     checks = ex.randomisation_checks(stages)
-    assert [c["passed"] for c in checks] == [True, True, False]
-    assert checks[2]["measured"] == "max 0.400"
+    assert [c["passed"] for c in checks] == [True, True, False]  # falls all the way without reaching chance
+    assert checks[1]["measured"] == "never at chance" and checks[2]["measured"] == "max 0.400"
     stages[3]["relevance"]["mean"] = 0.41
-    assert ex.randomisation_checks(stages)[1]["measured"] == "2 of 3 steps fall"
+    assert ex.randomisation_checks(stages)[0]["measured"].startswith("3 of 4 steps fall")
+
+
+def test_randomisation_second_reading_follows_the_size_down_to_chance():
+    upside_down = ex.randomisation_checks(stage_means(1.0, -0.3, -0.1, 0.01, -0.05))
+    assert [c["passed"] for c in upside_down] == [False, True, True]
+    assert upside_down[1]["measured"] == "at chance from stage 3"
+    assert not ex.randomisation_checks(stage_means(1.0, -0.1, -0.3, 0.01, -0.05))[1]["passed"]  # grew first
+    assert not ex.randomisation_checks(stage_means(1.0, -0.3, 0.0, 0.2, 0.0, half_width=0.3))[1]["passed"]
 
 
 def test_report_paths_put_figures_in_a_folder_named_after_the_report(tmp_path):
@@ -231,7 +243,7 @@ def test_command_defaults_never_write_into_docs():
     args = parse(["some/checkpoint"])
     assert args.out == "build/explanations/explanations.md"
     assert (args.checkpoint, args.limit, args.batch_size, args.seed, args.blur_sigma, args.threads) == (
-        "some/checkpoint", 1000, 64, 0, 3.0, 0)
+        "some/checkpoint", 500, 64, 0, 3.0, 0)
     assert args.data_dir == "/usr/share/datasets/fashion-mnist" and args.func is ex.run_explanations
 
 
@@ -248,7 +260,7 @@ def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsy
                   "--out", str(out), "--threads", "1"])
     assert ex.run_explanations(args, load_images=load_images) == 0
     assert calls == [("nowhere", 6)]
-    for name in ("curves", "randomisation", "overlays"):
+    for name in ("curves", "randomisation", "overlays", "budgets"):
         assert (tmp_path / "report" / "run" / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     results = json.loads((tmp_path / "report" / "run.json").read_text())
     assert results["images"] == 6 and results["grid"] == [4, 4] and results["resolution"]["size"] == [64, 64]
@@ -263,12 +275,16 @@ def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsy
     text = out.read_text()
     assert "| method | deletion AUC (lower better) | insertion AUC (higher better) |" in text
     assert text.count("| relevance - rollout | deletion |") == 2  # one per baseline
+    assert text.count("| occlusion - rollout | deletion |") == 2
     assert "| 3 | head + top 2 blocks |" in text and "## Resolution consistency" in text
     assert "![deletion and insertion curves](run/curves.png)" in text and "weights sha256" in text
     assert f"--limit 6 --batch-size 16 --seed 0 --blur-sigma 3.0 --threads 1 --out {out}" in text
-    assert len(results["targets"]) == 10 and "| target (mean baseline) |" in text
+    assert [(r["grid"], r["tokens"]) for r in results["budgets"]] == [([3, 3], 9), ([2, 2], 4)]
+    assert set(ex.MODEL_MAPS) <= set(results["budgets"][0]) and "## Every budget" in text
+    assert "| relevance (served) |" in text and "| occlusion |" in text  # every candidate's row
+    assert len(results["targets"]) == 11 and "| target (served relevance) |" in text
     printed = capsys.readouterr().out
-    assert str(out) in printed and printed.count("PASS") + printed.count("FAIL") == 10
+    assert str(out) in printed and printed.count("PASS") + printed.count("FAIL") == 11
 
 
 def test_the_json_is_strict_even_for_undefined_intervals():

@@ -1,4 +1,5 @@
-"""Class-specific relevance: the rule alone, eager PyTorch, and the artifact's relevance path against both."""
+"""Class-specific relevance (conservative propagation): the rule's identities, eager PyTorch, and the artifact's
+relevance path against both."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,32 +7,15 @@ import onnx
 import pytest
 import torch
 
-from vitserve.export.relevance import explain, relevance_rollout
-from vitserve.export.rollout_reference import numpy_relevance
-from vitserve.export.verify import (ExportVerificationError, autograd_relevance, cpu_session, verify_against_torch,
-                           verify_relevance)
+from vitserve.export.relevance import (FrozenGates, conservative_forward, explain, reference_tokens,
+                                       replacement_relevance)
+from vitserve.export.verify import ExportVerificationError, cpu_session, verify_against_torch, verify_relevance
 
 OUTPUTS = ["logits", "rollout", "relevance"]
 
 
 def random_pixels(batch: int, size: tuple[int, int], seed: int = 0) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((batch, 3, *size)).astype(np.float32)
-
-
-def test_rule_matches_the_full_matrix_products():
-    rng = np.random.default_rng(0)
-    attentions = [rng.dirichlet(np.ones(5), size=(2, 3, 5)) for _ in range(4)]  # (B, heads, N, N), rows sum to 1
-    gradients = [rng.standard_normal((2, 3, 5, 5)) for _ in range(4)]
-    got = relevance_rollout([torch.from_numpy(a) for a in attentions], [torch.from_numpy(g) for g in gradients])
-    np.testing.assert_allclose(got.numpy(), numpy_relevance(attentions, gradients, (2, 2)).reshape(2, 4),
-                               rtol=1e-12, atol=1e-15)
-
-
-def test_one_layer_relevance_is_the_weighted_class_row():
-    attn = torch.tensor([[[[0.5, 0.25, 0.25], [0.2, 0.4, 0.4], [0.1, 0.1, 0.8]]]])  # (1, 1, 3, 3)
-    grad = torch.tensor([[[[1.0, -2.0, 4.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]]])
-    # (grad * attn)+ on the class row: [0.5, 0 (negative), 1.0]; the patches' part is [0, 1].
-    assert relevance_rollout([attn], [grad]).tolist() == [[0.0, 1.0]]
 
 
 def test_relevance_depends_on_the_class_and_rollout_does_not(tiny_model):
@@ -44,12 +28,36 @@ def test_relevance_depends_on_the_class_and_rollout_does_not(tiny_model):
     torch.testing.assert_close(predicted[0], relevance[top1], rtol=0, atol=0)
 
 
-def test_eager_relevance_matches_autograd_and_the_numpy_rule(tiny_model):
-    x = random_pixels(3, (24, 40), seed=1)
-    targets = np.array([-1, 0, 2])
-    _, _, relevance = explain(tiny_model, torch.from_numpy(x), torch.from_numpy(targets))
-    reference = autograd_relevance(tiny_model, x, targets, (3, 5))
-    np.testing.assert_allclose(relevance.numpy(), reference, rtol=0, atol=1e-6 * np.abs(reference).max())
+def test_eager_relevance_matches_the_autograd_free_rule(tiny_model):
+    """The frozen network is affine: a patch's relevance is the logit's change when its token is replaced."""
+    x = torch.from_numpy(random_pixels(3, (24, 40), seed=1))
+    targets = torch.tensor([-1, 0, 2])
+    _, _, relevance = explain(tiny_model, x, targets)
+    reference = replacement_relevance(tiny_model, x, targets)
+    torch.testing.assert_close(relevance, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+
+
+def test_relevance_is_conserved_and_the_logits_are_the_models(tiny_model):
+    """The patches' relevance sums to the logit minus the frozen network's logit on the reference image."""
+    x = torch.from_numpy(random_pixels(2, (32, 32), seed=4))
+    logits, _, relevance = explain(tiny_model, x, torch.tensor([1, 2]))
+    with torch.no_grad():
+        torch.testing.assert_close(logits, tiny_model(x), rtol=0, atol=1e-5)
+        _, _, gates = conservative_forward(tiny_model, tiny_model.embed(x))
+        at_reference, _, _ = conservative_forward(tiny_model, reference_tokens(tiny_model, x).expand(2, -1, -1),
+                                                  FrozenGates(gates.attention, gates.norm1, gates.norm2, gates.gelu,
+                                                              gates.final_norm))
+    added = logits[[0, 1], [1, 2]] - at_reference[[0, 1], [1, 2]]
+    torch.testing.assert_close(relevance.sum((1, 2)), added, rtol=1e-4, atol=1e-5)
+
+
+def test_a_patch_equal_to_the_reference_has_no_relevance(tiny_model):
+    x = torch.from_numpy(random_pixels(1, (32, 32), seed=5))
+    x[..., 8:16, 16:24] = 0  # the patch at row 1, column 2 of 8-pixel patches: the mean image's pixels
+    _, _, relevance = explain(tiny_model, x)
+    assert relevance[0, 1, 2] == 0
+    assert (relevance != 0).sum() == relevance.numel() - 1
+    assert (relevance < 0).any() and (relevance > 0).any()  # signed: evidence for and against the class
 
 
 @pytest.mark.parametrize("batch,height,width", [(1, 32, 32), (5, 32, 32), (2, 24, 64), (1, 8, 8), (4, 72, 16)])
