@@ -1,5 +1,7 @@
 """`python -m vitserve.bench.model_ab A.onnx B.onnx`: the same server code serving two model files, side by side:
-does a re-export (new outputs, a new opset, other weights) cost the served latency?
+does a re-export (new outputs, a new opset, other weights) cost the served latency? With `--query-a` / `--query-b`
+each arm asks its own query of /v1/classify, so one file against itself compares two kinds of answer (e.g.
+`--query-a map=rollout --query-b map=relevance`: what the relevance map costs served).
 
 Each round starts `vitserve serve --model FILE --engine process` for A, then for B (B first in even rounds), and
 drives each with Debian's wrk at every client count on /v1/classify (one Fashion-MNIST test image as PNG): 2 s
@@ -77,12 +79,13 @@ def engine_and_frontend_cpu_seconds(pid: int) -> tuple[float, float]:
     return seconds["engine"], seconds["frontend"]
 
 
-def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path, wrk: str, round_: int) -> list[dict]:
+def arm(model: Path, label: str, clients: list[int], seconds: int, script: Path, wrk: str, round_: int,
+        query: str = "") -> list[dict]:
     process, url = serve(model)
     try:
         rows = []
         for count in clients:
-            target = f"{url}/v1/classify"
+            target = f"{url}/v1/classify" + (f"?{query}" if query else "")
             run_wrk(wrk_argv(wrk, target, count, 2, 30, script), 60)
             engine_before, frontend_before = engine_and_frontend_cpu_seconds(process.pid)
             result = run_wrk(wrk_argv(wrk, target, count, seconds, 30, script), seconds + 60)
@@ -199,9 +202,12 @@ def render_profile(profiles: list[dict], clients: int, seconds: int) -> list[str
     return lines
 
 
-def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profile: Sequence[str] = ()) -> str:
+def render(a: Path, b: Path, rows: list[dict], rounds: int, seconds: int, profile: Sequence[str] = (),
+           queries: tuple[str, str] = ("", "")) -> str:
+    named = [f"`{path}`" + (f" asked `?{query}`" if query else "") for path, query in zip((a, b), queries)]
     lines = ["# One server, two model files (`python -m vitserve.bench.model_ab`)", "",
-             f"Machine: {machine()}. A: `{a}`; B: `{b}`. wrk on `/v1/classify` (one Fashion-MNIST test image as PNG), "
+             f"Machine: {machine()}. A: {named[0]}; B: {named[1]}. wrk on `/v1/classify` (one Fashion-MNIST test "
+             f"image as PNG), "
              f"{seconds} s per arm after 2 s settling, {rounds} rounds, A and B alternating which goes first.", "",
              "| round | file | clients | answers/s | p50 ms | p99 ms | server CPU ms / answer | engine | frontend "
              "| non-2xx |",
@@ -252,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("build/bench/model-ab.md"))
+    p.add_argument("--query-a", default="", help="A's query string on /v1/classify, e.g. map=rollout (default none)")
+    p.add_argument("--query-b", default="", help="B's query string, e.g. map=relevance (default none)")
     p.add_argument("--profile-seconds", type=int, default=0,
                    help="after the rounds, sample each file's server with py-spy for this long (default 0: not)")
     args = p.parse_args(argv)
@@ -265,9 +273,9 @@ def main(argv: list[str] | None = None) -> int:
         script = write_script(Path(directory), "ab", PeerRequest("/v1/classify", png(test_images(1)[0]),
                                                                  {"Content-Type": "image/png"}))
         for round_ in range(1, args.rounds + 1):
-            order = [("A", args.a), ("B", args.b)] if round_ % 2 else [("B", args.b), ("A", args.a)]
-            for label, model in order:
-                rows += arm(model, label, clients, args.seconds, script, wrk, round_)
+            arms = [("A", args.a, args.query_a), ("B", args.b, args.query_b)]
+            for label, model, query in arms if round_ % 2 else arms[::-1]:
+                rows += arm(model, label, clients, args.seconds, script, wrk, round_, query)
                 print(rows[-1], flush=True)
         if args.profile_seconds:
             assert spy is not None  # p.error refused --profile-seconds without py-spy
@@ -275,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
                 profiles.append(profile_arm(model, label, max(clients), args.profile_seconds, script, wrk, spy,
                                             Path(directory)))
     profile = render_profile(profiles, max(clients), args.profile_seconds) if profiles else []
-    publish(render(args.a, args.b, rows, args.rounds, args.seconds, profile),
-            {"a": str(args.a), "b": str(args.b), "rows": rows, "profiles": profiles}, args.out)
+    publish(render(args.a, args.b, rows, args.rounds, args.seconds, profile, (args.query_a, args.query_b)),
+            {"a": str(args.a), "b": str(args.b), "query_a": args.query_a, "query_b": args.query_b, "rows": rows,
+             "profiles": profiles}, args.out)
     return 0
 
 

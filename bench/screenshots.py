@@ -3,7 +3,7 @@
 Starts `vitserve serve` on the bundled model in a child process (as `make serve` does, on a free port), opens the
 page in Debian's headless Chromium through Playwright, and takes each picture after the steps a user would take:
 
-- web-page.png: the Ankle boot sample with its relevance map (the README's picture);
+- web-page.png: the Ankle boot sample with its two maps side by side, rollout and relevance (the README's picture);
 - web-calibrated.png: the Trouser sample: the card's calibrated confidence and the answer's OOD line (docs/ood.md);
 - web-ood.png: scikit-image's astronaut photo, which the answer flags as unlike the training images (docs/ood.md).
 
@@ -90,14 +90,14 @@ def upload_photo(page) -> None:
     answered(page, lambda: page.set_input_files("#file", files=[photo]))
 
 
-def ankle_boot_with_relevance(page) -> None:
+def ankle_boot_with_both_maps(page) -> None:
     click_sample(page, "Ankle boot")
-    answered(page, lambda: page.check("input[name=map][value=relevance]"))
+    answered(page, lambda: page.check("input[name=map][value=both]"))
 
 
 SHOTS = (
-    Shot("web-page.png", "the Ankle boot sample (Fashion-MNIST test image 0) with its relevance map",
-         ankle_boot_with_relevance),
+    Shot("web-page.png", "the Ankle boot sample (Fashion-MNIST test image 0) with its rollout and relevance maps "
+         "side by side", ankle_boot_with_both_maps),
     Shot("web-calibrated.png", "the Trouser sample: calibrated confidence and the OOD line",
          lambda page: click_sample(page, "Trouser")),
     Shot("web-ood.png", "scikit-image's astronaut photo, flagged as unlike the training images", upload_photo),

@@ -21,13 +21,15 @@ const STATUS_TEXT = {
 };
 const MAP_TEXT = {
   rollout: "Attention rollout: how attention flows from the class token to each patch (the same map for every class).",
-  relevance: "Relevance: which patches raised the score of",
+  relevance: "Relevance: what each patch added to the score (from the most against, dark blue, to the most for, " +
+    "red) of",
   none: "No map requested.",
 };
 
 const $ = (id) => document.getElementById(id);
-const state = {card: null, file: null, image: null, imageUrl: null, size: null, result: null, geometry: null,
-  chosen: 0, request: 0, answers: 0};
+// `result` is the answer shown (its map on #view); `beside`, with "both", the relevance answer drawn on #view-relevance
+const state = {card: null, file: null, image: null, imageUrl: null, size: null, result: null, beside: null,
+  geometry: null, chosen: 0, request: 0, answers: 0};
 
 // ---- geometry: service/preprocess.py's fit_box and native_size, with Python's round (half to even)
 function roundEven(x) {
@@ -94,7 +96,13 @@ function heatCanvas(grid) {
 }
 
 function draw() {
-  const canvas = $("view"), context = canvas.getContext("2d");
+  drawOn($("view"), state.result);
+  $("view-relevance").hidden = !state.beside;
+  if (state.beside) drawOn($("view-relevance"), state.beside);
+}
+
+function drawOn(canvas, answer) {
+  const context = canvas.getContext("2d");
   if (!state.size) {
     context.clearRect(0, 0, canvas.width, canvas.height);
     canvas.dataset.drawn = "nothing";
@@ -111,7 +119,7 @@ function draw() {
     context.fillStyle = "#777";
     context.fillRect(0, 0, canvas.width, canvas.height);
   }
-  const map = state.result && (state.result.rollout || state.result.relevance);
+  const map = answer && (answer.rollout || answer.relevance);
   const [left, top, right, bottom] = state.geometry ? state.geometry.box.map((v) => v * scale) : [0, 0, 0, 0];
   if (map) {
     context.imageSmoothingEnabled = true; // the patch grid, bilinear, over the part of the image the model saw
@@ -126,9 +134,9 @@ function draw() {
     context.fillRect(0, top, left, bottom - top);
     context.fillRect(right, top, canvas.width - right, bottom - top);
   }
-  const kind = map ? (state.result.rollout ? "rollout" : "relevance") : "none";
-  canvas.dataset.drawn = state.result ? kind : "image";
-  canvas.setAttribute("aria-label", state.result && map ? `The image with the ${kind} map at ` +
+  const kind = map ? (answer.rollout ? "rollout" : "relevance") : "none";
+  canvas.dataset.drawn = answer ? kind : "image";
+  canvas.setAttribute("aria-label", answer && map ? `The image with the ${kind} map at ` +
     `${$("opacity").value}% opacity` : "The image");
 }
 
@@ -306,9 +314,12 @@ function showCard(card) {
   $("max-tokens").disabled = !cheaper.length;
   $("top-k").max = card.labels.length;
   $("top-k").value = Math.min(5, card.labels.length);
-  const relevance = card.maps.includes("relevance"), choice = document.querySelector('input[name="map"][value="relevance"]');
-  choice.disabled = !relevance;
-  if (!relevance && choice.checked) document.querySelector('input[name="map"][value="rollout"]').checked = true;
+  const relevance = card.maps.includes("relevance");
+  const choices = ["relevance", "both"].map((v) => document.querySelector(`input[name="map"][value="${v}"]`));
+  choices.forEach((choice) => { choice.disabled = !relevance; });
+  if (!relevance && choices.some((c) => c.checked)) {
+    document.querySelector('input[name="map"][value="rollout"]').checked = true;
+  }
   $("map-note").textContent = relevance ? "" : "This model's file has no relevance path: rollout only.";
   $("map-note").hidden = relevance;
 }
@@ -374,34 +385,46 @@ async function choose(file) {
 function options() {
   const form = $("options");
   const map = form.elements.map.value, resize = form.elements.resize.value;
-  const params = new URLSearchParams({...chosenModel(), top_k: $("top-k").value || "5", map, resize});
-  if (map !== "none") params.set("map_format", "grid");
-  if (map === "relevance" && $("target").value !== "") params.set("target", $("target").value);
-  if ($("max-tokens").value !== "") params.set("max_tokens", $("max-tokens").value);
-  return {map, resize, params};
+  const ask = (kind) => {
+    const params = new URLSearchParams({...chosenModel(), top_k: $("top-k").value || "5", map: kind, resize});
+    if (kind !== "none") params.set("map_format", "grid");
+    if (kind === "relevance" && $("target").value !== "") params.set("target", $("target").value);
+    if ($("max-tokens").value !== "") params.set("max_tokens", $("max-tokens").value);
+    return params;
+  };
+  // "both": the rollout answer is shown, and a second request's relevance map drawn beside it
+  const beside = map === "both" ? ask("relevance") : null;
+  return {map, resize, params: ask(map === "both" ? "rollout" : map), beside};
+}
+
+async function post(params) {
+  const body = new FormData();
+  body.append("file", state.file, state.file.name || "pasted image");
+  const response = await fetch(`v1/classify?${params}`, {method: "POST", body});
+  return {response, answer: await response.json().catch(() => null)};
 }
 
 async function classify() {
   if (!state.file) return;
-  const request = ++state.request, {resize, params} = options(), body = new FormData();
-  body.append("file", state.file, state.file.name || "pasted image");
+  const request = ++state.request, {resize, params, beside} = options();
   $("status").textContent = `Classifying ${state.file.name || "the pasted image"}…`;
   const started = performance.now();
-  let response, answer;
+  let replies;
   try {
-    response = await fetch(`v1/classify?${params}`, {method: "POST", body});
-    answer = await response.json().catch(() => null);
+    replies = await Promise.all([post(params), ...(beside ? [post(beside)] : [])]);
   } catch (error) {
     if (request === state.request) showError(null, null, null);
     return;
   }
   if (request !== state.request) return; // a newer request (options changed) answers instead
-  if (!response.ok) {
-    showError(response.status, answer, response.headers.get("Retry-After"));
+  const failed = replies.find(({response}) => !response.ok);
+  if (failed) {
+    showError(failed.response.status, failed.answer, failed.response.headers.get("Retry-After"));
     return;
   }
-  state.result = answer;
-  showResult(answer, resize, performance.now() - started);
+  state.result = replies[0].answer;
+  state.beside = beside ? replies[1].answer : null;
+  showResult(state.result, resize, performance.now() - started);
 }
 
 function showError(status, answer, retryAfter) {
@@ -414,6 +437,7 @@ function showError(status, answer, retryAfter) {
   $("error").hidden = false;
   $("status").textContent = "The image was not classified.";
   state.result = null;
+  state.beside = null;
   state.geometry = null;
   $("predictions").replaceChildren();
   $("timing").replaceChildren();
@@ -446,9 +470,11 @@ function showResult(answer, resize, roundTripMs) {
   showOod(answer.ood);
   showBudget(answer.budget);
   showTiming(answer.timing_ms, roundTripMs);
-  const target = answer.relevance && answer.relevance.target;
-  $("map-caption").textContent = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` :
-    MAP_TEXT[answer.rollout ? "rollout" : "none"];
+  const explained = answer.relevance || (state.beside && state.beside.relevance);
+  const target = explained && explained.target;
+  const relevanceText = target ? `${MAP_TEXT.relevance} ${target.label} (${percent(target.score)}).` : "";
+  $("map-caption").textContent = state.beside ? `Left: ${MAP_TEXT.rollout} Right: ${relevanceText}` :
+    answer.relevance ? relevanceText : MAP_TEXT[answer.rollout ? "rollout" : "none"];
   $("status").textContent = `${state.file.name || "The pasted image"}: ${answer.predictions[0].label}, ` +
     `${percent(answer.predictions[0].score)}.` + (state.image ? "" : " This browser cannot draw this image; the " +
     "map is drawn alone.");
@@ -501,7 +527,7 @@ function wire() {
   $("options").addEventListener("submit", (event) => event.preventDefault());
   $("options").addEventListener("change", async (event) => {
     if (event.target === $("model")) await loadCard(); // a new card: its labels, maps and resolution
-    $("target").disabled = options().map !== "relevance";
+    $("target").disabled = !["relevance", "both"].includes(options().map);
     classify();
   });
   $("opacity").addEventListener("input", () => {

@@ -84,3 +84,10 @@ def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx,
     assert not any("service/usecases/inference.py" in f for f in engine["functions"])
     assert "classify (service/usecases/inference.py)" in frontend["functions"]
 
+
+
+def test_each_arms_query_is_named_in_the_report():
+    rows = [row(1, "A", 32, 100, 10, 20), row(1, "B", 32, 90, 11, 30)]
+    text = render(Path("m.onnx"), Path("m.onnx"), rows, 1, 10, queries=("map=rollout", "map=relevance"))
+    assert "A: `m.onnx` asked `?map=rollout`; B: `m.onnx` asked `?map=relevance`." in text
+    assert "A: `a.onnx`; B: `b.onnx`." in render(Path("a.onnx"), Path("b.onnx"), rows, 1, 10)

@@ -268,6 +268,32 @@ def test_page_classifies_an_upload_and_draws_the_map_over_it(page, server):
 
 
 @needs_browser
+def test_both_maps_are_drawn_side_by_side_from_two_answers(page, server):
+    opened(page, server)
+    answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
+    assert page.locator("#view-relevance").is_hidden()
+    seen = []
+    page.on("response", lambda r: seen.append(r) if "/v1/classify" in r.url else None)
+    before = page.evaluate("Number(document.getElementById('result').dataset.answers)")
+    page.check("input[name=map][value=both]")
+    page.wait_for_function("n => Number(document.getElementById('result').dataset.answers) > n", arg=before)
+    by_map = {parse_qs(urlparse(r.url).query)["map"][0]: r.json() for r in seen}
+    assert sorted(by_map) == ["relevance", "rollout"] and page.is_enabled("#target")
+    assert page.get_attribute("#view", "data-drawn") == "rollout"
+    assert page.get_attribute("#view-relevance", "data-drawn") == "relevance"
+    caption = page.inner_text("#map-caption")
+    top = by_map["relevance"]["relevance"]["target"]["label"]
+    assert caption.startswith("Left: Attention rollout") and "Right: Relevance" in caption and f"of {top} (" in caption
+    set_opacity(page, "End", "100%")
+    scale, box = 384 / max(PATTERN_SIZE), fit_box(*PATTERN_SIZE, TINY["image"])[1]
+    assert_map_drawn(canvas(page), by_map["rollout"]["rollout"], box, scale)
+    assert_map_drawn(canvas_pixels(page, "view-relevance")[..., :3], by_map["relevance"]["relevance"], box, scale)
+    page.screenshot(path=SCREENSHOTS / "web-both-maps.png", full_page=True)
+    answered(page, lambda: page.check("input[name=map][value=rollout]"))
+    assert page.locator("#view-relevance").is_hidden()
+
+
+@needs_browser
 def test_switching_map_target_and_resize_asks_again(page, server):
     opened(page, server)
     answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
