@@ -2,8 +2,9 @@
 float64.
 
 Written apart from `export.rollout` on purpose (whole N x N products, first layer to last, no
-vector trick; relevance as Chefer et al.'s R <- R + Ā R), so a shared mistake in the two is unlikely. Used by
-verification and by tests.
+vector trick; relevance as Chefer et al.'s R <- R + Ā R), so a shared mistake in the two is unlikely. The
+rollout is used by verification; Chefer's rule checks the evaluation's candidate of that name
+(evaluation/map_candidates.py) in tests.
 """
 from __future__ import annotations
 

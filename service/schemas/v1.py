@@ -62,8 +62,8 @@ class ExplainedClass(BaseModel):
 
 
 class RelevanceGrid(RolloutGrid):
-    """The class token's relevance for `target` (gradient-weighted attention rollout) over the patch grid, min-max
-    scaled to [0, 1]."""
+    """What each patch added to `target`'s logit (conservative relevance, signed) over the patch grid, min-max
+    scaled to [0, 1] (/v2's `relevance` output keeps the raw, signed values)."""
 
     target: ExplainedClass
 

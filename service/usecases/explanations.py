@@ -1,9 +1,9 @@
 """What a client may ask to have explained: which map, and for the relevance map which class.
 
 Two maps: `rollout`, the attention rollout (class-agnostic: how attention flows from the class token to the
-patches; the same map whatever the class), and `relevance`, gradient-weighted attention rollout for one class
-(Chefer et al. 2021; what drove that class's logit), which runs the model's relevance path (a backward pass,
-about 2.5x the compute) in batches of its own. Pure functions of the request's words and the model's labels.
+patches; the same map whatever the class), and `relevance`, conservative relevance for one class (what each
+patch's content added to that class's logit, signed; docs/maps.md), which runs the model's relevance path (a
+backward pass inside the graph) in batches of its own. Pure functions of the request's words and the model's labels.
 """
 from __future__ import annotations
 
