@@ -416,7 +416,6 @@ def rung_consistency(vit, pixels, predicted, trained_maps: dict, batch_size: int
 
     from vitserve.budgets import ladder_grids, resample
 
-    grid = tuple(trained_maps["rollout"].shape[1:])
     patch, rows, n = vit.cfg.patch_size, [], len(pixels)
     for size in ladder_grids(tuple(pixels.shape[-2:]), patch)[1:]:  # input sizes in pixels, the full one first
         small = torch.from_numpy(resample(pixels.numpy(), size))
@@ -631,12 +630,18 @@ WHAT_THE_MAPS_SHOW = """\
   It shows how attention flows from the class token to the patches through the layers (each layer's head-averaged
   attention mixed with the identity for the residual path, multiplied through). It never looks at the head, so it
   cannot say which patches made the model choose one class over another.
-- **Relevance** (gradient-weighted attention rollout, Chefer, Gur & Wolf 2021) is class-specific: it explains one
-  chosen class's logit (here always the class the trained model predicted), weighting each layer's attention by that
-  logit's gradient and keeping only the positive part. It is still a heuristic: the positive-gradient weighting is a
-  first-order, sign-clipped rule, not a proof that the highlighted patches caused the prediction. The numbers below
-  say how far it behaves as if they did.
-- Neither map is a segmentation, and both live on the patch grid: nothing finer than a patch can be read from them."""
+- **Relevance** (conservative propagation, Ali et al. 2022, with AttnLRP's GELU rule; export/relevance.py) is
+  class-specific: it explains one chosen class's logit (here always the class the trained model predicted). The
+  attention weights, each LayerNorm's scale and each GELU's gate are held at their values on the image, which makes
+  the network linear in its tokens; a patch's relevance is its token minus the mean image's, times the logit's
+  gradient. The patches' relevance sums to what the image's content added to the logit; it is signed (a patch can
+  count against the class). It is exact for that linearised network, not for the model: the numbers below say how
+  far the model behaves as if it were.
+- Measured beside them, not served (evaluation/map_candidates.py): **chefer**, gradient-weighted attention rollout
+  (Chefer, Gur & Wolf 2021; what the model served before); **gradient-input**, gradient x (tokens - the mean
+  image's) with nothing held; **occlusion**, each patch set to the mean image in turn and the class's probability
+  drop measured, one forward pass per patch (the model's own answer, at a cost no server pays per request).
+- No map is a segmentation, and all live on the patch grid: nothing finer than a patch can be read from them."""
 
 METHOD_NOTES = """\
 - **Deletion / insertion** (Petsiuk et al. 2018): patches ranked by the map, most relevant first; deletion switches
@@ -647,21 +652,25 @@ METHOD_NOTES = """\
 - **Baselines**: *mean* is the dataset mean, i.e. normalised pixel value 0 in the model's input space (uint8
   255 x mean); *blur* is the image blurred by a Gaussian of sigma = {sigma} pixels (scipy.ndimage, reflected borders),
   in the same normalised space.
-- **Methods**: rollout and relevance as served; *random*, a seeded uniform random order per image (seed {seed});
-  *centre*, patches by distance to the image centre, the same order for every image.
+- **Methods**: rollout and relevance as served, the candidates above; *random*, a seeded uniform random order per
+  image (seed {seed}); *centre*, patches by distance to the image centre, the same order for every image.
 - **Confidence intervals**: 95%, normal approximation, mean ± 1.96 s / √n over images; the differences are paired
-  (per image, then averaged). "Better" counts images where relevance's AUC is lower (deletion) or higher (insertion).
+  (per image, then averaged). "Better" counts images where the first map's AUC is lower (deletion) or higher
+  (insertion).
 - **Model randomisation** (Adebayo et al. 2018), cascading: stage 1 randomises the head, stage k + 1 also the top k
   blocks, down to every block. Random weights: xavier-uniform for every linear layer (the head too: the model's own
   init zeroes the head, whose zero gradients would make relevance vanish rather than test it), zero biases, LayerNorms
   reset to the identity, each module from its own seed ({seed} x 1000 + its place in the cascade) so that it keeps
   its random weights at later stages. The patch embedding, position embeddings, class token and final LayerNorm stay
-  trained. At every stage relevance explains the class the *trained* model predicted. Spearman rank correlation
-  (ties at mean rank) of each image's map with the trained model's map; a constant map would count as undefined and
-  be left out (n shows how many remain).
+  trained. At every stage the class-specific maps explain the class the *trained* model predicted. Spearman rank
+  correlation (ties at mean rank) of each image's map with the trained model's map; a constant map would count as
+  undefined and be left out (n shows how many remain).
 - **Resolution**: images resized bicubic ({factor}x, model.data.resize_batch), maps on the {factor}x grid averaged
-  over {factor} x {factor} blocks back to the trained grid, Spearman with the map at the trained size; relevance
-  explains the class predicted at the trained size."""
+  over {factor} x {factor} blocks back to the trained grid (occlusion hides the same cells as at the trained size),
+  Spearman with the map at the trained size; the maps explain the class predicted at the trained size.
+- **Budgets**: each smaller input grid of the model's token-budget ladder (vitserve/budgets.py), the image
+  resampled as the server resamples it; each map on its own grid against the full answer's map averaged down to
+  that grid (vitserve.budgets.resample), explaining the full answer's class."""
 
 
 def provenance_section(results: dict) -> str:

@@ -291,7 +291,8 @@ def test_refusing_and_degrading_arms_alternate_on_one_saturation_at_the_full_bud
         assert set(r["budgets"]) == {"answers", "rungs", "degraded_share", "estimated_accuracy", "measured_answers"}
         assert r["budgets"]["estimated_accuracy"] is None  # the tiny file was exported without --eval
         assert r["budgets"]["degraded_share"] is None or 0 <= r["budgets"]["degraded_share"] <= 1
-        assert r["server_cpu_ms_per_200"] is None or r["server_cpu_ms_per_200"] > 0
+        # CPU time is read in clock ticks (10 ms): the tiny model's few answers in a short window can read 0
+        assert r["server_cpu_ms_per_200"] is None or r["server_cpu_ms_per_200"] >= 0
     refusing = report["runs"][0]["budgets"]
     assert refusing["degraded_share"] in (None, 0.0) and all(g["reason"] == "" for g in refusing["rungs"])
     (checked,) = report["arm_targets"]
