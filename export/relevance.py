@@ -144,6 +144,16 @@ def explain(vit, pixels: torch.Tensor, target: torch.Tensor | None = None):
     return logits, rollout.reshape(-1, *grid), relevance.reshape(-1, *grid)
 
 
+def _repeated(gates: FrozenGates, count: int) -> FrozenGates:
+    """One image's gates for `count` copies of it."""
+    def spread(values: list[torch.Tensor]) -> list[torch.Tensor]:
+        return [g.expand(count, *g.shape[1:]) for g in values]
+
+    assert gates.final_norm is not None  # conservative_forward sets it
+    return FrozenGates(spread(gates.attention), spread(gates.norm1), spread(gates.norm2), spread(gates.gelu),
+                       gates.final_norm.expand(count, *gates.final_norm.shape[1:]))
+
+
 def replacement_relevance(vit, pixels: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """The same relevance without autograd, for checking: the frozen network is affine, so patch j's relevance is
     the logit minus the logit with token j replaced by the reference's (gates held at the image's values).
@@ -163,9 +173,6 @@ def replacement_relevance(vit, pixels: torch.Tensor, target: torch.Tensor) -> to
             replaced = x.repeat(count, 1, 1)  # (N - 1, N, D): row j has patch j swapped for the reference's
             index = torch.arange(count)
             replaced[index, index + 1] = reference[0, 1:]
-            held = FrozenGates(*[[g.expand(count, *g.shape[1:]) for g in getattr(gates, name)]
-                                 for name in ("attention", "norm1", "norm2", "gelu")],
-                               final_norm=gates.final_norm.expand(count, *gates.final_norm.shape[1:]))
-            without, _, _ = conservative_forward(vit, replaced, held)
+            without, _, _ = conservative_forward(vit, replaced, _repeated(gates, count))
             rows.append(logits[0, chosen] - without[:, chosen])
     return torch.stack(rows).reshape(-1, *grid)
