@@ -49,7 +49,8 @@ class ClassifyQuery(BudgetQuery):
     top_k: int = Field(5, ge=1, le=1000, description="classes to return (capped at the model's class count)")
     map_kind: MapKind | None = Field(None, alias="map", description=(
         "rollout: attention rollout, how attention flows from the class token (the same map for every class); "
-        "relevance: what drove one class's score (gradient-weighted rollout, about 2.5x the compute); none"))
+        "relevance: what each patch added to one class's score, signed (a backward pass: about 2.6x a rollout "
+        "answer served); none"))
     map_format: MapFormat | None = Field(None, description="the map as grid values in [0, 1], a heat-map png, or "
                                                            "the heat-map over the image")
     target: str | None = Field(None, max_length=MAX_TARGET_CHARS, description=(
