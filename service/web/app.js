@@ -98,6 +98,7 @@ function heatCanvas(grid) {
 function draw() {
   drawOn($("view"), state.result);
   $("view-relevance").hidden = !state.beside;
+  $("views").classList.toggle("pair", Boolean(state.beside)); // two half-width canvases, side by side
   if (state.beside) drawOn($("view-relevance"), state.beside);
 }
 
