@@ -82,14 +82,16 @@ def occlusion(vit, pixels: torch.Tensor, target: torch.Tensor, cells: tuple[int,
     cells = cells or _grid(vit, pixels)
     height, width = pixels.shape[-2] // cells[0], pixels.shape[-1] // cells[1]
 
+    def logits_of(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([vit(x[s:s + batch_size]) for s in range(0, len(x), batch_size)])
+
     def probability(x: torch.Tensor, classes: torch.Tensor) -> torch.Tensor:
-        parts = [vit(x[s:s + batch_size]).softmax(-1) for s in range(0, len(x), batch_size)]
-        return torch.cat(parts).gather(1, classes[:, None])[:, 0]
+        return logits_of(x).softmax(-1).gather(1, classes[:, None])[:, 0]
 
     with torch.no_grad():
-        classes = _chosen(torch.cat([vit(pixels[s:s + batch_size]) for s in range(0, len(pixels), batch_size)]),
-                          target)
-        whole = probability(pixels, classes)
+        logits = logits_of(pixels)  # once: the classes explained and the unoccluded probability both come from it
+        classes = _chosen(logits, target)
+        whole = logits.softmax(-1).gather(1, classes[:, None])[:, 0]
         out = torch.empty(len(pixels), *cells)
         for row in range(cells[0]):
             for col in range(cells[1]):
