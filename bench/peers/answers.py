@@ -43,7 +43,7 @@ def answer_values(server: str, path: str, body: bytes, header_length: str | None
         return {"indices": outputs["top_index"].reshape(-1).astype(np.int64),
                 "scores": outputs["top_score"].reshape(-1),
                 "grid": list(outputs["rollout"].shape[-2:])}
-    doc = json.loads(body)  # vitserve's /v1/classify and LitServe's answer share this shape
+    doc = json.loads(body)  # vitserve's /v1/classify, LitServe's and the FastAPI app's answers share this shape
     rollout = doc["rollout"]
     return {"indices": np.array([p["index"] for p in doc["predictions"]]),
             "scores": np.array([p["score"] for p in doc["predictions"]]), "grid": [rollout["height"], rollout["width"]]}
@@ -70,7 +70,7 @@ def scale(logits: np.ndarray) -> float:
 
 def check(server: str, path: str, url: str, request: PeerRequest, logits: np.ndarray, grid: list[int],
           temperature: float = 1.0, timeout_s: float = 120.0, bf16: bool = False) -> dict:
-    """One answer of `server` (a family: vitserve, triton, litserve) on `path`, against the float32 session's;
+    """One answer of `server` (a family: vitserve, triton, litserve, fastapi) on `path`, against the float32 session's;
     `bf16`: within BF16_TOLERANCE (of the largest logit on the tensor paths, of a probability on the image path)."""
     status, body, header_length = post(url, request, timeout_s)
     if status != 200:

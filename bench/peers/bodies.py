@@ -48,8 +48,9 @@ def peer_request(server: str, path: str, png: bytes, pixels: np.ndarray, vitserv
     """`server`'s request on `path` for the image `png`, whose vitserve preprocessing is `pixels` (1, C, H, W)."""
     if path == "image":
         body, headers = {"vitserve": classify_request, "triton": triton_image_request,
-                         "litserve": multipart_image}[server](png)
-        target = {"vitserve": "/v1/classify", "triton": infer_target(TRITON_IMAGE_MODEL), "litserve": "/predict"}
+                         "litserve": multipart_image, "fastapi": multipart_image}[server](png)
+        target = {"vitserve": "/v1/classify", "triton": infer_target(TRITON_IMAGE_MODEL), "litserve": "/predict",
+                  "fastapi": "/classify"}
         return PeerRequest(target[server], body, headers)
     if server not in ("vitserve", "triton"):
         raise ValueError(f"{server} has no Open Inference Protocol endpoint")

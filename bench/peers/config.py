@@ -29,18 +29,21 @@ RUNTIME_SERVERS = {"vitserve-openvino": {"VITSERVE_RUNTIME": "openvino"},
 TRITON_OPENVINO = {"triton-bf16": "bf16", "triton-openvino": "fp32"}
 # answers in bfloat16: checked against float32 within bfloat16's tolerance (bench/peers/answers.py)
 BF16_SERVERS = {"vitserve-bf16", "triton-bf16"}
+# the 20-line FastAPI app a user writes first (bench/peers/fastapi_app.py): one ONNX Runtime session, no batching,
+# run from this checkout's environment (it needs nothing beside vitserve's own dependencies); on request only
+FASTAPI = "fastapi"
 # vitserve from `baseline_commit`, beside the working tree's in the same run: a change's before and after
 BASELINE = "vitserve-base"
-KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO, BASELINE)
+KNOWN_SERVERS = (*SERVERS, *RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO, FASTAPI, BASELINE)
 # the req/s ratios the report gives, where both servers ran: (numerator, denominator)
-RATIOS = (("vitserve", "triton"), ("vitserve-inline", "triton"),
+RATIOS = (("vitserve", "triton"), ("vitserve", "triton-bf16"), ("vitserve", FASTAPI), ("vitserve-inline", "triton"),
           ("vitserve-lone", "triton"), ("vitserve", BASELINE), ("vitserve", "vitserve-process"),
           ("vitserve-process", "triton"), ("vitserve-bf16", "triton-bf16"), ("vitserve-bf16", "vitserve-onnxruntime"),
           ("vitserve-openvino", "triton-openvino"))
 # image: each server's own image endpoint; oip-json / oip-binary: the pixel tensor through the Open Inference
 # Protocol, as JSON or with the binary tensor extension (the same bodies to vitserve's /v2 and Triton's)
 PATHS = ("image", "oip-json", "oip-binary")
-SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), BASELINE: PATHS,
+SERVED_PATHS = {"vitserve": PATHS, "triton": PATHS, "litserve": ("image",), FASTAPI: ("image",), BASELINE: PATHS,
                 **{s: PATHS for s in (*RAY_SERVERS, *RUNTIME_SERVERS, *TRITON_OPENVINO)}}
 
 

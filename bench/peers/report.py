@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import statistics
 
-from vitserve.bench.peers.config import RATIOS
+from vitserve.bench.peers.config import FASTAPI, RATIOS
 from vitserve.bench.reliability import number, table
 
 LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
@@ -14,7 +14,7 @@ LABELS = {"vitserve": "vitserve", "triton": "Triton", "litserve": "LitServe",
           "vitserve-process": "vitserve with an engine process",
           "vitserve-inline": "vitserve, a session in each HTTP worker",
           "vitserve-lone": "vitserve, an engine process and a lone request in its worker",
-          "vitserve-2runners": "vitserve, two batches at once"}
+          "vitserve-2runners": "vitserve, two batches at once", "fastapi": "the 20-line FastAPI app"}
 PATH_LABELS = {"image": "image", "oip-json": "OIP JSON tensor", "oip-binary": "OIP binary tensor"}
 _MEDIANS = ("ok_per_s", "p50_ms", "p99_ms")
 
@@ -72,8 +72,8 @@ def render(report: dict) -> str:
     lines = ["# vitserve side by side with Triton Inference Server and LitServe", "",
              f"`{report['command']}`, {env['date']}, commit `{(env['commit'] or 'unknown')[:12]}`{_dirty(env)}. "
              f"{env['cpu']} ({env['cpus']} CPUs). Load average (1 / 5 / 15 min) before {env['loadavg_start']}"
-             f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env), "", *_commands(report), "",
-             *_method(report), ""]
+             f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env, report["settings"]["servers"]), "",
+             *_commands(report), "", *_method(report), ""]
     lines += ["## The raw ONNX Runtime session (context)", "", *_raw_table(report["models"]), "",
               "vitserve's own session and preprocessing (bench/raw.py), no server: per-call p50 at batch 1, and "
               "images/s at each batch size.", ""]
@@ -97,7 +97,7 @@ def _waited(env: dict) -> str:
     return f" (after waiting {waited:g} s for a quieter machine)" if waited else ""
 
 
-def _versions(env: dict) -> list[str]:
+def _versions(env: dict, servers: list[str]) -> list[str]:
     peers = env["peer_versions"]
     where = (f"commit `{env['vitserve_commit'][:12]}` (exported with git archive)" if env.get("vitserve_commit")
              else "this working tree")
@@ -111,6 +111,9 @@ def _versions(env: dict) -> list[str]:
         ls = peers["litserve"]
         lines.append(f"- **LitServe** {ls['litserve']} (FastAPI {ls['fastapi']}, uvicorn {ls['uvicorn']}), Python "
                      f"{ls['python']}, numpy {ls['numpy']}, onnxruntime {ls['onnxruntime']}")
+    if FASTAPI in servers:
+        lines.append(f"- **the FastAPI app**: FastAPI {env.get('fastapi')}, uvicorn {env.get('uvicorn')}, in "
+                     "vitserve's environment")
     return lines + [f"- load generator: {env['wrk']}"]
 
 
@@ -148,7 +151,10 @@ def _method(report: dict) -> list[str]:
         "the model code reached through the Python backend (bench/peers/triton_server.py).",
         "- **LitServe**: `LitServer(api, accelerator=\"cpu\", workers_per_device=<cores>, fast_queue=True)`, "
         "`max_batch_size=16, batch_timeout=0.005` on the `LitAPI`, `run(log_level=\"warning\", "
-        "generate_client_file=False)` (bench/peers/litserve_server.py).", "",
+        "generate_client_file=False)` (bench/peers/litserve_server.py).",
+        "- **the 20-line FastAPI app** (where it ran): what a user writes first, one ONNX Runtime session in one "
+        "uvicorn process, `UploadFile`, the work in a sync endpoint (FastAPI's thread pool), no batching "
+        "(bench/peers/fastapi_app.py).", "",
         "Paths: **image**: each server's own image endpoint (vitserve `POST /v1/classify` with the PNG as the body; "
         "Triton the PNG as a binary BYTES input of `vit-image`, outputs as JSON; LitServe `POST /predict` with the "
         "PNG as the multipart field `file`: LitServe 0.2 parses a body as a form or JSON only). **OIP JSON "

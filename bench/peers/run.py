@@ -26,6 +26,7 @@ from vitserve.bench.peers.bodies import PeerRequest, peer_request
 from vitserve.bench.peers.config import (
     BASELINE,
     BF16_SERVERS,
+    FASTAPI,
     PATHS,
     RAY_SERVERS,
     RUNTIME_SERVERS,
@@ -40,6 +41,7 @@ from vitserve.bench.peers.servers import (
     RunningServer,
     ServerSpec,
     export_commit,
+    fastapi_spec,
     litserve_spec,
     triton_spec,
     vitserve_spec,
@@ -88,7 +90,7 @@ class ModelUnderTest:
 def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
     pythons = {family(p): ensure_venv(cfg.work_dir, family(p), cfg.venv_python) for p in cfg.servers
-               if family(p) != "vitserve"}
+               if family(p) not in ("vitserve", FASTAPI)}
     tree: Path | None = None
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
@@ -116,7 +118,16 @@ def environment(wrk: str, pythons: dict[str, Path]) -> dict:
             "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
             "wrk": wrk_version(wrk), "commit": _git("rev-parse", "HEAD") or None,
             "uncommitted_files": len(_git("status", "--porcelain", "--untracked-files=no").splitlines()),
-            "peer_versions": versions}
+            "peer_versions": versions, "fastapi": _version_of("fastapi"), "uvicorn": _version_of("uvicorn")}
+
+
+def _version_of(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def _git(*args: str) -> str:
@@ -271,6 +282,8 @@ def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source:
     if family(server) == "triton":
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]), TRITON_OPENVINO.get(server),
                            server)
+    if server == FASTAPI:
+        return fastapi_spec(model_path)
     return litserve_spec(model_path, pythons["litserve"])
 
 

@@ -6,6 +6,7 @@
 - Triton: `python -m vitserve.bench.peers.triton_server` in the Triton venv, the repository on PYTHONPATH and the venv
   Python's library directory on LD_LIBRARY_PATH (the Python backend stub links libpython).
 - LitServe: `python -m vitserve.bench.peers.litserve_server` in the LitServe venv, the repository on PYTHONPATH.
+- the FastAPI app: `python -m uvicorn vitserve.bench.peers.fastapi_app:app` in vitserve's own environment.
 
 Each runs in its own session (process group): a stop is SIGTERM, then after `grace_s` SIGKILL to the group, since
 neither peer's children are sure to go with their parent (LitServe 0.2's workers outlive a SIGTERM). A server
@@ -19,6 +20,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import tarfile
 import time
 import urllib.request
@@ -108,6 +110,14 @@ def litserve_spec(model: Path, python: Path) -> ServerSpec:
     argv = [str(python), "-m", "vitserve.bench.peers.litserve_server", "--model", str(model.resolve()),
             "--port", str(port)]
     return ServerSpec("litserve", argv, [port], ["/health"], {"PYTHONPATH": str(REPO)})
+
+
+def fastapi_spec(model: Path) -> ServerSpec:
+    """The 20-line FastAPI app under uvicorn as its docs start it (one process, log level warning as the others)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app", "--host", LOOPBACK,
+            "--port", str(port), "--log-level", "warning"]
+    return ServerSpec("fastapi", argv, [port], ["/ready"], {"MODEL_PATH": str(model.resolve())})
 
 
 def _distinct_free_ports(count: int) -> list[int]:
