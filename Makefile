@@ -121,9 +121,11 @@ export-default: $(VENV)/.dev-installed
 	$(BIN)/vitserve evaluate calibration $(DEFAULT_MODEL) --eval $(FASHION_MNIST) --out docs/calibration.md
 	$(BIN)/python -m vitserve.evaluation.ood --served --model $(DEFAULT_MODEL) --data-dir $(FASHION_MNIST) --out docs/ood-served.md
 
-# Rewrites the committed report on purpose; `vitserve bench` alone writes under build/bench/.
+# Files the run as the section vit-fmnist of the committed docs/results/bench.md (bench/pages.py), on purpose;
+# `vitserve bench` alone writes under build/bench/.
 bench: $(VENV)/.dev-installed
-	$(BIN)/vitserve bench --model $(DEFAULT_MODEL) --out docs/results/bench.md
+	$(BIN)/vitserve bench --model $(DEFAULT_MODEL) --out build/bench/bench.md
+	$(BIN)/python -m vitserve.bench.pages put docs/results/bench.md --section vit-fmnist build/bench/bench.md
 
 # The docs' pictures of the web page (docs/web-*.png) and what each shows (docs/web-page.json), taken in headless
 # Chromium from the page as it is, served on the bundled model; tests/service/test_web.py fails when the page no
@@ -138,9 +140,10 @@ docker-test:
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
-# vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; rewrites the committed
-# docs/results/bench-peers.md. Makes build/peers/venv-triton and build/peers/venv-litserve (pinned, bench/peers/venvs.py)
-# when absent. PEERS_ARGS adds flags, e.g. PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
+# vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; files the run as the section
+# PEERS_SECTION of the committed docs/results/bench-peers.md (bench/pages.py). Makes build/peers/venv-triton and
+# build/peers/venv-litserve (pinned, bench/peers/venvs.py) when absent. PEERS_ARGS adds flags, e.g.
+# PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
 # The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, CUDA graphs against the
 # dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
 # utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
@@ -155,9 +158,11 @@ gpu-wheels: $(VENV)/.dev-installed
 	$(BIN)/python -m vitserve.bench.gpu_wheels --out .whl --lzma --leave-out grpcio --max-mib 48
 
 .PHONY: bench-peers
+PEERS_SECTION ?= vit-fmnist
 bench-peers: $(VENV)/.dev-installed
 	@command -v wrk >/dev/null || { echo "bench-peers needs wrk: apt-get update && apt-get install -y wrk"; exit 1; }
-	$(BIN)/python -m vitserve.bench.peers --out docs/results/bench-peers.md $(PEERS_ARGS)
+	$(BIN)/python -m vitserve.bench.peers --out build/bench/peers.md $(PEERS_ARGS)
+	$(BIN)/python -m vitserve.bench.pages put docs/results/bench-peers.md --section $(PEERS_SECTION) build/bench/peers.md
 
 # Triton's gRPC protocol (service/grpc/generated/*.proto, copied unchanged from triton-inference-server/common
 # at 83adf7c) compiled into the checked-in Python stubs; the serving image needs no compiler. protoc writes

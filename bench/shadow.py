@@ -48,7 +48,7 @@ class ShadowBenchConfig:
     fractions: str = "0.1,1"
     shadow_priority: str = "idle"  # the shadow's cpu_priority in its config.json
     agreement_images: int = 1000
-    out: Path = Path("docs/results/bench-shadow.md")
+    out: Path = Path("build/bench/shadow.md")  # a section of docs/results/bench-shadow.md by bench/pages.py `put`
     cache_dir: Path = Path("build/bench/models")
 
 

@@ -1,6 +1,9 @@
 """The documentation's references hold: every relative link in the README and docs/ reaches a file of the
 repository, and every `docs/...` path that code, tests or docs mention exists (benchmark and evaluation results
-live under docs/results/; a move that forgets a reference fails here)."""
+live under docs/results/; a move that forgets a reference fails here). A path cited `at commit REV` must exist at
+that commit instead: a page git keeps but the tree no longer does. docs/results/ holds to its pages' rules
+(bench/pages.py): every page reached from docs/README.md, its JSON beside it, no machine path, no run from an
+uncommitted tree."""
 from __future__ import annotations
 
 import re
@@ -12,6 +15,10 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 DOCS_PATH = re.compile(r"(?<![\w/.-])docs/[\w./-]+\.(?:md|json|png)\b")
 # Other projects' documents, cited by their path in those projects (Triton's docs/protocol, KServe's predict-api)
 OTHER_PROJECTS = ("docs/protocol/", "docs/predict-api/")
+# a page cited where git keeps it: its path, then "at commit REV" (code spans allowed)
+AT_COMMIT = re.compile(r"`? at commit `?([0-9a-f]{7,40})\b")
+# A run's own command in a results page says where that run wrote its report, since filed as a section of its page
+RUN_OUT = "--out "
 
 
 def tracked(*patterns: str) -> list[Path]:
@@ -38,6 +45,10 @@ def test_every_relative_link_in_the_docs_reaches_a_file():
     assert not broken, "\n".join(broken)
 
 
+def exists_at(commit: str, path: str) -> bool:
+    return subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=REPO, capture_output=True).returncode == 0
+
+
 def test_every_docs_path_mentioned_anywhere_exists():
     missing = set()
     for file in tracked():
@@ -47,15 +58,38 @@ def test_every_docs_path_mentioned_anywhere_exists():
             text = file.read_text()
         except UnicodeDecodeError:
             continue
-        for mention in DOCS_PATH.findall(text):
-            mention = mention.rstrip(".")
+        in_results = file.parent == REPO / "docs" / "results"
+        for found in DOCS_PATH.finditer(text):
+            mention = found[0].rstrip(".")
             if mention.startswith(OTHER_PROJECTS):
                 continue
-            if not (REPO / mention).exists():
+            if in_results and text[:found.start()].endswith(RUN_OUT):
+                continue
+            if at := AT_COMMIT.match(text, found.end()):
+                if not exists_at(at[1], mention):
+                    missing.add(f"{file.relative_to(REPO)}: {mention} is not at {at[1]}")
+            elif not (REPO / mention).exists():
                 missing.add(f"{file.relative_to(REPO)}: {mention}")
     assert not missing, "\n".join(sorted(missing))
 
 
+def test_a_path_at_a_commit_is_checked_there():
+    cited = "its run, `docs/results/bench-peers-cpu.md` at commit `3da9a7c`, is not repeated"
+    found = DOCS_PATH.search(cited)
+    at = AT_COMMIT.match(cited, found.end())
+    assert at[1] == "3da9a7c" and exists_at(at[1], found[0])
+    assert not exists_at(at[1], "docs/" + "no-such-page.md")
+
+
 def test_results_live_in_one_folder():
-    loose = [p.name for p in (REPO / "docs").iterdir() if p.name.startswith("bench")]
+    loose = [p.name for p in (REPO / "docs").iterdir() if re.match(r"bench[-.]", p.name)]  # a report, not a guide
     assert not loose, f"benchmark results belong under docs/results/: {loose}"
+
+
+def test_results_hold_to_the_pages_rules():
+    """One page per benchmark, each reached from docs/README.md with its JSON beside it, no path of the machine
+    that ran it, no run from an uncommitted tree (bench/pages.py `check`, as `python -m vitserve.bench.pages check`)."""
+    from vitserve.bench.pages import check
+
+    problems = check(REPO / "docs")
+    assert not problems, "\n".join(problems)

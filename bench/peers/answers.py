@@ -18,7 +18,7 @@ from vitserve.service.schemas.binary_tensors import HEADER_LENGTH
 TOLERANCE = 1e-4
 # a server computing in bfloat16 (8 bits of mantissa) against the float32 session: the default model's logits move by
 # up to 0.047 in bf16 (docs/results/bench-runtimes.md), ViT-S/16's by 0.39 of about 5
-# (docs/results/bench-runtimes-vit-s16.md)
+# (docs/results/bench-runtimes.md#vit-s16)
 BF16_TOLERANCE = 0.05
 
 

@@ -120,7 +120,8 @@ def _versions(env: dict, servers: list[str]) -> list[str]:
 def _commands(report: dict) -> list[str]:
     """How to rerun it, and what each server was started with (ports are chosen free for every start)."""
     lines = ["## Commands", "", "Rerun: `make bench-peers` (`.venv/bin/python -m vitserve.bench.peers --out "
-             "docs/results/bench-peers.md`; `vitserve bench --mode peers` is the same). It makes "
+             "build/bench/peers.md`, then `python -m vitserve.bench.pages put docs/results/bench-peers.md --section "
+             "vit-fmnist build/bench/peers.md`; `vitserve bench --mode peers` is the same). It makes "
              "build/peers/venv-triton and build/peers/venv-litserve with pinned versions (bench/peers/venvs.py) when "
              "absent and needs Debian's `wrk`.", "",
              "Servers, as started for the first model:", "", "```"]

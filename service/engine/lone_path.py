@@ -5,7 +5,7 @@ Behind one engine process every worker's images batch together on one queue, wha
 between the workers; but a lone request pays the way there and back (ZeroMQ, shared memory, the engine's loop). This
 takes that hop away from a lone request. It is an option, not `--engine auto`'s choice: on the 2-core EPYC, with
 OpenVINO's threads unpinned, a session in each worker served 32 clients with more answers (1,184-1,328 req/s against
-883-1,255) and one client as fast (docs/results/bench-peers-topology.md).
+883-1,255) and one client as fast (docs/results/bench-peers.md#topology).
 
 So a worker keeps both: the engine process (`RemoteEngine`) and a session of the same plan in the worker
 (`LocalEngine`, the file's plan on one thread: service/engine/serving_plan.py). A request runs on the worker's session

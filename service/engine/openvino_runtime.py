@@ -227,7 +227,7 @@ def pins_cores(threads: int, streams: int) -> bool:
     process may use (0: OpenVINO's own count, every core). OpenVINO pins by default, each process from the first
     core: two HTTP workers with a one-thread session each had both inferences on one core, while the other served
     HTTP alone. On a 2-core EPYC at 32 clients (the default model, bf16, a session in each of 2 workers): 711-836
-    req/s pinned, 1,184-1,328 unpinned on the image and OIP paths (docs/results/bench-peers-topology.md)."""
+    req/s pinned, 1,184-1,328 unpinned on the image and OIP paths (docs/results/bench-peers.md#topology)."""
     return threads == 0 or threads * streams >= usable_cores()
 
 

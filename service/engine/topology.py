@@ -7,7 +7,7 @@ session of one thread in each worker puts every core on the model with no image 
 this topology lose under load was OpenVINO pinning each process's inference thread to the same first core (both
 workers' inferences on one core, the other serving HTTP alone); unpinned where a model does not own every core
 (openvino_runtime.py `pins_cores`), on a 2-core AMD EPYC with AVX512-BF16, the default model on OpenVINO bf16,
-alternating rounds (docs/results/bench-peers-topology.md), it serves 32 clients with more answers than the engine
+alternating rounds (docs/results/bench-peers.md#topology), it serves 32 clients with more answers than the engine
 process and the lone-request path (service/engine/lone_path.py, the engine for every batch and a lone request in its
 worker: `--engine process --lone-request-path true`): 1,184 / 1,227 / 1,328 req/s on the image, OIP JSON and OIP
 binary paths against 891 / 1,171 / 1,069 and 883 / 1,076 / 1,255 (Triton's Python backend: 491 / 664 / 583, its p99
