@@ -28,11 +28,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from vitserve.artifact import ModelInfo
 from vitserve.budgets import Rung
 from vitserve.service.ground.errors import InvalidParameter
-from vitserve.service.ground.settings import Settings
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the engine's interface: the peers' venvs import it without them
+    from vitserve.service.ground.settings import Settings
 
 FULL = 0  # the index of the full budget in a ladder
 

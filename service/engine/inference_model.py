@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -20,7 +20,9 @@ from vitserve.service.engine.graph_paths import ModelPaths
 from vitserve.service.engine.serving_plan import ServingPlan
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
-from vitserve.service.ground.settings import Settings
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the runtimes: the peers' venvs compile models without them
+    from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
 

@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -32,7 +33,9 @@ from vitserve.service.engine.inference_model import (
 from vitserve.service.engine.pixels import DeviceNormaliser, PixelTable, engine_normalises
 from vitserve.service.engine.providers import CPU, CUDA, GPU_PROVIDERS, ORT_PROVIDERS
 from vitserve.service.ground.errors import ModelLoadError
-from vitserve.service.ground.settings import Provider, Settings
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the runtimes: the peers' venvs compile models without them
+    from vitserve.service.ground.settings import Provider, Settings
 
 log = logging.getLogger("vitserve.runtime")
 

@@ -20,6 +20,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -41,7 +42,9 @@ from vitserve.service.engine.providers import CPU, openvino_provider
 from vitserve.service.engine.serving_plan import tuning_dir
 from vitserve.service.ground.errors import ModelLoadError
 from vitserve.service.ground.processes import usable_cores
-from vitserve.service.ground.settings import Settings
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the runtimes: the peers' venvs compile models without them
+    from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
 

@@ -7,7 +7,10 @@ A loaded model's `provider` is one of these names: the one ONNX Runtime ran it o
 """
 from __future__ import annotations
 
-from vitserve.service.ground.settings import Provider
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the runtimes: the peers' venvs compile models without them
+    from vitserve.service.ground.settings import Provider
 
 TENSORRT, CUDA, CPU = "TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider"
 ORT_PROVIDERS: dict[Provider, str] = {"tensorrt": TENSORRT, "cuda": CUDA, "cpu": CPU}

@@ -26,13 +26,16 @@ import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx
 
 from vitserve.artifact import ModelInfo
 from vitserve.machine import cpu_model_name
 from vitserve.service.ground.processes import usable_cores
-from vitserve.service.ground.settings import Settings
+
+if TYPE_CHECKING:  # pydantic's settings stay out of the runtimes: the peers' venvs compile models without them
+    from vitserve.service.ground.settings import Settings
 
 log = logging.getLogger("vitserve.runtime")
 

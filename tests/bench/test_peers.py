@@ -7,6 +7,8 @@ from __future__ import annotations
 import email.parser
 import email.policy
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -495,6 +497,19 @@ def test_the_peer_on_openvino_runs_the_files_fast_graph_as_vitserves_openvino_ru
     np.testing.assert_allclose(logits, onnxruntime_peer.run(x)[0], atol=1e-4)
 
 
+def test_the_peers_work_imports_nothing_their_venvs_lack():
+    """Triton's venv holds numpy, Pillow, onnxruntime, onnx, openvino (and pydantic, through pytriton) but not
+    vitserve's web stack: the per-image work and the OpenVINO compile it runs import without pydantic-settings,
+    FastAPI, Starlette, uvicorn, prometheus-client or httpx (the server's settings are annotations there only)."""
+    blocked = ["pydantic_settings", "fastapi", "starlette", "uvicorn", "prometheus_client", "httpx"]
+    code = (f"import sys\nfor name in {blocked!r}:\n    sys.modules[name] = None\n"
+            "import vitserve.bench.peers.image_classifier\n"
+            "from vitserve.service.engine.graph_paths import split_paths\n"
+            "from vitserve.service.engine.openvino_runtime import OpenVinoModel\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 def test_peer_venvs_are_pinned_and_hold_no_torch():
     for peer, requirements in REQUIREMENTS.items():
         assert all("==" in r for r in requirements), peer
@@ -643,6 +658,21 @@ def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_reque
     bf16 = server_spec("vitserve-bf16", tmp_path / "m.onnx", {}, None)
     assert bf16.name == "vitserve-bf16"
     assert (bf16.env["VITSERVE_RUNTIME"], bf16.env["VITSERVE_PRECISION_HINT"]) == ("openvino", "bf16")
+
+
+def test_the_fastapi_app_is_a_server_on_request_in_vitserves_environment(tmp_path, png, pixels):
+    from vitserve.bench.peers.config import family
+    from vitserve.bench.peers.run import server_spec
+    spec = server_spec("fastapi", tmp_path / "m.onnx", {}, None)
+    assert spec.name == "fastapi" and spec.argv[0] == sys.executable and spec.ready_paths == ["/ready"]
+    assert spec.argv[1:4] == ["-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app"]
+    assert spec.env == {"MODEL_PATH": str((tmp_path / "m.onnx").resolve())}
+    assert family("fastapi") == "fastapi" and SERVED_PATHS["fastapi"] == ("image",)
+    request = peer_request("fastapi", "image", png, pixels, "")
+    assert request.target == "/classify" and request.body == multipart_image(png)[0]
+    with pytest.raises(ValueError):
+        peer_request("fastapi", "oip-json", png, pixels, "")
+    assert "fastapi" not in config_from({}, False).servers  # on request only
 
 
 def test_triton_on_openvino_is_tritons_requests_at_a_precision(tmp_path):
