@@ -1,4 +1,5 @@
-"""`vitserve predict IMAGE...`: the top-k classes of each image as a table, and its rollout overlay as a PNG.
+"""`vitserve predict IMAGE...`: the top-k classes of each image as a table, and with `--out-dir` its map overlay as
+a PNG there (nothing is written without it: an image's own folder is no place for our output).
 
 With `--url` the images go to a running server (`POST /v1/classify`); without, to the service's own app in this
 process (the same use case, plan, preprocessing and encoding as `vitserve serve`; no port opened), so the answers
@@ -13,6 +14,8 @@ import io
 import logging
 import math
 import mimetypes
+import re
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,11 +54,13 @@ class Predictor:
                                         "map": self.map if want_overlay else "none"}
         if want_overlay:
             params["map_format"] = "overlay"
-        if self.target is not None:
+        if want_overlay and self.target is not None:  # the server refuses a target without the map it explains
             params["target"] = self.target
         try:
             r = await self.client.post("/v1/classify", params=params,
                                        files={"file": (image.name, image.read_bytes(), media_type)})
+        except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+            raise ServerUnreachable(connect_failure(e)) from e
         except httpx.HTTPError as e:
             return Prediction(image, error=f"connection_failed: {self.client.base_url}: {e}")
         body = _json_or_none(r)
@@ -68,6 +73,34 @@ class Predictor:
         if shown:
             result.overlay_png = base64.b64decode(shown["data"])
         return result
+
+
+class ServerUnreachable(Exception):
+    """No connection to the `--url` server: every image would fail alike, so the command stops with one line."""
+
+
+def connect_failure(error: Exception) -> str:
+    """Why a connection failed, in a few words. The operating system's error is the innermost of the chain: over
+    asyncio, httpx's own message for a refused connection is only "All connection attempts failed"."""
+    import httpx
+
+    links: list[BaseException] = [error]
+    while (cause := links[-1].__cause__ or links[-1].__context__) is not None and cause not in links:
+        links.append(cause)
+    for link in reversed(links):
+        if isinstance(link, ConnectionRefusedError):
+            return "connection refused"
+        if isinstance(link, socket.gaierror):
+            return f"unknown host: {link.strerror}"
+        if isinstance(link, TimeoutError | httpx.TimeoutException):
+            return "no answer to the connection"
+    return re.sub(r"^\[Errno -?\d+\]\s*", "", " ".join(str(error).split())) or type(error).__name__
+
+
+def unreachable_line(url: str, reason: str) -> str:
+    """The one line for a server that cannot be reached: the URL as given, why, and what to check."""
+    return (f"vitserve predict: cannot reach {url} ({reason}): is `vitserve serve` running there, and is the URL "
+            f"right?")
 
 
 @contextlib.asynccontextmanager
@@ -133,16 +166,16 @@ def _json_or_none(response) -> dict | None:
     return body if isinstance(body, dict) else None
 
 
-def overlay_path(image: Path, out_dir: Path | None, map_kind: str = "rollout") -> Path:
-    """`photo.jpg` -> `photo.rollout.png` (or `photo.relevance.png`), beside the image or in `out_dir`."""
-    return (out_dir or image.parent) / f"{image.stem}.{map_kind}.png"
+def overlay_path(image: Path, out_dir: Path, map_kind: str = "rollout") -> Path:
+    """`photo.jpg` -> `out_dir/photo.rollout.png` (or `photo.relevance.png`)."""
+    return out_dir / f"{image.stem}.{map_kind}.png"
 
 
-def overlay_paths(images: list[Path], out_dir: Path | None, map_kind: str = "rollout") -> dict[Path, Path]:
+def overlay_paths(images: list[Path], out_dir: Path, map_kind: str = "rollout") -> dict[Path, Path]:
     """Each image's overlay file, no two images of one command on the same file: `overlay_path`'s name, unless
-    another image would get it too (`a.png` and `a.jpg`, or two folders' `a.png` into one `--out-dir`); those keep
-    their extension (`a.png.rollout.png`), and what still collides is numbered in the order given
-    (`a.png.rollout-2.png`). An image named twice is one image, with one file."""
+    another image would get it too (`a.png` and `a.jpg`, or two folders' `a.png`); those keep their extension
+    (`a.png.rollout.png`), and what still collides is numbered in the order given (`a.png.rollout-2.png`). An image
+    named twice is one image, with one file."""
     unique = list(dict.fromkeys(images))
     plain = {image: overlay_path(image, out_dir, map_kind) for image in unique}
     shared = {path for path in plain.values() if list(plain.values()).count(path) > 1}
@@ -192,10 +225,10 @@ def format_table(results: list[Prediction]) -> str:
 
 def add_predict_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "predict", help="classify images: top-k table and rollout overlay PNGs",
-        description="Prints the top-k classes of each image and writes its attention-rollout overlay as "
-                    "IMAGE.rollout.png (IMAGE.EXT.rollout.png where two images share a name). With --url, asks a "
-                    "running server; otherwise runs the ONNX model here.",
+        "predict", help="classify images: a top-k table, and map overlay PNGs with --out-dir",
+        description="Prints the top-k classes of each image. With --out-dir DIR, also writes its map over the image "
+                    "as DIR/IMAGE.rollout.png (IMAGE.EXT.rollout.png where two images share a name); without it, "
+                    "writes no file. With --url, asks a running server; otherwise runs the ONNX model here.",
         formatter_class=DefaultsHelpFormatter)
     p.add_argument("images", nargs="+", type=Path, metavar="IMAGE")
     p.add_argument("--url", help="a running server, e.g. http://127.0.0.1:8000 (default: run the model locally)")
@@ -203,8 +236,9 @@ def add_predict_parser(subparsers) -> None:
     p.add_argument("--top-k", type=int, default=5, help="classes to show per image")
     p.add_argument("--resize", choices=("fit", "native"), default="fit",
                    help="fit: scale and centre-crop to the trained size; native: keep the aspect ratio")
-    p.add_argument("--out-dir", type=Path, help="where overlays go (default: beside each image)")
-    p.add_argument("--no-overlay", action="store_true", help="print the table only")
+    p.add_argument("--out-dir", type=Path, metavar="DIR",
+                   help="write each image's map overlay there as a PNG (default: no files written)")
+    p.add_argument("--no-overlay", action="store_true", help="print the table only, even with --out-dir")
     p.add_argument("--map", choices=("rollout", "relevance"), default="rollout",
                    help="the overlay's map: attention rollout, or the relevance of a class (--target)")
     p.add_argument("--target", help="with --map relevance: the class to explain, index or label (default: top-1)")
@@ -218,13 +252,19 @@ def run_predict(args) -> int:
         raise SystemExit("vitserve predict: --top-k must be at least 1")
     if args.target is not None and args.map != "relevance":
         raise SystemExit("vitserve predict: --target needs --map relevance")
+    if args.url and not args.url.lower().startswith(("http://", "https://")):
+        raise SystemExit(f"vitserve predict: --url takes http:// or https://, as in http://{args.url}")
     if not args.url:
         checked_model(args.model, args.map, args.target)
-    if args.out_dir:
+    want_overlay = args.out_dir is not None and not args.no_overlay
+    if want_overlay:
         args.out_dir.mkdir(parents=True, exist_ok=True)
-    results = asyncio.run(_predict_all(args))
+    try:
+        results = asyncio.run(_predict_all(args, want_overlay))
+    except ServerUnreachable as e:
+        raise SystemExit(unreachable_line(args.url, str(e))) from None
     written = []
-    destinations = overlay_paths(args.images, args.out_dir, args.map)
+    destinations = overlay_paths(args.images, args.out_dir, args.map) if want_overlay else {}
     for result in results:
         if result.overlay_png:
             path = destinations[result.image]
@@ -233,10 +273,12 @@ def run_predict(args) -> int:
     print(format_table(results))
     for path, existed in written:
         print(f"{'replaced' if existed else 'wrote'} {path}")
+    if args.out_dir is None and not args.no_overlay and any(r.predictions for r in results):
+        print(f"--out-dir DIR saves each image's {args.map} map over it as a PNG")
     return 1 if any(r.error for r in results) else 0
 
 
-async def _predict_all(args) -> list[Prediction]:
+async def _predict_all(args, want_overlay: bool) -> list[Prediction]:
     import httpx
 
     client: contextlib.AbstractAsyncContextManager[httpx.AsyncClient]
@@ -246,5 +288,5 @@ async def _predict_all(args) -> list[Prediction]:
         client = in_process(args.model)
     async with client as connected:
         predictor = Predictor(connected, args.top_k, args.resize, args.map, args.target)
-        return [await predictor.predict(image, want_overlay=not args.no_overlay) if image.is_file()
+        return [await predictor.predict(image, want_overlay) if image.is_file()
                 else Prediction(image, error="not_found: no such file") for image in args.images]

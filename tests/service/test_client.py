@@ -4,6 +4,8 @@ from __future__ import annotations
 import io
 import math
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -37,7 +39,7 @@ def parse_table(text: str) -> dict[str, list[tuple[int, str, float]]]:
     assert set(lines[1]) == {"-"}
     table, current = {}, None
     for line in lines[2:]:
-        if line.startswith(("wrote ", "replaced ")):
+        if line.startswith(("wrote ", "replaced ", "--out-dir ")):
             continue
         m = ROW.match(line)
         assert m, f"unexpected row {line!r}"
@@ -55,7 +57,7 @@ def check_predictions(table, images, k):
         assert scores == sorted(scores, reverse=True) and 0 < sum(scores) <= 1.0001
 
 
-def check_overlays(images, out_dir=None):
+def check_overlays(images, out_dir):
     for image in images:
         with Image.open(overlay_path(image, out_dir)) as overlay, Image.open(image) as source:
             assert overlay.format == "PNG" and overlay.mode == "RGB"
@@ -66,15 +68,32 @@ def check_overlays(images, out_dir=None):
 
 
 @pytest.mark.parametrize("resize", ["fit", "native"])
-def test_predict_locally_prints_top_k_and_writes_overlays(tiny_onnx, images, capsys, resize):
-    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "2", "--resize", resize]) == 0
+def test_predict_locally_prints_top_k_and_writes_overlays_into_out_dir(tiny_onnx, images, tmp_path, capsys, resize):
+    out_dir = tmp_path / "maps"
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "2", "--resize", resize,
+                 "--out-dir", str(out_dir)]) == 0
     out = capsys.readouterr().out
     check_predictions(parse_table(out), images, k=2)
-    check_overlays(images)
-    assert images[0].with_name("pattern.rollout.png").is_file()
-    assert f"wrote {images[1].with_name('photo.rollout.png')}" in out
-    assert main(["predict", str(images[1]), "--model", str(tiny_onnx), "--resize", resize]) == 0
-    assert f"replaced {images[1].with_name('photo.rollout.png')}" in capsys.readouterr().out  # never silently
+    check_overlays(images, out_dir)
+    assert f"wrote {out_dir / 'photo.rollout.png'}" in out and "--out-dir DIR" not in out
+    assert main(["predict", str(images[1]), "--model", str(tiny_onnx), "--resize", resize,
+                 "--out-dir", str(out_dir)]) == 0
+    assert f"replaced {out_dir / 'photo.rollout.png'}" in capsys.readouterr().out  # never silently
+
+
+def test_predict_without_out_dir_writes_no_file_and_says_how_to_save_the_maps(tiny_onnx, images, capsys,
+                                                                              monkeypatch):
+    """An image's folder (examples/ of a checkout) is not ours to write in: without --out-dir the table is all."""
+    monkeypatch.chdir(images[0].parent)  # where a relative path would land, too
+    before = sorted(images[0].parent.rglob("*"))
+    assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--map", "relevance", "--target", "dog"]) == 0
+    out = capsys.readouterr().out
+    check_predictions(parse_table(out), images, k=3)
+    assert sorted(images[0].parent.rglob("*")) == before
+    assert out.splitlines()[-1] == "--out-dir DIR saves each image's relevance map over it as a PNG"
+    assert main(["predict", str(images[0]), "--model", str(tiny_onnx), "--no-overlay"]) == 0
+    assert "--out-dir" not in capsys.readouterr().out  # the table only, as asked
+    assert sorted(images[0].parent.rglob("*")) == before
 
 
 def test_predict_top_k_is_capped_at_the_class_count_and_out_dir_is_used(tiny_onnx, images, tmp_path, capsys):
@@ -103,11 +122,11 @@ def test_images_that_share_a_name_get_overlays_of_their_own(tiny_onnx, tmp_path,
     assert sorted(p.name for p in out_dir.iterdir()) == sorted(Path(path).name for _, path in written)
 
 
-def test_overlay_paths_beside_each_image_collide_only_within_a_folder(tmp_path):
-    one, two = tmp_path / "one", tmp_path / "two"
-    paths = overlay_paths([one / "a.png", two / "a.png", one / "a.jpg", one / "a.png"], None)
-    assert paths == {one / "a.png": one / "a.png.rollout.png", two / "a.png": two / "a.rollout.png",
-                     one / "a.jpg": one / "a.jpg.rollout.png"}
+def test_overlay_paths_keep_images_of_one_name_apart(tmp_path):
+    one, two, out = tmp_path / "one", tmp_path / "two", tmp_path / "out"
+    paths = overlay_paths([one / "a.png", two / "a.png", one / "a.jpg", one / "a.png", one / "b.png"], out)
+    assert paths == {one / "a.png": out / "a.png.rollout.png", two / "a.png": out / "a.png.rollout-2.png",
+                     one / "a.jpg": out / "a.jpg.rollout.png", one / "b.png": out / "b.rollout.png"}
 
 
 def test_predict_reports_a_bad_image_on_its_row_and_goes_on(tiny_onnx, images, tmp_path, capsys):
@@ -171,12 +190,45 @@ def test_predict_relevance_overlays_locally_and_via_a_server(tiny_onnx, images, 
         main(["predict", str(images[0]), "--model", str(tiny_onnx), "--map", "relevance", "--target", "horse"])
 
 
-def test_predict_via_url_reports_an_unreachable_server(images, capsys):
+def test_predict_via_url_names_an_unreachable_server_in_one_line(images):
+    """Nothing listening: one line on stderr naming the URL and what to check, exit status 1 as any command's error;
+    not a table of rows that each say "connection refused"."""
     from service_fixtures import free_port
 
-    assert main(["predict", str(images[0]), "--url", f"http://127.0.0.1:{free_port()}", "--timeout", "2"]) == 1
-    out = capsys.readouterr().out
-    assert re.search(r"error\s+connection_failed: http://127\.0\.0\.1:\d+: ", out), out  # the URL named
+    url = f"http://127.0.0.1:{free_port()}"
+    done = subprocess.run([sys.executable, "-m", "vitserve.cli", "predict", str(images[0]), "--url", url,
+                           "--timeout", "5"], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (1, ""), done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
+    assert done.stderr == f"vitserve predict: cannot reach {url} (connection refused): is `vitserve serve` running " \
+                          f"there, and is the URL right?\n"
+    with pytest.raises(SystemExit, match=r"--url takes http:// or https://, as in http://127\.0\.0\.1:8000$"):
+        main(["predict", str(images[0]), "--url", "127.0.0.1:8000"])
+
+
+def test_a_connection_failure_is_named_by_the_operating_systems_error_under_httpxs():
+    import socket
+
+    import httpx
+
+    from vitserve.service.client import connect_failure
+
+    def failed(cause: BaseException) -> httpx.ConnectError:
+        try:
+            try:
+                raise cause
+            except OSError as e:
+                raise OSError("All connection attempts failed") from e
+        except OSError as e:
+            error = httpx.ConnectError(str(e))
+            error.__cause__ = e
+            return error
+
+    assert connect_failure(failed(ConnectionRefusedError(111, "Connect call failed"))) == "connection refused"
+    assert connect_failure(failed(socket.gaierror(-2, "Name or service not known"))) == \
+        "unknown host: Name or service not known"
+    assert connect_failure(httpx.ConnectTimeout("timed out")) == "no answer to the connection"
+    assert connect_failure(httpx.ConnectError("[Errno 101] Network is unreachable")) == "Network is unreachable"
 
 
 def test_a_small_overlay_is_enlarged_in_whole_blocks_for_display():
