@@ -114,6 +114,10 @@ class ClassifyResponse(BaseModel):
                                                    "model file exported without it (`vitserve export --eval`)")
     budget: Budget | None = Field(None, description="the token budget the answer used")
     timing_ms: Timing
+    # Absent, not null, when there is nothing to say: an answer to a request that was not capped is unchanged.
+    warnings: list[str] | None = Field(None, exclude_if=lambda value: value is None, description=(
+        "where the answer differs from what the request asked, each in a sentence; present only then. A top_k above "
+        "the model's class count: \"top_k=1000 is more than the model's 10 classes: all 10 are returned\""))
 
 
 class ImageEmbedding(BaseModel):

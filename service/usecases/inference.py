@@ -69,6 +69,7 @@ class ClassifyOptions:
     service/http/routes/classify.py)."""
 
     top_k: int = 5
+    top_k_asked: bool = False  # the request named its top_k: the answer says when the model has fewer classes
     map: MapKind = "rollout"
     map_format: RolloutFormat = "grid"
     resize: ResizePolicy = "fit"
@@ -135,13 +136,15 @@ async def classify(call: Call, image: bytes, options: ClassifyOptions) -> Classi
                     total=_ms(time.perf_counter() - call.started))
     ood = _ood(state, info, outputs.get(OOD_SCORE_NAME))
     ref = model_ref(info.name, info.version)
+    capped = postprocess.top_k_capped(options.top_k, len(info.labels)) if options.top_k_asked else None
+    warnings = [capped] if capped else None
     if options.map == "relevance":
         assert target is not None, "the options of a relevance map name its class"
         body = _explained(map_body, info, logits, target)
         return ClassifyResponse(model=ref, predictions=predictions, rollout=None, relevance=body, ood=ood,
-                                budget=budget, timing_ms=timing)
+                                budget=budget, timing_ms=timing, warnings=warnings)
     return ClassifyResponse(model=ref, predictions=predictions, rollout=map_body, ood=ood, budget=budget,
-                            timing_ms=timing)
+                            timing_ms=timing, warnings=warnings)
 
 
 async def classify_image(call: Call, upload: Upload, options: ClassifyOptions) -> ClassifyResponse:

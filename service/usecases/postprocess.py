@@ -30,6 +30,13 @@ def top_k(probabilities: np.ndarray, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(probabilities[i])) for i in order]
 
 
+def top_k_capped(k: int, classes: int) -> str | None:
+    """The sentence that says a request's top_k was more than the model's classes, or None when it was not."""
+    if k <= classes:
+        return None
+    return f"top_k={k} is more than the model's {classes} classes: all {classes} are returned"
+
+
 def six_places(grid: np.ndarray) -> list[list[float]]:
     """The grid's values rounded to 6 decimal places (short in JSON), as nested lists: in numpy, not a Python
     `round` per value (196 of them were most of a /v1 answer's postprocessing). n / 1e6 is the double nearest to the

@@ -79,6 +79,39 @@ async def test_top_k_rollout_and_resize_parameters(settings, tiny_model):
     assert tuple(heat[20, 0]) == (48, 18, 59)  # fit crops 20 px either side: no attention there
 
 
+async def test_a_top_k_above_the_class_count_is_answered_with_every_class_and_says_so(settings, tiny_model):
+    """The tiny model has 3 classes: top_k=1000 gets all 3 and a warning; a top_k the model can meet, or none sent
+    (the default 5 is a ceiling, not a request), gets the same answer as before, without the field."""
+    data = patterned_png()
+    files = [("file", ("a.png", data, "image/png")), ("file", ("b.png", b"garbage", "image/png"))]
+    async with serving(settings, tiny_model) as client:
+        capped = (await classify(client, data, top_k=1000, rollout="none")).json()
+        exact = (await classify(client, data, top_k=3, rollout="none")).json()
+        unsent = (await classify(client, data, rollout="none")).json()
+        batch = (await client.post("/v1/classify/batch", params={"top_k": 4, "rollout": "none"}, files=files)).json()
+        too_many = [await classify(client, data, top_k=k) for k in (1001, 10**30)]
+        batch_too_many = await client.post("/v1/classify/batch", params={"top_k": 1001}, files=files[:1])
+    assert capped["warnings"] == ["top_k=1000 is more than the model's 3 classes: all 3 are returned"]
+    assert capped["predictions"] == exact["predictions"] == unsent["predictions"] and len(exact["predictions"]) == 3
+    assert "warnings" not in exact and "warnings" not in unsent
+    assert batch["results"][0]["warnings"] == ["top_k=4 is more than the model's 3 classes: all 3 are returned"]
+    assert batch["results"][1] == {"error": {"code": "invalid_image", "message": "not a recognisable image"}}
+    for response in (*too_many, batch_too_many):  # the limit is a 422 in /v1's error shape, before any work
+        assert_error(response, 422, "invalid_parameter")
+        assert "query.top_k" in response.json()["error"]["message"]
+
+
+async def test_the_openapi_document_describes_the_top_k_warning(settings, tiny_model):
+    async with serving(settings, tiny_model) as client:
+        spec = (await client.get("/openapi.json")).json()
+    classify = spec["paths"]["/v1/classify"]["post"]
+    answer = classify["responses"]["200"]["content"]["application/json"]["schema"]
+    assert "warnings" in answer["properties"] and "warnings" not in answer["required"]
+    assert "top_k=1000 is more than the model's 10 classes" in answer["properties"]["warnings"]["description"]
+    top_k = next(p for p in classify["parameters"] if p["name"] == "top_k")
+    assert "`warnings` says so" in top_k["description"] and top_k["schema"]["maximum"] == 1000
+
+
 @pytest.mark.parametrize("params", [{"top_k": 0}, {"top_k": "three"}, {"rollout": "svg"}, {"resize": "stretch"}])
 async def test_invalid_parameters_are_422(settings, tiny_model, params):
     async with serving(settings, tiny_model) as client:

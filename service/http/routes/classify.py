@@ -27,6 +27,7 @@ from vitserve.service.usecases.pipeline import Call
 
 IMAGE_BODY = image_body(several=False)
 BATCH_BODY = image_body(several=True, raw=False)
+MAX_TOP_K = 1000  # above it a 422, before any work: every class of an ImageNet-1k model
 
 
 class BudgetQuery(BaseModel):
@@ -46,7 +47,9 @@ class ClassifyQuery(BudgetQuery):
     by the route table."""
 
     model_config = ConfigDict(extra="ignore")
-    top_k: int = Field(5, ge=1, le=1000, description="classes to return (capped at the model's class count)")
+    top_k: int = Field(5, ge=1, le=MAX_TOP_K, description=(
+        "classes to return, at most the model's class count: a top_k above it gets every class, and the answer's "
+        "`warnings` says so"))
     map_kind: MapKind | None = Field(None, alias="map", description=(
         "rollout: attention rollout, how attention flows from the class token (the same map for every class); "
         "relevance: what each patch added to one class's score, signed (a backward pass: about 2.6x a rollout "
@@ -78,6 +81,7 @@ class ClassifyParams:
         if query.target is not None and self.map != "relevance":
             raise InvalidParameter("target names the class to explain: it needs map=relevance")
         self.top_k, self.target, self.resize = query.top_k, query.target, query.resize
+        self.top_k_asked = "top_k" in query.model_fields_set
         self.max_tokens, self.degrade = query.max_tokens, query.degrade != "never"
         self.model, self.version = query.model, query.version
 
@@ -85,8 +89,9 @@ class ClassifyParams:
         """The use case's options, the class to explain resolved with the model's labels (before any upload is
         read)."""
         target_index = relevance_target(self.target, info) if self.map == "relevance" else None
-        return ClassifyOptions(self.top_k, self.map, self.map_format, self.resize, target_index, self.max_tokens,
-                               self.degrade)
+        return ClassifyOptions(top_k=self.top_k, top_k_asked=self.top_k_asked, map=self.map,
+                               map_format=self.map_format, resize=self.resize, target_index=target_index,
+                               max_tokens=self.max_tokens, degrade=self.degrade)
 
 
 async def classify(request: Request, path: dict[str, str]) -> Response:
