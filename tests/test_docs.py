@@ -6,9 +6,12 @@ that commit instead: a page git keeps but the tree no longer does. docs/results/
 uncommitted tree."""
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 from pathlib import Path
+
+import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
@@ -45,8 +48,19 @@ def test_every_relative_link_in_the_docs_reaches_a_file():
     assert not broken, "\n".join(broken)
 
 
+def git_ok(*args: str) -> bool:
+    return subprocess.run(["git", *args], cwd=REPO, capture_output=True).returncode == 0
+
+
+# A shallow clone lacks the commits a page cites for an earlier run: there those citations cannot be checked
+SHALLOW = subprocess.run(["git", "rev-parse", "--is-shallow-repository"], cwd=REPO, capture_output=True,
+                         text=True).stdout.strip() == "true"
+
+
 def exists_at(commit: str, path: str) -> bool:
-    return subprocess.run(["git", "cat-file", "-e", f"{commit}:{path}"], cwd=REPO, capture_output=True).returncode == 0
+    if SHALLOW and not git_ok("cat-file", "-e", f"{commit}^{{commit}}"):
+        return True
+    return git_ok("cat-file", "-e", f"{commit}:{path}")
 
 
 def test_every_docs_path_mentioned_anywhere_exists():
@@ -73,6 +87,7 @@ def test_every_docs_path_mentioned_anywhere_exists():
     assert not missing, "\n".join(sorted(missing))
 
 
+@pytest.mark.skipif(SHALLOW, reason="a shallow clone lacks the commit cited")
 def test_a_path_at_a_commit_is_checked_there():
     cited = "its run, `docs/results/bench-peers-cpu.md` at commit `3da9a7c`, is not repeated"
     found = DOCS_PATH.search(cited)
@@ -93,3 +108,27 @@ def test_results_hold_to_the_pages_rules():
 
     problems = check(REPO / "docs")
     assert not problems, "\n".join(problems)
+
+
+# The README's headline rows, by the server each names (bench/peers/config.py)
+HEADLINE_SERVERS = {"**vitserve**": "vitserve", "Triton 2.51, Python backend, ONNX Runtime": "triton",
+                    "Triton 2.51, Python backend, OpenVINO": "triton-bf16", "the 20-line FastAPI app": "fastapi"}
+
+
+def test_the_readmes_headline_table_is_the_run_its_page_holds():
+    """Every figure of the README's speed table and its command are those of docs/results/bench-peers.md's
+    `vit-s16-headline` section (a rerun filed there and not copied to the README fails here)."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("## How fast, against what", 1)[1].split("\n## ", 1)[0]
+    run = json.loads((REPO / "docs" / "results" / "bench-peers.json").read_text())["sections"]["vit-s16-headline"]
+    summary = {e["connections"]: e for e in run["models"][0]["summary"] if e["path"] == "image"}
+    rows = re.findall(r"^\| (.+?) \| ([\d,.]+) \| ([\d,.]+) \| ([\d,.]+) \| ([\d,.]+) \|", section, re.M)
+    shown = {next(server for label, server in HEADLINE_SERVERS.items() if row[0].startswith(label)):
+             [float(v.replace(",", "")) for v in row[1:]] for row in rows}
+    assert "vitserve" in shown and "triton" in shown and "fastapi" in shown
+    for server, (one_rate, one_p50, many_rate, many_p99) in shown.items():
+        one, many = summary[1][server], summary[32][server]
+        assert (one_rate, one_p50, many_rate) == (round(one["ok_per_s"], 1), round(one["p50_ms"], 1),
+                                                  round(many["ok_per_s"], 1)), server
+        assert many_p99 == round(many["p99_ms"]), server
+    assert f"`{run['command'].split(' --out ')[0]}`" in section and run["environment"]["uncommitted_files"] == 0
