@@ -169,6 +169,7 @@ def bare_layer_imports(root: Path, folders: tuple[str, ...]) -> list[str]:
             for line, module in imported_modules(path, root) if module.split(".")[0] in LAYERS]
 
 
+@pytest.mark.slow
 def test_every_layer_is_imported_under_vitserve(tmp_path):
     assert bare_layer_imports(ROOT, (*LAYERS, "vitserve", "tests")) == []
     (tmp_path / "tests").mkdir()
@@ -178,6 +179,7 @@ def test_every_layer_is_imported_under_vitserve(tmp_path):
                                                         "tests/test_x.py:4 imports service"]
 
 
+@pytest.mark.slow
 def test_the_install_puts_only_vitserve_on_the_path(tmp_path):
     """From a directory outside the checkout, the installed project (editable here, as `make setup-dev` makes it)
     gives every layer as vitserve.<layer>, from this checkout, and none of them by its bare name."""
@@ -209,6 +211,7 @@ def test_a_second_checkout_on_pythonpath_imports_its_own_layers(tmp_path):
     assert Path(done.stdout.strip()).resolve() == other / "service" / "ground" / "settings.py"
 
 
+@pytest.mark.slow
 def test_the_wheel_holds_one_top_level_name(tmp_path):
     """`pip install .` installs what setup.py packs: every layer of the product inside vitserve/, with the web
     page's files; the benchmark stays in the checkout."""

@@ -70,6 +70,7 @@ def _request(body: bytes) -> Request:
     return Request(body.decode(), encode_request("POST", "/", body))
 
 
+@pytest.mark.slow
 def test_open_loop_follows_every_scheduled_request_to_exactly_one_outcome():
     answers = {b"ok": "200", b"busy": "429", b"oops": "503", b"drop": "drop", b"slow": "hang"}
     abandoned = Request("abandon", encode_request("POST", "/", b"0123456789")[:-7], hang_up=True)
@@ -125,6 +126,7 @@ def test_a_request_on_a_connection_the_server_closed_while_idle_goes_again_on_a_
     assert len(connections) == 2
 
 
+@pytest.mark.slow
 def test_requests_finding_every_connection_busy_are_counted_not_sent():
     async def scenario():
         server, port, _ = await _scripted_server({b"ok": "200"}, delay_s=1.0)
@@ -176,6 +178,7 @@ def test_overload_targets_compare_each_figure_with_the_issue():
     assert short_deadline[2:4] == [False, None]  # 3x unloaded p99 above the deadline: that target does not apply
 
 
+@pytest.mark.slow
 def test_a_short_overload_run_on_the_tiny_model_accounts_for_every_request(tiny_onnx, tmp_path):
     # the server and the load generator on cores of their own, where there are two
     every = tuple(sorted(os.sched_getaffinity(0)))
@@ -272,6 +275,7 @@ def test_arms_and_checkouts_do_not_combine_and_arms_are_named(tmp_path):
 _PERCENT_OR_NA = r"(\d+\.\d\d%|n/a)"
 
 
+@pytest.mark.slow
 def test_refusing_and_degrading_arms_alternate_on_one_saturation_at_the_full_budget(tiny_onnx, tmp_path):
     # one factor keeps the test to three servers; the report of two is rendered from its runs below
     cfg = ReliabilityConfig(mode="overload", model=str(tiny_onnx), arms=["refuse", "degrade"],

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from vitserve.bench.raw import bench_raw, benchmark, images_per_second
 
@@ -26,6 +27,7 @@ def test_images_per_second_warms_up_then_makes_at_least_three_timed_calls():
     assert rate > 0
 
 
+@pytest.mark.slow
 def test_benchmark_rows(tiny_vit):
     rows = benchmark(tiny_vit, [1, 2], threads=1, min_seconds=0.05)
     keys = {(r["runtime"], r["rollout"], r["batch"]) for r in rows}

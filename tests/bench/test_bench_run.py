@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from PIL import Image
 
 from vitserve.cli import main
+
+pytestmark = pytest.mark.slow  # the whole benchmark, end to end
 
 
 def test_bench_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):

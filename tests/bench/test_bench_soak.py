@@ -63,6 +63,7 @@ def test_soak_summary_reports_levels_and_slopes_per_minute():
     assert slope_per_minute(samples[:2], "rss_mb") != slope_per_minute(samples[:2], "rss_mb")  # NaN: too few
 
 
+@pytest.mark.slow
 def test_a_short_head_of_line_run_on_the_tiny_model(tiny_onnx, tmp_path):
     cfg = ReliabilityConfig(mode="hol", model=str(tiny_onnx), hol_rate=20.0, hol_repeats=1, hol_png_side=256,
                             hol_oip_shape=(2, 32, 32), hol_phase_s=0.3, settle_s=0.2, log_dir=tmp_path)
@@ -80,6 +81,7 @@ def test_a_short_head_of_line_run_on_the_tiny_model(tiny_onnx, tmp_path):
     assert "## Heavy requests and memory" in render_head_of_line(report)
 
 
+@pytest.mark.slow
 def test_a_short_soak_on_the_tiny_model_counts_every_kind(tiny_onnx, tmp_path):
     cfg = ReliabilityConfig(mode="soak", model=str(tiny_onnx), soak_minutes=0.05, soak_rate=40.0, sample_s=0.5,
                             settle_s=0.2, log_dir=tmp_path)

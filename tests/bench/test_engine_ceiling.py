@@ -24,6 +24,7 @@ def test_the_zero_cost_model_is_an_artifact_that_computes_its_means(tmp_path):
     assert rollout.shape == (3, 1, 1)
 
 
+@pytest.mark.slow
 def test_a_short_level_through_a_real_engine_process_counts_images(tmp_path):
     from vitserve.bench.engine_ceiling import main
 

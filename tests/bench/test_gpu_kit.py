@@ -13,6 +13,7 @@ from vitserve.bench.gpu import CPU, CUDA, main
 pytest.importorskip("onnxruntime")
 
 
+@pytest.mark.slow
 def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_checkpoint, tiny_onnx, tmp_path):
     import onnxruntime as ort
     if CUDA in ort.get_available_providers():
@@ -42,6 +43,7 @@ def test_without_a_gpu_the_kit_checks_itself_and_says_what_it_skipped(tiny_check
     assert "skipped" in out.read_text() and "no GPU" in out.read_text()
 
 
+@pytest.mark.slow
 def test_the_kit_exports_in_a_child_process_and_says_why_it_failed(tiny_checkpoint, tmp_path):
     """The kit's own export: `vitserve export` in a child process (on a GPU machine, torch stays out of the process
     that measures), written under a temporary name so that a failed export never leaves a file the kit would reuse.
@@ -56,6 +58,7 @@ def test_the_kit_exports_in_a_child_process_and_says_why_it_failed(tiny_checkpoi
     assert export_file("default", "fp32", tmp_path / "work", tmp_path / "no-such-checkpoint") == made  # made once
 
 
+@pytest.mark.slow
 def test_a_preset_is_exported_with_its_overrides_and_without_the_relevance_path_the_kit_does_not_use(tmp_path):
     pytest.importorskip("torch")
     from vitserve.bench.gpu import export_file

@@ -9,6 +9,7 @@ import pytest
 from vitserve.bench.interference import NEIGHBOUR, main, photo_png
 
 
+@pytest.mark.slow
 def test_the_neighbour_prepares_photos_until_it_is_stopped(tiny_onnx, tmp_path):
     png = tmp_path / "photo.png"
     png.write_bytes(photo_png((224, 224)))
@@ -22,6 +23,7 @@ def test_the_neighbour_prepares_photos_until_it_is_stopped(tiny_onnx, tmp_path):
         process.wait()
 
 
+@pytest.mark.slow
 def test_each_arrangement_runs_quiet_and_beside_the_neighbour(tiny_onnx, tmp_path, capsys):
     out = tmp_path / "interference.md"
     main(["--model", str(tiny_onnx), "--seconds", "1", "--rounds", "2", "--batch-size", "2", "--out", str(out)])

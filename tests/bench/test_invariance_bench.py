@@ -30,6 +30,7 @@ def write_idx_labels(path, labels: np.ndarray) -> None:
     path.write_bytes(gzip.compress(header + labels.astype(np.uint8).tobytes()))
 
 
+@pytest.mark.slow
 def test_images_alone_and_in_batched_bursts_answer_the_same_at_each_budget(tiny_onnx, tmp_path):
     from vitserve.bench import invariance
 

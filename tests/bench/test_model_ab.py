@@ -60,6 +60,7 @@ def test_the_profile_table_puts_the_most_certain_moves_first_per_role():
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+@pytest.mark.slow
 def test_py_spy_samples_the_engine_and_the_frontend_of_a_served_model(tiny_onnx, tmp_path):
     from vitserve.bench.load import make_images
     from vitserve.bench.model_ab import find_py_spy, profile_arm

@@ -179,6 +179,7 @@ def test_the_help_states_the_oip_defaults_of_its_config():
     assert f"{d.rounds} rounds, {d.duration_s:g} s windows, {d.out}" in help_text
 
 
+@pytest.mark.slow
 def test_oip_end_to_end_on_the_tiny_model(tiny_onnx, tmp_path, capsys):
     out = tmp_path / "oip.md"
     assert main(["bench", "--mode", "oip", "--model", str(tiny_onnx), "--concurrency", "1,2", "--rounds", "2",

@@ -17,6 +17,7 @@ def test_the_engine_is_told_apart_from_the_frontend_by_its_runtime_library():
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+@pytest.mark.slow
 def test_every_path_is_measured_with_its_cpu_per_request(tiny_onnx, tmp_path, monkeypatch):
     from vitserve.bench import paths
 

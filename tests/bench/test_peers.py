@@ -588,6 +588,7 @@ def test_report_has_a_table_per_model_with_the_ratio_and_the_facts():
     assert "`make bench-peers`" in text
 
 
+@pytest.mark.slow
 def test_export_commit_writes_that_commits_tree_once(tmp_path):
     from vitserve.bench.peers.servers import export_commit
 

@@ -3,9 +3,12 @@
 cases, and none through another transport's rooms."""
 from __future__ import annotations
 
+import pytest
+
 from vitserve.bench import request_path
 
 
+@pytest.mark.slow
 def test_every_transport_enters_the_one_pipeline(tiny_onnx):
     results = request_path.trace(tiny_onnx, runs=1)
     assert set(results) == set(request_path.KINDS)

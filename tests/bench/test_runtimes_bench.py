@@ -9,6 +9,7 @@ import pytest
 pytest.importorskip("onnxruntime")
 
 
+@pytest.mark.slow
 def test_the_table_times_every_candidate_and_says_what_auto_picks(tiny_onnx, tmp_path):
     from vitserve.bench.runtimes import main
     from vitserve.service.engine import openvino_runtime

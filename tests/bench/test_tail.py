@@ -53,6 +53,7 @@ def served(tiny_onnx, tmp_path, *options: str) -> tuple[dict, str]:
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+@pytest.mark.slow
 def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
     report, text = served(tiny_onnx, tmp_path, "--clients", "4", "--arm", "one:VITSERVE_WORKERS=1",
                           "--baseline-commit", "HEAD")
@@ -72,6 +73,7 @@ def test_a_served_model_reports_every_answers_stages(tiny_onnx, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("wrk") is None, reason="needs Debian's wrk")
+@pytest.mark.slow
 def test_a_tensor_path_sends_the_servers_own_preprocessing_and_reports_its_parse(tiny_onnx, tmp_path):
     report, _ = served(tiny_onnx, tmp_path, "--path", "oip-binary", "--clients", "2")
     (row,) = report["rows"]

@@ -119,6 +119,7 @@ def by_kind(docs: list[dict]) -> dict[str, dict]:
 # --- schemas ---
 
 @pytest.mark.parametrize("path", PLAIN_FILES, ids=lambda p: str(p.relative_to(REPO)))
+@pytest.mark.slow
 def test_every_file_a_user_applies_is_valid_for_its_kind(path):
     docs = load(path)
     assert docs

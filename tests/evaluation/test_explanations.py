@@ -247,6 +247,7 @@ def test_command_defaults_never_write_into_docs():
     assert args.data_dir == "/usr/share/datasets/fashion-mnist" and args.func is ex.run_explanations
 
 
+@pytest.mark.slow
 def test_command_end_to_end_on_synthetic_images(tiny_checkpoint, tmp_path, capsys):
     calls = []
 

@@ -59,6 +59,7 @@ def test_the_int8_file_has_int8_linear_weights_and_passes_its_gate(tiny_int8_exp
     assert report.no_ood == "no OOD score: 12 labelled images, fitting one needs at least 100"
 
 
+@pytest.mark.slow
 def test_an_int8_file_that_misses_the_gate_is_refused_and_moved_aside(tiny_checkpoint, labelled_folder, tmp_path,
                                                                        monkeypatch):
     """Quantization that wrecks the weights (scrambled, as bad scales would) changes the decisions: the

@@ -104,6 +104,7 @@ def test_rollout_is_a_distribution_share(tiny_export):
     assert np.all(rollout > 0) and np.all(rollout.sum(axis=(1, 2)) < 1)
 
 
+@pytest.mark.slow
 def test_nonsquare_trained_grid(nonsquare_export, nonsquare_checkpoint):
     from vitserve.model.checkpoint import load_checkpoint
 
@@ -190,6 +191,7 @@ def test_fp16_export(tiny_fp16_export, tiny_export):
     assert report.metadata["vitserve.weights_sha256"] == tiny_export.metadata["vitserve.weights_sha256"]
 
 
+@pytest.mark.slow
 def test_cli_export(tiny_checkpoint, tmp_path, capsys):
     from vitserve.cli import main
 

@@ -205,6 +205,7 @@ def test_the_command_exports_and_reports_the_score_without_the_relevance_path(ti
     np.testing.assert_allclose(score, nearest_class_distance(embedding, *stored_ood_arrays(proto)), rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_float16_file_keeps_its_embedding_and_score_float32(tiny_checkpoint, calibration_folder, tmp_path):
     from vitserve.export.onnx_export import export_onnx
 

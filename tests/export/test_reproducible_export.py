@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # two checkouts, each exporting in a child process
+
 REPO = Path(__file__).resolve().parents[2]
 EXPORT = ("import sys, vitserve.export.onnx_export as e; assert e.__file__.startswith(sys.argv[3]), e.__file__; "
           "e.export_onnx(sys.argv[1], sys.argv[2], verify=False)")

@@ -9,10 +9,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from vitserve.model.checkpoint import load_checkpoint
+
+pytestmark = pytest.mark.slow  # two training processes
 
 # Each rank trains on synthetic data made in the script (the same on every rank), captures its own model,
 # and saves that model's weights after training, so the test can compare the two ranks' final weights.

@@ -95,6 +95,7 @@ def test_a_teacher_trained_at_another_resolution_sees_the_batch_resized_to_it():
     assert 0.0 <= seen[0].min() and seen[0].max() <= 1.0  # the bicubic overshoot clamped, as in training
 
 
+@pytest.mark.slow
 def test_a_student_learns_its_teachers_knowledge_not_its_labels(folders, tmp_path):
     """A teacher trained on swapped classes; a student taught by it alone (weight 1) learns the swap, although
     every label it is given is right; with the labels alone (weight 0) it learns them."""

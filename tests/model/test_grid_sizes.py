@@ -58,6 +58,7 @@ def sides_seen(monkeypatch):
     return sides
 
 
+@pytest.mark.slow
 def test_each_step_trains_at_a_grid_from_the_list_and_logs_it(folder, tmp_path, sides_seen):
     train(grid_config(folder, tmp_path))
     assert len(sides_seen) == STEPS and set(sides_seen) <= set(GRIDS)
@@ -80,6 +81,7 @@ def test_the_draws_follow_the_seed(folder, tmp_path):
     assert step_grids(tmp_path / "a") != step_grids(tmp_path / "c")
 
 
+@pytest.mark.slow
 def test_a_resumed_run_draws_the_grids_the_uninterrupted_one_did(folder, tmp_path, interrupt_at_step):
     train(grid_config(folder, tmp_path / "whole"))
     interrupt_at_step(3)
@@ -149,6 +151,7 @@ def test_curves_draw_the_test_accuracy_at_each_grid():
     assert "test at 16 px" in panels["accuracy"] and "test at 8 px" not in panels["loss"]
 
 
+@pytest.mark.slow
 def test_a_run_resumed_with_another_list_keeps_scoring_its_logged_sizes(folder, tmp_path, interrupt_at_step):
     interrupt_at_step(3)
     with pytest.raises(TrainingInterrupted):

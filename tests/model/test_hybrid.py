@@ -65,6 +65,7 @@ def _timm_slim_r26(img_size: tuple[int, int]):
 
 
 @pytest.mark.parametrize("variant", sorted(TIMM_HYBRIDS))
+@pytest.mark.slow
 def test_names_give_timms_architecture(variant):
     ours, layers, patch = TIMM_HYBRIDS[variant]
     for name in (ours, variant):
@@ -127,6 +128,7 @@ def test_imported_hybrid_gives_timms_logits(imported_hybrids, variant):
 
 
 @pytest.mark.parametrize("variant", ["vit_small_r26_s32_224", "vit_tiny_r_s16_p8_224"])
+@pytest.mark.slow
 def test_other_sizes_match_timm_with_plainly_interpolated_position_embeddings(imported_hybrids, variant):
     reference, checkpoint = imported_hybrids[variant]
     model, _ = load_checkpoint(checkpoint)
@@ -174,6 +176,7 @@ def _timm_attention(model, x: torch.Tensor) -> list[np.ndarray]:
     return seen
 
 
+@pytest.mark.slow
 def test_exported_hybrid_gives_timms_logits_and_a_rollout_of_timms_attention(imported_hybrids, tmp_path):
     reference, checkpoint = imported_hybrids["slim_r26"]
     report = export_onnx(checkpoint, tmp_path / "hybrid.onnx")  # verified against PyTorch at several sizes
@@ -193,6 +196,7 @@ def test_exported_hybrid_gives_timms_logits_and_a_rollout_of_timms_attention(imp
     np.testing.assert_allclose(rollout, expected, atol=1e-5, rtol=0)
 
 
+@pytest.mark.slow
 def test_inspecting_a_hybrid_shows_the_stem_filters_that_see_pixels(tmp_path):
     from vitserve.model.inspection import inspect
     from vitserve.model.inspection_report import write
@@ -221,6 +225,7 @@ def test_train_flags_make_a_hybrid_and_say_so(tmp_path):
     assert stem.model_overrides == {"backbone_layers": ()} and "--backbone-layers 0" in command_line(stem)
 
 
+@pytest.mark.slow
 def test_a_hybrid_exports_to_float16_and_passes_the_checker_and_its_comparison(imported_hybrids, tmp_path):
     # The hybrid's feature-map grid reaches the position-embedding Resize through the backbone; inside the relevance
     # `If` the ONNX checker could not follow it and refused the float16 file (export/fp16.py says why). The hybrid

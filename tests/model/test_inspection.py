@@ -43,6 +43,7 @@ def test_mean_attention_distance_of_known_attention():
     assert mean_distance(uniform, distances) == pytest.approx([distances.mean()])
 
 
+@pytest.mark.slow
 def test_the_command_writes_the_panels_the_numbers_and_a_report(tiny_checkpoint, tmp_path, capsys):
     from vitserve.cli import main
     images = tmp_path / "images"
@@ -64,6 +65,7 @@ def test_the_command_writes_the_panels_the_numbers_and_a_report(tiny_checkpoint,
     assert "--images-dir" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_an_exported_file_gives_back_the_numbers_export_stored(tiny_onnx, tmp_path, capsys):
     from vitserve.artifact import INSPECTION_KEY
     from vitserve.cli import main

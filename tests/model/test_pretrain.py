@@ -83,6 +83,7 @@ def colour_folder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_pre_training_loss_falls_and_its_checkpoint_fine_tunes(colour_folder, tmp_path):
     cfg = TrainConfig(data=str(colour_folder), model="tiny", channels=3, pretrain="masked-patch",
                       model_overrides=dict(image_size=(16, 16), patch_size=4, embed_dim=32, depth=2, num_heads=2,

@@ -133,6 +133,7 @@ def assert_same_run(out_dir, reference_dir) -> None:
         assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in reference], log
 
 
+@pytest.mark.slow
 def test_ctrl_c_mid_epoch_saves_and_resume_continues_exactly(trained, image_folder, tmp_path, interrupt_at_step):
     """Ctrl-C in epoch 2's sixth step: that step completes and is saved; resumed, the run ends exactly as the
     uninterrupted one."""
@@ -161,6 +162,7 @@ def test_ctrl_c_mid_epoch_saves_and_resume_continues_exactly(trained, image_fold
     assert len(read_log(tmp_path)) == 4
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_an_evaluation_stops_at_the_epoch_end_it_saved(trained, image_folder, tmp_path, monkeypatch):
     """Pressed while epoch 2 is evaluated, Ctrl-C stops the run there; a state saved that way, stripped of what
     states before mid-epoch saves lacked (training/vit-fmnist's has no batch, no sums), still resumes exactly."""
@@ -187,6 +189,7 @@ def test_ctrl_c_during_an_evaluation_stops_at_the_epoch_end_it_saved(trained, im
     assert_same_run(tmp_path, full_out)
 
 
+@pytest.mark.slow
 def test_time_limit_ends_the_run_evaluated_and_resume_continues_exactly(image_folder, tmp_path):
     """A time limit shorter than a step stops after each step: each stop is evaluated and saved, and three
     sessions of one step make the same model as one session of three."""
@@ -206,6 +209,7 @@ def test_time_limit_ends_the_run_evaluated_and_resume_continues_exactly(image_fo
     assert rows[-1]["test_acc"] == read_log(reference)[-1]["test_acc"]
 
 
+@pytest.mark.slow
 def test_saves_every_few_minutes_within_an_epoch(image_folder, tmp_path, monkeypatch):
     saves = []
     save_state = train_module.save_state

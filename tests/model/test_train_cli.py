@@ -342,6 +342,7 @@ def test_an_empty_held_out_split_writes_null_not_nan(tmp_path, capsys, monkeypat
     assert metrics == {"test_accuracy": None, "test_loss": None, "epoch": 1}
 
 
+@pytest.mark.slow
 def test_ctrl_c_saves_says_how_to_resume_and_exits_130(tmp_path, capsys, interrupt_at_step):
     data = write_image_folder(tmp_path / "data", {"a": 8, "b": 8})  # 7 + 7 to train on: 3 steps of 4 per epoch
     out = tmp_path / "run"

@@ -96,6 +96,7 @@ def test_published_parameter_counts(name, params):
 # Each variant once (patch 16 with 3 channels, patch 32 with 1), fmnist with both.
 @pytest.mark.parametrize("name,patch,channels", [(n, p, 3 if p == 16 else 1) for n, p in VARIANT_NAMES]
                          + [("fmnist", 4, 1), ("fmnist", 4, 3)])
+@pytest.mark.slow
 def test_variant_output_shapes_on_meta(name, patch, channels):
     """Every variant, built without memory on the meta device, maps (B, C, H, W) to (B, K) at any grid."""
     variant = "fmnist" if name == "fmnist" else f"{name}/{patch}"

@@ -422,6 +422,7 @@ class Node:
         self.other = None
 
 
+@pytest.mark.slow
 def test_frozen_startup_objects_are_left_out_of_collections_until_collect_cycles():
     try:
         cycle = Node()
@@ -440,6 +441,7 @@ def test_frozen_startup_objects_are_left_out_of_collections_until_collect_cycles
         gc.unfreeze()
 
 
+@pytest.mark.slow
 def test_startup_garbage_is_collected_before_the_freeze():
     try:
         cycle = Node()
@@ -452,6 +454,7 @@ def test_startup_garbage_is_collected_before_the_freeze():
         gc.unfreeze()
 
 
+@pytest.mark.slow
 async def test_a_lone_request_runs_its_batch_on_the_event_loop_and_others_on_the_runner(tiny_onnx, tiny_model):
     """Alone in its process, a light model's batch of one runs where its request is (the batcher's module doc):
     no hop to the runner thread and back. A request of several images, and images that arrive together, go to the

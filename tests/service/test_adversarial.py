@@ -707,6 +707,7 @@ def assert_refused_and_closed(client: RawConnection, status: int, code: str) -> 
 
 
 @pytest.mark.parametrize("sent", [b"", b"POST /v1/classify HTTP/1.1\r\n"], ids=["nothing", "request-line"])
+@pytest.mark.slow
 def test_a_silent_client_gets_408_and_is_disconnected_after_the_header_timeout(server, sent):
     started = time.monotonic()
     with RawConnection(server.port, timeout_s=HEADER_TIMEOUT_S + LATE_S) as client:
@@ -716,6 +717,7 @@ def test_a_silent_client_gets_408_and_is_disconnected_after_the_header_timeout(s
     good_classify(server)
 
 
+@pytest.mark.slow
 def test_a_stalled_upload_gets_408_and_is_disconnected_after_the_body_timeout(server):
     """Headers and part of the body, then silence (the body timeout is shorter than the request's deadline)."""
     with RawConnection(server.port, timeout_s=BODY_TIMEOUT_S + LATE_S) as client:
@@ -726,6 +728,7 @@ def test_a_stalled_upload_gets_408_and_is_disconnected_after_the_body_timeout(se
     good_classify(server)
 
 
+@pytest.mark.slow
 def test_an_upload_trickled_past_the_deadline_gets_408(server):
     """A byte every 0.4 s never leaves a gap as long as the body timeout, but the whole request has a deadline."""
     body = png_of_size(UPLOAD_LIMIT)

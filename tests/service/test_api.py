@@ -205,6 +205,7 @@ async def test_queue_full_is_429_with_retry_after(tiny_onnx, tiny_model):
     assert_error(rejected, 429, "queue_full")
 
 
+@pytest.mark.slow
 async def test_deadline_is_504_and_the_late_request_never_runs(tiny_onnx, tiny_model):
     """The deadline covers the whole request: the late request expires queued behind a batch held in the model
     and never runs; the held one is answered 504 at its own deadline, while the model still holds it."""

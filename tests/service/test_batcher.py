@@ -141,6 +141,7 @@ async def test_more_than_a_batch_and_less_than_two_go_as_halves_and_a_backlog_as
         await batcher.close()
 
 
+@pytest.mark.slow
 async def test_an_idle_model_waits_for_the_clients_its_last_batch_answered_but_never_for_a_lone_client():
     """After a batch of 3, an idle model holds the first of its clients coming back until the other two arrive (not
     the first alone: that split a closed loop into groups taking turns); a lone client after a batch of one, or
@@ -221,6 +222,7 @@ async def test_a_cancelled_request_is_dropped_before_it_runs():
     await batcher.close()
 
 
+@pytest.mark.slow
 async def test_a_bad_item_fails_alone_and_a_failed_batch_fails_only_itself():
     recorder = Recorder()
     recorder.fail_when = lambda values: 99.0 in values

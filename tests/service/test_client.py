@@ -147,6 +147,7 @@ def test_predict_without_a_model_file_exits_with_a_message(tmp_path):
         main(["predict", str(tmp_path / "x.png"), "--model", str(tmp_path / "absent.onnx")])
 
 
+@pytest.mark.slow
 def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")  # local predict reads the server's settings, as serve does
     assert main(["predict", *map(str, images), "--model", str(tiny_onnx), "--top-k", "3",
@@ -171,6 +172,7 @@ def test_predict_via_a_real_server_matches_local(tiny_onnx, images, tmp_path, ca
         assert np.abs(remote_px - local_px).max() <= 2
 
 
+@pytest.mark.slow
 def test_predict_relevance_overlays_locally_and_via_a_server(tiny_onnx, images, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("VITSERVE_RUNTIME", "onnxruntime")
     explain = ["--map", "relevance", "--target", "dog"]

@@ -254,6 +254,7 @@ def run_case(case: FuzzCase) -> str | None:
 
 
 @pytest.mark.parametrize("fmt_index", range(6), ids=sorted(base_images()))
+@pytest.mark.slow
 def test_mutated_images_prepare_or_fail_with_a_documented_error(fmt_index):
     failures = []
     with warnings.catch_warnings():

@@ -156,6 +156,7 @@ def reference(tiny_onnx, pixels: np.ndarray):
     return session.run(["logits", "rollout"], {"pixel_values": pixels})
 
 
+@pytest.mark.slow
 def test_images_from_two_frontends_share_batches_and_get_their_own_results(engine_settings, supervisor, tiny_onnx):
     pixels = np.random.default_rng(0).normal(size=(6, 3, 16, 16)).astype(np.float32)
     logits, rollout = reference(tiny_onnx, pixels)
@@ -191,6 +192,7 @@ def test_engine_errors_reach_their_caller_and_cancelled_images_free_their_memory
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_a_killed_engine_fails_its_requests_at_once_and_its_restart_serves_again(engine_settings, supervisor):
     async def scenario():
         (frontend,) = await frontends(engine_settings, supervisor, 1)
@@ -208,6 +210,7 @@ def test_a_killed_engine_fails_its_requests_at_once_and_its_restart_serves_again
     asyncio.run(scenario())
 
 
+@pytest.mark.slow
 def test_an_engine_restarted_after_it_went_silent_is_a_restart_and_its_frontends_serve_again(engine_settings):
     # The new engine loads its models for longer than engine_timeout_s, so the frontend first gives up on the silent
     # one; the new engine's first status must still be taken as a restart, whose routing generations count from 0
@@ -249,6 +252,7 @@ def test_a_message_the_engine_cannot_read_is_dropped_and_the_next_ones_are_taken
 
 
 @pytest.mark.anyio
+@pytest.mark.slow
 async def test_an_idle_engine_publishes_its_status_seldom_and_soon_after_work_arrives():
     # 50 statuses a second woke every HTTP worker of an idle server; while there is work they still come every
     # STATUS_INTERVAL_S, since a frontend counts what it sent since the last one as queued

@@ -388,6 +388,7 @@ def rss_bytes(pid: int) -> int:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
 
 
+@pytest.mark.slow
 def test_a_message_over_the_limit_is_refused_unbuffered(server, client):
     """A 32 MiB message against the 1 MiB limit: grpcio refuses it from its length prefix (RESOURCE_EXHAUSTED),
     and the worker's memory does not grow by the message."""
@@ -539,6 +540,7 @@ async def test_keys_travel_as_metadata(tiny_onnx, tiny_model):
             assert result.as_numpy("logits").shape == (1, 3)
 
 
+@pytest.mark.slow
 def test_repository_rpcs(tiny_onnx, tmp_path):
     root = tmp_path / "repo"
     for version in ("1", "2"):
@@ -589,6 +591,7 @@ def certificates(tmp_path_factory):
     return d
 
 
+@pytest.mark.slow
 def test_tls_on_http_and_grpc_and_mutual_tls(tiny_onnx, certificates):
     d = certificates
     grpc_port = free_port()
@@ -640,6 +643,7 @@ def test_tls_on_http_and_grpc_and_mutual_tls(tiny_onnx, certificates):
         process.wait(30)
 
 
+@pytest.mark.slow
 def test_sigterm_drains_grpc_then_exits_cleanly(tiny_onnx):
     """SIGTERM: the server finishes, new gRPC calls are refused (UNAVAILABLE), and the process exits 0."""
     import signal

@@ -129,6 +129,7 @@ def test_a_20_kb_request_line_gets_414(served):
         assert_refused(client, 414, "uri_too_long")
 
 
+@pytest.mark.slow
 def test_a_header_that_never_ends_is_refused_once_past_the_limit():
     """httptools buffers a header until it ends: the bytes are counted as they arrive, read after read."""
     sent, piece, most = 0, b"a" * 8192, 256 * 1024
@@ -143,6 +144,7 @@ def test_a_header_that_never_ends_is_refused_once_past_the_limit():
 
 # time
 
+@pytest.mark.slow
 def test_a_silent_connection_gets_408_after_the_header_timeout(served):
     port, _ = served
     start = time.monotonic()
@@ -151,6 +153,7 @@ def test_a_silent_connection_gets_408_after_the_header_timeout(served):
     assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - start < LIMITS.header_timeout_s + LATE_S
 
 
+@pytest.mark.slow
 def test_a_trickled_head_gets_408_after_the_header_timeout(served):
     """One byte every 0.4 s: each byte is progress, but the whole head has one deadline."""
     port, _ = served
@@ -164,6 +167,7 @@ def test_a_trickled_head_gets_408_after_the_header_timeout(served):
         assert LIMITS.header_timeout_s * 0.9 <= time.monotonic() - start < LIMITS.header_timeout_s + LATE_S
 
 
+@pytest.mark.slow
 def test_a_stalled_body_gets_408_and_the_app_sees_a_disconnect(served):
     port, app = served
     disconnects = app.state.disconnects
@@ -175,6 +179,7 @@ def test_a_stalled_body_gets_408_and_the_app_sees_a_disconnect(served):
     wait_until(lambda: app.state.disconnects == disconnects + 1, "the app's receive returned http.disconnect")
 
 
+@pytest.mark.slow
 def test_a_body_in_pieces_closer_than_the_body_timeout_is_read_whole(served):
     """The body timeout is a gap between pieces, not a deadline for the whole body."""
     port, _ = served
@@ -187,6 +192,7 @@ def test_a_body_in_pieces_closer_than_the_body_timeout_is_read_whole(served):
     assert (answer.status, json.loads(answer.body)) == (200, {"bytes": 6})
 
 
+@pytest.mark.slow
 def test_the_body_timeout_runs_only_while_the_app_waits_for_the_body(served):
     """A 1 MB body fills uvicorn's buffer, which then stops reading, while the app is busy for twice the body
     timeout: the client, held back, is not the slow one."""
@@ -198,6 +204,7 @@ def test_the_body_timeout_runs_only_while_the_app_waits_for_the_body(served):
     assert (answer.status, json.loads(answer.body)) == (200, {"bytes": len(body)})
 
 
+@pytest.mark.slow
 def test_the_rest_of_a_body_answered_early_has_the_body_timeout_too(served):
     """The app answered from the headers; uvicorn discards the body as it comes (each piece cancels its
     keep-alive timer), and a client that stops sending it is disconnected (the answer is out: no 408)."""
@@ -213,6 +220,7 @@ def test_the_rest_of_a_body_answered_early_has_the_body_timeout_too(served):
     assert LIMITS.body_timeout_s * 0.9 <= time.monotonic() - stalled < LIMITS.body_timeout_s + LATE_S
 
 
+@pytest.mark.slow
 def test_a_connection_idle_after_a_discarded_body_meets_the_keep_alive_timeout(served):
     port, _ = served
     with RawConnection(port) as client:
@@ -278,6 +286,7 @@ def test_a_read_of_many_pipelined_requests_ending_in_a_head_is_not_an_oversized_
     assert json.loads(answers[-1].body) == {"hello": "world"}
 
 
+@pytest.mark.slow
 def test_a_head_trickled_behind_a_running_request_times_out_after_its_answer(served):
     """The head's clock starts over while an earlier request is being answered (uvicorn reads no further
     meanwhile); the earlier answer comes whole, then the 408."""
@@ -331,6 +340,7 @@ def test_the_options_travel_to_worker_processes():
     assert pickle.loads(pickle.dumps(options)) == options
 
 
+@pytest.mark.slow
 def test_two_worker_processes_enforce_the_limits(tmp_path):
     (tmp_path / "tiny_asgi.py").write_text(textwrap.dedent("""
         async def app(scope, receive, send):
@@ -422,6 +432,7 @@ def _refusing_protocol(refusing: list[bool], **options):
 
 
 @pytest.mark.parametrize("access_log", [True, False])
+@pytest.mark.slow
 def test_a_refusal_is_written_in_the_read_that_brought_its_head(access_log):
     """uvicorn would run the refusal in a task, a loop turn later, behind the admitted requests' work: the 429 is
     in the client's socket as soon as the protocol has read the request, with no turn of the loop between (and
@@ -532,6 +543,7 @@ def test_the_last_request_a_connection_may_carry_is_refused_with_connection_clos
     assert answer.startswith(b"HTTP/1.1 429 ") and b"\r\nconnection: close\r\n" in answer
 
 
+@pytest.mark.slow
 def test_a_client_pipelining_faster_than_it_is_answered_is_read_no_further_than_its_queue():
     """uvicorn pauses reading when a request arrives pipelined behind another, but resumed it at every answer and
     whenever the app read: a client pipelining faster than it is answered, and never reading its answers, grew

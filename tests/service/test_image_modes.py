@@ -200,6 +200,7 @@ def fmnist_model():
     return OnnxModel.load(settings_for(FMNIST_MODEL))
 
 
+@pytest.mark.slow
 def test_fashion_mnist_as_16bit_png_classifies_as_8bit(fmnist_model):
     images_path = FASHION_MNIST_DIR / "t10k-images-idx3-ubyte.gz"
     if not images_path.is_file():

@@ -7,8 +7,11 @@ import concurrent.futures
 
 import httpx
 import numpy as np
+import pytest
 
 from service_fixtures import scrape, uvicorn_server, value
+
+pytestmark = pytest.mark.slow  # a uvicorn server with engine processes
 
 LONE = ("--engine", "process", "--lone-request-path", "true")
 

@@ -211,6 +211,7 @@ def test_a_maps_free_graph_that_cannot_be_made_costs_speed_not_the_model(tiny_on
     assert model.run(np.zeros((1, model.info.channels, *model.info.image_size), np.float32))[0].shape[0] == 1
 
 
+@pytest.mark.slow
 def test_a_server_process_runs_requests_without_maps_on_the_maps_free_graph(tiny_onnx):
     """Through `vitserve serve` as users start it: the request's need crosses from the HTTP worker to the engine
     process (the engine's `Submit` message), and the maps-free graph's images are counted."""
@@ -270,6 +271,7 @@ def test_the_measurement_keeps_a_graph_at_most_its_share_of_the_rollout_graph_s_
     assert lean > MAPS_FREE_CPU_SHARE * rollout
 
 
+@pytest.mark.slow
 def test_a_graph_whose_calls_are_long_is_timed_with_fewer_calls(tiny_model, monkeypatch):
     from vitserve.service.engine import tuning
 

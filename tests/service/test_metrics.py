@@ -81,6 +81,7 @@ def test_buckets_resolve_sub_millisecond_to_tens_of_seconds():
     assert list(LATENCY_BUCKETS) == sorted(LATENCY_BUCKETS)
 
 
+@pytest.mark.slow
 def test_multiprocess_mode_aggregates_two_workers(tiny_onnx, tmp_path):
     directory = tmp_path / "prometheus"
     directory.mkdir()

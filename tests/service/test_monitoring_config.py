@@ -186,6 +186,7 @@ def test_rule_files_are_valid():
 
 
 @needs_promtool
+@pytest.mark.slow
 def test_rule_unit_tests_pass():
     assert {p.name for p in RULE_TESTS} >= {"latency.test.yml", "errors.test.yml", "availability.test.yml",
                                             "objectives.test.yml"}

@@ -22,7 +22,7 @@ from service_fixtures import PATIENCE_S, image_bytes, uvicorn_server, wait_until
 from test_monitoring_config import (RULE_FILES, api_get, dashboard_queries, needs_promtool, running_prometheus,
                                     series_names)
 
-pytestmark = needs_promtool
+pytestmark = [needs_promtool, pytest.mark.slow]  # Prometheus and a server, scraped while loaded
 ENDPOINT = "/v1/classify"
 MODEL, VERSION = "tiny-vit", "7"  # the tiny model's own name and version (tests/conftest.py)
 PNG = image_bytes("PNG")

@@ -203,6 +203,7 @@ def classify(url: str, data: bytes, client: httpx.Client | None = None, **params
     return post(f"{url}/v1/classify", params=params, files={"file": ("a.png", data, "image/png")}, timeout=60)
 
 
+@pytest.mark.slow
 def test_two_replicas_answer_concurrent_requests_like_the_model_itself(ray_cluster, tiny_model):
     url, _, _ = ray_cluster
     images = [patterned_png((40 + 8 * i, 36)) for i in range(6)]
@@ -222,6 +223,7 @@ def test_two_replicas_answer_concurrent_requests_like_the_model_itself(ray_clust
         assert [p["index"] for p in response.json()["predictions"]] == expected
 
 
+@pytest.mark.slow
 def test_the_same_errors_and_protocols_as_the_plain_server(ray_cluster):
     url, _, _ = ray_cluster
     not_an_image = httpx.post(f"{url}/v1/classify", files={"file": ("a.txt", b"hello", "text/plain")}, timeout=30)
@@ -244,6 +246,7 @@ def test_the_same_errors_and_protocols_as_the_plain_server(ray_cluster):
     assert result.as_numpy("logits").shape[0] == 2
 
 
+@pytest.mark.slow
 def test_every_replicas_metrics_reach_rays_export_under_our_names(ray_cluster):
     url, metrics_url, _ = ray_cluster
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -274,6 +277,7 @@ def test_every_replicas_metrics_reach_rays_export_under_our_names(ray_cluster):
 
 
 @needs_promtool
+@pytest.mark.slow
 def test_prometheus_scrapes_rays_export_into_our_names_with_the_shipped_job(ray_cluster, tmp_path):
     """deploy/ray/prometheus.yml's job, its service discovery swapped for this cluster's agent: a real Prometheus
     sees vitserve_* per replica, and the shipped recording rules evaluate on them."""
@@ -297,6 +301,7 @@ def test_prometheus_scrapes_rays_export_into_our_names_with_the_shipped_job(ray_
         wait_until(lambda: bool(scraped("vitserve:images:rate5m")), "the recording rule over Ray's series", 60)
 
 
+@pytest.mark.slow
 def test_a_replica_killed_under_load_is_replaced_and_no_request_hangs(ray_cluster):
     url, _, process = ray_cluster
     victims = replica_pids(process.pid)
@@ -337,6 +342,7 @@ def test_a_replica_killed_under_load_is_replaced_and_no_request_hangs(ray_cluste
     wait_until(both_serve, "both replicas answering", RAY_PATIENCE_S)
 
 
+@pytest.mark.slow
 def test_sigterm_takes_the_application_and_the_local_cluster_down(ray_cluster):
     _, _, process = ray_cluster
     below = descendants(process.pid)
@@ -351,6 +357,7 @@ def test_sigterm_takes_the_application_and_the_local_cluster_down(ray_cluster):
     wait_until(all_gone, "every Ray process of the server gone", 30)
 
 
+@pytest.mark.slow
 def test_multiplexed_replicas_load_the_model_a_request_names_and_hold_at_most_n(tiny_onnx, tmp_path):
     """Ray's model multiplexing (--ray-models-per-replica 1) over a repository of three models: each request's
     model is loaded by the replica it reaches, a replica holds one at a time (the least recently used unloaded),

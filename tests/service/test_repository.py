@@ -173,6 +173,7 @@ async def test_several_models_and_versions_are_routed_by_name_and_version(reposi
         assert_error(await client.post("/v2/repository/models/small/load"), 403, "repository_control_disabled")
 
 
+@pytest.mark.slow
 async def test_the_repository_api_needs_the_admin_key(repository):
     settings = repo_settings(repository, model_control_mode="explicit", admin_key=ADMIN)
     async with serving(settings) as client:
@@ -205,6 +206,7 @@ async def test_the_repository_api_needs_the_admin_key(repository):
         assert ready == []
 
 
+@pytest.mark.slow
 async def test_a_corrupt_new_version_fails_its_load_and_the_old_one_keeps_serving(repository):
     settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
     async with serving(settings) as client:
@@ -222,6 +224,7 @@ async def test_a_corrupt_new_version_fails_its_load_and_the_old_one_keeps_servin
         assert answer.status_code == 200 and answer.json()["model"]["version"] == "2"
 
 
+@pytest.mark.slow
 async def test_a_new_version_folder_without_model_onnx_fails_its_load_by_name(repository, tiny_onnx):
     """`cp mine.onnx repo/small/5/` (not .../5/model.onnx): the load says so, instead of serving 2 in silence."""
     settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
@@ -238,6 +241,7 @@ async def test_a_new_version_folder_without_model_onnx_fails_its_load_by_name(re
         assert (await classify(client, image_bytes("PNG"), model="small")).json()["model"]["version"] == "5"
 
 
+@pytest.mark.slow
 async def test_a_new_version_takes_over_and_the_old_ones_series_stop(repository, tiny_onnx):
     settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
     async with serving(settings) as client:
@@ -258,6 +262,7 @@ def scrape_app(response) -> list[str]:
     return [line for line in response.text.splitlines() if line and not line.startswith("#")]
 
 
+@pytest.mark.slow
 async def test_an_unpinned_request_in_flight_on_a_retired_version_finishes_on_a_ready_one(repository, tiny_onnx):
     """Unload of the routed version races a request: the request still gets a ready version's answer."""
     settings = repo_settings(repository, model_control_mode="explicit", load_models=["small"], admin_key=ADMIN)
@@ -275,6 +280,7 @@ async def test_an_unpinned_request_in_flight_on_a_retired_version_finishes_on_a_
             await engine.submit(pinned, pixels, PATIENCE_S)
 
 
+@pytest.mark.slow
 async def test_poll_mode_loads_a_version_once_its_file_is_complete_and_reports_a_bad_one_once(tmp_path, tiny_onnx):
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
     settings = repo_settings(root, model_control_mode="poll", admin_key=ADMIN, repository_poll_secs=3600)
@@ -316,6 +322,7 @@ async def config_of(client, name: str) -> dict:
     return answer.json()
 
 
+@pytest.mark.slow
 async def test_poll_mode_reloads_a_model_whose_config_json_changed_once_it_is_settled(tmp_path, tiny_onnx):
     """Triton reloads a model whose configuration changed: each version comes up anew with the new config.json
     (the old one serving meanwhile), once the file has stayed the same for an interval, as a model file must."""
@@ -349,6 +356,7 @@ async def test_poll_mode_reloads_a_model_whose_config_json_changed_once_it_is_se
         assert registry.generation == generation and served_objects(registry, "m") == after
 
 
+@pytest.mark.slow
 async def test_poll_mode_follows_a_config_json_removed_or_broken_and_says_why_a_version_went(tmp_path, tiny_onnx):
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1, 2, 3]})
     config = root / "m" / "config.json"
@@ -389,6 +397,7 @@ async def test_poll_mode_follows_a_config_json_removed_or_broken_and_says_why_a_
         assert served_objects(registry, "m")["3"] is serving_3 and "m" not in registry.model_problems
 
 
+@pytest.mark.slow
 async def test_an_explicit_load_applies_a_changed_config_json_and_reloads_nothing_unchanged(tmp_path, tiny_onnx):
     root = make_repository(tmp_path / "repo", tiny_onnx, {"m": [1]})
     settings = repo_settings(root, model_control_mode="explicit", admin_key=ADMIN, load_models=["m"])
@@ -403,6 +412,7 @@ async def test_an_explicit_load_applies_a_changed_config_json_and_reloads_nothin
         assert (await config_of(client, "m"))["max_batch_size"] == 2
 
 
+@pytest.mark.slow
 async def test_a_version_file_replaced_in_place_keeps_its_ready_gauge_at_1(tmp_path, tiny_onnx):
     # the new session takes the version's place, then the old one closes in the background: the gauge is the
     # version's (one for both), and must end saying the new one is ready, not that the old one closed
@@ -444,6 +454,7 @@ def explicit_server(tmp_path_factory, tiny_onnx):
         yield url, root
 
 
+@pytest.mark.slow
 def test_tritonclient_drives_the_repository(explicit_server, tiny_onnx):
     import tritonclient.http as triton
     from tritonclient.utils import InferenceServerException
@@ -479,6 +490,7 @@ def test_tritonclient_drives_the_repository(explicit_server, tiny_onnx):
         client.close()
 
 
+@pytest.mark.slow
 def test_a_swap_under_load_loses_no_request(explicit_server, tiny_onnx):
     """Clients hammer `small` while version 3 is loaded and the older ones retired (policy: all, then latest 1),
     twice: every answer is 200, from a version that was ready."""
@@ -557,6 +569,7 @@ def test_a_model_s_config_sets_its_own_limits_and_threads(tmp_path, tiny_onnx):
     assert settings.max_batch_size == 4  # the server's own are untouched
 
 
+@pytest.mark.slow
 async def test_a_version_unloaded_while_startup_warms_up_the_others_stays_unloaded(tmp_path, tiny_onnx):
     # warm-up works from the versions loading when it began; one unloaded meanwhile (the repository API, a poll)
     # has no session left to warm, and must neither stop the others' warm-up nor come back READY without a session

@@ -89,6 +89,7 @@ def views(connections: list[RawConnection]) -> list[tuple[int, int, str]]:
     return seen
 
 
+@pytest.mark.slow
 def test_every_worker_routes_as_a_load_or_unload_said_when_it_answers(two_workers, tiny_onnx):
     url, _, root, versions = two_workers
     admin = fresh_http(url)
@@ -112,6 +113,7 @@ def test_every_worker_routes_as_a_load_or_unload_said_when_it_answers(two_worker
     assert early_loads == [], f"{len(early_loads)} of {checks} checks after a load did not see it: {early_loads[:5]}"
 
 
+@pytest.mark.slow
 def test_grpc_model_ready_right_after_each_load_and_unload(two_workers, tiny_onnx):
     _, address, root, versions = two_workers
     wrong, checks = [], 0
@@ -137,6 +139,7 @@ def test_grpc_model_ready_right_after_each_load_and_unload(two_workers, tiny_onn
     assert wrong == [], f"{len(wrong)} of {checks} gRPC checks wrong: {wrong[:5]}"
 
 
+@pytest.mark.slow
 def test_a_version_loaded_again_starts_its_statistics_and_series_from_zero(two_workers, tiny_onnx):
     url, _, root, versions = two_workers
     client = fresh_http(url)

@@ -337,6 +337,7 @@ def test_an_engine_runs_a_light_model_on_one_thread_and_a_heavy_one_on_every_cor
     assert chosen.session.get_session_options().intra_op_num_threads == 2  # a count given is kept
 
 
+@pytest.mark.slow
 def test_a_two_worker_start_logs_each_fact_once(tmp_path):
     """What `vitserve serve` says at start, at the default log level, for the shipped int8 file with two workers:
     gRPC named once (in the first line, not once per worker), and the plan named by the file's precision."""

@@ -78,6 +78,7 @@ async def test_a_runtime_is_one_registration_and_an_output_one_declaration(tiny_
         np.testing.assert_allclose(values, PIXELS.mean(axis=(1, 2, 3)), rtol=1e-6)
 
 
+@pytest.mark.slow
 async def test_a_runtime_not_registered_stops_the_start_naming_those_there_are(tiny_onnx):
     with pytest.raises(ModelLoadError, match="no runtime 'tensorrt': this server has auto, onnxruntime, openvino"):
         async with serving(settings_for(tiny_onnx, runtime="tensorrt")):

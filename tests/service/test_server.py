@@ -20,6 +20,7 @@ from service_fixtures import REPO, image_bytes, scrape, uvicorn_server, value, w
 QUEUE_DELAY_MS = "3000"
 
 
+@pytest.mark.slow
 def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
     lone_waits = ("--max-queue-delay-ms", QUEUE_DELAY_MS, "--dispatch-when-idle", "false")
     with uvicorn_server(tiny_onnx, *lone_waits) as (url, _):
@@ -46,6 +47,7 @@ def test_serves_over_tcp_and_drops_requests_whose_client_left(tiny_onnx):
     assert f"vitserve_queue_depth{served} 0.0" in text
 
 
+@pytest.mark.slow
 def test_sigterm_finishes_admitted_requests_then_exits(tiny_onnx):
     results: list[int] = []
 
@@ -80,6 +82,7 @@ def _wait_until_queued(url: str, count: int) -> None:
     wait_until(queued, f"{count} requests queued")
 
 
+@pytest.mark.slow
 def test_a_corrupt_model_stops_startup_with_a_clear_message(tiny_onnx, tmp_path):
     broken = onnx.load(str(tiny_onnx))
     broken.graph.node[0].op_type = "NoSuchOperator"  # metadata intact, graph unloadable

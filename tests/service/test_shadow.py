@@ -163,6 +163,7 @@ async def test_a_shadow_report_of_a_model_without_one_is_a_404(tmp_path, tiny_on
         assert (await client.get("/v1/models/" + "x" * 65 + "/shadow")).status_code == 422
 
 
+@pytest.mark.slow
 async def test_promotion_is_a_config_change_and_a_load(tmp_path, tiny_onnx, tiny_onnx_other):
     root = make_repository(tmp_path / "repo", {1: tiny_onnx, 2: tiny_onnx_other}, {"shadow": {"version": 2}})
     settings = settings_for(tiny_onnx, model_repository=root, model_control_mode="explicit", load_models=["m"],
@@ -247,6 +248,7 @@ async def test_copies_wait_while_a_served_version_is_busy(tiny_model):
 # --- a frontend in another process ---
 
 
+@pytest.mark.slow
 def test_the_report_and_the_series_cross_the_engine_process(tmp_path, tiny_onnx, tiny_onnx_other):
     root = make_repository(tmp_path / "repo", {1: tiny_onnx, 2: tiny_onnx_other},
                            {"shadow": {"version": 2, "fraction": 1.0}})

@@ -11,10 +11,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+import pytest
 from PIL import Image
 
 from vitserve.service.engine.server import PROCESS_NAME as ENGINE_PROCESS_NAME
 from service_fixtures import scrape, uvicorn_server, value, wait_until
+
+pytestmark = pytest.mark.slow  # servers started and signalled, each in its processes
 
 # resize=native keeps the 256x256 image whole: 1024 patches of 8 pixels, the slowest input the tiny model takes
 SLOW_PATH = "/v1/classify?resize=native"

@@ -247,6 +247,7 @@ async def test_the_card_and_the_triton_config_show_the_ladder_and_what_is_served
     assert parameters["degrade_under_load"] == {"string_value": "true"}
 
 
+@pytest.mark.slow
 def test_an_engine_process_runs_the_budget_asked_and_its_frontends_say_it(tiny_onnx):
     """The budget crosses the engine's message contract (Submit's rung and degradable, Result's rung and reason)."""
     import httpx

@@ -169,6 +169,7 @@ class Receiver(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), Handler)
 
 
+@pytest.mark.slow
 def test_a_real_server_exports_to_an_otlp_endpoint(tiny_onnx):
     """`vitserve serve --otlp-endpoint`: the HTTP worker's request spans and the engine process's batch spans
     arrive over OTLP/HTTP, and the request's inference span links to a batch span that arrived."""

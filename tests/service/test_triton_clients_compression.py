@@ -24,7 +24,8 @@ from tritonclient.utils import InferenceServerException
 
 from service_fixtures import PATIENCE_S, free_port, uvicorn_server
 
-pytestmark = pytest.mark.anyio
+# slow: a server per compression setting, every call of the four tritonclient flavours against it
+pytestmark = [pytest.mark.anyio, pytest.mark.slow]
 MODEL, VERSION = "tiny", "1"  # the repository's one model
 ADMIN = {"authorization": "Bearer admin"}
 OUTPUTS = ("logits", "rollout")

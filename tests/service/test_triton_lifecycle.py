@@ -66,6 +66,8 @@ from tritonclient.utils import InferenceServerException
 
 from service_fixtures import PATIENCE_S, free_port, uvicorn_server
 
+pytestmark = pytest.mark.slow  # a server per test, its models loaded and unloaded under tritonclient
+
 POLL_S = 1  # test.sh: --repository-poll-secs=1
 TRITON_WAIT_S = 5.0  # lifecycle_test.py: time.sleep(5) after each change to the repository
 F32, I32 = "float32_float32_float32", "int32_int32_int32"

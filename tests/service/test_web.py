@@ -184,6 +184,7 @@ def answered(page, action) -> dict:
 
 
 @needs_browser
+@pytest.mark.slow
 def test_page_asks_for_a_cheaper_budget_and_says_the_answer_used_one(page, server):
     opened(page, server)
     assert "16, 9, 4 tokens; cheaper under load" in page.inner_text("#card-fields")
@@ -231,6 +232,7 @@ def assert_map_drawn(pixels: np.ndarray, grid: dict, box: tuple[int, int, int, i
 
 
 @needs_browser
+@pytest.mark.slow
 def test_page_classifies_an_upload_and_draws_the_map_over_it(page, server):
     opened(page, server)
     card = page.inner_text("#card-fields")
@@ -268,6 +270,7 @@ def test_page_classifies_an_upload_and_draws_the_map_over_it(page, server):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_both_maps_are_drawn_side_by_side_from_two_answers(page, server):
     opened(page, server)
     answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
@@ -294,6 +297,7 @@ def test_both_maps_are_drawn_side_by_side_from_two_answers(page, server):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_switching_map_target_and_resize_asks_again(page, server):
     opened(page, server)
     answered(page, lambda: upload(page, "pattern.png", patterned_png(PATTERN_SIZE), "image/png"))
@@ -346,6 +350,7 @@ _HAND_OVER = """([kind, b64]) => {
 
 
 @needs_browser
+@pytest.mark.slow
 def test_a_dropped_or_pasted_image_is_classified(page, server):
     opened(page, server)
     data = base64.b64encode(patterned_png((40, 40))).decode()
@@ -356,6 +361,7 @@ def test_a_dropped_or_pasted_image_is_classified(page, server):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_server_errors_are_shown_as_readable_messages(page, server):
     opened(page, server)
     text = answered(page, lambda: upload(page, "notes.txt", b"not a picture\n", "text/plain"))
@@ -382,6 +388,7 @@ def test_server_errors_are_shown_as_readable_messages(page, server):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_docs_render_every_operation_with_other_hosts_blocked(page, server):
     import httpx
 
@@ -406,6 +413,7 @@ def default_server():
 
 
 @needs_browser
+@pytest.mark.slow
 def test_the_default_model_from_a_sample_by_keyboard(page, default_server):
     """The bundled model on its own samples, driven from the keyboard."""
     opened(page, default_server)
@@ -465,6 +473,7 @@ def test_text_to_the_last_digit_tells_a_changed_figure_from_a_rounding():
 
 
 @needs_browser
+@pytest.mark.slow
 def test_the_docs_pictures_of_the_page_show_it_as_it_is(page, default_server):
     """`make screenshots` took the docs' pictures of the page (the README's docs/web-page.png among them) and recorded
     in docs/web-page.json what each shows; the page, driven through the same steps now, shows the same, and each
@@ -500,6 +509,7 @@ def repository_server(tiny_onnx, tmp_path_factory):
 
 
 @needs_browser
+@pytest.mark.slow
 def test_the_model_picker_chooses_the_model_and_its_card_follows(page, repository_server):
     opened(page, repository_server)
     choices = page.locator("#model option").all_inner_texts()
@@ -517,6 +527,7 @@ def test_the_model_picker_chooses_the_model_and_its_card_follows(page, repositor
 
 
 @needs_browser
+@pytest.mark.slow
 def test_the_card_shows_what_the_model_learned(page, server):
     opened(page, server)
     page.wait_for_function("() => !document.getElementById('inspection').hidden")
