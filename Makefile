@@ -49,6 +49,12 @@ serve: $(VENV)/.serve-installed
 test: lint
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# Every test but those marked slow (pyproject.toml's `slow` marker: servers started, models trained or exported):
+# about 2.5 minutes on two cores against `make test`'s 13, for a developer's inner loop
+.PHONY: test-quick
+test-quick: lint
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
 # The linter and the type checker over model/, export/, service/, vitserve/ and the tools beside them, bench/ and
 # evaluation/ (settings: pyproject.toml)
 .PHONY: lint
