@@ -148,6 +148,7 @@ def test_the_readme_float32_column_is_onnx_runtimes(server):
         assert got == pytest.approx(figures(table[row][0]), abs=tolerance(row, "fp32")), row
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not computes_bf16(), reason="this CPU has no bfloat16 units (AVX512-BF16 or AMX)")
 def test_the_readme_bfloat16_column_is_what_make_serve_answers_on_a_bf16_cpu():
     """`make serve`'s runtime on this CPU (`auto`: OpenVINO bf16, with the graph without maps for `map=none`)."""
@@ -214,6 +215,7 @@ def shown_answer(comment: str) -> dict:
             "ood": ood.groups(), "maps": re.search(r'"rollout":(\w+),"relevance":(\w+)', comment).groups()}
 
 
+@pytest.mark.slow
 def test_the_readme_repository_example_runs_as_written_beside_make_serve(tmp_path):
     """The example's own commands, each in bash, from a folder that holds what a checkout has (models/, examples/,
     .venv/) and the repo/ they make; only its port is moved to a free one. It leaves `make serve`'s ports alone,
