@@ -146,10 +146,6 @@ docker-test:
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
-# vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; files the run as the section
-# PEERS_SECTION of the committed docs/results/bench-peers.md (bench/pages.py). Makes build/peers/venv-triton and
-# build/peers/venv-litserve (pinned, bench/peers/venvs.py) when absent. PEERS_ARGS adds flags, e.g.
-# PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
 # The GPU kit (bench/gpu.py): exports fp32 and fp16, verifies them on the CUDA provider, CUDA graphs against the
 # dynamic session, the maps-free fused graph, and a served run loaded by wrk on its own cores with the GPU's
 # utilisation; installs onnxruntime-gpu into build/gpu/venv when a GPU is there and the build lacks CUDA. Without a
@@ -163,6 +159,10 @@ bench-gpu: $(VENV)/.dev-installed
 gpu-wheels: $(VENV)/.dev-installed
 	$(BIN)/python -m vitserve.bench.gpu_wheels --out .whl --lzma --leave-out grpcio --max-mib 48
 
+# vitserve side by side with Triton (nvidia-pytriton) and LitServe under Debian's wrk; files the run as the section
+# PEERS_SECTION of the committed docs/results/bench-peers.md (bench/pages.py). Makes build/peers/venv-triton and
+# build/peers/venv-litserve (pinned, bench/peers/venvs.py) when absent. PEERS_ARGS adds flags, e.g.
+# PEERS_ARGS="--venv-python /usr/bin/python3 --rounds 2".
 .PHONY: bench-peers
 PEERS_SECTION ?= vit-fmnist
 bench-peers: $(VENV)/.dev-installed
