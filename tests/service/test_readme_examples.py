@@ -128,9 +128,9 @@ def cpu_table_answers(base_url: str) -> dict[str, list[float]]:
             "the rollout's first three values": grid["rollout"]["values"][0][:3]}
 
 
-# On another bfloat16 CPU (AMX rather than AVX512-BF16) OpenVINO's kernels may round differently: the bfloat16
-# column holds within these, which are still below the float32/bfloat16 differences the table shows for the OOD score
-BF16_TOLERANCE = {"score": 1e-3, "ood": 0.5, "rollout": 0.01}
+# On another bfloat16 CPU (AMX rather than AVX512-BF16) OpenVINO's kernels may accumulate in another order: the
+# bfloat16 column holds within these (the OOD score's is still below its float32/bfloat16 difference with map=none)
+BF16_TOLERANCE = {"score": 1e-3, "ood": 1.0, "rollout": 0.01}
 
 
 def tolerance(row: str, precision: str) -> float:
