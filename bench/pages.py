@@ -13,10 +13,10 @@ when absent), which follows the sections. An image the run shows is copied besid
 `<page>-<NAME>.png`.
 
 On the way in, the paths of the machine that ran it become ones that hold on any other: the checkout's root
-relative, the base Python's library folder as the command that prints it (as bench/peers/run.py `portable` writes
-it), home folders `~`, the temporary folder `$TMPDIR`. A run made from a tree with uncommitted changes is refused
-(exit status 2): a page's figures are those of a commit that anyone can check out. `--allow-uncommitted` files one
-anyway, for a scratch page outside docs/.
+relative, the base Python's library folder as the command that prints it, home folders `~`, the temporary folder
+`$TMPDIR` (`portable`, which bench/peers/run.py also gives the commands its reports print). A run made from a tree
+with uncommitted changes is refused (exit status 2): a page's figures are those of a commit that anyone can check
+out. `--allow-uncommitted` files one anyway, for a scratch page outside docs/.
 
 `check` holds docs/ to the same rules: every page in docs/results/ linked from docs/README.md, its JSON beside it,
 no machine path in a page or a JSON, no run from an uncommitted tree. Git keeps the runs a page no longer shows.

@@ -10,7 +10,6 @@ import json
 import os
 import platform
 import subprocess
-import sysconfig
 import time
 import urllib.request
 from collections.abc import Callable
@@ -21,6 +20,7 @@ from typing import TypeAlias
 import numpy as np
 
 from vitserve.bench.load import make_images
+from vitserve.bench.pages import portable
 from vitserve.bench.peers.answers import check, post
 from vitserve.bench.peers.bodies import PeerRequest, peer_request
 from vitserve.bench.peers.config import (
@@ -37,7 +37,6 @@ from vitserve.bench.peers.config import (
 )
 from vitserve.bench.peers.report import summarise
 from vitserve.bench.peers.servers import (
-    REPO,
     RunningServer,
     ServerSpec,
     export_commit,
@@ -302,15 +301,6 @@ def request_for(server: str, path: str, running: RunningServer, m: ModelUnderTes
 
 def request_for_size(server: str, path: str, m: ModelUnderTest) -> bytes:
     return peer_request(family(server), path, m.png, m.pixels, "model").body
-
-
-def portable(text: str) -> str:
-    """A command's word as a report gives it: paths inside the checkout relative to it, and the base Python's library
-    folder (Triton's Python backend links libpython) by what it is, not where this machine keeps it."""
-    text = text.replace(f"{REPO}/", "").replace(str(REPO), ".")
-    library = sysconfig.get_config_var("LIBDIR")
-    return text.replace(library, "$(python3 -c 'import sysconfig; print(sysconfig.get_config_var(\"LIBDIR\"))')") \
-        if library else text
 
 
 def describe(server: str, spec: ServerSpec, running: RunningServer) -> dict:
