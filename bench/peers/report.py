@@ -72,8 +72,8 @@ def render(report: dict) -> str:
     lines = ["# vitserve side by side with Triton Inference Server and LitServe", "",
              f"`{report['command']}`, {env['date']}, commit `{(env['commit'] or 'unknown')[:12]}`{_dirty(env)}. "
              f"{env['cpu']} ({env['cpus']} CPUs). Load average (1 / 5 / 15 min) before {env['loadavg_start']}"
-             f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env, report["settings"]["servers"]), "",
-             *_commands(report), "", *_method(report), ""]
+             f"{_waited(env)}, after {env['loadavg_end']}.", "", *_versions(env), "", *_commands(report), "",
+             *_method(report), ""]
     lines += ["## The raw ONNX Runtime session (context)", "", *_raw_table(report["models"]), "",
               "vitserve's own session and preprocessing (bench/raw.py), no server: per-call p50 at batch 1, and "
               "images/s at each batch size.", ""]
@@ -97,7 +97,7 @@ def _waited(env: dict) -> str:
     return f" (after waiting {waited:g} s for a quieter machine)" if waited else ""
 
 
-def _versions(env: dict, servers: list[str]) -> list[str]:
+def _versions(env: dict) -> list[str]:
     peers = env["peer_versions"]
     where = (f"commit `{env['vitserve_commit'][:12]}` (exported with git archive)" if env.get("vitserve_commit")
              else "this working tree")
@@ -111,9 +111,10 @@ def _versions(env: dict, servers: list[str]) -> list[str]:
         ls = peers["litserve"]
         lines.append(f"- **LitServe** {ls['litserve']} (FastAPI {ls['fastapi']}, uvicorn {ls['uvicorn']}), Python "
                      f"{ls['python']}, numpy {ls['numpy']}, onnxruntime {ls['onnxruntime']}")
-    if FASTAPI in servers:
-        lines.append(f"- **the FastAPI app**: FastAPI {env.get('fastapi')}, uvicorn {env.get('uvicorn')}, in "
-                     "vitserve's environment")
+    if FASTAPI in peers:
+        fa = peers[FASTAPI]
+        lines.append(f"- **the FastAPI app**: FastAPI {fa['fastapi']}, uvicorn {fa['uvicorn']}, in vitserve's "
+                     f"environment: Python {fa['python']}, numpy {fa['numpy']}, onnxruntime {fa['onnxruntime']}")
     return lines + [f"- load generator: {env['wrk']}"]
 
 

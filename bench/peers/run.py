@@ -10,6 +10,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -88,8 +89,9 @@ class ModelUnderTest:
 
 def run_peers(cfg: PeersConfig, command: str) -> dict:
     wrk = find_wrk()
-    pythons = {family(p): ensure_venv(cfg.work_dir, family(p), cfg.venv_python) for p in cfg.servers
-               if family(p) not in ("vitserve", FASTAPI)}
+    # each peer's interpreter: its own venv's, or this one for the FastAPI app (vitserve's own dependencies)
+    pythons = {family(p): Path(sys.executable) if p == FASTAPI else
+               ensure_venv(cfg.work_dir, family(p), cfg.venv_python) for p in cfg.servers if family(p) != "vitserve"}
     tree: Path | None = None
     env = environment(wrk, pythons)
     if cfg.vitserve_commit:
@@ -117,16 +119,7 @@ def environment(wrk: str, pythons: dict[str, Path]) -> dict:
             "cpus": os.cpu_count(), "python": platform.python_version(), "onnxruntime": onnxruntime.__version__,
             "wrk": wrk_version(wrk), "commit": _git("rev-parse", "HEAD") or None,
             "uncommitted_files": len(_git("status", "--porcelain", "--untracked-files=no").splitlines()),
-            "peer_versions": versions, "fastapi": _version_of("fastapi"), "uvicorn": _version_of("uvicorn")}
-
-
-def _version_of(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
+            "peer_versions": versions}
 
 
 def _git(*args: str) -> str:
@@ -282,7 +275,7 @@ def server_spec(server: str, model_path: Path, pythons: dict[str, Path], source:
         return triton_spec(model_path, pythons["triton"], library_dir(pythons["triton"]), TRITON_OPENVINO.get(server),
                            server)
     if server == FASTAPI:
-        return fastapi_spec(model_path)
+        return fastapi_spec(model_path, pythons[FASTAPI])
     return litserve_spec(model_path, pythons["litserve"])
 
 

@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tarfile
 import time
 import urllib.request
@@ -112,10 +111,10 @@ def litserve_spec(model: Path, python: Path) -> ServerSpec:
     return ServerSpec("litserve", argv, [port], ["/health"], {"PYTHONPATH": str(REPO)})
 
 
-def fastapi_spec(model: Path) -> ServerSpec:
+def fastapi_spec(model: Path, python: Path) -> ServerSpec:
     """The 20-line FastAPI app under uvicorn as its docs start it (one process, log level warning as the others)."""
     port = free_port()
-    argv = [sys.executable, "-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app", "--host", LOOPBACK,
+    argv = [str(python), "-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app", "--host", LOOPBACK,
             "--port", str(port), "--log-level", "warning"]
     return ServerSpec("fastapi", argv, [port], ["/ready"], {"MODEL_PATH": str(model.resolve())})
 

@@ -21,8 +21,10 @@ REQUIREMENTS = {
     "litserve": ["litserve==0.2.19", "fastapi==0.165.0", "starlette==1.10.0", "uvicorn==0.54.0", "pyzmq==27.3.0",
                  "python-multipart==0.0.34", "numpy==2.4.6", "pillow==13.0.0", "onnxruntime==1.32.0"],
 }
+# what each peer's report names; the FastAPI app has no venv of its own: it runs in vitserve's environment
 VERSIONS_OF = {"triton": ["nvidia-pytriton", "tritonclient", "numpy", "onnxruntime", "openvino"],
-               "litserve": ["litserve", "fastapi", "uvicorn", "numpy", "onnxruntime"]}
+               "litserve": ["litserve", "fastapi", "uvicorn", "numpy", "onnxruntime"],
+               "fastapi": ["fastapi", "uvicorn", "numpy", "onnxruntime"]}
 
 
 def base_python() -> str:

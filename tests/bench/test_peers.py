@@ -664,7 +664,7 @@ def test_vitserve_on_another_runtime_is_a_server_on_request_with_vitserves_reque
 def test_the_fastapi_app_is_a_server_on_request_in_vitserves_environment(tmp_path, png, pixels):
     from vitserve.bench.peers.config import family
     from vitserve.bench.peers.run import server_spec
-    spec = server_spec("fastapi", tmp_path / "m.onnx", {}, None)
+    spec = server_spec("fastapi", tmp_path / "m.onnx", {"fastapi": Path(sys.executable)}, None)
     assert spec.name == "fastapi" and spec.argv[0] == sys.executable and spec.ready_paths == ["/ready"]
     assert spec.argv[1:4] == ["-m", "uvicorn", "vitserve.bench.peers.fastapi_app:app"]
     assert spec.env == {"MODEL_PATH": str((tmp_path / "m.onnx").resolve())}
